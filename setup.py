@@ -1,0 +1,5 @@
+"""Build script: all metadata lives in setup.cfg."""
+
+import setuptools
+
+setuptools.setup()
