@@ -1,1 +1,54 @@
-"""slim_nanguard: keeps TF-Slim training alive and honest when the loss or gradients turn NaN/Inf."""
+"""slim_nanguard: keeps TF-Slim training alive and honest when the loss or gradients turn NaN/Inf.
+
+Replace ``slim.learning.create_train_op(...)`` with ``slim_nanguard.create_train_op(...)``: a
+step whose loss or any gradient is NaN or Inf then changes no variable, and the policy you
+chose (raise, stop, skip, rollback) decides what happens next.
+"""
+
+from slim_nanguard._errors import CheckpointNotFoundError
+from slim_nanguard._errors import NanGuardError
+from slim_nanguard._errors import NanLossError
+from slim_nanguard._errors import NonFiniteCheckpointError
+from slim_nanguard._events import NanEvent
+from slim_nanguard._guard import Guard
+from slim_nanguard._guard import GuardState
+from slim_nanguard._guard import get_guard
+from slim_nanguard._guard import is_numerics_error
+from slim_nanguard._hook import NanLossHook
+from slim_nanguard._hook import nan_hook
+from slim_nanguard._policy import POLICIES
+from slim_nanguard._policy import GuardConfig
+from slim_nanguard._policy import OnNanCallback
+from slim_nanguard._steps import handle_numerics_error
+from slim_nanguard._steps import make_train_step
+from slim_nanguard._steps import train_step
+from slim_nanguard._train_op import add_gradients_summaries
+from slim_nanguard._train_op import clip_gradient_norms
+from slim_nanguard._train_op import create_train_op
+from slim_nanguard._train_op import multiply_gradients
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "Guard",
+    "GuardConfig",
+    "GuardState",
+    "NanEvent",
+    "NanGuardError",
+    "NanLossError",
+    "NanLossHook",
+    "NonFiniteCheckpointError",
+    "OnNanCallback",
+    "POLICIES",
+    "add_gradients_summaries",
+    "clip_gradient_norms",
+    "create_train_op",
+    "get_guard",
+    "handle_numerics_error",
+    "is_numerics_error",
+    "make_train_step",
+    "multiply_gradients",
+    "nan_hook",
+    "train_step",
+]

@@ -1,0 +1,56 @@
+"""Error types of slim_nanguard.
+
+Every error the library raises on purpose derives from `NanGuardError`, so a caller can catch
+them all with one clause. The error raised when training gives up on a non-finite step also
+derives from TensorFlow's `NanLossDuringTrainingError`, so existing ``except`` clauses written
+for `tf.compat.v1.train.NanTensorHook` keep working.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import tensorflow as tf
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._events import NanEvent
+
+
+class NanGuardError(Exception):
+    """Base class of every error slim_nanguard raises on purpose."""
+
+
+class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError):
+    """Training gave up on a step whose loss or gradients were NaN or Inf.
+
+    Unlike TensorFlow's `NanLossDuringTrainingError`, whose message is a fixed sentence, the
+    message names the global step, the loss value and the variables whose gradients were not
+    finite.
+
+    Attributes:
+      event: The `NanEvent` of the step that made training give up, or None when the error
+        was raised without one.
+      reason: Why training gave up (for example the policy was ``raise``, or too many bad
+        steps came in a row).
+    """
+
+    def __init__(self, event: Optional["NanEvent"] = None, reason: str = ""):
+        self.event = event
+        self.reason = reason
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = ["NaN or Inf during training"]
+        if self.event is not None:
+            parts.append(self.event.describe())
+        if self.reason:
+            parts.append(self.reason)
+        return ": ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if len(parts) > 1 else ".")
+
+
+class NonFiniteCheckpointError(NanGuardError):
+    """A checkpoint (or a model about to be trained) holds NaN or Inf values."""
+
+
+class CheckpointNotFoundError(NanGuardError):
+    """A rollback or a resume needs a good checkpoint and none can be found."""

@@ -1,0 +1,326 @@
+"""The run-time side of a guarded train op: counters, events, policy decisions, rollback.
+
+`create_train_op` builds the graph side (the finiteness test and the gate in front of every
+variable update) and registers one `Guard` for the train op in the graph collection
+`GUARD_COLLECTION`. The hook (hook mode) and the training loops (check_numerics mode) look it
+up with `get_guard` and report each step to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from slim_nanguard import _errors
+from slim_nanguard import _events
+from slim_nanguard import _policy
+
+GUARD_COLLECTION = "slim_nanguard_guards"
+
+MODE_CHECK_NUMERICS = "check_numerics"
+MODE_HOOK = "hook"
+
+# Op types that fetch the next batch; a rollback runs them to skip input.
+_INPUT_OP_TYPES = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "QueueDequeueV2",
+    "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany",
+    "QueueDequeueUpTo", "ReaderReadV2", "ReaderReadUpToV2"
+})
+
+Listener = Callable[[str, _events.NanEvent], None]
+
+
+@dataclasses.dataclass
+class GuardState:
+    """Counters of one guard, kept for the life of the process (across sessions).
+
+    Attributes:
+      total_bad_steps: Bad steps seen so far.
+      consecutive_bad_steps: Bad steps since the last good one.
+      skips: Bad steps the ``skip`` policy stepped over.
+      rollbacks: Rollbacks carried out.
+      stops: Stops requested by the ``stop`` policy.
+      last_bad_step: Global step of the last bad step, or None.
+      learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
+    """
+
+    total_bad_steps: int = 0
+    consecutive_bad_steps: int = 0
+    skips: int = 0
+    rollbacks: int = 0
+    stops: int = 0
+    last_bad_step: Optional[int] = None
+    learning_rate_scale: float = 1.0
+
+
+class Guard:
+    """One guarded train op: its tensors, its policy and what it has seen.
+
+    Instances are made by `create_train_op`; get them with `get_guard`.
+
+    Attributes:
+      config: The `GuardConfig` the train op was built with.
+      mode: ``"check_numerics"`` or ``"hook"``.
+      train_op: The train op tensor `create_train_op` returned.
+      loss: The user's total loss tensor.
+      global_step: The global step variable, or None.
+      state: The `GuardState` counters.
+    """
+
+    def __init__(self, *, config: _policy.GuardConfig, mode: str, train_op: tf.Tensor,
+                 loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
+                 diagnostics: Optional[tf.Variable], check_op_name: Optional[str],
+                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable]):
+        self.config = config
+        self.mode = mode
+        self.train_op = train_op
+        self.loss = loss
+        self.global_step = global_step
+        self.grad_sums = grad_sums
+        self.ok = ok
+        self.diagnostics = diagnostics
+        self.check_op_name = check_op_name
+        self.variable_names = tuple(variable_names)
+        self.lr_scale = lr_scale
+        self.state = GuardState()
+        # The Saver a rollback restores with; create_train_op builds it when a rollback can
+        # happen (the graph is finalized once training starts).
+        self.saver = None
+        self.input_ops = _find_input_ops(loss)
+        self._listeners: List[Listener] = []
+        if lr_scale is not None:
+            with loss.graph.as_default():
+                self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
+                                                                name="nanguard_lr_scale_value")
+                self._lr_scale_assign = tf.compat.v1.assign(lr_scale, self._lr_scale_value)
+
+    # ----------------------------------------------------------------- listeners
+    def add_listener(self, listener: Listener) -> None:
+        """Calls ``listener(kind, event)`` for each bad step and each recovery action.
+
+        ``kind`` is ``"bad_step"`` (the event as decided), then possibly ``"rollback"``.
+        """
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stops calling `listener`."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _notify(self, kind: str, event: _events.NanEvent) -> None:
+        for listener in list(self._listeners):
+            listener(kind, event)
+
+    # ----------------------------------------------------------------- steps
+    def note_good_step(self) -> None:
+        """Tells the guard a step went through; resets the consecutive count."""
+        self.state.consecutive_bad_steps = 0
+
+    def culprits(self, sums: Sequence[float]) -> Tuple[str, ...]:
+        """Names of the variables whose gradient sums in `sums` (loss first) are non-finite."""
+        return tuple(name for name, s in zip(self.variable_names, list(sums)[1:])
+                     if not math.isfinite(float(s)))
+
+    def on_bad_step(self, *, step: int, loss: float, sums: Optional[Sequence[float]],
+                    policy: Optional[str] = None) -> _events.NanEvent:
+        """Counts a bad step, asks the policy (and the `on_nan` callback) what to do.
+
+        Args:
+          step: The global step the bad step was attempted at (-1 if unknown).
+          loss: The loss value of the bad step.
+          sums: The per-gradient sums (the loss first), or None if unknown.
+          policy: The policy to apply instead of the configured one (a hook may say so).
+
+        Returns:
+          The event, with ``action`` set to ``"stop"``, ``"skip"`` or ``"rollback"``; the caller
+          carries the action out.
+
+        Raises:
+          NanLossError: When the action is ``raise``: the policy says so, or training gives up
+            (too many bad steps in a row, or too many rollbacks).
+        """
+        state = self.state
+        if (state.last_bad_step is not None and step >= 0
+                and step != state.last_bad_step):
+            # A step went through since the last bad one (global_step moved on).
+            state.consecutive_bad_steps = 0
+        state.total_bad_steps += 1
+        state.consecutive_bad_steps += 1
+        state.last_bad_step = step
+        event = _events.NanEvent(
+            step=int(step), loss=float(loss), loss_kind=_events.classify(float(loss)),
+            culprits=self.culprits(sums) if sums is not None else (),
+            consecutive=state.consecutive_bad_steps, total=state.total_bad_steps,
+            mode=self.mode, action=policy or self.config.nan_policy)
+        action = event.action
+        if self.config.on_nan is not None:
+            chosen = self.config.on_nan(event)
+            if chosen is not None:
+                action = _policy.validate_action(chosen, "the on_nan callback")
+        reason = ""
+        if action in (_policy.SKIP, _policy.ROLLBACK) and (
+                state.consecutive_bad_steps >= self.config.max_consecutive_bad_steps):
+            reason = (f"{state.consecutive_bad_steps} bad steps in a row reached "
+                      f"max_consecutive_bad_steps={self.config.max_consecutive_bad_steps}")
+            action = _policy.RAISE
+        elif action == _policy.ROLLBACK and state.rollbacks >= self.config.max_rollbacks:
+            reason = (f"{state.rollbacks} rollbacks already done reached "
+                      f"max_rollbacks={self.config.max_rollbacks}")
+            action = _policy.RAISE
+        event = dataclasses.replace(event, action=action)
+        if action == _policy.SKIP:
+            state.skips += 1
+        elif action == _policy.STOP:
+            state.stops += 1
+        _events.log_event(event)
+        self._notify("bad_step", event)
+        if action == _policy.RAISE:
+            raise _errors.NanLossError(event, reason or "the nan_policy is 'raise'")
+        return event
+
+    # ----------------------------------------------------------------- check_numerics mode
+    def owns_error(self, error: BaseException) -> bool:
+        """True if `error` was raised by this guard's check_numerics op."""
+        op = getattr(error, "op", None)
+        return (self.check_op_name is not None and is_numerics_error(error)
+                and op is not None and op.name == self.check_op_name)
+
+    def handle_numerics_error(self, session, error: BaseException) -> _events.NanEvent:
+        """Applies the policy to a numerics error raised by this guard's train op.
+
+        Args:
+          session: A raw `tf.compat.v1.Session` (not a MonitoredSession: reading through one
+            would run its hooks).
+          error: The `InvalidArgumentError` raised by ``session.run(train_op)``.
+
+        Returns:
+          The event (action ``stop``, ``skip`` or ``rollback``, which the caller carries out).
+
+        Raises:
+          NanLossError: As `on_bad_step`, chained to `error`.
+        """
+        fetches = {"sums": self.diagnostics}
+        if self.global_step is not None:
+            fetches["step"] = self.global_step
+        values = session.run(fetches)
+        sums = [float(s) for s in np.asarray(values["sums"])]
+        step = int(values.get("step", -1))
+        try:
+            return self.on_bad_step(step=step, loss=sums[0], sums=sums)
+        except _errors.NanLossError as nan_error:
+            raise nan_error from error
+
+    # ----------------------------------------------------------------- rollback
+    def rollback(self, session, checkpoint_dir: Optional[str], saver=None) -> str:
+        """Restores the latest good checkpoint, skips input and scales the learning rate.
+
+        Args:
+          session: A raw `tf.compat.v1.Session`.
+          checkpoint_dir: Directory the training loop saves checkpoints to.
+          saver: The `Saver` to restore with (default: a saver over all global variables,
+            which must have been built before the graph was finalized).
+
+        Returns:
+          The path of the checkpoint restored.
+
+        Raises:
+          CheckpointNotFoundError: No good checkpoint to roll back to.
+        """
+        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir, session=None)
+        if path is None:
+            raise _errors.CheckpointNotFoundError(
+                f"rollback needs a good checkpoint in {checkpoint_dir!r} and there is none; "
+                "save checkpoints from the first step (save_checkpoint_steps) or use the "
+                "'skip' policy.")
+        if saver is None:
+            raise ValueError("rollback needs a Saver built before the graph was finalized.")
+        saver.restore(session, path)
+        if self.lr_scale is not None:
+            self.state.learning_rate_scale *= self.config.rollback_lr_factor
+            session.run(self._lr_scale_assign,
+                        {self._lr_scale_value: self.state.learning_rate_scale})
+        skipped = self.skip_input(session, self.config.rollback_skip_batches)
+        self.state.rollbacks += 1
+        logging.warning(
+            "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
+            "learning-rate scale now %g", path, self.state.rollbacks, self.config.max_rollbacks,
+            skipped, self.state.learning_rate_scale)
+        return path
+
+    def skip_input(self, session, batches: int) -> int:
+        """Runs the input ops that feed the loss `batches` times; returns how many ran."""
+        if not self.input_ops or batches <= 0:
+            return 0
+        done = 0
+        for _ in range(batches):
+            try:
+                session.run(self.input_ops)
+            except tf.errors.OutOfRangeError:
+                break
+            done += 1
+        return done
+
+
+def is_numerics_error(error: BaseException) -> bool:
+    """Says whether `error` was raised by a `tf.debugging.check_numerics` op.
+
+    The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
+    message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
+    label) is never mistaken for a numerics error.
+
+    Args:
+      error: Any exception.
+
+    Returns:
+      True for an `InvalidArgumentError` whose op is a CheckNumerics op.
+    """
+    if not isinstance(error, tf.errors.InvalidArgumentError):
+        return False
+    op = getattr(error, "op", None)
+    return op is not None and op.type in ("CheckNumerics", "CheckNumericsV2")
+
+
+def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Guard]:
+    """Returns the guard of a train op made by `create_train_op`, or None.
+
+    Args:
+      train_op_or_loss: The train op `create_train_op` returned, or the loss it was given.
+      graph: The graph to look in (default: the tensor's graph).
+    """
+    if train_op_or_loss is None:
+        return None
+    if graph is None:
+        graph = getattr(train_op_or_loss, "graph", None) or tf.compat.v1.get_default_graph()
+    for guard in graph.get_collection(GUARD_COLLECTION):
+        if train_op_or_loss is guard.train_op or train_op_or_loss is guard.loss:
+            return guard
+    return None
+
+
+def guards(graph: Optional[tf.Graph] = None) -> List[Guard]:
+    """All guards registered in `graph` (default graph if None)."""
+    graph = graph or tf.compat.v1.get_default_graph()
+    return list(graph.get_collection(GUARD_COLLECTION))
+
+
+def _find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
+    """The ops among the ancestors of `loss` that produce a new batch when run."""
+    found, seen, stack = [], set(), [loss.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _INPUT_OP_TYPES:
+            found.append(op)
+            continue
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return found

@@ -1,0 +1,187 @@
+"""`NanLossHook`: the hook-mode half of the guard, for `MonitoredTrainingSession`.
+
+Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook does in it::
+
+    begin()                  # finds the guard of its loss; builds the rollback saver
+    after_create_session()   # forgets per-session state (also after a session recovery)
+    while not stop:
+      before_run()           # asks for the loss, the gradient sums, the global step
+      run(train_op)          # a bad step writes no variable (create_train_op's gate)
+      after_run()            # finite: note a good step. Not finite: build a NanEvent and
+                             #   raise  -> raise NanLossError (end() is then not called:
+                             #             no closing checkpoint, none is needed)
+                             #   stop   -> run_context.request_stop(); end() runs and the
+                             #             closing checkpoint holds the last good weights
+                             #   skip   -> nothing; the next run takes the next batch
+                             #   rollback -> restore the latest good checkpoint, skip input
+    end()                    # nothing of the hook's own
+
+After a bad step the weights, the optimizer slots, ``global_step`` and the batch-norm moving
+statistics are as they were before it, because the train op gated every write (see
+`create_train_op`); so whatever a `CheckpointSaverHook` saves, before or after this hook runs,
+holds finite values. With a loss that no guarded train op produced (for example one from
+`tf_slim.learning.create_train_op`) the hook still catches NaN *and* Inf loss, but it cannot
+undo an update that already happened, and it sees no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from slim_nanguard import _errors
+from slim_nanguard import _events
+from slim_nanguard import _guard
+from slim_nanguard import _policy
+
+
+class NanLossHook(tf.compat.v1.train.NanTensorHook):
+    """Catches NaN and Inf loss and gradients and applies the guard's policy in `after_run`.
+
+    A drop-in for `tf.compat.v1.train.NanTensorHook` (same first two arguments). With a loss
+    or train op made by `slim_nanguard.create_train_op(..., check_numerics=False)` it uses that
+    train op's guard: the same policy, counters and culprits as the hook
+    ``slim_nanguard.nan_hook(train_op)`` returns, so building it by hand or taking the ready
+    one is the same.
+
+    Which policy applies: ``nan_policy`` when given; else the guard's policy (except that
+    ``fail_on_nan_loss=False`` turns a guard's ``raise`` into ``stop``, as it does for
+    `NanTensorHook`); with no guard, ``raise`` if ``fail_on_nan_loss`` else ``stop``.
+
+    Args:
+      loss_tensor: The loss, or the train op `create_train_op` returned.
+      fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
+      nan_policy: Optional policy name that overrides the above.
+      checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy.
+      event_listener: Optional ``fn(kind, event)`` called for each bad step and rollback.
+    """
+
+    def __init__(self, loss_tensor, fail_on_nan_loss: bool = True, *,
+                 nan_policy: Optional[str] = None, checkpoint_dir: Optional[str] = None,
+                 event_listener=None):
+        super().__init__(loss_tensor, fail_on_nan_loss=fail_on_nan_loss)
+        if nan_policy is not None and nan_policy not in _policy.POLICIES:
+            raise ValueError(f"nan_policy must be one of {', '.join(_policy.POLICIES)} or None; "
+                             f"got {nan_policy!r}.")
+        self._nan_policy = nan_policy
+        self._checkpoint_dir = checkpoint_dir
+        self._event_listener = event_listener
+        self._guard: Optional[_guard.Guard] = None
+        self._saver = None
+        self._fetches = None
+        self._session_bad_steps = 0
+
+    @property
+    def guard(self) -> Optional[_guard.Guard]:
+        """The guard this hook reports to (None before `begin`, or with an unguarded loss)."""
+        return self._guard
+
+    @property
+    def session_bad_steps(self) -> int:
+        """Bad steps seen since the current session was created."""
+        return self._session_bad_steps
+
+    def begin(self):
+        self._guard = _guard.get_guard(self._loss_tensor)
+        if self._guard is None:
+            logging.info("slim_nanguard: %s comes from no guarded train op; the hook checks the "
+                         "loss only and cannot undo an update.", self._loss_tensor.name)
+            self._fetches = {"loss": self._loss_tensor}
+            return
+        guard = self._guard
+        if guard.mode != _guard.MODE_HOOK:
+            logging.info("slim_nanguard: the train op of %s is in check_numerics mode; its "
+                         "check raises before this hook could run.", self._loss_tensor.name)
+        self._fetches = {"loss": guard.loss, "sums": guard.grad_sums}
+        if guard.global_step is not None:
+            self._fetches["step"] = guard.global_step
+        if self._event_listener is not None:
+            guard.add_listener(self._event_listener)
+        if self._may_roll_back():
+            if not self._checkpoint_dir:
+                raise ValueError("the 'rollback' policy needs NanLossHook(checkpoint_dir=...), "
+                                 "the directory the session saves checkpoints to.")
+            # Built here if create_train_op did not: after begin() the graph is finalized.
+            self._saver = guard.saver or tf.compat.v1.train.Saver(max_to_keep=None,
+                                                                  name="nanguard_rollback")
+
+    def _may_roll_back(self) -> bool:
+        config = self._guard.config
+        return (self._nan_policy == _policy.ROLLBACK
+                or (self._nan_policy is None and config.nan_policy == _policy.ROLLBACK)
+                or config.on_nan is not None and self._checkpoint_dir is not None)
+
+    def after_create_session(self, session, coord):
+        # Per-session state only: the guard's counters describe the whole run.
+        self._session_bad_steps = 0
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(self._fetches)
+
+    def after_run(self, run_context, run_values):
+        results = run_values.results
+        loss = float(np.asarray(results["loss"]))
+        sums = results.get("sums")
+        finite = math.isfinite(loss) and (sums is None or bool(np.all(np.isfinite(sums))))
+        if self._guard is None:
+            if not finite:
+                self._session_bad_steps += 1
+                self._unguarded_bad_step(run_context, loss)
+            return
+        if finite:
+            self._guard.note_good_step()
+            return
+        self._session_bad_steps += 1
+        guard = self._guard
+        event = guard.on_bad_step(step=int(results.get("step", -1)), loss=loss, sums=sums,
+                                  policy=self._effective_policy())
+        if event.action == _policy.STOP:
+            run_context.request_stop()
+        elif event.action == _policy.ROLLBACK:
+            guard.rollback(run_context.session, self._checkpoint_dir, saver=self._saver)
+
+    def _effective_policy(self) -> str:
+        if self._nan_policy is not None:
+            return self._nan_policy
+        policy = self._guard.config.nan_policy
+        if policy == _policy.RAISE and not self._fail_on_nan_loss:
+            return _policy.STOP
+        return policy
+
+    def _unguarded_bad_step(self, run_context, loss: float) -> None:
+        policy = self._nan_policy or (_policy.RAISE if self._fail_on_nan_loss else _policy.STOP)
+        event = _events.NanEvent(step=-1, loss=loss, loss_kind=_events.classify(loss),
+                                 culprits=(), consecutive=self._session_bad_steps,
+                                 total=self._session_bad_steps, mode=_guard.MODE_HOOK,
+                                 action=policy)
+        _events.log_event(event)
+        if policy == _policy.RAISE:
+            raise _errors.NanLossError(event, "the loss comes from no guarded train op, so the "
+                                       "update of this step may already have happened")
+        if policy in (_policy.STOP, _policy.ROLLBACK):
+            run_context.request_stop()
+
+
+def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
+             event_listener=None) -> NanLossHook:
+    """Returns the `NanLossHook` a train op from `create_train_op` needs in hook mode.
+
+    Args:
+      train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
+      checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``).
+      event_listener: Optional ``fn(kind, event)`` for each bad step.
+
+    Raises:
+      ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`.
+    """
+    guard = _guard.get_guard(train_op)
+    if guard is None:
+        raise ValueError(f"{getattr(train_op, 'name', train_op)!r} was not made by "
+                         "slim_nanguard.create_train_op; build it with that, or use "
+                         "NanLossHook(loss) for a loss-only check.")
+    return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir,
+                       event_listener=event_listener)

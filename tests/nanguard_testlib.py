@@ -1,0 +1,132 @@
+"""Small graphs and helpers the tests build training runs from.
+
+Each model is a two-layer ReLU MLP on 4 features with a batch-norm-like moving mean (an
+update op in ``UPDATE_OPS``), fed through placeholders so a test can inject a fault at the
+step it chooses:
+
+* ``nan_loss`` / ``inf_loss``: a non-finite offset added to the loss (gradients stay finite);
+* ``nan_gradient``: the norm of a zero vector joins the loss (finite loss, NaN gradient);
+* ``nan_input``: one NaN in the input batch.
+"""
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+import tensorflow as tf
+import tf_slim as slim
+
+import slim_nanguard
+
+FAULTS = ("nan_loss", "inf_loss", "nan_gradient", "nan_input")
+
+BATCH = 8
+FEATURES = 4
+
+
+@dataclasses.dataclass
+class Model:
+    graph: tf.Graph
+    x: tf.Tensor
+    y: tf.Tensor
+    loss: tf.Tensor
+    offset: tf.Tensor
+    norm_scale: tf.Tensor
+    train_op: tf.Tensor
+    global_step: tf.Variable
+    moving_mean: tf.Variable
+
+    def feed(self, step_seed: int, fault: Optional[str] = None) -> Dict:
+        rng = np.random.RandomState(step_seed)
+        x = rng.randn(BATCH, FEATURES).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int64)
+        feed = {self.x: x, self.y: y}
+        if fault == "nan_loss":
+            feed[self.offset] = np.float32(np.nan)
+        elif fault == "inf_loss":
+            feed[self.offset] = np.float32(np.inf)
+        elif fault == "nan_gradient":
+            feed[self.norm_scale] = np.float32(0.0)
+        elif fault == "nan_input":
+            x[3, 2] = np.nan
+        elif fault is not None:
+            raise ValueError(fault)
+        return feed
+
+
+def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
+    """`count` batches as arrays (x, y, loss offset, norm scale), with `faults` {index: kind}."""
+    xs, ys, offsets, scales = [], [], [], []
+    for i in range(count):
+        rng = np.random.RandomState(1000 + i)
+        x = rng.randn(BATCH, FEATURES).astype(np.float32)
+        y = (x[:, 0] > 0).astype(np.int64)
+        offset, scale = 0.0, 1.0
+        fault = (faults or {}).get(i)
+        if fault == "nan_loss":
+            offset = np.nan
+        elif fault == "inf_loss":
+            offset = np.inf
+        elif fault == "nan_gradient":
+            scale = 0.0
+        elif fault == "nan_input":
+            x[3, 2] = np.nan
+        elif fault is not None:
+            raise ValueError(fault)
+        xs.append(x), ys.append(y), offsets.append(offset), scales.append(scale)
+    return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32),
+            np.array(scales, np.float32))
+
+
+def build_model(*, optimizer: str = "adam", train_op_fn=None,
+                faults: Optional[Dict[int, str]] = None, **create_kwargs) -> Model:
+    """Builds the MLP in a new graph; `train_op_fn` defaults to slim_nanguard's.
+
+    Unless fed, each run takes the next batch of a `tf.data` pipeline in which the batches
+    named in `faults` ({batch index: fault kind}) are bad.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
+        data = tf.data.Dataset.from_tensor_slices(batches(faults))
+        bx, by, boffset, bscale = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+        x = tf.compat.v1.placeholder_with_default(bx, [None, FEATURES], name="x")
+        y = tf.compat.v1.placeholder_with_default(by, [None], name="y")
+        offset = tf.compat.v1.placeholder_with_default(boffset, [], name="loss_offset")
+        norm_scale = tf.compat.v1.placeholder_with_default(bscale, [], name="norm_scale")
+        hidden = slim.fully_connected(x, 16, activation_fn=tf.nn.relu, scope="fc1")
+        moving_mean = tf.compat.v1.get_variable(
+            "moving_mean", [16], initializer=tf.compat.v1.zeros_initializer(), trainable=False)
+        update = tf.compat.v1.assign_sub(
+            moving_mean, (moving_mean - tf.reduce_mean(hidden, 0)) * 0.1)
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
+        logits = slim.fully_connected(hidden, 2, activation_fn=None, scope="logits")
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+        # A norm whose gradient is NaN when norm_scale is 0 (d|v|/dv at v = 0).
+        w = tf.compat.v1.trainable_variables("logits")[0]
+        loss = loss + 1e-3 * tf.norm(w * norm_scale) + offset
+        opt = (tf.compat.v1.train.AdamOptimizer(0.01) if optimizer == "adam" else
+               tf.compat.v1.train.MomentumOptimizer(0.1, 0.9) if optimizer == "momentum" else
+               tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        train_op_fn = train_op_fn or slim_nanguard.create_train_op
+        train_op = train_op_fn(loss, opt, **create_kwargs)
+        global_step = tf.compat.v1.train.get_global_step()
+    return Model(graph, x, y, loss, offset, norm_scale, train_op, global_step, moving_mean)
+
+
+def state(sess, graph: tf.Graph) -> Dict[str, np.ndarray]:
+    """Every global variable's value (weights, slots, accumulators, global step, moving stats)."""
+    variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+    values = sess.run(variables)
+    return {v.op.name: np.array(value) for v, value in zip(variables, values)}
+
+
+def assert_state_equal(before: Dict, after: Dict) -> None:
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not np.array_equal(before[name], after[name])]
+    assert not changed, f"a bad step changed {changed}"
+
+
+def assert_all_finite(values: Dict) -> None:
+    bad = [name for name, value in values.items() if not np.all(np.isfinite(value))]
+    assert not bad, f"non-finite values in {bad}"

@@ -1,0 +1,343 @@
+"""The guarded train op: drop-in arguments, the atomic step, and telling errors apart.
+
+Each test is a short training run in a plain `tf.compat.v1.Session`: a few good steps, one bad
+step, and a look at every variable afterwards.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import nanguard_testlib as lib
+import slim_nanguard
+
+MODES = {"check_numerics": True, "hook": False}
+
+
+def _run(sess, op, feed):
+    """Runs `op`; returns (value, error) instead of raising InvalidArgumentError."""
+    try:
+        return sess.run(op, feed), None
+    except tf.errors.InvalidArgumentError as err:
+        return None, err
+
+
+def test_slim_check_numerics_lets_the_bad_update_reach_the_weights():
+    """The measurement we set out to beat: slim raises only after the NaN update landed."""
+    model = lib.build_model(train_op_fn=slim.learning.create_train_op, check_numerics=True)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(model.train_op, model.feed(0))
+        _, err = _run(sess, model.train_op, model.feed(1, "nan_input"))
+        assert err is not None and slim_nanguard.is_numerics_error(err)
+        weights = sess.run(tf.compat.v1.trainable_variables())
+    assert not all(np.all(np.isfinite(w)) for w in weights), "slim no longer poisons weights?"
+
+
+def test_slim_check_numerics_misses_a_nan_gradient_with_a_finite_loss():
+    model = lib.build_model(train_op_fn=slim.learning.create_train_op, check_numerics=True)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        loss, err = _run(sess, model.train_op, model.feed(1, "nan_gradient"))
+        assert err is None and np.isfinite(loss)
+        assert not np.all(np.isfinite(sess.run(tf.compat.v1.trainable_variables("logits")[0])))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum", "sgd"])
+@pytest.mark.parametrize("fault", lib.FAULTS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_bad_step_changes_no_variable(mode, fault, optimizer):
+    """Weights, slots, Adam's beta powers, global_step and the moving mean all stay put."""
+    model = lib.build_model(optimizer=optimizer, check_numerics=MODES[mode])
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for step in range(2):
+            sess.run(model.train_op, model.feed(step))
+        before = lib.state(sess, model.graph)
+        assert int(before["global_step"]) == 2
+        value, err = _run(sess, model.train_op, model.feed(2, fault))
+        if mode == "check_numerics":
+            assert err is not None and slim_nanguard.is_numerics_error(err)
+            assert err.op.name == slim_nanguard.get_guard(model.train_op).check_op_name
+        else:
+            assert err is None and (fault == "nan_gradient" or not np.isfinite(value))
+        after = lib.state(sess, model.graph)
+        lib.assert_state_equal(before, after)
+        lib.assert_all_finite(after)
+        # The next good batch trains as usual.
+        sess.run(model.train_op, model.feed(3))
+        assert int(sess.run(model.global_step)) == 3
+        assert not np.array_equal(after["fc1/weights"], sess.run("fc1/weights:0"))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_finite_step_matches_slim(mode):
+    """Three good steps give tf-slim's weights, slots and moving mean to float tolerance."""
+    results = []
+    for train_op_fn in (slim.learning.create_train_op, slim_nanguard.create_train_op):
+        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=MODES[mode])
+        with model.graph.as_default(), tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            losses = [sess.run(model.train_op, model.feed(step)) for step in range(3)]
+            results.append((losses, lib.state(sess, model.graph)))
+    (slim_losses, slim_state), (our_losses, our_state) = results
+    np.testing.assert_allclose(our_losses, slim_losses, rtol=1e-5)
+    assert our_state.keys() == slim_state.keys()
+    for name in slim_state:
+        np.testing.assert_allclose(our_state[name], slim_state[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_the_silent_case_a_relu_that_maps_nan_to_zero():
+    """A NaN input that the forward pass hides (finite loss) still poisons the gradients.
+
+    The fused MatMul+BiasAdd+ReLU of some oneDNN CPU builds turns NaN into 0, so the loss
+    stays finite while the first layer's gradient (x^T . delta) is NaN. This machine's kernel
+    may propagate NaN instead, so the test spells that ReLU out (`where(z > 0, z, 0)` maps NaN
+    to 0) to get the same behaviour on every CPU.
+    """
+    def build(train_op_fn):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.set_random_seed(3)
+            x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+            y = tf.compat.v1.placeholder(tf.int64, [None])
+            z = slim.fully_connected(x, 16, activation_fn=None, scope="fc1")
+            hidden = tf.where(z > 0, z, tf.zeros_like(z))  # NaN -> 0, like the fused kernel
+            logits = slim.fully_connected(hidden, 3, activation_fn=None, scope="out")
+            loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+            train_op = train_op_fn(loss, tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                   check_numerics=True)
+        return graph, x, y, loss, train_op
+
+    xv = np.random.RandomState(0).randn(8, 4).astype(np.float32)
+    xv[2, 1] = np.nan
+    yv = np.arange(8) % 3
+
+    graph, x, y, loss, train_op = build(slim.learning.create_train_op)
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        # slim: no error, a finite loss, and dead weights.
+        assert np.isfinite(sess.run(train_op, {x: xv, y: yv}))
+        assert not np.all(np.isfinite(sess.run("fc1/weights:0")))
+        # ... and the loss stays finite on clean data while the network is dead.
+        assert np.isfinite(sess.run(loss, {x: np.nan_to_num(xv), y: yv}))
+
+    graph, x, y, loss, train_op = build(slim_nanguard.create_train_op)
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        before = lib.state(sess, graph)
+        _, err = _run(sess, train_op, {x: xv, y: yv})
+        assert err is not None and slim_nanguard.is_numerics_error(err)
+        lib.assert_state_equal(before, lib.state(sess, graph))
+        guard = slim_nanguard.get_guard(train_op)
+        with pytest.raises(slim_nanguard.NanLossError) as raised:
+            guard.handle_numerics_error(sess, err)
+        event = raised.value.event
+        assert event.loss_kind == "finite" and "fc1/weights" in event.culprits
+        assert "out/weights" not in event.culprits
+
+
+def test_the_event_names_the_culprit_variables():
+    model = lib.build_model(check_numerics=False, nan_policy="skip")
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sums = sess.run(slim_nanguard.get_guard(model.train_op).grad_sums,
+                        model.feed(0, "nan_gradient"))
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert guard.culprits(sums) == ("logits/weights",)
+    assert guard.variable_names == ("fc1/weights", "fc1/biases", "logits/weights",
+                                    "logits/biases")
+
+
+def test_the_positional_arguments_are_slims():
+    ours = list(inspect.signature(slim_nanguard.create_train_op).parameters.values())
+    theirs = list(inspect.signature(slim.learning.create_train_op).parameters.values())
+    assert [p.name for p in ours[:len(theirs)]] == [p.name for p in theirs]
+    for mine, slims in zip(ours, theirs):
+        assert mine.default == slims.default, mine.name
+    assert ours[len(theirs)].name == "transform_grads_fn"
+    assert all(p.kind == p.KEYWORD_ONLY for p in ours[len(theirs) + 1:])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_train_op_is_the_loss_and_joins_the_train_op_collection(mode):
+    model = lib.build_model(check_numerics=MODES[mode])
+    assert model.train_op in model.graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = model.feed(0)
+        loss_before = sess.run(model.loss, feed)
+        assert sess.run(model.train_op, feed) == pytest.approx(loss_before)
+
+
+def _one_step_delta(**create_kwargs):
+    """Runs one SGD step; returns {variable name: change}."""
+    model = lib.build_model(optimizer="sgd", **create_kwargs)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        before = lib.state(sess, model.graph)
+        sess.run(model.train_op, model.feed(0))
+        after = lib.state(sess, model.graph)
+    return {name: after[name] - before[name] for name in before}
+
+
+class TestEveryArgumentWorks:
+    """The arguments that crash in tf-slim 1.1.0 on current TensorFlow work here."""
+
+    def test_clip_gradient_norm(self):
+        delta = _one_step_delta(clip_gradient_norm=1e-3)
+        # SGD with learning rate 0.1: no variable moves farther than 0.1 * 1e-3.
+        for name in ("fc1/weights", "fc1/biases", "logits/weights", "logits/biases"):
+            assert np.linalg.norm(delta[name]) <= 0.1 * 1e-3 * (1 + 1e-4), name
+        assert np.linalg.norm(_one_step_delta()["fc1/weights"]) > 0.1 * 1e-3
+
+    def test_gradient_multipliers_by_variable_and_by_name(self):
+        plain = _one_step_delta()
+        graph_free = _one_step_delta(gradient_multipliers={"fc1/weights": 0.0,
+                                                           "logits/biases": 2.0})
+        assert not np.any(graph_free["fc1/weights"])
+        np.testing.assert_allclose(graph_free["logits/biases"], 2 * plain["logits/biases"],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(graph_free["fc1/biases"], plain["fc1/biases"], rtol=1e-5)
+
+    def test_gradient_multiplier_keyed_by_the_variable_object(self):
+        def train_op_fn(loss, opt, **kwargs):
+            var = tf.compat.v1.trainable_variables("fc1")[0]
+            return slim_nanguard.create_train_op(loss, opt, gradient_multipliers={var: 0.0},
+                                                 **kwargs)
+        delta = _one_step_delta(train_op_fn=train_op_fn)
+        assert not np.any(delta["fc1/weights"]) and np.any(delta["fc1/biases"])
+
+    def test_summarize_gradients_survives_a_skipped_nan_step(self):
+        model = lib.build_model(summarize_gradients=True, check_numerics=False,
+                                nan_policy="skip")
+        with model.graph.as_default(), tf.compat.v1.Session() as sess:
+            summaries = tf.compat.v1.summary.merge_all()
+            names = [op.name for op in model.graph.get_operations()
+                     if op.type == "HistogramSummary"]
+            assert len(names) == 4
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for fault in (None, "nan_input"):
+                _, serialized = sess.run([model.train_op, summaries], model.feed(0, fault))
+                assert tf.compat.v1.Summary.FromString(serialized).value
+
+    def test_transform_grads_fn_runs_after_clipping(self):
+        seen = []
+
+        def transform(grads_and_vars):
+            seen.append([v.op.name for _, v in grads_and_vars])
+            return [(g * 0.0, v) if v.op.name == "logits/weights" else (g, v)
+                    for g, v in grads_and_vars]
+
+        delta = _one_step_delta(transform_grads_fn=transform, clip_gradient_norm=5.0)
+        assert seen and "logits/weights" in seen[0]
+        assert not np.any(delta["logits/weights"]) and np.any(delta["logits/biases"])
+
+    def test_variables_to_train_and_no_global_step(self):
+        def train_op_fn(loss, opt, **kwargs):
+            return slim_nanguard.create_train_op(
+                loss, opt, global_step=None,
+                variables_to_train=tf.compat.v1.trainable_variables("logits"), **kwargs)
+        delta = _one_step_delta(train_op_fn=train_op_fn)
+        assert not np.any(delta["fc1/weights"]) and np.any(delta["logits/weights"])
+
+    def test_explicit_update_ops_gate_aggregation_and_colocation(self):
+        def train_op_fn(loss, opt, **kwargs):
+            return slim_nanguard.create_train_op(
+                loss, opt, update_ops=[], gate_gradients=tf.compat.v1.train.Optimizer.GATE_NONE,
+                aggregation_method=tf.AggregationMethod.ADD_N,
+                colocate_gradients_with_ops=True, **kwargs)
+        delta = _one_step_delta(train_op_fn=train_op_fn)
+        assert not np.any(delta["moving_mean"])  # update_ops=[] leaves the moving mean alone
+        assert np.any(delta["fc1/weights"]) and int(delta["global_step"]) == 1
+
+
+class TestTellingErrorsApart:
+
+    def test_an_unrelated_invalid_argument_error_is_not_a_numerics_error(self):
+        graph = tf.Graph()
+        with graph.as_default(), tf.compat.v1.Session() as sess:
+            x = tf.compat.v1.placeholder(tf.float32, [None])
+            bad_reshape = tf.reshape(x, [3])
+            with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+                sess.run(bad_reshape, {x: np.zeros(4)})
+            # Its message even mentions NaN, to prove the test is on the op, not the text.
+            check = tf.debugging.Assert(tf.reduce_all(x > 0), ["Tensor had NaN values"])
+            with pytest.raises(tf.errors.InvalidArgumentError) as asserted:
+                sess.run(check, {x: -np.ones(2)})
+        assert not slim_nanguard.is_numerics_error(raised.value)
+        assert "NaN values" in str(asserted.value)
+        assert not slim_nanguard.is_numerics_error(asserted.value)
+        assert not slim_nanguard.is_numerics_error(ValueError("Tensor had NaN values"))
+
+    def test_train_step_lets_other_errors_through_untouched(self):
+        """A reshape that fails at run time inside the guarded loss propagates as it is."""
+        graph = tf.Graph()
+        with graph.as_default():
+            w = tf.compat.v1.get_variable("w", [4])
+            shape = tf.compat.v1.get_variable("shape", initializer=tf.constant([4]),
+                                              trainable=False)
+            loss = tf.reduce_sum(tf.square(tf.reshape(w, shape)))
+            train_op = slim_nanguard.create_train_op(
+                loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), nan_policy="skip")
+            step = tf.compat.v1.train.get_global_step()
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                loss_value, should_stop = slim_nanguard.train_step(sess, train_op, step, {})
+                assert np.isfinite(loss_value) and not should_stop
+                sess.run(shape.assign([3]))
+                with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+                    slim_nanguard.train_step(sess, train_op, step, {})
+        assert raised.value.op.type == "Reshape"
+        assert not slim_nanguard.is_numerics_error(raised.value)
+        assert slim_nanguard.get_guard(train_op).state.total_bad_steps == 0
+
+
+class TestBadInput:
+
+    def _graph_and_opt(self):
+        graph = tf.Graph()
+        with graph.as_default():
+            w = tf.compat.v1.get_variable("w", [3])
+        return graph, w, tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+    def test_a_loss_that_is_not_a_tensor(self):
+        _, _, opt = self._graph_and_opt()
+        with pytest.raises(ValueError, match="total_loss must be a graph-mode tf.Tensor; got "
+                                             "float 1.5"):
+            slim_nanguard.create_train_op(1.5, opt)
+
+    def test_a_loss_of_the_wrong_dtype_or_shape(self):
+        graph, w, opt = self._graph_and_opt()
+        with graph.as_default():
+            with pytest.raises(ValueError, match="floating-point.*dtype int32"):
+                slim_nanguard.create_train_op(tf.constant(1), opt)
+            with pytest.raises(ValueError, match=r"scalar.*shape \(3,\)"):
+                slim_nanguard.create_train_op(w * 2.0, opt)
+
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"nan_policy": "ignore"}, "nan_policy must be one of raise, stop, skip, rollback; got "
+                                   "'ignore'"),
+        ({"max_consecutive_bad_steps": 0}, "max_consecutive_bad_steps must be an integer >= 1; "
+                                           "got 0"),
+        ({"max_consecutive_bad_steps": -3}, "got -3"),
+        ({"rollback_lr_factor": 1.5}, r"rollback_lr_factor must be a number in \(0, 1\]"),
+        ({"max_rollbacks": 0}, "max_rollbacks must be an integer >= 1; got 0"),
+        ({"on_nan": "print"}, "on_nan must be callable"),
+        ({"clip_gradient_norm": -1}, "clip_gradient_norm must be >= 0"),
+    ])
+    def test_guard_options_out_of_range(self, kwargs, message):
+        graph, w, opt = self._graph_and_opt()
+        with graph.as_default():
+            with pytest.raises(ValueError, match=message):
+                slim_nanguard.create_train_op(tf.reduce_sum(w * w), opt, **kwargs)
+
+    def test_an_optimizer_that_is_not_a_v1_optimizer(self):
+        graph, w, _ = self._graph_and_opt()
+        with graph.as_default():
+            with pytest.raises(ValueError, match="optimizer must be a tf.compat.v1.train"):
+                slim_nanguard.create_train_op(tf.reduce_sum(w * w), "sgd")
