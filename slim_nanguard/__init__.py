@@ -5,6 +5,9 @@ step whose loss or any gradient is NaN or Inf then changes no variable, and the 
 chose (raise, stop, skip, rollback) decides what happens next.
 """
 
+from slim_nanguard._checkpoints import FiniteSaver
+from slim_nanguard._checkpoints import latest_good_checkpoint
+from slim_nanguard._checkpoints import non_finite_variables
 from slim_nanguard._errors import CheckpointNotFoundError
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import NanLossError
@@ -16,9 +19,14 @@ from slim_nanguard._guard import get_guard
 from slim_nanguard._guard import is_numerics_error
 from slim_nanguard._hook import NanLossHook
 from slim_nanguard._hook import nan_hook
+from slim_nanguard._loop import TrainResult
+from slim_nanguard._loop import train
 from slim_nanguard._policy import POLICIES
 from slim_nanguard._policy import GuardConfig
 from slim_nanguard._policy import OnNanCallback
+from slim_nanguard._record import EVENTS_FILENAME
+from slim_nanguard._record import EventRecorder
+from slim_nanguard._record import read_events
 from slim_nanguard._steps import handle_numerics_error
 from slim_nanguard._steps import make_train_step
 from slim_nanguard._steps import train_step
@@ -30,7 +38,10 @@ from slim_nanguard._train_op import multiply_gradients
 __version__ = "0.1.0"
 
 __all__ = [
+    "EVENTS_FILENAME",
     "CheckpointNotFoundError",
+    "EventRecorder",
+    "FiniteSaver",
     "Guard",
     "GuardConfig",
     "GuardState",
@@ -41,14 +52,19 @@ __all__ = [
     "NonFiniteCheckpointError",
     "OnNanCallback",
     "POLICIES",
+    "TrainResult",
     "add_gradients_summaries",
     "clip_gradient_norms",
     "create_train_op",
     "get_guard",
     "handle_numerics_error",
     "is_numerics_error",
+    "latest_good_checkpoint",
     "make_train_step",
     "multiply_gradients",
     "nan_hook",
+    "non_finite_variables",
+    "read_events",
+    "train",
     "train_step",
 ]

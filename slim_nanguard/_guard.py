@@ -1,16 +1,19 @@
 """The run-time side of a guarded train op: counters, events, policy decisions, rollback.
 
 `create_train_op` builds the graph side (the finiteness test and the gate in front of every
-variable update) and registers one `Guard` for the train op in the graph collection
-`GUARD_COLLECTION`. The hook (hook mode) and the training loops (check_numerics mode) look it
-up with `get_guard` and report each step to it.
+variable update) and registers one `Guard` for the train op with its graph. The hook (hook
+mode) and the training loops (check_numerics mode) look it up with `get_guard` and report
+each step to it. The registry is a weak mapping from graph to guards rather than a graph
+collection: a collection of Python objects makes every meta-graph export (each checkpoint)
+warn that it cannot be serialised.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -20,7 +23,7 @@ from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _policy
 
-GUARD_COLLECTION = "slim_nanguard_guards"
+_REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
 MODE_CHECK_NUMERICS = "check_numerics"
 MODE_HOOK = "hook"
@@ -32,7 +35,8 @@ _INPUT_OP_TYPES = frozenset({
     "QueueDequeueUpTo", "ReaderReadV2", "ReaderReadUpToV2"
 })
 
-Listener = Callable[[str, _events.NanEvent], None]
+# Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
+Listener = Callable[[Dict[str, Any]], None]
 
 
 @dataclasses.dataclass
@@ -88,6 +92,7 @@ class Guard:
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
         self.state = GuardState()
+        self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
         # happen (the graph is finalized once training starts).
         self.saver = None
@@ -101,9 +106,11 @@ class Guard:
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener(kind, event)`` for each bad step and each recovery action.
+        """Calls ``listener(record)`` for each bad step and each rollback.
 
-        ``kind`` is ``"bad_step"`` (the event as decided), then possibly ``"rollback"``.
+        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``) and the
+        fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...); a
+        rollback adds ``checkpoint`` and ``skipped_batches``.
         """
         if listener not in self._listeners:
             self._listeners.append(listener)
@@ -113,9 +120,10 @@ class Guard:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def _notify(self, kind: str, event: _events.NanEvent) -> None:
+    def _notify(self, kind: str, event: _events.NanEvent, **extra: Any) -> None:
+        record = {"kind": kind, **event.to_json(), **extra}
         for listener in list(self._listeners):
-            listener(kind, event)
+            listener(record)
 
     # ----------------------------------------------------------------- steps
     def note_good_step(self) -> None:
@@ -180,6 +188,7 @@ class Guard:
             state.stops += 1
         _events.log_event(event)
         self._notify("bad_step", event)
+        self.last_event = event
         if action == _policy.RAISE:
             raise _errors.NanLossError(event, reason or "the nan_policy is 'raise'")
         return event
@@ -233,7 +242,7 @@ class Guard:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir, session=None)
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
         if path is None:
             raise _errors.CheckpointNotFoundError(
                 f"rollback needs a good checkpoint in {checkpoint_dir!r} and there is none; "
@@ -248,6 +257,9 @@ class Guard:
                         {self._lr_scale_value: self.state.learning_rate_scale})
         skipped = self.skip_input(session, self.config.rollback_skip_batches)
         self.state.rollbacks += 1
+        if self.last_event is not None:
+            self._notify("rollback", self.last_event, checkpoint=path, skipped_batches=skipped,
+                         learning_rate_scale=self.state.learning_rate_scale)
         logging.warning(
             "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
             "learning-rate scale now %g", path, self.state.rollbacks, self.config.max_rollbacks,
@@ -298,7 +310,7 @@ def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Gu
         return None
     if graph is None:
         graph = getattr(train_op_or_loss, "graph", None) or tf.compat.v1.get_default_graph()
-    for guard in graph.get_collection(GUARD_COLLECTION):
+    for guard in _REGISTRY.get(graph, ()):
         if train_op_or_loss is guard.train_op or train_op_or_loss is guard.loss:
             return guard
     return None
@@ -307,7 +319,12 @@ def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Gu
 def guards(graph: Optional[tf.Graph] = None) -> List[Guard]:
     """All guards registered in `graph` (default graph if None)."""
     graph = graph or tf.compat.v1.get_default_graph()
-    return list(graph.get_collection(GUARD_COLLECTION))
+    return list(_REGISTRY.get(graph, ()))
+
+
+def register(guard: Guard) -> None:
+    """Records `guard` as the guard of its train op's graph."""
+    _REGISTRY.setdefault(guard.train_op.graph, []).append(guard)
 
 
 def _find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:

@@ -57,7 +57,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
       fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
       nan_policy: Optional policy name that overrides the above.
       checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy.
-      event_listener: Optional ``fn(kind, event)`` called for each bad step and rollback.
+      event_listener: Optional ``fn(record)`` called for each bad step and rollback (see
+        `Guard.add_listener`).
     """
 
     def __init__(self, loss_tensor, fail_on_nan_loss: bool = True, *,
@@ -173,7 +174,7 @@ def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
     Args:
       train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
       checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``).
-      event_listener: Optional ``fn(kind, event)`` for each bad step.
+      event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:
       ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`.

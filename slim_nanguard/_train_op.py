@@ -92,8 +92,8 @@ def create_train_op(total_loss: tf.Tensor,
       ``get_guard(train_op).handle_numerics_error`` apply the policy.
     * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and a
       `NanLossHook` applies the policy in ``after_run``. The hook the train op needs is ready
-      made: ``slim_nanguard.nan_hook(train_op)`` returns it (the guard lives in the graph
-      collection ``slim_nanguard_guards``), `slim_nanguard.train` attaches it by itself, and a
+      made: ``slim_nanguard.nan_hook(train_op)`` returns it (``get_guard(train_op)`` finds the
+      guard registered with the graph), `slim_nanguard.train` attaches it by itself, and a
       ``NanLossHook(total_loss)`` built by hand finds the same guard and behaves the same.
 
     The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
@@ -231,7 +231,7 @@ def create_train_op(total_loss: tf.Tensor,
             lr_scale=lr_scale)
         if config.nan_policy == _policy.ROLLBACK or config.on_nan is not None:
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-        graph.add_to_collection(_guard.GUARD_COLLECTION, guard)
+        _guard.register(guard)
     return train_op
 
 

@@ -1,0 +1,159 @@
+"""Checkpoints that are known to be readable and finite.
+
+`FiniteSaver` refuses to write a checkpoint that holds NaN or Inf; `latest_good_checkpoint`
+finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
+with a warning; `non_finite_variables` says which values of a checkpoint are not finite.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from slim_nanguard import _errors
+
+# path -> (mtime of its index file, list of non-finite tensor names) of checkpoints read.
+_VERIFIED: Dict[str, Tuple[float, Tuple[str, ...]]] = {}
+
+
+def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
+    """Names of the floating-point tensors of a checkpoint that hold NaN or Inf.
+
+    Args:
+      checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns).
+
+    Returns:
+      The names, sorted; empty when every value is finite.
+
+    Raises:
+      tf.errors.OpError or ValueError: The checkpoint cannot be read (missing or corrupt).
+    """
+    index = checkpoint_path + ".index"
+    mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
+    cached = _VERIFIED.get(checkpoint_path)
+    if cached is not None and cached[0] == mtime:
+        return cached[1]
+    reader = tf.train.load_checkpoint(checkpoint_path)
+    bad = []
+    for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
+        if not dtype.is_floating:
+            continue
+        value = reader.get_tensor(name)
+        if not np.all(np.isfinite(value)):
+            bad.append(name)
+    _VERIFIED[checkpoint_path] = (mtime, tuple(bad))
+    return tuple(bad)
+
+
+def latest_good_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
+    """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
+
+    A newer checkpoint that cannot be read is passed over with a warning naming it and the one
+    used instead.
+
+    Args:
+      checkpoint_dir: The directory (may be None or missing: no checkpoint).
+
+    Returns:
+      The checkpoint prefix, or None when the directory holds no checkpoint at all.
+
+    Raises:
+      NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
+      CheckpointNotFoundError: Checkpoints exist but none of them can be read.
+    """
+    candidates = _candidates(checkpoint_dir)
+    if not candidates:
+        return None
+    failures: List[str] = []
+    for path in candidates:
+        try:
+            bad = non_finite_variables(path)
+        except (tf.errors.OpError, ValueError, OSError) as err:
+            failures.append(f"{path} ({_short(err)})")
+            continue
+        if bad:
+            raise _errors.NonFiniteCheckpointError(
+                f"checkpoint {path} holds NaN or Inf in {', '.join(bad[:5])}"
+                f"{' and more' if len(bad) > 5 else ''}; refusing to train from it. Delete it "
+                "(and its entry in the 'checkpoint' file) to resume from an older one.")
+        if failures:
+            logging.warning("slim_nanguard: checkpoint %s cannot be read; using %s instead.",
+                            ", ".join(failures), path)
+        return path
+    raise _errors.CheckpointNotFoundError(
+        f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
+        "broken files or train in a new directory.")
+
+
+def _candidates(checkpoint_dir: Optional[str]) -> List[str]:
+    """Checkpoint prefixes of a directory, newest first."""
+    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+        return []
+    state = tf.train.get_checkpoint_state(checkpoint_dir)
+    paths: List[str] = []
+    if state is not None:
+        paths = list(state.all_model_checkpoint_paths or [])
+        if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+            paths.append(state.model_checkpoint_path)
+        paths = [p if os.path.isabs(p) else os.path.join(checkpoint_dir, p) for p in paths]
+    return list(reversed(paths))
+
+
+def _short(err: BaseException) -> str:
+    text = getattr(err, "message", None) or str(err)
+    return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+
+
+class FiniteSaver(tf.compat.v1.train.Saver):
+    """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
+
+    Before each save it runs one fused finiteness test over the variables it saves (one
+    reduction per variable, at save time only). If a value is not finite the save is skipped
+    with an error in the log and `save` returns None, so the latest checkpoint on disk stays
+    the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
+    ``tf_slim.learning.train(..., saver=FiniteSaver())``.
+
+    Args:
+      *args: As `tf.compat.v1.train.Saver`.
+      **kwargs: As `tf.compat.v1.train.Saver`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        variables = [v for v in self._var_list_for_check() if v.dtype.base_dtype.is_floating]
+        with tf.name_scope("nanguard_finite_saver"):
+            if variables:
+                sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
+                self._finite_flags = tf.math.is_finite(sums)
+            else:
+                self._finite_flags = tf.constant([], tf.bool)
+        self._checked_names = [v.op.name for v in variables]
+        self.refused_saves = 0
+
+    def _var_list_for_check(self):
+        var_list = self._var_list
+        if var_list is None:
+            return tf.compat.v1.global_variables()
+        if isinstance(var_list, dict):
+            return [v for v in var_list.values() if isinstance(v, tf.Variable)]
+        return [v for v in var_list if isinstance(v, tf.Variable)]
+
+    def non_finite(self, sess) -> List[str]:
+        """Names of the saved variables that hold NaN or Inf now."""
+        flags = sess.run(self._finite_flags)
+        return [name for name, ok in zip(self._checked_names, flags) if not ok]
+
+    def save(self, sess, save_path, global_step=None, *args, **kwargs):
+        bad = self.non_finite(sess)
+        if bad:
+            self.refused_saves += 1
+            logging.error("slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or "
+                          "Inf. The latest checkpoint stays the last good one.", save_path,
+                          global_step if not hasattr(global_step, "dtype") else "current",
+                          ", ".join(bad[:5]))
+            return None
+        return super().save(sess, save_path, global_step, *args, **kwargs)

@@ -1,0 +1,425 @@
+"""`train`: the guarded training loop over `tf.compat.v1.train.MonitoredTrainingSession`.
+
+What a run looks like::
+
+    pick the latest readable checkpoint of logdir (warn past a corrupt one)
+    create the session: restore it, or initialise (and run the scaffold's init_fn)
+    refuse to go on if any variable is NaN or Inf
+    while not stopped:
+        run(train_op)            # a bad step writes no variable (create_train_op's gate)
+        bad step? -> policy      # hook mode: NanLossHook.after_run; check_numerics mode: here
+        every log_every_n_steps: a progress line and TensorBoard scalars
+    end(): closing checkpoint (FiniteSaver: never one with NaN or Inf), final values
+
+Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import signal
+import tempfile
+import threading
+import time
+from typing import List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from slim_nanguard import _checkpoints
+from slim_nanguard import _errors
+from slim_nanguard import _guard
+from slim_nanguard import _hook
+from slim_nanguard import _policy
+from slim_nanguard import _record
+
+STOP_STEP_LIMIT = "step_limit"
+STOP_POLICY = "nan_policy_stop"
+STOP_INTERRUPTED = "interrupted"
+STOP_END_OF_DATA = "end_of_data"
+STOP_REQUESTED = "stop_requested"
+STOP_NAN_ERROR = "nan_error"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a call to `train` did.
+
+    Attributes:
+      final_loss: Loss of the last good step (NaN if none went through).
+      global_step: The global step at the end.
+      steps: Good steps done by this call.
+      bad_steps: Bad steps seen by this call.
+      skips: Bad steps skipped by this call.
+      rollbacks: Rollbacks done by this call.
+      stop_reason: ``step_limit``, ``nan_policy_stop``, ``interrupted``, ``end_of_data`` or
+        ``stop_requested`` (a hook asked).
+      checkpoint: The latest checkpoint in the log directory after the run, or None.
+      events_path: The JSON-lines record of bad steps.
+      learning_rate_scale: The product of the rollback learning-rate factors applied so far.
+    """
+
+    final_loss: float
+    global_step: int
+    steps: int
+    bad_steps: int
+    skips: int
+    rollbacks: int
+    stop_reason: str
+    checkpoint: Optional[str]
+    events_path: str
+    learning_rate_scale: float = 1.0
+
+    def describe(self) -> str:
+        """A few lines for the end of a run."""
+        return (f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
+                f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
+                f"({self.skips} skipped, {self.rollbacks} rolled back)\n"
+                f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}")
+
+
+def check_logdir(logdir: str) -> str:
+    """Creates `logdir` if missing and checks it is writable; returns its absolute path.
+
+    Raises:
+      ValueError: `logdir` is empty, is a file, or cannot be created or written to.
+    """
+    if not logdir or not isinstance(logdir, (str, os.PathLike)):
+        raise ValueError(f"logdir must name a directory; got {logdir!r}.")
+    logdir = os.path.abspath(os.fspath(logdir))
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise ValueError(f"logdir {logdir} is a file, not a directory.")
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".nanguard_write_test"):
+            pass
+    except OSError as err:
+        raise ValueError(f"logdir {logdir} cannot be written to ({err.strerror}); choose a "
+                         "directory you can write to.") from None
+    return logdir
+
+
+class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
+    """Refuses to train a model that holds NaN or Inf once the session is created."""
+
+    def __init__(self, source: str):
+        self._source = source
+        self._flags = None
+        self._names: List[str] = []
+
+    def begin(self):
+        variables = [v for v in tf.compat.v1.global_variables()
+                     if v.dtype.base_dtype.is_floating]
+        self._names = [v.op.name for v in variables]
+        with tf.name_scope("nanguard_finite_model"):
+            self._flags = tf.math.is_finite(tf.stack(
+                [tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])) if variables else None
+
+    def after_create_session(self, session, coord):
+        if self._flags is None:
+            return
+        bad = [n for n, ok in zip(self._names, session.run(self._flags)) if not ok]
+        if bad:
+            raise _errors.NonFiniteCheckpointError(
+                f"the model loaded from {self._source} holds NaN or Inf in "
+                f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}; refusing to train "
+                "from it. Start from another checkpoint.")
+
+
+class _Progress:
+    """Logs a progress line every `every` global steps."""
+
+    def __init__(self, every: int, last_step: Optional[int], recorder: _record.EventRecorder,
+                 guard: _guard.Guard):
+        self._every = every
+        self._last_step = last_step
+        self._recorder = recorder
+        self._guard = guard
+        self._mark = None  # (time, step) at the previous line
+
+    def __call__(self, step: int, loss: float, first_state: _guard.GuardState) -> None:
+        if self._every <= 0 or step % self._every:
+            return
+        now = time.monotonic()
+        rate = None
+        if self._mark is not None and step > self._mark[1]:
+            rate = (step - self._mark[1]) / max(now - self._mark[0], 1e-9)
+        self._mark = (now, step)
+        total = f"/{self._last_step}" if self._last_step else ""
+        speed = f"{rate:.1f} steps/s" if rate else "-- steps/s"
+        left = ""
+        if rate and self._last_step:
+            left = f", {_duration((self._last_step - step) / rate)} left"
+        state = self._guard.state
+        logging.info("step %d%s: loss %.4f, %s%s; bad steps %d (skipped %d, rolled back %d)",
+                     step, total, loss, speed, left,
+                     state.total_bad_steps - first_state.total_bad_steps,
+                     state.skips - first_state.skips, state.rollbacks - first_state.rollbacks)
+        self._recorder.write_scalars(step, loss if math.isfinite(loss) else None)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class _SigintStop:
+    """While active, the first Ctrl-C asks the loop to stop cleanly; a second one interrupts."""
+
+    def __init__(self, enabled: bool):
+        self.requested = False
+        self._enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._previous = None
+
+    def __enter__(self):
+        if self._enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        logging.warning("slim_nanguard: interrupted; stopping after this step with a final "
+                        "checkpoint (press Ctrl-C again to abort at once).")
+
+    def __exit__(self, *exc):
+        if self._enabled:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def train(train_op: tf.Tensor,
+          logdir: str,
+          *,
+          number_of_steps: Optional[int] = None,
+          master: str = "",
+          is_chief: bool = True,
+          scaffold: Optional[tf.compat.v1.train.Scaffold] = None,
+          hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
+          chief_only_hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
+          save_checkpoint_secs: Optional[float] = 600,
+          save_checkpoint_steps: Optional[int] = None,
+          save_summaries_steps: Optional[int] = 100,
+          save_summaries_secs: Optional[float] = None,
+          config: Optional[tf.compat.v1.ConfigProto] = None,
+          log_every_n_steps: int = 100,
+          max_checkpoints_to_keep: int = 5,
+          handle_sigint: bool = True) -> TrainResult:
+    """Runs a guarded train op until a step limit, a stop, or the end of the data.
+
+    The arguments follow `tf_slim.training.train`. The loop works in both modes: in hook mode
+    it attaches the `NanLossHook` the train op needs (unless `hooks` has one); in
+    check_numerics mode it catches the guard's numerics error, lets every other error through,
+    and applies the policy itself. Checkpoints are written by a `FiniteSaver`, so none ever
+    holds NaN or Inf. A run started again in the same `logdir` resumes from the latest
+    readable checkpoint and appends to the same event record.
+
+    Args:
+      train_op: A train op from `slim_nanguard.create_train_op`.
+      logdir: Where checkpoints, summaries and the event record go (created if missing).
+      number_of_steps: Stop once the global step reaches this (None: until stopped).
+      master: The TensorFlow master.
+      is_chief: Whether this process initialises, restores and saves.
+      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`. Its
+        ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
+      hooks: More `SessionRunHook`s.
+      chief_only_hooks: Hooks run on the chief only.
+      save_checkpoint_secs: Seconds between checkpoints (None or 0: not by time).
+      save_checkpoint_steps: Steps between checkpoints (None or 0: not by steps).
+      save_summaries_steps: Steps between summaries (None or 0: not by steps).
+      save_summaries_secs: Seconds between summaries.
+      config: Optional session `ConfigProto`.
+      log_every_n_steps: Steps between progress lines (0: none).
+      max_checkpoints_to_keep: Checkpoints kept on disk.
+      handle_sigint: Whether Ctrl-C stops the loop cleanly (final checkpoint and summary).
+
+    Returns:
+      A `TrainResult`.
+
+    Raises:
+      ValueError: Bad arguments (an unguarded train op, a logdir that cannot be written, a
+        negative step count).
+      NanLossError: The policy is ``raise``, or training gave up.
+      NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
+      CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
+        no checkpoint.
+    """
+    guard = _guard.get_guard(train_op)
+    if guard is None:
+        raise ValueError(f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
+                         "slim_nanguard.create_train_op.")
+    if number_of_steps is not None and (isinstance(number_of_steps, bool)
+                                        or not isinstance(number_of_steps, int)
+                                        or number_of_steps < 0):
+        raise ValueError(f"number_of_steps must be a non-negative integer or None; got "
+                         f"{number_of_steps!r}.")
+    if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+        raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
+    logdir = check_logdir(logdir)
+    graph = train_op.graph
+    resume_from = _checkpoints.latest_good_checkpoint(logdir) if is_chief else None
+
+    recorder = _record.EventRecorder(logdir)
+    guard.add_listener(recorder)
+    first_state = dataclasses.replace(guard.state)
+    try:
+        with graph.as_default():
+            scaffold = _make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
+            all_hooks = list(hooks or [])
+            if guard.mode == _guard.MODE_HOOK and not any(
+                    isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
+                    for h in all_hooks):  # pylint: disable=protected-access
+                all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
+            if number_of_steps is not None:
+                all_hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=number_of_steps))
+            final_values = {}
+            if guard.global_step is not None:
+                final_values["global_step"] = guard.global_step
+            final_hook = tf.compat.v1.train.FinalOpsHook(final_values) if final_values else None
+            if final_hook is not None:
+                all_hooks.append(final_hook)
+            chief_hooks = list(chief_only_hooks or [])
+            chief_hooks.insert(0, _FiniteModelHook(resume_from or "initialisation"))
+            chief_hooks += _saving_hooks(logdir, scaffold, save_checkpoint_secs,
+                                         save_checkpoint_steps, save_summaries_steps,
+                                         save_summaries_secs)
+            progress = _Progress(log_every_n_steps, number_of_steps, recorder, guard)
+            if resume_from:
+                logging.info("slim_nanguard: resuming from %s", resume_from)
+            outcome = _run(train_op, guard, logdir, scaffold, master, is_chief, config,
+                           all_hooks, chief_hooks, progress, first_state, handle_sigint,
+                           number_of_steps)
+    except _errors.NanLossError as err:
+        recorder.append({"kind": "stop", "reason": STOP_NAN_ERROR, "time": time.time(),
+                         "message": str(err)})
+        raise
+    finally:
+        guard.remove_listener(recorder)
+
+    final_loss, steps, stop_reason, last_step = outcome
+    if final_hook is not None and final_hook.final_ops_values is not None:
+        last_step = int(final_hook.final_ops_values["global_step"])
+    state = guard.state
+    result = TrainResult(
+        final_loss=final_loss, global_step=last_step, steps=steps,
+        bad_steps=state.total_bad_steps - first_state.total_bad_steps,
+        skips=state.skips - first_state.skips,
+        rollbacks=state.rollbacks - first_state.rollbacks, stop_reason=stop_reason,
+        checkpoint=tf.train.latest_checkpoint(logdir), events_path=recorder.path,
+        learning_rate_scale=state.learning_rate_scale)
+    recorder.append({"kind": "stop", "reason": stop_reason, "step": last_step,
+                     "time": time.time(), "final_loss": _record_float(final_loss)})
+    logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
+    return result
+
+
+def _record_float(value: float):
+    return value if math.isfinite(value) else str(value)
+
+
+def _make_scaffold(scaffold, resume_from: Optional[str], max_to_keep: int):
+    """A scaffold whose saver is a FiniteSaver and which restores `resume_from`."""
+    saver = scaffold.saver if scaffold is not None else None
+    if saver is None:
+        saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
+                                         allow_empty=True)
+    init_fn = None
+    if resume_from:
+        def init_fn(unused_scaffold, session):
+            saver.restore(session, resume_from)
+    kwargs = {"saver": saver}
+    if init_fn is not None:
+        kwargs["init_fn"] = init_fn
+    if scaffold is not None:
+        return tf.compat.v1.train.Scaffold(copy_from_scaffold=scaffold, **kwargs)
+    return tf.compat.v1.train.Scaffold(**kwargs)
+
+
+def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps,
+                  summary_secs) -> list:
+    hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
+    if checkpoint_secs or checkpoint_steps:
+        hooks.append(tf.compat.v1.train.CheckpointSaverHook(
+            logdir, save_secs=None if checkpoint_steps else checkpoint_secs,
+            save_steps=checkpoint_steps or None, scaffold=scaffold))
+    if summary_steps or summary_secs:
+        hooks.append(tf.compat.v1.train.SummarySaverHook(
+            save_steps=None if summary_secs else summary_steps, save_secs=summary_secs or None,
+            output_dir=logdir, scaffold=scaffold))
+    return hooks
+
+
+def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chief_hooks,
+         progress, first_state, handle_sigint, number_of_steps):
+    """The loop itself; returns (final loss, good steps, stop reason, global step)."""
+    final_loss, steps, step = float("nan"), 0, -1
+    stop_reason = None
+    saver = guard.saver or scaffold.saver
+
+    def read_step(sess) -> int:
+        if guard.global_step is None:
+            return steps
+        return int(sess.run_step_fn(lambda step_context: step_context.session.run(guard.global_step)))
+
+    with _SigintStop(handle_sigint) as sigint, \
+            tf.compat.v1.train.MonitoredTrainingSession(
+                master=master, is_chief=is_chief, checkpoint_dir=None, scaffold=scaffold,
+                hooks=hooks, chief_only_hooks=chief_hooks, save_checkpoint_secs=None,
+                save_summaries_steps=None, save_summaries_secs=None, config=config,
+                log_step_count_steps=None) as sess:
+        step = read_step(sess)
+        while not sess.should_stop():
+            if sigint.requested:
+                stop_reason = STOP_INTERRUPTED
+                break
+            bad_before, rollbacks_before = guard.state.total_bad_steps, guard.state.rollbacks
+            try:
+                loss = sess.run(train_op)
+            except tf.errors.OutOfRangeError:
+                stop_reason = STOP_END_OF_DATA
+                break
+            except tf.errors.InvalidArgumentError as err:
+                if not guard.owns_error(err):
+                    raise
+                event = sess.run_step_fn(functools.partial(_handle, guard, err))
+                if event.action == _policy.STOP:
+                    stop_reason = STOP_POLICY
+                    break
+                if event.action == _policy.ROLLBACK:
+                    sess.run_step_fn(lambda step_context: guard.rollback(step_context.session, logdir,
+                                                                saver=saver))
+                    step = read_step(sess)
+                continue
+            if guard.state.total_bad_steps != bad_before:
+                # Hook mode: the hook saw the bad step and applied the policy.
+                if guard.state.rollbacks != rollbacks_before:
+                    step = read_step(sess)
+                elif guard.last_event is not None and guard.last_event.action == _policy.STOP:
+                    stop_reason = STOP_POLICY
+                continue
+            if guard.mode == _guard.MODE_CHECK_NUMERICS:
+                guard.note_good_step()
+            steps += 1
+            step += 1
+            final_loss = float(np.asarray(loss))
+            progress(step, final_loss, first_state)
+        if stop_reason is None:
+            if number_of_steps is not None and step >= number_of_steps:
+                stop_reason = STOP_STEP_LIMIT
+            else:
+                stop_reason = STOP_REQUESTED
+    return final_loss, steps, stop_reason, step
+
+
+def _handle(guard: _guard.Guard, error: BaseException, step_context):
+    """A `run_step_fn` step: applies the policy to `error` with the raw session."""
+    return guard.handle_numerics_error(step_context.session, error)

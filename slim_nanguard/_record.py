@@ -1,0 +1,101 @@
+"""The run's record of bad steps: a JSON-lines file and TensorBoard scalars.
+
+Each record is one line of ``<logdir>/nanguard_events.jsonl``, written with a single
+``write`` of the whole line to a file opened for appending, then flushed and synced. A crash
+can at worst leave a partial last line; `read_events` skips it, so earlier lines always read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+from absl import logging
+
+EVENTS_FILENAME = "nanguard_events.jsonl"
+
+
+class EventRecorder:
+    """Appends records to the event file and writes counters as TensorBoard scalars.
+
+    Use it as a guard listener: ``guard.add_listener(recorder)``.
+
+    Args:
+      logdir: The training directory.
+      summary_writer: Where the scalars go; default: the `FileWriterCache` writer of
+        `logdir` (the one the training session's summaries use). None-able for tests.
+      write_summaries: False to write the JSON lines only.
+    """
+
+    def __init__(self, logdir: str, summary_writer=None, write_summaries: bool = True):
+        self.path = os.path.join(logdir, EVENTS_FILENAME)
+        self._logdir = logdir
+        self._writer = summary_writer
+        self._write_summaries = write_summaries
+        self.counts = {"bad_steps": 0, "skips": 0, "rollbacks": 0, "stops": 0}
+
+    def __call__(self, record: Dict[str, Any]) -> None:
+        record = dict(record)
+        record.setdefault("time", time.time())
+        kind = record.get("kind")
+        if kind == "bad_step":
+            self.counts["bad_steps"] += 1
+            if record.get("action") == "skip":
+                self.counts["skips"] += 1
+            elif record.get("action") == "stop":
+                self.counts["stops"] += 1
+        elif kind == "rollback":
+            self.counts["rollbacks"] += 1
+        self.append(record)
+        if self._write_summaries and "step" in record:
+            self.write_scalars(int(record["step"]))
+
+    def append(self, record: Dict[str, Any]) -> None:
+        """Appends one record as one line, flushed and synced to disk."""
+        line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_scalars(self, step: int, loss: Optional[float] = None) -> None:
+        """Writes the counters (and the loss, when given) as scalars at `step`."""
+        writer = self._writer
+        if writer is None:
+            writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        values = [tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
+                  for name, count in sorted(self.counts.items())]
+        if loss is not None:
+            values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))
+        writer.add_summary(tf.compat.v1.Summary(value=values), step)
+        writer.flush()
+
+
+def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
+    """Reads the records of a run; a partial last line (a crash mid-write) is skipped.
+
+    Args:
+      logdir_or_path: The training directory or the ``.jsonl`` file itself.
+
+    Returns:
+      The records, oldest first; empty if there is no file yet.
+    """
+    path = logdir_or_path
+    if os.path.isdir(path):
+        path = os.path.join(path, EVENTS_FILENAME)
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
+    return records
