@@ -1,0 +1,284 @@
+"""Image classifiers in TF-Slim layers, by name: small ones that train in seconds, and tf_slim.nets.
+
+:func:`get_model` returns a model function ``fn(images, num_classes, is_training) -> logits``
+that builds the model in the current graph (``tf.compat.v1`` graph mode) from
+``images`` float32 ``[B, H, W, C]`` and returns ``logits`` float32 ``[B, num_classes]``.
+Weight decay, where asked for, goes into the graph's regularization losses
+(``tf.compat.v1.losses.get_regularization_loss()``); batch-norm statistics updates go into
+``tf.compat.v1.GraphKeys.UPDATE_OPS``, as usual for TF-Slim.
+
+The models, by name (the launcher's ``--model_name``):
+
+* ``mlp``: flatten, then fully connected ReLU layers (256-256 by default), then logits. Any
+  image size; made for the 8x8 digits.
+* ``lenet``: the LeNet of tensorflow/models ``research/slim/nets/lenet.py`` (conv 32 5x5,
+  pool, conv 64 5x5, pool, fc 1024, dropout, logits), with 'SAME' pooling so it also takes
+  small or odd sizes such as the 8x8 digits; identical to slim's at its 28x28.
+* ``resnet_v1_50``, ``resnet_v2_50``, ``inception_v1``, ``vgg_a``, ``alexnet_v2``: the
+  ``tf_slim.nets`` classifiers under their own arg scopes. They need
+  ``slim_nanguard.compat.install()`` on current TensorFlow (``slim.batch_norm`` is broken
+  without it), which the model function calls itself. At the net's default image size the
+  variables and the graph are those of tf_slim.nets (so slim checkpoints fit); at larger
+  sizes the final spatial logits are averaged to ``[B, num_classes]``.
+
+To build a second copy sharing the variables (e.g. an evaluation tower), call the model
+function under ``tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from absl import logging
+import tensorflow as tf
+import tf_slim as slim
+
+from slim_nanguard._errors import NanGuardError
+
+__all__ = [
+    "DEFAULT_IMAGE_SIZE",
+    "MIN_IMAGE_SIZE",
+    "MODEL_NAMES",
+    "ModelError",
+    "ModelFn",
+    "get_model",
+    "lenet",
+    "mlp",
+]
+
+
+class ModelError(NanGuardError, ValueError):
+    """An unknown model or option, or images the model cannot take; says what to change.
+
+    A ``ValueError`` as well, so that ``except ValueError`` clauses catch it.
+    """
+
+
+class ModelFn(Protocol):
+    """Builds a classifier in the current graph."""
+
+    def __call__(self, images: tf.Tensor, num_classes: int, is_training: bool) -> tf.Tensor:
+        """Returns the logits.
+
+        Args:
+            images: float32 ``[batch, height, width, channels]``.
+            num_classes: the number of classes.
+            is_training: build for training (dropout on, batch norm in training mode) or for
+                inference.
+
+        Returns:
+            float32 logits ``[batch, num_classes]``.
+        """
+
+
+def mlp(images: tf.Tensor,
+        num_classes: int,
+        is_training: bool,
+        *,
+        hidden_units: Sequence[int] = (256, 256),
+        weight_decay: float = 0.0,
+        scope: str = "MLP") -> tf.Tensor:
+    """A multi-layer perceptron: flatten, ReLU fully connected layers, linear logits.
+
+    Args:
+        images: float32 ``[batch, height, width, channels]``, any size.
+        num_classes: the number of classes.
+        is_training: unused (the MLP has no dropout or batch norm); part of the signature.
+        hidden_units: the width of each hidden layer, e.g. ``(256, 256)``; ``()`` gives a
+            linear classifier.
+        weight_decay: the L2 regularization coefficient of the weights (0 disables it).
+        scope: the variable scope.
+
+    Returns:
+        float32 logits ``[batch, num_classes]``.
+    """
+    del is_training  # No layer behaves differently in training.
+    with tf.compat.v1.variable_scope(scope, "MLP", [images]):
+        with slim.arg_scope([slim.fully_connected],
+                            activation_fn=tf.nn.relu,
+                            weights_regularizer=slim.l2_regularizer(weight_decay)):
+            net = slim.flatten(images)
+            for index, units in enumerate(hidden_units):
+                net = slim.fully_connected(net, units, scope=f"fc{index + 1}")
+            return slim.fully_connected(net, num_classes, activation_fn=None, scope="logits")
+
+
+def lenet(images: tf.Tensor,
+          num_classes: int,
+          is_training: bool,
+          *,
+          dropout_keep_prob: float = 0.5,
+          weight_decay: float = 0.0,
+          scope: str = "LeNet") -> tf.Tensor:
+    """LeNet as in tensorflow/models ``research/slim/nets/lenet.py``, with 'SAME' pooling.
+
+    The variable names match slim's ``LeNet/conv1`` ... ``LeNet/fc4``. Pooling pads ('SAME')
+    so that any image size works (slim's 'VALID' pooling is the same at 28x28).
+
+    Args:
+        images: float32 ``[batch, height, width, channels]``; 28x28 is LeNet's size, 8x8
+            (the digits) works too.
+        num_classes: the number of classes.
+        is_training: dropout is applied only in training.
+        dropout_keep_prob: the fraction of the fc3 activations kept by dropout.
+        weight_decay: the L2 regularization coefficient of the weights (0 disables it).
+        scope: the variable scope.
+
+    Returns:
+        float32 logits ``[batch, num_classes]``.
+    """
+    with tf.compat.v1.variable_scope(scope, "LeNet", [images]):
+        with slim.arg_scope([slim.conv2d, slim.fully_connected],
+                            weights_regularizer=slim.l2_regularizer(weight_decay),
+                            weights_initializer=tf.compat.v1.truncated_normal_initializer(
+                                stddev=0.1),
+                            activation_fn=tf.nn.relu):
+            with slim.arg_scope([slim.max_pool2d], padding="SAME"):
+                net = slim.conv2d(images, 32, [5, 5], scope="conv1")
+                net = slim.max_pool2d(net, [2, 2], 2, scope="pool1")
+                net = slim.conv2d(net, 64, [5, 5], scope="conv2")
+                net = slim.max_pool2d(net, [2, 2], 2, scope="pool2")
+                net = slim.flatten(net)
+                net = slim.fully_connected(net, 1024, scope="fc3")
+                net = slim.dropout(net, dropout_keep_prob, is_training=is_training,
+                                   scope="dropout3")
+                return slim.fully_connected(net, num_classes, activation_fn=None, scope="fc4")
+
+
+# name: (tf_slim.nets module, function, arg scope function, takes dropout_keep_prob)
+_NETS = {
+    "resnet_v1_50": ("resnet_v1", "resnet_v1_50", "resnet_arg_scope", False),
+    "resnet_v2_50": ("resnet_v2", "resnet_v2_50", "resnet_arg_scope", False),
+    "inception_v1": ("inception", "inception_v1", "inception_v1_arg_scope", True),
+    "vgg_a": ("vgg", "vgg_a", "vgg_arg_scope", True),
+    "alexnet_v2": ("alexnet", "alexnet_v2", "alexnet_v2_arg_scope", True),
+}
+
+MODEL_NAMES = ("mlp", "lenet") + tuple(_NETS)
+
+# The image side each model is made for; None: any, use the dataset's own size.
+DEFAULT_IMAGE_SIZE: Mapping[str, int | None] = {
+    "mlp": None,
+    "lenet": 28,
+    "resnet_v1_50": 224,
+    "resnet_v2_50": 224,
+    "inception_v1": 224,
+    "vgg_a": 224,
+    "alexnet_v2": 224,
+}
+
+# The smallest image side each model can be built for. The resnets are fully convolutional
+# with global pooling and build for any size, though below 32 their last blocks see a 1x1
+# map. The others end in a fixed-size 'VALID' layer that needs a large enough feature map:
+# inception_v1's 7x7 average pool, vgg_a's 7x7 and alexnet_v2's 5x5 fc6 convolutions.
+MIN_IMAGE_SIZE: Mapping[str, int] = {
+    "mlp": 1,
+    "lenet": 1,
+    "resnet_v1_50": 1,
+    "resnet_v2_50": 1,
+    "inception_v1": 193,
+    "vgg_a": 224,
+    "alexnet_v2": 195,
+}
+
+
+def _net(images: tf.Tensor,
+         num_classes: int,
+         is_training: bool,
+         *,
+         name: str,
+         weight_decay: float | None = None,
+         dropout_keep_prob: float | None = None) -> tf.Tensor:
+    """Builds a tf_slim.nets classifier; returns logits [batch, num_classes]."""
+    _check_images(name, images)
+    # Imported here, not at the top: compat is the TF-2 compatibility layer for tf-slim
+    # (slim.batch_norm fails on current TensorFlow without it), and the small models do not
+    # need it. install() is expected to be idempotent.
+    from slim_nanguard import compat  # pylint: disable=import-outside-toplevel
+    compat.install()
+    from tf_slim import nets  # pylint: disable=import-outside-toplevel
+
+    module_name, fn_name, scope_fn_name, has_dropout = _NETS[name]
+    module = getattr(nets, module_name)
+    net_fn = getattr(module, fn_name)
+    scope_fn = getattr(module, scope_fn_name)
+    kwargs: dict[str, Any] = {"num_classes": num_classes, "is_training": is_training}
+    if has_dropout:
+        kwargs["spatial_squeeze"] = False  # Squeezed below, after checking the map is 1x1.
+        if dropout_keep_prob is not None:
+            kwargs["dropout_keep_prob"] = dropout_keep_prob
+    elif dropout_keep_prob is not None:
+        raise ModelError(f"Model {name} has no dropout: leave dropout_keep_prob unset.")
+    scope_kwargs = {} if weight_decay is None else {"weight_decay": weight_decay}
+    with slim.arg_scope(scope_fn(**scope_kwargs)):
+        net, _ = net_fn(images, **kwargs)
+    return _to_logits(net, name)
+
+
+def _to_logits(net: tf.Tensor, name: str) -> tf.Tensor:
+    """Turns the nets' [B, h, w, num_classes] output into [B, num_classes]."""
+    if net.shape.rank == 2:
+        return net
+    height, width = net.shape[1], net.shape[2]
+    if height == 1 and width == 1:
+        return tf.squeeze(net, [1, 2], name="logits")
+    logging.info("Model %s: averaging its %sx%s map of logits (input larger than its "
+                 "default %s).", name, height, width, DEFAULT_IMAGE_SIZE[name])
+    return tf.reduce_mean(net, [1, 2], name="logits")
+
+
+def _check_images(name: str, images: tf.Tensor) -> None:
+    shape = images.shape
+    if shape.rank is not None and shape.rank != 4:
+        raise ModelError(f"Model {name} takes images [batch, height, width, channels], got "
+                         f"shape {shape}.")
+    minimum = MIN_IMAGE_SIZE[name]
+    sides = [d for d in (shape[1:3] if shape.rank else []) if d is not None]
+    if any(side < minimum for side in sides):
+        raise ModelError(f"Model {name} needs images of at least {minimum}x{minimum}, got "
+                         f"{shape[1]}x{shape[2]}: resize them with image_size (e.g. "
+                         f"{DEFAULT_IMAGE_SIZE[name]}, its default) or choose a small model "
+                         "(mlp, lenet).")
+
+
+_BUILDERS: Mapping[str, Callable[..., tf.Tensor]] = {
+    "mlp": mlp,
+    "lenet": lenet,
+    **{name: functools.partial(_net, name=name) for name in _NETS},
+}
+
+_NET_OPTIONS = ("weight_decay", "dropout_keep_prob")
+
+
+def get_model(name: str, **options: Any) -> ModelFn:
+    """Returns the model function of a model, by name.
+
+    Args:
+        name: one of ``MODEL_NAMES``.
+        **options: the model's keyword options: for ``mlp`` ``hidden_units`` and
+            ``weight_decay``; for ``lenet`` ``dropout_keep_prob`` and ``weight_decay``; for
+            the tf_slim.nets ``weight_decay`` (``None``: the net's own default) and, except
+            the resnets, ``dropout_keep_prob``.
+
+    Returns:
+        ``fn(images, num_classes, is_training) -> logits [batch, num_classes]``.
+
+    Raises:
+        ModelError: (a ``ValueError``) for an unknown name or option.
+    """
+    if name not in _BUILDERS:
+        raise ModelError(f"Unknown model name {name!r} (--model_name): choose one of "
+                         f"{', '.join(MODEL_NAMES)}.")
+    builder = _BUILDERS[name]
+    if name in _NETS:
+        allowed = _NET_OPTIONS if _NETS[name][3] else ("weight_decay",)
+    else:
+        allowed = tuple(p.name for p in inspect.signature(builder).parameters.values()
+                        if p.kind is p.KEYWORD_ONLY)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ModelError(f"Model {name} has no option {', '.join(unknown)}: its options are "
+                         f"{', '.join(allowed)}.")
+    return functools.partial(builder, **options)
