@@ -130,3 +130,38 @@ def assert_state_equal(before: Dict, after: Dict) -> None:
 def assert_all_finite(values: Dict) -> None:
     bad = [name for name, value in values.items() if not np.all(np.isfinite(value))]
     assert not bad, f"non-finite values in {bad}"
+
+
+class Snapshots(tf.compat.v1.train.SessionRunHook):
+    """Records every global variable after each run, keyed by the global step value."""
+
+    def __init__(self):
+        self.by_step: Dict[int, Dict[str, np.ndarray]] = {}
+        self.runs = 0
+
+    def begin(self):
+        self._graph = tf.compat.v1.get_default_graph()
+
+    def after_run(self, run_context, run_values):
+        self.runs += 1
+        values = state(run_context.session, self._graph)
+        self.by_step[int(values["global_step"])] = values
+
+
+def checkpoint_values(path: str) -> Dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(path)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def all_checkpoints(logdir: str):
+    """Every checkpoint prefix in `logdir` (from the index files, not the state file)."""
+    import glob
+    import os
+    return sorted(p[:-len(".index")] for p in glob.glob(os.path.join(logdir, "*.index")))
+
+
+def assert_no_poisoned_checkpoint(logdir: str) -> None:
+    paths = all_checkpoints(logdir)
+    assert paths, f"no checkpoint in {logdir}"
+    for path in paths:
+        assert slim_nanguard.non_finite_variables(path) == (), path

@@ -1,0 +1,278 @@
+"""Three loops, each with a bad batch at a chosen step, in every mode and policy.
+
+The loops: the seed flow (a hand-written `MonitoredTrainingSession` loop), tf-slim's
+`training.train` (hooks) and tf-slim's `learning.train` (with `slim_nanguard.train_step`).
+Batch 3 of the input is bad; the tests check what the policy did and that the variables after
+the bad step are exactly those before it.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import nanguard_testlib as lib
+import slim_nanguard
+
+BAD_BATCH = 3
+STEPS = 6
+
+
+def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
+    """The loop of the seed notes; returns (snapshots, events, caught error or None).
+
+    In hook mode the hook comes from `nan_hook`; in check_numerics mode the loop catches the
+    error and hands it to `handle_numerics_error`. Before each step the raw session's state
+    is saved, so the state after a bad step can be compared with it.
+    """
+    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=STEPS)]
+    if hook_mode:
+        hooks.append(slim_nanguard.nan_hook(model.train_op, checkpoint_dir=checkpoint_dir))
+    events, error, bad_step_changes = [], None, []
+    with model.graph.as_default():
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=hooks, checkpoint_dir=checkpoint_dir, save_checkpoint_steps=1,
+                save_summaries_steps=None, log_step_count_steps=None) as sess:
+            read = lambda: sess.run_step_fn(  # noqa: E731
+                lambda step_context: lib.state(step_context.session, model.graph))
+            guard = slim_nanguard.get_guard(model.train_op)
+            while not sess.should_stop():
+                before, bad_before = read(), guard.state.total_bad_steps
+                try:
+                    sess.run(model.train_op)
+                except tf.errors.InvalidArgumentError as err:
+                    try:
+                        events.append(slim_nanguard.handle_numerics_error(sess, err))
+                    except slim_nanguard.NanLossError as nan_error:
+                        error = nan_error
+                except slim_nanguard.NanLossError as nan_error:
+                    error = nan_error
+                if guard.state.total_bad_steps != bad_before:
+                    after = read()
+                    if guard.state.rollbacks == 0:
+                        bad_step_changes.append([k for k in before
+                                                 if not np.array_equal(before[k], after[k])])
+                    if hook_mode and error is None:
+                        events.append(guard.last_event)
+                if error is not None:
+                    break
+            final = read()
+    return final, events, error, bad_step_changes
+
+
+@pytest.mark.parametrize("fault", lib.FAULTS)
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_seed_flow_skip_carries_on_with_the_next_batch(hook_mode, fault):
+    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
+                            faults={BAD_BATCH: fault})
+    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
+    assert error is None
+    assert changes == [[]], "the bad step changed variables"
+    assert [e.action for e in events] == ["skip"]
+    assert events[0].step == BAD_BATCH and events[0].consecutive == 1
+    assert events[0].loss_kind == {"nan_loss": "nan", "inf_loss": "inf", "nan_gradient":
+                                   "finite", "nan_input": "nan"}[fault]
+    if fault in ("nan_gradient", "nan_input"):
+        assert "fc1/weights" in events[0].culprits or fault == "nan_gradient"
+        assert "logits/weights" in events[0].culprits
+    else:
+        assert events[0].culprits == ()
+    # Six good steps were still made: the bad batch was stepped over, not retried.
+    assert int(final["global_step"]) == STEPS
+    lib.assert_all_finite(final)
+
+
+@pytest.mark.parametrize("fault", ["inf_loss", "nan_input"])
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(hook_mode, fault):
+    model = lib.build_model(check_numerics=not hook_mode, nan_policy="stop",
+                            faults={BAD_BATCH: fault})
+    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
+    assert error is None and changes == [[]]
+    assert [e.action for e in events] == ["stop"]
+    assert int(final["global_step"]) == BAD_BATCH
+    lib.assert_all_finite(final)
+
+
+@pytest.mark.parametrize("fault", ["nan_loss", "nan_gradient"])
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
+    model = lib.build_model(check_numerics=not hook_mode, faults={BAD_BATCH: fault})
+    final, _, error, changes = _seed_flow(model, hook_mode=hook_mode)
+    assert isinstance(error, slim_nanguard.NanLossError)
+    assert isinstance(error, tf.compat.v1.train.NanLossDuringTrainingError)
+    assert isinstance(error, slim_nanguard.NanGuardError)
+    assert changes == [[]]
+    message = str(error)
+    assert f"global step {BAD_BATCH}" in message
+    if fault == "nan_loss":
+        assert "loss nan (nan)" in message and "gradients finite" in message
+    else:
+        assert "non-finite gradients of logits/weights" in message
+    assert "the nan_policy is 'raise'" in message
+    assert int(final["global_step"]) == BAD_BATCH
+
+
+def test_skip_gives_up_after_max_consecutive_bad_steps():
+    faults = {i: "nan_input" for i in range(2, 10)}
+    model = lib.build_model(check_numerics=False, nan_policy="skip",
+                            max_consecutive_bad_steps=3, faults=faults)
+    final, events, error, changes = _seed_flow(model, hook_mode=True)
+    assert [e.action for e in events] == ["skip", "skip"]
+    assert isinstance(error, slim_nanguard.NanLossError)
+    assert error.event.consecutive == 3
+    assert "3 bad steps in a row reached max_consecutive_bad_steps=3" in str(error)
+    assert changes == [[], [], []]
+    assert int(final["global_step"]) == 2
+
+
+def test_a_good_step_resets_the_consecutive_count():
+    faults = {2: "nan_input", 3: "nan_input", 5: "inf_loss", 6: "inf_loss"}
+    model = lib.build_model(check_numerics=True, nan_policy="skip",
+                            max_consecutive_bad_steps=3, faults=faults)
+    _, events, error, _ = _seed_flow(model, hook_mode=False)
+    assert error is None
+    assert [(e.step, e.consecutive, e.total) for e in events] == [
+        (2, 1, 1), (2, 2, 2), (3, 1, 3), (3, 2, 4)]
+
+
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(hook_mode):
+    seen = []
+
+    def on_nan(event):
+        seen.append(event)
+        return "stop" if event.total == 2 else None
+
+    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip", on_nan=on_nan,
+                            faults={2: "nan_loss", 4: "nan_gradient"})
+    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode)
+    assert error is None
+    assert [(e.step, e.action) for e in seen] == [(2, "skip"), (3, "skip")]
+    assert [e.action for e in events] == ["skip", "stop"]
+    assert int(final["global_step"]) == 3
+
+
+def test_an_on_nan_callback_returning_nonsense_is_an_error():
+    model = lib.build_model(check_numerics=False, on_nan=lambda event: "ignore",
+                            faults={1: "nan_loss"})
+    with pytest.raises(ValueError, match="the on_nan callback must return one of raise, stop, "
+                                         "skip, rollback or None; got 'ignore'"):
+        _seed_flow(model, hook_mode=True)
+
+
+def test_a_hand_built_hook_behaves_as_the_ready_one():
+    """The seed flow: the user builds NanLossHook(total_loss, fail_on_nan_loss=True)."""
+    results = []
+    for hand_built in (False, True):
+        model = lib.build_model(check_numerics=False, nan_policy="skip",
+                                faults={2: "nan_input"})
+        hook = (slim_nanguard.NanLossHook(model.loss, fail_on_nan_loss=True) if hand_built
+                else slim_nanguard.nan_hook(model.train_op))
+        snapshots = lib.Snapshots()
+        with model.graph.as_default():
+            with tf.compat.v1.train.MonitoredTrainingSession(
+                    hooks=[hook, snapshots, tf.compat.v1.train.StopAtStepHook(last_step=5)],
+                    log_step_count_steps=None) as sess:
+                while not sess.should_stop():
+                    sess.run(model.train_op)
+        assert hook.guard is slim_nanguard.get_guard(model.train_op)
+        assert isinstance(hook, tf.compat.v1.train.NanTensorHook)
+        results.append((hook.guard.state.skips, snapshots.runs, snapshots.by_step[5]))
+    assert results[0][:2] == results[1][:2] == (1, 6)
+    lib.assert_state_equal(results[0][2], results[1][2])
+
+
+def test_after_create_session_resets_only_per_session_state():
+    model = lib.build_model(check_numerics=False, nan_policy="skip", faults={1: "nan_loss"})
+    hook = slim_nanguard.nan_hook(model.train_op)
+    with model.graph.as_default():
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=[hook], log_step_count_steps=None) as sess:
+            for _ in range(3):
+                sess.run(model.train_op)
+            assert hook.session_bad_steps == 1
+            # What MonitoredSession does when it recovers a session.
+            hook.after_create_session(sess.run_step_fn(lambda step_context:
+                                                       step_context.session), None)
+            assert hook.session_bad_steps == 0
+            assert hook.guard.state.total_bad_steps == 1  # the run's counters survive
+
+
+@pytest.mark.parametrize("fault", ["inf_loss", "nan_gradient"])
+def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
+    """NanTensorHook checks np.isnan on the loss: an Inf loss and a NaN gradient get through.
+
+    Two steps, the second one bad. Which hooks raise at that step?
+    """
+    variants = {
+        "NanTensorHook": (tf.compat.v1.train.NanTensorHook, slim.learning.create_train_op),
+        "NanLossHook, slim train op": (slim_nanguard.NanLossHook,
+                                       slim.learning.create_train_op),
+        "NanLossHook, guarded train op": (slim_nanguard.NanLossHook,
+                                          slim_nanguard.create_train_op),
+    }
+    caught = {}
+    for name, (hook_cls, train_op_fn) in variants.items():
+        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False,
+                                faults={1: fault})
+        with model.graph.as_default():
+            try:
+                with tf.compat.v1.train.MonitoredTrainingSession(
+                        hooks=[hook_cls(model.train_op),
+                               tf.compat.v1.train.StopAtStepHook(last_step=2)],
+                        log_step_count_steps=None) as sess:
+                    while not sess.should_stop():
+                        sess.run(model.train_op)
+                caught[name] = False
+            except tf.compat.v1.train.NanLossDuringTrainingError:
+                caught[name] = True
+    assert caught == {
+        "NanTensorHook": False,
+        # A loss-only check (no guard behind slim's train op) catches Inf, not a NaN gradient.
+        "NanLossHook, slim train op": fault == "inf_loss",
+        "NanLossHook, guarded train op": True,
+    }
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
+    model = lib.build_model(check_numerics=False, nan_policy=policy,
+                            faults={BAD_BATCH: "nan_input"})
+    snapshots = lib.Snapshots()
+    with model.graph.as_default():
+        loss = slim.training.train(
+            model.train_op, str(tmp_path),
+            hooks=[slim_nanguard.nan_hook(model.train_op), snapshots,
+                   tf.compat.v1.train.StopAtStepHook(last_step=STEPS)],
+            save_checkpoint_secs=None, save_summaries_steps=None)
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert np.isfinite(loss) if policy == "skip" else np.isnan(loss)
+    assert max(snapshots.by_step) == (STEPS if policy == "skip" else BAD_BATCH)
+    assert guard.state.total_bad_steps == 1
+    lib.assert_all_finite(snapshots.by_step[max(snapshots.by_step)])
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop", "raise"])
+def test_tf_slim_learning_train_with_train_step(tmp_path, policy):
+    model = lib.build_model(check_numerics=True, nan_policy=policy,
+                            faults={BAD_BATCH: "nan_gradient"})
+    with model.graph.as_default():
+        run = lambda: slim.learning.train(  # noqa: E731
+            model.train_op, str(tmp_path), train_step_fn=slim_nanguard.train_step,
+            number_of_steps=STEPS, save_summaries_secs=None, save_interval_secs=None,
+            log_every_n_steps=1)
+        if policy == "raise":
+            with pytest.raises(slim_nanguard.NanLossError, match=f"global step {BAD_BATCH}"):
+                run()
+        else:
+            loss = run()
+            assert np.isfinite(loss)
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert guard.state.total_bad_steps == 1
+    assert guard.last_event.culprits == ("logits/weights",)
+    checkpoint = tf.train.latest_checkpoint(str(tmp_path))
+    if policy != "raise":
+        values = lib.checkpoint_values(checkpoint)
+        assert int(values["global_step"]) == (STEPS if policy == "skip" else BAD_BATCH)
+        lib.assert_all_finite(values)
