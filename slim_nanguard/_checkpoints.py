@@ -30,7 +30,8 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       The names, sorted; empty when every value is finite.
 
     Raises:
-      tf.errors.OpError or ValueError: The checkpoint cannot be read (missing or corrupt).
+      Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
+        raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
     """
     index = checkpoint_path + ".index"
     mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
@@ -72,7 +73,9 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
     for path in candidates:
         try:
             bad = non_finite_variables(path)
-        except (tf.errors.OpError, ValueError, OSError) as err:
+        except Exception as err:  # pylint: disable=broad-except
+            # The reader fails in many ways on a broken file (OpError, IndexError on a
+            # truncated shard, DataLossError, ...): any of them means "cannot be read".
             failures.append(f"{path} ({_short(err)})")
             continue
         if bad:

@@ -54,8 +54,14 @@ class EventRecorder:
             self.write_scalars(int(record["step"]))
 
     def append(self, record: Dict[str, Any]) -> None:
-        """Appends one record as one line, flushed and synced to disk."""
+        """Appends one record as one line, flushed and synced to disk.
+
+        If an earlier run died mid-line, the partial line is closed first, so that it stays
+        one unreadable line instead of swallowing this one.
+        """
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
+        if _ends_mid_line(self.path):
+            line = "\n" + line
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
@@ -72,6 +78,18 @@ class EventRecorder:
             values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
         writer.flush()
+
+
+def _ends_mid_line(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:

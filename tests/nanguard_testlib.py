@@ -79,16 +79,20 @@ def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
 
 
 def build_model(*, optimizer: str = "adam", train_op_fn=None,
-                faults: Optional[Dict[int, str]] = None, **create_kwargs) -> Model:
+                faults: Optional[Dict[int, str]] = None, repeat: bool = False,
+                **create_kwargs) -> Model:
     """Builds the MLP in a new graph; `train_op_fn` defaults to slim_nanguard's.
 
-    Unless fed, each run takes the next batch of a `tf.data` pipeline in which the batches
-    named in `faults` ({batch index: fault kind}) are bad.
+    Unless fed, each run takes the next batch of a `tf.data` pipeline of 1000 batches (for
+    ever with `repeat`) in which the batches named in `faults` ({batch index: fault kind})
+    are bad.
     """
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(1)
         data = tf.data.Dataset.from_tensor_slices(batches(faults))
+        if repeat:
+            data = data.repeat()
         bx, by, boffset, bscale = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
         x = tf.compat.v1.placeholder_with_default(bx, [None, FEATURES], name="x")
         y = tf.compat.v1.placeholder_with_default(by, [None], name="y")

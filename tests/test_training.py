@@ -1,0 +1,345 @@
+"""A whole guarded run: clean checkpoints, rollback, the event record, resume, Ctrl-C.
+
+Each test trains the small MLP of `nanguard_testlib` with `slim_nanguard.train` (or another
+loop), saving a checkpoint every step, with bad batches at chosen indices, and then reads
+what the run left on disk.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import nanguard_testlib as lib
+import slim_nanguard
+
+BAD = 3
+MODES = {"check_numerics": True, "hook": False}
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _train(logdir, *, mode="check_numerics", faults=None, steps=8, hooks=(), model=None,
+           **create_kwargs):
+    """Builds the model and trains it with checkpoints every step; returns (result, model)."""
+    model = model or lib.build_model(check_numerics=MODES[mode], faults=faults,
+                                     **create_kwargs)
+    result = slim_nanguard.train(model.train_op, str(logdir), number_of_steps=steps,
+                                 save_checkpoint_steps=1, save_summaries_steps=None,
+                                 log_every_n_steps=2, hooks=list(hooks))
+    return result, model
+
+
+class TestNoPoisonedCheckpoint:
+
+    @pytest.mark.parametrize("policy", ["raise", "stop", "skip", "rollback"])
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_train_saves_every_step_and_no_checkpoint_holds_nan(self, tmp_path, mode, policy):
+        snapshots = lib.Snapshots()
+        if policy == "raise":
+            with pytest.raises(slim_nanguard.NanLossError):
+                _train(tmp_path, mode=mode, nan_policy=policy, faults={BAD: "nan_input"},
+                       hooks=[snapshots])
+        else:
+            result, _ = _train(tmp_path, mode=mode, nan_policy=policy,
+                               faults={BAD: "nan_input"}, hooks=[snapshots])
+            assert result.bad_steps == 1
+            assert result.global_step == (BAD if policy == "stop" else 8)
+            assert result.stop_reason == ("nan_policy_stop" if policy == "stop" else
+                                          "step_limit")
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+        # The latest checkpoint is the last good state, variable for variable.
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+        step = int(latest["global_step"])
+        assert step == (BAD if policy in ("raise", "stop") else 8)
+        expected = snapshots.by_step[step]
+        for name, value in expected.items():
+            np.testing.assert_array_equal(latest[name], value, err_msg=name)
+
+    @pytest.mark.parametrize("policy", ["stop", "skip"])
+    def test_a_plain_monitored_session_with_our_hook(self, tmp_path, policy):
+        model = lib.build_model(check_numerics=False, nan_policy=policy,
+                                faults={BAD: "nan_input"})
+        with model.graph.as_default():
+            with tf.compat.v1.train.MonitoredTrainingSession(
+                    checkpoint_dir=str(tmp_path), save_checkpoint_steps=1,
+                    save_summaries_steps=None, log_step_count_steps=None,
+                    hooks=[slim_nanguard.nan_hook(model.train_op),
+                           tf.compat.v1.train.StopAtStepHook(last_step=6)]) as sess:
+                while not sess.should_stop():
+                    sess.run(model.train_op)
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+        assert int(latest["global_step"]) == (BAD if policy == "stop" else 6)
+
+    def test_tf_slim_training_train_and_learning_train(self, tmp_path):
+        model = lib.build_model(check_numerics=False, nan_policy="skip",
+                                faults={BAD: "nan_gradient"})
+        with model.graph.as_default():
+            slim.training.train(
+                model.train_op, str(tmp_path / "training"),
+                hooks=[slim_nanguard.nan_hook(model.train_op),
+                       tf.compat.v1.train.StopAtStepHook(last_step=6)],
+                chief_only_hooks=[tf.compat.v1.train.CheckpointSaverHook(
+                    str(tmp_path / "training"), save_steps=1)],
+                save_checkpoint_secs=None, save_summaries_steps=None)
+        lib.assert_no_poisoned_checkpoint(str(tmp_path / "training"))
+
+        model = lib.build_model(check_numerics=True, nan_policy="skip",
+                                faults={BAD: "nan_input"})
+        with model.graph.as_default():
+            slim.learning.train(model.train_op, str(tmp_path / "learning"),
+                                train_step_fn=slim_nanguard.train_step, number_of_steps=6,
+                                save_summaries_secs=None, save_interval_secs=None,
+                                saver=slim_nanguard.FiniteSaver())
+        lib.assert_no_poisoned_checkpoint(str(tmp_path / "learning"))
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path / "learning")))
+        assert int(latest["global_step"]) == 6
+
+
+class TestPlainTensorFlowPoisonsCheckpoints:
+    """What TensorFlow alone does with a bad step, and what ours does instead."""
+
+    def _run(self, logdir, train_op_fn, hook_fn, fail):
+        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False,
+                                faults={BAD: "nan_input"})
+        with model.graph.as_default():
+            try:
+                with tf.compat.v1.train.MonitoredTrainingSession(
+                        checkpoint_dir=str(logdir), save_checkpoint_steps=1,
+                        save_summaries_steps=None, log_step_count_steps=None,
+                        hooks=[hook_fn(model.train_op, fail),
+                               tf.compat.v1.train.StopAtStepHook(last_step=8)]) as sess:
+                    while not sess.should_stop():
+                        sess.run(model.train_op)
+            except tf.compat.v1.train.NanLossDuringTrainingError:
+                pass
+        return [slim_nanguard.non_finite_variables(p) for p in lib.all_checkpoints(str(logdir))]
+
+    def test_nan_tensor_hook_without_failing_saves_nan_weights_at_the_end(self, tmp_path):
+        theirs = self._run(tmp_path / "tf", slim.learning.create_train_op,
+                           tf.compat.v1.train.NanTensorHook, fail=False)
+        latest = slim_nanguard.non_finite_variables(
+            tf.train.latest_checkpoint(str(tmp_path / "tf")))
+        assert "fc1/weights" in latest
+        assert any(theirs)
+        ours = self._run(tmp_path / "ours", slim_nanguard.create_train_op,
+                         slim_nanguard.NanLossHook, fail=False)
+        assert not any(ours)
+
+    def test_the_checkpoint_saver_runs_before_the_nan_hook_raises(self, tmp_path):
+        theirs = self._run(tmp_path / "tf", slim.learning.create_train_op,
+                           tf.compat.v1.train.NanTensorHook, fail=True)
+        assert any("fc1/weights" in bad for bad in theirs)
+        ours = self._run(tmp_path / "ours", slim_nanguard.create_train_op,
+                         slim_nanguard.NanLossHook, fail=True)
+        assert ours and not any(ours)
+
+
+class TestRefusingANonFiniteModel:
+
+    def _poison_checkpoint(self, logdir):
+        model = lib.build_model()
+        with model.graph.as_default(), tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            weights = model.graph.get_tensor_by_name("fc1/weights:0")
+            sess.run(tf.compat.v1.assign(model.graph.get_operation_by_name(
+                "fc1/weights").outputs[0], weights * np.nan))
+            tf.compat.v1.train.Saver().save(sess, os.path.join(str(logdir), "model.ckpt"),
+                                            global_step=4)
+
+    def test_a_nan_checkpoint_in_logdir(self, tmp_path):
+        self._poison_checkpoint(tmp_path)
+        with pytest.raises(slim_nanguard.NonFiniteCheckpointError,
+                           match=r"model.ckpt-4 holds NaN or Inf in fc1/weights; refusing"):
+            _train(tmp_path)
+
+    def test_a_nan_model_from_the_scaffold_init_fn(self, tmp_path):
+        model = lib.build_model()
+        with model.graph.as_default():
+            weights = tf.compat.v1.trainable_variables("fc1")[0]
+            poison = tf.compat.v1.assign(weights, weights * np.nan)
+            scaffold = tf.compat.v1.train.Scaffold(
+                init_fn=lambda scaffold, sess: sess.run(poison))
+        with pytest.raises(slim_nanguard.NonFiniteCheckpointError,
+                           match="holds NaN or Inf in fc1/weights"):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=3,
+                                scaffold=scaffold)
+        assert not lib.all_checkpoints(str(tmp_path))
+
+
+class TestRollback:
+
+    def test_rollback_restores_skips_ahead_and_lowers_the_learning_rate(self, tmp_path):
+        snapshots = lib.Snapshots()
+        result, model = _train(tmp_path, nan_policy="rollback", rollback_lr_factor=0.5,
+                               rollback_skip_batches=1, hooks=[snapshots],
+                               faults={BAD: "nan_loss", BAD + 1: "nan_loss"})
+        # Batch BAD + 1 was skipped by the rollback, so only one bad step was seen.
+        assert (result.bad_steps, result.rollbacks, result.skips) == (1, 1, 0)
+        assert result.learning_rate_scale == 0.5
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+        assert latest["nanguard/learning_rate_scale"] == 0.5
+        rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
+        assert len(rollbacks) == 1
+        assert rollbacks[0]["checkpoint"].endswith(f"model.ckpt-{BAD}")
+        assert rollbacks[0]["skipped_batches"] == 1
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_rollback_gives_up_after_max_rollbacks(self, tmp_path, mode):
+        faults = {i: "inf_loss" for i in range(2, 20, 2)}
+        with pytest.raises(slim_nanguard.NanLossError,
+                           match="2 rollbacks already done reached max_rollbacks=2"):
+            _train(tmp_path, mode=mode, nan_policy="rollback", max_rollbacks=2,
+                   rollback_skip_batches=0, faults=faults, steps=30)
+        records = slim_nanguard.read_events(tmp_path)
+        assert [r["kind"] for r in records] == ["bad_step", "rollback"] * 2 + ["bad_step", "stop"]
+        assert records[-1]["reason"] == "nan_error"
+
+    def test_rollback_without_a_checkpoint_fails_clearly(self, tmp_path):
+        model = lib.build_model(nan_policy="rollback", faults={2: "nan_input"})
+        with pytest.raises(slim_nanguard.CheckpointNotFoundError,
+                           match="rollback needs a good checkpoint in .* and there is none"):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=5,
+                                save_checkpoint_secs=None, save_summaries_steps=None)
+
+
+class TestTheRecord:
+
+    def test_each_bad_step_is_a_line_and_a_tensorboard_scalar(self, tmp_path):
+        result, _ = _train(tmp_path, nan_policy="skip",
+                           faults={2: "nan_gradient", 5: "inf_loss"})
+        records = slim_nanguard.read_events(result.events_path)
+        assert [(r["kind"], r.get("action"), r.get("step")) for r in records] == [
+            ("bad_step", "skip", 2), ("bad_step", "skip", 4), ("stop", None, 8)]
+        assert records[0]["culprits"] == ["logits/weights"] and records[0]["loss_kind"] == \
+            "finite"
+        assert records[1]["loss"] == "inf" and records[1]["culprits"] == []
+        with open(result.events_path) as f:
+            assert all(json.loads(line) for line in f)  # plain JSON, one object a line
+        scalars = {}
+        for path in tf.io.gfile.glob(os.path.join(str(tmp_path), "events.out.tfevents.*")):
+            for event in tf.compat.v1.train.summary_iterator(path):
+                for value in event.summary.value:
+                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+        assert (4, 2.0) in scalars["nanguard/bad_steps"]
+        assert (4, 2.0) in scalars["nanguard/skips"]
+        assert "nanguard/loss" in scalars and "nanguard/rollbacks" in scalars
+
+    def test_a_line_cut_by_a_crash_leaves_the_earlier_lines_readable(self, tmp_path):
+        recorder = slim_nanguard.EventRecorder(str(tmp_path), write_summaries=False)
+        recorder({"kind": "bad_step", "step": 1, "action": "skip"})
+        recorder({"kind": "bad_step", "step": 2, "action": "skip"})
+        with open(recorder.path, "a") as f:
+            f.write('{"kind": "bad_step", "st')  # the process died here
+        assert [r["step"] for r in slim_nanguard.read_events(str(tmp_path))] == [1, 2]
+        recorder({"kind": "bad_step", "step": 3, "action": "skip"})
+        assert [r["step"] for r in slim_nanguard.read_events(str(tmp_path))] == [1, 2, 3]
+
+
+class TestResume:
+
+    def test_a_second_run_carries_on_and_appends_to_the_record(self, tmp_path):
+        first, _ = _train(tmp_path, nan_policy="stop", faults={BAD: "nan_input"})
+        assert (first.stop_reason, first.global_step) == ("nan_policy_stop", BAD)
+        second, _ = _train(tmp_path, nan_policy="skip", faults={1: "inf_loss"}, steps=8)
+        assert second.global_step == 8 and second.steps == 8 - BAD
+        kinds = [(r["kind"], r.get("reason")) for r in slim_nanguard.read_events(tmp_path)]
+        assert kinds == [("bad_step", None), ("stop", "nan_policy_stop"),
+                         ("bad_step", None), ("stop", "step_limit")]
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+    def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(self, tmp_path, caplog):
+        _train(tmp_path, steps=4)
+        latest = tf.train.latest_checkpoint(str(tmp_path))
+        assert latest.endswith("model.ckpt-4")
+        for data in tf.io.gfile.glob(latest + ".data*"):
+            with open(data, "r+b") as f:
+                f.truncate(3)
+        result, _ = _train(tmp_path, steps=6)
+        assert result.steps == 3  # resumed from step 3, not 4 and not 0
+        warning = " ".join(r.getMessage() for r in caplog.records)
+        assert "model.ckpt-4" in warning and "model.ckpt-3 instead" in warning
+
+    def test_no_readable_checkpoint_at_all(self, tmp_path):
+        _train(tmp_path, steps=2)
+        for data in tf.io.gfile.glob(os.path.join(str(tmp_path), "model.ckpt-*.data*")):
+            with open(data, "r+b") as f:
+                f.truncate(3)
+        with pytest.raises(slim_nanguard.CheckpointNotFoundError,
+                           match="no checkpoint in .* can be read"):
+            _train(tmp_path, steps=4)
+
+
+class TestBadInput:
+
+    def test_a_logdir_that_is_a_file_or_cannot_be_created(self, tmp_path):
+        model = lib.build_model()
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        with pytest.raises(ValueError, match="logdir .*file is a file, not a directory"):
+            slim_nanguard.train(model.train_op, str(blocker), number_of_steps=1)
+        with pytest.raises(ValueError, match="logdir .*file/run cannot be written to"):
+            slim_nanguard.train(model.train_op, str(blocker / "run"), number_of_steps=1)
+
+    def test_a_missing_logdir_is_created(self, tmp_path):
+        result, _ = _train(tmp_path / "new" / "run", steps=2)
+        assert result.checkpoint.startswith(str(tmp_path / "new" / "run"))
+
+    @pytest.mark.parametrize("steps", [-1, 2.5])
+    def test_a_bad_step_count_writes_nothing(self, tmp_path, steps):
+        model = lib.build_model()
+        with pytest.raises(ValueError, match="number_of_steps must be a non-negative integer"):
+            slim_nanguard.train(model.train_op, str(tmp_path / "run"), number_of_steps=steps)
+        assert not (tmp_path / "run").exists()
+
+    def test_an_unguarded_train_op(self, tmp_path):
+        model = lib.build_model(train_op_fn=slim.learning.create_train_op)
+        with pytest.raises(ValueError, match="was not made by slim_nanguard.create_train_op"):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=1)
+
+
+def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS_DIR!r})
+        import tensorflow as tf
+        from absl import logging
+        tf.compat.v1.disable_v2_behavior()
+        logging.set_verbosity(logging.INFO)
+        import nanguard_testlib as lib
+        import slim_nanguard
+        model = lib.build_model(nan_policy="skip", faults={{5: "nan_input"}}, repeat=True)
+        result = slim_nanguard.train(model.train_op, {str(tmp_path)!r}, number_of_steps=10**6,
+                                     save_checkpoint_secs=3600, save_summaries_steps=None,
+                                     log_every_n_steps=50)
+        print("RESULT", result.stop_reason, result.global_step, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    try:
+        # Wait until training is under way (a progress line), then press Ctrl-C.
+        for line in proc.stderr:
+            if "step 100/" in line:
+                break
+            assert time.monotonic() < deadline, "no progress line within 120 s"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    reason, step = stdout.split("RESULT")[1].split()
+    assert reason == "interrupted" and int(step) >= 100
+    latest = tf.train.latest_checkpoint(str(tmp_path))
+    assert latest.endswith(f"model.ckpt-{step}")  # the closing save, not the timer's
+    assert slim_nanguard.non_finite_variables(latest) == ()
+    assert slim_nanguard.read_events(tmp_path)[-1]["reason"] == "interrupted"
