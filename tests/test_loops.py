@@ -82,7 +82,7 @@ def test_seed_flow_skip_carries_on_with_the_next_batch(hook_mode, fault):
     lib.assert_all_finite(final)
 
 
-@pytest.mark.parametrize("fault", ["inf_loss", "nan_input"])
+@pytest.mark.parametrize("fault", lib.FAULTS)
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
 def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(hook_mode, fault):
     model = lib.build_model(check_numerics=not hook_mode, nan_policy="stop",
@@ -94,7 +94,7 @@ def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(hook_mode, fault
     lib.assert_all_finite(final)
 
 
-@pytest.mark.parametrize("fault", ["nan_loss", "nan_gradient"])
+@pytest.mark.parametrize("fault", lib.FAULTS)
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
 def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
     model = lib.build_model(check_numerics=not hook_mode, faults={BAD_BATCH: fault})
@@ -105,10 +105,14 @@ def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
     assert changes == [[]]
     message = str(error)
     assert f"global step {BAD_BATCH}" in message
-    if fault == "nan_loss":
-        assert "loss nan (nan)" in message and "gradients finite" in message
-    else:
-        assert "non-finite gradients of logits/weights" in message
+    expected = {
+        "nan_loss": "loss nan (nan), gradients finite",
+        "inf_loss": "loss inf (inf), gradients finite",
+        "nan_gradient": "(finite), non-finite gradients of logits/weights,",
+        "nan_input": "loss nan (nan), non-finite gradients of fc1/weights, fc1/biases, "
+                     "logits/weights, logits/biases,",
+    }[fault]
+    assert expected in message
     assert "the nan_policy is 'raise'" in message
     assert int(final["global_step"]) == BAD_BATCH
 

@@ -141,6 +141,42 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
         assert "out/weights" not in event.culprits
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "not_fused"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
+    """The moving mean and variance that slim.batch_norm's update ops assign are gated too."""
+    from slim_nanguard import compat
+    compat.install()  # slim.batch_norm needs it on current TensorFlow
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(2)
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3, 3, 2])
+        y = tf.compat.v1.placeholder(tf.int64, [4])
+        net = slim.conv2d(x, 4, [3, 3], normalizer_fn=slim.batch_norm,
+                          normalizer_params={"fused": fused, "is_training": True}, scope="conv")
+        logits = slim.fully_connected(slim.flatten(net), 2, activation_fn=None, scope="out")
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
+        assert len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)) == 2
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode])
+        rng = np.random.RandomState(0)
+        good = {x: rng.randn(4, 3, 3, 2).astype(np.float32), y: np.array([0, 1, 0, 1])}
+        bad = dict(good)
+        bad[x] = good[x].copy()
+        bad[x][1, 1, 1, 0] = np.nan
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train_op, good)
+            before = lib.state(sess, graph)
+            assert np.any(before["conv/BatchNorm/moving_mean"])  # the good step moved it
+            _run(sess, train_op, bad)
+            lib.assert_state_equal(before, lib.state(sess, graph))
+            sess.run(train_op, good)
+            after = lib.state(sess, graph)
+    assert not np.array_equal(after["conv/BatchNorm/moving_variance"],
+                              before["conv/BatchNorm/moving_variance"])
+
+
 def test_the_event_names_the_culprit_variables():
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
