@@ -9,7 +9,11 @@ The same names mean the same thing in both modes (check_numerics and hook):
 * ``rollback``: restore the latest good checkpoint, skip ``rollback_skip_batches`` batches of
   input, optionally scale the learning rate by ``rollback_lr_factor``, and carry on. After
   ``max_rollbacks`` rollbacks (or ``max_consecutive_bad_steps`` bad steps in a row), give up as
-  ``raise`` does.
+  ``raise`` does. The checkpoint is the newest readable one of the checkpoint directory; every
+  checkpoint the guard lets through is finite, and a `CheckpointSaverHook` saves one when the
+  session starts, so there is one from the first step on. With checkpointing off there is
+  none: the rollback then fails with `CheckpointNotFoundError` (it does not silently fall back
+  to the initial weights, which would throw away the whole run).
 
 A user callback, ``on_nan``, sees every event first and may return one of these names to
 override the policy for that event (or None to keep it).
