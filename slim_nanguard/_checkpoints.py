@@ -111,6 +111,21 @@ def _short(err: BaseException) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
 
 
+def finite_flags(variables) -> Tuple[tf.Tensor, List[str]]:
+    """One op that tells, for each floating-point variable, whether all its values are finite.
+
+    Returns:
+      A bool vector (one reduction per variable, no element-wise temporaries) and the
+      variable names in the same order.
+    """
+    variables = [v for v in variables if v.dtype.base_dtype.is_floating]
+    names = [v.op.name for v in variables]
+    if not variables:
+        return tf.constant([], tf.bool), names
+    sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
+    return tf.math.is_finite(sums), names
+
+
 class FiniteSaver(tf.compat.v1.train.Saver):
     """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
 
@@ -127,14 +142,8 @@ class FiniteSaver(tf.compat.v1.train.Saver):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        variables = [v for v in self._var_list_for_check() if v.dtype.base_dtype.is_floating]
         with tf.name_scope("nanguard_finite_saver"):
-            if variables:
-                sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
-                self._finite_flags = tf.math.is_finite(sums)
-            else:
-                self._finite_flags = tf.constant([], tf.bool)
-        self._checked_names = [v.op.name for v in variables]
+            self._finite_flags, self._checked_names = finite_flags(self._var_list_for_check())
         self.refused_saves = 0
 
     def _var_list_for_check(self):

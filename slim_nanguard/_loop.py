@@ -112,16 +112,10 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
         self._names: List[str] = []
 
     def begin(self):
-        variables = [v for v in tf.compat.v1.global_variables()
-                     if v.dtype.base_dtype.is_floating]
-        self._names = [v.op.name for v in variables]
         with tf.name_scope("nanguard_finite_model"):
-            self._flags = tf.math.is_finite(tf.stack(
-                [tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])) if variables else None
+            self._flags, self._names = _checkpoints.finite_flags(tf.compat.v1.global_variables())
 
     def after_create_session(self, session, coord):
-        if self._flags is None:
-            return
         bad = [n for n, ok in zip(self._names, session.run(self._flags)) if not ok]
         if bad:
             raise _errors.NonFiniteCheckpointError(
