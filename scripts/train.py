@@ -1,0 +1,219 @@
+"""Trains an image classifier with TF-Slim, guarded against NaN/Inf by slim_nanguard.
+
+The flags follow TF-Slim's ``train_image_classifier.py`` (tensorflow/models research/slim)
+where one means the same thing; the guard is one flag away (``--nan_policy``,
+``--check_numerics``) and ``--inject_fault`` lets you watch it work. Configs are flagfiles::
+
+    slim-nanguard-train --flagfile=configs/default.cfg
+    python scripts/train.py --train_dir=/tmp/run --inject_fault=nan_input:40
+
+Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
+Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
+stderr; ``--verbosity=1`` adds the Python traceback); 3 stopped by ``--nan_policy=stop``;
+130 interrupted by Ctrl-C (after a clean stop with a final checkpoint).
+"""
+
+import dataclasses
+import os
+import sys
+import traceback
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import slim_nanguard  # noqa: E402
+
+from slim_nanguard import compat  # noqa: E402
+from slim_nanguard import datasets  # noqa: E402
+from slim_nanguard import faults  # noqa: E402
+from slim_nanguard import launch  # noqa: E402
+from slim_nanguard import models  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+EXIT_ERROR = 1
+EXIT_NAN_STOP = 3
+EXIT_INTERRUPTED = 130
+
+# ----------------------------------------------------------------------- where and what
+flags.DEFINE_string("train_dir", None, "Directory for checkpoints, summaries and the event "
+                    "record (nanguard_events.jsonl). A directory with a checkpoint is resumed.")
+flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model to train.")
+flags.DEFINE_enum("dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES,
+                  "digits: UCI 8x8 digits shipped with the package (offline); synthetic: a "
+                  "generated toy problem; tfrecord: TF-Slim TFRecords in --dataset_dir.")
+flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
+flags.DEFINE_string("dataset_split_name", "train", "The split to train on.")
+flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
+flags.DEFINE_integer("train_image_size", None, "Image side fed to the model; default: the "
+                     "model's own (28 for lenet, 224 for the tf_slim.nets, the data's for mlp).",
+                     lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of the graph and of the shuffling (same seed, same run).")
+
+# ----------------------------------------------------------------------- optimisation
+flags.DEFINE_integer("max_number_of_steps", 2000, "Stop when the global step reaches this.")
+flags.DEFINE_enum("optimizer", "momentum", launch.OPTIMIZERS, "The optimizer.")
+flags.DEFINE_float("learning_rate", 0.05, "Initial learning rate.")
+flags.DEFINE_enum("learning_rate_decay_type", "fixed", launch.DECAY_TYPES,
+                  "How the learning rate decays.")
+flags.DEFINE_float("learning_rate_decay_factor", 0.94, "Exponential decay factor.")
+flags.DEFINE_float("num_epochs_per_decay", 2.0, "Epochs per exponential decay, or over which "
+                   "polynomial decay reaches --end_learning_rate.")
+flags.DEFINE_float("end_learning_rate", 0.0001, "Where polynomial decay ends.")
+flags.DEFINE_float("momentum", 0.9, "Momentum of the momentum optimizer.")
+flags.DEFINE_float("rmsprop_momentum", 0.9, "Momentum of rmsprop.")
+flags.DEFINE_float("rmsprop_decay", 0.9, "Decay of rmsprop.")
+flags.DEFINE_float("adam_beta1", 0.9, "Adam's beta1.")
+flags.DEFINE_float("adam_beta2", 0.999, "Adam's beta2.")
+flags.DEFINE_float("opt_epsilon", 1.0, "Epsilon of adam, rmsprop and adadelta.")
+flags.DEFINE_float("adadelta_rho", 0.95, "Adadelta's rho.")
+flags.DEFINE_float("adagrad_initial_accumulator_value", 0.1, "Adagrad's initial accumulator.")
+flags.DEFINE_float("ftrl_learning_rate_power", -0.5, "FTRL's learning-rate power.")
+flags.DEFINE_float("ftrl_initial_accumulator_value", 0.1, "FTRL's initial accumulator.")
+flags.DEFINE_float("ftrl_l1", 0.0, "FTRL's L1 regularization.")
+flags.DEFINE_float("ftrl_l2", 0.0, "FTRL's L2 regularization.")
+flags.DEFINE_float("weight_decay", 0.00004, "L2 coefficient of the model's weights.")
+flags.DEFINE_float("label_smoothing", 0.0, "Label smoothing of the cross-entropy.")
+flags.DEFINE_float("clip_gradient_norm", 0.0, "Clip each gradient to this norm (0: off).")
+
+# ----------------------------------------------------------------------- logging and saving
+flags.DEFINE_integer("log_every_n_steps", 100, "Steps between progress lines (0: none).",
+                     lower_bound=0)
+flags.DEFINE_integer("save_interval_secs", 600, "Seconds between checkpoints.", lower_bound=0)
+flags.DEFINE_integer("save_interval_steps", 0, "Steps between checkpoints; when > 0 it "
+                     "replaces --save_interval_secs.", lower_bound=0)
+flags.DEFINE_integer("save_summaries_secs", 600, "Seconds between summaries (when "
+                     "--save_summaries_steps is 0).", lower_bound=0)
+flags.DEFINE_integer("save_summaries_steps", 100, "Steps between summaries (0: by time).",
+                     lower_bound=0)
+flags.DEFINE_string("eval_split_name", "test", "After training, evaluate the final "
+                    "checkpoint on this split ('' to skip).")
+
+# ----------------------------------------------------------------------- fine-tuning
+flags.DEFINE_string("checkpoint_path", None, "Fine-tune from this checkpoint (prefix or "
+                    "directory); ignored when --train_dir already holds a checkpoint.")
+flags.DEFINE_list("checkpoint_exclude_scopes", [], "Comma-separated variable scopes not "
+                  "restored from --checkpoint_path (e.g. MLP/logits).")
+flags.DEFINE_list("trainable_scopes", [], "Comma-separated variable scopes to train "
+                  "(default: all).")
+flags.DEFINE_boolean("ignore_missing_vars", False, "Leave variables missing from "
+                     "--checkpoint_path initialised instead of failing.")
+
+# ----------------------------------------------------------------------- distribution
+flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
+flags.DEFINE_integer("task", 0, "Task id; task 0 is the chief.", lower_bound=0)
+
+# ----------------------------------------------------------------------- the guard
+flags.DEFINE_boolean("check_numerics", True, "The guard's mode: a bad step raises inside the "
+                     "step (check_numerics mode); --nocheck_numerics lets a session hook see "
+                     "it (hook mode). Both write nothing on a bad step.")
+flags.DEFINE_enum("nan_policy", "skip", ("raise", "stop", "skip", "rollback"),
+                  "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
+                  "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).")
+flags.DEFINE_integer("max_consecutive_bad_steps", 10, "Give up (exit 1) after this many bad "
+                     "steps in a row.", lower_bound=1)
+flags.DEFINE_integer("rollback_skip_batches", 1, "Batches skipped after a rollback.",
+                     lower_bound=0)
+flags.DEFINE_float("rollback_lr_factor", 1.0, "Multiply the learning rate by this at each "
+                   "rollback, in (0, 1].", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("max_rollbacks", 3, "Give up (exit 1) rather than roll back more often.",
+                     lower_bound=1)
+flags.DEFINE_list("inject_fault", [], "Faults to inject, KIND:STEP or KIND:FIRST-LAST, comma-"
+                  f"separated; KIND is one of {', '.join(faults.FAULT_KINDS)}; STEP counts "
+                  "batches from 0 (in a fresh run, the global step of the bad step).")
+
+flags.mark_flag_as_required("train_dir")
+flags.register_validator(
+    "max_number_of_steps", lambda value: value is None or value >= 0,
+    message="must be >= 0: the global step at which training stops.")
+flags.register_validator(
+    "rollback_lr_factor", lambda value: value > 0,
+    message="must be in (0, 1]: the learning-rate factor applied at each rollback.")
+
+
+def _check_faults(values):
+    for value in values:
+        faults.FaultSpec.parse(value)  # Raises ValueError, which absl reports with the flag.
+    return True
+
+
+flags.register_validator("inject_fault", _check_faults,
+                         message="write KIND:STEP, e.g. nan_input:40; KIND is one of "
+                         f"{', '.join(faults.FAULT_KINDS)}.")
+
+
+def train_config_from_flags() -> launch.TrainConfig:
+    """The TrainConfig the flags describe."""
+    names = [f.name for f in dataclasses.fields(launch.TrainConfig)]
+    values = {name: FLAGS[name].value for name in names if name in FLAGS}
+    values["inject_faults"] = tuple(FLAGS.inject_fault)
+    return launch.TrainConfig(**values)
+
+
+def _quiet_tensorflow() -> None:
+    """Hides TensorFlow's and tf-slim's deprecation chatter unless --verbosity asks for it."""
+    if FLAGS.verbosity < 1:
+        tf.get_logger().setLevel("ERROR")
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def fail(err: BaseException) -> int:
+    """Prints the one-or-two-line message of `err` (and the traceback if asked); returns 1."""
+    if FLAGS.verbosity >= 1:
+        traceback.print_exception(type(err), err, err.__traceback__)
+    prog = os.path.basename(sys.argv[0]) or "slim-nanguard-train"
+    for line in launch.error_message(err).splitlines():
+        print(f"{prog}: error: {line}" if line else "", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {' '.join(argv[1:])!r}: every setting is "
+                             "a --flag (see --helpshort).")
+    _quiet_tensorflow()
+    logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
+    tf.compat.v1.disable_v2_behavior()
+    compat.install()
+    try:
+        config = train_config_from_flags()
+        eval_config = None
+        if FLAGS.eval_split_name:
+            eval_config = launch.EvalConfig(
+                checkpoint_path=config.train_dir, model_name=config.model_name,
+                dataset_name=config.dataset_name, dataset_dir=config.dataset_dir,
+                dataset_split_name=FLAGS.eval_split_name,
+                eval_image_size=config.train_image_size, master=config.master)
+            launch.check_eval_dataset(eval_config)
+        result = launch.run_training(config)
+    except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
+        # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
+        return fail(err)
+    print(launch.describe_training(result, config), flush=True)
+    if eval_config is not None and result.checkpoint and config.is_chief:
+        try:
+            evaluation = launch.run_eval(dataclasses.replace(
+                eval_config, checkpoint_path=result.checkpoint))
+            print(f"  evaluation    {evaluation.describe()}", flush=True)
+        except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
+            print(f"  evaluation    not possible: {launch.error_message(err)}", flush=True)
+    if result.stop_reason == "nan_policy_stop":
+        return EXIT_NAN_STOP
+    if result.stop_reason == "interrupted":
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def run():
+    """Entry point of the ``slim-nanguard-train`` command."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
