@@ -19,7 +19,8 @@ import sys
 import traceback
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+# TensorFlow's C++ warnings repeat every bad step's CheckNumerics message; the guard logs its own.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -138,13 +139,14 @@ flags.register_validator(
 
 def _check_faults(values):
     for value in values:
-        faults.FaultSpec.parse(value)  # Raises ValueError, which absl reports with the flag.
+        try:
+            faults.FaultSpec.parse(value)
+        except ValueError as err:
+            raise flags.ValidationError(str(err)) from None
     return True
 
 
-flags.register_validator("inject_fault", _check_faults,
-                         message="write KIND:STEP, e.g. nan_input:40; KIND is one of "
-                         f"{', '.join(faults.FAULT_KINDS)}.")
+flags.register_validator("inject_fault", _check_faults)
 
 
 def train_config_from_flags() -> launch.TrainConfig:
@@ -167,16 +169,21 @@ def fail(err: BaseException) -> int:
     """Prints the one-or-two-line message of `err` (and the traceback if asked); returns 1."""
     if FLAGS.verbosity >= 1:
         traceback.print_exception(type(err), err, err.__traceback__)
-    prog = os.path.basename(sys.argv[0]) or "slim-nanguard-train"
     for line in launch.error_message(err).splitlines():
-        print(f"{prog}: error: {line}" if line else "", file=sys.stderr)
+        print(f"{_prog()}: error: {line}", file=sys.stderr)
     return EXIT_ERROR
+
+
+def _prog() -> str:
+    return os.path.basename(sys.argv[0]) or "slim-nanguard-train"
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {' '.join(argv[1:])!r}: every setting is "
-                             "a --flag (see --helpshort).")
+        # Not app.UsageError: it prints the whole flag list.
+        print(f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
+              "is a --flag (see --helpshort).", file=sys.stderr)
+        return EXIT_ERROR
     _quiet_tensorflow()
     logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
     tf.compat.v1.disable_v2_behavior()
@@ -190,7 +197,14 @@ def main(argv):
                 dataset_name=config.dataset_name, dataset_dir=config.dataset_dir,
                 dataset_split_name=FLAGS.eval_split_name,
                 eval_image_size=config.train_image_size, master=config.master)
-            launch.check_eval_dataset(eval_config)
+            # The training split first, so that its errors name --dataset_split_name.
+            launch.check_eval_dataset(dataclasses.replace(
+                eval_config, dataset_split_name=config.dataset_split_name))
+            try:
+                launch.check_eval_dataset(eval_config)
+            except ValueError as err:
+                raise launch.LaunchError(f"--eval_split_name={FLAGS.eval_split_name}: {err} "
+                                         "(--eval_split_name='' skips the evaluation)") from None
         result = launch.run_training(config)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.

@@ -1,0 +1,96 @@
+"""Evaluates a checkpoint on a dataset split: accuracy and loss, the TF-Slim way.
+
+The flags follow TF-Slim's ``eval_image_classifier.py``. One pass over the split with
+``tf_slim.evaluation.evaluate_once`` and streaming metrics read by a ``FinalOpsHook``::
+
+    slim-nanguard-eval --checkpoint_path=/tmp/slim_nanguard/default
+    python scripts/eval.py --checkpoint_path=/tmp/run/model.ckpt-2000 --dataset_split_name=test
+
+A checkpoint holding NaN or Inf is refused. The result goes to stdout as one line; errors
+to stderr as one or two lines (``--verbosity=1`` adds the traceback), with exit status 1.
+"""
+
+import os
+import sys
+import traceback
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import slim_nanguard  # noqa: E402
+from slim_nanguard import compat  # noqa: E402
+from slim_nanguard import datasets  # noqa: E402
+from slim_nanguard import launch  # noqa: E402
+from slim_nanguard import models  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+EXIT_ERROR = 1
+
+flags.DEFINE_string("checkpoint_path", None, "The checkpoint to evaluate: a file prefix "
+                    "(model.ckpt-N) or a training directory (its latest checkpoint).")
+flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model the checkpoint holds.")
+flags.DEFINE_enum("dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES,
+                  "The dataset to evaluate on.")
+flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
+flags.DEFINE_string("dataset_split_name", "test", "The split to evaluate on.")
+flags.DEFINE_integer("batch_size", 100, "Examples per evaluation batch.", lower_bound=1)
+flags.DEFINE_integer("eval_image_size", None, "Image side fed to the model (as in "
+                     "training); default: the model's own.", lower_bound=1)
+flags.DEFINE_integer("max_num_batches", None, "Evaluate at most this many batches "
+                     "(default: the whole split).", lower_bound=1)
+flags.DEFINE_string("eval_dir", None, "Where to write the evaluation summaries (default: "
+                    "none written).")
+flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
+
+flags.mark_flag_as_required("checkpoint_path")
+
+
+def _prog() -> str:
+    return os.path.basename(sys.argv[0]) or "slim-nanguard-eval"
+
+
+def main(argv):
+    if len(argv) > 1:
+        print(f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
+              "is a --flag (see --helpshort).", file=sys.stderr)
+        return EXIT_ERROR
+    if FLAGS.verbosity < 1:
+        tf.get_logger().setLevel("ERROR")
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
+    tf.compat.v1.disable_v2_behavior()
+    compat.install()
+    try:
+        config = launch.EvalConfig(
+            checkpoint_path=FLAGS.checkpoint_path, model_name=FLAGS.model_name,
+            dataset_name=FLAGS.dataset_name, dataset_dir=FLAGS.dataset_dir,
+            dataset_split_name=FLAGS.dataset_split_name, batch_size=FLAGS.batch_size,
+            eval_image_size=FLAGS.eval_image_size, max_num_batches=FLAGS.max_num_batches,
+            eval_dir=FLAGS.eval_dir, master=FLAGS.master)
+        result = launch.run_eval(config)
+    except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
+        if FLAGS.verbosity >= 1:
+            traceback.print_exception(type(err), err, err.__traceback__)
+        for line in launch.error_message(err).splitlines():
+            print(f"{_prog()}: error: {line}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"eval/accuracy {result.accuracy:.4f}")
+    print(f"eval/loss {result.loss:.4f}")
+    print(result.describe(), flush=True)
+    return 0
+
+
+def run():
+    """Entry point of the ``slim-nanguard-eval`` command."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
