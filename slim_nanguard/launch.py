@@ -834,8 +834,18 @@ def error_message(err: BaseException) -> str:
     are cut to their first line, which names the op and the problem.
     """
     if isinstance(err, _errors.NanLossError):
-        return (f"{err}\nThe last good checkpoint is kept; to carry on past bad steps, use "
-                "--nan_policy=skip or --nan_policy=rollback.")
+        reason = getattr(err, "reason", "") or ""
+        if "max_consecutive_bad_steps" in reason:
+            advice = ("Every batch now gives NaN or Inf, so the weights went bad before the loss "
+                      "did (a learning rate too high?): --nan_policy=rollback restores the last "
+                      "good checkpoint, with --rollback_lr_factor to lower the learning rate.")
+        elif "max_rollbacks" in reason or "rollback" in reason:
+            advice = ("Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
+                      "so that each rollback lowers it further.")
+        else:
+            advice = ("The last good checkpoint is kept; to carry on past bad steps, use "
+                      "--nan_policy=skip or --nan_policy=rollback.")
+        return f"{err}\n{advice}"
     if isinstance(err, tf.errors.NotFoundError):
         return f"{_first_line(err)}\nCheck the file and directory flags."
     if isinstance(err, tf.errors.OpError):
