@@ -1,0 +1,251 @@
+"""End-to-end tests of the launchers: scripts/train.py and scripts/eval.py run as subprocesses.
+
+Each run costs a TensorFlow import (about 5 s), so the runs are few and each checks a lot:
+the exit status, what stdout and stderr say, the checkpoint values and the event record.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import slim_nanguard
+from slim_nanguard import datasets
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = REPO / "scripts" / "train.py"
+EVAL = REPO / "scripts" / "eval.py"
+
+# Lines TensorFlow's C++ runtime prints before any of ours, and absl log lines ("I1122 03:17:
+# 16.680808 1404 file.py:12] ...").
+_LOG_LINE = re.compile(r"^(WARNING: All log messages|To enable the following|[IWEF]\d{4} )")
+
+
+def _run(script, *args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _plain_stderr(proc):
+    """The stderr lines that are neither TensorFlow's start-up noise nor absl log lines."""
+    return [line for line in proc.stderr.splitlines() if line.strip() and not _LOG_LINE.match(line)]
+
+
+def _assert_clean_failure(proc, *words):
+    """Exit status 1, one or two plain lines naming `words`, no traceback."""
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = _plain_stderr(proc)
+    assert 1 <= len(lines) <= 2, lines
+    for word in words:
+        assert word in "\n".join(lines), lines
+
+
+def _assert_finite(checkpoint):
+    assert checkpoint is not None
+    assert slim_nanguard.non_finite_variables(checkpoint) == ()
+
+
+def _events(train_dir, kind):
+    return [e for e in slim_nanguard.read_events(str(train_dir)) if e["kind"] == kind]
+
+
+def _tensor(checkpoint, name):
+    return tf.train.load_checkpoint(checkpoint).get_tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# A clean run on the digits, resumed, fine-tuned from, evaluated.
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A clean 200-step run on the digits: (train_dir, completed process)."""
+    train_dir = tmp_path_factory.mktemp("launcher") / "clean"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", "--max_number_of_steps=200",
+                "--log_every_n_steps=50", "--save_summaries_steps=50")
+    return train_dir, proc
+
+
+def test_clean_run_logs_progress_and_a_summary(trained):
+    train_dir, proc = trained
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if "step 150/200: loss" in line]
+    assert progress and "steps/s" in progress[0] and "left" in progress[0]
+    assert "bad steps 0 (skipped 0, rolled back 0)" in progress[0]
+    out = proc.stdout
+    assert "Training reached the step limit at global step 200/200." in out
+    assert "bad steps     0 (skipped 0, rolled back 0)" in out
+    assert f"checkpoint    {train_dir}/model.ckpt-200" in out
+    assert f"event record  {train_dir}/nanguard_events.jsonl" in out
+    accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.8
+    _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+    (stop,) = _events(train_dir, "stop")
+    assert (stop["reason"], stop["step"]) == ("step_limit", 200)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(train_dir))
+
+
+@pytest.fixture(scope="module")
+def resumed(trained):
+    train_dir, _ = trained
+    return train_dir, _run(TRAIN, f"--train_dir={train_dir}", "--max_number_of_steps=300",
+                           "--log_every_n_steps=50", "--eval_split_name=")
+
+
+def test_resume_continues_from_the_step_reached(resumed):
+    train_dir, proc = resumed
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from" in proc.stderr and "model.ckpt-200" in proc.stderr
+    assert "at global step 300/300" in proc.stdout
+    assert "100 good steps in this run" in proc.stdout
+    assert "evaluation" not in proc.stdout
+    assert tf.train.latest_checkpoint(str(train_dir)).endswith("model.ckpt-300")
+    assert [e["step"] for e in _events(train_dir, "stop")] == [200, 300]
+
+
+def test_fine_tune_loads_the_hidden_layers_and_trains_the_logits(resumed, tmp_path):
+    source_dir, _ = resumed
+    source = tf.train.latest_checkpoint(str(source_dir))
+    train_dir = tmp_path / "finetune"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
+                "--checkpoint_exclude_scopes=MLP/logits", "--trainable_scopes=MLP/logits",
+                "--max_number_of_steps=30", "--eval_split_name=")
+    assert proc.returncode == 0, proc.stderr
+    assert "Fine-tuning from" in proc.stderr
+    tuned = tf.train.latest_checkpoint(str(train_dir))
+    assert tuned.endswith("model.ckpt-30")
+    for name in ("MLP/fc1/weights", "MLP/fc2/biases"):  # restored and frozen
+        np.testing.assert_array_equal(_tensor(tuned, name), _tensor(source, name))
+    # Excluded: initialised anew, then trained.
+    assert _tensor(tuned, "MLP/logits/weights").shape == _tensor(source, "MLP/logits/weights").shape
+    assert not np.allclose(_tensor(tuned, "MLP/logits/weights"),
+                           _tensor(source, "MLP/logits/weights"))
+
+
+def test_fine_tune_from_a_checkpoint_of_another_model_fails_cleanly(resumed, tmp_path):
+    source_dir, _ = resumed
+    train_dir = tmp_path / "lenet"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
+                "--model_name=lenet", "--train_image_size=8", "--max_number_of_steps=5")
+    _assert_clean_failure(proc, "--checkpoint_path", "does not match the model",
+                          "LeNet/conv1/weights", "--checkpoint_exclude_scopes")
+    assert not train_dir.exists()
+
+
+def test_eval_prints_accuracy_and_loss(resumed):
+    train_dir, _ = resumed
+    proc = _run(EVAL, f"--checkpoint_path={train_dir}", "--dataset_split_name=test")
+    assert proc.returncode == 0, proc.stderr
+    accuracy = float(re.search(r"^eval/accuracy ([0-9.]+)$", proc.stdout, re.M).group(1))
+    loss = float(re.search(r"^eval/loss ([0-9.]+)$", proc.stdout, re.M).group(1))
+    assert accuracy > 0.8 and 0 < loss < 1
+    assert "on 300 examples" in proc.stdout and "(global step 300)" in proc.stdout
+
+
+def test_eval_refuses_a_checkpoint_with_nan(tmp_path):
+    prefix = tmp_path / "nan" / "model.ckpt-7"
+    with tf.Graph().as_default():
+        tf.compat.v1.get_variable("MLP/fc1/weights",
+                                  initializer=np.full([64, 4], np.nan, np.float32))
+        tf.compat.v1.get_variable("MLP/fc1/biases", initializer=np.zeros([4], np.float32))
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            tf.compat.v1.train.Saver().save(session, str(prefix))
+    proc = _run(EVAL, f"--checkpoint_path={prefix.parent}")
+    _assert_clean_failure(proc, "NaN or Inf", "MLP/fc1/weights", "refusing to evaluate",
+                          str(prefix))
+    assert "eval/accuracy" not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Each mode x policy, with an injected fault at batch 20 of 40.
+
+_MODES = {"check_numerics": "--check_numerics", "hook": "--nocheck_numerics"}
+
+
+@pytest.mark.parametrize("mode, policy, fault", [
+    ("check_numerics", "raise", "nan_loss"),
+    ("check_numerics", "stop", "inf_input"),
+    ("check_numerics", "skip", "nan_input"),
+    ("check_numerics", "rollback", "nan_gradient"),
+    ("hook", "raise", "nan_gradient"),
+    ("hook", "stop", "nan_loss"),
+    ("hook", "skip", "inf_input"),
+    ("hook", "rollback", "nan_input"),
+])
+def test_mode_and_policy_with_an_injected_fault(tmp_path, mode, policy, fault):
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", _MODES[mode], f"--nan_policy={policy}",
+                f"--inject_fault={fault}:20", "--dataset_name=synthetic",
+                "--max_number_of_steps=40", "--save_interval_steps=10",
+                "--log_every_n_steps=10", "--eval_split_name=")
+    assert "Traceback" not in proc.stderr
+    (bad,) = _events(train_dir, "bad_step")
+    assert (bad["step"], bad["mode"], bad["action"]) == (20, mode, policy)
+    if fault == "nan_gradient":
+        assert bad["loss_kind"] == "finite" and bad["culprits"]
+    latest = tf.train.latest_checkpoint(str(train_dir))
+    _assert_finite(latest)
+    stop = _events(train_dir, "stop")[-1]
+
+    if policy == "raise":
+        _assert_clean_failure(proc, "NaN or Inf during training", "global step 20",
+                              "--nan_policy=skip")
+        assert stop["reason"] == "nan_error"
+        assert latest.endswith("model.ckpt-20")
+    elif policy == "stop":
+        assert proc.returncode == 3, proc.stderr
+        assert "stopped by --nan_policy=stop at a bad step at global step 20/40" in proc.stdout
+        assert (stop["reason"], stop["step"]) == ("nan_policy_stop", 20)
+    elif policy == "skip":
+        assert proc.returncode == 0, proc.stderr
+        assert "bad steps     1 (skipped 1, rolled back 0)" in proc.stdout
+        assert "step 40/40: loss" in proc.stderr
+        assert "bad steps 1 (skipped 1, rolled back 0)" in proc.stderr
+        assert (stop["reason"], stop["step"]) == ("step_limit", 40)
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "bad steps     1 (skipped 0, rolled back 1)" in proc.stdout
+        (rollback,) = _events(train_dir, "rollback")
+        assert rollback["checkpoint"].endswith("model.ckpt-20")
+        assert (stop["reason"], stop["step"]) == ("step_limit", 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one or two lines naming the flag, file or value; exit 1; nothing in train_dir.
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
+    (["--max_number_of_steps=-5"], ["--max_number_of_steps=-5", ">= 0"]),
+    (["--flagfile=configs/no_such.cfg"], ["configs/no_such.cfg"]),
+])
+def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", *args)
+    _assert_clean_failure(proc, *words)
+    assert not train_dir.exists()
+
+
+def test_tfrecord_without_the_expected_keys(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    example = tf.train.Example(features=tf.train.Features(feature={
+        "image/raw": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"\0" * 64])),
+        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+    }))
+    with tf.io.TFRecordWriter(str(data / "toy_train.tfrecord")) as writer:
+        writer.write(example.SerializeToString())
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
+                f"--dataset_dir={data}", "--dataset_split_name=train")
+    _assert_clean_failure(proc, "toy_train.tfrecord", datasets.ENCODED_KEY)
+    assert not train_dir.exists()
