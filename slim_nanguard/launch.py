@@ -403,7 +403,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
     if tf.io.gfile.exists(path + ".index"):
         return path
     if path.endswith((".index", ".meta")) or ".data-" in path:
-        prefix = path.rsplit(".", 1)[0] if not ".data-" in path else path.split(".data-")[0]
+        prefix = path.split(".data-")[0] if ".data-" in path else path.rsplit(".", 1)[0]
         if tf.io.gfile.exists(prefix + ".index"):
             return prefix
     if tf.io.gfile.exists(path):
@@ -445,14 +445,17 @@ def _names(items: Sequence[str], limit: int = 3) -> str:
 
 def _check_fits(path: str, variables: Sequence[tf.Variable], shapes, *, what: str,
                 ignore_missing: bool, advice: str) -> List[tf.Variable]:
-    """The variables to restore from `path`; raises LaunchError if the model does not fit."""
+    """The variables to restore from `path`; raises LaunchError if the model does not fit.
+
+    `what` names the checkpoint in the message, e.g. ``"--checkpoint_path {path}"``.
+    """
+    what = what.format(path=path)
     missing, wrong = _mismatches(variables, shapes)
     if wrong:
-        raise LaunchError(f"{what} {path} does not match the model: {_names(wrong, 2)}. "
-                          f"{advice}")
+        raise LaunchError(f"{what} does not match the model: {_names(wrong, 2)}. {advice}")
     if missing and not ignore_missing:
-        raise LaunchError(f"{what} {path} does not match the model: it has no "
-                          f"{_names(missing)}. {advice}")
+        raise LaunchError(f"{what} does not match the model: it has no {_names(missing)}. "
+                          f"{advice}")
     if missing:
         logging.warning("Not in %s, left as initialised: %s", path, _names(missing, 10))
     return [v for v in variables if v.op.name not in missing]
@@ -604,7 +607,8 @@ def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Sc
            "every variable of the model: there is nothing to fine-tune from.")
     shapes = _checkpoint_shapes(path, "--checkpoint_path")
     restore = _check_fits(
-        path, variables, shapes, what="--checkpoint_path", ignore_missing=config.ignore_missing_vars,
+        path, variables, shapes, what="--checkpoint_path {path}",
+        ignore_missing=config.ignore_missing_vars,
         advice=f"Use a checkpoint of model {config.model_name}, list the scopes that differ "
         "in --checkpoint_exclude_scopes (e.g. the logits), or pass --ignore_missing_vars.")
     _check(bool(restore), f"--checkpoint_path {path} holds none of the model's variables.")
@@ -627,7 +631,7 @@ def _check_resume(config: TrainConfig, built: _Built, checkpoint: str) -> None:
     with built.graph.as_default():
         variables = tf.compat.v1.global_variables()
     shapes = _checkpoint_shapes(checkpoint, "--train_dir")
-    _check_fits(checkpoint, variables, shapes, what="--train_dir holds checkpoint",
+    _check_fits(checkpoint, variables, shapes, what="The checkpoint in --train_dir ({path})",
                 ignore_missing=False,
                 advice="It was written by another model or other options (optimizer, "
                 "rollback_lr_factor): resume with the same flags, or use a new --train_dir.")
@@ -757,7 +761,7 @@ def run_eval(config: EvalConfig) -> EvalResult:
         logits = model_fn(images, info.num_classes, is_training=False)
         variables = slim.get_model_variables()
         restore = _check_fits(
-            path, variables, shapes, what="--checkpoint_path", ignore_missing=False,
+            path, variables, shapes, what="--checkpoint_path {path}", ignore_missing=False,
             advice=f"Evaluate with the --model_name, dataset and image size it was trained "
             f"with (here: {config.model_name} on {info.image_shape[0]}x{info.image_shape[1]}x"
             f"{info.image_shape[2]} {config.dataset_name} images, {info.num_classes} classes).")
