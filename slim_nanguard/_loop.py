@@ -135,6 +135,10 @@ class _Progress:
         self._guard = guard
         self._mark = None  # (time, step) at the previous line
 
+    def start(self, step: int) -> None:
+        """Marks where the loop starts, so that the first line has a rate too."""
+        self._mark = (time.monotonic(), step)
+
     def __call__(self, step: int, loss: float, first_state: _guard.GuardState) -> None:
         if self._every <= 0 or step % self._every:
             return
@@ -328,14 +332,33 @@ def _make_scaffold(scaffold, resume_from: Optional[str], max_to_keep: int):
                                          allow_empty=True)
     init_fn = None
     if resume_from:
+        restorer = _resume_saver(saver, resume_from)
+
         def init_fn(unused_scaffold, session):
-            saver.restore(session, resume_from)
+            restorer.restore(session, resume_from)
     kwargs = {"saver": saver}
     if init_fn is not None:
         kwargs["init_fn"] = init_fn
     if scaffold is not None:
         return tf.compat.v1.train.Scaffold(copy_from_scaffold=scaffold, **kwargs)
     return tf.compat.v1.train.Scaffold(**kwargs)
+
+
+def _resume_saver(saver, checkpoint: str):
+    """`saver`, or one that leaves out the guard's own variables missing from `checkpoint`.
+
+    The guard adds a variable (``nanguard/learning_rate_scale``) only when a rollback can
+    lower the learning rate, so a run resumed with other guard options may find it missing;
+    it then keeps its initial value. Any other missing variable fails the restore as usual.
+    """
+    in_checkpoint = set(tf.train.load_checkpoint(checkpoint).get_variable_to_shape_map())
+    variables = tf.compat.v1.global_variables()
+    missing = [v for v in variables if v.op.name not in in_checkpoint]
+    if not missing or any(not v.op.name.startswith("nanguard/") for v in missing):
+        return saver
+    logging.info("slim_nanguard: %s has no %s; starting it from its initial value.", checkpoint,
+                 ", ".join(v.op.name for v in missing))
+    return tf.compat.v1.train.Saver([v for v in variables if v not in missing], sharded=True)
 
 
 def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps,
@@ -371,6 +394,7 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 save_summaries_steps=None, save_summaries_secs=None, config=config,
                 log_step_count_steps=None) as sess:
         step = read_step(sess)
+        progress.start(step)
         while not sess.should_stop():
             if sigint.requested:
                 stop_reason = STOP_INTERRUPTED

@@ -629,12 +629,14 @@ def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Sc
 
 def _check_resume(config: TrainConfig, built: _Built, checkpoint: str) -> None:
     with built.graph.as_default():
-        variables = tf.compat.v1.global_variables()
+        # The guard's own variables may be missing (slim_nanguard.train restores around them).
+        variables = [v for v in tf.compat.v1.global_variables()
+                     if not v.op.name.startswith("nanguard/")]
     shapes = _checkpoint_shapes(checkpoint, "--train_dir")
     _check_fits(checkpoint, variables, shapes, what="The checkpoint in --train_dir ({path})",
                 ignore_missing=False,
                 advice="It was written by another model or other options (optimizer, "
-                "rollback_lr_factor): resume with the same flags, or use a new --train_dir.")
+                "model_name): resume with the same flags, or use a new --train_dir.")
 
 
 def run_training(config: TrainConfig) -> _loop.TrainResult:

@@ -257,6 +257,15 @@ class TestResume:
                          ("bad_step", None), ("stop", "step_limit")]
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
+    def test_resuming_with_another_rollback_lr_factor(self, tmp_path):
+        """The guard's learning-rate scale exists only with a factor below 1: resume anyway."""
+        first, _ = _train(tmp_path, steps=3)
+        assert "nanguard/learning_rate_scale" not in lib.checkpoint_values(first.checkpoint)
+        second, _ = _train(tmp_path, steps=6, nan_policy="rollback", rollback_lr_factor=0.5,
+                           faults={1: "nan_loss"})
+        assert (second.steps, second.rollbacks, second.learning_rate_scale) == (3, 1, 0.5)
+        assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.5
+
     def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(self, tmp_path, caplog):
         _train(tmp_path, steps=4)
         latest = tf.train.latest_checkpoint(str(tmp_path))
