@@ -1,0 +1,759 @@
+"""What guarding a TF-Slim train op costs, measured side by side with the alternatives.
+
+`run_benchmark` is what ``slim-nanguard-benchmark`` (``scripts/benchmark.py``) calls. For each
+model and optimizer it builds every variant in a graph (variants that differ only in the
+loop or the hooks share one), with `Settings.replicas` sessions per variant (each with its own
+variables), all alive at once in this one process, then::
+
+    warm up every session (graph rewrites, kernel creation, first allocations)
+    for round in rounds:                          # the machine is shared: interleave
+        for chunk in chunks:
+            for session in shuffled(all sessions):  # a new order each time
+                time `steps` runs of its train op   # time.perf_counter, garbage collector off
+        time[variant] = its fastest chunk, over its sessions  # drops the moments another
+                                                              # process ran, and bad layouts
+        ratio[variant] = time[variant] / time[reference of variant]   # within the round
+    report the median ms/step, and the median ratio with its min and max over the rounds
+    trace a few steps of each variant: the most bytes its step holds at once
+    for the skip and rollback policies: time bad steps (a NaN in the batch), count the
+      global steps each lost
+
+The reference of a variant is the unguarded tf-slim train op in the same loop: a plain
+``session.run`` loop or a `MonitoredTrainingSession`. ``enable_check_numerics`` cannot build
+on reference variables (it wraps their ref output and the initializer breaks), so it and its
+own reference use resource variables; every other variant uses what tf-slim makes under
+``disable_v2_behavior()``, reference variables.
+
+Every step feeds the same constant batch held in the graph (a ``placeholder_with_default``,
+so that a bad batch can be fed without changing the graph); no input pipeline is timed.
+
+Two sessions of one graph can differ by 5-15% on the wide layer for as long as they live
+(where their buffers landed); so can a session that page-faults its step's tensors back in
+every step because malloc gave them back to the system. The first is why a variant gets
+several sessions and its fastest counts; the second is why the launcher tunes glibc malloc
+before TensorFlow allocates anything (``--keep_freed_memory``), and why the results record
+page faults per step. The ``baseline_again`` variant, a second copy of the reference, shows
+what resolution is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+import tf_slim
+
+import slim_nanguard
+from slim_nanguard import models
+
+# ---------------------------------------------------------------------------- models
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model to time: a name, a batch shape and a builder of its logits.
+
+    Attributes:
+      name: Key used on the command line and in the results.
+      description: One line for the report (``{depth}`` and ``{variables}`` are filled in).
+      input_shape: Shape of one example.
+      batch_size: Examples per step.
+      build: ``fn(images, depth) -> logits`` (10 classes), building in the current graph;
+        ``depth`` is `Settings.deep_layers`, which only the deep net uses.
+    """
+
+    name: str
+    description: str
+    input_shape: Tuple[int, ...]
+    batch_size: int
+    build: Callable[[tf.Tensor, int], tf.Tensor]
+
+
+NUM_CLASSES = 10
+
+
+def _mlp(images: tf.Tensor, depth: int) -> tf.Tensor:
+    del depth
+    return models.mlp(images, NUM_CLASSES, True, hidden_units=(256, 256))
+
+
+def _lenet(images: tf.Tensor, depth: int) -> tf.Tensor:
+    del depth
+    return models.lenet(images, NUM_CLASSES, True)
+
+
+def _deep(images: tf.Tensor, depth: int, width: int = 64) -> tf.Tensor:
+    # He initialisation keeps 50 ReLU layers' activations (and gradients) in range.
+    with tf.compat.v1.variable_scope("Deep"):
+        with tf_slim.arg_scope([tf_slim.fully_connected], activation_fn=tf.nn.relu,
+                               weights_initializer=tf_slim.variance_scaling_initializer(2.0)):
+            net = images
+            for index in range(depth):
+                net = tf_slim.fully_connected(net, width, scope=f"fc{index + 1}")
+            return tf_slim.fully_connected(net, NUM_CLASSES, activation_fn=None,
+                                           scope="logits")
+
+
+def _wide(images: tf.Tensor, depth: int) -> tf.Tensor:
+    del depth
+    return models.mlp(images, NUM_CLASSES, True, hidden_units=(2048, 2048), scope="Wide")
+
+
+MODELS: Dict[str, ModelSpec] = {
+    spec.name: spec for spec in (
+        ModelSpec("mlp", "MLP 784-256-256-10, batch 128", (784,), 128, _mlp),
+        ModelSpec("lenet", "LeNet CNN on 8x8x1 digits, batch 64", (8, 8, 1), 64, _lenet),
+        ModelSpec("deep", "{depth} x FC(64) + logits, {variables} variables, batch 128",
+                  (64,), 128, _deep),
+        ModelSpec("wide", "784-2048-2048-10, 5.8M parameters, batch 32", (784,), 32, _wide),
+    )
+}
+
+OPTIMIZERS: Dict[str, Callable[[], tf.compat.v1.train.Optimizer]] = {
+    "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.01),
+    "adam": lambda: tf.compat.v1.train.AdamOptimizer(1e-3),
+}
+
+# ---------------------------------------------------------------------------- variants
+
+PLAIN = "session"
+MTS = "MonitoredTrainingSession"
+
+# Large enough that the benchmark's repeated bad steps never make the guard give up.
+_PATIENT = dict(max_consecutive_bad_steps=1000, max_rollbacks=1000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of building and running a train op.
+
+    Attributes:
+      name: Key in the results.
+      label: What the table shows.
+      loop: `PLAIN` (``session.run`` in a loop) or `MTS` (`MonitoredTrainingSession`).
+      reference: Name of the variant its ratio is taken against (None: itself).
+      build: ``fn(loss, optimizer) -> train_op``, in the current graph.
+      hooks: ``fn(train_op, checkpoint_dir) -> [SessionRunHook]`` (MTS loop only).
+      resource_variables: Build the model on resource variables.
+      check_numerics_callback: Build with `tf.debugging.enable_check_numerics` on.
+      nan_policy: The guard's policy, for our variants.
+      ours: True for slim_nanguard's own variants.
+      bad_step: Also time bad steps of it (our skip and rollback variants).
+      graph_of: Name of a variant (earlier in `VARIANTS`) whose graph this one runs too, in
+        sessions of its own: it differs only in the loop or the hooks.
+    """
+
+    name: str
+    label: str
+    loop: str
+    reference: Optional[str]
+    build: Callable[[tf.Tensor, Any], tf.Tensor]
+    hooks: Optional[Callable[[tf.Tensor, str], list]] = None
+    resource_variables: bool = False
+    check_numerics_callback: bool = False
+    nan_policy: Optional[str] = None
+    ours: bool = False
+    bad_step: bool = False
+    graph_of: Optional[str] = None
+
+
+def _slim(check_numerics: bool):
+    def build(loss, optimizer):
+        return tf_slim.learning.create_train_op(loss, optimizer, check_numerics=check_numerics)
+    return build
+
+
+def _check_each_gradient(loss, optimizer):
+    def transform(grads_and_vars):
+        return [(tf.debugging.check_numerics(g, f"gradient of {v.op.name}"), v)
+                for g, v in grads_and_vars]
+    return tf_slim.training.create_train_op(loss, optimizer, transform_grads_fn=transform,
+                                            check_numerics=False)
+
+
+def _loss_scale_skip(loss, optimizer):
+    # A dynamic loss scale of 1 that never grows: no scaling, and a skipped step (a tf.cond
+    # over one all-finite flag) whenever a gradient is NaN or Inf.
+    scale = tf.compat.v1.mixed_precision.DynamicLossScale(
+        initial_loss_scale=1, increment_period=2**31 - 1, multiplier=2)
+    wrapped = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(optimizer, scale)
+    return tf_slim.learning.create_train_op(loss, wrapped, check_numerics=False)
+
+
+def _ours(check_numerics: bool, policy: str):
+    def build(loss, optimizer):
+        return slim_nanguard.create_train_op(loss, optimizer, check_numerics=check_numerics,
+                                             nan_policy=policy, **_PATIENT)
+    return build
+
+
+def _nan_tensor_hook(train_op, checkpoint_dir):
+    del checkpoint_dir
+    loss = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.LOSSES)[0]
+    return [tf.compat.v1.train.NanTensorHook(loss)]
+
+
+def _our_hook(train_op, checkpoint_dir):
+    return [slim_nanguard.nan_hook(train_op, checkpoint_dir=checkpoint_dir)]
+
+
+POLICY_NAMES = ("raise", "stop", "skip", "rollback")
+BAD_STEP_POLICIES = ("skip", "rollback")
+
+
+def _make_variants() -> Dict[str, Variant]:
+    variants = [
+        Variant("baseline", "slim, unguarded (check_numerics=False)", PLAIN, None,
+                _slim(False)),
+        Variant("baseline_again", "slim, unguarded: a second copy (the noise floor)", PLAIN,
+                "baseline", _slim(False), graph_of="baseline"),
+        Variant("baseline_mts", "slim, unguarded, in MonitoredTrainingSession", MTS,
+                "baseline", _slim(False), graph_of="baseline"),
+        Variant("baseline_resource", "slim, unguarded, resource variables", PLAIN,
+                "baseline", _slim(False), resource_variables=True),
+        Variant("slim_check_numerics", "slim check_numerics=True (loss only, not atomic)",
+                PLAIN, "baseline", _slim(True)),
+        Variant("nan_tensor_hook", "NanTensorHook (loss only, after the update)", MTS,
+                "baseline_mts", _slim(False), hooks=_nan_tensor_hook, graph_of="baseline"),
+        Variant("check_numerics_per_gradient", "check_numerics on every gradient (not atomic)",
+                PLAIN, "baseline", _check_each_gradient),
+        Variant("enable_check_numerics", "tf.debugging.enable_check_numerics", PLAIN,
+                "baseline_resource", _slim(False), resource_variables=True,
+                check_numerics_callback=True),
+        Variant("loss_scale_skip", "MixedPrecisionLossScaleOptimizer, loss scale 1 (atomic)",
+                PLAIN, "baseline", _loss_scale_skip),
+    ]
+    for policy in POLICY_NAMES:
+        variants.append(Variant(
+            f"nanguard_check_numerics_{policy}", f"ours: check_numerics mode, {policy}", PLAIN,
+            "baseline", _ours(True, policy), nan_policy=policy, ours=True,
+            bad_step=policy in BAD_STEP_POLICIES))
+    for policy in POLICY_NAMES:
+        variants.append(Variant(
+            f"nanguard_hook_{policy}", f"ours: hook mode, {policy}", MTS, "baseline_mts",
+            _ours(False, policy), hooks=_our_hook, nan_policy=policy, ours=True,
+            bad_step=policy in BAD_STEP_POLICIES))
+    variants.append(Variant(
+        "nanguard_hook_graph_only", "ours: hook-mode graph in a plain loop, no hook", PLAIN,
+        "baseline", _ours(False, "raise"), nan_policy="raise", ours=True,
+        graph_of="nanguard_hook_raise"))
+    return {v.name: v for v in variants}
+
+
+VARIANTS: Dict[str, Variant] = _make_variants()
+
+# Our two modes with the atomic step, as the targets name them.
+OUR_MODES = ("nanguard_check_numerics_raise", "nanguard_hook_raise")
+# Target: median ratio at most this, per model.
+TARGETS = {"mlp": 1.05, "lenet": 1.05, "wide": 1.05, "deep": 1.10}
+
+# ---------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How long and what to measure.
+
+    Attributes:
+      models: Model names (keys of `MODELS`).
+      optimizers: Optimizer names (keys of `OPTIMIZERS`).
+      variants: Variant names (keys of `VARIANTS`); the references they need are added.
+      rounds: Interleaved rounds; each gives one time per variant and one ratio.
+      chunks: Timed chunks per session and round, interleaved (ABC ABC ABC); the round's
+        time of a variant is its fastest chunk, which filters out the moments another
+        process took the cores.
+      replicas: Sessions per variant, each with its own variables. Two sessions of one graph
+        can differ by several percent (up to 40% for Adam on the wide layer) for as long as
+        they live, with where their buffers landed in memory; the fastest counts, as for
+        chunks, so that no variant is judged by one unlucky layout.
+      round_seconds: Target time of one variant in one round, all chunks and sessions
+        together (sets the steps per chunk from the baseline's speed).
+      min_steps: Fewest steps per chunk.
+      warmup_steps: Untimed steps of each variant before the first round.
+      bad_step_repeats: Bad steps timed per policy and mode.
+      rollback_distance: Good steps between the checkpoint and the bad step (rollback).
+      batch_scale: Multiplies every model's batch size (below 1 for a tiny smoke test).
+      deep_layers: Hidden layers of the deep narrow net (50; fewer for a smoke test).
+      intra_op_threads: Session ``intra_op_parallelism_threads`` (0: TensorFlow's choice).
+      inter_op_threads: Session ``inter_op_parallelism_threads`` (0: TensorFlow's choice).
+      seed: Seed of the data, the weights and the order of the variants.
+    """
+
+    models: Tuple[str, ...] = tuple(MODELS)
+    optimizers: Tuple[str, ...] = tuple(OPTIMIZERS)
+    variants: Tuple[str, ...] = tuple(VARIANTS)
+    rounds: int = 7
+    chunks: int = 2
+    replicas: int = 2
+    round_seconds: float = 0.12
+    min_steps: int = 5
+    warmup_steps: int = 10
+    bad_step_repeats: int = 3
+    rollback_distance: int = 10
+    batch_scale: float = 1.0
+    deep_layers: int = 50
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        for kind, names, known in (("model", self.models, MODELS),
+                                   ("optimizer", self.optimizers, OPTIMIZERS),
+                                   ("variant", self.variants, VARIANTS)):
+            unknown = [n for n in names if n not in known]
+            if unknown or not names:
+                raise ValueError(f"unknown or no {kind} names {unknown or list(names)}; "
+                                 f"choose from {', '.join(known)}.")
+        if (min(self.rounds, self.chunks, self.replicas, self.min_steps) < 1
+                or self.warmup_steps < 0):
+            raise ValueError(f"rounds, chunks, replicas and min_steps must be >= 1 and "
+                             f"warmup_steps >= 0; got {self.rounds}, {self.chunks}, "
+                             f"{self.replicas}, {self.min_steps}, {self.warmup_steps}.")
+        if self.deep_layers < 1:
+            raise ValueError(f"deep_layers must be >= 1; got {self.deep_layers}.")
+        if self.round_seconds <= 0 or self.batch_scale <= 0:
+            raise ValueError(f"round_seconds and batch_scale must be > 0; got "
+                             f"{self.round_seconds}, {self.batch_scale}.")
+
+    def all_variants(self) -> Tuple[str, ...]:
+        """The chosen variants and every reference they are compared with, in table order."""
+        wanted = set(self.variants)
+        for name in self.variants:
+            ref = VARIANTS[name].reference
+            while ref is not None:
+                wanted.add(ref)
+                ref = VARIANTS[ref].reference
+        return tuple(n for n in VARIANTS if n in wanted)
+
+    def session_config(self) -> tf.compat.v1.ConfigProto:
+        return tf.compat.v1.ConfigProto(intra_op_parallelism_threads=self.intra_op_threads,
+                                        inter_op_parallelism_threads=self.inter_op_threads)
+
+
+# --quick: every model and variant, SGD only, few short rounds.
+QUICK = dict(optimizers=("sgd",), rounds=3, chunks=2, replicas=1, round_seconds=0.03,
+             warmup_steps=5, bad_step_repeats=1)
+
+# ---------------------------------------------------------------------------- one variant
+
+
+class Trainer:
+    """One variant of one model: a graph, and a session of its own.
+
+    Attributes:
+      variant: The `Variant`.
+      graph: Its graph.
+      train_op: The train op.
+      images: The input (a ``placeholder_with_default`` over the constant batch).
+      guard: The slim_nanguard guard, for our variants.
+      ops: Number of operations in the graph.
+      gradient_bytes: Bytes of one copy of the gradients (one per trainable variable).
+      page_faults: Minor page faults of the process during this session's timed steps.
+      timed_steps: Steps timed by `time_steps`.
+    """
+
+    def __init__(self, model: ModelSpec, optimizer: str, variant: Variant,
+                 settings: Settings, checkpoint_dir: str):
+        self.variant = variant
+        self.checkpoint_dir = checkpoint_dir
+        self.graph = tf.Graph()
+        batch = max(1, int(round(model.batch_size * settings.batch_scale)))
+        rng = np.random.RandomState(settings.seed)
+        self.batch_images = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
+        labels = rng.randint(0, NUM_CLASSES, size=batch).astype(np.int64)
+        with self.graph.as_default():
+            tf.compat.v1.set_random_seed(settings.seed)
+            if variant.check_numerics_callback:
+                tf.debugging.enable_check_numerics()
+            try:
+                with tf.compat.v1.variable_scope(
+                        "", use_resource=True if variant.resource_variables else None):
+                    self.images = tf.compat.v1.placeholder_with_default(
+                        self.batch_images, self.batch_images.shape, name="images")
+                    logits = model.build(self.images, settings.deep_layers)
+                    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+                        tf.constant(labels), logits)
+                    self.train_op = variant.build(loss, OPTIMIZERS[optimizer]())
+            finally:
+                if variant.check_numerics_callback:
+                    tf.debugging.disable_check_numerics()
+            self.ops = len(self.graph.get_operations())
+            self.guard = slim_nanguard.get_guard(self.train_op)
+            self.global_step = tf.compat.v1.train.get_global_step()
+            self.gradient_bytes = sum(
+                v.shape.num_elements() * v.dtype.base_dtype.size
+                for v in tf.compat.v1.trainable_variables())
+            self._init_op = tf.compat.v1.global_variables_initializer()
+        self._settings = settings
+        self.page_faults = self.timed_steps = 0
+        self.session = self._new_session()
+
+    def replica(self, checkpoint_dir: str, variant: Optional[Variant] = None) -> "Trainer":
+        """The same graph in another session, with its own variables (so its own memory
+        layout), run as `variant` runs it (default: as this one)."""
+        twin = object.__new__(Trainer)
+        twin.__dict__.update(self.__dict__)
+        twin.variant = variant or self.variant
+        twin.checkpoint_dir = checkpoint_dir
+        twin.page_faults = twin.timed_steps = 0
+        twin.session = twin._new_session()  # pylint: disable=protected-access
+        return twin
+
+    def _new_session(self):
+        config = self._settings.session_config()
+        with self.graph.as_default():
+            if self.variant.loop == MTS:
+                hooks = (self.variant.hooks(self.train_op, self.checkpoint_dir)
+                         if self.variant.hooks else [])
+                return tf.compat.v1.train.MonitoredTrainingSession(
+                    hooks=hooks, config=config, checkpoint_dir=None, save_checkpoint_secs=None,
+                    save_checkpoint_steps=None, save_summaries_steps=None,
+                    save_summaries_secs=None, log_step_count_steps=None)
+            session = tf.compat.v1.Session(graph=self.graph, config=config)
+            session.run(self._init_op)
+            return session
+
+    def raw_session(self):
+        if isinstance(self.session, tf.compat.v1.Session):
+            return self.session
+        return self.session._tf_sess()  # pylint: disable=protected-access
+
+    def step(self, feed_dict=None):
+        """Runs one step as the variant's loop would; a numerics error goes to the guard."""
+        try:
+            return self.session.run(self.train_op, feed_dict=feed_dict)
+        except tf.errors.InvalidArgumentError as error:
+            if self.guard is None:
+                raise
+            return slim_nanguard.handle_numerics_error(self.session, error,
+                                                       checkpoint_dir=self.checkpoint_dir)
+
+    def time_steps(self, steps: int) -> float:
+        """Seconds per step over `steps` steps (the same loop for every variant).
+
+        Also adds the page faults the process took meanwhile to `page_faults`.
+        """
+        step = self.step
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            seconds = (time.perf_counter() - start) / steps
+            self.page_faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            self.timed_steps += steps
+            return seconds
+        finally:
+            if enabled:
+                gc.enable()
+
+    def global_step_value(self) -> int:
+        return int(self.raw_session().run(self.global_step))
+
+    def bad_batch(self) -> np.ndarray:
+        bad = self.batch_images.copy()
+        bad.flat[len(bad.flat) // 2] = np.nan
+        return bad
+
+    def save(self) -> str:
+        return self.guard.saver.save(self.raw_session(),
+                                     os.path.join(self.checkpoint_dir, "model.ckpt"),
+                                     global_step=self.global_step_value())
+
+    def close(self):
+        self.session.close()
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
+    """The most bytes a step's tensors hold at once, over `steps` traced steps.
+
+    A traced run (``FULL_TRACE``) records every allocation and deallocation the step's ops make
+    (requested bytes, with a time stamp); summing them in time order gives the live bytes of
+    the step, whose maximum is returned. Variables and slots are not in it (they live across
+    steps); gradients, activations and any temporary are. An allocation and a deallocation
+    stamped the same microsecond are counted allocation first, so the figure errs high.
+    """
+    peak = 0
+    for _ in range(steps):
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        trainer.raw_session().run(trainer.train_op, options=options, run_metadata=metadata)
+        events = sorted(((r.alloc_micros, -r.alloc_bytes)
+                         for device in metadata.step_stats.dev_stats
+                         for node in device.node_stats for memory in node.memory
+                         for r in memory.allocation_records))
+        live = 0
+        for _, negated in events:
+            live -= negated
+            peak = max(peak, live)
+    return peak
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def _summary(values: Sequence[float]) -> Dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _time_bad_steps(trainer: Trainer, settings: Settings) -> Dict[str, Any]:
+    """Times good and bad fed steps of a skip or rollback variant; counts the steps lost."""
+    policy = trainer.variant.nan_policy
+    good_times, bad_times, lost = [], [], []
+    bad = trainer.bad_batch()
+    # A fed run is a new signature for the session: the first one builds an executor.
+    trainer.step({trainer.images: trainer.batch_images})
+    for _ in range(settings.bad_step_repeats):
+        start = time.perf_counter()
+        trainer.step({trainer.images: trainer.batch_images})
+        good_times.append(time.perf_counter() - start)
+        if policy == "rollback":
+            trainer.save()
+            for _ in range(settings.rollback_distance):
+                trainer.step()
+        before = trainer.global_step_value()
+        start = time.perf_counter()
+        trainer.step({trainer.images: bad})
+        bad_times.append(time.perf_counter() - start)
+        lost.append(before - trainer.global_step_value())
+        for _ in range(3):
+            trainer.step()
+    state = trainer.guard.state
+    return {"model": None, "optimizer": None, "variant": trainer.variant.name,
+            "policy": policy, "good_step_ms": 1e3 * statistics.median(good_times),
+            "bad_step_ms": _summary([1e3 * t for t in bad_times]),
+            "steps_lost": _summary(lost), "skips": state.skips, "rollbacks": state.rollbacks,
+            "bad_steps": state.total_bad_steps}
+
+
+def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bool,
+                 log: Callable[[str], None]) -> Tuple[List[Dict], List[Dict]]:
+    model = MODELS[model_name]
+    names = settings.all_variants()
+    workdir = tempfile.mkdtemp(prefix="nanguard_bench_")
+    trainers: Dict[str, List[Trainer]] = {}
+    try:
+        start = time.perf_counter()
+        for name in names:
+            variant = VARIANTS[name]
+            if variant.graph_of in trainers:
+                first = trainers[variant.graph_of][0].replica(_directory(workdir, name, 0),
+                                                              variant)
+            else:
+                first = Trainer(model, optimizer, variant, settings,
+                                _directory(workdir, name, 0))
+            trainers[name] = [first] + [first.replica(_directory(workdir, name, i))
+                                        for i in range(1, settings.replicas)]
+        for replicas in trainers.values():
+            for trainer in replicas:
+                for _ in range(settings.warmup_steps):
+                    trainer.step()
+        per_step = trainers["baseline"][0].time_steps(max(settings.min_steps, 10))
+        samples = settings.chunks * settings.replicas
+        steps = max(settings.min_steps, int(round(settings.round_seconds / samples / per_step)))
+        log(f"{model_name}/{optimizer}: {len(names)} variants x {settings.replicas} sessions "
+            f"built and warmed up in {time.perf_counter() - start:.1f} s; {samples} x {steps} "
+            f"steps per variant and round ({1e3 * per_step:.2f} ms/step)")
+        order = [(name, i) for name in names for i in range(settings.replicas)]
+        rng = random.Random(settings.seed)
+        times: Dict[str, List[float]] = {n: [] for n in names}
+        session_times: Dict[Tuple[str, int], List[float]] = {key: [] for key in order}
+        for _ in range(settings.rounds):
+            fastest = {key: math.inf for key in order}
+            for _ in range(settings.chunks):
+                rng.shuffle(order)
+                for name, i in order:
+                    fastest[name, i] = min(fastest[name, i], trainers[name][i].time_steps(steps))
+            for key, seconds in fastest.items():
+                session_times[key].append(seconds)
+            for name in names:
+                times[name].append(min(fastest[name, i] for i in range(settings.replicas)))
+        peaks = {n: transient_peak_bytes(trainers[n][0]) for n in names} if memory else {}
+        results = []
+        for name in names:
+            variant = VARIANTS[name]
+            ref = variant.reference or name
+            ratios = [t / r for t, r in zip(times[name], times[ref])]
+            results.append({
+                "model": model_name, "optimizer": optimizer, "variant": name,
+                "label": variant.label, "loop": variant.loop, "reference": ref,
+                "ms_per_step": _summary([1e3 * t for t in times[name]]),
+                "round_ms": [1e3 * t for t in times[name]],
+                "session_median_ms": [1e3 * statistics.median(session_times[name, i])
+                                      for i in range(settings.replicas)],
+                "ratio": _summary(ratios), "rounds": settings.rounds,
+                "chunks": settings.chunks, "steps_per_chunk": steps,
+                "replicas": settings.replicas,
+                # Minor page faults per timed step, per session: memory handed back to the
+                # system and faulted in again every step shows here (and in the time).
+                "page_faults_per_step": [t.page_faults / max(t.timed_steps, 1)
+                                         for t in trainers[name]],
+                "graph_ops": trainers[name][0].ops,
+                "graph_ops_added": trainers[name][0].ops - trainers[ref][0].ops,
+                "gradient_bytes": trainers[name][0].gradient_bytes,
+            })
+            # Memory against the unguarded op on the same kind of variables.
+            base = "baseline_resource" if variant.resource_variables else "baseline"
+            if memory and base in peaks:
+                extra = peaks[name] - peaks[base]
+                results[-1].update(
+                    step_peak_bytes=peaks[name], extra_peak_bytes=extra,
+                    extra_gradient_copies=extra / trainers[name][0].gradient_bytes)
+        bad_steps = []
+        for name in names:
+            if VARIANTS[name].bad_step:
+                record = _time_bad_steps(trainers[name][0], settings)
+                record.update(model=model_name, optimizer=optimizer,
+                              baseline_ms=1e3 * statistics.median(times[
+                                  VARIANTS[name].reference]))
+                bad_steps.append(record)
+        return results, bad_steps
+    finally:
+        for replicas in trainers.values():
+            for trainer in replicas:
+                trainer.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _directory(workdir: str, name: str, replica: int) -> str:
+    path = os.path.join(workdir, f"{name}_{replica}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def machine_info() -> Dict[str, Any]:
+    """The CPU, core count and software versions the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "tensorflow": tf.__version__, "tf_slim": getattr(tf_slim, "__version__", "1.1.0"),
+            "platform": platform.platform()}
+
+
+def run_benchmark(settings: Settings, *, memory: bool = True,
+                  log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Times every variant of `settings` on every model and optimizer.
+
+    Args:
+      settings: What to measure and for how long.
+      memory: Also measure each variant's transient memory (`transient_peak_bytes`).
+      log: Called with a progress line now and then.
+
+    Returns:
+      A JSON-ready dict: ``machine``, ``settings``, ``results`` (one per model, optimizer and
+      variant), ``bad_steps``, ``targets`` and ``seconds``.
+    """
+    start = time.perf_counter()
+    results, bad_steps = [], []
+    for model_name in settings.models:
+        for optimizer in settings.optimizers:
+            r, b = _measure_one(model_name, optimizer, settings, memory, log)
+            results += r
+            bad_steps += b
+    depth = settings.deep_layers
+    models_used = {name: {"description": MODELS[name].description.format(
+        depth=depth, variables=2 * (depth + 1)),
+                          "input_shape": list(MODELS[name].input_shape),
+                          "batch_size": max(1, int(round(MODELS[name].batch_size
+                                                         * settings.batch_scale)))}
+                   for name in settings.models}
+    report = {"machine": machine_info(), "settings": dataclasses.asdict(settings),
+              "models": models_used,
+              "results": results, "bad_steps": bad_steps, "targets": check_targets(results),
+              "seconds": time.perf_counter() - start}
+    return report
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def check_targets(results: List[Dict]) -> List[Dict[str, Any]]:
+    """The issue's targets, each with the measured figure and whether it is met."""
+    by_key = {(r["model"], r["optimizer"], r["variant"]): r for r in results}
+    checks = []
+    for (model, optimizer, name), r in by_key.items():
+        if name not in OUR_MODES:
+            continue
+        ratio = r["ratio"]["median"]
+        limit = TARGETS.get(model)
+        if limit is not None:
+            checks.append({"model": model, "optimizer": optimizer, "variant": name,
+                           "target": f"<= {limit:.2f}x {r['reference']}", "measured": ratio,
+                           "met": ratio <= limit})
+        scale = by_key.get((model, optimizer, "loss_scale_skip"))
+        if scale is not None:
+            checks.append({"model": model, "optimizer": optimizer, "variant": name,
+                           "target": f"<= loss_scale_skip ({scale['ratio']['median']:.3f}x)",
+                           "measured": ratio, "met": ratio <= scale["ratio"]["median"]})
+        if "extra_gradient_copies" in r:
+            checks.append({"model": model, "optimizer": optimizer, "variant": name,
+                           "target": "<= 1 extra copy of the gradients at peak",
+                           "measured": r["extra_gradient_copies"],
+                           "met": r["extra_gradient_copies"] <= 1.0})
+    return checks
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def format_tables(report: Dict[str, Any]) -> str:
+    """The report as Markdown: step times, bad steps, targets."""
+    lines = ["| model | opt | variant | loop | ms/step | ratio (min–max) | ops added | "
+             "extra peak MiB (× gradients) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["results"]:
+        ms, ratio = r["ms_per_step"], r["ratio"]
+        if r["reference"] == r["variant"]:
+            shown = "1 (reference)"
+        else:
+            shown = f"{ratio['median']:.3f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+        memory = "–"
+        if "extra_peak_bytes" in r:
+            memory = f"{_mib(r['extra_peak_bytes'])} ({r['extra_gradient_copies']:.2f})"
+        lines.append(f"| {r['model']} | {r['optimizer']} | {r['label']} | "
+                     f"{'MTS' if r['loop'] == MTS else 'session'} | {ms['median']:.2f} | "
+                     f"{shown} | {r['graph_ops_added']} | {memory} |")
+    if report["bad_steps"]:
+        lines += ["", "| model | opt | variant | good step ms | bad step ms, median (min–max) | "
+                      "global steps lost |", "| --- | --- | --- | --- | --- | --- |"]
+        for b in report["bad_steps"]:
+            bad = b["bad_step_ms"]
+            lines.append(f"| {b['model']} | {b['optimizer']} | {VARIANTS[b['variant']].label} "
+                         f"| {b['good_step_ms']:.2f} | {bad['median']:.2f} "
+                         f"({bad['min']:.2f}–{bad['max']:.2f}) | "
+                         f"{b['steps_lost']['median']:g} |")
+    if report["targets"]:
+        lines += ["", "| model | opt | variant | target | measured | met |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for t in report["targets"]:
+            lines.append(f"| {t['model']} | {t['optimizer']} | {t['variant']} | {t['target']} "
+                         f"| {t['measured']:.3f} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines)
