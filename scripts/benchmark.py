@@ -73,14 +73,15 @@ def settings_from_flags():
         raise app.UsageError(str(err)) from None
 
 
-flags.DEFINE_bool("keep_freed_memory", True, "Have glibc malloc keep freed memory (no trim, "
-                  "no mmap below 32 MiB) so that no session page-faults its step's tensors back "
-                  "in every step; which sessions did so was down to allocation history, not to "
-                  "the variant, and moved their times by up to 10%.")
+flags.DEFINE_bool("keep_freed_memory", True, "Have glibc malloc keep freed memory (one "
+                  "arena, no trim, no mmap below 32 MiB) so that no session page-faults its "
+                  "step's tensors back in every step; which sessions did so was down to "
+                  "allocation history, not to the variant, and moved their times by up to 10%.")
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def keep_freed_memory() -> bool:
@@ -91,8 +92,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False  # Not glibc: nothing to tune.
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    # One arena: a thread's own arena unmaps a heap as soon as it is empty, whatever the trim
+    # threshold, so a 16 MiB gradient freed by another thread was faulted in again each step.
+    return all(mallopt(param, value) for param, value in (
+        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
 def main(argv):

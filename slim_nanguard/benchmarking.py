@@ -298,7 +298,7 @@ class Settings:
     chunks: int = 2
     replicas: int = 2
     round_seconds: float = 0.12
-    min_steps: int = 5
+    min_steps: int = 3
     warmup_steps: int = 10
     bad_step_repeats: int = 3
     rollback_distance: int = 10
@@ -559,8 +559,13 @@ def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bo
             else:
                 first = Trainer(model, optimizer, variant, settings,
                                 _directory(workdir, name, 0))
-            trainers[name] = [first] + [first.replica(_directory(workdir, name, i))
-                                        for i in range(1, settings.replicas)]
+            trainers[name] = [first]
+        # The other sessions in later passes, not right after the first: two sessions made
+        # one after the other get the same relative placement of their buffers, so share
+        # their luck with it, and the fastest of them would not undo a bad one.
+        for i in range(1, settings.replicas):
+            for name in names:
+                trainers[name].append(trainers[name][0].replica(_directory(workdir, name, i)))
         for replicas in trainers.values():
             for trainer in replicas:
                 for _ in range(settings.warmup_steps):
