@@ -5,7 +5,7 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
     begin()                  # finds the guard of its loss; builds the rollback saver
     after_create_session()   # forgets per-session state (also after a session recovery)
     while not stop:
-      before_run()           # asks for the loss, the gradient sums, the global step
+      before_run()           # asks for the gradient sums (the loss is the first one)
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
       after_run()            # finite: note a good step. Not finite: build a NanEvent and
                              #   raise  -> raise NanLossError (end() is then not called:
@@ -97,9 +97,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if guard.mode != _guard.MODE_HOOK:
             logging.info("slim_nanguard: the train op of %s is in check_numerics mode; its "
                          "check raises before this hook could run.", self._loss_tensor.name)
-        self._fetches = {"loss": guard.loss, "sums": guard.grad_sums}
-        if guard.global_step is not None:
-            self._fetches["step"] = guard.global_step
+        # One fetch per step: the sums vector starts with the loss. The global step is read
+        # only on a bad step (which left it unchanged).
+        self._fetches = {"sums": guard.grad_sums}
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
@@ -125,20 +125,22 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def after_run(self, run_context, run_values):
         results = run_values.results
-        loss = float(np.asarray(results["loss"]))
-        sums = results.get("sums")
-        finite = math.isfinite(loss) and (sums is None or bool(np.all(np.isfinite(sums))))
         if self._guard is None:
-            if not finite:
+            loss = float(np.asarray(results["loss"]))
+            if not math.isfinite(loss):
                 self._session_bad_steps += 1
                 self._unguarded_bad_step(run_context, loss)
             return
-        if finite:
+        sums = results["sums"]
+        if np.isfinite(sums).all():
             self._guard.note_good_step()
             return
         self._session_bad_steps += 1
         guard = self._guard
-        event = guard.on_bad_step(step=int(results.get("step", -1)), loss=loss, sums=sums,
+        step = -1
+        if guard.global_step is not None:
+            step = int(run_context.session.run(guard.global_step))
+        event = guard.on_bad_step(step=step, loss=float(sums[0]), sums=sums,
                                   policy=self._effective_policy())
         if event.action == _policy.STOP:
             run_context.request_stop()
