@@ -27,7 +27,10 @@ _LOG_LINE = re.compile(r"^(WARNING: All log messages|To enable the following|[IW
 
 
 def _run(script, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # The checkout first: a script run by path would otherwise import whatever slim_nanguard
+    # is installed (possibly an older, non-editable copy) rather than the code under test.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
     return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
