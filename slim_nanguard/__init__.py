@@ -21,6 +21,7 @@ from slim_nanguard._hook import NanLossHook
 from slim_nanguard._hook import nan_hook
 from slim_nanguard._loop import TrainResult
 from slim_nanguard._loop import train
+from slim_nanguard._policy import PERSISTENT_POLICIES
 from slim_nanguard._policy import POLICIES
 from slim_nanguard._policy import GuardConfig
 from slim_nanguard._policy import OnNanCallback
@@ -51,6 +52,7 @@ __all__ = [
     "NanLossHook",
     "NonFiniteCheckpointError",
     "OnNanCallback",
+    "PERSISTENT_POLICIES",
     "POLICIES",
     "TrainResult",
     "add_gradients_summaries",

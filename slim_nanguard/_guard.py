@@ -109,8 +109,10 @@ class Guard:
         """Calls ``listener(record)`` for each bad step and each rollback.
 
         A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``) and the
-        fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...); a
-        rollback adds ``checkpoint`` and ``skipped_batches``.
+        fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
+        step whose action came from ``persistent_nan_policy`` adds ``escalation`` (why, e.g.
+        ``"5 bad steps in a row reached max_consecutive_bad_steps=5"``); a rollback adds
+        ``checkpoint`` and ``skipped_batches``.
         """
         if listener not in self._listeners:
             self._listeners.append(listener)
@@ -139,6 +141,10 @@ class Guard:
                     policy: Optional[str] = None) -> _events.NanEvent:
         """Counts a bad step, asks the policy (and the `on_nan` callback) what to do.
 
+        After ``max_consecutive_bad_steps`` bad steps in a row under ``skip`` or ``rollback``
+        (after the `on_nan` callback), the action becomes the config's
+        ``persistent_nan_policy``; an escalated ``rollback`` starts the consecutive count over.
+
         Args:
           step: The global step the bad step was attempted at (-1 if unknown).
           loss: The loss value of the bad step.
@@ -146,12 +152,13 @@ class Guard:
           policy: The policy to apply instead of the configured one (a hook may say so).
 
         Returns:
-          The event, with ``action`` set to ``"stop"``, ``"skip"`` or ``"rollback"``; the caller
-          carries the action out.
+          The event, with ``action`` set to ``"stop"``, ``"skip"`` or ``"rollback"``: what is to
+          be done, escalation included; the caller carries the action out.
 
         Raises:
           NanLossError: When the action is ``raise``: the policy says so, or training gives up
-            (too many bad steps in a row, or too many rollbacks).
+            (too many bad steps in a row with ``persistent_nan_policy="raise"``, or too many
+            rollbacks).
         """
         state = self.state
         if (state.last_bad_step is not None and step >= 0
@@ -171,15 +178,18 @@ class Guard:
             chosen = self.config.on_nan(event)
             if chosen is not None:
                 action = _policy.validate_action(chosen, "the on_nan callback")
-        reason = ""
+        reason = escalation = ""
         if action in (_policy.SKIP, _policy.ROLLBACK) and (
                 state.consecutive_bad_steps >= self.config.max_consecutive_bad_steps):
-            reason = (f"{state.consecutive_bad_steps} bad steps in a row reached "
-                      f"max_consecutive_bad_steps={self.config.max_consecutive_bad_steps}")
-            action = _policy.RAISE
-        elif action == _policy.ROLLBACK and state.rollbacks >= self.config.max_rollbacks:
-            reason = (f"{state.rollbacks} rollbacks already done reached "
-                      f"max_rollbacks={self.config.max_rollbacks}")
+            # The state is bad, not the batch: escalate (raise by default).
+            reason = escalation = (
+                f"{state.consecutive_bad_steps} bad steps in a row reached "
+                f"max_consecutive_bad_steps={self.config.max_consecutive_bad_steps}")
+            action = self.config.persistent_nan_policy
+        if action == _policy.ROLLBACK and state.rollbacks >= self.config.max_rollbacks:
+            limit = (f"{state.rollbacks} rollbacks already done reached "
+                     f"max_rollbacks={self.config.max_rollbacks}")
+            reason = f"{reason}, and {limit}" if reason else limit
             action = _policy.RAISE
         event = dataclasses.replace(event, action=action)
         if action == _policy.SKIP:
@@ -187,7 +197,14 @@ class Guard:
         elif action == _policy.STOP:
             state.stops += 1
         _events.log_event(event)
-        self._notify("bad_step", event)
+        if escalation and action != _policy.RAISE:
+            logging.warning("slim_nanguard: %s, so the weights, not the batch, went bad: "
+                            "applying persistent_nan_policy=%r", escalation, action)
+            if action == _policy.ROLLBACK:
+                # Start the count over, or the first bad step after the rollback would
+                # escalate again (global_step may come back to the value of this bad step).
+                state.consecutive_bad_steps = 0
+        self._notify("bad_step", event, **({"escalation": escalation} if escalation else {}))
         self.last_event = event
         if action == _policy.RAISE:
             raise _errors.NanLossError(event, reason or "the nan_policy is 'raise'")

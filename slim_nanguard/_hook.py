@@ -14,6 +14,8 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
                              #             closing checkpoint holds the last good weights
                              #   skip   -> nothing; the next run takes the next batch
                              #   rollback -> restore the latest good checkpoint, skip input
+                             # (max_consecutive_bad_steps bad steps in a row under skip or
+                             # rollback: the action is persistent_nan_policy's)
     end()                    # nothing of the hook's own
 
 After a bad step the weights, the optimizer slots, ``global_step`` and the batch-norm moving
@@ -56,7 +58,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
       loss_tensor: The loss, or the train op `create_train_op` returned.
       fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
       nan_policy: Optional policy name that overrides the above.
-      checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy.
+      checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy and
+        by ``persistent_nan_policy="rollback"``.
       event_listener: Optional ``fn(record)`` called for each bad step and rollback (see
         `Guard.add_listener`).
     """
@@ -104,16 +107,20 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
             if not self._checkpoint_dir:
-                raise ValueError("the 'rollback' policy needs NanLossHook(checkpoint_dir=...), "
-                                 "the directory the session saves checkpoints to.")
+                what = ("the 'rollback' policy" if self._effective_policy() == _policy.ROLLBACK
+                        else "persistent_nan_policy='rollback'")
+                raise ValueError(f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
+                                 "the session saves checkpoints to.")
             # Built here if create_train_op did not: after begin() the graph is finalized.
             self._saver = guard.saver or tf.compat.v1.train.Saver(max_to_keep=None,
                                                                   name="nanguard_rollback")
 
     def _may_roll_back(self) -> bool:
         config = self._guard.config
-        return (self._nan_policy == _policy.ROLLBACK
-                or (self._nan_policy is None and config.nan_policy == _policy.ROLLBACK)
+        policy = self._effective_policy()
+        return (policy == _policy.ROLLBACK
+                # Escalation from skip, after max_consecutive_bad_steps in a row.
+                or (policy == _policy.SKIP and config.persistent_nan_policy == _policy.ROLLBACK)
                 or config.on_nan is not None and self._checkpoint_dir is not None)
 
     def after_create_session(self, session, coord):
@@ -175,7 +182,8 @@ def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
 
     Args:
       train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
-      checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``).
+      checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``, and by
+        ``persistent_nan_policy="rollback"``).
       event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:

@@ -56,7 +56,8 @@ class TrainResult:
       bad_steps: Bad steps seen by this call.
       skips: Bad steps skipped by this call.
       rollbacks: Rollbacks done by this call.
-      stop_reason: ``step_limit``, ``nan_policy_stop``, ``interrupted``, ``end_of_data`` or
+      stop_reason: ``step_limit``, ``nan_policy_stop`` (the ``stop`` policy, or
+        ``persistent_nan_policy="stop"``), ``interrupted``, ``end_of_data`` or
         ``stop_requested`` (a hook asked).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.

@@ -5,18 +5,35 @@ The same names mean the same thing in both modes (check_numerics and hook):
 * ``raise``: log the event and raise `NanLossError` (a `NanLossDuringTrainingError`).
 * ``stop``: log the event and ask the loop to stop; it ends cleanly with the last good weights.
 * ``skip``: log the event and carry on with the next batch. The bad step changed nothing. After
-  ``max_consecutive_bad_steps`` bad steps in a row, give up as ``raise`` does.
+  ``max_consecutive_bad_steps`` bad steps in a row, apply ``persistent_nan_policy`` (below).
 * ``rollback``: restore the latest good checkpoint, skip ``rollback_skip_batches`` batches of
   input, optionally scale the learning rate by ``rollback_lr_factor``, and carry on. After
-  ``max_rollbacks`` rollbacks (or ``max_consecutive_bad_steps`` bad steps in a row), give up as
-  ``raise`` does. The checkpoint is the newest readable one of the checkpoint directory; every
-  checkpoint the guard lets through is finite, and a `CheckpointSaverHook` saves one when the
-  session starts, so there is one from the first step on. With checkpointing off there is
-  none: the rollback then fails with `CheckpointNotFoundError` (it does not silently fall back
-  to the initial weights, which would throw away the whole run).
+  ``max_rollbacks`` rollbacks, give up as ``raise`` does; after ``max_consecutive_bad_steps``
+  bad steps in a row, apply ``persistent_nan_policy``. The checkpoint is the newest readable
+  one of the checkpoint directory; every checkpoint the guard lets through is finite, and a
+  `CheckpointSaverHook` saves one when the session starts, so there is one from the first
+  step on. With checkpointing off there is none: the rollback then fails with
+  `CheckpointNotFoundError` (it does not silently fall back to the initial weights, which
+  would throw away the whole run).
+
+Escalation, ``persistent_nan_policy``: ``skip`` is for transient faults (a corrupt record, an
+overflow in one batch). When ``max_consecutive_bad_steps`` bad steps come in a row under
+``skip`` or ``rollback``, the batch is not to blame: the state is (typically finite steps at too
+high a learning rate sent the weights to huge values before the loss overflowed), and no skip
+can undo that. The guard then applies ``persistent_nan_policy`` to that event instead:
+
+* ``raise`` (the default): give up with `NanLossError`, naming ``max_consecutive_bad_steps``.
+* ``stop``: end cleanly with the last good weights, as the ``stop`` policy does.
+* ``rollback``: restore the latest good checkpoint as the ``rollback`` policy does (with
+  ``rollback_skip_batches``, ``rollback_lr_factor``, and ``max_rollbacks``: at that bound it
+  gives up as ``raise`` does, naming both limits). The consecutive count then starts over, so
+  the run does not escalate again at its next bad step.
+
+``skip`` is not allowed there: it would step over a bad state for ever. The event's ``action``
+is what was done (``stop`` or ``rollback``), and the event record marks it as an escalation.
 
 A user callback, ``on_nan``, sees every event first and may return one of these names to
-override the policy for that event (or None to keep it).
+override the policy for that event (or None to keep it); escalation applies after it.
 """
 
 from __future__ import annotations
@@ -32,6 +49,8 @@ STOP = "stop"
 SKIP = "skip"
 ROLLBACK = "rollback"
 POLICIES = (RAISE, STOP, SKIP, ROLLBACK)
+# What `GuardConfig.persistent_nan_policy` may be: every policy but skip.
+PERSISTENT_POLICIES = (RAISE, STOP, ROLLBACK)
 
 
 class OnNanCallback(Protocol):
@@ -55,7 +74,14 @@ class GuardConfig:
 
     Attributes:
       nan_policy: One of ``raise``, ``stop``, ``skip``, ``rollback``.
-      max_consecutive_bad_steps: Give up (raise) once this many bad steps came in a row.
+      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
+        ``persistent_nan_policy`` once this many bad steps came in a row.
+      persistent_nan_policy: What happens once ``max_consecutive_bad_steps`` bad steps came in
+        a row under ``skip`` or ``rollback`` (the state is bad, not the batch): ``raise`` (the
+        default) gives up with `NanLossError`; ``stop`` ends cleanly with the last good
+        weights; ``rollback`` restores the latest good checkpoint as the ``rollback`` policy
+        does (bounded by ``max_rollbacks``) and starts the consecutive count over. Not
+        ``skip``, which would never end.
       on_nan: Optional `OnNanCallback` called with every bad step.
       rollback_skip_batches: Batches of input to throw away after a rollback, on top of the
         bad batch itself.
@@ -65,6 +91,7 @@ class GuardConfig:
 
     nan_policy: str = RAISE
     max_consecutive_bad_steps: int = 10
+    persistent_nan_policy: str = RAISE
     on_nan: Optional[OnNanCallback] = None
     rollback_skip_batches: int = 1
     rollback_lr_factor: float = 1.0
@@ -75,6 +102,11 @@ class GuardConfig:
             raise ValueError(f"nan_policy must be one of {', '.join(POLICIES)}; got "
                              f"{self.nan_policy!r}.")
         _check_int("max_consecutive_bad_steps", self.max_consecutive_bad_steps, minimum=1)
+        if self.persistent_nan_policy not in PERSISTENT_POLICIES:
+            raise ValueError(
+                f"persistent_nan_policy must be one of {', '.join(PERSISTENT_POLICIES)} (what "
+                "happens once max_consecutive_bad_steps bad steps came in a row; 'skip' would "
+                f"never end); got {self.persistent_nan_policy!r}.")
         _check_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _check_int("max_rollbacks", self.max_rollbacks, minimum=1)
         factor = self.rollback_lr_factor
@@ -85,6 +117,16 @@ class GuardConfig:
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(f"on_nan must be callable (event -> policy name or None); got "
                              f"{self.on_nan!r}.")
+
+    @property
+    def may_roll_back(self) -> bool:
+        """Whether a bad step can lead to a rollback, so that one needs a Saver and a directory.
+
+        True under the ``rollback`` policy, with ``persistent_nan_policy="rollback"``, and with
+        an ``on_nan`` callback (it may choose ``rollback``).
+        """
+        return (ROLLBACK in (self.nan_policy, self.persistent_nan_policy)
+                or self.on_nan is not None)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -41,7 +41,8 @@ def handle_numerics_error(session, error: BaseException, *,
     Args:
       session: A `tf.compat.v1.Session` or a `MonitoredSession` (its hooks are not run).
       error: The exception ``session.run`` raised.
-      checkpoint_dir: Where checkpoints are saved; needed for the ``rollback`` policy.
+      checkpoint_dir: Where checkpoints are saved; needed for the ``rollback`` policy and
+        for ``persistent_nan_policy="rollback"``.
 
     Returns:
       The event; its ``action`` (``stop``, ``skip`` or ``rollback``) has been carried out,
@@ -72,7 +73,8 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
     """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy.
 
     Use it as ``tf_slim.learning.train(train_op, logdir, train_step_fn=slim_nanguard.train_step)``
-    (for the ``rollback`` policy: ``train_step_fn=slim_nanguard.make_train_step(logdir)``).
+    (for the ``rollback`` policy or ``persistent_nan_policy="rollback"``:
+    ``train_step_fn=slim_nanguard.make_train_step(logdir)``).
     A numerics error from the guard of `train_op` is handled by the policy: ``skip`` returns
     the bad loss and carries on, ``stop`` returns ``should_stop=True``, ``raise`` raises
     `NanLossError`. Every other error propagates untouched.
@@ -82,8 +84,8 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
       train_op: The train op from `create_train_op`.
       global_step: The global step tensor.
       train_step_kwargs: The dict `tf_slim.learning.train` passes.
-      checkpoint_dir: Where checkpoints are saved (rollback only); default: the ``logdir`` of
-        `train_step_kwargs` when present.
+      checkpoint_dir: Where checkpoints are saved (rollback only, escalated or not); default:
+        the ``logdir`` of `train_step_kwargs` when present.
 
     Returns:
       ``(total_loss, should_stop)`` as tf-slim's `train_step`.
@@ -109,5 +111,5 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
 
 
 def make_train_step(checkpoint_dir: str):
-    """A `train_step` bound to `checkpoint_dir`, for the ``rollback`` policy."""
+    """A `train_step` bound to `checkpoint_dir`, for ``rollback`` (as policy or escalation)."""
     return functools.partial(train_step, checkpoint_dir=checkpoint_dir)

@@ -66,6 +66,7 @@ def create_train_op(total_loss: tf.Tensor,
                     *,
                     nan_policy: str = _policy.RAISE,
                     max_consecutive_bad_steps: int = 10,
+                    persistent_nan_policy: str = _policy.RAISE,
                     on_nan: Optional[_policy.OnNanCallback] = None,
                     rollback_skip_batches: int = 1,
                     rollback_lr_factor: float = 1.0,
@@ -98,7 +99,9 @@ def create_train_op(total_loss: tf.Tensor,
 
     The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
     ``stop`` ends the loop cleanly, ``skip`` carries on with the next batch, ``rollback``
-    restores the latest good checkpoint; see `GuardConfig`.
+    restores the latest good checkpoint; see `GuardConfig`. When ``max_consecutive_bad_steps``
+    bad steps come in a row under ``skip`` or ``rollback``, ``persistent_nan_policy`` decides
+    (``raise``, ``stop`` or ``rollback``).
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
@@ -118,12 +121,18 @@ def create_train_op(total_loss: tf.Tensor,
       check_numerics: True for check_numerics mode, False for hook mode.
       transform_grads_fn: Optional function from and to a list of (gradient, variable).
       nan_policy: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``.
-      max_consecutive_bad_steps: Give up (raise) once this many bad steps came in a row.
+      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
+        ``persistent_nan_policy`` once this many bad steps came in a row.
+      persistent_nan_policy: ``"raise"`` (give up with `NanLossError`, the default),
+        ``"stop"`` (end cleanly with the last good weights) or ``"rollback"`` (restore the
+        latest good checkpoint, as the ``rollback`` policy does, within ``max_rollbacks``):
+        what happens once ``max_consecutive_bad_steps`` bad steps came in a row, which means
+        the weights, not a batch, went bad.
       on_nan: Optional callback ``fn(event) -> policy name or None`` called on each bad step.
       rollback_skip_batches: Batches to skip after a rollback.
       rollback_lr_factor: Learning-rate multiplier applied at each rollback (0 < f <= 1).
       max_rollbacks: Give up (raise) rather than roll back more often than this.
-      config: A `GuardConfig`; overrides the six policy arguments above when given.
+      config: A `GuardConfig`; overrides the seven policy arguments above when given.
 
     Returns:
       A `Tensor` that, when evaluated, computes the gradients, applies them when they are
@@ -137,8 +146,9 @@ def create_train_op(total_loss: tf.Tensor,
     if config is None:
         config = _policy.GuardConfig(
             nan_policy=nan_policy, max_consecutive_bad_steps=max_consecutive_bad_steps,
-            on_nan=on_nan, rollback_skip_batches=rollback_skip_batches,
-            rollback_lr_factor=rollback_lr_factor, max_rollbacks=max_rollbacks)
+            persistent_nan_policy=persistent_nan_policy, on_nan=on_nan,
+            rollback_skip_batches=rollback_skip_batches, rollback_lr_factor=rollback_lr_factor,
+            max_rollbacks=max_rollbacks)
     elif not isinstance(config, _policy.GuardConfig):
         raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
     _check_loss(total_loss)
@@ -229,7 +239,7 @@ def create_train_op(total_loss: tf.Tensor,
             global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
             check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
             lr_scale=lr_scale)
-        if config.nan_policy == _policy.ROLLBACK or config.on_nan is not None:
+        if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
     return train_op

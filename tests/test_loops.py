@@ -42,7 +42,8 @@ def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
                     sess.run(model.train_op)
                 except tf.errors.InvalidArgumentError as err:
                     try:
-                        events.append(slim_nanguard.handle_numerics_error(sess, err))
+                        events.append(slim_nanguard.handle_numerics_error(
+                            sess, err, checkpoint_dir=checkpoint_dir))
                     except slim_nanguard.NanLossError as nan_error:
                         error = nan_error
                 except slim_nanguard.NanLossError as nan_error:
@@ -117,17 +118,111 @@ def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
     assert int(final["global_step"]) == BAD_BATCH
 
 
-def test_skip_gives_up_after_max_consecutive_bad_steps():
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_skip_gives_up_after_max_consecutive_bad_steps(hook_mode):
+    """The default persistent_nan_policy is raise: today's give-up rule."""
     faults = {i: "nan_input" for i in range(2, 10)}
-    model = lib.build_model(check_numerics=False, nan_policy="skip",
+    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
                             max_consecutive_bad_steps=3, faults=faults)
-    final, events, error, changes = _seed_flow(model, hook_mode=True)
+    assert slim_nanguard.get_guard(model.train_op).config.persistent_nan_policy == "raise"
+    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
     assert [e.action for e in events] == ["skip", "skip"]
     assert isinstance(error, slim_nanguard.NanLossError)
     assert error.event.consecutive == 3
     assert "3 bad steps in a row reached max_consecutive_bad_steps=3" in str(error)
     assert changes == [[], [], []]
     assert int(final["global_step"]) == 2
+
+
+def _escalating_model(hook_mode, persistent_nan_policy, bad_batches, **create_kwargs):
+    """The model under skip, escalating to `persistent_nan_policy`; `bad_batches` are NaN."""
+    return lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
+                           persistent_nan_policy=persistent_nan_policy,
+                           faults={i: "nan_input" for i in bad_batches}, **create_kwargs)
+
+
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, hook_mode):
+    """Three bad batches in a row: the state is bad, so the guard rolls back and carries on.
+
+    The checkpoint of step 2 is the one the rollback returns to, so the bad batch after it is
+    seen at global step 2 again: only the explicit reset keeps it from escalating once more.
+    """
+    model = _escalating_model(hook_mode, "rollback", range(2, 6), max_consecutive_bad_steps=3,
+                              rollback_skip_batches=0, rollback_lr_factor=0.5)
+    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode,
+                                               checkpoint_dir=str(tmp_path))
+    assert error is None
+    assert [(e.step, e.consecutive, e.action) for e in events] == [
+        (2, 1, "skip"), (2, 2, "skip"), (2, 3, "rollback"), (2, 1, "skip")]
+    assert changes == [[], []]  # the bad steps before the rollback wrote nothing
+    state = slim_nanguard.get_guard(model.train_op).state
+    assert (state.skips, state.rollbacks, state.learning_rate_scale) == (3, 1, 0.5)
+    # Training went on after the rollback: the step limit was reached with finite weights.
+    assert int(final["global_step"]) == STEPS
+    assert final["nanguard/learning_rate_scale"] == 0.5
+    lib.assert_all_finite(final)
+
+
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(hook_mode):
+    model = _escalating_model(hook_mode, "stop", range(2, 10), max_consecutive_bad_steps=3)
+    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
+    assert error is None
+    assert [(e.consecutive, e.action) for e in events] == [(1, "skip"), (2, "skip"),
+                                                           (3, "stop")]
+    assert changes == [[], [], []]
+    assert int(final["global_step"]) == 2
+    lib.assert_all_finite(final)
+
+
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, hook_mode):
+    model = _escalating_model(hook_mode, "rollback", range(2, 40), max_consecutive_bad_steps=2,
+                              max_rollbacks=2, rollback_skip_batches=0)
+    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode,
+                                         checkpoint_dir=str(tmp_path))
+    assert [e.action for e in events] == ["skip", "rollback", "skip", "rollback", "skip"]
+    assert isinstance(error, slim_nanguard.NanLossError)
+    assert error.event.action == "raise"
+    assert ("2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
+            "already done reached max_rollbacks=2") in str(error)
+    assert int(final["global_step"]) == 2
+    lib.assert_all_finite(final)
+
+
+def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
+    """check_numerics mode in tf-slim's own loop: skip, then the escalated rollback."""
+    model = lib.build_model(check_numerics=True, nan_policy="skip",
+                            max_consecutive_bad_steps=2, persistent_nan_policy="rollback",
+                            faults={BAD_BATCH: "nan_gradient", BAD_BATCH + 1: "nan_gradient"})
+    guard = slim_nanguard.get_guard(model.train_op)
+    with model.graph.as_default():
+        saver = slim_nanguard.FiniteSaver()
+        with tf.compat.v1.Session() as sess:  # the checkpoint to roll back to: step 0
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(tmp_path / "model.ckpt"), global_step=0)
+        loss = slim.learning.train(
+            model.train_op, str(tmp_path),
+            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)), number_of_steps=STEPS,
+            save_summaries_secs=None, save_interval_secs=None, saver=saver)
+    assert np.isfinite(loss)
+    assert (guard.last_event.step, guard.last_event.action) == (BAD_BATCH, "rollback")
+    assert (guard.state.total_bad_steps, guard.state.skips, guard.state.rollbacks) == (2, 1, 1)
+    values = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+    assert int(values["global_step"]) == STEPS
+    lib.assert_all_finite(values)
+
+
+def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
+    model = lib.build_model(check_numerics=False, nan_policy="skip",
+                            persistent_nan_policy="rollback")
+    with model.graph.as_default():
+        with pytest.raises(ValueError, match=r"persistent_nan_policy='rollback' needs "
+                                             r"NanLossHook\(checkpoint_dir=\.\.\.\)"):
+            with tf.compat.v1.train.MonitoredTrainingSession(
+                    hooks=[slim_nanguard.nan_hook(model.train_op)], log_step_count_steps=None):
+                pass
 
 
 def test_a_good_step_resets_the_consecutive_count():

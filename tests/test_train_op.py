@@ -361,6 +361,10 @@ class TestBadInput:
         ({"max_consecutive_bad_steps": 0}, "max_consecutive_bad_steps must be an integer >= 1; "
                                            "got 0"),
         ({"max_consecutive_bad_steps": -3}, "got -3"),
+        ({"persistent_nan_policy": "skip"}, "persistent_nan_policy must be one of raise, stop, "
+                                            r"rollback \(.*'skip' would never end\); got 'skip'"),
+        ({"persistent_nan_policy": "retry"}, "persistent_nan_policy must be one of raise, stop, "
+                                             "rollback .*got 'retry'"),
         ({"rollback_lr_factor": 1.5}, r"rollback_lr_factor must be a number in \(0, 1\]"),
         ({"max_rollbacks": 0}, "max_rollbacks must be an integer >= 1; got 0"),
         ({"on_nan": "print"}, "on_nan must be callable"),

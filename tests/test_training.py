@@ -26,6 +26,25 @@ MODES = {"check_numerics": True, "hook": False}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+class _AtRollback(tf.compat.v1.train.SessionRunHook):
+    """Reads every variable (and the consecutive count) as each rollback is recorded."""
+
+    def __init__(self, model, guard):
+        self.states = []
+        self._graph = model.graph
+        self._guard = guard
+        self._session = None
+        guard.add_listener(self._on_record)
+
+    def after_create_session(self, session, coord):
+        self._session = session  # the raw session
+
+    def _on_record(self, record):
+        if record["kind"] == "rollback":
+            self.states.append((lib.state(self._session, self._graph),
+                                self._guard.state.consecutive_bad_steps))
+
+
 def _train(logdir, *, mode="check_numerics", faults=None, steps=8, hooks=(), model=None,
            **create_kwargs):
     """Builds the model and trains it with checkpoints every step; returns (result, model)."""
@@ -203,6 +222,62 @@ class TestRollback:
         records = slim_nanguard.read_events(tmp_path)
         assert [r["kind"] for r in records] == ["bad_step", "rollback"] * 2 + ["bad_step", "stop"]
         assert records[-1]["reason"] == "nan_error"
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_skip_escalates_to_a_rollback_to_the_last_checkpoint(self, tmp_path, mode):
+        """Batches 4-6 are bad: two skips, then the third in a row rolls back to step 3."""
+        model = lib.build_model(check_numerics=MODES[mode], nan_policy="skip",
+                                max_consecutive_bad_steps=3, persistent_nan_policy="rollback",
+                                rollback_lr_factor=0.5,
+                                faults={i: "nan_input" for i in (4, 5, 6)})
+        guard = slim_nanguard.get_guard(model.train_op)
+        seen = _AtRollback(model, guard)
+        result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=10,
+                                     save_checkpoint_steps=3, save_summaries_steps=None,
+                                     log_every_n_steps=0, hooks=[seen])
+        # Batch 7 was skipped by the rollback; training went on from step 3 to the limit.
+        assert (result.bad_steps, result.skips, result.rollbacks) == (3, 2, 1)
+        assert (result.stop_reason, result.global_step) == ("step_limit", 10)
+        assert result.learning_rate_scale == 0.5
+        records = slim_nanguard.read_events(tmp_path)
+        assert [(r["kind"], r.get("action"), r.get("consecutive")) for r in records] == [
+            ("bad_step", "skip", 1), ("bad_step", "skip", 2), ("bad_step", "rollback", 3),
+            ("rollback", "rollback", 3), ("stop", None, None)]
+        assert records[2]["step"] == 4
+        assert records[2]["escalation"] == ("3 bad steps in a row reached "
+                                            "max_consecutive_bad_steps=3")
+        assert "escalation" not in records[0]
+        checkpoint = records[3]["checkpoint"]
+        assert checkpoint.endswith("model.ckpt-3")
+        # Right after the rollback: the weights of the checkpoint (not those of step 4), the
+        # lowered learning rate, and a consecutive count that starts over.
+        (restored, consecutive), = seen.states
+        assert consecutive == 0
+        expected = lib.checkpoint_values(checkpoint)
+        assert int(restored["global_step"]) == 3
+        for name, value in restored.items():
+            if name != "nanguard/learning_rate_scale":
+                np.testing.assert_array_equal(value, expected[name], err_msg=name)
+        assert restored["nanguard/learning_rate_scale"] == 0.5
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_escalation_to_stop_ends_with_the_last_good_checkpoint(self, tmp_path, mode):
+        snapshots = lib.Snapshots()
+        result, _ = _train(tmp_path, mode=mode, nan_policy="skip", max_consecutive_bad_steps=3,
+                           persistent_nan_policy="stop", hooks=[snapshots],
+                           faults={i: "nan_input" for i in range(BAD, 20)})
+        assert (result.stop_reason, result.global_step) == ("nan_policy_stop", BAD)
+        assert (result.bad_steps, result.skips, result.rollbacks) == (3, 2, 0)
+        records = slim_nanguard.read_events(tmp_path)
+        assert [(r["kind"], r.get("action") or r.get("reason")) for r in records] == [
+            ("bad_step", "skip"), ("bad_step", "skip"), ("bad_step", "stop"),
+            ("stop", "nan_policy_stop")]
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+        assert int(latest["global_step"]) == BAD
+        for name, value in snapshots.by_step[BAD].items():
+            np.testing.assert_array_equal(latest[name], value, err_msg=name)
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
     def test_rollback_without_a_checkpoint_fails_clearly(self, tmp_path):
         model = lib.build_model(nan_policy="rollback", faults={2: "nan_input"})
