@@ -9,8 +9,9 @@ where one means the same thing; the guard is one flag away (``--nan_policy``,
 
 Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
 Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
-stderr; ``--verbosity=1`` adds the Python traceback); 3 stopped by ``--nan_policy=stop``;
-130 interrupted by Ctrl-C (after a clean stop with a final checkpoint).
+stderr; ``--verbosity=1`` adds the Python traceback); 3 stopped by ``--nan_policy=stop`` or
+``--persistent_nan_policy=stop``; 130 interrupted by Ctrl-C (after a clean stop with a final
+checkpoint).
 """
 
 import dataclasses
@@ -116,8 +117,13 @@ flags.DEFINE_boolean("check_numerics", True, "The guard's mode: a bad step raise
 flags.DEFINE_enum("nan_policy", "skip", ("raise", "stop", "skip", "rollback"),
                   "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
                   "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).")
-flags.DEFINE_integer("max_consecutive_bad_steps", 10, "Give up (exit 1) after this many bad "
-                     "steps in a row.", lower_bound=1)
+flags.DEFINE_integer("max_consecutive_bad_steps", 10, "Under skip or rollback, apply "
+                     "--persistent_nan_policy after this many bad steps in a row.",
+                     lower_bound=1)
+flags.DEFINE_enum("persistent_nan_policy", "raise", ("raise", "stop", "rollback"),
+                  "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
+                  "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
+                  "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks).")
 flags.DEFINE_integer("rollback_skip_batches", 1, "Batches skipped after a rollback.",
                      lower_bound=0)
 flags.DEFINE_float("rollback_lr_factor", 1.0, "Multiply the learning rate by this at each "

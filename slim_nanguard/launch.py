@@ -146,7 +146,11 @@ class TrainConfig:
       check_numerics: The guard's mode: True raises at a bad step (check_numerics mode),
         False lets a hook see it (hook mode).
       nan_policy: ``raise``, ``stop``, ``skip`` or ``rollback``.
-      max_consecutive_bad_steps: Give up after this many bad steps in a row.
+      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
+        ``persistent_nan_policy`` after this many bad steps in a row.
+      persistent_nan_policy: ``raise`` (give up), ``stop`` (clean stop) or ``rollback``
+        (latest good checkpoint): what happens after ``max_consecutive_bad_steps`` bad steps in
+        a row, when the weights, not a batch, went bad.
       rollback_skip_batches: Batches skipped after a rollback.
       rollback_lr_factor: Learning-rate factor at each rollback, in (0, 1].
       max_rollbacks: Give up rather than roll back more often than this.
@@ -198,6 +202,7 @@ class TrainConfig:
     check_numerics: bool = True
     nan_policy: str = _policy.SKIP
     max_consecutive_bad_steps: int = 10
+    persistent_nan_policy: str = _policy.RAISE
     rollback_skip_batches: int = 1
     rollback_lr_factor: float = 1.0
     max_rollbacks: int = 3
@@ -231,6 +236,11 @@ class TrainConfig:
         _check(self.nan_policy in _policy.POLICIES,
                f"Unknown nan_policy {self.nan_policy!r} (--nan_policy): choose one of "
                f"{', '.join(_policy.POLICIES)}.")
+        _check(self.persistent_nan_policy in _policy.PERSISTENT_POLICIES,
+               f"Unknown persistent_nan_policy {self.persistent_nan_policy!r} "
+               "(--persistent_nan_policy): choose one of "
+               f"{', '.join(_policy.PERSISTENT_POLICIES)} (what happens after "
+               "--max_consecutive_bad_steps bad steps in a row).")
         for name in ("batch_size", "max_consecutive_bad_steps", "max_rollbacks",
                      "max_checkpoints_to_keep"):
             value = getattr(self, name)
@@ -280,6 +290,7 @@ class TrainConfig:
         """The guard's part of the config."""
         return _policy.GuardConfig(
             nan_policy=self.nan_policy, max_consecutive_bad_steps=self.max_consecutive_bad_steps,
+            persistent_nan_policy=self.persistent_nan_policy,
             rollback_skip_batches=self.rollback_skip_batches,
             rollback_lr_factor=self.rollback_lr_factor, max_rollbacks=self.max_rollbacks)
 
@@ -805,9 +816,14 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
     total = ""
     if config is not None and config.max_number_of_steps is not None:
         total = f"/{config.max_number_of_steps}"
+    stopped_by = "--nan_policy=stop at a bad step"
+    if config is not None and config.nan_policy != _policy.STOP:
+        # The launcher has no on_nan: only an escalation stops a run under another policy.
+        stopped_by = (f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
+                      f"{config.max_consecutive_bad_steps} bad steps in a row")
     reasons = {
         _loop.STOP_STEP_LIMIT: "reached the step limit",
-        _loop.STOP_POLICY: "stopped by --nan_policy=stop at a bad step",
+        _loop.STOP_POLICY: f"stopped by {stopped_by}",
         _loop.STOP_INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
         _loop.STOP_END_OF_DATA: "the input ran out",
         _loop.STOP_REQUESTED: "a hook asked to stop",
@@ -841,11 +857,13 @@ def error_message(err: BaseException) -> str:
     """
     if isinstance(err, _errors.NanLossError):
         reason = getattr(err, "reason", "") or ""
-        if "max_consecutive_bad_steps" in reason:
+        if "max_consecutive_bad_steps" in reason and "max_rollbacks" not in reason:
             advice = ("Every batch now gives NaN or Inf, so the weights went bad before the loss "
-                      "did (a learning rate too high?): --nan_policy=rollback restores the last "
-                      "good checkpoint, with --rollback_lr_factor to lower the learning rate.")
-        elif "max_rollbacks" in reason or "rollback" in reason:
+                      "did (a learning rate too high?). After that many bad steps in a row, "
+                      "--persistent_nan_policy=rollback restores the last good checkpoint (with "
+                      "--rollback_lr_factor to lower the learning rate), and "
+                      "--persistent_nan_policy=stop ends the run cleanly.")
+        elif "rollback" in reason:
             advice = ("Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
                       "so that each rollback lowers it further.")
         else:

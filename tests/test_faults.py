@@ -116,6 +116,8 @@ def test_a_range_hits_every_batch_in_it():
     ({"optimizer": "sgdx"}, ["--optimizer", "'sgdx'", "momentum"]),
     ({"learning_rate_decay_type": "cosine"}, ["--learning_rate_decay_type"]),
     ({"nan_policy": "ignore"}, ["--nan_policy", "rollback"]),
+    ({"persistent_nan_policy": "skip"}, ["--persistent_nan_policy", "'skip'",
+                                         "raise, stop, rollback"]),
     ({"model_name": "resnet_v9"}, ["--model_name"]),
     ({"batch_size": 0}, ["--batch_size"]),
     ({"learning_rate": -1.0}, ["--learning_rate"]),
