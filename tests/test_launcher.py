@@ -223,6 +223,49 @@ def test_mode_and_policy_with_an_injected_fault(tmp_path, mode, policy, fault):
 
 
 # ---------------------------------------------------------------------------------------------
+# A real divergence (SGD at learning rate 100, nothing injected) under skip, with escalation.
+
+_DIVERGE_SKIP = ("--flagfile=configs/diverge_skip.cfg", "--max_number_of_steps=300")
+
+
+def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}", "--eval_split_name=test")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert "Training reached the step limit at global step 300/300." in out
+    assert "bad steps     5 (skipped 4, rolled back 1)" in out
+    assert "lr scale      0.002 (after rollbacks)" in out
+    assert "applying persistent_nan_policy='rollback'" in proc.stderr
+    # Four skips at the step where the weights overflowed, then the fifth bad step in a row
+    # escalates to a rollback to the checkpoint of step 0.
+    records = slim_nanguard.read_events(str(train_dir))
+    assert [(r["kind"], r.get("action")) for r in records] == (
+        [("bad_step", "skip")] * 4 + [("bad_step", "rollback"), ("rollback", "rollback"),
+                                      ("stop", None)])
+    assert len({r["step"] for r in records[:5]}) == 1
+    assert records[4]["escalation"] == "5 bad steps in a row reached max_consecutive_bad_steps=5"
+    assert records[5]["checkpoint"].endswith("model.ckpt-0")
+    assert (records[-1]["reason"], records[-1]["step"]) == ("step_limit", 300)
+    accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
+    assert accuracy > 0.9
+    _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+
+
+def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}",
+                "--persistent_nan_policy=raise", "--eval_split_name=")
+    _assert_clean_failure(proc, "--persistent_nan_policy=rollback")
+    assert "5 bad steps in a row reached max_consecutive_bad_steps=5" in _plain_stderr(proc)[0]
+    records = slim_nanguard.read_events(str(train_dir))
+    assert [r.get("action") for r in records] == ["skip"] * 4 + ["raise", None]
+    assert records[-1]["reason"] == "nan_error"
+    _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input: one or two lines naming the flag, file or value; exit 1; nothing in train_dir.
 
 
