@@ -217,6 +217,21 @@ class Guard:
         return (self.check_op_name is not None and is_numerics_error(error)
                 and op is not None and op.name == self.check_op_name)
 
+    def read_bad_step(self, session) -> Tuple[int, List[float]]:
+        """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
+
+        Args:
+          session: A raw `tf.compat.v1.Session`, right after the bad step.
+
+        Returns:
+          ``(step, sums)``: the sums vector the bad step stored, the loss first.
+        """
+        fetches = {"sums": self.diagnostics}
+        if self.global_step is not None:
+            fetches["step"] = self.global_step
+        values = session.run(fetches)
+        return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+
     def handle_numerics_error(self, session, error: BaseException) -> _events.NanEvent:
         """Applies the policy to a numerics error raised by this guard's train op.
 
@@ -231,12 +246,7 @@ class Guard:
         Raises:
           NanLossError: As `on_bad_step`, chained to `error`.
         """
-        fetches = {"sums": self.diagnostics}
-        if self.global_step is not None:
-            fetches["step"] = self.global_step
-        values = session.run(fetches)
-        sums = [float(s) for s in np.asarray(values["sums"])]
-        step = int(values.get("step", -1))
+        step, sums = self.read_bad_step(session)
         try:
             return self.on_bad_step(step=step, loss=sums[0], sums=sums)
         except _errors.NanLossError as nan_error:

@@ -5,9 +5,10 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
     begin()                  # finds the guard of its loss; builds the rollback saver
     after_create_session()   # forgets per-session state (also after a session recovery)
     while not stop:
-      before_run()           # asks for the gradient sums (the loss is the first one)
+      before_run()           # asks for one boolean: were the loss and all gradients finite
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
-      after_run()            # finite: note a good step. Not finite: build a NanEvent and
+      after_run()            # finite: note a good step. Not finite: read the sums the bad
+                             #   step stored (loss first), build a NanEvent and
                              #   raise  -> raise NanLossError (end() is then not called:
                              #             no closing checkpoint, none is needed)
                              #   stop   -> run_context.request_stop(); end() runs and the
@@ -76,7 +77,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._event_listener = event_listener
         self._guard: Optional[_guard.Guard] = None
         self._saver = None
-        self._fetches = None
+        self._run_args = None
         self._session_bad_steps = 0
 
     @property
@@ -94,15 +95,16 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if self._guard is None:
             logging.info("slim_nanguard: %s comes from no guarded train op; the hook checks the "
                          "loss only and cannot undo an update.", self._loss_tensor.name)
-            self._fetches = {"loss": self._loss_tensor}
+            self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
         guard = self._guard
         if guard.mode != _guard.MODE_HOOK:
             logging.info("slim_nanguard: the train op of %s is in check_numerics mode; its "
                          "check raises before this hook could run.", self._loss_tensor.name)
-        # One fetch per step: the sums vector starts with the loss. The global step is read
-        # only on a bad step (which left it unchanged).
-        self._fetches = {"sums": guard.grad_sums}
+        # One boolean per step. A bad step stored its gradient sums (the loss first) in the
+        # guard's diagnostics variable, read with the global step on bad steps only.
+        if guard.ok is not None:
+            self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
@@ -128,7 +130,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._session_bad_steps = 0
 
     def before_run(self, run_context):
-        return tf.compat.v1.train.SessionRunArgs(self._fetches)
+        return self._run_args
 
     def after_run(self, run_context, run_values):
         results = run_values.results
@@ -138,16 +140,13 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._session_bad_steps += 1
                 self._unguarded_bad_step(run_context, loss)
             return
-        sums = results["sums"]
-        if np.isfinite(sums).all():
+        if results is None or results:  # A finite step (or a check_numerics-mode op).
             self._guard.note_good_step()
             return
         self._session_bad_steps += 1
         guard = self._guard
-        step = -1
-        if guard.global_step is not None:
-            step = int(run_context.session.run(guard.global_step))
-        event = guard.on_bad_step(step=step, loss=float(sums[0]), sums=sums,
+        step, sums = guard.read_bad_step(run_context.session)
+        event = guard.on_bad_step(step=step, loss=sums[0], sums=sums,
                                   policy=self._effective_policy())
         if event.action == _policy.STOP:
             run_context.request_stop()

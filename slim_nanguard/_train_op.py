@@ -18,7 +18,8 @@ How the bad branch shows itself depends on the mode:
   `is_numerics_error` recognises it; `train`, `train_step` and `Guard.handle_numerics_error`
   apply the policy.
 * hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
-  the non-finite loss, and `NanLossHook.after_run` applies the policy.
+  the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
+  boolean per step; only the bad branch stores the sums for it to read.
 
 A sum of a gradient is NaN or Inf exactly when an element is (or when finite elements add up
 past the float range, which a healthy step never does), so one reduction per gradient replaces
@@ -191,29 +192,36 @@ def create_train_op(total_loss: tf.Tensor,
         with tf.name_scope("nanguard"):
             present = [(g, v) for g, v in grads if g is not None]
             grad_sums = _gradient_sums(total_loss, [g for g, _ in present])
+            # The sums are kept for the step that needs them, so that the culprits can be
+            # named afterwards. The variable is in no collection: it is neither saved in
+            # checkpoints nor initialised (it is only read after a write).
+            diagnostics = tf.compat.v1.Variable(
+                tf.zeros_like(grad_sums), trainable=False, collections=[],
+                use_resource=True, name="gradient_sums")
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
-                # The sums are stored before the check so that the loop can name the culprits
-                # after the check raised. The variable is in no collection: it is neither
-                # saved in checkpoints nor initialised (it is only read after a write).
-                diagnostics = tf.compat.v1.Variable(
-                    tf.zeros_like(grad_sums), trainable=False, collections=[],
-                    use_resource=True, name="gradient_sums")
+                # Stored on every step, before the check raises.
                 store = diagnostics.assign(grad_sums, read_value=False)
                 with tf.control_dependencies([store]):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums),
                         "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
-                check_op_name, ok, untaken = gate.op.name, None, None
+                check_op_name, ok, bad_done = gate.op.name, None, None
             else:
                 mode = _guard.MODE_HOOK
-                diagnostics, check_op_name = None, None
+                check_op_name = None
                 ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
                 untaken, taken = control_flow_ops.switch(ok, ok)
                 # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A
                 # control edge straight from a Switch does not carry deadness; from an
                 # Identity of its output it does, which is how tf.cond gates its branches.)
                 gate = tf.identity(taken, name="pivot")
+                # The other side runs on a bad step only: it stores the sums there, so that
+                # a good step costs the hook one boolean fetch.
+                bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
+                store = diagnostics.assign(bad_sums, read_value=False)
+                with tf.control_dependencies([store]):
+                    bad_done = tf.identity(untaken)
 
         first_new_op = len(graph.get_operations())
         with tf.control_dependencies([gate]):
@@ -226,8 +234,8 @@ def create_train_op(total_loss: tf.Tensor,
         with tf.name_scope("train_op"):
             with tf.control_dependencies([grad_updates] + list(update_ops)):
                 done = tf.identity(gate)
-            if untaken is not None:
-                done, _ = control_flow_ops.merge([done, tf.identity(untaken)])
+            if bad_done is not None:
+                done, _ = control_flow_ops.merge([done, bad_done])
             with tf.control_dependencies([done]):
                 train_op = tf.identity(total_loss, name="total_loss")
 

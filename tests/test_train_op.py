@@ -189,6 +189,26 @@ def test_the_event_names_the_culprit_variables():
                                     "logits/biases")
 
 
+def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sums():
+    """The hook fetches one boolean per step; only a bad step stores its sums, for the event."""
+    model = lib.build_model(check_numerics=False, nan_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
+    hook = slim_nanguard.nan_hook(model.train_op)
+    with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+        request = hook.before_run(None)
+        assert request.fetches is guard.ok
+        assert guard.ok.dtype == tf.bool and guard.ok.shape.rank == 0
+        sess.run(model.train_op, model.feed(0))
+        sess.run(model.train_op, model.feed(1, "nan_gradient"))
+        first = guard.last_event
+        sess.run(model.train_op, model.feed(2))
+        sess.run(model.train_op, model.feed(3, "inf_loss"))
+        second = guard.last_event
+    assert first.culprits == ("logits/weights",) and first.loss_kind == "finite"
+    assert second.culprits == () and second.loss_kind == "inf"
+    assert (first.step, second.step) == (1, 2)
+
+
 def test_the_positional_arguments_are_slims():
     ours = list(inspect.signature(slim_nanguard.create_train_op).parameters.values())
     theirs = list(inspect.signature(slim.learning.create_train_op).parameters.values())
