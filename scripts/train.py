@@ -93,6 +93,9 @@ flags.DEFINE_integer("save_summaries_secs", 600, "Seconds between summaries (whe
                      "--save_summaries_steps is 0).", lower_bound=0)
 flags.DEFINE_integer("save_summaries_steps", 100, "Steps between summaries (0: by time).",
                      lower_bound=0)
+flags.DEFINE_integer("max_checkpoints_to_keep", 5, "Checkpoints kept in --train_dir (all "
+                     "finite: more of them give rollback older points to return to).",
+                     lower_bound=1)
 flags.DEFINE_string("eval_split_name", "test", "After training, evaluate the final "
                     "checkpoint on this split ('' to skip).")
 

@@ -4,6 +4,7 @@ Each run costs a TensorFlow import (about 5 s), so the runs are few and each che
 the exit status, what stdout and stderr say, the checkpoint values and the event record.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -26,12 +27,15 @@ EVAL = REPO / "scripts" / "eval.py"
 _LOG_LINE = re.compile(r"^(WARNING: All log messages|To enable the following|[IWEF]\d{4} )")
 
 
-def _run(script, *args):
+def _env():
     # The checkout first: a script run by path would otherwise import whatever slim_nanguard
     # is installed (possibly an older, non-editable copy) rather than the code under test.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
-    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -263,6 +267,21 @@ def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
     assert [r.get("action") for r in records] == ["skip"] * 4 + ["raise", None]
     assert records[-1]["reason"] == "nan_error"
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+
+
+def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
+    """The launcher copies flags into TrainConfig by name, so a mismatch would be silent."""
+    code = ("import dataclasses, json, runpy; from absl import flags; "
+            f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
+            "from slim_nanguard import launch; "
+            "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
+            "['launcher']), sorted(f.name for f in dataclasses.fields(launch.TrainConfig))]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flag_names, fields = json.loads(proc.stdout.strip().splitlines()[-1])
+    launcher_only = {"eval_split_name", "inject_fault"}  # eval's split; parsed into faults
+    assert set(flag_names) - launcher_only == set(fields) - {"inject_faults"}
 
 
 # ---------------------------------------------------------------------------------------------
