@@ -73,12 +73,17 @@ class Guard:
       train_op: The train op tensor `create_train_op` returned.
       loss: The user's total loss tensor.
       global_step: The global step variable, or None.
+      grad_sums: The loss, then the sum of each gradient, as one vector.
+      ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
+        None in check_numerics mode, whose check raises instead.
+      diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
+        stores them before every check; hook mode only on the bad branch).
       state: The `GuardState` counters.
     """
 
     def __init__(self, *, config: _policy.GuardConfig, mode: str, train_op: tf.Tensor,
                  loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
-                 diagnostics: Optional[tf.Variable], check_op_name: Optional[str],
+                 diagnostics: tf.Variable, check_op_name: Optional[str],
                  variable_names: Sequence[str], lr_scale: Optional[tf.Variable]):
         self.config = config
         self.mode = mode
