@@ -123,6 +123,27 @@ class TestNoPoisonedCheckpoint:
         assert int(latest["global_step"]) == 6
 
 
+@pytest.fixture(scope="module")
+def grpc_master():
+    """An in-process TensorFlow server on localhost (it lives until the process ends)."""
+    return tf.distribute.Server.create_local_server().target
+
+
+@pytest.mark.parametrize("mode, policy", [("check_numerics", "skip"), ("hook", "skip"),
+                                          ("hook", "rollback")])
+def test_a_run_through_a_grpc_master_skips_the_bad_step(tmp_path, grpc_master, mode, policy):
+    """--master: the session runs the graph on a server, and the guard works the same."""
+    model = lib.build_model(check_numerics=MODES[mode], nan_policy=policy,
+                            faults={BAD: "nan_input"})
+    result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
+                                 master=grpc_master, save_checkpoint_steps=1,
+                                 save_summaries_steps=None, log_every_n_steps=0)
+    assert grpc_master.startswith("grpc://")
+    assert (result.bad_steps, result.global_step) == (1, 8)
+    assert (result.skips, result.rollbacks) == ((1, 0) if policy == "skip" else (0, 1))
+    lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+
 class TestPlainTensorFlowPoisonsCheckpoints:
     """What TensorFlow alone does with a bad step, and what ours does instead."""
 
