@@ -8,7 +8,7 @@ with a warning; `non_finite_variables` says which values of a checkpoint are not
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -33,8 +33,7 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
         raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
     """
-    index = checkpoint_path + ".index"
-    mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
+    mtime = checkpoint_identity(checkpoint_path)[1]
     cached = _VERIFIED.get(checkpoint_path)
     if cached is not None and cached[0] == mtime:
         return cached[1]
@@ -50,7 +49,15 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     return tuple(bad)
 
 
-def latest_good_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
+def checkpoint_identity(checkpoint_path: str) -> Tuple[str, float]:
+    """The path and the mtime of its index file: a checkpoint saved again under the same
+    name (after a rollback, training reaches that step again) is another checkpoint."""
+    index = checkpoint_path + ".index"
+    return checkpoint_path, (os.path.getmtime(index) if os.path.exists(index) else -1.0)
+
+
+def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
+                           passed_over: Collection[Tuple[str, float]] = ()) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
     A newer checkpoint that cannot be read is passed over with a warning naming it and the one
@@ -58,6 +65,8 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
+      passed_over: `checkpoint_identity` values of checkpoints not to return (rollback passes
+        over the ones that did not hold up).
 
     Returns:
       The checkpoint prefix, or None when the directory holds no checkpoint at all.
@@ -66,7 +75,8 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
       NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
       CheckpointNotFoundError: Checkpoints exist but none of them can be read.
     """
-    candidates = _candidates(checkpoint_dir)
+    candidates = [path for path in _candidates(checkpoint_dir)
+                  if not passed_over or checkpoint_identity(path) not in passed_over]
     if not candidates:
         return None
     failures: List[str] = []

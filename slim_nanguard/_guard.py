@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -103,6 +103,10 @@ class Guard:
         self.saver = None
         self.input_ops = _find_input_ops(loss)
         self._listeners: List[Listener] = []
+        # The checkpoint the last rollback restored, and those that did not hold up after
+        # one (as `checkpoint_identity` values).
+        self._restored: Optional[Tuple[str, float]] = None
+        self._distrusted: Set[Tuple[str, float]] = set()
         if lr_scale is not None:
             with loss.graph.as_default():
                 self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
@@ -261,6 +265,11 @@ class Guard:
     def rollback(self, session, checkpoint_dir: Optional[str], saver=None) -> str:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
+        When the newest checkpoint is the one the previous rollback restored (training went
+        bad again before it saved a newer one), that checkpoint did not hold up: the rollback
+        goes to the one before it instead, and on, one further back each time, as long as
+        older readable checkpoints remain (then the oldest one left is restored again).
+
         Args:
           session: A raw `tf.compat.v1.Session`.
           checkpoint_dir: Directory the training loop saves checkpoints to.
@@ -274,7 +283,23 @@ class Guard:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir,
+                                                   passed_over=self._distrusted)
+        if path is not None and _checkpoints.checkpoint_identity(path) == self._restored:
+            # The run went bad again before a newer checkpoint was saved: what the last
+            # rollback restored did not hold up (finite weights can already be diverging).
+            # Go one checkpoint further back, if there is one.
+            distrusted = self._distrusted | {self._restored}
+            older = _checkpoints.latest_good_checkpoint(checkpoint_dir,
+                                                        passed_over=distrusted)
+            if older is not None:
+                logging.warning("slim_nanguard: training went bad again before a checkpoint "
+                                "newer than %s was saved; rolling back further, to %s",
+                                path, older)
+                self._distrusted, path = distrusted, older
+        elif path is None and self._distrusted:
+            # Only checkpoints that did not hold up are left (others were deleted).
+            path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
         if path is None:
             raise _errors.CheckpointNotFoundError(
                 f"rollback needs a good checkpoint in {checkpoint_dir!r} and there is none; "
@@ -283,6 +308,7 @@ class Guard:
         if saver is None:
             raise ValueError("rollback needs a Saver built before the graph was finalized.")
         saver.restore(session, path)
+        self._restored = _checkpoints.checkpoint_identity(path)
         if self.lr_scale is not None:
             self.state.learning_rate_scale *= self.config.rollback_lr_factor
             session.run(self._lr_scale_assign,

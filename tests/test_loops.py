@@ -187,7 +187,9 @@ def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, hook_mode):
     assert error.event.action == "raise"
     assert ("2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
             "already done reached max_rollbacks=2") in str(error)
-    assert int(final["global_step"]) == 2
+    # The first rollback restored step 2, which went bad again before anything newer was
+    # saved, so the second one went a checkpoint further back.
+    assert int(final["global_step"]) == 1
     lib.assert_all_finite(final)
 
 

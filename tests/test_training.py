@@ -234,6 +234,26 @@ class TestRollback:
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
     @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_a_checkpoint_that_goes_bad_again_is_passed_over_by_the_next_rollback(
+            self, tmp_path, mode):
+        """Batches 3 and 5 are bad. The first rollback restores step 3; the run goes bad again
+        before it saves anything newer, so the second one goes a checkpoint further back."""
+        model = lib.build_model(check_numerics=MODES[mode], nan_policy="rollback",
+                                rollback_skip_batches=1,
+                                faults={BAD: "nan_loss", BAD + 2: "nan_loss"})
+        guard = slim_nanguard.get_guard(model.train_op)
+        seen, snapshots = _AtRollback(model, guard), lib.Snapshots()
+        result, _ = _train(tmp_path, model=model, hooks=[seen, snapshots])
+        assert (result.bad_steps, result.rollbacks, result.global_step) == (2, 2, 8)
+        rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
+        assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == [str(BAD), str(BAD - 1)]
+        (first, _), (second, _) = seen.states
+        assert (first["global_step"], second["global_step"]) == (BAD, BAD - 1)
+        # Step BAD - 1 was passed once only, before the faults: its snapshot is the original.
+        lib.assert_state_equal(snapshots.by_step[BAD - 1], second)
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
     def test_rollback_gives_up_after_max_rollbacks(self, tmp_path, mode):
         faults = {i: "inf_loss" for i in range(2, 20, 2)}
         with pytest.raises(slim_nanguard.NanLossError,
