@@ -222,6 +222,9 @@ def create_train_op(total_loss: tf.Tensor,
                 store = diagnostics.assign(bad_sums, read_value=False)
                 with tf.control_dependencies([store]):
                     bad_done = tf.identity(untaken)
+                # What the hook fetches: `ok`, through the store on a bad step, so the sums
+                # are there to read even after a run that did not fetch the train op.
+                ok, _ = control_flow_ops.merge([gate, bad_done], name="all_finite_checked")
 
         first_new_op = len(graph.get_operations())
         with tf.control_dependencies([gate]):

@@ -209,6 +209,21 @@ def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sum
     assert (first.step, second.step) == (1, 2)
 
 
+def test_in_hook_mode_a_run_without_the_train_op_still_reports_its_bad_step():
+    """A run through the hooked session that fetches only the loss: nothing is trained, and a
+    bad batch is still reported with its culprits."""
+    model = lib.build_model(check_numerics=False, nan_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
+    hook = slim_nanguard.nan_hook(model.train_op)
+    with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+        before = lib.state(sess._tf_sess(), model.graph)  # pylint: disable=protected-access
+        sess.run(model.loss, model.feed(0, "nan_gradient"))
+        after = lib.state(sess._tf_sess(), model.graph)  # pylint: disable=protected-access
+    assert guard.last_event is not None
+    assert guard.last_event.culprits == ("logits/weights",)
+    lib.assert_state_equal(before, after)
+
+
 def test_the_positional_arguments_are_slims():
     ours = list(inspect.signature(slim_nanguard.create_train_op).parameters.values())
     theirs = list(inspect.signature(slim.learning.create_train_op).parameters.values())
