@@ -8,7 +8,8 @@ with a warning; `non_finite_variables` says which values of a checkpoint are not
 from __future__ import annotations
 
 import os
-from typing import Collection, Dict, List, Optional, Tuple
+import re
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -33,7 +34,8 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
         raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
     """
-    mtime = checkpoint_identity(checkpoint_path)[1]
+    index = checkpoint_path + ".index"
+    mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
     cached = _VERIFIED.get(checkpoint_path)
     if cached is not None and cached[0] == mtime:
         return cached[1]
@@ -49,15 +51,14 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     return tuple(bad)
 
 
-def checkpoint_identity(checkpoint_path: str) -> Tuple[str, float]:
-    """The path and the mtime of its index file: a checkpoint saved again under the same
-    name (after a rollback, training reaches that step again) is another checkpoint."""
-    index = checkpoint_path + ".index"
-    return checkpoint_path, (os.path.getmtime(index) if os.path.exists(index) else -1.0)
+def checkpoint_step(checkpoint_path: str) -> Optional[int]:
+    """The global step a checkpoint was saved at, from its name (``model.ckpt-1200``)."""
+    match = re.search(r"-(\d+)$", checkpoint_path)
+    return int(match.group(1)) if match else None
 
 
 def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
-                           passed_over: Collection[Tuple[str, float]] = ()) -> Optional[str]:
+                           before_step: Optional[int] = None) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
     A newer checkpoint that cannot be read is passed over with a warning naming it and the one
@@ -65,8 +66,8 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
-      passed_over: `checkpoint_identity` values of checkpoints not to return (rollback passes
-        over the ones that did not hold up).
+      before_step: Only consider checkpoints saved at a global step below this one (their
+        names end in ``-<step>``).
 
     Returns:
       The checkpoint prefix, or None when the directory holds no checkpoint at all.
@@ -75,8 +76,11 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
       NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
       CheckpointNotFoundError: Checkpoints exist but none of them can be read.
     """
-    candidates = [path for path in _candidates(checkpoint_dir)
-                  if not passed_over or checkpoint_identity(path) not in passed_over]
+    candidates = _candidates(checkpoint_dir)
+    if before_step is not None:
+        steps = {path: checkpoint_step(path) for path in candidates}
+        candidates = [path for path in candidates
+                      if steps[path] is not None and steps[path] < before_step]
     if not candidates:
         return None
     failures: List[str] = []

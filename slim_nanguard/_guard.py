@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -103,10 +103,8 @@ class Guard:
         self.saver = None
         self.input_ops = _find_input_ops(loss)
         self._listeners: List[Listener] = []
-        # The checkpoint the last rollback restored, and those that did not hold up after
-        # one (as `checkpoint_identity` values).
-        self._restored: Optional[Tuple[str, float]] = None
-        self._distrusted: Set[Tuple[str, float]] = set()
+        # The global step the last rollback restored (None before any, or without a step).
+        self._restored_step: Optional[int] = None
         if lr_scale is not None:
             with loss.graph.as_default():
                 self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
@@ -265,10 +263,10 @@ class Guard:
     def rollback(self, session, checkpoint_dir: Optional[str], saver=None) -> str:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
-        When the newest checkpoint is the one the previous rollback restored (training went
-        bad again before it saved a newer one), that checkpoint did not hold up: the rollback
-        goes to the one before it instead, and on, one further back each time, as long as
-        older readable checkpoints remain (then the oldest one left is restored again).
+        When the bad step came at the very step the previous rollback restored (no step went
+        through since), that state did not hold up: this rollback goes to the newest
+        checkpoint of an earlier step instead, and so on, one further back each time, as long
+        as older readable checkpoints are kept (then the oldest one is restored again).
 
         Args:
           session: A raw `tf.compat.v1.Session`.
@@ -283,32 +281,41 @@ class Guard:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir,
-                                                   passed_over=self._distrusted)
-        if path is not None and _checkpoints.checkpoint_identity(path) == self._restored:
-            # The run went bad again before a newer checkpoint was saved: what the last
-            # rollback restored did not hold up (finite weights can already be diverging).
-            # Go one checkpoint further back, if there is one.
-            distrusted = self._distrusted | {self._restored}
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
+        bad_step = self.last_event.step if self.last_event is not None else -1
+        if path is not None and self._restored_step is not None and (
+                bad_step == self._restored_step):
+            # No step went through since the last rollback restored this step: the state it
+            # restored went bad at once (finite weights can already be diverging). Go back to
+            # an earlier step's checkpoint, if one is kept.
             older = _checkpoints.latest_good_checkpoint(checkpoint_dir,
-                                                        passed_over=distrusted)
+                                                        before_step=self._restored_step)
             if older is not None:
-                logging.warning("slim_nanguard: training went bad again before a checkpoint "
-                                "newer than %s was saved; rolling back further, to %s",
-                                path, older)
-                self._distrusted, path = distrusted, older
-        elif path is None and self._distrusted:
-            # Only checkpoints that did not hold up are left (others were deleted).
-            path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
+                logging.warning("slim_nanguard: training went bad again at step %d, right "
+                                "after rolling back to it; rolling back further, to %s",
+                                bad_step, older)
+                path = older
+            else:  # None earlier is kept: the same step again (not a newer, failed one).
+                path = _checkpoints.latest_good_checkpoint(
+                    checkpoint_dir, before_step=self._restored_step + 1) or path
         if path is None:
+            where = (f"in {checkpoint_dir!r}" if checkpoint_dir else
+                     "and no checkpoint directory was given (pass checkpoint_dir=..., the "
+                     "directory the loop saves checkpoints to)")
             raise _errors.CheckpointNotFoundError(
-                f"rollback needs a good checkpoint in {checkpoint_dir!r} and there is none; "
-                "save checkpoints from the first step (save_checkpoint_steps) or use the "
-                "'skip' policy.")
+                f"rollback needs a good checkpoint {where} and there is none; save "
+                "checkpoints from the first step (save_checkpoint_steps), or choose policies "
+                "that do not roll back (nan_policy, persistent_nan_policy).")
         if saver is None:
             raise ValueError("rollback needs a Saver built before the graph was finalized.")
+        if self.lr_scale is not None:
+            # The scale the session trains with: in a resumed process, the one the checkpoint
+            # brought back; after a session recovery, the lower of it and this process's own.
+            live = float(session.run(self.lr_scale))
+            self.state.learning_rate_scale = min(self.state.learning_rate_scale, live)
         saver.restore(session, path)
-        self._restored = _checkpoints.checkpoint_identity(path)
+        self._restored_step = (int(session.run(self.global_step))
+                               if self.global_step is not None else None)
         if self.lr_scale is not None:
             self.state.learning_rate_scale *= self.config.rollback_lr_factor
             session.run(self._lr_scale_assign,

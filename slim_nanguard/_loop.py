@@ -272,7 +272,8 @@ def train(train_op: tf.Tensor,
     first_state = dataclasses.replace(guard.state)
     try:
         with graph.as_default():
-            scaffold = _make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
+            scaffold = _make_scaffold(scaffold, logdir if is_chief else None, resume_from,
+                                      max_checkpoints_to_keep)
             all_hooks = list(hooks or [])
             if guard.mode == _guard.MODE_HOOK and not any(
                     isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
@@ -325,20 +326,31 @@ def _record_float(value: float):
     return value if math.isfinite(value) else str(value)
 
 
-def _make_scaffold(scaffold, resume_from: Optional[str], max_to_keep: int):
-    """A scaffold whose saver is a FiniteSaver and which restores `resume_from`."""
+def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
+                   max_to_keep: int):
+    """A scaffold whose saver is a FiniteSaver and whose init_fn restores from `logdir`.
+
+    The init_fn runs for every session the MonitoredSession creates: the first one, and a new
+    one after a recoverable error (AbortedError, UnavailableError). Each time it restores the
+    newest good checkpoint of `logdir` as it is then (at first `resume_from`), so a recovered
+    session carries on from the last save, not from where the run started. With no checkpoint
+    yet it runs the given scaffold's own init_fn. `logdir` None (not the chief): no restore.
+    """
     saver = scaffold.saver if scaffold is not None else None
     if saver is None:
         saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
                                          allow_empty=True)
-    init_fn = None
-    if resume_from:
-        restorer = _resume_saver(saver, resume_from)
+    kwargs = {"saver": saver}
+    if logdir is not None:
+        restorer = _resume_saver(saver, resume_from) if resume_from else saver
+        given_init_fn = scaffold.init_fn if scaffold is not None else None
 
         def init_fn(unused_scaffold, session):
-            restorer.restore(session, resume_from)
-    kwargs = {"saver": saver}
-    if init_fn is not None:
+            latest = _checkpoints.latest_good_checkpoint(logdir)
+            if latest is not None:
+                (restorer if latest == resume_from else saver).restore(session, latest)
+            elif given_init_fn is not None:
+                given_init_fn(session)
         kwargs["init_fn"] = init_fn
     if scaffold is not None:
         return tf.compat.v1.train.Scaffold(copy_from_scaffold=scaffold, **kwargs)

@@ -10,9 +10,9 @@ The same names mean the same thing in both modes (check_numerics and hook):
   input, optionally scale the learning rate by ``rollback_lr_factor``, and carry on. After
   ``max_rollbacks`` rollbacks, give up as ``raise`` does; after ``max_consecutive_bad_steps``
   bad steps in a row, apply ``persistent_nan_policy``. The checkpoint is the newest readable
-  one of the checkpoint directory, passing over one that a rollback already restored and
-  after which training went bad again before saving a newer one (its weights may be finite
-  yet already diverging). Every checkpoint the guard lets through is finite, and a
+  one of the checkpoint directory; but when the step right after a rollback is bad again (no
+  step went through since), the state restored did not hold up (its weights may be finite yet
+  already diverging), and the rollback goes to an earlier step's checkpoint. Every checkpoint the guard lets through is finite, and a
   `CheckpointSaverHook` saves one when the session starts, so there is one from the first
   step on. With checkpointing off there is none: the rollback then fails with
   `CheckpointNotFoundError` (it does not silently fall back to the initial weights, which

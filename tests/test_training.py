@@ -133,12 +133,18 @@ def grpc_master():
                                           ("hook", "rollback")])
 def test_a_run_through_a_grpc_master_skips_the_bad_step(tmp_path, grpc_master, mode, policy):
     """--master: the session runs the graph on a server, and the guard works the same."""
+    class _Target(tf.compat.v1.train.SessionRunHook):
+        def after_create_session(self, session, coord):
+            self.target = tf.compat.as_str(session.sess_str)
+
     model = lib.build_model(check_numerics=MODES[mode], nan_policy=policy,
                             faults={BAD: "nan_input"})
+    target = _Target()
     result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
                                  master=grpc_master, save_checkpoint_steps=1,
-                                 save_summaries_steps=None, log_every_n_steps=0)
-    assert grpc_master.startswith("grpc://")
+                                 save_summaries_steps=None, log_every_n_steps=0,
+                                 hooks=[target])
+    assert target.target == grpc_master and grpc_master.startswith("grpc://")
     assert (result.bad_steps, result.global_step) == (1, 8)
     assert (result.skips, result.rollbacks) == ((1, 0) if policy == "skip" else (0, 1))
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
@@ -251,6 +257,35 @@ class TestRollback:
         assert (first["global_step"], second["global_step"]) == (BAD, BAD - 1)
         # Step BAD - 1 was passed once only, before the faults: its snapshot is the original.
         lib.assert_state_equal(snapshots.by_step[BAD - 1], second)
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+    def test_a_one_off_fault_after_good_steps_does_not_walk_back(self, tmp_path):
+        """Bad batches 5 and 9, a checkpoint every 4 steps: good steps came between the two
+        faults, so both rollbacks restore step 4."""
+        model = lib.build_model(nan_policy="rollback", rollback_skip_batches=1,
+                                faults={5: "nan_loss", 9: "nan_loss"})
+        result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
+                                     save_checkpoint_steps=4, save_summaries_steps=None,
+                                     log_every_n_steps=0)
+        assert (result.rollbacks, result.global_step) == (2, 8)
+        rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
+        assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["4", "4"]
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_walking_back_survives_the_restored_step_being_saved_again(self, tmp_path, mode):
+        """Every batch from 3 on is bad; checkpoints are saved by time, so the saver writes the
+        restored step again during the skipped steps. Each escalated rollback still goes one
+        step further back."""
+        model = lib.build_model(check_numerics=MODES[mode], nan_policy="skip",
+                                max_consecutive_bad_steps=2, persistent_nan_policy="rollback",
+                                max_rollbacks=3,
+                                faults={i: "nan_input" for i in range(3, 60)})
+        with pytest.raises(slim_nanguard.NanLossError, match="max_rollbacks=3"):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=20,
+                                save_checkpoint_secs=1e-6, save_summaries_steps=None,
+                                log_every_n_steps=0)
+        rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
+        assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["3", "2", "1"]
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
     @pytest.mark.parametrize("mode", sorted(MODES))
@@ -381,6 +416,40 @@ class TestResume:
                            faults={1: "nan_loss"})
         assert (second.steps, second.rollbacks, second.learning_rate_scale) == (3, 1, 0.5)
         assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.5
+
+    def test_the_lowered_learning_rate_carries_into_a_resumed_run(self, tmp_path):
+        """A new guard (as in a new process) starts from the scale the checkpoint holds."""
+        first, _ = _train(tmp_path, steps=4, nan_policy="rollback", rollback_lr_factor=0.5,
+                          faults={1: "nan_loss"})
+        assert first.learning_rate_scale == 0.5
+        second, _ = _train(tmp_path, steps=8, nan_policy="rollback", rollback_lr_factor=0.5,
+                           faults={1: "nan_loss"})
+        assert (second.rollbacks, second.learning_rate_scale) == (1, 0.25)
+        assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.25
+
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_a_recovered_session_carries_on_from_the_last_checkpoint(self, tmp_path, mode):
+        """An AbortedError (a preempted worker) makes MonitoredSession create a new session:
+        it must start from the newest checkpoint, not from where the run began."""
+
+        class _AbortOnce(tf.compat.v1.train.SessionRunHook):
+            def __init__(self):
+                self.starts, self._aborted = [], False
+
+            def after_create_session(self, session, coord):
+                self.starts.append(int(session.run(tf.compat.v1.train.get_global_step())))
+
+            def after_run(self, run_context, run_values):
+                step = run_context.session.run(tf.compat.v1.train.get_global_step())
+                if step >= 5 and not self._aborted:
+                    self._aborted = True
+                    raise tf.errors.AbortedError(None, None, "worker preempted (test)")
+
+        abort = _AbortOnce()
+        result, _ = _train(tmp_path, mode=mode, steps=8, hooks=[abort])
+        assert result.global_step == 8
+        assert abort.starts[0] == 0 and abort.starts[1] >= 4, abort.starts
+        assert result.steps <= 8 - abort.starts[1] + 5
 
     def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(self, tmp_path, caplog):
         _train(tmp_path, steps=4)
