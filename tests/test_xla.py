@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent("""
             before = lib.state(sess, model.graph)
             raised = False
             try:
-                loss = sess.run(model.train_op, model.feed(1, "nan_input"))
+                # A NaN loss and a NaN gradient, made alike by every CPU kernel.
+                loss = sess.run(model.train_op, model.feed(1, "nan_loss", "nan_gradient"))
             except tf.errors.InvalidArgumentError as err:
                 raised = slim_nanguard.is_numerics_error(err)
                 loss = None
