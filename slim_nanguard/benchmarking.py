@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import random
-import resource
 import shutil
 import statistics
 import tempfile
@@ -60,6 +59,15 @@ from slim_nanguard import models
 
 # ---------------------------------------------------------------------------- models
 
+
+
+def _minor_page_faults() -> int:
+    """The process's minor page faults so far, or 0 where `resource` is missing (Windows)."""
+    try:
+        import resource  # POSIX only: imported here so the module imports everywhere
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -449,12 +457,12 @@ class Trainer:
         enabled = gc.isenabled()
         gc.disable()
         try:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            faults = _minor_page_faults()
             start = time.perf_counter()
             for _ in range(steps):
                 step()
             seconds = (time.perf_counter() - start) / steps
-            self.page_faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            self.page_faults += _minor_page_faults() - faults
             self.timed_steps += steps
             return seconds
         finally:

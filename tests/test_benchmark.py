@@ -13,8 +13,14 @@ import pytest
 
 from slim_nanguard import benchmarking
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      "benchmark.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")
+
+
+def _env():
+    # The checkout first, so the script times the code under test, not an installed copy.
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +30,7 @@ def report(tmp_path_factory):
         [sys.executable, SCRIPT, "--quick", f"--out={out}", "--batch_scale=0.1",
          "--deep_layers=3", "--rounds=1", "--chunks=1", "--round_seconds=0.001",
          "--warmup_steps=1"],
-        capture_output=True, text=True, timeout=300, check=False)
+        env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out, encoding="utf-8") as f:
         return json.load(f), proc.stdout

@@ -1,7 +1,5 @@
 """Tests of slim_nanguard.models: the small models train on the digits, the nets build."""
 
-import importlib
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,19 +7,6 @@ import tensorflow as tf
 import slim_nanguard
 from slim_nanguard import datasets
 from slim_nanguard import models
-
-
-def _compat_importable():
-    try:
-        importlib.import_module("slim_nanguard.compat")
-    except ImportError:
-        return False
-    return True
-
-
-needs_compat = pytest.mark.skipif(
-    not _compat_importable(),
-    reason="the tf_slim.nets need slim_nanguard.compat (the tf-slim compatibility layer)")
 
 
 def _train(model_name, steps, *, image_size=None, learning_rate=1e-3, **options):
@@ -140,7 +125,6 @@ def test_every_net_has_a_case():
     assert set(_NET_CASES) == set(models.MODEL_NAMES[2:])
 
 
-@needs_compat
 @pytest.mark.parametrize("name", sorted(_NET_CASES))
 def test_net_runs_at_its_smallest_size_and_returns_batch_by_classes_logits(name):
     size, is_training = _NET_CASES[name]
@@ -160,7 +144,6 @@ def test_net_runs_at_its_smallest_size_and_returns_batch_by_classes_logits(name)
         assert update_ops  # batch norm in training mode.
 
 
-@needs_compat
 def test_net_weight_decay_goes_through_its_arg_scope():
     with tf.Graph().as_default():
         images = tf.zeros([1, 195, 195, 3])
@@ -178,7 +161,6 @@ def test_net_weight_decay_goes_through_its_arg_scope():
     np.testing.assert_allclose(total, sum(0.125 * 0.5 * np.sum(w**2) for w in values), rtol=1e-4)
 
 
-@needs_compat
 def test_net_larger_than_its_default_averages_its_map_of_logits():
     with tf.Graph().as_default():
         images = tf.compat.v1.placeholder(tf.float32, [2, 256, 256, 3])
