@@ -62,6 +62,8 @@ class TrainResult:
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
       learning_rate_scale: The product of the rollback learning-rate factors applied so far.
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer in this call (not
+        bad steps: the optimizer skipped them and lowered its scale).
     """
 
     final_loss: float
@@ -74,6 +76,7 @@ class TrainResult:
     checkpoint: Optional[str]
     events_path: str
     learning_rate_scale: float = 1.0
+    loss_scale_overflows: int = 0
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
@@ -275,7 +278,9 @@ def train(train_op: tf.Tensor,
             scaffold = _make_scaffold(scaffold, logdir if is_chief else None, resume_from,
                                       max_checkpoints_to_keep)
             all_hooks = list(hooks or [])
-            if guard.mode == _guard.MODE_HOOK and not any(
+            # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
+            # records its overflow steps, which do not raise).
+            if guard.ok is not None and not any(
                     isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
                     for h in all_hooks):  # pylint: disable=protected-access
                 all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
@@ -315,7 +320,8 @@ def train(train_op: tf.Tensor,
         skips=state.skips - first_state.skips,
         rollbacks=state.rollbacks - first_state.rollbacks, stop_reason=stop_reason,
         checkpoint=tf.train.latest_checkpoint(logdir), events_path=recorder.path,
-        learning_rate_scale=state.learning_rate_scale)
+        learning_rate_scale=state.learning_rate_scale,
+        loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows)
     recorder.append({"kind": "stop", "reason": stop_reason, "step": last_step,
                      "time": time.time(), "final_loss": _record_float(final_loss)})
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
@@ -413,6 +419,7 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 stop_reason = STOP_INTERRUPTED
                 break
             bad_before, rollbacks_before = guard.state.total_bad_steps, guard.state.rollbacks
+            overflows_before = guard.state.loss_scale_overflows
             try:
                 loss = sess.run(train_op)
             except tf.errors.OutOfRangeError:
@@ -437,6 +444,8 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 elif guard.last_event is not None and guard.last_event.action == _policy.STOP:
                     stop_reason = STOP_POLICY
                 continue
+            if guard.state.loss_scale_overflows != overflows_before:
+                continue  # The optimizer skipped the step: global_step did not move.
             if guard.mode == _guard.MODE_CHECK_NUMERICS:
                 guard.note_good_step()
             steps += 1
