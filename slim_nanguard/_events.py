@@ -7,7 +7,7 @@ import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from absl import logging
+from tensorflow.compat.v1 import logging as tf_logging
 
 # How the loss of a bad step looked.
 LOSS_NAN = "nan"
@@ -105,17 +105,30 @@ def _json_float(value: float) -> Any:
     return str(value)
 
 
-def log_event(event: NanEvent, level: Optional[int] = None) -> None:
-    """Logs `event` with absl.logging (warning unless training gives up: then error).
+# The sentence of `tf.compat.v1.train.NanTensorHook`, which scripts and alerting grep
+# TensorFlow's logs for; every bad step's line starts with it (an Inf loss or a NaN gradient
+# included: the rest of the line says which).
+DIVERGED = "Model diverged with loss = NaN."
 
-    An overflow step of a dynamic loss-scale optimizer is no bad step: info level.
+
+def log_event(event: NanEvent, level: Optional[int] = None) -> None:
+    """Logs `event` as one line on TensorFlow's logger, where `NanTensorHook` logs.
+
+    A bad step's line starts with `NanTensorHook`'s ``Model diverged with loss = NaN.``, at
+    error level when training gives up (action ``raise``) and warning otherwise, as
+    `NanTensorHook` does when it raises or stops. An overflow step of a dynamic loss-scale
+    optimizer is no divergence: it is logged at info level, without that sentence.
+
+    Args:
+      event: The event.
+      level: A Python `logging` level, to override the above.
     """
     if event.action == LOSS_SCALE_OVERFLOW:
-        logging.log(logging.INFO if level is None else level,
-                    "slim_nanguard: loss-scale overflow (%s mode): %s", event.mode,
-                    event.describe())
+        tf_logging.log(tf_logging.INFO if level is None else level,
+                       "slim_nanguard: loss-scale overflow (%s mode): %s", event.mode,
+                       event.describe())
         return
     if level is None:
-        level = logging.ERROR if event.action == "raise" else logging.WARNING
-    logging.log(level, "slim_nanguard: bad step (%s mode), action %s: %s", event.mode,
-                event.action, event.describe())
+        level = tf_logging.ERROR if event.action == "raise" else tf_logging.WARN
+    tf_logging.log(level, "%s slim_nanguard: bad step (%s mode), action %s: %s", DIVERGED,
+                   event.mode, event.action, event.describe())
