@@ -35,6 +35,7 @@ an element-wise `is_finite` and its boolean tensor.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
@@ -147,8 +148,9 @@ def create_train_op(total_loss: tf.Tensor,
       finite and returns the total loss.
 
     Raises:
-      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer without
-        ``compute_gradients``, a variable to train that is not trainable, or a policy argument
+      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
+        `tf.compat.v1.train.Optimizer` (a Keras one, for example), an empty
+        ``variables_to_train``, a variable to train that is not trainable, or a policy argument
         out of range. The message names the argument and the value.
     """
     if config is None:
@@ -160,9 +162,7 @@ def create_train_op(total_loss: tf.Tensor,
     elif not isinstance(config, _policy.GuardConfig):
         raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
     _check_loss(total_loss)
-    if not (hasattr(optimizer, "compute_gradients") and hasattr(optimizer, "apply_gradients")):
-        raise ValueError("optimizer must be a tf.compat.v1.train.Optimizer (with "
-                         f"compute_gradients and apply_gradients); got {optimizer!r}.")
+    _check_optimizer(optimizer)
     if clip_gradient_norm is None or clip_gradient_norm < 0:
         raise ValueError(f"clip_gradient_norm must be >= 0 (0 turns clipping off); got "
                          f"{clip_gradient_norm!r}.")
@@ -279,6 +279,35 @@ def create_train_op(total_loss: tf.Tensor,
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
     return train_op
+
+
+def _check_optimizer(optimizer) -> None:
+    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` (nor works like one).
+
+    Keras optimizers (Keras 3, tf-keras and its ``legacy`` ones) have other signatures and fail
+    deep inside graph construction; one message names them all.
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return
+    compute = getattr(optimizer, "compute_gradients", None)
+    works_like_one = False
+    if callable(compute) and callable(getattr(optimizer, "apply_gradients", None)):
+        try:
+            params = inspect.signature(compute).parameters
+        except (TypeError, ValueError):
+            params = {}
+        works_like_one = "gate_gradients" in params or any(
+            p.kind == p.VAR_KEYWORD for p in params.values())
+    if not works_like_one:
+        kind = type(optimizer)
+        keras = (" Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+                 "in a graph-mode TF-Slim train op." if "keras" in kind.__module__ else "")
+        shown = (repr(optimizer) if kind.__module__ == "builtins" else
+                 f"{kind.__module__}.{kind.__qualname__}")
+        raise ValueError(
+            f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
+            "tf.compat.v1.train optimizer of the same algorithm, for example "
+            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer.")
 
 
 def _dynamic_loss_scale(optimizer):
@@ -407,8 +436,12 @@ def _resolve_variables(variables_to_train):
         for v in variables_to_train:
             if not (getattr(v, "trainable", False) or v in trainable):
                 raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
+        if not variables_to_train:
+            raise ValueError("variables_to_train is empty: pass the variables to train, or "
+                             "None to train all trainable variables.")
     if not variables_to_train:
-        raise ValueError("variables_to_train is empty: the graph has no trainable variables.")
+        raise ValueError("the graph has no trainable variables: variables_to_train is None, "
+                         "so every trainable variable would be trained, and there is none.")
     return variables_to_train
 
 
