@@ -231,8 +231,9 @@ def train(train_op: tf.Tensor,
       number_of_steps: Stop once the global step reaches this (None: until stopped).
       master: The TensorFlow master.
       is_chief: Whether this process initialises, restores and saves.
-      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`. Its
-        ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
+      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`; a saver of
+        your own is used as given, behind the same check (it refuses to write NaN or Inf).
+        Its ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
       hooks: More `SessionRunHook`s.
       chief_only_hooks: Hooks run on the chief only.
       save_checkpoint_secs: Seconds between checkpoints (None or 0: not by time).
@@ -334,7 +335,7 @@ def _record_float(value: float):
 
 def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
                    max_to_keep: int):
-    """A scaffold whose saver is a FiniteSaver and whose init_fn restores from `logdir`.
+    """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
     The init_fn runs for every session the MonitoredSession creates: the first one, and a new
     one after a recoverable error (AbortedError, UnavailableError). Each time it restores the
@@ -346,6 +347,8 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
     if saver is None:
         saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
                                          allow_empty=True)
+    else:  # The user's saver, as given, but it never writes NaN or Inf either.
+        saver = _checkpoints.finite_saver(saver)
     kwargs = {"saver": saver}
     if logdir is not None:
         restorer = _resume_saver(saver, resume_from) if resume_from else saver
