@@ -80,9 +80,11 @@ class TrainResult:
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
+        overflows = (f", {self.loss_scale_overflows} loss-scale overflows"
+                     if self.loss_scale_overflows else "")
         return (f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
                 f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
-                f"({self.skips} skipped, {self.rollbacks} rolled back)\n"
+                f"({self.skips} skipped, {self.rollbacks} rolled back){overflows}\n"
                 f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}")
 
 

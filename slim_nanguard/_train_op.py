@@ -114,7 +114,9 @@ def create_train_op(total_loss: tf.Tensor,
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
-      optimizer: A `tf.compat.v1.train.Optimizer`.
+      optimizer: A `tf.compat.v1.train.Optimizer`; also a dynamic loss-scale one
+        (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), whose overflow
+        steps lower the scale and count as no bad step (see the module docstring).
       global_step: The global step variable; by default `get_or_create_global_step()`; None to
         not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
@@ -525,6 +527,11 @@ def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
 
 def _scale_learning_rate(optimizer) -> tf.Variable:
     """Multiplies the optimizer's learning rate by a variable the rollback policy can lower."""
+    inner = getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, tf.compat.v1.train.Optimizer) and not any(
+            getattr(optimizer, attr, None) is not None for attr in ("_learning_rate", "_lr")):
+        # A wrapper (a loss-scale optimizer, for one): the rate is the inner optimizer's.
+        return _scale_learning_rate(inner)
     for attr in ("_learning_rate", "_lr"):
         if hasattr(optimizer, attr) and getattr(optimizer, attr) is not None:
             break

@@ -147,3 +147,20 @@ def test_at_the_scale_floor_a_non_finite_gradient_is_a_bad_step(tmp_path, mode):
     assert (result.loss_scale_overflows, result.bad_steps) == (1, 1)
     assert result.stop_reason == "nan_policy_stop" and result.global_step == 1
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_rollback_lowers_the_inner_optimizers_learning_rate(tmp_path, mode):
+    """The overflows at the start roll nothing back; a NaN loss at batch 5 rolls back once, and
+    rollback_lr_factor scales the learning rate of the optimizer the loss-scale one wraps."""
+    graph, train_op = _build(check_numerics=MODES[mode], nan_policy="rollback",
+                             rollback_lr_factor=0.5, faults={5: "nan_loss"})
+    with graph.as_default():
+        result = slim_nanguard.train(train_op, str(tmp_path), number_of_steps=5,
+                                     save_checkpoint_steps=1, save_summaries_steps=None,
+                                     log_every_n_steps=0)
+    assert (result.bad_steps, result.rollbacks, result.learning_rate_scale) == (1, 1, 0.5)
+    assert result.loss_scale_overflows >= 3 and result.global_step == 5
+    kinds = [r["kind"] for r in slim_nanguard.read_events(result.events_path)]
+    assert kinds.count("bad_step") == kinds.count("rollback") == 1
+    lib.assert_no_poisoned_checkpoint(str(tmp_path))
