@@ -175,7 +175,7 @@ def _quiet_tensorflow() -> None:
     if FLAGS.verbosity < 1:
         # Errors only, and the guard's own lines: it logs each bad step on TensorFlow's
         # logger, where NanTensorHook logs its "Model diverged with loss = NaN.".
-        tf.get_logger().addFilter(lambda record: record.levelno >= 40  # logging.ERROR
+        tf.get_logger().addFilter(lambda record: record.levelno >= tf.compat.v1.logging.ERROR
                                   or "slim_nanguard:" in record.getMessage())
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
