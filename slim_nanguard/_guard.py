@@ -124,8 +124,9 @@ class Guard:
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` for each bad step and each rollback.
 
-        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``) and the
-        fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
+        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``, and
+        ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer) and
+        the fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
         step whose action came from ``persistent_nan_policy`` adds ``escalation`` (why, e.g.
         ``"5 bad steps in a row reached max_consecutive_bad_steps=5"``); a rollback adds
         ``checkpoint`` and ``skipped_batches``.
