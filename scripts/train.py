@@ -168,8 +168,15 @@ def train_config_from_flags() -> launch.TrainConfig:
 
 def _quiet_tensorflow() -> None:
     """Hides TensorFlow's and tf-slim's deprecation chatter unless --verbosity asks for it."""
+    # absl's handler on the root logger prints TensorFlow's lines; TensorFlow's own handler
+    # would print each one a second time.
+    for handler in list(tf.get_logger().handlers):
+        tf.get_logger().removeHandler(handler)
     if FLAGS.verbosity < 1:
-        tf.get_logger().setLevel("ERROR")
+        # Errors only, and the guard's own lines: it logs each bad step on TensorFlow's
+        # logger, where NanTensorHook logs its "Model diverged with loss = NaN.".
+        tf.get_logger().addFilter(lambda record: record.levelno >= tf.compat.v1.logging.ERROR
+                                  or "slim_nanguard:" in record.getMessage())
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 

@@ -1,6 +1,7 @@
 """Checkpoints that are known to be readable and finite.
 
-`FiniteSaver` refuses to write a checkpoint that holds NaN or Inf; `latest_good_checkpoint`
+`FiniteSaver` refuses to write a checkpoint that holds NaN or Inf (`finite_saver` puts the same
+check in front of a user's own `Saver`); `latest_good_checkpoint`
 finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
 with a warning; `non_finite_variables` says which values of a checkpoint are not finite.
 """
@@ -161,12 +162,7 @@ class FiniteSaver(tf.compat.v1.train.Saver):
         self.refused_saves = 0
 
     def _var_list_for_check(self):
-        var_list = self._var_list
-        if var_list is None:
-            return tf.compat.v1.global_variables()
-        if isinstance(var_list, dict):
-            return [v for v in var_list.values() if isinstance(v, tf.Variable)]
-        return [v for v in var_list if isinstance(v, tf.Variable)]
+        return _saved_variables(self._var_list)
 
     def non_finite(self, sess) -> List[str]:
         """Names of the saved variables that hold NaN or Inf now."""
@@ -174,12 +170,80 @@ class FiniteSaver(tf.compat.v1.train.Saver):
         return [name for name, ok in zip(self._checked_names, flags) if not ok]
 
     def save(self, sess, save_path, global_step=None, *args, **kwargs):
-        bad = self.non_finite(sess)
-        if bad:
-            self.refused_saves += 1
-            logging.error("slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or "
-                          "Inf. The latest checkpoint stays the last good one.", save_path,
-                          global_step if not hasattr(global_step, "dtype") else "current",
-                          ", ".join(bad[:5]))
+        if _refuse(self, sess, save_path, global_step):
             return None
         return super().save(sess, save_path, global_step, *args, **kwargs)
+
+
+def _saved_variables(var_list) -> list:
+    """The variables a `Saver` built with `var_list` saves (None: all global variables)."""
+    if var_list is None:
+        return tf.compat.v1.global_variables()
+    if isinstance(var_list, dict):
+        return [v for v in var_list.values() if isinstance(v, tf.Variable)]
+    return [v for v in var_list if isinstance(v, tf.Variable)]
+
+
+def _refuse(saver, sess, save_path, global_step) -> bool:
+    """True (after counting and logging it) if `saver` must not save now: a value is not finite."""
+    bad = saver.non_finite(sess)
+    if not bad:
+        return False
+    saver.refused_saves += 1
+    logging.error("slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
+                  "latest checkpoint stays the last good one.", save_path,
+                  global_step if not hasattr(global_step, "dtype") else "current",
+                  ", ".join(bad[:5]))
+    return True
+
+
+class _FiniteSaving:
+    """A user's `Saver` with `FiniteSaver`'s check in front of `save`.
+
+    Everything else (``restore``, ``saver_def``, ``last_checkpoints``, ``build``, ...) is the
+    user's saver's own, so its variable list, sharding, file names and ``max_to_keep`` all
+    hold. Made by `finite_saver`.
+
+    Attributes:
+      saver: The user's saver.
+      refused_saves: Saves refused so far because a value was not finite.
+    """
+
+    def __init__(self, saver: tf.compat.v1.train.Saver):
+        self.saver = saver
+        with tf.name_scope("nanguard_finite_saver"):
+            self._finite_flags, self._checked_names = finite_flags(
+                _saved_variables(saver._var_list))  # pylint: disable=protected-access
+        self.refused_saves = 0
+
+    def __getattr__(self, name):
+        return getattr(self.saver, name)
+
+    def non_finite(self, sess) -> List[str]:
+        """Names of the saved variables that hold NaN or Inf now."""
+        flags = sess.run(self._finite_flags)
+        return [name for name, ok in zip(self._checked_names, flags) if not ok]
+
+    def save(self, sess, save_path, global_step=None, *args, **kwargs):
+        """As the user's saver's ``save``, except that it refuses a non-finite value."""
+        if _refuse(self, sess, save_path, global_step):
+            return None
+        return self.saver.save(sess, save_path, global_step, *args, **kwargs)
+
+
+def finite_saver(saver):
+    """`saver`, made to refuse a checkpoint that holds NaN or Inf, as `FiniteSaver` does.
+
+    A `FiniteSaver` comes back as it is, and so does anything that is not a
+    `tf.compat.v1.train.Saver` (a `tf.train.Checkpoint`, which `Scaffold` converts itself). Any
+    other `Saver` comes back wrapped: the same saver, with the finiteness check over the
+    variables it saves in front of each ``save``. Call it before the graph is finalized (it adds
+    the check's ops).
+
+    Args:
+      saver: A `tf.compat.v1.train.Saver` (or None).
+    """
+    if isinstance(saver, (FiniteSaver, _FiniteSaving)) or not isinstance(
+            saver, tf.compat.v1.train.Saver):
+        return saver
+    return _FiniteSaving(saver)

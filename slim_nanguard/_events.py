@@ -7,12 +7,16 @@ import math
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from absl import logging
+from tensorflow.compat.v1 import logging as tf_logging
 
 # How the loss of a bad step looked.
 LOSS_NAN = "nan"
 LOSS_INF = "inf"
 LOSS_FINITE = "finite"
+
+# The action of an overflow step of a dynamic loss-scale optimizer: not a bad step, the
+# optimizer skipped the update and lowered its scale.
+LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 
 def classify(value: float) -> str:
@@ -40,8 +44,12 @@ class NanEvent:
       consecutive: How many bad steps came in a row, this one included.
       total: How many bad steps this guard has seen in this process, this one included.
       mode: ``"check_numerics"`` or ``"hook"``: which mode caught the step.
-      action: What the policy decided: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``.
+      action: What the policy decided: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``;
+        ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer,
+        which is no bad step (no policy applies, and it is not counted in ``consecutive`` or
+        ``total``).
       time: Wall-clock time (seconds since the epoch) the step was seen.
+      loss_scale: With a dynamic loss-scale optimizer, the loss scale the step used; else None.
     """
 
     step: int
@@ -53,6 +61,7 @@ class NanEvent:
     mode: str
     action: str = ""
     time: float = dataclasses.field(default_factory=time.time)
+    loss_scale: Optional[float] = None
 
     @property
     def loss_is_nan(self) -> bool:
@@ -72,14 +81,21 @@ class NanEvent:
             culprits = f"non-finite gradients of {shown}{more}"
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
-        return (f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), {culprits}, "
-                f"bad step {self.consecutive} in a row ({self.total} in all)")
+        if self.action == LOSS_SCALE_OVERFLOW:
+            return (f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
+                    f"{culprits} at loss scale {self.loss_scale:g}: the optimizer skipped the "
+                    "update and lowers the scale (not a bad step)")
+        scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
+        return (f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), {culprits}"
+                f"{scale}, bad step {self.consecutive} in a row ({self.total} in all)")
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
         d = dataclasses.asdict(self)
         d["culprits"] = list(self.culprits)
         d["loss"] = _json_float(self.loss)
+        if self.loss_scale is None:
+            del d["loss_scale"]
         return d
 
 
@@ -89,9 +105,30 @@ def _json_float(value: float) -> Any:
     return str(value)
 
 
+# The sentence of `tf.compat.v1.train.NanTensorHook`, which scripts and alerting grep
+# TensorFlow's logs for; every bad step's line starts with it (an Inf loss or a NaN gradient
+# included: the rest of the line says which).
+DIVERGED = "Model diverged with loss = NaN."
+
+
 def log_event(event: NanEvent, level: Optional[int] = None) -> None:
-    """Logs `event` with absl.logging (warning unless training gives up: then error)."""
+    """Logs `event` as one line on TensorFlow's logger, where `NanTensorHook` logs.
+
+    A bad step's line starts with `NanTensorHook`'s ``Model diverged with loss = NaN.``, at
+    error level when training gives up (action ``raise``) and warning otherwise, as
+    `NanTensorHook` does when it raises or stops. An overflow step of a dynamic loss-scale
+    optimizer is no divergence: it is logged at info level, without that sentence.
+
+    Args:
+      event: The event.
+      level: A Python `logging` level, to override the above.
+    """
+    if event.action == LOSS_SCALE_OVERFLOW:
+        tf_logging.log(tf_logging.INFO if level is None else level,
+                       "slim_nanguard: loss-scale overflow (%s mode): %s", event.mode,
+                       event.describe())
+        return
     if level is None:
-        level = logging.ERROR if event.action == "raise" else logging.WARNING
-    logging.log(level, "slim_nanguard: bad step (%s mode), action %s: %s", event.mode,
-                event.action, event.describe())
+        level = tf_logging.ERROR if event.action == "raise" else tf_logging.WARN
+    tf_logging.log(level, "%s slim_nanguard: bad step (%s mode), action %s: %s", DIVERGED,
+                   event.mode, event.action, event.describe())

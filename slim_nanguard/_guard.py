@@ -51,6 +51,8 @@ class GuardState:
       stops: Stops requested by the ``stop`` policy.
       last_bad_step: Global step of the last bad step, or None.
       learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer: not bad steps
+        (the optimizer skipped them and lowered its scale), counted apart.
     """
 
     total_bad_steps: int = 0
@@ -60,6 +62,7 @@ class GuardState:
     stops: int = 0
     last_bad_step: Optional[int] = None
     learning_rate_scale: float = 1.0
+    loss_scale_overflows: int = 0
 
 
 class Guard:
@@ -75,16 +78,21 @@ class Guard:
       global_step: The global step variable, or None.
       grad_sums: The loss, then the sum of each gradient, as one vector.
       ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
-        None in check_numerics mode, whose check raises instead.
+        None in check_numerics mode, whose check raises instead, unless the optimizer scales
+        the loss dynamically: then it is False on an overflow step, which does not raise.
       diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
-        stores them before every check; hook mode only on the bad branch).
+        stores them before every check; hook mode only on the bad branch); with a dynamic
+        loss-scale optimizer the loss scale of the step follows the sums.
+      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer (an overflow
+        there is a bad step), or None without one.
       state: The `GuardState` counters.
     """
 
     def __init__(self, *, config: _policy.GuardConfig, mode: str, train_op: tf.Tensor,
                  loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
                  diagnostics: tf.Variable, check_op_name: Optional[str],
-                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable]):
+                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable],
+                 loss_scale_floor: Optional[float] = None):
         self.config = config
         self.mode = mode
         self.train_op = train_op
@@ -96,6 +104,7 @@ class Guard:
         self.check_op_name = check_op_name
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
+        self.loss_scale_floor = loss_scale_floor
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
@@ -115,8 +124,9 @@ class Guard:
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` for each bad step and each rollback.
 
-        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``) and the
-        fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
+        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``, and
+        ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer) and
+        the fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
         step whose action came from ``persistent_nan_policy`` adds ``escalation`` (why, e.g.
         ``"5 bad steps in a row reached max_consecutive_bad_steps=5"``); a rollback adds
         ``checkpoint`` and ``skipped_batches``.
@@ -135,6 +145,54 @@ class Guard:
             listener(record)
 
     # ----------------------------------------------------------------- steps
+    def _loss_scale_of(self, sums: Optional[Sequence[float]]) -> Optional[float]:
+        """The loss scale a step used, from what it stored (None without loss scaling)."""
+        if self.loss_scale_floor is None or sums is None:
+            return None
+        sums = list(sums)
+        return float(sums[-1]) if len(sums) == len(self.variable_names) + 2 else None
+
+    def is_loss_scale_overflow(self, sums: Optional[Sequence[float]]) -> bool:
+        """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer.
+
+        That is: its loss was finite and its loss scale above the floor (the same test as the
+        train op's, on the values the step stored), so the optimizer skipped the update and
+        lowered the scale. Such a step is not a bad step.
+
+        Args:
+          sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
+        """
+        scale = self._loss_scale_of(sums)
+        return (scale is not None and math.isfinite(float(list(sums)[0]))
+                and scale > self.loss_scale_floor)
+
+    def on_loss_scale_overflow(self, *, step: int,
+                               sums: Sequence[float]) -> _events.NanEvent:
+        """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
+
+        The optimizer skipped the update and lowered its scale; nothing else was written. The
+        step counts neither as a bad step nor toward ``max_consecutive_bad_steps``.
+
+        Args:
+          step: The global step the overflow happened at (-1 if unknown).
+          sums: What the step stored: the loss, the gradient sums, the loss scale.
+
+        Returns:
+          The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
+          ``"loss_scale_overflow"``.
+        """
+        state = self.state
+        state.loss_scale_overflows += 1
+        sums = list(sums)
+        event = _events.NanEvent(
+            step=int(step), loss=float(sums[0]), loss_kind=_events.classify(float(sums[0])),
+            culprits=self.culprits(sums), consecutive=state.consecutive_bad_steps,
+            total=state.total_bad_steps, mode=self.mode,
+            action=_events.LOSS_SCALE_OVERFLOW, loss_scale=self._loss_scale_of(sums))
+        _events.log_event(event)
+        self._notify(_events.LOSS_SCALE_OVERFLOW, event)
+        return event
+
     def note_good_step(self) -> None:
         """Tells the guard a step went through; resets the consecutive count."""
         self.state.consecutive_bad_steps = 0
@@ -179,7 +237,8 @@ class Guard:
             step=int(step), loss=float(loss), loss_kind=_events.classify(float(loss)),
             culprits=self.culprits(sums) if sums is not None else (),
             consecutive=state.consecutive_bad_steps, total=state.total_bad_steps,
-            mode=self.mode, action=policy or self.config.nan_policy)
+            mode=self.mode, action=policy or self.config.nan_policy,
+            loss_scale=self._loss_scale_of(sums))
         action = event.action
         if self.config.on_nan is not None:
             chosen = self.config.on_nan(event)

@@ -8,7 +8,9 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
       before_run()           # asks for one boolean: were the loss and all gradients finite
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
       after_run()            # finite: note a good step. Not finite: read the sums the bad
-                             #   step stored (loss first), build a NanEvent and
+                             #   step stored (loss first); an overflow of a dynamic
+                             #   loss-scale optimizer is recorded and is no bad step
+                             #   (the optimizer lowered its scale). Else build a NanEvent and
                              #   raise  -> raise NanLossError (end() is then not called:
                              #             no closing checkpoint, none is needed)
                              #   stop   -> run_context.request_stop(); end() runs and the
@@ -98,7 +100,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
         guard = self._guard
-        if guard.mode != _guard.MODE_HOOK:
+        if guard.ok is None:
             logging.info("slim_nanguard: the train op of %s is in check_numerics mode; its "
                          "check raises before this hook could run.", self._loss_tensor.name)
         # One boolean per step. A bad step stored its gradient sums (the loss first) in the
@@ -143,9 +145,13 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if results is None or results:  # A finite step (or a check_numerics-mode op).
             self._guard.note_good_step()
             return
-        self._session_bad_steps += 1
         guard = self._guard
         step, sums = guard.read_bad_step(run_context.session)
+        if guard.is_loss_scale_overflow(sums):
+            # The loss-scale optimizer skipped the update and lowered its scale: not a bad step.
+            guard.on_loss_scale_overflow(step=step, sums=sums)
+            return
+        self._session_bad_steps += 1
         event = guard.on_bad_step(step=step, loss=sums[0], sums=sums,
                                   policy=self._effective_policy())
         if event.action == _policy.STOP:

@@ -62,6 +62,8 @@ class TrainResult:
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
       learning_rate_scale: The product of the rollback learning-rate factors applied so far.
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer in this call (not
+        bad steps: the optimizer skipped them and lowered its scale).
     """
 
     final_loss: float
@@ -74,12 +76,15 @@ class TrainResult:
     checkpoint: Optional[str]
     events_path: str
     learning_rate_scale: float = 1.0
+    loss_scale_overflows: int = 0
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
+        overflows = (f", {self.loss_scale_overflows} loss-scale overflows"
+                     if self.loss_scale_overflows else "")
         return (f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
                 f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
-                f"({self.skips} skipped, {self.rollbacks} rolled back)\n"
+                f"({self.skips} skipped, {self.rollbacks} rolled back){overflows}\n"
                 f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}")
 
 
@@ -228,8 +233,9 @@ def train(train_op: tf.Tensor,
       number_of_steps: Stop once the global step reaches this (None: until stopped).
       master: The TensorFlow master.
       is_chief: Whether this process initialises, restores and saves.
-      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`. Its
-        ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
+      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`; a saver of
+        your own is used as given, behind the same check (it refuses to write NaN or Inf).
+        Its ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
       hooks: More `SessionRunHook`s.
       chief_only_hooks: Hooks run on the chief only.
       save_checkpoint_secs: Seconds between checkpoints (None or 0: not by time).
@@ -275,7 +281,9 @@ def train(train_op: tf.Tensor,
             scaffold = _make_scaffold(scaffold, logdir if is_chief else None, resume_from,
                                       max_checkpoints_to_keep)
             all_hooks = list(hooks or [])
-            if guard.mode == _guard.MODE_HOOK and not any(
+            # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
+            # records its overflow steps, which do not raise).
+            if guard.ok is not None and not any(
                     isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
                     for h in all_hooks):  # pylint: disable=protected-access
                 all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
@@ -315,7 +323,8 @@ def train(train_op: tf.Tensor,
         skips=state.skips - first_state.skips,
         rollbacks=state.rollbacks - first_state.rollbacks, stop_reason=stop_reason,
         checkpoint=tf.train.latest_checkpoint(logdir), events_path=recorder.path,
-        learning_rate_scale=state.learning_rate_scale)
+        learning_rate_scale=state.learning_rate_scale,
+        loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows)
     recorder.append({"kind": "stop", "reason": stop_reason, "step": last_step,
                      "time": time.time(), "final_loss": _record_float(final_loss)})
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
@@ -328,7 +337,7 @@ def _record_float(value: float):
 
 def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
                    max_to_keep: int):
-    """A scaffold whose saver is a FiniteSaver and whose init_fn restores from `logdir`.
+    """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
     The init_fn runs for every session the MonitoredSession creates: the first one, and a new
     one after a recoverable error (AbortedError, UnavailableError). Each time it restores the
@@ -340,6 +349,8 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
     if saver is None:
         saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
                                          allow_empty=True)
+    else:  # The user's saver, as given, but it never writes NaN or Inf either.
+        saver = _checkpoints.finite_saver(saver)
     kwargs = {"saver": saver}
     if logdir is not None:
         restorer = _resume_saver(saver, resume_from) if resume_from else saver
@@ -413,6 +424,7 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 stop_reason = STOP_INTERRUPTED
                 break
             bad_before, rollbacks_before = guard.state.total_bad_steps, guard.state.rollbacks
+            overflows_before = guard.state.loss_scale_overflows
             try:
                 loss = sess.run(train_op)
             except tf.errors.OutOfRangeError:
@@ -437,6 +449,8 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 elif guard.last_event is not None and guard.last_event.action == _policy.STOP:
                     stop_reason = STOP_POLICY
                 continue
+            if guard.state.loss_scale_overflows != overflows_before:
+                continue  # The optimizer skipped the step: global_step did not move.
             if guard.mode == _guard.MODE_CHECK_NUMERICS:
                 guard.note_good_step()
             steps += 1

@@ -49,6 +49,8 @@ class EventRecorder:
                 self.counts["stops"] += 1
         elif kind == "rollback":
             self.counts["rollbacks"] += 1
+        elif kind == "loss_scale_overflow":  # counted apart; only runs that have them show it
+            self.counts["loss_scale_overflows"] = self.counts.get("loss_scale_overflows", 0) + 1
         self.append(record)
         if self._write_summaries and "step" in record:
             self.write_scalars(int(record["step"]))

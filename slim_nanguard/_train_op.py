@@ -21,6 +21,13 @@ How the bad branch shows itself depends on the mode:
   the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
   boolean per step; only the bad branch stores the sums for it to read.
 
+With a dynamic loss-scale optimizer
+(`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), a step whose loss is finite
+but whose gradients overflowed while the loss scale is above its minimum is the scaler's
+business, not a bad step: the scale's own update still runs (the scale drops, as the optimizer
+intends), no other variable is written, the run returns normally in both modes, and the
+`NanLossHook` records it as a ``loss_scale_overflow``. At the minimum scale it is a bad step.
+
 A sum of a gradient is NaN or Inf exactly when an element is (or when finite elements add up
 past the float range, which a healthy step never does), so one reduction per gradient replaces
 an element-wise `is_finite` and its boolean tensor.
@@ -28,6 +35,7 @@ an element-wise `is_finite` and its boolean tensor.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
@@ -106,7 +114,9 @@ def create_train_op(total_loss: tf.Tensor,
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
-      optimizer: A `tf.compat.v1.train.Optimizer`.
+      optimizer: A `tf.compat.v1.train.Optimizer`; also a dynamic loss-scale one
+        (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), whose overflow
+        steps lower the scale and count as no bad step (see the module docstring).
       global_step: The global step variable; by default `get_or_create_global_step()`; None to
         not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
@@ -140,8 +150,9 @@ def create_train_op(total_loss: tf.Tensor,
       finite and returns the total loss.
 
     Raises:
-      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer without
-        ``compute_gradients``, a variable to train that is not trainable, or a policy argument
+      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
+        `tf.compat.v1.train.Optimizer` (a Keras one, for example), an empty
+        ``variables_to_train``, a variable to train that is not trainable, or a policy argument
         out of range. The message names the argument and the value.
     """
     if config is None:
@@ -153,9 +164,7 @@ def create_train_op(total_loss: tf.Tensor,
     elif not isinstance(config, _policy.GuardConfig):
         raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
     _check_loss(total_loss)
-    if not (hasattr(optimizer, "compute_gradients") and hasattr(optimizer, "apply_gradients")):
-        raise ValueError("optimizer must be a tf.compat.v1.train.Optimizer (with "
-                         f"compute_gradients and apply_gradients); got {optimizer!r}.")
+    _check_optimizer(optimizer)
     if clip_gradient_norm is None or clip_gradient_norm < 0:
         raise ValueError(f"clip_gradient_norm must be >= 0 (0 turns clipping off); got "
                          f"{clip_gradient_norm!r}.")
@@ -166,6 +175,7 @@ def create_train_op(total_loss: tf.Tensor,
             global_step = tf.compat.v1.train.get_or_create_global_step()
         update_ops = _resolve_update_ops(graph, update_ops)
         variables_to_train = _resolve_variables(variables_to_train)
+        loss_scale = _dynamic_loss_scale(optimizer)
         lr_scale = None
         if config.rollback_lr_factor != 1.0:
             lr_scale = _scale_learning_rate(optimizer)
@@ -192,19 +202,23 @@ def create_train_op(total_loss: tf.Tensor,
         with tf.name_scope("nanguard"):
             present = [(g, v) for g, v in grads if g is not None]
             grad_sums = _gradient_sums(total_loss, [g for g, _ in present])
+            kept, scaler = grad_sums, None
+            if loss_scale is not None:
+                scaler = _OverflowTest(grad_sums, loss_scale)
+                kept = scaler.sums_and_scale
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
             # checkpoints nor initialised (it is only read after a write).
             diagnostics = tf.compat.v1.Variable(
-                tf.zeros_like(grad_sums), trainable=False, collections=[],
+                tf.zeros_like(kept), trainable=False, collections=[],
                 use_resource=True, name="gradient_sums")
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
-                store = diagnostics.assign(grad_sums, read_value=False)
+                store = diagnostics.assign(kept, read_value=False)
                 with tf.control_dependencies([store]):
                     gate = tf.debugging.check_numerics(
-                        tf.reduce_sum(grad_sums),
+                        tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
                         "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
                 check_op_name, ok, bad_done = gate.op.name, None, None
             else:
@@ -218,24 +232,37 @@ def create_train_op(total_loss: tf.Tensor,
                 gate = tf.identity(taken, name="pivot")
                 # The other side runs on a bad step only: it stores the sums there, so that
                 # a good step costs the hook one boolean fetch.
-                bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
+                bad_sums, _ = control_flow_ops.switch(kept, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
                 with tf.control_dependencies([store]):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
                 ok, _ = control_flow_ops.merge([gate, bad_done], name="all_finite_checked")
+            finite_gate = None
+            if scaler is not None:
+                gate, finite_gate, ok, bad_done = scaler.gates(gate, ok, bad_done)
 
         first_new_op = len(graph.get_operations())
         with tf.control_dependencies([gate]):
             grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
-        gated = _gate_writes(graph, graph.get_operations()[first_new_op:], gate)
-        gated += _gate_update_ops(update_ops, gate)
+        new_ops = graph.get_operations()[first_new_op:]
+        gated = _gate_writes(graph, new_ops, gate)
+        gated_updates = _gate_update_ops(update_ops, gate)
+        gated += gated_updates
+        if finite_gate is not None:
+            # The loss scale's own update runs on an overflow step; every other write does not.
+            scale_ops = {v.op for v in _loss_scale_variables(loss_scale)}
+            _gate_writes(graph, [op for op in new_ops if _written_variable(op) not in scale_ops],
+                         finite_gate)
+            for op in gated_updates:
+                op._add_control_input(finite_gate.op)  # pylint: disable=protected-access
         logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test",
                      len(gated))
 
         with tf.name_scope("train_op"):
-            with tf.control_dependencies([grad_updates] + list(update_ops)):
+            with tf.control_dependencies([grad_updates] + list(update_ops)
+                                         + ([finite_gate] if finite_gate is not None else [])):
                 done = tf.identity(gate)
             if bad_done is not None:
                 done, _ = control_flow_ops.merge([done, bad_done])
@@ -249,11 +276,135 @@ def create_train_op(total_loss: tf.Tensor,
             config=config, mode=mode, train_op=train_op, loss=total_loss,
             global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
             check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
-            lr_scale=lr_scale)
+            lr_scale=lr_scale, loss_scale_floor=None if scaler is None else scaler.floor)
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
     return train_op
+
+
+def _check_optimizer(optimizer) -> None:
+    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` (nor works like one).
+
+    Keras optimizers (Keras 3, tf-keras and its ``legacy`` ones) have other signatures and fail
+    deep inside graph construction; one message names them all.
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return
+    compute = getattr(optimizer, "compute_gradients", None)
+    works_like_one = False
+    if callable(compute) and callable(getattr(optimizer, "apply_gradients", None)):
+        try:
+            params = inspect.signature(compute).parameters
+        except (TypeError, ValueError):
+            params = {}
+        works_like_one = "gate_gradients" in params or any(
+            p.kind == p.VAR_KEYWORD for p in params.values())
+    if not works_like_one:
+        kind = type(optimizer)
+        keras = (" Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+                 "in a graph-mode TF-Slim train op." if "keras" in kind.__module__ else "")
+        shown = (repr(optimizer) if kind.__module__ == "builtins" else
+                 f"{kind.__module__}.{kind.__qualname__}")
+        raise ValueError(
+            f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
+            "tf.compat.v1.train optimizer of the same algorithm, for example "
+            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer.")
+
+
+def _dynamic_loss_scale(optimizer):
+    """The `DynamicLossScale` of a loss-scale optimizer, or None.
+
+    A loss-scale optimizer (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`)
+    wraps an inner optimizer and has a loss scale. Only a dynamic one skips the update of an
+    overflow step and lowers the scale; a fixed scale is a constant factor, and an overflow
+    under it is a bad step like any other.
+    """
+    from tensorflow.python.training.experimental import loss_scale as loss_scale_module
+    loss_scale = getattr(optimizer, "_loss_scale", None)
+    if hasattr(optimizer, "_optimizer") and isinstance(loss_scale,
+                                                       loss_scale_module.DynamicLossScale):
+        return loss_scale
+    return None
+
+
+def _loss_scale_variables(loss_scale) -> list:
+    """The variables a loss scale updates (the current scale and its count of good steps)."""
+    return list(getattr(loss_scale, "_weights", {}).values())
+
+
+def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
+    """The variable op (or handle op) a write op writes to, through cond's Switch ops."""
+    if not op.inputs:
+        return None
+    tensor = op.inputs[0]
+    while tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter",
+                             "RefEnter") and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor.op
+
+
+class _OverflowTest:
+    """The finiteness test of a train op whose optimizer scales the loss dynamically.
+
+    A step is one of three kinds:
+
+    * finite (loss and every gradient): every write runs;
+    * an overflow: the loss (the user's, unscaled) is finite, a gradient is not, and the loss
+      scale is above its floor. The optimizer skips the update and lowers the scale, so the
+      scale's writes run and no other;
+    * bad: any other non-finite step (a non-finite loss, or an overflow at the floor, where
+      lowering the scale cannot help). No write runs.
+
+    Attributes:
+      floor: The smallest loss scale (`DynamicLossScale` never goes below 1).
+      sums_and_scale: The loss, the sum of each gradient, then the loss scale of the step:
+        what the guard keeps for the hook to read.
+      finite: Scalar bool, the loss and all gradients finite.
+      overflow: Scalar bool, an overflow step.
+      unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
+    """
+
+    floor = 1.0
+
+    def __init__(self, grad_sums: tf.Tensor, loss_scale):
+        total = tf.reduce_sum(grad_sums)
+        # The scale this step multiplied the loss by. The scale's writes wait on this test.
+        scale = tf.cast(loss_scale(), grad_sums.dtype)
+        self.sums_and_scale = tf.concat([grad_sums, tf.reshape(scale, [1])], 0,
+                                        name="gradient_sums_and_loss_scale")
+        self.finite = tf.math.is_finite(total, name="all_finite")
+        self.overflow = tf.logical_and(
+            tf.logical_not(self.finite),
+            tf.logical_and(tf.math.is_finite(grad_sums[0]), scale > self.floor),
+            name="loss_scale_overflow")
+        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(total), total)
+
+    def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
+        """Returns ``(gate, finite_gate, ok, bad_done)`` for a loss-scaled train op.
+
+        ``gate`` is open unless the step is bad (the scale's writes wait on it), and
+        ``finite_gate`` only on a finite step (every other write waits on it too). ``ok`` is
+        what the hook fetches (False on an overflow step as on a bad one), and ``bad_done`` is
+        live when the step is not finite, so the train op yields the loss on an overflow step.
+
+        Args:
+          gate: The mode's gate: the check op (check_numerics mode, which lets an overflow
+            step through, see `unless_overflow`), or hook mode's pivot, open on finite steps.
+          ok: Hook mode's fetched boolean, or None in check_numerics mode.
+          bad_done: Hook mode's bad-branch marker, or None.
+        """
+        if ok is None:  # check_numerics mode
+            untaken, taken = control_flow_ops.switch(self.finite, self.finite)
+            finite_gate = tf.identity(taken, name="finite_pivot")
+            ok, _ = control_flow_ops.merge([finite_gate, tf.identity(untaken)],
+                                           name="all_finite_checked")
+            # The check's output, live past the check on a step that is not finite.
+            overflow_done, _ = control_flow_ops.switch(gate, self.finite, name="overflow_done")
+            return gate, finite_gate, ok, overflow_done
+        writable = tf.logical_or(self.finite, self.overflow)
+        _, taken = control_flow_ops.switch(writable, writable)
+        return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
 
 
 def _check_loss(total_loss) -> None:
@@ -287,8 +438,12 @@ def _resolve_variables(variables_to_train):
         for v in variables_to_train:
             if not (getattr(v, "trainable", False) or v in trainable):
                 raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
+        if not variables_to_train:
+            raise ValueError("variables_to_train is empty: pass the variables to train, or "
+                             "None to train all trainable variables.")
     if not variables_to_train:
-        raise ValueError("variables_to_train is empty: the graph has no trainable variables.")
+        raise ValueError("the graph has no trainable variables: variables_to_train is None, "
+                         "so every trainable variable would be trained, and there is none.")
     return variables_to_train
 
 
@@ -372,6 +527,11 @@ def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
 
 def _scale_learning_rate(optimizer) -> tf.Variable:
     """Multiplies the optimizer's learning rate by a variable the rollback policy can lower."""
+    inner = getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, tf.compat.v1.train.Optimizer) and not any(
+            getattr(optimizer, attr, None) is not None for attr in ("_learning_rate", "_lr")):
+        # A wrapper (a loss-scale optimizer, for one): the rate is the inner optimizer's.
+        return _scale_learning_rate(inner)
     for attr in ("_learning_rate", "_lr"):
         if hasattr(optimizer, attr) and getattr(optimizer, attr) is not None:
             break

@@ -6,6 +6,8 @@ Batch 3 of the input is bad; the tests check what the policy did and that the va
 the bad step are exactly those before it.
 """
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -338,6 +340,31 @@ def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
         "NanLossHook, slim train op": fault == "inf_loss",
         "NanLossHook, guarded train op": True,
     }
+
+
+@pytest.mark.parametrize("policy, level", [("raise", logging.ERROR), ("stop", logging.WARNING),
+                                           ("skip", logging.WARNING)])
+@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(hook_mode, policy,
+                                                                        level, caplog):
+    """Alerting greps TensorFlow's log for NanTensorHook's "Model diverged with loss = NaN".
+
+    An Inf loss at batch 3 (which NanTensorHook would miss) gives one such line on the
+    'tensorflow' logger: at error level when the run gives up, at warning level when it stops
+    or skips, as NanTensorHook logs when it raises or stops; the line goes on with the step,
+    the real loss and the action.
+    """
+    model = lib.build_model(check_numerics=not hook_mode, nan_policy=policy,
+                            faults={BAD_BATCH: "inf_loss"})
+    with caplog.at_level(logging.INFO, logger="tensorflow"):
+        _seed_flow(model, hook_mode=hook_mode)
+    lines = [r for r in caplog.records if "Model diverged with loss = NaN" in r.getMessage()]
+    assert len(lines) == 1
+    assert (lines[0].name, lines[0].levelno) == ("tensorflow", level)
+    message = lines[0].getMessage()
+    assert message.startswith("Model diverged with loss = NaN.")
+    assert f"global step {BAD_BATCH}, loss inf (inf)" in message
+    assert f"action {policy}" in message
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])

@@ -419,3 +419,37 @@ class TestBadInput:
         with graph.as_default():
             with pytest.raises(ValueError, match="optimizer must be a tf.compat.v1.train"):
                 slim_nanguard.create_train_op(tf.reduce_sum(w * w), "sgd")
+
+    @pytest.mark.parametrize("kind", ["keras", "tf_keras", "tf_keras_legacy"])
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_a_keras_optimizer_is_refused_by_name(self, mode, kind):
+        """Keras 3, tf-keras and tf-keras legacy optimizers get the same clear message (a
+        tf-keras one used to fail deep inside with a TypeError about gate_gradients)."""
+        import keras
+        import tf_keras
+        optimizer = {"keras": keras.optimizers.SGD,
+                     "tf_keras": tf_keras.optimizers.SGD,
+                     "tf_keras_legacy": tf_keras.optimizers.legacy.SGD}[kind](0.1)
+        name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        graph, w, _ = self._graph_and_opt()
+        with graph.as_default():
+            with pytest.raises(ValueError) as raised:
+                slim_nanguard.create_train_op(tf.reduce_sum(w * w), optimizer,
+                                              check_numerics=MODES[mode])
+        message = str(raised.value)
+        assert message.startswith(f"optimizer must be a tf.compat.v1.train.Optimizer; got {name}.")
+        assert "Use the tf.compat.v1.train optimizer of the same algorithm" in message
+
+    def test_an_empty_variables_to_train_says_so(self):
+        """variables_to_train=[] is the caller's list, not a graph without trainable variables."""
+        graph, w, opt = self._graph_and_opt()
+        with graph.as_default():
+            with pytest.raises(ValueError) as raised:
+                slim_nanguard.create_train_op(tf.reduce_sum(w * w), opt, variables_to_train=[])
+        assert str(raised.value).startswith("variables_to_train is empty")
+        assert "no trainable variables" not in str(raised.value)
+        frozen = tf.Graph()
+        with frozen.as_default():
+            v = tf.compat.v1.get_variable("v", [3], trainable=False)
+            with pytest.raises(ValueError, match="^the graph has no trainable variables"):
+                slim_nanguard.create_train_op(tf.reduce_sum(v * v), opt)

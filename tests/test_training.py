@@ -82,6 +82,35 @@ class TestNoPoisonedCheckpoint:
         for name, value in expected.items():
             np.testing.assert_array_equal(latest[name], value, err_msg=name)
 
+    @pytest.mark.parametrize("mode", sorted(MODES))
+    def test_a_users_own_saver_never_writes_an_inf_weight(self, tmp_path, mode):
+        """A Scaffold with the user's Saver (over w and global_step only). At batch 3 a huge
+        but finite input gives a finite loss and gradient, and the update sends w to -Inf,
+        which the guard can only see at the next step (a -Inf loss: stop). The user's saver
+        saves every step, and none of its checkpoints holds the -Inf."""
+        graph = tf.Graph()
+        with graph.as_default():
+            inputs = np.zeros(20, np.float32)
+            inputs[BAD] = 1e38
+            x = tf.compat.v1.data.make_one_shot_iterator(
+                tf.data.Dataset.from_tensor_slices(inputs)).get_next()
+            w = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
+            train_op = slim_nanguard.create_train_op(
+                w * x, tf.compat.v1.train.GradientDescentOptimizer(10.0),
+                check_numerics=MODES[mode], nan_policy="stop")
+            saver = tf.compat.v1.train.Saver(var_list=[w, tf.compat.v1.train.get_global_step()],
+                                             max_to_keep=None)
+            result = slim_nanguard.train(
+                train_op, str(tmp_path), number_of_steps=8, save_checkpoint_steps=1,
+                save_summaries_steps=None, log_every_n_steps=0,
+                scaffold=tf.compat.v1.train.Scaffold(saver=saver))
+        assert result.stop_reason == "nan_policy_stop" and result.bad_steps == 1
+        assert result.global_step == BAD + 1  # the overflowing update went through
+        lib.assert_no_poisoned_checkpoint(str(tmp_path))
+        latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
+        assert sorted(latest) == ["global_step", "w"]  # the user's saver wrote it
+        assert int(latest["global_step"]) == BAD and np.isfinite(latest["w"])
+
     @pytest.mark.parametrize("policy", ["stop", "skip"])
     def test_a_plain_monitored_session_with_our_hook(self, tmp_path, policy):
         model = lib.build_model(check_numerics=False, nan_policy=policy,
