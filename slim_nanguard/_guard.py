@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +35,14 @@ _INPUT_OP_TYPES = frozenset({
     "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany",
     "QueueDequeueUpTo", "ReaderReadV2", "ReaderReadUpToV2"
 })
+
+# Op types that run a function body: an error raised inside (a train op built in a
+# tf.while_loop, a tf.function) is reported on them, with the inner node named in the message.
+_FUNCTION_OP_TYPES = frozenset({"While", "StatelessWhile", "If", "StatelessIf",
+                                "PartitionedCall", "StatefulPartitionedCall"})
+# What CheckNumerics says, and the node the message names.
+_CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
+_INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 # Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
 Listener = Callable[[Dict[str, Any]], None]
@@ -78,13 +87,17 @@ class Guard:
         None in check_numerics mode, whose check raises instead.
       diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
         stores them before every check; hook mode only on the bad branch).
+      in_loop: True when the train op was built inside a `tf.while_loop` (or another function
+        body), whose tensors a run cannot fetch: `ok` is then None and `NanLossHook` reads
+        `diagnostics` after each run instead.
       state: The `GuardState` counters.
     """
 
     def __init__(self, *, config: _policy.GuardConfig, mode: str, train_op: tf.Tensor,
                  loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
                  diagnostics: tf.Variable, check_op_name: Optional[str],
-                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable]):
+                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable],
+                 in_loop: bool = False):
         self.config = config
         self.mode = mode
         self.train_op = train_op
@@ -96,6 +109,7 @@ class Guard:
         self.check_op_name = check_op_name
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
+        self.in_loop = in_loop
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
@@ -106,7 +120,8 @@ class Guard:
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
         if lr_scale is not None:
-            with loss.graph.as_default():
+            # init_scope: in the outermost graph, even for a train op built in a loop body.
+            with loss.graph.as_default(), tf.init_scope():
                 self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
                                                                 name="nanguard_lr_scale_value")
                 self._lr_scale_assign = tf.compat.v1.assign(lr_scale, self._lr_scale_value)
@@ -221,8 +236,11 @@ class Guard:
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
         op = getattr(error, "op", None)
-        return (self.check_op_name is not None and is_numerics_error(error)
-                and op is not None and op.name == self.check_op_name)
+        if self.check_op_name is None or not is_numerics_error(error) or op is None:
+            return False
+        if op.type in _FUNCTION_OP_TYPES:  # Raised inside a loop body: the message names it.
+            return self.check_op_name in _INNER_NODE.findall(getattr(error, "message", ""))
+        return op.name == self.check_op_name
 
     def read_bad_step(self, session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
@@ -350,7 +368,9 @@ def is_numerics_error(error: BaseException) -> bool:
 
     The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
     message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
-    label) is never mistaken for a numerics error.
+    label) is never mistaken for a numerics error. A check inside a function body (a train op
+    built in a `tf.while_loop`) fails on the loop op; then the message must carry what
+    CheckNumerics says (``" : Tensor had NaN values"``) and name the inner node.
 
     Args:
       error: Any exception.
@@ -361,6 +381,9 @@ def is_numerics_error(error: BaseException) -> bool:
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
+    if op is not None and op.type in _FUNCTION_OP_TYPES:
+        message = getattr(error, "message", "")
+        return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
     return op is not None and op.type in ("CheckNumerics", "CheckNumericsV2")
 
 

@@ -195,9 +195,11 @@ def create_train_op(total_loss: tf.Tensor,
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
             # checkpoints nor initialised (it is only read after a write).
-            diagnostics = tf.compat.v1.Variable(
-                tf.zeros_like(grad_sums), trainable=False, collections=[],
-                use_resource=True, name="gradient_sums")
+            # Made outside any control-flow construct (a train op built in a while loop).
+            with tf.init_scope():
+                diagnostics = tf.compat.v1.Variable(
+                    tf.zeros(grad_sums.shape, grad_sums.dtype), trainable=False,
+                    collections=[], use_resource=True, name="gradient_sums")
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
@@ -245,15 +247,31 @@ def create_train_op(total_loss: tf.Tensor,
         train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
         if train_op not in train_ops:
             train_ops.append(train_op)
+        in_loop = _in_loop(graph)
         guard = _guard.Guard(
             config=config, mode=mode, train_op=train_op, loss=total_loss,
-            global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
-            check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
-            lr_scale=lr_scale)
+            global_step=global_step, grad_sums=grad_sums, ok=None if in_loop else ok,
+            diagnostics=diagnostics, check_op_name=check_op_name,
+            variable_names=[v.op.name for _, v in present], lr_scale=lr_scale,
+            in_loop=in_loop)
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
-            guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
+            with tf.init_scope():
+                guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,
+                                                       name="nanguard_rollback")
         _guard.register(guard)
     return train_op
+
+
+def _in_loop(graph: tf.Graph) -> bool:
+    """Whether ops built now land in a loop body (a while_v2 function or a v1 while context)."""
+    if getattr(graph, "building_function", False):
+        return True
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    while context is not None:
+        if context.IsWhileContext():
+            return True
+        context = context.outer_context
+    return False
 
 
 def _check_loss(total_loss) -> None:
@@ -380,7 +398,8 @@ def _scale_learning_rate(optimizer) -> tf.Variable:
             f"rollback_lr_factor needs an optimizer with a learning rate to scale; "
             f"{type(optimizer).__name__} has neither _learning_rate nor _lr. Use "
             "rollback_lr_factor=1.0 with this optimizer.")
-    with tf.compat.v1.variable_scope("nanguard", reuse=tf.compat.v1.AUTO_REUSE):
+    with tf.init_scope(), tf.compat.v1.variable_scope("nanguard",
+                                                      reuse=tf.compat.v1.AUTO_REUSE):
         scale = tf.compat.v1.get_variable("learning_rate_scale", [], tf.float32,
                                           initializer=tf.compat.v1.ones_initializer(),
                                           trainable=False, use_resource=True)

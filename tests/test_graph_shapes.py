@@ -1,0 +1,194 @@
+"""The promise in the graphs users build around the train op, in both modes.
+
+Each test is a short training run of a small graph the way TF-Slim users write it: an EMA
+chained after the train op, slim.batch_norm updating in place, several steps in one
+`tf.while_loop`, and a GAN's two train ops in one graph. A bad step writes nothing, a good
+step trains, and the bad step is reported.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import nanguard_testlib as lib
+import slim_nanguard
+
+MODES = {"check_numerics": True, "hook": False}
+
+
+def _run(sess, fetches, feed=None):
+    """Runs `fetches`; returns (value, error) instead of raising InvalidArgumentError."""
+    try:
+        return sess.run(fetches, feed), None
+    except tf.errors.InvalidArgumentError as err:
+        return None, err
+
+
+def _raw(sess):
+    """The tf.Session under a MonitoredSession (reading through it would run the hooks)."""
+    return sess._tf_sess()  # pylint: disable=protected-access
+
+
+# ------------------------------------------------------------------ tf.while_loop
+
+ITERATIONS = 3
+
+
+def _build_loop_model(check_numerics: bool):
+    """Three SGD steps per run in a while loop, each on its own slice of the fed batches."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(4)
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        xs = tf.compat.v1.placeholder(tf.float32, [None, lib.BATCH, lib.FEATURES], name="xs")
+        weights = tf.compat.v1.get_variable("w", [lib.FEATURES, 1])
+        opt = tf.compat.v1.train.MomentumOptimizer(0.05, 0.9)
+        inner = []
+
+        def body(i, total):
+            loss = tf.reduce_mean(tf.square(tf.matmul(xs[i], weights) - 1.0))
+            train_op = slim_nanguard.create_train_op(loss, opt, check_numerics=check_numerics,
+                                                     nan_policy="skip")
+            inner.append(train_op)
+            return i + 1, total + train_op
+
+        _, total = tf.compat.v1.while_loop(
+            lambda i, _: i < tf.shape(xs)[0], body, [tf.constant(0), tf.constant(0.0)],
+            parallel_iterations=1)
+    return graph, xs, total, inner[0], global_step
+
+
+def _loop_batches(count: int, bad=()):
+    xs = np.random.RandomState(7).randn(count, lib.BATCH, lib.FEATURES).astype(np.float32)
+    for i in bad:
+        xs[i, 0, 1] = np.nan
+    return xs
+
+
+def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_written():
+    """The loop builds; a bad first iteration raises the guard's error and writes nothing."""
+    graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=True)
+    guard = slim_nanguard.get_guard(train_op)
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(total, {xs: _loop_batches(ITERATIONS)})
+        assert sess.run(global_step) == ITERATIONS  # three steps in one run
+        before = lib.state(sess, graph)
+        _, err = _run(sess, total, {xs: _loop_batches(ITERATIONS, bad=[0])})
+        assert err is not None and slim_nanguard.is_numerics_error(err)
+        assert guard.owns_error(err)
+        lib.assert_state_equal(before, lib.state(sess, graph))
+        event = guard.handle_numerics_error(sess, err)
+        assert event.action == "skip" and event.culprits == ("w",)
+        assert event.step == ITERATIONS
+        sess.run(total, {xs: _loop_batches(ITERATIONS)})
+        assert sess.run(global_step) == 2 * ITERATIONS
+
+
+def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported():
+    """Iteration 1 of 3 is bad: the run trains exactly as the two good iterations alone do,
+    and the hook reports the bad one."""
+    good = _loop_batches(ITERATIONS)
+    with_bad = good.copy()
+    with_bad[1, 0, 1] = np.nan
+    results = {}
+    for name, batches in (("with_bad", with_bad), ("good_only", good[[0, 2]])):
+        graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=False)
+        guard = slim_nanguard.get_guard(train_op)
+        assert guard.in_loop and guard.ok is None
+        hook = slim_nanguard.nan_hook(train_op)
+        with graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+            sess.run(total, {xs: batches})
+            sess.run(total, {xs: good})  # a clean run after it reports nothing
+            results[name] = lib.state(_raw(sess), graph)
+        results[name + "_events"] = guard.state.total_bad_steps
+        results[name + "_event"] = guard.last_event
+    assert results["with_bad_events"] == 1 and results["good_only_events"] == 0
+    event = results["with_bad_event"]
+    assert event.culprits == ("w",) and event.action == "skip"
+    assert int(results["with_bad"]["global_step"]) == 2 + ITERATIONS
+    for name, value in results["good_only"].items():
+        np.testing.assert_allclose(results["with_bad"][name], value, rtol=1e-6, err_msg=name)
+
+
+# ------------------------------------------------------------------ two train ops (a GAN)
+
+def _build_gan(check_numerics: bool):
+    """A generator and a discriminator, each with its own guarded train op and loss offset."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(5)
+        z = tf.compat.v1.placeholder_with_default(
+            np.random.RandomState(0).randn(lib.BATCH, 2).astype(np.float32), [None, 2])
+        real = tf.compat.v1.placeholder_with_default(
+            np.random.RandomState(1).randn(lib.BATCH, 2).astype(np.float32) + 3.0, [None, 2])
+        g_offset = tf.compat.v1.placeholder_with_default(0.0, [], name="g_offset")
+        d_offset = tf.compat.v1.placeholder_with_default(0.0, [], name="d_offset")
+        fake = slim.fully_connected(z, 2, activation_fn=None, scope="generator")
+
+        def discriminator(x, reuse):
+            return slim.fully_connected(x, 1, activation_fn=None, scope="discriminator",
+                                        reuse=reuse)
+
+        d_real, d_fake = discriminator(real, False), discriminator(fake, True)
+        d_loss = (tf.reduce_mean(tf.nn.softplus(-d_real)) + tf.reduce_mean(tf.nn.softplus(d_fake))
+                  + d_offset)
+        g_loss = tf.reduce_mean(tf.nn.softplus(-d_fake)) + g_offset
+        g_train = slim_nanguard.create_train_op(
+            g_loss, tf.compat.v1.train.AdamOptimizer(0.01), global_step=None,
+            variables_to_train=tf.compat.v1.trainable_variables("generator"),
+            check_numerics=check_numerics, nan_policy="raise")
+        d_train = slim_nanguard.create_train_op(
+            d_loss, tf.compat.v1.train.AdamOptimizer(0.01),
+            variables_to_train=tf.compat.v1.trainable_variables("discriminator"),
+            check_numerics=check_numerics, nan_policy="skip")
+    return graph, g_train, d_train, g_offset, d_offset
+
+
+def _changed(before, after, prefix):
+    return [name for name in before if name.startswith(prefix)
+            and not np.array_equal(before[name], after[name])]
+
+
+def test_in_hook_mode_each_gan_hook_judges_only_the_runs_of_its_own_train_op():
+    """A discriminator step on a batch where the generator's loss is NaN trains the
+    discriminator; the generator's hook does not run the generator's pass nor fire its
+    'raise' policy. A generator step on that batch does raise, and writes nothing."""
+    graph, g_train, d_train, g_offset, d_offset = _build_gan(check_numerics=False)
+    g_guard, d_guard = slim_nanguard.get_guard(g_train), slim_nanguard.get_guard(d_train)
+    hooks = [slim_nanguard.nan_hook(g_train), slim_nanguard.nan_hook(d_train)]
+    with graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=hooks) as sess:
+        before = lib.state(_raw(sess), graph)
+        sess.run(d_train, {g_offset: np.nan})
+        after = lib.state(_raw(sess), graph)
+        assert _changed(before, after, "discriminator") and not _changed(before, after,
+                                                                          "generator")
+        assert g_guard.state.total_bad_steps == 0 and d_guard.state.total_bad_steps == 0
+        # The discriminator's own bad step is its hook's business alone.
+        sess.run(d_train, {d_offset: np.nan})
+        assert (d_guard.state.skips, g_guard.state.total_bad_steps) == (1, 0)
+        lib.assert_state_equal(after, lib.state(_raw(sess), graph))
+        sess.run(g_train)  # a good generator step trains the generator
+        trained = lib.state(_raw(sess), graph)
+        assert _changed(after, trained, "generator")
+        with pytest.raises(slim_nanguard.NanLossError):
+            sess.run(g_train, {g_offset: np.nan})
+        lib.assert_state_equal(trained, lib.state(_raw(sess), graph))
+    assert g_guard.state.total_bad_steps == 1 and d_guard.state.total_bad_steps == 1
+
+
+def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
+    graph, g_train, d_train, g_offset, d_offset = _build_gan(check_numerics=True)
+    g_guard, d_guard = slim_nanguard.get_guard(g_train), slim_nanguard.get_guard(d_train)
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        before = lib.state(sess, graph)
+        _, err = _run(sess, d_train, {g_offset: np.nan})
+        assert err is None
+        after = lib.state(sess, graph)
+        assert _changed(before, after, "discriminator") and not _changed(before, after,
+                                                                          "generator")
+        _, err = _run(sess, g_train, {g_offset: np.nan})
+        assert g_guard.owns_error(err) and not d_guard.owns_error(err)
+        lib.assert_state_equal(after, lib.state(sess, graph))
