@@ -49,6 +49,7 @@ from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
 from slim_nanguard import _policy
+from slim_nanguard import _train_op
 
 
 class NanLossHook(tf.compat.v1.train.NanTensorHook):
@@ -118,6 +119,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+        # Writes built after the train op that wait on it (an EMA chained after it).
+        _train_op.gate_writes_after(guard)
         self._judge_every_run = sum(
             g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
         if self._event_listener is not None:

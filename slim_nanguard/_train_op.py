@@ -97,6 +97,8 @@ def create_train_op(total_loss: tf.Tensor,
       made: ``slim_nanguard.nan_hook(train_op)`` returns it (``get_guard(train_op)`` finds the
       guard registered with the graph), `slim_nanguard.train` attaches it by itself, and a
       ``NanLossHook(total_loss)`` built by hand finds the same guard and behaves the same.
+      Variable writes built later under ``tf.control_dependencies([train_op])`` (an EMA of
+      the weights) are gated too, when the hook begins; see `gate_writes_after`.
 
     The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
     ``stop`` ends the loop cleanly, ``skip`` carries on with the next batch, ``rollback``
@@ -254,6 +256,8 @@ def create_train_op(total_loss: tf.Tensor,
             diagnostics=diagnostics, check_op_name=check_op_name,
             variable_names=[v.op.name for _, v in present], lr_scale=lr_scale,
             in_loop=in_loop)
+        # Hook mode: the tensor a write built later after the train op must also wait on.
+        guard.pivot = gate if mode == _guard.MODE_HOOK else None
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             with tf.init_scope():
                 guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,
@@ -344,6 +348,45 @@ def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tens
         if _is_write(op) and op not in initializers and gate.op not in op.control_inputs:
             op._add_control_input(gate.op)  # pylint: disable=protected-access
             gated.append(op)
+    return gated
+
+
+def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
+    """Hook mode: gates the variable writes built after the train op that wait on it.
+
+    The train op yields the loss on a bad step too (the hook and the caller see it), so an op
+    made under ``tf.control_dependencies([train_op])``, such as an `ExponentialMovingAverage`
+    of the weights in the pattern of its docstring, would still run. Each variable write
+    downstream of the train op gets the pivot of the finiteness test as a control input, so
+    it is skipped on a bad step, as the train op's own writes are. So is whatever waits on
+    such a write: on a bad step, fetch the train op (or run the op as a target); a tensor
+    computed after the write has no value then. `NanLossHook.begin` calls this, before the
+    graph is finalized; calling it again gates only what was built since.
+
+    Args:
+      guard: The guard of a train op made by `create_train_op`.
+
+    Returns:
+      The write ops gated by this call (none in check_numerics mode, whose check raises
+      before anything after the train op can run).
+    """
+    pivot = getattr(guard, "pivot", None)
+    if pivot is None or guard.train_op.graph.finalized:
+        return []
+    seen, stack, gated = set(), [guard.train_op.op], []
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if _is_write(op) and pivot.op not in op.control_inputs:
+            op._add_control_input(pivot.op)  # pylint: disable=protected-access
+            gated.append(op)
+        stack.extend(c for t in op.outputs for c in t.consumers())
+        stack.extend(op._control_outputs)  # pylint: disable=protected-access
+    if gated:
+        logging.vlog(1, "slim_nanguard: %d variable writes after %s wait on its finiteness test",
+                     len(gated), guard.train_op.name)
     return gated
 
 

@@ -30,6 +30,55 @@ def _raw(sess):
     return sess._tf_sess()  # pylint: disable=protected-access
 
 
+# ------------------------------------------------------------------ EMA after the train op
+
+def _with_ema_after_train_op(check_numerics: bool):
+    """The pattern of ExponentialMovingAverage's docstring: averages applied after each step."""
+    model = lib.build_model(check_numerics=check_numerics, nan_policy="skip")
+    with model.graph.as_default():
+        ema = tf.compat.v1.train.ExponentialMovingAverage(0.9)
+        with tf.control_dependencies([model.train_op]):
+            training_op = ema.apply(tf.compat.v1.trainable_variables())
+    return model, training_op
+
+
+@pytest.mark.parametrize("fault", ["nan_gradient", "nan_loss"])
+def test_in_hook_mode_an_ema_chained_after_the_train_op_holds_still_on_a_bad_step(fault):
+    model, training_op = _with_ema_after_train_op(check_numerics=False)
+    guard = slim_nanguard.get_guard(model.train_op)
+    hook = slim_nanguard.nan_hook(model.train_op)
+    with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+        for step in range(2):
+            sess.run(training_op, model.feed(step))
+        before = lib.state(_raw(sess), model.graph)
+        assert np.any(before["fc1/weights/ExponentialMovingAverage"] != 0)
+        loss, _ = sess.run([model.train_op, training_op], model.feed(2, fault))
+        assert (fault == "nan_gradient") == bool(np.isfinite(loss))
+        lib.assert_state_equal(before, lib.state(_raw(sess), model.graph))
+        assert guard.last_event.action == "skip" and guard.state.total_bad_steps == 1
+        sess.run(training_op, model.feed(3))  # the next good step moves the averages again
+        after = lib.state(_raw(sess), model.graph)
+    assert int(after["global_step"]) == 3
+    assert not np.array_equal(after["fc1/weights/ExponentialMovingAverage"],
+                              before["fc1/weights/ExponentialMovingAverage"])
+
+
+def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on_a_bad_step():
+    model, training_op = _with_ema_after_train_op(check_numerics=True)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for step in range(2):
+            sess.run(training_op, model.feed(step))
+        before = lib.state(sess, model.graph)
+        _, err = _run(sess, training_op, model.feed(2, "nan_gradient"))
+        assert slim_nanguard.get_guard(model.train_op).owns_error(err)
+        lib.assert_state_equal(before, lib.state(sess, model.graph))
+        sess.run(training_op, model.feed(3))
+        after = lib.state(sess, model.graph)
+    assert not np.array_equal(after["fc1/weights/ExponentialMovingAverage"],
+                              before["fc1/weights/ExponentialMovingAverage"])
+
+
 # ------------------------------------------------------------------ tf.while_loop
 
 ITERATIONS = 3
