@@ -85,7 +85,9 @@ def create_train_op(total_loss: tf.Tensor,
     trainable variables, the optimizer's slots and accumulators, ``global_step`` and every
     variable the ``update_ops`` assign (batch-norm moving mean and variance) keep their values,
     so any checkpoint saved afterwards holds the last good state. A finite step computes what
-    tf-slim's train op computes.
+    tf-slim's train op computes. Writes the loss itself waits on (``slim.batch_norm`` with
+    ``updates_collections=None``) run before the test: each waits on a copy of its variable's
+    value, which a bad step writes back before the check raises (or on the hook-mode branch).
 
     * ``check_numerics=True`` (the default, as in slim): ``session.run(train_op)`` raises the
       `tf.errors.InvalidArgumentError` of a `tf.debugging.check_numerics` op;
@@ -202,11 +204,22 @@ def create_train_op(total_loss: tf.Tensor,
                 diagnostics = tf.compat.v1.Variable(
                     tf.zeros(grad_sums.shape, grad_sums.dtype), trainable=False,
                     collections=[], use_resource=True, name="gradient_sums")
+            # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
+            # run before the test: each variable's pre-step value is put back on a bad step.
+            snapshots, restored = _snapshot_forward_writes(graph, grad_sums)
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
                 store = diagnostics.assign(grad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                ready = [store]
+                if snapshots:  # Put back before the check raises.
+                    ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
+                    untaken, taken = control_flow_ops.switch(ok, ok)
+                    with tf.control_dependencies(_restore(snapshots, ok)):
+                        restored_done = tf.identity(untaken)
+                    ready.append(control_flow_ops.merge([tf.identity(taken),
+                                                         restored_done])[0])
+                with tf.control_dependencies(ready):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums),
                         "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
@@ -224,7 +237,7 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                with tf.control_dependencies([store] + _restore(snapshots, ok)):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -234,7 +247,7 @@ def create_train_op(total_loss: tf.Tensor,
         with tf.control_dependencies([gate]):
             grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
         gated = _gate_writes(graph, graph.get_operations()[first_new_op:], gate)
-        gated += _gate_update_ops(update_ops, gate)
+        gated += _gate_update_ops(update_ops, gate, restored)
         logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test",
                      len(gated))
 
@@ -409,11 +422,128 @@ def _as_op(item) -> Optional[tf.Operation]:
     return op if isinstance(op, tf.Operation) else None
 
 
-def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
+def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
+    """Takes each variable's value before the writes the loss or the gradients wait on.
+
+    Such a write (a moving average that slim.batch_norm with ``updates_collections=None``
+    updates inside the forward pass) runs before the finiteness test, so it cannot be gated;
+    instead it is made to wait on a copy of its variable's value, which a bad step puts back.
+
+    Returns:
+      ``(snapshots, restored)``: a list of (variable, pre-step value) and the frozenset of
+      the write ops covered. A write whose variable is not in the graph's variable
+      collections (or that sits in a loop body of its own) is logged as one that cannot be
+      undone.
+    """
+    initializers = {v.initializer for v in graph.get_collection(
+        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
+            tf.compat.v1.GraphKeys.LOCAL_VARIABLES)}
+    ancestors = _ancestors([grad_sums.op])
+    writes = sorted((op for op in ancestors if _is_write(op) and op not in initializers),
+                    key=lambda op: op.name)
+    # A functional tf.cond or while loop (control flow v2: slim.batch_norm with a tensor
+    # is_training) writes in a body of its own: it waits on the copies of what it writes.
+    calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
+    calls = {op: handles for op, handles in calls.items() if handles}
+    if not writes and not calls:
+        return [], frozenset()
+    variables = {}
+    for v in (graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+              + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)):
+        variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
+    for op in writes:
+        variable = variables.get(_source(op.inputs[0]).op) if op.inputs else None
+        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        in_other_loop = write_context is not context and any(
+            c.IsWhileContext() for c in _contexts(write_context))
+        if variable is None or in_other_loop:
+            why = ("it sits in a loop body of its own" if in_other_loop else
+                   "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+                   "LOCAL_VARIABLES")
+            logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
+                            "finiteness test, and cannot be undone on a bad step (%s), or "
+                            "make it an update op the loss does not wait on.", op.name,
+                            op.inputs[0].op.name if op.inputs else "a variable", why)
+            continue
+        by_variable.setdefault(variable.op, []).append(op)
+    for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
+        for handle in handles:
+            variable = variables.get(handle.op)
+            if variable is None:
+                logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
+                                "finiteness test, and cannot be undone on a bad step (the "
+                                "variable is in no variable collection).", op.name,
+                                handle.op.name)
+            elif op not in by_variable.setdefault(variable.op, []):
+                by_variable[variable.op].append(op)
+    snapshots, restored = [], set()
+    with tf.name_scope("snapshots"):
+        for variable_op, ops in by_variable.items():
+            variable = variables[variable_op]
+            # A copy: a write in place (a ref variable) must not change it.
+            value = tf.raw_ops.DeepCopy(x=variable.value())
+            for op in ops:
+                op._add_control_input(value.op)  # pylint: disable=protected-access
+            snapshots.append((variable, value))
+            restored.update(ops)
+    return snapshots, frozenset(restored)
+
+
+def _source(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor a TF1 tf.cond passed into its branch (through a Switch), else `tensor`."""
+    while tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity"):
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def _body_graphs(op: tf.Operation) -> list:
+    """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
+    return [g for g in (getattr(op, attr, None) for attr in (
+        "_true_graph", "_false_graph", "_cond_graph", "_body_graph")) if g is not None]
+
+
+def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
+    """The resource handles (inputs of `op`) that a write in one of its bodies writes."""
+    offset = 1 if op.type in ("If", "StatelessIf") else 0  # an If's first input is the test
+    handles = []
+    for body in _body_graphs(op):
+        inner_inputs = list(body.inputs)
+        for inner in body.get_operations():
+            targets = [inner.inputs[0]] if _is_write(inner) and inner.inputs else []
+            if _body_graphs(inner):
+                targets += _handles_written_by(inner)
+            for target in targets:
+                if target in inner_inputs:
+                    handle = op.inputs[inner_inputs.index(target) + offset]
+                    if handle not in handles:
+                        handles.append(handle)
+    return handles
+
+
+def _contexts(context):
+    while context is not None:
+        yield context
+        context = context.outer_context
+
+
+def _restore(snapshots, ok: tf.Tensor) -> List[tf.Operation]:
+    """The writes that put each snapshot back; they run only when `ok` is False."""
+    restores = []
+    for variable, value in snapshots:
+        bad_value, _ = control_flow_ops.switch(value, ok)
+        restores.append(variable.assign(bad_value, read_value=False))
+    return restores
+
+
+def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor,
+                     restored: frozenset = frozenset()) -> list:
     """Makes the variable writes that `update_ops` run wait on `gate`.
 
     The writes are found by walking back from each update op, leaving out everything the
-    finiteness test itself needs (the forward pass), which must run before it.
+    finiteness test itself needs (the forward pass), which must run before it; those are
+    put back on a bad step when they are among `restored`.
     """
     roots = [op for op in (_as_op(u) for u in update_ops) if op is not None]
     if not roots:
@@ -425,7 +555,8 @@ def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
             op._add_control_input(gate.op)  # pylint: disable=protected-access
             gated.append(op)
     for op in roots:
-        if op in needed_by_gate:
+        if op in needed_by_gate and any(
+                _is_write(w) and w not in restored for w in _ancestors([op])):
             logging.warning("slim_nanguard: update op %s feeds the loss, so it runs before the "
                             "finiteness test and cannot be rolled back on a bad step.", op.name)
     return gated

@@ -79,6 +79,109 @@ def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on
                               before["fc1/weights/ExponentialMovingAverage"])
 
 
+# ------------------------------------------------------------------ batch norm in place
+
+@pytest.fixture
+def control_flow_v2():
+    """Functional tf.cond and while loops (TF2's default; the suite runs TF1 behaviour)."""
+    from tensorflow.python.ops import control_flow_util
+    was = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = True
+    yield
+    control_flow_util.ENABLE_CONTROL_FLOW_V2 = was
+
+
+# Variables and is_training: a Python bool on ref or resource variables, a tensor (a tf.cond
+# around the updates) with TF1 control flow, or with control flow v2 (writes in a function).
+BATCH_NORM_VARIANTS = ["resource", "ref", "cond", "cond_v2"]
+
+
+@pytest.mark.parametrize("variant", BATCH_NORM_VARIANTS)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "not_fused"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_step(
+        mode, fused, variant, request):
+    """slim.batch_norm with updates_collections=None writes its moving mean and variance
+    before the loss exists. A bad step (a NaN loss on finite statistics, then a NaN batch)
+    leaves them as they were; the good steps around it move them."""
+    from slim_nanguard import compat
+    compat.install()  # slim.batch_norm needs it on current TensorFlow
+    if variant == "cond_v2":
+        request.getfixturevalue("control_flow_v2")
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.variable_scope("", use_resource=variant != "ref"):
+        tf.compat.v1.set_random_seed(6)
+        is_training = (True if variant in ("resource", "ref") else
+                       tf.compat.v1.placeholder_with_default(True, [], name="is_training"))
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3, 3, 2])
+        y = tf.compat.v1.placeholder(tf.int64, [4])
+        offset = tf.compat.v1.placeholder_with_default(0.0, [])
+        net = slim.conv2d(x, 4, [3, 3], normalizer_fn=slim.batch_norm,
+                          normalizer_params={"fused": fused, "is_training": is_training,
+                                             "updates_collections": None}, scope="conv")
+        logits = slim.fully_connected(slim.flatten(net), 2, activation_fn=None, scope="out")
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits) + offset
+        assert not graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        assert (variant == "cond_v2") == any(op.type in ("If", "StatelessIf")
+                                             for op in graph.get_operations())
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode],
+            nan_policy="skip")
+        rng = np.random.RandomState(0)
+        good = {x: rng.randn(4, 3, 3, 2).astype(np.float32), y: np.array([0, 1, 0, 1])}
+        nan_batch = dict(good)
+        nan_batch[x] = good[x].copy()
+        nan_batch[x][1, 1, 1, 0] = np.nan
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train_op, good)
+            before = lib.state(sess, graph)
+            assert np.any(before["conv/BatchNorm/moving_mean"])  # the good step moved it
+            for bad in ({**good, offset: np.nan}, nan_batch):
+                value, err = _run(sess, train_op, bad)
+                if mode == "check_numerics":
+                    assert slim_nanguard.get_guard(train_op).owns_error(err)
+                else:
+                    assert err is None and not np.isfinite(value)
+                lib.assert_state_equal(before, lib.state(sess, graph))
+            sess.run(train_op, good)
+            after = lib.state(sess, graph)
+    assert int(after["global_step"]) == 2
+    for name in ("conv/BatchNorm/moving_mean", "conv/BatchNorm/moving_variance"):
+        assert not np.array_equal(after[name], before[name]), name
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, caplog):
+    """A step counter in UPDATE_OPS that the loss reads after the increment: a bad step leaves
+    it as it was. A write to a variable in no collection cannot be put back and says so."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", [3], initializer=tf.compat.v1.ones_initializer())
+        seen = tf.compat.v1.get_variable("examples_seen", [], trainable=False,
+                                         initializer=tf.compat.v1.zeros_initializer())
+        hidden = tf.compat.v1.Variable(0.0, collections=[], name="hidden_counter")
+        offset = tf.compat.v1.placeholder_with_default(0.0, [])
+        count = tf.compat.v1.assign_add(seen, 1.0)
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, count)
+        with tf.control_dependencies([count, tf.compat.v1.assign_add(hidden, 1.0)]):
+            loss = tf.reduce_sum(w * w) + offset
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=MODES[mode])
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert not any("examples_seen" in m or "feeds the loss" in m for m in warnings)
+        assert any("hidden_counter" in m and "cannot be undone" in m for m in warnings)
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(), hidden.initializer])
+            sess.run(train_op)
+            before = lib.state(sess, graph)
+            assert before["examples_seen"] == 1
+            _run(sess, train_op, {offset: np.inf})
+            lib.assert_state_equal(before, lib.state(sess, graph))
+            sess.run(train_op)
+            assert sess.run(seen) == 2
+
+
 # ------------------------------------------------------------------ tf.while_loop
 
 ITERATIONS = 3
