@@ -236,10 +236,11 @@ class Guard:
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
         op = getattr(error, "op", None)
-        if self.check_op_name is None or not is_numerics_error(error) or op is None:
+        if self.check_op_name is None or not is_numerics_error(error):
             return False
-        if op.type in _FUNCTION_OP_TYPES:  # Raised inside a loop body: the message names it.
-            return self.check_op_name in _INNER_NODE.findall(getattr(error, "message", ""))
+        if op is None or op.type in _FUNCTION_OP_TYPES:  # Raised in a loop body: by name.
+            return self.in_loop and self.check_op_name in _INNER_NODE.findall(
+                getattr(error, "message", ""))
         return op.name == self.check_op_name
 
     def read_bad_step(self, session) -> Tuple[int, List[float]]:
@@ -369,8 +370,9 @@ def is_numerics_error(error: BaseException) -> bool:
     The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
     message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
     label) is never mistaken for a numerics error. A check inside a function body (a train op
-    built in a `tf.while_loop`) fails on the loop op; then the message must carry what
-    CheckNumerics says (``" : Tensor had NaN values"``) and name the inner node.
+    built in a `tf.while_loop`) fails on the loop op (or on no op the graph knows); then the
+    message must carry what CheckNumerics says (``" : Tensor had NaN values"``) and name the
+    inner node.
 
     Args:
       error: Any exception.
@@ -381,7 +383,7 @@ def is_numerics_error(error: BaseException) -> bool:
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
-    if op is not None and op.type in _FUNCTION_OP_TYPES:
+    if op is None or op.type in _FUNCTION_OP_TYPES:
         message = getattr(error, "message", "")
         return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
     return op is not None and op.type in ("CheckNumerics", "CheckNumericsV2")

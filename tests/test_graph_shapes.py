@@ -190,7 +190,7 @@ ITERATIONS = 3
 def _build_loop_model(check_numerics: bool):
     """Three SGD steps per run in a while loop, each on its own slice of the fed batches."""
     graph = tf.Graph()
-    with graph.as_default():
+    with graph.as_default(), tf.compat.v1.variable_scope("", use_resource=True):
         tf.compat.v1.set_random_seed(4)
         global_step = tf.compat.v1.train.get_or_create_global_step()
         xs = tf.compat.v1.placeholder(tf.float32, [None, lib.BATCH, lib.FEATURES], name="xs")
@@ -218,7 +218,17 @@ def _loop_batches(count: int, bad=()):
     return xs
 
 
-def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_written():
+@pytest.fixture(params=["v1", "v2"], ids=["tf1_while", "functional_while"])
+def while_loop_kind(request):
+    """TF1 while loops (the suite's default) or control flow v2 (TF2's), where the body is a
+    function of its own."""
+    if request.param == "v2":
+        request.getfixturevalue("control_flow_v2")
+    return request.param
+
+
+def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_written(
+        while_loop_kind):
     """The loop builds; a bad first iteration raises the guard's error and writes nothing."""
     graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=True)
     guard = slim_nanguard.get_guard(train_op)
@@ -238,7 +248,7 @@ def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_writte
         assert sess.run(global_step) == 2 * ITERATIONS
 
 
-def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported():
+def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported(while_loop_kind):
     """Iteration 1 of 3 is bad: the run trains exactly as the two good iterations alone do,
     and the hook reports the bad one."""
     good = _loop_batches(ITERATIONS)
@@ -249,6 +259,8 @@ def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported():
         graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=False)
         guard = slim_nanguard.get_guard(train_op)
         assert guard.in_loop and guard.ok is None
+        assert (while_loop_kind == "v2") == any(op.type == "While"
+                                                for op in graph.get_operations())
         hook = slim_nanguard.nan_hook(train_op)
         with graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
             sess.run(total, {xs: batches})
