@@ -384,19 +384,28 @@ def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
       before anything after the train op can run).
     """
     pivot = getattr(guard, "pivot", None)
-    if pivot is None or guard.train_op.graph.finalized:
+    if pivot is None:
         return []
-    seen, stack, gated = set(), [guard.train_op.op], []
+    seen, stack, writes = set(), [guard.train_op.op], []
     while stack:
         op = stack.pop()
         if op in seen:
             continue
         seen.add(op)
         if _is_write(op) and pivot.op not in op.control_inputs:
-            op._add_control_input(pivot.op)  # pylint: disable=protected-access
-            gated.append(op)
+            writes.append(op)
         stack.extend(c for t in op.outputs for c in t.consumers())
         stack.extend(op._control_outputs)  # pylint: disable=protected-access
+    if writes and guard.train_op.graph.finalized:
+        logging.warning("slim_nanguard: %s write variables after %s, but the graph is "
+                        "finalized, so they also run on a bad step; do not finalize the graph "
+                        "before the session whose NanLossHook begins on it is made.", ", ".join(op.name for op in writes),
+                        guard.train_op.name)
+        return []
+    gated = []
+    for op in writes:
+        op._add_control_input(pivot.op)  # pylint: disable=protected-access
+        gated.append(op)
     if gated:
         logging.vlog(1, "slim_nanguard: %d variable writes after %s wait on its finiteness test",
                      len(gated), guard.train_op.name)
