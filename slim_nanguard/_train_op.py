@@ -399,8 +399,8 @@ def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
     if writes and guard.train_op.graph.finalized:
         logging.warning("slim_nanguard: %s write variables after %s, but the graph is "
                         "finalized, so they also run on a bad step; do not finalize the graph "
-                        "before the session whose NanLossHook begins on it is made.", ", ".join(op.name for op in writes),
-                        guard.train_op.name)
+                        "before the session whose NanLossHook begins on it is made.",
+                        ", ".join(op.name for op in writes), guard.train_op.name)
         return []
     gated = []
     for op in writes:
