@@ -501,10 +501,17 @@ def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
 
 
 def _source(tensor: tf.Tensor) -> tf.Tensor:
-    """The tensor a TF1 tf.cond passed into its branch (through a Switch), else `tensor`."""
-    while tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity"):
-        tensor = tensor.op.inputs[0]
-    return tensor
+    """What a TF1 tf.cond or while loop passed in (through a Switch or an Enter), or what a
+    function body (control flow v2) captured; else `tensor` itself."""
+    while True:
+        if tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter",
+                              "RefEnter"):
+            tensor = tensor.op.inputs[0]
+            continue
+        captured = {id(inner): outer for outer, inner in getattr(tensor.graph, "captures", ())}
+        if id(tensor) not in captured:
+            return tensor
+        tensor = captured[id(tensor)]
 
 
 def _body_graphs(op: tf.Operation) -> list:

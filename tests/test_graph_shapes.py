@@ -188,18 +188,23 @@ ITERATIONS = 3
 
 
 def _build_loop_model(check_numerics: bool):
-    """Three SGD steps per run in a while loop, each on its own slice of the fed batches."""
+    """Three SGD steps per run in a while loop, each on its own slice of the fed batches.
+
+    Each iteration also counts the examples it saw, in a write its loss waits on."""
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.variable_scope("", use_resource=True):
         tf.compat.v1.set_random_seed(4)
         global_step = tf.compat.v1.train.get_or_create_global_step()
         xs = tf.compat.v1.placeholder(tf.float32, [None, lib.BATCH, lib.FEATURES], name="xs")
         weights = tf.compat.v1.get_variable("w", [lib.FEATURES, 1])
+        seen = tf.compat.v1.get_variable("examples_seen", [], trainable=False,
+                                         initializer=tf.compat.v1.zeros_initializer())
         opt = tf.compat.v1.train.MomentumOptimizer(0.05, 0.9)
         inner = []
 
         def body(i, total):
-            loss = tf.reduce_mean(tf.square(tf.matmul(xs[i], weights) - 1.0))
+            with tf.control_dependencies([seen.assign_add(lib.BATCH)]):
+                loss = tf.reduce_mean(tf.square(tf.matmul(xs[i], weights) - 1.0))
             train_op = slim_nanguard.create_train_op(loss, opt, check_numerics=check_numerics,
                                                      nan_policy="skip")
             inner.append(train_op)
@@ -272,6 +277,7 @@ def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported(while_loop_kind):
     event = results["with_bad_event"]
     assert event.culprits == ("w",) and event.action == "skip"
     assert int(results["with_bad"]["global_step"]) == 2 + ITERATIONS
+    assert results["with_bad"]["examples_seen"] == (2 + ITERATIONS) * lib.BATCH
     for name, value in results["good_only"].items():
         np.testing.assert_allclose(results["with_bad"][name], value, rtol=1e-6, err_msg=name)
 
