@@ -102,6 +102,10 @@ def create_train_op(total_loss: tf.Tensor,
       Variable writes built later under ``tf.control_dependencies([train_op])`` (an EMA of
       the weights) are gated too, when the hook begins; see `gate_writes_after`.
 
+    Built inside a `tf.while_loop` (several steps per ``session.run``), each iteration is
+    judged on its own and a bad one writes nothing: check_numerics mode raises there; in hook
+    mode the other iterations train and the hook applies the policy once after the run.
+
     The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
     ``stop`` ends the loop cleanly, ``skip`` carries on with the next batch, ``rollback``
     restores the latest good checkpoint; see `GuardConfig`. When ``max_consecutive_bad_steps``

@@ -335,17 +335,24 @@ def test_in_hook_mode_each_gan_hook_judges_only_the_runs_of_its_own_train_op():
         assert _changed(before, after, "discriminator") and not _changed(before, after,
                                                                           "generator")
         assert g_guard.state.total_bad_steps == 0 and d_guard.state.total_bad_steps == 0
+        # Nor does a run that only evaluates the generator's loss (nothing trains).
+        assert not np.isfinite(sess.run(g_guard.loss, {g_offset: np.nan}))
+        assert g_guard.state.total_bad_steps == 0
         # The discriminator's own bad step is its hook's business alone.
         sess.run(d_train, {d_offset: np.nan})
         assert (d_guard.state.skips, g_guard.state.total_bad_steps) == (1, 0)
         lib.assert_state_equal(after, lib.state(_raw(sess), graph))
-        sess.run(g_train)  # a good generator step trains the generator
+        sess.run([g_train, d_train])  # one run of both: each hook judges it, both train
         trained = lib.state(_raw(sess), graph)
-        assert _changed(after, trained, "generator")
+        assert _changed(after, trained, "generator") and _changed(after, trained,
+                                                                   "discriminator")
+        sess.run([g_train, d_train], {d_offset: np.nan})
+        assert (d_guard.state.skips, g_guard.state.total_bad_steps) == (2, 0)
+        trained = lib.state(_raw(sess), graph)
         with pytest.raises(slim_nanguard.NanLossError):
             sess.run(g_train, {g_offset: np.nan})
         lib.assert_state_equal(trained, lib.state(_raw(sess), graph))
-    assert g_guard.state.total_bad_steps == 1 and d_guard.state.total_bad_steps == 1
+    assert g_guard.state.total_bad_steps == 1 and d_guard.state.total_bad_steps == 2
 
 
 def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
