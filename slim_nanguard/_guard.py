@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,6 +35,14 @@ _INPUT_OP_TYPES = frozenset({
     "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany",
     "QueueDequeueUpTo", "ReaderReadV2", "ReaderReadUpToV2"
 })
+
+# Op types that run a function body: an error raised inside (a train op built in a
+# tf.while_loop, a tf.function) is reported on them, with the inner node named in the message.
+_FUNCTION_OP_TYPES = frozenset({"While", "StatelessWhile", "If", "StatelessIf",
+                                "PartitionedCall", "StatefulPartitionedCall"})
+# What CheckNumerics says, and the node the message names.
+_CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
+_INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 # Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
 Listener = Callable[[Dict[str, Any]], None]
@@ -85,6 +94,9 @@ class Guard:
         loss-scale optimizer the loss scale of the step follows the sums.
       loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer (an overflow
         there is a bad step), or None without one.
+      in_loop: True when the train op was built inside a `tf.while_loop` (or another function
+        body), whose tensors a run cannot fetch: `ok` is then None and `NanLossHook` reads
+        `diagnostics` after each run instead.
       state: The `GuardState` counters.
     """
 
@@ -92,7 +104,8 @@ class Guard:
                  loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
                  diagnostics: tf.Variable, check_op_name: Optional[str],
                  variable_names: Sequence[str], lr_scale: Optional[tf.Variable],
-                 loss_scale_floor: Optional[float] = None):
+                 loss_scale_floor: Optional[float] = None,
+                 in_loop: bool = False):
         self.config = config
         self.mode = mode
         self.train_op = train_op
@@ -105,6 +118,7 @@ class Guard:
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
         self.loss_scale_floor = loss_scale_floor
+        self.in_loop = in_loop
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
@@ -115,7 +129,8 @@ class Guard:
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
         if lr_scale is not None:
-            with loss.graph.as_default():
+            # init_scope: in the outermost graph, even for a train op built in a loop body.
+            with loss.graph.as_default(), tf.init_scope():
                 self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
                                                                 name="nanguard_lr_scale_value")
                 self._lr_scale_assign = tf.compat.v1.assign(lr_scale, self._lr_scale_value)
@@ -280,8 +295,12 @@ class Guard:
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
         op = getattr(error, "op", None)
-        return (self.check_op_name is not None and is_numerics_error(error)
-                and op is not None and op.name == self.check_op_name)
+        if self.check_op_name is None or not is_numerics_error(error):
+            return False
+        if op is None or op.type in _FUNCTION_OP_TYPES:  # Raised in a loop body: by name.
+            return self.in_loop and self.check_op_name in _INNER_NODE.findall(
+                getattr(error, "message", ""))
+        return op.name == self.check_op_name
 
     def read_bad_step(self, session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
@@ -409,7 +428,10 @@ def is_numerics_error(error: BaseException) -> bool:
 
     The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
     message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
-    label) is never mistaken for a numerics error.
+    label) is never mistaken for a numerics error. A check inside a function body (a train op
+    built in a `tf.while_loop`) fails on the loop op (or on no op the graph knows); then the
+    message must carry what CheckNumerics says (``" : Tensor had NaN values"``) and name the
+    inner node.
 
     Args:
       error: Any exception.
@@ -420,6 +442,9 @@ def is_numerics_error(error: BaseException) -> bool:
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
+    if op is None or op.type in _FUNCTION_OP_TYPES:
+        message = getattr(error, "message", "")
+        return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
     return op is not None and op.type in ("CheckNumerics", "CheckNumericsV2")
 
 

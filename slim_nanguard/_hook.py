@@ -21,6 +21,15 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
                              # rollback: the action is persistent_nan_policy's)
     end()                    # nothing of the hook's own
 
+Which runs a hook judges: with one guarded train op in the graph, every run (a run that
+fetches only the loss still reports a bad batch, and trains nothing). With several (a GAN's
+generator and discriminator), each hook judges only the runs whose fetches reach its own
+train op, and asks for nothing on the others: running the discriminator's op does not run the
+generator's forward and backward pass, nor fire the generator's policy. A train op built in a
+`tf.while_loop` cannot be fetched from: the hook then reads the sums a bad iteration stored
+after each run (one extra small run per step) and reports one event per run, whatever the
+number of bad iterations in it; the bad iterations wrote nothing, the others trained.
+
 After a bad step the weights, the optimizer slots, ``global_step`` and the batch-norm moving
 statistics are as they were before it, because the train op gated every write (see
 `create_train_op`); so whatever a `CheckpointSaverHook` saves, before or after this hook runs,
@@ -42,6 +51,7 @@ from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
 from slim_nanguard import _policy
+from slim_nanguard import _train_op
 
 
 class NanLossHook(tf.compat.v1.train.NanTensorHook):
@@ -81,6 +91,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._saver = None
         self._run_args = None
         self._session_bad_steps = 0
+        # Several guarded train ops in the graph: judge only the runs that reach ours.
+        self._judge_every_run = True
+        self._reaches_train_op = {}
+        self._judging = False
 
     @property
     def guard(self) -> Optional[_guard.Guard]:
@@ -107,6 +121,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+        # Writes built after the train op that wait on it (an EMA chained after it).
+        _train_op.gate_writes_after(guard)
+        self._judge_every_run = sum(
+            g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
@@ -130,12 +148,49 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def after_create_session(self, session, coord):
         # Per-session state only: the guard's counters describe the whole run.
         self._session_bad_steps = 0
+        if self._guard is not None and self._guard.in_loop and (
+                self._guard.mode == _guard.MODE_HOOK):
+            # Zeros until a bad iteration stores its (non-finite) sums.
+            session.run(self._guard.diagnostics.initializer)
 
     def before_run(self, run_context):
-        return self._run_args
+        self._judging = self._judge_every_run or self._fetches_reach_train_op(
+            run_context.original_args.fetches)
+        return self._run_args if self._judging else None
+
+    def _fetches_reach_train_op(self, fetches) -> bool:
+        """Whether a run of `fetches` runs this hook's train op (cached per fetch list)."""
+        graph = self._guard.train_op.graph
+        ops = []
+        for item in tf.nest.flatten(fetches):
+            if isinstance(item, str):
+                item = graph.as_graph_element(item)
+            op = item if isinstance(item, tf.Operation) else getattr(item, "op", None)
+            if isinstance(op, tf.Operation):
+                ops.append(op)
+        key = tuple(op.name for op in ops)
+        if key not in self._reaches_train_op:
+            target, seen, stack = self._guard.train_op.op, set(), list(ops)
+            while stack and target not in seen:
+                op = stack.pop()
+                if op not in seen:
+                    seen.add(op)
+                    stack.extend(t.op for t in op.inputs)
+                    stack.extend(op.control_inputs)
+            self._reaches_train_op[key] = target in seen
+        return self._reaches_train_op[key]
 
     def after_run(self, run_context, run_values):
         results = run_values.results
+        if not self._judging:  # A run of another guarded train op: not ours to judge.
+            return
+        stored = None
+        if self._guard is not None and self._guard.in_loop and (
+                self._guard.mode == _guard.MODE_HOOK):
+            stored = self._guard.read_bad_step(run_context.session)
+            results = bool(np.all(np.isfinite(stored[1])))
+            if not results:  # A bad iteration stored its sums; zero them for the next run.
+                run_context.session.run(self._guard.diagnostics.initializer)
         if self._guard is None:
             loss = float(np.asarray(results["loss"]))
             if not math.isfinite(loss):
@@ -146,7 +201,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             self._guard.note_good_step()
             return
         guard = self._guard
-        step, sums = guard.read_bad_step(run_context.session)
+        step, sums = stored or guard.read_bad_step(run_context.session)
         if guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale: not a bad step.
             guard.on_loss_scale_overflow(step=step, sums=sums)

@@ -93,7 +93,9 @@ def create_train_op(total_loss: tf.Tensor,
     trainable variables, the optimizer's slots and accumulators, ``global_step`` and every
     variable the ``update_ops`` assign (batch-norm moving mean and variance) keep their values,
     so any checkpoint saved afterwards holds the last good state. A finite step computes what
-    tf-slim's train op computes.
+    tf-slim's train op computes. Writes the loss itself waits on (``slim.batch_norm`` with
+    ``updates_collections=None``) run before the test: each waits on a copy of its variable's
+    value, which a bad step writes back before the check raises (or on the hook-mode branch).
 
     * ``check_numerics=True`` (the default, as in slim): ``session.run(train_op)`` raises the
       `tf.errors.InvalidArgumentError` of a `tf.debugging.check_numerics` op;
@@ -105,6 +107,12 @@ def create_train_op(total_loss: tf.Tensor,
       made: ``slim_nanguard.nan_hook(train_op)`` returns it (``get_guard(train_op)`` finds the
       guard registered with the graph), `slim_nanguard.train` attaches it by itself, and a
       ``NanLossHook(total_loss)`` built by hand finds the same guard and behaves the same.
+      Variable writes built later under ``tf.control_dependencies([train_op])`` (an EMA of
+      the weights) are gated too, when the hook begins; see `gate_writes_after`.
+
+    Built inside a `tf.while_loop` (several steps per ``session.run``), each iteration is
+    judged on its own and a bad one writes nothing: check_numerics mode raises there; in hook
+    mode the other iterations train and the hook applies the policy once after the run.
 
     The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
     ``stop`` ends the loop cleanly, ``skip`` carries on with the next batch, ``rollback``
@@ -209,14 +217,27 @@ def create_train_op(total_loss: tf.Tensor,
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
             # checkpoints nor initialised (it is only read after a write).
-            diagnostics = tf.compat.v1.Variable(
-                tf.zeros_like(kept), trainable=False, collections=[],
-                use_resource=True, name="gradient_sums")
+            # Made outside any control-flow construct (a train op built in a while loop).
+            with tf.init_scope():
+                diagnostics = tf.compat.v1.Variable(
+                    tf.zeros(kept.shape, kept.dtype), trainable=False,
+                    collections=[], use_resource=True, name="gradient_sums")
+            # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
+            # run before the test: each variable's pre-step value is put back on a bad step.
+            snapshots, restored = _snapshot_forward_writes(graph, grad_sums)
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
                 store = diagnostics.assign(kept, read_value=False)
-                with tf.control_dependencies([store]):
+                ready = [store]
+                if snapshots:  # Put back before the check raises.
+                    ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
+                    untaken, taken = control_flow_ops.switch(ok, ok)
+                    with tf.control_dependencies(_restore(snapshots, ok)):
+                        restored_done = tf.identity(untaken)
+                    ready.append(control_flow_ops.merge([tf.identity(taken),
+                                                         restored_done])[0])
+                with tf.control_dependencies(ready):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
                         "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
@@ -234,7 +255,7 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(kept, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                with tf.control_dependencies([store] + _restore(snapshots, ok)):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -248,7 +269,7 @@ def create_train_op(total_loss: tf.Tensor,
             grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
         new_ops = graph.get_operations()[first_new_op:]
         gated = _gate_writes(graph, new_ops, gate)
-        gated_updates = _gate_update_ops(update_ops, gate)
+        gated_updates = _gate_update_ops(update_ops, gate, restored)
         gated += gated_updates
         if finite_gate is not None:
             # The loss scale's own update runs on an overflow step; every other write does not.
@@ -272,13 +293,21 @@ def create_train_op(total_loss: tf.Tensor,
         train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
         if train_op not in train_ops:
             train_ops.append(train_op)
+        in_loop = _in_loop(graph)
         guard = _guard.Guard(
             config=config, mode=mode, train_op=train_op, loss=total_loss,
-            global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
-            check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
-            lr_scale=lr_scale, loss_scale_floor=None if scaler is None else scaler.floor)
+            global_step=global_step, grad_sums=grad_sums, ok=None if in_loop else ok,
+            diagnostics=diagnostics, check_op_name=check_op_name,
+            variable_names=[v.op.name for _, v in present], lr_scale=lr_scale,
+            loss_scale_floor=None if scaler is None else scaler.floor, in_loop=in_loop)
+        # Hook mode: the tensor a write built later after the train op must also wait on.
+        # With a loss-scale optimizer, the gate every write but the scale's waits on.
+        guard.pivot = (finite_gate if finite_gate is not None else
+                       gate if mode == _guard.MODE_HOOK else None)
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
-            guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
+            with tf.init_scope():
+                guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,
+                                                       name="nanguard_rollback")
         _guard.register(guard)
     return train_op
 
@@ -407,6 +436,18 @@ class _OverflowTest:
         return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
 
 
+def _in_loop(graph: tf.Graph) -> bool:
+    """Whether ops built now land in a loop body (a while_v2 function or a v1 while context)."""
+    if getattr(graph, "building_function", False):
+        return True
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    while context is not None:
+        if context.IsWhileContext():
+            return True
+        context = context.outer_context
+    return False
+
+
 def _check_loss(total_loss) -> None:
     if not isinstance(total_loss, tf.Tensor):
         raise ValueError(f"total_loss must be a graph-mode tf.Tensor; got "
@@ -484,6 +525,54 @@ def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tens
     return gated
 
 
+def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
+    """Hook mode: gates the variable writes built after the train op that wait on it.
+
+    The train op yields the loss on a bad step too (the hook and the caller see it), so an op
+    made under ``tf.control_dependencies([train_op])``, such as an `ExponentialMovingAverage`
+    of the weights in the pattern of its docstring, would still run. Each variable write
+    downstream of the train op gets the pivot of the finiteness test as a control input, so
+    it is skipped on a bad step, as the train op's own writes are. So is whatever waits on
+    such a write: on a bad step, fetch the train op (or run the op as a target); a tensor
+    computed after the write has no value then. `NanLossHook.begin` calls this, before the
+    graph is finalized; calling it again gates only what was built since.
+
+    Args:
+      guard: The guard of a train op made by `create_train_op`.
+
+    Returns:
+      The write ops gated by this call (none in check_numerics mode, whose check raises
+      before anything after the train op can run).
+    """
+    pivot = getattr(guard, "pivot", None)
+    if pivot is None:
+        return []
+    seen, stack, writes = set(), [guard.train_op.op], []
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if _is_write(op) and pivot.op not in op.control_inputs:
+            writes.append(op)
+        stack.extend(c for t in op.outputs for c in t.consumers())
+        stack.extend(op._control_outputs)  # pylint: disable=protected-access
+    if writes and guard.train_op.graph.finalized:
+        logging.warning("slim_nanguard: %s write variables after %s, but the graph is "
+                        "finalized, so they also run on a bad step; do not finalize the graph "
+                        "before the session whose NanLossHook begins on it is made.",
+                        ", ".join(op.name for op in writes), guard.train_op.name)
+        return []
+    gated = []
+    for op in writes:
+        op._add_control_input(pivot.op)  # pylint: disable=protected-access
+        gated.append(op)
+    if gated:
+        logging.vlog(1, "slim_nanguard: %d variable writes after %s wait on its finiteness test",
+                     len(gated), guard.train_op.name)
+    return gated
+
+
 def _ancestors(roots: Iterable[tf.Operation]) -> set:
     seen, stack = set(), list(roots)
     while stack:
@@ -503,11 +592,135 @@ def _as_op(item) -> Optional[tf.Operation]:
     return op if isinstance(op, tf.Operation) else None
 
 
-def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
+def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
+    """Takes each variable's value before the writes the loss or the gradients wait on.
+
+    Such a write (a moving average that slim.batch_norm with ``updates_collections=None``
+    updates inside the forward pass) runs before the finiteness test, so it cannot be gated;
+    instead it is made to wait on a copy of its variable's value, which a bad step puts back.
+
+    Returns:
+      ``(snapshots, restored)``: a list of (variable, pre-step value) and the frozenset of
+      the write ops covered. A write whose variable is not in the graph's variable
+      collections (or that sits in a loop body of its own) is logged as one that cannot be
+      undone.
+    """
+    initializers = {v.initializer for v in graph.get_collection(
+        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
+            tf.compat.v1.GraphKeys.LOCAL_VARIABLES)}
+    ancestors = _ancestors([grad_sums.op])
+    writes = sorted((op for op in ancestors if _is_write(op) and op not in initializers),
+                    key=lambda op: op.name)
+    # A functional tf.cond or while loop (control flow v2: slim.batch_norm with a tensor
+    # is_training) writes in a body of its own: it waits on the copies of what it writes.
+    calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
+    calls = {op: handles for op, handles in calls.items() if handles}
+    if not writes and not calls:
+        return [], frozenset()
+    variables = {}
+    for v in (graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+              + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)):
+        variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
+    for op in writes:
+        variable = variables.get(_source(op.inputs[0]).op) if op.inputs else None
+        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        in_other_loop = write_context is not context and any(
+            c.IsWhileContext() for c in _contexts(write_context))
+        if variable is None or in_other_loop:
+            why = ("it sits in a loop body of its own" if in_other_loop else
+                   "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+                   "LOCAL_VARIABLES")
+            logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
+                            "finiteness test, and cannot be undone on a bad step (%s), or "
+                            "make it an update op the loss does not wait on.", op.name,
+                            op.inputs[0].op.name if op.inputs else "a variable", why)
+            continue
+        by_variable.setdefault(variable.op, []).append(op)
+    for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
+        for handle in handles:
+            variable = variables.get(handle.op)
+            if variable is None:
+                logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
+                                "finiteness test, and cannot be undone on a bad step (the "
+                                "variable is in no variable collection).", op.name,
+                                handle.op.name)
+            elif op not in by_variable.setdefault(variable.op, []):
+                by_variable[variable.op].append(op)
+    snapshots, restored = [], set()
+    with tf.name_scope("snapshots"):
+        for variable_op, ops in by_variable.items():
+            variable = variables[variable_op]
+            # A copy: a write in place (a ref variable) must not change it.
+            value = tf.raw_ops.DeepCopy(x=variable.value())
+            for op in ops:
+                op._add_control_input(value.op)  # pylint: disable=protected-access
+            snapshots.append((variable, value))
+            restored.update(ops)
+    return snapshots, frozenset(restored)
+
+
+def _source(tensor: tf.Tensor) -> tf.Tensor:
+    """What a TF1 tf.cond or while loop passed in (through a Switch or an Enter), or what a
+    function body (control flow v2) captured; else `tensor` itself."""
+    while True:
+        if tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter",
+                              "RefEnter"):
+            tensor = tensor.op.inputs[0]
+            continue
+        captured = {id(inner): outer for outer, inner in getattr(tensor.graph, "captures", ())}
+        if id(tensor) not in captured:
+            return tensor
+        tensor = captured[id(tensor)]
+
+
+def _body_graphs(op: tf.Operation) -> list:
+    """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
+    return [g for g in (getattr(op, attr, None) for attr in (
+        "_true_graph", "_false_graph", "_cond_graph", "_body_graph")) if g is not None]
+
+
+def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
+    """The resource handles (inputs of `op`) that a write in one of its bodies writes."""
+    offset = 1 if op.type in ("If", "StatelessIf") else 0  # an If's first input is the test
+    handles = []
+    for body in _body_graphs(op):
+        inner_inputs = list(body.inputs)
+        for inner in body.get_operations():
+            targets = [inner.inputs[0]] if _is_write(inner) and inner.inputs else []
+            if _body_graphs(inner):
+                targets += _handles_written_by(inner)
+            for target in targets:
+                if target in inner_inputs:
+                    handle = op.inputs[inner_inputs.index(target) + offset]
+                    if handle not in handles:
+                        handles.append(handle)
+    return handles
+
+
+def _contexts(context):
+    while context is not None:
+        yield context
+        context = context.outer_context
+
+
+def _restore(snapshots, ok: tf.Tensor) -> List[tf.Operation]:
+    """The writes that put each snapshot back; they run only when `ok` is False."""
+    restores = []
+    for variable, value in snapshots:
+        bad_value, _ = control_flow_ops.switch(value, ok)
+        restores.append(variable.assign(bad_value, read_value=False))
+    return restores
+
+
+def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor,
+                     restored: frozenset = frozenset()) -> list:
     """Makes the variable writes that `update_ops` run wait on `gate`.
 
     The writes are found by walking back from each update op, leaving out everything the
-    finiteness test itself needs (the forward pass), which must run before it.
+    finiteness test itself needs (the forward pass), which must run before it; those are
+    put back on a bad step when they are among `restored`.
     """
     roots = [op for op in (_as_op(u) for u in update_ops) if op is not None]
     if not roots:
@@ -519,7 +732,8 @@ def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor) -> list:
             op._add_control_input(gate.op)  # pylint: disable=protected-access
             gated.append(op)
     for op in roots:
-        if op in needed_by_gate:
+        if op in needed_by_gate and any(
+                _is_write(w) and w not in restored for w in _ancestors([op])):
             logging.warning("slim_nanguard: update op %s feeds the loss, so it runs before the "
                             "finiteness test and cannot be rolled back on a bad step.", op.name)
     return gated
@@ -540,7 +754,8 @@ def _scale_learning_rate(optimizer) -> tf.Variable:
             f"rollback_lr_factor needs an optimizer with a learning rate to scale; "
             f"{type(optimizer).__name__} has neither _learning_rate nor _lr. Use "
             "rollback_lr_factor=1.0 with this optimizer.")
-    with tf.compat.v1.variable_scope("nanguard", reuse=tf.compat.v1.AUTO_REUSE):
+    with tf.init_scope(), tf.compat.v1.variable_scope("nanguard",
+                                                      reuse=tf.compat.v1.AUTO_REUSE):
         scale = tf.compat.v1.get_variable("learning_rate_scale", [], tf.float32,
                                           initializer=tf.compat.v1.ones_initializer(),
                                           trainable=False, use_resource=True)
