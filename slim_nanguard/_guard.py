@@ -78,6 +78,10 @@ class Guard:
         None in check_numerics mode, whose check raises instead.
       diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
         stores them before every check; hook mode only on the bad branch).
+      judged: Hook mode: a boolean placeholder (default False) that whatever applies the
+        policy feeds True (`NanLossHook`, `train_step`). A bad step run without it fails with
+        an error naming what to add, rather than being skipped unseen. None in
+        check_numerics mode.
       state: The `GuardState` counters.
     """
 
@@ -96,6 +100,7 @@ class Guard:
         self.check_op_name = check_op_name
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
+        self.judged: Optional[tf.Tensor] = None  # Set by create_train_op in hook mode.
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can

@@ -104,7 +104,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # One boolean per step. A bad step stored its gradient sums (the loss first) in the
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
-            self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+            # Feeding `judged` says a hook applies the policy; without it a bad step fails.
+            self._run_args = tf.compat.v1.train.SessionRunArgs(
+                guard.ok, feed_dict={guard.judged: True} if guard.judged is not None else None)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
@@ -186,12 +188,20 @@ def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
       event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:
-      ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`.
+      ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`, or its
+        policy rolls back (``rollback``, or ``skip`` escalating to it) and `checkpoint_dir`
+        is not given.
     """
     guard = _guard.get_guard(train_op)
     if guard is None:
         raise ValueError(f"{getattr(train_op, 'name', train_op)!r} was not made by "
                          "slim_nanguard.create_train_op; build it with that, or use "
                          "NanLossHook(loss) for a loss-only check.")
+    if guard.config.needs_checkpoint_dir and not checkpoint_dir:
+        # Refused now, not at the first bad step: the information is all here.
+        raise ValueError(f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
+                         f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs "
+                         "nan_hook(train_op, checkpoint_dir=...), the directory the session "
+                         "saves checkpoints to.")
     return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir,
                        event_listener=event_listener)

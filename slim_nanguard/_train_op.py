@@ -204,9 +204,8 @@ def create_train_op(total_loss: tf.Tensor,
                 store = diagnostics.assign(grad_sums, read_value=False)
                 with tf.control_dependencies([store]):
                     gate = tf.debugging.check_numerics(
-                        tf.reduce_sum(grad_sums),
-                        "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
-                check_op_name, ok, bad_done = gate.op.name, None, None
+                        tf.reduce_sum(grad_sums), _unhandled_message(config, hook_mode=False))
+                check_op_name, ok, bad_done, judged = gate.op.name, None, None, None
             else:
                 mode = _guard.MODE_HOOK
                 check_op_name = None
@@ -220,7 +219,15 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                # Whatever applies the policy feeds `judged`. A bad step run without it (no
+                # hook: tf_slim.learning.train, a plain session.run loop) fails here, naming
+                # what to add, instead of being skipped unseen. `untaken` is False on the bad
+                # branch and dead otherwise, so the assertion runs on bad steps only.
+                judged = tf.compat.v1.placeholder_with_default(False, [], name="judged")
+                unjudged = tf.debugging.Assert(tf.logical_or(judged, untaken),
+                                               [_unhandled_message(config, hook_mode=True)],
+                                               name="unjudged")
+                with tf.control_dependencies([store, unjudged]):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -250,10 +257,30 @@ def create_train_op(total_loss: tf.Tensor,
             global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
             check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
             lr_scale=lr_scale)
+        guard.judged = judged
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
     return train_op
+
+
+def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
+    """The error a bad step raises when no loop applies the policy (it names what to add)."""
+    rollback = config.needs_checkpoint_dir
+    step_fn = ("slim_nanguard.make_train_step(logdir)" if rollback
+               else "slim_nanguard.train_step")
+    hook = ("slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)" if rollback
+            else "slim_nanguard.nan_hook(train_op)")
+    if hook_mode:
+        return (f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
+                f"so nan_policy={config.nan_policy!r} was not applied (no variable was updated). "
+                f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
+                f"with tf_slim.learning.train pass train_step_fn={step_fn}")
+    return (f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
+            f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
+            f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
+            "with slim_nanguard.handle_numerics_error(sess, err), or train with "
+            "slim_nanguard.train")
 
 
 def _check_loss(total_loss) -> None:

@@ -54,6 +54,17 @@ class Model:
         return feed
 
 
+def judged(train_op) -> Dict:
+    """The feed with which a hand-written hook-mode loop says it judges each step itself.
+
+    A hook-mode bad step that nothing judges (no NanLossHook) fails instead of being skipped
+    unseen; a test that runs the train op in a plain session and checks the result itself
+    feeds this. Empty in check_numerics mode.
+    """
+    guard = slim_nanguard.get_guard(train_op)
+    return {guard.judged: True} if guard is not None and guard.judged is not None else {}
+
+
 def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
     """`count` batches as arrays (x, y, loss offset, norm scale), with `faults` {index: kind}."""
     xs, ys, offsets, scales = [], [], [], []
