@@ -15,18 +15,23 @@ import sys
 import traceback
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+try:
+    import _quiet_start  # run by path: python scripts/eval.py
+except ImportError:  # the installed console command
+    from slim_nanguard_scripts import _quiet_start
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+with _quiet_start.quiet_imports(sys.argv):
+    from absl import app  # noqa: E402
+    from absl import flags  # noqa: E402
+    from absl import logging  # noqa: E402
+    import tensorflow as tf  # noqa: E402
 
-import slim_nanguard  # noqa: E402
-from slim_nanguard import compat  # noqa: E402
-from slim_nanguard import datasets  # noqa: E402
-from slim_nanguard import launch  # noqa: E402
-from slim_nanguard import models  # noqa: E402
+    import slim_nanguard  # noqa: E402
+    from slim_nanguard import compat  # noqa: E402
+    from slim_nanguard import datasets  # noqa: E402
+    from slim_nanguard import launch  # noqa: E402
+    from slim_nanguard import models  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -89,6 +94,7 @@ def main(argv):
 
 def run():
     """Entry point of the ``slim-nanguard-eval`` command."""
+    _quiet_start.show_flags_in_help(__name__, __doc__)
     app.run(main)
 
 
