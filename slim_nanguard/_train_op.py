@@ -273,7 +273,7 @@ def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
             else "slim_nanguard.nan_hook(train_op)")
     if hook_mode:
         return (f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
-                f"so nan_policy={config.nan_policy!r} was not applied (no variable was updated). "
+                f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
                 f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
                 f"with tf_slim.learning.train pass train_step_fn={step_fn}")
     return (f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
