@@ -258,6 +258,28 @@ def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
     accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
     assert accuracy > 0.9
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+    # TensorBoard's learning_rate is the rate in effect: 100 at first, 0.2 after the rollback.
+    rates = _scalars(train_dir, "learning_rate")
+    assert rates[0][1] == pytest.approx(100.0)
+    assert rates[-1][0] >= 200 and all(r == pytest.approx(0.2) for s, r in rates if s >= 100)
+
+    # Resumed, the run carries the scale on and says so.
+    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}", "--max_number_of_steps=310",
+                "--eval_split_name=")
+    assert proc.returncode == 0, proc.stderr
+    assert "10 good steps in this run" in proc.stdout
+    assert "lr scale      0.002 (after rollbacks)" in proc.stdout
+    step, rate = _scalars(train_dir, "learning_rate")[-1]
+    assert step > 300 and rate == pytest.approx(0.2)
+
+
+def _scalars(train_dir, tag):
+    """(step, value) of a TensorBoard scalar over every event file of `train_dir`, by step."""
+    found = []
+    for path in sorted(train_dir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            found += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+    return sorted(found)
 
 
 def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
