@@ -493,3 +493,31 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
     stop = _events(train_dir, "stop")[-1]
     assert stop["reason"] == "terminated" and stop["step"] > 0
     assert latest.endswith(f"model.ckpt-{stop['step']}")
+
+
+def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(
+        tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = tmp_path / "good.tfrecord"
+    rng = np.random.RandomState(0)
+    datasets.write_tfrecord(str(good), rng.randint(0, 255, [20, 8, 8], np.uint8),
+                            [i % 10 for i in range(20)])
+    broken = tf.train.Example(features=tf.train.Features(feature={
+        datasets.ENCODED_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(
+            value=[b"\x89PNG but not really"])),
+        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+    }))
+    path = data / "toy_train.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for record in tf.compat.v1.io.tf_record_iterator(str(good)):
+            writer.write(record)
+        writer.write(broken.SerializeToString())
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
+                f"--dataset_dir={data}", "--batch_size=7", "--max_number_of_steps=20",
+                "--eval_split_name=")
+    _assert_clean_failure(proc, f"Record 20 of {path} (after 20 good records) does not decode",
+                          "re-run the conversion")
+    assert "Graph execution error" not in proc.stderr
+    assert not train_dir.exists()
