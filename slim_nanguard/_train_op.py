@@ -279,8 +279,9 @@ def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
     return (f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
             f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
             f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
-            "with slim_nanguard.handle_numerics_error(sess, err), or train with "
-            "slim_nanguard.train")
+            "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
+            f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
+            "with slim_nanguard.train")
 
 
 def _check_loss(total_loss) -> None:

@@ -166,6 +166,8 @@ def test_each_loop_applies_the_policy_or_fails_naming_what_to_add():
     assert check["error"] == "InvalidArgumentError"
     assert "nothing applied nan_policy='skip'" in check["message"]
     assert "train_step_fn=slim_nanguard.train_step" in check["message"]
+    assert "check_numerics=False and pass hooks=[slim_nanguard.nan_hook(train_op)]" in (
+        check["message"])  # for tf_slim.training.train
     hook = report["learning_plain_hook"]
     assert hook["error"] == "InvalidArgumentError"
     assert "no NanLossHook saw it, so nan_policy=skip was not applied" in hook["message"]
