@@ -6,6 +6,7 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
     after_create_session()   # forgets per-session state (also after a session recovery)
     while not stop:
       before_run()           # asks for one boolean: were the loss and all gradients finite
+                             #   (and feeds Guard.judged: a bad step nothing judges fails)
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
       after_run()            # finite: note a good step. Not finite: read the sums the bad
                              #   step stored (loss first), build a NanEvent and

@@ -19,7 +19,9 @@ How the bad branch shows itself depends on the mode:
   apply the policy.
 * hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
   the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
-  boolean per step; only the bad branch stores the sums for it to read.
+  boolean per step; only the bad branch stores the sums for it to read. The hook (or
+  `train_step`) also feeds ``Guard.judged``; a bad step run without it (no hook: a loop that
+  would skip it unseen) fails on the bad branch with an error naming what to add.
 
 A sum of a gradient is NaN or Inf exactly when an element is (or when finite elements add up
 past the float range, which a healthy step never does), so one reduction per gradient replaces
