@@ -78,10 +78,10 @@ class Guard:
         None in check_numerics mode, whose check raises instead.
       diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
         stores them before every check; hook mode only on the bad branch).
-      judged: Hook mode: a boolean placeholder (default False) that whatever applies the
-        policy feeds True (`NanLossHook`, `train_step`). A bad step run without it fails with
-        an error naming what to add, rather than being skipped unseen. None in
-        check_numerics mode.
+      judged: Hook mode: a variable in no collection that whatever applies the policy
+        (`NanLossHook`, `train_step`) initialises in its session with `mark_judged`. A bad
+        step in a session where it is not initialised fails with an error naming what to
+        add, rather than being skipped unseen. None in check_numerics mode.
       state: The `GuardState` counters.
     """
 
@@ -100,7 +100,8 @@ class Guard:
         self.check_op_name = check_op_name
         self.variable_names = tuple(variable_names)
         self.lr_scale = lr_scale
-        self.judged: Optional[tf.Tensor] = None  # Set by create_train_op in hook mode.
+        self.judged: Optional[tf.Variable] = None  # Set by create_train_op in hook mode.
+        self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
@@ -138,6 +139,27 @@ class Guard:
         record = {"kind": kind, **event.to_json(), **extra}
         for listener in list(self._listeners):
             listener(record)
+
+    def mark_judged(self, session) -> None:
+        """Says that the caller applies the policy to this guard's bad steps in `session`.
+
+        Hook mode only (a no-op in check_numerics mode): without it, a bad step fails with an
+        error that names what to add. `NanLossHook` calls it when its session is created and
+        `train_step` at its first step in a session; a hand-written hook-mode loop that
+        checks ``ok`` itself calls it once after creating its session.
+
+        Args:
+          session: A raw `tf.compat.v1.Session` (a MonitoredSession's hooks would run).
+        """
+        if self.judged is None:
+            return
+        try:
+            if session in self._judged_sessions:
+                return
+            self._judged_sessions.add(session)
+        except TypeError:  # not weak-referenceable: initialise each time (idempotent)
+            pass
+        session.run(self.judged.initializer)
 
     # ----------------------------------------------------------------- steps
     def note_good_step(self) -> None:

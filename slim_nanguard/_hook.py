@@ -3,10 +3,10 @@
 Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook does in it::
 
     begin()                  # finds the guard of its loss; builds the rollback saver
-    after_create_session()   # forgets per-session state (also after a session recovery)
+    after_create_session()   # forgets per-session state (also after a session recovery);
+                             #   marks the session judged (else a bad step fails in-graph)
     while not stop:
       before_run()           # asks for one boolean: were the loss and all gradients finite
-                             #   (and feeds Guard.judged: a bad step nothing judges fails)
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
       after_run()            # finite: note a good step. Not finite: read the sums the bad
                              #   step stored (loss first), build a NanEvent and
@@ -105,9 +105,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # One boolean per step. A bad step stored its gradient sums (the loss first) in the
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
-            # Feeding `judged` says a hook applies the policy; without it a bad step fails.
-            self._run_args = tf.compat.v1.train.SessionRunArgs(
-                guard.ok, feed_dict={guard.judged: True} if guard.judged is not None else None)
+            self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._may_roll_back():
@@ -131,6 +129,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def after_create_session(self, session, coord):
         # Per-session state only: the guard's counters describe the whole run.
         self._session_bad_steps = 0
+        if self._guard is not None:
+            # This hook applies the policy here: a bad step must not fail as unjudged.
+            self._guard.mark_judged(session)
 
     def before_run(self, run_context):
         return self._run_args

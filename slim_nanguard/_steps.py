@@ -105,8 +105,8 @@ def handle_numerics_error(session, error: BaseException, *,
 class _JudgingSession:
     """The session `tf_slim.learning.train_step` runs a hook-mode train op through.
 
-    A run of the train op also feeds the guard's ``judged`` flag (the bad branch fails without
-    it) and fetches its ``ok`` boolean, kept in `ok`. Every other run passes through as is.
+    A run of the train op also fetches the guard's ``ok`` boolean, kept in `ok`. Every other
+    run passes through as is.
     """
 
     def __init__(self, session, guard: _guard.Guard):
@@ -119,9 +119,7 @@ class _JudgingSession:
         if not any(item is self._guard.train_op for item in items):
             return self._session.run(fetches, feed_dict=feed_dict, options=options,
                                      run_metadata=run_metadata)
-        feed = dict(feed_dict or {})
-        feed[self._guard.judged] = True
-        values, ok = self._session.run([fetches, self._guard.ok], feed_dict=feed,
+        values, ok = self._session.run([fetches, self._guard.ok], feed_dict=feed_dict,
                                        options=options, run_metadata=run_metadata)
         self.ok = bool(np.asarray(ok))
         return values
@@ -164,6 +162,7 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
                             "pass train_step_fn=slim_nanguard.make_train_step(logdir) to "
                             "tf_slim.learning.train")
     if guard.mode == _guard.MODE_HOOK:
+        guard.mark_judged(sess)  # once per session: this function applies the policy
         judging = _JudgingSession(sess, guard)
         loss, should_stop = tf_slim.learning.train_step(judging, train_op, global_step,
                                                         train_step_kwargs)

@@ -20,8 +20,9 @@ How the bad branch shows itself depends on the mode:
 * hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
   the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
   boolean per step; only the bad branch stores the sums for it to read. The hook (or
-  `train_step`) also feeds ``Guard.judged``; a bad step run without it (no hook: a loop that
-  would skip it unseen) fails on the bad branch with an error naming what to add.
+  `train_step`) marks each session it judges (`Guard.mark_judged`, once per session); a bad
+  step in a session nothing judges (no hook: a loop that would skip it unseen) fails on the
+  bad branch with an error naming what to add.
 
 A sum of a gradient is NaN or Inf exactly when an element is (or when finite elements add up
 past the float range, which a healthy step never does), so one reduction per gradient replaces
@@ -221,12 +222,19 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                # Whatever applies the policy feeds `judged`. A bad step run without it (no
-                # hook: tf_slim.learning.train, a plain session.run loop) fails here, naming
-                # what to add, instead of being skipped unseen. `untaken` is False on the bad
-                # branch and dead otherwise, so the assertion runs on bad steps only.
-                judged = tf.compat.v1.placeholder_with_default(False, [], name="judged")
-                unjudged = tf.debugging.Assert(tf.logical_or(judged, untaken),
+                # Whatever applies the policy initialises `judged` in its session, once
+                # (Guard.mark_judged: nothing to feed, no cost per step). A bad step in a
+                # session where it is not (no hook: tf_slim.learning.train, a plain
+                # session.run loop) fails here, naming what to add, instead of being skipped
+                # unseen. The variable is in no collection: no initializer, Saver or
+                # readiness check touches it. Both tests wait on the bad branch, so they run
+                # on bad steps only.
+                judged = tf.compat.v1.Variable(True, trainable=False, collections=[],
+                                               use_resource=True, name="judged")
+                bad_pivot = tf.identity(untaken)
+                with tf.control_dependencies([bad_pivot]):
+                    is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
+                unjudged = tf.debugging.Assert(tf.logical_or(is_judged, bad_pivot),
                                                [_unhandled_message(config, hook_mode=True)],
                                                name="unjudged")
                 with tf.control_dependencies([store, unjudged]):

@@ -54,15 +54,14 @@ class Model:
         return feed
 
 
-def judged(train_op) -> Dict:
-    """The feed with which a hand-written hook-mode loop says it judges each step itself.
+def mark_judged(sess, train_op) -> None:
+    """Says that this hand-written loop judges each hook-mode step itself.
 
     A hook-mode bad step that nothing judges (no NanLossHook) fails instead of being skipped
     unseen; a test that runs the train op in a plain session and checks the result itself
-    feeds this. Empty in check_numerics mode.
+    calls this once per session. A no-op in check_numerics mode.
     """
-    guard = slim_nanguard.get_guard(train_op)
-    return {guard.judged: True} if guard is not None and guard.judged is not None else {}
+    slim_nanguard.get_guard(train_op).mark_judged(sess)
 
 
 def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):

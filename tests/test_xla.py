@@ -37,8 +37,8 @@ SCRIPT = textwrap.dedent("""
             before = lib.state(sess, model.graph)
             raised = False
             try:
-                loss = sess.run(model.train_op, {{**model.feed(1, "nan_input"),
-                                                  **lib.judged(model.train_op)}})
+                lib.mark_judged(sess, model.train_op)
+                loss = sess.run(model.train_op, model.feed(1, "nan_input"))
             except tf.errors.InvalidArgumentError as err:
                 raised = slim_nanguard.is_numerics_error(err)
                 loss = None
