@@ -5,11 +5,14 @@ What a run looks like::
     pick the latest readable checkpoint of logdir (warn past a corrupt one)
     create the session: restore it, or initialise (and run the scaffold's init_fn)
     refuse to go on if any variable is NaN or Inf
-    while not stopped:
+    while not stopped (and the global step is below number_of_steps: a finished run trains
+                       nothing):
         run(train_op)            # a bad step writes no variable (create_train_op's gate)
         bad step? -> policy      # hook mode: NanLossHook.after_run; check_numerics mode: here
         every log_every_n_steps: a progress line and TensorBoard scalars
+        Ctrl-C or SIGTERM: stop after this step
     end(): closing checkpoint (FiniteSaver: never one with NaN or Inf), final values
+    the policy raises (or gives up): first save the state the bad step left, which is good
 
 Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 """
