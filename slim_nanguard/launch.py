@@ -102,7 +102,9 @@ class TrainConfig:
 
     Attributes:
       train_dir: Where checkpoints, summaries and the event record go. A run in a directory
-        that holds a checkpoint resumes from it.
+        that holds a checkpoint resumes from it (also after the directory was moved or
+        copied). A path that holds a flag (``td --max_number_of_steps=50``, what a flagfile
+        line with two flags gives) is refused, as in dataset_dir and checkpoint_path.
       model_name: One of `models.MODEL_NAMES`.
       dataset_name: One of `datasets.DATASET_NAMES`.
       dataset_dir: For ``tfrecord``: the directory of the TFRecord files.
