@@ -10,15 +10,19 @@ A checkpoint holding NaN or Inf is refused. The result goes to stdout as one lin
 to stderr as one or two lines (``--verbosity=1`` adds the traceback), with exit status 1.
 """
 
+import importlib.util
 import os
 import sys
 import traceback
 import warnings
 
-try:
-    import _quiet_start  # run by path: python scripts/eval.py
-except ImportError:  # the installed console command
-    from slim_nanguard_scripts import _quiet_start
+# The start-up helper next to this file, however the script is started (by path, through
+# runpy, or as the installed console command), and before TensorFlow is imported.
+_SPEC = importlib.util.spec_from_file_location(
+    "slim_nanguard_quiet_start", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                              "_quiet_start.py"))
+_quiet_start = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
 with _quiet_start.quiet_imports(sys.argv):
