@@ -10,23 +10,32 @@ A checkpoint holding NaN or Inf is refused. The result goes to stdout as one lin
 to stderr as one or two lines (``--verbosity=1`` adds the traceback), with exit status 1.
 """
 
+import importlib.util
 import os
 import sys
 import traceback
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The start-up helper next to this file, however the script is started (by path, through
+# runpy, or as the installed console command), and before TensorFlow is imported.
+_SPEC = importlib.util.spec_from_file_location(
+    "slim_nanguard_quiet_start", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                              "_quiet_start.py"))
+_quiet_start = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_quiet_start)
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+with _quiet_start.quiet_imports(sys.argv):
+    from absl import app  # noqa: E402
+    from absl import flags  # noqa: E402
+    from absl import logging  # noqa: E402
+    import tensorflow as tf  # noqa: E402
 
-import slim_nanguard  # noqa: E402
-from slim_nanguard import compat  # noqa: E402
-from slim_nanguard import datasets  # noqa: E402
-from slim_nanguard import launch  # noqa: E402
-from slim_nanguard import models  # noqa: E402
+    import slim_nanguard  # noqa: E402
+    from slim_nanguard import compat  # noqa: E402
+    from slim_nanguard import datasets  # noqa: E402
+    from slim_nanguard import launch  # noqa: E402
+    from slim_nanguard import models  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -89,6 +98,7 @@ def main(argv):
 
 def run():
     """Entry point of the ``slim-nanguard-eval`` command."""
+    _quiet_start.show_flags_in_help(__name__, __doc__)
     app.run(main)
 
 

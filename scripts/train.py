@@ -9,38 +9,48 @@ where one means the same thing; the guard is one flag away (``--nan_policy``,
 
 Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
 Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
-stderr; ``--verbosity=1`` adds the Python traceback); 3 stopped by ``--nan_policy=stop`` or
-``--persistent_nan_policy=stop``; 130 interrupted by Ctrl-C (after a clean stop with a final
-checkpoint).
+stderr; ``--verbosity=1`` adds the Python traceback and TensorFlow's start-up messages); 3
+stopped by ``--nan_policy=stop`` or ``--persistent_nan_policy=stop``; 130 interrupted by Ctrl-C
+and 143 terminated by SIGTERM (each after a clean stop with a final checkpoint).
 """
 
 import dataclasses
+import importlib.util
 import os
 import sys
 import traceback
 import warnings
 
-# TensorFlow's C++ warnings repeat every bad step's CheckNumerics message; the guard logs its own.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The start-up helper next to this file, however the script is started (by path, through
+# runpy, or as the installed console command), and before TensorFlow is imported.
+_SPEC = importlib.util.spec_from_file_location(
+    "slim_nanguard_quiet_start", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                              "_quiet_start.py"))
+_quiet_start = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_quiet_start)
 
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
-import tensorflow as tf  # noqa: E402
+# TensorFlow's start-up banner and C++ messages (which repeat every bad step's CheckNumerics
+# message; the guard logs its own) stay out of the output unless --verbosity asks for them.
+with _quiet_start.quiet_imports(sys.argv):
+    from absl import app  # noqa: E402
+    from absl import flags  # noqa: E402
+    from absl import logging  # noqa: E402
+    import tensorflow as tf  # noqa: E402
 
-import slim_nanguard  # noqa: E402
+    import slim_nanguard  # noqa: E402
 
-from slim_nanguard import compat  # noqa: E402
-from slim_nanguard import datasets  # noqa: E402
-from slim_nanguard import faults  # noqa: E402
-from slim_nanguard import launch  # noqa: E402
-from slim_nanguard import models  # noqa: E402
+    from slim_nanguard import compat  # noqa: E402
+    from slim_nanguard import datasets  # noqa: E402
+    from slim_nanguard import faults  # noqa: E402
+    from slim_nanguard import launch  # noqa: E402
+    from slim_nanguard import models  # noqa: E402
 
 FLAGS = flags.FLAGS
 
 EXIT_ERROR = 1
 EXIT_NAN_STOP = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
 
 # ----------------------------------------------------------------------- where and what
 flags.DEFINE_string("train_dir", None, "Directory for checkpoints, summaries and the event "
@@ -217,10 +227,10 @@ def main(argv):
             launch.check_eval_dataset(dataclasses.replace(
                 eval_config, dataset_split_name=config.dataset_split_name))
             try:
-                launch.check_eval_dataset(eval_config)
+                launch.check_eval_dataset(eval_config, split_flag="--eval_split_name")
             except ValueError as err:
-                raise launch.LaunchError(f"--eval_split_name={FLAGS.eval_split_name}: {err} "
-                                         "(--eval_split_name='' skips the evaluation)") from None
+                raise launch.LaunchError(f"{err} (--eval_split_name='' skips the "
+                                         "evaluation)") from None
         result = launch.run_training(config)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
@@ -237,11 +247,14 @@ def main(argv):
         return EXIT_NAN_STOP
     if result.stop_reason == "interrupted":
         return EXIT_INTERRUPTED
+    if result.stop_reason == "terminated":
+        return EXIT_TERMINATED
     return 0
 
 
 def run():
     """Entry point of the ``slim-nanguard-train`` command."""
+    _quiet_start.show_flags_in_help(__name__, __doc__)
     app.run(main)
 
 

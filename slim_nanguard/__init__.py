@@ -5,6 +5,7 @@ step whose loss or any gradient is NaN or Inf then changes no variable, and the 
 chose (raise, stop, skip, rollback) decides what happens next.
 """
 
+from slim_nanguard import compat
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
@@ -38,6 +39,10 @@ from slim_nanguard._train_op import multiply_gradients
 
 __version__ = "0.1.0"
 
+# The migration of a TF-Slim script is the import and the changed call: slim.batch_norm and the
+# tf_slim.nets must work without a separate compat.install() (idempotent; quiet at import).
+compat.install()
+
 __all__ = [
     "EVENTS_FILENAME",
     "CheckpointNotFoundError",
@@ -57,6 +62,7 @@ __all__ = [
     "TrainResult",
     "add_gradients_summaries",
     "clip_gradient_norms",
+    "compat",
     "create_train_op",
     "get_guard",
     "handle_numerics_error",

@@ -108,7 +108,13 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
 
 
 def _candidates(checkpoint_dir: Optional[str]) -> List[str]:
-    """Checkpoint prefixes of a directory, newest first."""
+    """Checkpoint prefixes of a directory, newest first, all inside that directory.
+
+    The ``checkpoint`` state file may hold absolute paths (any `Saver` without
+    ``save_relative_paths``), which point into the directory where the run was trained. Each
+    is re-rooted into `checkpoint_dir` by its file name, so a training directory that was
+    moved or copied reads its own checkpoints, never the ones of the place it came from.
+    """
     if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
         return []
     state = tf.train.get_checkpoint_state(checkpoint_dir)
@@ -117,8 +123,21 @@ def _candidates(checkpoint_dir: Optional[str]) -> List[str]:
         paths = list(state.all_model_checkpoint_paths or [])
         if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
             paths.append(state.model_checkpoint_path)
-        paths = [p if os.path.isabs(p) else os.path.join(checkpoint_dir, p) for p in paths]
+        paths = [os.path.join(checkpoint_dir, os.path.basename(p)) for p in paths]
     return list(reversed(paths))
+
+
+def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
+    """`tf.train.latest_checkpoint`, re-rooted into `checkpoint_dir` (see `_candidates`).
+
+    Unlike TensorFlow's, it finds the checkpoint of a training directory that was moved
+    (whose ``checkpoint`` file names the old place) and of one that was copied (whose file
+    names the source, which must not be read). Returns None when there is none.
+    """
+    for path in _candidates(checkpoint_dir):
+        if tf.io.gfile.exists(path + ".index") or tf.io.gfile.exists(path):
+            return path
+    return None
 
 
 def _short(err: BaseException) -> str:

@@ -32,11 +32,14 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         was raised without one.
       reason: Why training gave up (for example the policy was ``raise``, or too many bad
         steps came in a row).
+      checkpoint: The checkpoint holding the last good state, when the loop saved one
+        before raising (`slim_nanguard.train` does), else None.
     """
 
     def __init__(self, event: Optional["NanEvent"] = None, reason: str = ""):
         self.event = event
         self.reason = reason
+        self.checkpoint: Optional[str] = None
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -54,3 +57,21 @@ class NonFiniteCheckpointError(NanGuardError):
 
 class CheckpointNotFoundError(NanGuardError):
     """A rollback or a resume needs a good checkpoint and none can be found."""
+
+
+def op_error_cause(error: BaseException) -> str:
+    """The line of a TensorFlow error that says what went wrong.
+
+    A graph error's message opens with ``Graph execution error:`` and the stack where the op
+    was defined; the cause is the line after ``Node: '...'``. Other errors: their first line.
+    """
+    text = getattr(error, "message", None) or str(error) or type(error).__name__
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("Graph execution error"):
+        node = next((i for i, line in enumerate(lines) if line.startswith("Node: ")), None)
+        rest = lines[node + 1:] if node is not None else [
+            line for line in lines[1:]
+            if not line.startswith(("Detected at node", "File ", "[[", "Original stack"))]
+        if rest:
+            return rest[0]
+    return lines[0] if lines else type(error).__name__

@@ -97,6 +97,10 @@ class Guard:
       in_loop: True when the train op was built inside a `tf.while_loop` (or another function
         body), whose tensors a run cannot fetch: `ok` is then None and `NanLossHook` reads
         `diagnostics` after each run instead.
+      judged: Hook mode: a variable in no collection that whatever applies the policy
+        (`NanLossHook`, `train_step`) initialises in its session with `mark_judged`. A bad
+        step in a session where it is not initialised fails with an error naming what to
+        add, rather than being skipped unseen. None in check_numerics mode.
       state: The `GuardState` counters.
     """
 
@@ -119,6 +123,8 @@ class Guard:
         self.lr_scale = lr_scale
         self.loss_scale_floor = loss_scale_floor
         self.in_loop = in_loop
+        self.judged: Optional[tf.Variable] = None  # Set by create_train_op in hook mode.
+        self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self.state = GuardState()
         self.last_event: Optional[_events.NanEvent] = None
         # The Saver a rollback restores with; create_train_op builds it when a rollback can
@@ -158,6 +164,27 @@ class Guard:
         record = {"kind": kind, **event.to_json(), **extra}
         for listener in list(self._listeners):
             listener(record)
+
+    def mark_judged(self, session) -> None:
+        """Says that the caller applies the policy to this guard's bad steps in `session`.
+
+        Hook mode only (a no-op in check_numerics mode): without it, a bad step fails with an
+        error that names what to add. `NanLossHook` calls it when its session is created and
+        `train_step` at its first step in a session; a hand-written hook-mode loop that
+        checks ``ok`` itself calls it once after creating its session.
+
+        Args:
+          session: A raw `tf.compat.v1.Session` (a MonitoredSession's hooks would run).
+        """
+        if self.judged is None:
+            return
+        try:
+            if session in self._judged_sessions:
+                return
+            self._judged_sessions.add(session)
+        except TypeError:  # not weak-referenceable: initialise each time (idempotent)
+            pass
+        session.run(self.judged.initializer)
 
     # ----------------------------------------------------------------- steps
     def _loss_scale_of(self, sums: Optional[Sequence[float]]) -> Optional[float]:

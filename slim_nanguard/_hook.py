@@ -3,7 +3,8 @@
 Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook does in it::
 
     begin()                  # finds the guard of its loss; builds the rollback saver
-    after_create_session()   # forgets per-session state (also after a session recovery)
+    after_create_session()   # forgets per-session state (also after a session recovery);
+                             #   marks the session judged (else a bad step fails in-graph)
     while not stop:
       before_run()           # asks for one boolean: were the loss and all gradients finite
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
@@ -152,6 +153,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._guard.mode == _guard.MODE_HOOK):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(self._guard.diagnostics.initializer)
+        if self._guard is not None:
+            # This hook applies the policy here: a bad step must not fail as unjudged.
+            self._guard.mark_judged(session)
 
     def before_run(self, run_context):
         self._judging = self._judge_every_run or self._fetches_reach_train_op(
@@ -247,12 +251,20 @@ def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
       event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:
-      ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`.
+      ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`, or its
+        policy rolls back (``rollback``, or ``skip`` escalating to it) and `checkpoint_dir`
+        is not given.
     """
     guard = _guard.get_guard(train_op)
     if guard is None:
         raise ValueError(f"{getattr(train_op, 'name', train_op)!r} was not made by "
                          "slim_nanguard.create_train_op; build it with that, or use "
                          "NanLossHook(loss) for a loss-only check.")
+    if guard.config.needs_checkpoint_dir and not checkpoint_dir:
+        # Refused now, not at the first bad step: the information is all here.
+        raise ValueError(f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
+                         f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs "
+                         "nan_hook(train_op, checkpoint_dir=...), the directory the session "
+                         "saves checkpoints to.")
     return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir,
                        event_listener=event_listener)

@@ -5,11 +5,14 @@ What a run looks like::
     pick the latest readable checkpoint of logdir (warn past a corrupt one)
     create the session: restore it, or initialise (and run the scaffold's init_fn)
     refuse to go on if any variable is NaN or Inf
-    while not stopped:
+    while not stopped (and the global step is below number_of_steps: a finished run trains
+                       nothing):
         run(train_op)            # a bad step writes no variable (create_train_op's gate)
         bad step? -> policy      # hook mode: NanLossHook.after_run; check_numerics mode: here
         every log_every_n_steps: a progress line and TensorBoard scalars
+        Ctrl-C or SIGTERM: stop after this step
     end(): closing checkpoint (FiniteSaver: never one with NaN or Inf), final values
+    the policy raises (or gives up): first save the state the bad step left, which is good
 
 Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 """
@@ -40,6 +43,7 @@ from slim_nanguard import _record
 STOP_STEP_LIMIT = "step_limit"
 STOP_POLICY = "nan_policy_stop"
 STOP_INTERRUPTED = "interrupted"
+STOP_TERMINATED = "terminated"
 STOP_END_OF_DATA = "end_of_data"
 STOP_REQUESTED = "stop_requested"
 STOP_NAN_ERROR = "nan_error"
@@ -57,11 +61,12 @@ class TrainResult:
       skips: Bad steps skipped by this call.
       rollbacks: Rollbacks done by this call.
       stop_reason: ``step_limit``, ``nan_policy_stop`` (the ``stop`` policy, or
-        ``persistent_nan_policy="stop"``), ``interrupted``, ``end_of_data`` or
-        ``stop_requested`` (a hook asked).
+        ``persistent_nan_policy="stop"``), ``interrupted`` (Ctrl-C), ``terminated``
+        (SIGTERM), ``end_of_data`` or ``stop_requested`` (a hook asked).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
-      learning_rate_scale: The product of the rollback learning-rate factors applied so far.
+      learning_rate_scale: The product of the rollback learning-rate factors applied so far,
+        as the model holds it at the end (so a resumed run reports the scale it carried on).
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer in this call (not
         bad steps: the optimizer skipped them and lowered its scale).
     """
@@ -176,28 +181,43 @@ def _duration(seconds: float) -> str:
 
 
 class _SigintStop:
-    """While active, the first Ctrl-C asks the loop to stop cleanly; a second one interrupts."""
+    """While active, Ctrl-C or SIGTERM asks the loop to stop cleanly; a second one interrupts.
+
+    SIGTERM is what a cluster manager sends on preemption: it ends the run as Ctrl-C does,
+    after the current step, with a final checkpoint and the event record closed.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, enabled: bool):
         self.requested = False
+        self.signum: Optional[int] = None
         self._enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self):
         if self._enabled:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self._SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
+
+    @property
+    def stop_reason(self) -> str:
+        return STOP_TERMINATED if self.signum == signal.SIGTERM else STOP_INTERRUPTED
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        logging.warning("slim_nanguard: interrupted; stopping after this step with a final "
-                        "checkpoint (press Ctrl-C again to abort at once).")
+        self.signum = signum
+        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        logging.warning("slim_nanguard: %s; stopping after this step with a final "
+                        "checkpoint (a second signal aborts at once).", what)
 
     def __exit__(self, *exc):
         if self._enabled:
-            signal.signal(signal.SIGINT, self._previous)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
         return False
 
 
@@ -245,7 +265,8 @@ def train(train_op: tf.Tensor,
       config: Optional session `ConfigProto`.
       log_every_n_steps: Steps between progress lines (0: none).
       max_checkpoints_to_keep: Checkpoints kept on disk.
-      handle_sigint: Whether Ctrl-C stops the loop cleanly (final checkpoint and summary).
+      handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
+        summary; ``stop_reason`` ``interrupted`` or ``terminated``).
 
     Returns:
       A `TrainResult`.
@@ -253,7 +274,9 @@ def train(train_op: tf.Tensor,
     Raises:
       ValueError: Bad arguments (an unguarded train op, a logdir that cannot be written, a
         negative step count).
-      NanLossError: The policy is ``raise``, or training gave up.
+      NanLossError: The policy is ``raise``, or training gave up. Before it is raised, the
+        chief saves the state of the bad step, which the guard kept good (the last good
+        weights), so giving up costs no good step; the error's ``checkpoint`` names it.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
         no checkpoint.
@@ -283,7 +306,7 @@ def train(train_op: tf.Tensor,
             all_hooks = list(hooks or [])
             # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
             # records its overflow steps, which do not raise).
-            if guard.ok is not None and not any(
+            if (guard.mode == _guard.MODE_HOOK or guard.ok is not None) and not any(
                     isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
                     for h in all_hooks):  # pylint: disable=protected-access
                 all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
@@ -292,6 +315,8 @@ def train(train_op: tf.Tensor,
             final_values = {}
             if guard.global_step is not None:
                 final_values["global_step"] = guard.global_step
+            if guard.lr_scale is not None:
+                final_values["learning_rate_scale"] = guard.lr_scale
             final_hook = tf.compat.v1.train.FinalOpsHook(final_values) if final_values else None
             if final_hook is not None:
                 all_hooks.append(final_hook)
@@ -308,22 +333,25 @@ def train(train_op: tf.Tensor,
                            number_of_steps)
     except _errors.NanLossError as err:
         recorder.append({"kind": "stop", "reason": STOP_NAN_ERROR, "time": time.time(),
-                         "message": str(err)})
+                         "message": str(err), "checkpoint": err.checkpoint})
         raise
     finally:
         guard.remove_listener(recorder)
 
     final_loss, steps, stop_reason, last_step = outcome
+    lr_scale = guard.state.learning_rate_scale
     if final_hook is not None and final_hook.final_ops_values is not None:
         last_step = int(final_hook.final_ops_values["global_step"])
+        # The scale the model holds: in a resumed run, the one its checkpoint carried on.
+        lr_scale = float(final_hook.final_ops_values.get("learning_rate_scale", lr_scale))
     state = guard.state
     result = TrainResult(
         final_loss=final_loss, global_step=last_step, steps=steps,
         bad_steps=state.total_bad_steps - first_state.total_bad_steps,
         skips=state.skips - first_state.skips,
         rollbacks=state.rollbacks - first_state.rollbacks, stop_reason=stop_reason,
-        checkpoint=tf.train.latest_checkpoint(logdir), events_path=recorder.path,
-        learning_rate_scale=state.learning_rate_scale,
+        checkpoint=_checkpoints.latest_checkpoint(logdir), events_path=recorder.path,
+        learning_rate_scale=lr_scale,
         loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows)
     recorder.append({"kind": "stop", "reason": stop_reason, "step": last_step,
                      "time": time.time(), "final_loss": _record_float(final_loss)})
@@ -347,8 +375,9 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
     """
     saver = scaffold.saver if scaffold is not None else None
     if saver is None:
+        # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
         saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
-                                         allow_empty=True)
+                                         allow_empty=True, save_relative_paths=True)
     else:  # The user's saver, as given, but it never writes NaN or Inf either.
         saver = _checkpoints.finite_saver(saver)
     kwargs = {"saver": saver}
@@ -419,21 +448,32 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 log_step_count_steps=None) as sess:
         step = read_step(sess)
         progress.start(step)
-        while not sess.should_stop():
+        if number_of_steps is not None and step >= number_of_steps:
+            # StopAtStepHook only looks after a step: without this, one more would run.
+            logging.info("slim_nanguard: global step %d already reaches number_of_steps=%d; "
+                         "nothing to train.", step, number_of_steps)
+        while not sess.should_stop() and not (number_of_steps is not None
+                                              and step >= number_of_steps):
             if sigint.requested:
-                stop_reason = STOP_INTERRUPTED
+                stop_reason = sigint.stop_reason
                 break
             bad_before, rollbacks_before = guard.state.total_bad_steps, guard.state.rollbacks
             overflows_before = guard.state.loss_scale_overflows
             try:
-                loss = sess.run(train_op)
+                try:
+                    loss = sess.run(train_op)
+                except _errors.NanLossError as nan_error:  # Hook mode: the hook gave up.
+                    raise _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
             except tf.errors.OutOfRangeError:
                 stop_reason = STOP_END_OF_DATA
                 break
             except tf.errors.InvalidArgumentError as err:
                 if not guard.owns_error(err):
                     raise
-                event = sess.run_step_fn(functools.partial(_handle, guard, err))
+                try:
+                    event = sess.run_step_fn(functools.partial(_handle, guard, err))
+                except _errors.NanLossError as nan_error:
+                    raise _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
                 if event.action == _policy.STOP:
                     stop_reason = STOP_POLICY
                     break
@@ -463,6 +503,33 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
             else:
                 stop_reason = STOP_REQUESTED
     return final_loss, steps, stop_reason, step
+
+
+def _save_good_state(sess, guard: _guard.Guard, scaffold, logdir: str, is_chief: bool,
+                     error: _errors.NanLossError) -> _errors.NanLossError:
+    """Saves the state the guard kept at a bad step before giving up; returns `error`.
+
+    A bad step wrote nothing, so the model is still at its last good step: saving it now
+    means that giving up (``raise``, or an escalation that raises) loses no good step.
+    ``error.checkpoint`` is set to the checkpoint, or to the latest one if the save fails.
+    """
+    path = None
+    if is_chief:
+        def save(step_context):
+            step = (int(step_context.session.run(guard.global_step))
+                    if guard.global_step is not None else None)
+            return scaffold.saver.save(step_context.session, os.path.join(logdir, "model.ckpt"),
+                                       global_step=step)
+        try:
+            path = sess.run_step_fn(save)
+        except Exception as err:  # pylint: disable=broad-except
+            # The NaN error is what the caller must see; a failed save only loses progress.
+            logging.error("slim_nanguard: could not save the last good state before giving "
+                          "up: %s", err)
+        if path:
+            logging.warning("slim_nanguard: giving up; the last good state is saved as %s", path)
+    error.checkpoint = path or _checkpoints.latest_checkpoint(logdir)
+    return error
 
 
 def _handle(guard: _guard.Guard, error: BaseException, step_context):

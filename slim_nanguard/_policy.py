@@ -130,6 +130,16 @@ class GuardConfig:
         return (ROLLBACK in (self.nan_policy, self.persistent_nan_policy)
                 or self.on_nan is not None)
 
+    @property
+    def needs_checkpoint_dir(self) -> bool:
+        """Whether a bad step rolls back without any callback choosing it.
+
+        True under ``rollback``, and under ``skip`` with ``persistent_nan_policy="rollback"``:
+        a loop must then know the checkpoint directory, and can refuse to start without it.
+        """
+        return self.nan_policy == ROLLBACK or (self.nan_policy == SKIP
+                                               and self.persistent_nan_policy == ROLLBACK)
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

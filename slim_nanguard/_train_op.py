@@ -19,7 +19,10 @@ How the bad branch shows itself depends on the mode:
   apply the policy.
 * hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
   the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
-  boolean per step; only the bad branch stores the sums for it to read.
+  boolean per step; only the bad branch stores the sums for it to read. The hook (or
+  `train_step`) marks each session it judges (`Guard.mark_judged`, once per session); a bad
+  step in a session nothing judges (no hook: a loop that would skip it unseen) fails on the
+  bad branch with an error naming what to add.
 
 With a dynamic loss-scale optimizer
 (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), a step whose loss is finite
@@ -240,8 +243,8 @@ def create_train_op(total_loss: tf.Tensor,
                 with tf.control_dependencies(ready):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
-                        "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
-                check_op_name, ok, bad_done = gate.op.name, None, None
+                        _unhandled_message(config, hook_mode=False))
+                check_op_name, ok, bad_done, judged = gate.op.name, None, None, None
             else:
                 mode = _guard.MODE_HOOK
                 check_op_name = None
@@ -255,7 +258,23 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(kept, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                with tf.control_dependencies([store] + _restore(snapshots, ok)):
+                # Whatever applies the policy initialises `judged` in its session, once
+                # (Guard.mark_judged: nothing to feed, no cost per step). A bad step in a
+                # session where it is not (no hook: tf_slim.learning.train, a plain
+                # session.run loop) fails here, naming what to add, instead of being skipped
+                # unseen. The variable is in no collection: no initializer, Saver or
+                # readiness check touches it. Both tests wait on the bad branch, so they run
+                # on bad steps only.
+                with tf.init_scope():  # Outside any while loop the train op is built in.
+                    judged = tf.compat.v1.Variable(True, trainable=False, collections=[],
+                                                   use_resource=True, name="judged")
+                bad_pivot = tf.identity(untaken)
+                with tf.control_dependencies([bad_pivot]):
+                    is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
+                unjudged = tf.debugging.Assert(tf.logical_or(is_judged, bad_pivot),
+                                               [_unhandled_message(config, hook_mode=True)],
+                                               name="unjudged")
+                with tf.control_dependencies([store, unjudged] + _restore(snapshots, ok)):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -304,6 +323,7 @@ def create_train_op(total_loss: tf.Tensor,
         # With a loss-scale optimizer, the gate every write but the scale's waits on.
         guard.pivot = (finite_gate if finite_gate is not None else
                        gate if mode == _guard.MODE_HOOK else None)
+        guard.judged = judged
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             with tf.init_scope():
                 guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,
@@ -446,6 +466,26 @@ def _in_loop(graph: tf.Graph) -> bool:
             return True
         context = context.outer_context
     return False
+
+
+def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
+    """The error a bad step raises when no loop applies the policy (it names what to add)."""
+    rollback = config.needs_checkpoint_dir
+    step_fn = ("slim_nanguard.make_train_step(logdir)" if rollback
+               else "slim_nanguard.train_step")
+    hook = ("slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)" if rollback
+            else "slim_nanguard.nan_hook(train_op)")
+    if hook_mode:
+        return (f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
+                f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
+                f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
+                f"with tf_slim.learning.train pass train_step_fn={step_fn}")
+    return (f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
+            f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
+            f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
+            "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
+            f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
+            "with slim_nanguard.train")
 
 
 def _check_loss(total_loss) -> None:

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from slim_nanguard._errors import NanGuardError
+from slim_nanguard._errors import op_error_cause
 
 __all__ = [
     "DATASET_NAMES",
@@ -52,6 +53,7 @@ __all__ = [
     "FORMAT_KEY",
     "LABEL_KEY",
     "LABELS_FILENAME",
+    "find_bad_record",
     "get_dataset",
     "read_label_file",
     "write_label_file",
@@ -525,8 +527,21 @@ class _RecordReader:
             records = tf.data.TFRecordDataset(self._path)
             self._all = tf.compat.v1.data.make_initializable_iterator(records.batch(self._BATCH))
             self._first = tf.compat.v1.data.make_initializable_iterator(records.take(1).batch(1))
+            self._one = tf.compat.v1.data.make_initializable_iterator(records)
             self._next_all = self._all.get_next()
             self._next_first = self._first.get_next()
+            self._next_one = self._one.get_next()
+
+    def count_readable(self, path: str) -> int:
+        """How many records of `path` read before the first that does not."""
+        count = 0
+        try:
+            self._session.run(self._one.initializer, {self._path: path})
+            while True:
+                self._session.run(self._next_one)
+                count += 1
+        except tf.errors.OpError:  # OutOfRange at the end, DataLoss at a broken record.
+            return count
 
     def records(self, path: str, only_first: bool) -> Iterator[tuple[int, bytes]]:
         """Yields (index, serialized record) of the file: all of them, or the first only."""
@@ -544,8 +559,10 @@ class _RecordReader:
                     yield index, record
                     index += 1
         except tf.errors.OpError as err:
+            # Records are read in batches: count the good ones one by one.
+            index = self.count_readable(path)
             raise DatasetError(f"{path} is not a readable TFRecord file after {index} records "
-                             f"({err.message.strip()}); it may be truncated, compressed or of "
+                             f"({op_error_cause(err)}); it may be truncated, compressed or of "
                              "another format: re-run the conversion, or move the file out of "
                              "--dataset_dir.") from err
 
@@ -611,10 +628,43 @@ def _decode_first_images(session, firsts, channels) -> tuple[int, int, int]:
             shapes.append(tuple(int(d) for d in session.run(shape, {encoded: data})))
         except tf.errors.OpError as err:
             raise DatasetError(f"The first image of {path} does not decode "
-                             f"({err.message.strip()}): {ENCODED_KEY!r} must hold PNG, JPEG, "
+                             f"({op_error_cause(err)}): {ENCODED_KEY!r} must hold PNG, JPEG, "
                              "GIF, BMP or WebP bytes. Re-run the conversion that wrote the "
                              "file.") from err
     return shapes[0]
+
+
+def find_bad_record(dataset_dir: str, split: str, *, channels: int | None = None,
+                    file_pattern: str | None = None) -> str | None:
+    """Reads every record of a split to name the first one that cannot be used.
+
+    For an input error that surfaced in the middle of training (an image that does not
+    decode, a record cut short), where the pipeline's own error names neither the file nor
+    the record. It reads the whole split, so call it only once something failed.
+
+    Returns:
+      A sentence naming the file, the record's index (how many records of that file read
+      before it) and the cause; None if every record reads and decodes.
+    """
+    files, _ = _split_files(dataset_dir, split, file_pattern)
+    with _scratch_session() as session:
+        reader = _RecordReader(session)
+        with session.graph.as_default():
+            encoded = tf.compat.v1.placeholder(tf.string, [])
+            decoded = tf.shape(tf.io.decode_image(encoded, channels=channels or 0,
+                                                  expand_animations=False))
+        for path in files:
+            try:
+                for index, record in reader.records(path, only_first=False):
+                    example = _parse_example(path, index, record)
+                    try:
+                        session.run(decoded, {encoded: example[ENCODED_KEY]})
+                    except tf.errors.OpError as err:
+                        return (f"Record {index} of {path} (after {index} good records) does "
+                                f"not decode ({op_error_cause(err)})")
+            except DatasetError as err:
+                return str(err)
+    return None
 
 
 def read_label_file(dataset_dir: str, filename: str = LABELS_FILENAME) -> dict[int, str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,7 @@ from absl import logging
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
+from slim_nanguard import _guard
 from slim_nanguard import _loop
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
@@ -100,7 +102,9 @@ class TrainConfig:
 
     Attributes:
       train_dir: Where checkpoints, summaries and the event record go. A run in a directory
-        that holds a checkpoint resumes from it.
+        that holds a checkpoint resumes from it (also after the directory was moved or
+        copied). A path that holds a flag (``td --max_number_of_steps=50``, what a flagfile
+        line with two flags gives) is refused, as in dataset_dir and checkpoint_path.
       model_name: One of `models.MODEL_NAMES`.
       dataset_name: One of `datasets.DATASET_NAMES`.
       dataset_dir: For ``tfrecord``: the directory of the TFRecord files.
@@ -221,6 +225,8 @@ class TrainConfig:
             set_("dataset_dir", None)
         _check(isinstance(self.train_dir, (str, os.PathLike)) and bool(os.fspath(self.train_dir)),
                "train_dir (--train_dir) must name a directory for checkpoints and logs.")
+        for name in ("train_dir", "dataset_dir", "checkpoint_path"):
+            _check_no_flag_in_path(name, getattr(self, name))
         _check(self.model_name in models.MODEL_NAMES,
                f"Unknown model name {self.model_name!r} (--model_name): choose one of "
                f"{', '.join(models.MODEL_NAMES)}.")
@@ -295,6 +301,21 @@ class TrainConfig:
             rollback_lr_factor=self.rollback_lr_factor, max_rollbacks=self.max_rollbacks)
 
 
+def _check_no_flag_in_path(name: str, value) -> None:
+    """Refuses a path that holds a flag, as a flagfile line with two flags gives.
+
+    absl reads ``--train_dir=td --max_number_of_steps=50`` on one flagfile line as the
+    directory ``td --max_number_of_steps=50``; training there would hide the second flag.
+    """
+    if value is None:
+        return
+    text = os.fspath(value)
+    match = re.search(r"(?:^|\s)(--?[A-Za-z_]\w*(?:=\S*)?)", text)
+    _check(match is None,
+           f"{name} (--{name}) {text!r} holds the flag {match.group(1) if match else ''!r}: "
+           "a flagfile line takes one flag; put each flag on its own line.")
+
+
 def _fault_specs(value) -> Tuple[faults_lib.FaultSpec, ...]:
     items = [value] if isinstance(value, (str, faults_lib.FaultSpec)) else list(value or ())
     specs = []
@@ -366,6 +387,8 @@ class EvalConfig:
         _check(self.dataset_name != "tfrecord" or self.dataset_dir is not None,
                "dataset tfrecord needs --dataset_dir: the directory holding the TFRecord "
                "files.")
+        for name in ("checkpoint_path", "dataset_dir", "eval_dir"):
+            _check_no_flag_in_path(name, getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +429,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
     """
     path = os.fspath(path)
     if tf.io.gfile.isdir(path):
-        latest = tf.train.latest_checkpoint(path)
+        latest = _checkpoints.latest_checkpoint(path)
         _check(latest is not None,
                f"{flag}={path} is a directory without a checkpoint: point it at a training "
                "directory that has saved one, or at a checkpoint file prefix (model.ckpt-N).")
@@ -583,7 +606,6 @@ def _build_training(config: TrainConfig, resume: bool) -> _Built:
         global_step = tf.compat.v1.train.get_or_create_global_step()
         learning_rate = _learning_rate(config, global_step, info.split_size)
         optimizer = _optimizer(config, learning_rate)
-        tf.compat.v1.summary.scalar("learning_rate", learning_rate)
         tf.compat.v1.summary.scalar("losses/total_loss", total_loss)
 
         variables_to_train = None
@@ -602,6 +624,11 @@ def _build_training(config: TrainConfig, resume: bool) -> _Built:
             total_loss, optimizer, variables_to_train=variables_to_train,
             clip_gradient_norm=config.clip_gradient_norm, check_numerics=config.check_numerics,
             config=config.guard_config())
+        lr_scale = _guard.get_guard(train_op).lr_scale
+        if lr_scale is not None:
+            # The rate in effect: the rollbacks' scale (restored with the model) included.
+            learning_rate = learning_rate * tf.cast(lr_scale, learning_rate.dtype)
+        tf.compat.v1.summary.scalar("learning_rate", learning_rate)
 
         scaffold = None
         if fine_tune_from is not None:
@@ -611,7 +638,15 @@ def _build_training(config: TrainConfig, resume: bool) -> _Built:
 
 def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Scaffold:
     """A scaffold whose init_fn loads the model variables from `path` (slim's _get_init_fn)."""
-    variables = [v for v in slim.get_model_variables()
+    model_variables = slim.get_model_variables()
+    unmatched = [s for s in config.checkpoint_exclude_scopes
+                 if not _in_scopes(model_variables, [s])]
+    if unmatched:
+        scopes = sorted({"/".join(v.op.name.split("/")[:2]) for v in model_variables})
+        raise LaunchError(
+            f"--checkpoint_exclude_scopes={','.join(unmatched)} matches no variable of model "
+            f"{config.model_name}; its scopes are {_names(scopes, 6)}.")
+    variables = [v for v in model_variables
                  if not any(v.op.name.startswith(s) for s in config.checkpoint_exclude_scopes)]
     _check(bool(variables),
            f"--checkpoint_exclude_scopes={','.join(config.checkpoint_exclude_scopes)} excludes "
@@ -668,8 +703,9 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
         anything is written).
       NanLossError: The policy is ``raise``, or the guard gave up.
       NonFiniteCheckpointError: The checkpoint to resume or fine-tune from holds NaN or Inf.
-      tf.errors.OpError: TensorFlow failed while training (for example a record whose image
-        does not decode).
+      tf.errors.OpError: TensorFlow failed while training. A tfrecord record that fails
+        (an image that does not decode) is raised as a `datasets.DatasetError` naming the file,
+        the record and the cause.
     """
     if not isinstance(config, TrainConfig):
         raise LaunchError(f"run_training takes a TrainConfig; got {type(config).__name__}.")
@@ -701,6 +737,15 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
     except BaseException as err:
         if created and not isinstance(err, _errors.NanLossError):
             _remove_if_unused(train_dir)
+        if isinstance(err, tf.errors.OpError) and config.dataset_name == "tfrecord":
+            # The input pipeline's error names neither the file nor the record: find them.
+            found = datasets.find_bad_record(
+                config.dataset_dir, config.dataset_split_name,
+                channels=_channels(config.model_name, config.dataset_name))
+            if found:
+                raise datasets.DatasetError(
+                    f"{found}: re-run the conversion that wrote it, or move the file out of "
+                    "--dataset_dir.") from err
         raise
 
 
@@ -708,7 +753,7 @@ def _remove_if_unused(train_dir: str) -> None:
     """Removes a train_dir this run created if it holds no checkpoint past step 0."""
     if not os.path.isdir(train_dir):
         return
-    latest = tf.train.latest_checkpoint(train_dir)
+    latest = _checkpoints.latest_checkpoint(train_dir)
     if latest is not None and not latest.endswith("-0"):
         return
     logging.info("Removing %s: the run failed before it saved any progress.", train_dir)
@@ -719,18 +764,30 @@ def _remove_if_unused(train_dir: str) -> None:
 # Evaluation
 
 
-def check_eval_dataset(config: EvalConfig) -> datasets.DatasetInfo:
+def check_eval_dataset(config: EvalConfig,
+                       split_flag: str = "--dataset_split_name") -> datasets.DatasetInfo:
     """Builds the evaluation input of `config` in a scratch graph, to fail early on bad input.
+
+    Args:
+      config: An `EvalConfig`.
+      split_flag: The flag that set ``config.dataset_split_name``, named in the error (the
+        training launcher's evaluation split is ``--eval_split_name``).
 
     Raises:
       datasets.DatasetError: The split cannot be read.
     """
-    with tf.Graph().as_default():
-        _, info = datasets.get_dataset(
-            config.dataset_name, config.dataset_split_name, batch_size=config.batch_size,
-            dataset_dir=config.dataset_dir, shuffle=False, repeat=False,
-            image_size=_image_size(config.model_name, config.eval_image_size),
-            channels=_channels(config.model_name, config.dataset_name))
+    try:
+        with tf.Graph().as_default():
+            _, info = datasets.get_dataset(
+                config.dataset_name, config.dataset_split_name, batch_size=config.batch_size,
+                dataset_dir=config.dataset_dir, shuffle=False, repeat=False,
+                image_size=_image_size(config.model_name, config.eval_image_size),
+                channels=_channels(config.model_name, config.dataset_name))
+    except datasets.DatasetError as err:
+        if split_flag == "--dataset_split_name":
+            raise
+        raise datasets.DatasetError(
+            str(err).replace("--dataset_split_name", split_flag)) from None
     return info
 
 
@@ -825,13 +882,15 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
         _loop.STOP_STEP_LIMIT: "reached the step limit",
         _loop.STOP_POLICY: f"stopped by {stopped_by}",
         _loop.STOP_INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
+        _loop.STOP_TERMINATED: "terminated (SIGTERM), stopped cleanly",
         _loop.STOP_END_OF_DATA: "the input ran out",
         _loop.STOP_REQUESTED: "a hook asked to stop",
     }
     lines = [
         f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "
         f"{result.global_step}{total}.",
-        f"  final loss    {result.final_loss:.4f}",
+        f"  final loss    {result.final_loss:.4f}" if result.steps else
+        "  final loss    - (no step in this run)",
         f"  steps         {result.steps} good steps in this run",
         f"  bad steps     {result.bad_steps} (skipped {result.skips}, rolled back "
         f"{result.rollbacks})",
@@ -844,9 +903,7 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
 
 
 def _first_line(err: BaseException) -> str:
-    text = getattr(err, "message", None) or str(err) or type(err).__name__
-    text = text.strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return _errors.op_error_cause(err)
 
 
 def error_message(err: BaseException) -> str:
@@ -867,8 +924,13 @@ def error_message(err: BaseException) -> str:
             advice = ("Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
                       "so that each rollback lowers it further.")
         else:
-            advice = ("The last good checkpoint is kept; to carry on past bad steps, use "
-                      "--nan_policy=skip or --nan_policy=rollback.")
+            advice = ("To carry on past bad steps, use --nan_policy=skip or "
+                      "--nan_policy=rollback.")
+        checkpoint = getattr(err, "checkpoint", None)
+        if checkpoint:
+            step = _checkpoints.checkpoint_step(checkpoint)
+            kept = f" (global step {step})" if step is not None else ""
+            advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
         return f"{err}\n{advice}"
     if isinstance(err, tf.errors.NotFoundError):
         return f"{_first_line(err)}\nCheck the file and directory flags."

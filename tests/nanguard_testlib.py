@@ -82,6 +82,18 @@ class Model:
         return feed
 
 
+def mark_judged(sess, train_op) -> None:
+    """Says that this hand-written loop judges each hook-mode step itself.
+
+    A hook-mode bad step that nothing judges (no NanLossHook) fails instead of being skipped
+    unseen; a test that runs the train op in a plain session and checks the result itself
+    calls this once per session. A no-op in check_numerics mode.
+    """
+    guard = slim_nanguard.get_guard(train_op)
+    if guard is not None:  # None: tf-slim's own train op, as a baseline
+        guard.mark_judged(sess)
+
+
 def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
     """`count` batches as arrays (x, y, loss offset, norm scale), with `faults` {index: kind}."""
     xs, ys, offsets, scales = [], [], [], []

@@ -375,3 +375,36 @@ def test_building_a_dataset_leaves_the_callers_graph_clean(tmp_path):
         op_types = {op.type for op in graph.get_operations()}
     # The checks ran on a scratch graph: no decode or placeholder ops leaked into this one.
     assert "Placeholder" not in op_types and "DecodeImage" not in op_types
+
+
+def test_a_tfrecord_broken_after_good_records_names_the_file_the_count_and_the_cause(tmp_path):
+    path = tmp_path / "cut_train.tfrecord"
+    datasets.write_tfrecord(str(path), _digit_like_images(100), [i % 10 for i in range(100)])
+    with open(path, "ab") as f:
+        f.write(b"garbage that is no record" * 3)
+    with pytest.raises(ValueError) as raised:
+        datasets.get_dataset("tfrecord", dataset_dir=str(tmp_path), batch_size=8)
+    message = str(raised.value)
+    assert f"{path} is not a readable TFRecord file after 100 records (" in message
+    assert "Graph execution error" not in message and "\n" not in message
+    assert "corrupted record" in message or "truncated record" in message  # TF's cause
+
+
+def test_find_bad_record_names_the_file_the_record_and_the_cause(tmp_path):
+    path = tmp_path / "late_train.tfrecord"
+    datasets.write_tfrecord(str(path), _digit_like_images(6), list(range(6)))
+    broken = tmp_path / "broken.tfrecord"
+    _write_examples(broken, [{
+        "image/encoded": _bytes(b"\x89PNG but not really"),
+        "image/format": _bytes(b"png"),
+        "image/class/label": _int64(0),
+    }])
+    with tf.io.TFRecordWriter(str(tmp_path / "joined_train.tfrecord")) as writer:
+        for record in list(_raw_records(path)) + list(_raw_records(broken)):
+            writer.write(record)
+    path.unlink()
+    broken.unlink()
+    found = datasets.find_bad_record(str(tmp_path), "train")
+    assert found.startswith(f"Record 6 of {tmp_path / 'joined_train.tfrecord'} (after 6 good "
+                            "records) does not decode (")
+    assert "Graph execution error" not in found

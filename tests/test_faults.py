@@ -220,8 +220,12 @@ def test_raise_policy_keeps_the_run_directory_with_a_finite_checkpoint(tmp_path)
                                     inject_faults="nan_loss:12"))
     assert "global step 12" in str(info.value)
     latest = tf.train.latest_checkpoint(str(train_dir))
-    assert latest.endswith("-10") and not slim_nanguard.non_finite_variables(latest)
-    assert "--nan_policy=skip" in launch.error_message(info.value)
+    # Before raising, the good state of the bad step is saved: no good step is lost.
+    assert latest.endswith("-12") and not slim_nanguard.non_finite_variables(latest)
+    assert info.value.checkpoint == latest
+    message = launch.error_message(info.value)
+    assert f"The last good state (global step 12) is saved as {latest}" in message
+    assert "--nan_policy=skip" in message
 
 
 def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):

@@ -8,8 +8,11 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -255,6 +258,28 @@ def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
     accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
     assert accuracy > 0.9
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+    # TensorBoard's learning_rate is the rate in effect: 100 at first, 0.2 after the rollback.
+    rates = _scalars(train_dir, "learning_rate")
+    assert rates[0][1] == pytest.approx(100.0)
+    assert rates[-1][0] >= 200 and all(r == pytest.approx(0.2) for s, r in rates if s >= 100)
+
+    # Resumed, the run carries the scale on and says so.
+    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}", "--max_number_of_steps=310",
+                "--eval_split_name=")
+    assert proc.returncode == 0, proc.stderr
+    assert "10 good steps in this run" in proc.stdout
+    assert "lr scale      0.002 (after rollbacks)" in proc.stdout
+    step, rate = _scalars(train_dir, "learning_rate")[-1]
+    assert step > 300 and rate == pytest.approx(0.2)
+
+
+def _scalars(train_dir, tag):
+    """(step, value) of a TensorBoard scalar over every event file of `train_dir`, by step."""
+    found = []
+    for path in sorted(train_dir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            found += [(event.step, v.simple_value) for v in event.summary.value if v.tag == tag]
+    return sorted(found)
 
 
 def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
@@ -313,4 +338,186 @@ def test_tfrecord_without_the_expected_keys(tmp_path):
     proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
                 f"--dataset_dir={data}", "--dataset_split_name=train")
     _assert_clean_failure(proc, "toy_train.tfrecord", datasets.ENCODED_KEY)
+    assert not train_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Help, start-up noise, and bad input as a user on a fresh machine meets them.
+
+
+def _raw_run(script, *args):
+    """A run with the user's environment: no TF_CPP_MIN_LOG_LEVEL, no filtering of stderr."""
+    env = {k: v for k, v in _env().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _as_command(module, *args):
+    """Runs a launcher as its console command does: its module imported, then ``run()``."""
+    code = (f"import sys; sys.argv = ['/usr/bin/slim-nanguard-{module}'] + {list(args)!r}; "
+            f"sys.path.insert(0, {str(REPO / 'scripts')!r}); "
+            f"from scripts import {module}; {module}.run()")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_help_lists_the_flags_of_both_launchers():
+    for proc, flags_shown in (
+            (_as_command("train", "--helpshort"), ["--train_dir", "--nan_policy",
+                                                   "--max_number_of_steps", "--eval_split_name"]),
+            (_raw_run(TRAIN, "--help"), ["--train_dir", "--checkpoint_exclude_scopes"]),
+            (_as_command("eval", "--help"), ["--checkpoint_path", "--dataset_split_name",
+                                             "--max_num_batches"])):
+        assert "Traceback" not in proc.stderr, proc.stderr  # absl's help exits with 1
+        for flag in flags_shown:
+            assert f"  {flag}:" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
+    (["--train_dir={tmp}/td --max_number_of_steps=50"],
+     ["--train_dir", "holds the flag '--max_number_of_steps=50'", "its own line"]),
+    (["--eval_split_name=validation"], ["--eval_split_name", "'validation'", "train, test"]),
+])
+def test_bad_input_prints_two_lines_at_most_and_no_tensorflow_noise(tmp_path, args, words):
+    train_dir = tmp_path / "run"
+    args = [a.format(tmp=tmp_path) for a in args]
+    proc = _raw_run(TRAIN, f"--train_dir={train_dir}", *args)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and 1 <= len(lines) <= 2, proc.stderr
+    for word in words:
+        assert word in proc.stderr
+    assert "--dataset_split_name" not in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# A training directory is relocatable; a finished run trains nothing more.
+
+
+def test_a_moved_or_copied_train_dir_is_resumed_and_evaluated_where_it_is(resumed, tmp_path):
+    source, _ = resumed  # at step 300
+    moved = tmp_path / "moved"
+    shutil.copytree(source, tmp_path / "first")
+    (tmp_path / "first").rename(moved)
+    assert "model.ckpt-300" in (moved / "checkpoint").read_text()
+    assert str(source) not in (moved / "checkpoint").read_text()  # relative paths
+    # The finished config run again: resumed from the moved directory, nothing trained.
+    proc = _run(TRAIN, f"--train_dir={moved}", "--max_number_of_steps=300",
+                "--eval_split_name=test")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {moved}/model.ckpt-300" in proc.stderr
+    assert "at global step 300/300" in proc.stdout and "0 good steps" in proc.stdout
+    assert f"checkpoint    {moved}/model.ckpt-300" in proc.stdout
+    assert "(global step 300)" in proc.stdout  # the evaluation of the moved checkpoint
+
+    # A copy whose 'checkpoint' file names the source by absolute path (older writers):
+    # it resumes and evaluates its own checkpoints, never the source's.
+    copy = tmp_path / "copy"
+    shutil.copytree(moved, copy)
+    (copy / "checkpoint").write_text(
+        f'model_checkpoint_path: "{moved}/model.ckpt-300"\n'
+        f'all_model_checkpoint_paths: "{moved}/model.ckpt-300"\n')
+    proc = _run(TRAIN, f"--train_dir={copy}", "--max_number_of_steps=310", "--eval_split_name=")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {copy}/model.ckpt-300" in proc.stderr
+    assert "10 good steps in this run" in proc.stdout
+    assert slim_nanguard.latest_good_checkpoint(str(moved)).endswith("moved/model.ckpt-300")
+    proc = _run(EVAL, f"--checkpoint_path={copy}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"checkpoint {copy}/model.ckpt-310 (global step 310)" in proc.stdout
+
+    # --max_number_of_steps=0 in a new directory: initialised and saved, not trained.
+    fresh = tmp_path / "fresh"
+    proc = _run(TRAIN, f"--train_dir={fresh}", "--max_number_of_steps=0", "--eval_split_name=")
+    assert proc.returncode == 0, proc.stderr
+    assert "at global step 0/0" in proc.stdout and "0 good steps" in proc.stdout
+    assert _checkpoints_step(fresh) == 0
+
+
+def _checkpoints_step(train_dir):
+    return int(_tensor(tf.train.latest_checkpoint(str(train_dir)), "global_step"))
+
+
+def test_checkpoint_exclude_scopes_with_a_typo_is_an_error(resumed, tmp_path):
+    source_dir, _ = resumed
+    train_dir = tmp_path / "finetune"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
+                "--checkpoint_exclude_scopes=MLP/logit,MLP/fc9", "--max_number_of_steps=5")
+    _assert_clean_failure(proc, "--checkpoint_exclude_scopes=MLP/fc9", "matches no variable",
+                          "MLP/logits")
+    assert not train_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The way out costs no work: raise keeps the good state, SIGTERM stops cleanly.
+
+
+def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", "--nan_policy=raise",
+                "--inject_fault=nan_loss:40", "--dataset_name=synthetic",
+                "--max_number_of_steps=100", "--eval_split_name=")  # checkpoints every 600 s
+    _assert_clean_failure(proc, "global step 40",
+                          f"The last good state (global step 40) is saved as {train_dir}/"
+                          "model.ckpt-40", "--nan_policy=skip")
+    latest = tf.train.latest_checkpoint(str(train_dir))
+    assert latest.endswith("model.ckpt-40")
+    _assert_finite(latest)
+    stop = _events(train_dir, "stop")[-1]
+    assert (stop["reason"], stop["checkpoint"]) == ("nan_error", latest)
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
+    train_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), f"--train_dir={train_dir}", "--dataset_name=synthetic",
+         "--max_number_of_steps=10000000", "--log_every_n_steps=0", "--eval_split_name="],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (train_dir / "model.ckpt-0.index").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1.5)  # some steps in
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    assert "Training terminated (SIGTERM), stopped cleanly at global step" in out
+    latest = tf.train.latest_checkpoint(str(train_dir))
+    _assert_finite(latest)
+    stop = _events(train_dir, "stop")[-1]
+    assert stop["reason"] == "terminated" and stop["step"] > 0
+    assert latest.endswith(f"model.ckpt-{stop['step']}")
+
+
+def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(
+        tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = tmp_path / "good.tfrecord"
+    rng = np.random.RandomState(0)
+    datasets.write_tfrecord(str(good), rng.randint(0, 255, [20, 8, 8], np.uint8),
+                            [i % 10 for i in range(20)])
+    broken = tf.train.Example(features=tf.train.Features(feature={
+        datasets.ENCODED_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(
+            value=[b"\x89PNG but not really"])),
+        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+    }))
+    path = data / "toy_train.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for record in tf.compat.v1.io.tf_record_iterator(str(good)):
+            writer.write(record)
+        writer.write(broken.SerializeToString())
+    train_dir = tmp_path / "run"
+    proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
+                f"--dataset_dir={data}", "--batch_size=7", "--max_number_of_steps=20",
+                "--eval_split_name=")
+    _assert_clean_failure(proc, f"Record 20 of {path} (after 20 good records) does not decode",
+                          "re-run the conversion")
+    assert "Graph execution error" not in proc.stderr
     assert not train_dir.exists()

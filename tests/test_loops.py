@@ -225,11 +225,16 @@ def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
 def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
     model = lib.build_model(check_numerics=False, nan_policy="skip",
                             persistent_nan_policy="rollback")
+    # nan_hook knows the train op's policy: it refuses at once, before any session.
+    with pytest.raises(ValueError, match=r"persistent_nan_policy='rollback'\) rolls back, so "
+                                         r"it needs nan_hook\(train_op, checkpoint_dir=\.\.\.\)"):
+        slim_nanguard.nan_hook(model.train_op)
+    # A hook built by hand refuses at session start.
     with model.graph.as_default():
         with pytest.raises(ValueError, match=r"persistent_nan_policy='rollback' needs "
                                              r"NanLossHook\(checkpoint_dir=\.\.\.\)"):
             with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[slim_nanguard.nan_hook(model.train_op)], log_step_count_steps=None):
+                    hooks=[slim_nanguard.NanLossHook(model.train_op)], log_step_count_steps=None):
                 pass
 
 

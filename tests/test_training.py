@@ -566,3 +566,21 @@ def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
     assert latest.endswith(f"model.ckpt-{step}")  # the closing save, not the timer's
     assert slim_nanguard.non_finite_variables(latest) == ()
     assert slim_nanguard.read_events(tmp_path)[-1]["reason"] == "interrupted"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_giving_up_first_saves_the_good_state_of_the_bad_step(tmp_path, mode):
+    """No checkpoint by time or by steps, yet raising costs no good step: the state the guard
+    kept at the bad step is saved before the error leaves `train`."""
+    model = lib.build_model(check_numerics=MODES[mode], nan_policy="raise",
+                            faults={BAD: "nan_loss"})
+    with pytest.raises(slim_nanguard.NanLossError) as raised:
+        slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
+                            save_checkpoint_secs=None, save_summaries_steps=None,
+                            log_every_n_steps=0)
+    assert raised.value.checkpoint == str(tmp_path / f"model.ckpt-{BAD}")
+    values = lib.checkpoint_values(raised.value.checkpoint)
+    assert int(values["global_step"]) == BAD
+    lib.assert_all_finite(values)
+    stop = slim_nanguard.read_events(tmp_path)[-1]
+    assert (stop["reason"], stop["checkpoint"]) == ("nan_error", raised.value.checkpoint)

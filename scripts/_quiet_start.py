@@ -1,0 +1,71 @@
+"""Start-up of the launchers: keeps TensorFlow's start-up noise off the terminal.
+
+Imported by ``train.py`` and ``eval.py`` before TensorFlow. Importing TensorFlow prints, on
+stderr and below any log-level setting, a banner (oneDNN, CUDA drivers, CPU instructions,
+"All log messages before absl::InitializeLog()"), twice, and the first session adds a
+``cuInit`` error on a machine without a GPU. A launcher's output is its own: progress, the
+summary, and for bad input one or two lines. So unless ``--verbosity`` (on the command line)
+asks for more, `quiet_imports` sends file descriptor 2 to /dev/null while TensorFlow loads,
+and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 3 (an explicit setting in the environment is kept).
+"""
+
+import contextlib
+import os
+import re
+import sys
+from typing import Iterator, Sequence
+
+_VERBOSITY = re.compile(r"^--?(?:verbosity|v)(?:=(.*))?$")
+
+
+def verbosity_asked(argv: Sequence[str]) -> bool:
+    """Whether the command line sets ``--verbosity`` (or ``-v``) to 1 or more."""
+    for index, arg in enumerate(argv[1:], 1):
+        match = _VERBOSITY.match(arg)
+        if match:
+            value = match.group(1)
+            if value is None:
+                value = argv[index + 1] if index + 1 < len(argv) else ""
+            try:
+                return int(value) >= 1
+            except ValueError:
+                return False
+    return False
+
+
+@contextlib.contextmanager
+def quiet_imports(argv: Sequence[str]) -> Iterator[None]:
+    """While active, and unless `argv` asks for verbosity, C-level stderr goes nowhere."""
+    if verbosity_asked(argv):
+        yield
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def show_flags_in_help(module_name: str, doc: str) -> None:
+    """Makes ``--help`` and ``--helpshort`` list the launcher's flags, however it is started.
+
+    absl lists the key flags of the module named ``sys.argv[0]``. Run by path
+    (``python scripts/train.py``) those are the script's flags; run as a console command
+    (``slim-nanguard-train``) the main module is the generated wrapper, which has none, and
+    no docstring either. This registers the launcher's flags for it, and its docstring.
+    """
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    main = sys.modules.get("__main__")
+    if main is not None and not getattr(main, "__doc__", None):
+        main.__doc__ = doc
+    if module_name == "__main__":
+        return
+    for flag in flags.FLAGS.flags_by_module_dict().get(module_name, ()):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
