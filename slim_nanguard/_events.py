@@ -42,6 +42,9 @@ class NanEvent:
       mode: ``"check_numerics"`` or ``"hook"``: which mode caught the step.
       action: What the policy decided: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``.
       time: Wall-clock time (seconds since the epoch) the step was seen.
+      autopsy: The replay of the step (an `Autopsy`: the first op that made a non-finite
+        value and the examples behind it), or None (autopsies off, or past
+        ``autopsy_max_steps``).
     """
 
     step: int
@@ -53,6 +56,7 @@ class NanEvent:
     mode: str
     action: str = ""
     time: float = dataclasses.field(default_factory=time.time)
+    autopsy: Optional[Any] = None
 
     @property
     def loss_is_nan(self) -> bool:
@@ -77,9 +81,12 @@ class NanEvent:
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
         d["culprits"] = list(self.culprits)
         d["loss"] = _json_float(self.loss)
+        d.pop("autopsy")
+        if self.autopsy is not None:
+            d["autopsy"] = self.autopsy.to_json()
         return d
 
 
@@ -95,3 +102,7 @@ def log_event(event: NanEvent, level: Optional[int] = None) -> None:
         level = logging.ERROR if event.action == "raise" else logging.WARNING
     logging.log(level, "slim_nanguard: bad step (%s mode), action %s: %s", event.mode,
                 event.action, event.describe())
+    if event.autopsy is not None:
+        dump = f" (dump: {event.autopsy.dump})" if event.autopsy.dump else ""
+        logging.log(level, "slim_nanguard: autopsy of global step %d: %s%s", event.step,
+                    event.autopsy.describe(), dump)

@@ -57,6 +57,8 @@ def handle_numerics_error(session, error: BaseException, *,
     guard = next((g for g in _guard.guards(graph) if g.owns_error(error)), None) if graph else None
     if guard is None:
         raise error
+    if checkpoint_dir and guard.autopsy_dir is None:
+        guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
     event = _raw_session_call(session, lambda raw: guard.handle_numerics_error(raw, error))
     if event.action == _policy.STOP:
         if hasattr(session, "_coordinated_creator"):
@@ -97,6 +99,9 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
     except tf.errors.InvalidArgumentError as error:
         if guard is None or not guard.owns_error(error):
             raise
+        dump_dir = checkpoint_dir or train_step_kwargs.get("logdir")
+        if dump_dir and guard.autopsy_dir is None:
+            guard.autopsy_dir = dump_dir  # Autopsy dumps go next to the checkpoints.
         event = guard.handle_numerics_error(sess, error)
         should_stop = event.action == _policy.STOP
         if event.action == _policy.ROLLBACK:

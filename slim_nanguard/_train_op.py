@@ -34,6 +34,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _capture
 from slim_nanguard import _guard
 from slim_nanguard import _policy
 
@@ -202,7 +203,12 @@ def create_train_op(total_loss: tf.Tensor,
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
                 store = diagnostics.assign(grad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                # The batch, kept on a bad step only (for the autopsy): the check waits on a
+                # merge of a good-step no-op and the bad step's stores.
+                capture = _capture.keep_batch(
+                    total_loss, tf.math.is_finite(tf.reduce_sum(grad_sums)),
+                    enabled=config.autopsy_max_steps > 0)
+                with tf.control_dependencies([store] + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums),
                         "slim_nanguard: loss or gradient is NaN or Inf; no variable was updated")
@@ -220,7 +226,10 @@ def create_train_op(total_loss: tf.Tensor,
                 # a good step costs the hook one boolean fetch.
                 bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
-                with tf.control_dependencies([store]):
+                # The batch too, for the autopsy, on the same bad branch.
+                capture = _capture.keep_batch(total_loss, ok,
+                                              enabled=config.autopsy_max_steps > 0)
+                with tf.control_dependencies([store] + list(capture.stores)):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -250,6 +259,7 @@ def create_train_op(total_loss: tf.Tensor,
             global_step=global_step, grad_sums=grad_sums, ok=ok, diagnostics=diagnostics,
             check_op_name=check_op_name, variable_names=[v.op.name for _, v in present],
             lr_scale=lr_scale)
+        guard.capture = capture  # The batch a bad step keeps, for the autopsy.
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
