@@ -344,7 +344,8 @@ class _Budget:
 def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
            timeout_secs: float = DEFAULT_TIMEOUT_SECS,
            max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-           clock: Callable[[], float] = time.monotonic, step: int = -1) -> Autopsy:
+           clock: Callable[[], float] = time.monotonic, step: int = -1,
+           batch_size: Optional[int] = None) -> Autopsy:
     """Replays a step and finds the first op whose output is not finite.
 
     Args:
@@ -356,6 +357,8 @@ def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
       max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
       clock: The clock the deadline is measured on.
       step: The global step, recorded in the result.
+      batch_size: The number of examples (default: the most common leading dimension of the
+        fed arrays; pass it when weights are fed too).
 
     Returns:
       The `Autopsy` (without a dump). Raises nothing but what `session.run` raises for the
@@ -364,7 +367,8 @@ def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
-    batch_size = _batch_size(feeds.values())
+    if batch_size is None:
+        batch_size = _batch_size(feeds.values())
     values = budget.run(session, targets, feeds)
     if all(is_finite_health(health(v)) for v in values):
         return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
@@ -485,8 +489,13 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int):
-    """Fetches the inputs and outputs of `op` and describes them."""
-    inputs = [t for t in op.inputs if _is_float(t)]
+    """Fetches the inputs and outputs of `op` and describes them.
+
+    A fed op (the batch) has no inputs in the replay: fetching what is behind it (the
+    iterator behind a ``placeholder_with_default``) would take a new batch.
+    """
+    is_fed = any(t in feeds for t in op.outputs)
+    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
     fetched = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
@@ -545,7 +554,11 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
         if op in seen or op in fed_ops:
             continue
         seen.add(op)
-        if op.type in _VARIABLE_READ_TYPES and op._control_flow_context is None:  # noqa
+        if op._control_flow_context is None and (  # pylint: disable=protected-access
+                op.type in _VARIABLE_READ_TYPES or (op.type == "Identity" and op.inputs
+                                                    and op.inputs[0].dtype._is_ref_dtype)):
+            # A resource variable's read, or a reference variable's "read" Identity (a
+            # reference tensor cannot be fed).
             reads += [t for t in op.outputs if _is_float(t)]
             continue
         stack.extend(t.op for t in op.inputs)
