@@ -302,3 +302,66 @@ def test_a_replay_past_its_deadline_stops_and_says_where():
                                  clock=lambda: next(ticks))
     assert result.reproduced is True and result.first_bad_op is None
     assert result.error.startswith("gave up after")
+# ---------------------------------------------------------------------- the console command
+def _run_cli(*args):
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "autopsy.py"), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_console_command_prints_and_replays_a_recorded_bad_step(tmp_path):
+    _train(tmp_path, _Model("check_numerics", fault="log_of_zero"))
+    shown = _run_cli(str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    assert "global step 2" in shown.stdout
+    assert "first non-finite value: model/log_norm (Log)" in shown.stdout
+    assert "example 3 of the batch" in shown.stdout
+    replayed = _run_cli(str(tmp_path), "--step=2", "--replay")
+    assert replayed.returncode == 0, replayed.stderr
+    assert "replay: first non-finite value: model/log_norm (Log)" in replayed.stdout
+    missing = _run_cli(str(tmp_path), "--step=7")
+    assert missing.returncode == 1
+    assert "no bad step 7" in missing.stderr
+
+
+def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
+    """x = placeholder_with_default(iterator): the replay feeds x and leaves the iterator be."""
+    graph = tf.Graph()
+    with graph.as_default():
+        data = tf.data.Dataset.from_tensor_slices(_batches("nan_input"))
+        batch = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+        x = tf.compat.v1.placeholder_with_default(batch, [None, FEATURES], name="x")
+        w = tf.compat.v1.get_variable("w", [FEATURES])
+        loss = tf.reduce_sum(x * w)
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=False,
+            nan_policy="skip")
+        guard = slim_nanguard.get_guard(train_op)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(BAD_BATCH + 1):
+                sess.run(train_op)
+            result = guard.autopsy(sess, step=BAD_BATCH)
+            after = sess.run(x)  # the batch after the bad one: none was taken meanwhile
+    assert (result.first_bad_op["name"], result.first_bad_op["inputs"]) == ("x", [])
+    np.testing.assert_array_equal(after, _batches("nan_input")[BAD_BATCH + 1])
+
+
+def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
+    pytest.importorskip("matplotlib")
+    from slim_nanguard import autopsy
+    slim_nanguard.train(_Model("hook", fault="log_of_zero").train_op, str(tmp_path),
+                        number_of_steps=5, save_checkpoint_steps=1, save_summaries_steps=1,
+                        log_every_n_steps=1)
+    tag, points = autopsy.read_scalars(str(tmp_path))
+    assert tag == "nanguard/loss" and [step for step, _ in points] == [1, 2, 3, 4, 5]
+    out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+    assert pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
+    from slim_nanguard import autopsy
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'slim_nanguard\[plot\]'"):
+        autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
