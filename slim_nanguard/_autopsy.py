@@ -49,6 +49,7 @@ _INPUT_TYPES = frozenset({
 # Ops whose output a fed input cannot stand in for: replaying past them would need them to run.
 _UNREPLAYABLE_TYPES = _INPUT_TYPES | {"ReaderReadV2", "ReaderReadUpToV2"}
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
+_SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.
 _ZERO_INPUTS = {"Log": (0,), "Reciprocal": (0,), "Inv": (0,), "Rsqrt": (0,), "Xdivy": (1,),
                 "RealDiv": (1,), "Div": (1,), "FloorDiv": (1,), "TruncateDiv": (1,),
@@ -243,6 +244,8 @@ def explain(first_bad_op: Optional[Mapping[str, Any]], bad_examples: Sequence[in
         else:
             noun = "example" if len(bad_examples) == 1 else "examples"
             text += f"; {noun} {shown}{more} of the batch"
+        if first_bad_op.get("examples_at"):
+            text += f" (from {first_bad_op['examples_at']} on)"
     if error:
         text += f" ({error})"
     return text
@@ -268,10 +271,12 @@ def _cause(op: Mapping[str, Any]) -> str:
         low = h.get("finite_min")
         if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
             return f"input {_short(h['name'])} holds {low:.6g}"
-    largest = max(inputs, key=lambda h: max(abs(h.get("finite_min") or 0),
-                                            abs(h.get("finite_max") or 0)))
-    magnitude = max(abs(largest.get("finite_min") or 0), abs(largest.get("finite_max") or 0))
-    return f"inputs finite, largest magnitude {magnitude:.3g} in {_short(largest['name'])}"
+    def extreme(h):  # The finite value of largest magnitude, with its sign.
+        low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
+        return low if abs(low) > abs(high) else high
+
+    largest = max(inputs, key=lambda h: abs(extreme(h)))
+    return f"input {_short(largest['name'])} reaches {extreme(largest):.3g}"
 
 
 def _short(tensor_name: str) -> str:
@@ -408,7 +413,10 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
     """The ops the targets depend on, through data edges, in topological order.
 
     The walk stops at fed ops. An op inside a control-flow context cannot be fetched from
-    outside: it is passed through but not checked.
+    outside: it is passed through but not checked. Neither is an op whose value depends on
+    neither the batch nor the weights nor a stateful op (a constant, say): a NaN or -Inf
+    constant is there on every step on purpose (a mask, a fault injector's value), and the
+    first bad op is then the one that lets it into the step's values.
 
     Raises:
       AutopsyError: The targets depend on an input op or a placeholder that is not fed.
@@ -431,7 +439,20 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
                 _is_float(t) for t in op.outputs):
             found.append(op)
     order = {op: i for i, op in enumerate(targets[0].graph.get_operations())}
-    return sorted(found, key=order.get)
+    varies = {}  # op -> whether its value can change from step to step
+    for op in sorted(seen, key=order.get):
+        # A shape carries no values: fill(shape(x), nan) is a constant NaN whatever x holds.
+        varies[op] = (op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
+                      or any(varies.get(t.op, False) for t in op.inputs
+                             if t.op.type not in _SHAPE_TYPES))
+    return sorted((op for op in found if varies[op]), key=order.get)
+
+
+def _is_stateful(op) -> bool:
+    try:
+        return bool(op.op_def.is_stateful)
+    except Exception:  # pylint: disable=broad-except  (an op without an OpDef)
+        return False
 
 
 def _estimate_bytes(op, batch_size: int) -> int:
@@ -480,19 +501,32 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
                      f"of {len(chunks)})")
         fetches = [t for op in chunk for t in op.outputs if _is_float(t)]
         values = dict(zip(fetches, budget.run(session, fetches, feeds)))
-        for op in chunk:
+        for index, op in enumerate(chunk):
             budget.ops_checked += 1
             if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
+                downstream = _first_bad_rows(chunk[index + 1:], values, batch_size)
                 del values
-                return _describe(session, op, feeds, budget, batch_size)
+                return _describe(session, op, feeds, budget, batch_size, downstream)
     return None
 
 
-def _describe(session, op, feeds, budget: _Budget, batch_size: int):
+def _first_bad_rows(ops, values, batch_size: int):
+    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
+    for op in ops:
+        rows = sorted({i for t in op.outputs if t in values
+                       for i in bad_rows(values[t], batch_size)})
+        if rows:
+            return op.name, rows
+    return None
+
+
+def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
     """Fetches the inputs and outputs of `op` and describes them.
 
     A fed op (the batch) has no inputs in the replay: fetching what is behind it (the
-    iterator behind a ``placeholder_with_default``) would take a new batch.
+    iterator behind a ``placeholder_with_default``) would take a new batch. When the output
+    of `op` is not batch-major (a scalar, a weight), the examples are those `downstream`
+    found: ``(op name, rows)`` at the first later op with non-finite rows of the batch.
     """
     is_fed = any(t in feeds for t in op.outputs)
     inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
@@ -507,6 +541,8 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int):
         "output": [{"name": t.name, **health(value(t))} for t in outputs],
     }
     examples = sorted({i for t in outputs for i in bad_rows(value(t), batch_size)})
+    if not examples and downstream is not None:
+        described["examples_at"], examples = downstream
     return op, described, examples
 
 

@@ -365,3 +365,24 @@ def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'slim_nanguard\[plot\]'"):
         autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+
+
+def test_a_nan_constant_is_not_the_culprit_the_op_that_lets_it_in_is():
+    """A NaN constant is there on every step (a mask, a fault injector): blame its use."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")
+        w = tf.compat.v1.get_variable("w", [FEATURES])
+        nan = tf.constant(np.nan, tf.float32, name="nan")
+        picked = tf.where(x > 100.0, tf.fill(tf.shape(x), nan), x, name="picked")
+        loss = tf.reduce_sum(picked * w)
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=False)
+        data = np.ones((BATCH, FEATURES), np.float32)
+        data[5, 0] = 1000.0
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            result = _autopsy.replay(sess, {x: data}, [slim_nanguard.get_guard(train_op).grad_sums])
+    assert result.first_bad_op["name"] == "picked"
+    assert result.bad_examples == (5,)
+    assert "input Fill holds 24 NaN" in result.describe()
