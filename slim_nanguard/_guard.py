@@ -136,6 +136,8 @@ class Guard:
 
     def _notify(self, kind: str, event: _events.NanEvent, **extra: Any) -> None:
         record = {"kind": kind, **event.to_json(), **extra}
+        if kind != "bad_step":
+            record.pop("autopsy", None)  # Once, in the bad step's own record.
         for listener in list(self._listeners):
             listener(record)
 

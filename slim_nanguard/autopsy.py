@@ -14,6 +14,7 @@ only parses flags and calls these):
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -79,8 +80,12 @@ def format_report(record: Mapping[str, Any]) -> str:
         for h in op.get("output") or []:
             lines.append(f"  output      {describe_health(h)}")
     if result.bad_examples:
-        lines.append(f"  examples    {', '.join(map(str, result.bad_examples))} "
-                     f"(of {result.batch_size} in the batch)")
+        examples = list(result.bad_examples)
+        shown = (f"all {len(examples)}" if len(examples) == result.batch_size else
+                 ", ".join(map(str, examples[:20])) + (f" and {len(examples) - 20} more"
+                                                      if len(examples) > 20 else ""))
+        at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
+        lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
     if result.dump:
         lines.append(f"  dump        {result.dump}")
     cost = result.cost or {}
@@ -171,10 +176,13 @@ LOSS_TAGS = ("nanguard/loss", "total_loss", "losses/total_loss", "loss")
 
 def read_scalars(train_dir: str, tags: Sequence[str] = LOSS_TAGS) -> Tuple[str, List[Tuple[
         int, float]]]:
-    """The first of `tags` found in the TensorBoard event files of `train_dir`.
+    """The loss series of the TensorBoard event files of `train_dir`.
+
+    Of `tags`, the one with the most points (the first in `tags` on a tie).
 
     Returns:
-      ``(tag, [(step, value), ...])`` sorted by step (the last value of a repeated step).
+      ``(tag, [(step, value), ...])`` in the order they were written: after a rollback the
+      steps start again from the checkpoint's.
 
     Raises:
       ValueError: No event file, or none of the tags in it.
@@ -184,18 +192,43 @@ def read_scalars(train_dir: str, tags: Sequence[str] = LOSS_TAGS) -> Tuple[str, 
     if not files:
         raise ValueError(f"{train_dir} has no TensorBoard event files (events.out.tfevents.*) "
                          "to plot the loss from.")
-    series: Dict[str, Dict[int, float]] = {}
+    series: Dict[str, List[Tuple[float, int, float]]] = {}
     for path in files:
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.tag in tags and value.HasField("simple_value"):
-                    series.setdefault(value.tag, {})[int(event.step)] = value.simple_value
-    for tag in tags:
-        if series.get(tag):
-            return tag, sorted(series[tag].items())
+                    series.setdefault(value.tag, []).append(
+                        (event.wall_time, int(event.step), value.simple_value))
+    found = [tag for tag in tags if series.get(tag)]
+    if found:
+        tag = max(found, key=lambda t: (len(series[t]), -found.index(t)))
+        return tag, [(step, value) for _, step, value in sorted(series[tag])]
     raise ValueError(f"the event files of {train_dir} hold none of the scalars "
                      f"{', '.join(tags)}; train with summaries on (save_summaries_steps) to "
                      "plot the loss.")
+
+
+def split_at_rollbacks(points: Sequence[Tuple[int, float]]) -> List[Tuple[List, List]]:
+    """Splits a series written in order into ``(kept, dropped)`` runs.
+
+    A step that does not exceed the one before starts a new run (a rollback went back). In
+    each run, the points from that restart's step on were undone: ``dropped``. The point
+    before them is in both, so that the lines join.
+    """
+    runs: List[List[Tuple[int, float]]] = []
+    for point in points:
+        if not runs or point[0] <= runs[-1][-1][0]:
+            runs.append([])
+        runs[-1].append(point)
+    pieces = []
+    for number, run in enumerate(runs):
+        restart = runs[number + 1][0][0] if number + 1 < len(runs) else math.inf
+        kept = [p for p in run if p[0] < restart]
+        dropped = [p for p in run if p[0] >= restart]
+        if kept and dropped:
+            dropped = [kept[-1]] + dropped
+        pieces.append((kept, dropped))
+    return pieces
 
 
 def plot_run(train_dir: str, out_path: str) -> str:
@@ -221,33 +254,59 @@ def plot_run(train_dir: str, out_path: str) -> str:
                           "pip install 'slim_nanguard[plot]' (or pip install matplotlib).") from err
     tag, points = read_scalars(train_dir)
     records = _record.read_events(train_dir)
-    figure, axes = plt.subplots(figsize=(9, 4.5))
-    axes.plot([s for s, _ in points], [v for _, v in points], color="tab:blue", lw=1.2,
-              label=tag)
-    finite = [v for _, v in points]
-    top = max(finite) if finite else 1.0
-    marks = {"skip": ("x", "tab:orange", "bad step, skipped"),
-             "rollback": ("v", "tab:red", "bad step, rolled back"),
-             "stop": ("s", "tab:purple", "bad step, stopped"),
-             "raise": ("X", "black", "bad step, gave up")}
-    shown = set()
-    for r in records:
-        if r.get("kind") == "bad_step":
-            marker, color, label = marks.get(r.get("action"), marks["skip"])
-            axes.scatter([r.get("step", 0)], [top], marker=marker, color=color, zorder=3,
-                         label=None if label in shown else label)
-            shown.add(label)
-        elif r.get("kind") == "rollback":
-            label = "rollback"
-            axes.axvline(r.get("step", 0), color="tab:red", ls="--", lw=0.8,
-                         label=None if label in shown else label)
-            shown.add(label)
-    axes.set_xlabel("global step")
-    axes.set_ylabel(tag)
-    axes.set_title(f"{os.path.basename(os.path.abspath(train_dir))}: loss and the guard's "
-                   "events")
-    axes.legend(loc="best", fontsize="small")
+    bad = [r.get("step", 0) for r in records if r.get("kind") == "bad_step"]
+    if bad:  # The whole run, and a close look at the first bad step.
+        figure, (whole, close) = plt.subplots(1, 2, figsize=(12, 4.5),
+                                              gridspec_kw={"width_ratios": [2, 1]})
+        panels = [whole, close]
+    else:
+        figure, whole = plt.subplots(figsize=(9, 4.5))
+        panels = [whole]
+    for axes in panels:
+        _draw(axes, tag, points, records)
+    whole.set_title(f"{os.path.basename(os.path.abspath(train_dir))}: the loss and the "
+                    "guard's events")
+    whole.legend(loc="best", fontsize="small")
+    if bad:
+        close.set_xlim(max(bad[0] - 20, min(s for s, _ in points) - 1), bad[0] + 40)
+        close.set_title(f"around the first bad step (global step {bad[0]})")
     figure.tight_layout()
     figure.savefig(out_path, dpi=100)
     plt.close(figure)
     return out_path
+
+
+def _draw(axes, tag: str, points, records) -> None:
+    """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
+    labels = set()
+
+    def once(label):
+        if label in labels:
+            return None
+        labels.add(label)
+        return label
+
+    for kept, dropped in split_at_rollbacks(points):
+        if dropped:
+            axes.plot([s for s, _ in dropped], [v for _, v in dropped], color="0.6", lw=1.2,
+                      ls="--", label=once("dropped by a rollback"))
+        axes.plot([s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2,
+                  label=once(tag))
+    finite = [v for _, v in points if math.isfinite(v)]
+    top = max(finite) if finite else 1.0
+    if finite and min(finite) > 0 and top / min(finite) > 1e3:
+        axes.set_yscale("log")  # a divergence spans orders of magnitude
+    marks = {"skip": ("x", "tab:orange", "bad step, skipped"),
+             "rollback": ("v", "tab:red", "bad step, rolled back"),
+             "stop": ("s", "tab:purple", "bad step, stopped"),
+             "raise": ("X", "black", "bad step, gave up")}
+    for r in records:
+        if r.get("kind") == "bad_step":
+            marker, color, label = marks.get(r.get("action"), marks["skip"])
+            axes.scatter([r.get("step", 0)], [top], marker=marker, color=color, zorder=3,
+                         label=once(label))
+        elif r.get("kind") == "rollback":
+            axes.axvline(r.get("step", 0), color="tab:red", ls="--", lw=0.8,
+                         label=once("rollback"))
+    axes.set_xlabel("global step")
+    axes.set_ylabel(tag)

@@ -7,7 +7,6 @@ tests go through `slim_nanguard.train`, through the hook in a hand-written
 `MonitoredTrainingSession`, and through `handle_numerics_error`, in both modes.
 """
 
-import json
 import os
 import pathlib
 import subprocess
@@ -346,6 +345,15 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
             after = sess.run(x)  # the batch after the bad one: none was taken meanwhile
     assert (result.first_bad_op["name"], result.first_bad_op["inputs"]) == ("x", [])
     np.testing.assert_array_equal(after, _batches("nan_input")[BAD_BATCH + 1])
+
+
+def test_a_rollback_splits_the_loss_into_what_was_kept_and_what_was_dropped():
+    from slim_nanguard import autopsy
+    # Steps 1-4 diverge, step 5 is bad, the rollback goes back to 0 and steps 1-3 follow.
+    written = [(1, 2.0), (2, 50.0), (3, 1e9), (4, 1e30), (1, 2.0), (2, 1.5), (3, 1.2)]
+    (kept, dropped), (after, none) = autopsy.split_at_rollbacks(written)
+    assert kept == [] and dropped == written[:4]
+    assert after == written[4:] and none == []
 
 
 def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
