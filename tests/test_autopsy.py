@@ -219,6 +219,30 @@ def test_the_hook_in_a_monitored_session_carries_the_autopsy_of_a_fed_batch(tmp_
     assert os.path.exists(record["autopsy"]["dump"])
 
 
+@pytest.mark.parametrize("loop", ["learning.train", "training.train"])
+def test_tf_slims_own_loops_get_the_same_autopsy(tmp_path, loop):
+    import tf_slim as slim
+    model = _Model("check_numerics" if loop == "learning.train" else "hook", fault="log_of_zero")
+    records = []
+    model.guard.add_listener(records.append)
+    with model.graph.as_default():
+        if loop == "learning.train":
+            slim.learning.train(model.train_op, str(tmp_path),
+                                train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
+                                number_of_steps=4,
+                                save_summaries_secs=None, save_interval_secs=None)
+        else:
+            slim.training.train(
+                model.train_op, str(tmp_path),
+                hooks=[slim_nanguard.nan_hook(model.train_op, checkpoint_dir=str(tmp_path)),
+                       tf.compat.v1.train.StopAtStepHook(last_step=4)],
+                save_checkpoint_secs=None, save_summaries_steps=None)
+    record, = [r for r in records if r["kind"] == "bad_step"]
+    assert record["autopsy"]["first_bad_op"]["name"] == "model/log_norm"
+    assert record["autopsy"]["bad_examples"] == [3]
+    assert record["autopsy"]["dump"].startswith(str(tmp_path))
+
+
 def test_nan_loss_error_carries_the_autopsy_in_a_check_numerics_loop():
     model = _Model("check_numerics", fault="log_of_zero", fed=True, nan_policy="raise")
     with model.graph.as_default():
