@@ -5,6 +5,7 @@ step whose loss or any gradient is NaN or Inf then changes no variable, and the 
 chose (raise, stop, skip, rollback) decides what happens next.
 """
 
+from slim_nanguard._autopsy import Autopsy
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EVENTS_FILENAME",
+    "Autopsy",
     "CheckpointNotFoundError",
     "EventRecorder",
     "FiniteSaver",

@@ -301,8 +301,7 @@ def _is_library(filename: str) -> bool:
 
 
 def _item(x) -> Any:
-    value = x.item()
-    return value
+    return x.item()  # A NumPy scalar as a Python number.
 
 
 def _json_safe(value: Any) -> Any:

@@ -106,7 +106,7 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
 
 
 def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool = True,
-               tensors: Optional[Sequence[tf.Tensor]] = None) -> Capture:
+               tensors: Optional[Sequence[tf.Tensor]] = None, merge: bool = True) -> Capture:
     """Builds the stores that keep the batch of `loss` on a bad step only.
 
     Args:
@@ -114,6 +114,8 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool = True,
       ok: The scalar boolean finiteness test: True on a good step.
       enabled: False builds nothing (an empty `Capture`): autopsies are off.
       tensors: The batch tensors, when not those `batch_tensors` finds.
+      merge: Whether to build ``done`` (check_numerics mode waits on it; hook mode puts the
+        stores on its own bad branch and needs none).
 
     Returns:
       The `Capture`. Its ``stores`` run on bad steps only; ``done`` is live on every step.
@@ -135,6 +137,8 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool = True,
             bad_value, _ = control_flow_ops.switch(tensor, ok)
             stores.append(variable.assign(bad_value, read_value=False))
             variables.append(variable)
+        if not merge:
+            return Capture(tuple(tensors), tuple(variables), tuple(stores))
         # switch returns (output_false, output_true): the bad step's side comes first.
         on_bad, on_good = control_flow_ops.switch(ok, ok)
         good_done = tf.identity(on_good, name="good_step")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from absl import logging
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._autopsy import Autopsy
 
 # How the loss of a bad step looked.
 LOSS_NAN = "nan"
@@ -56,7 +59,7 @@ class NanEvent:
     mode: str
     action: str = ""
     time: float = dataclasses.field(default_factory=time.time)
-    autopsy: Optional[Any] = None
+    autopsy: Optional["Autopsy"] = None
 
     @property
     def loss_is_nan(self) -> bool:

@@ -227,7 +227,7 @@ def create_train_op(total_loss: tf.Tensor,
                 bad_sums, _ = control_flow_ops.switch(grad_sums, ok)
                 store = diagnostics.assign(bad_sums, read_value=False)
                 # The batch too, for the autopsy, on the same bad branch.
-                capture = _capture.keep_batch(total_loss, ok,
+                capture = _capture.keep_batch(total_loss, ok, merge=False,
                                               enabled=config.autopsy_max_steps > 0)
                 with tf.control_dependencies([store] + list(capture.stores)):
                     bad_done = tf.identity(untaken)

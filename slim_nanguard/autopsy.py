@@ -144,14 +144,21 @@ def replay_dump(dump_path: str, train_dir: str, *,
     graph = tf.Graph()
     with graph.as_default():
         saver = tf.compat.v1.train.import_meta_graph(meta, clear_devices=True)
+    step = int(report.get("step", -1))
     with tf.compat.v1.Session(graph=graph) as sess:
-        if checkpoint and saver is not None:
-            saver.restore(sess, checkpoint)
-        feeds = {graph.get_tensor_by_name(name): value for name, value in batch.items()}
-        feeds.update({graph.get_tensor_by_name(name): value for name, value in weights.items()})
-        result = _autopsy.replay(sess, feeds, report["targets"], timeout_secs=timeout_secs,
-                                 step=int(report.get("step", -1)),
-                                 batch_size=int(report.get("batch_size") or 0) or None)
+        try:
+            if checkpoint and saver is not None:
+                saver.restore(sess, checkpoint)
+            feeds = {graph.get_tensor_by_name(name): value for name, value in batch.items()}
+            feeds.update({graph.get_tensor_by_name(name): value
+                          for name, value in weights.items()})
+            result = _autopsy.replay(sess, feeds, report["targets"],
+                                     timeout_secs=timeout_secs, step=step,
+                                     batch_size=int(report.get("batch_size") or 0) or None)
+        except (KeyError, ValueError, tf.errors.OpError) as err:
+            # A graph that is not the run's, a tensor that cannot be fed.
+            return _autopsy.Autopsy(step=step, error=f"{type(err).__name__}: "
+                                    f"{str(getattr(err, 'message', '') or err).splitlines()[0]}")
     op = result.first_bad_op
     recorded = report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
