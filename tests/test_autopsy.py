@@ -243,6 +243,33 @@ def test_tf_slims_own_loops_get_the_same_autopsy(tmp_path, loop):
     assert record["autopsy"]["dump"].startswith(str(tmp_path))
 
 
+def test_a_nan_in_a_queued_batch_makes_the_dequeue_the_first_bad_op():
+    graph = tf.Graph()
+    data = _batches("nan_input")
+    with graph.as_default():
+        queue = tf.compat.v1.FIFOQueue(len(data), [tf.float32], shapes=[[BATCH, FEATURES]])
+        enqueue = queue.enqueue_many([data])
+        x = queue.dequeue(name="dequeue")
+        w = tf.compat.v1.get_variable("w", [FEATURES])
+        train_op = slim_nanguard.create_train_op(
+            tf.reduce_sum(x * w), tf.compat.v1.train.GradientDescentOptimizer(0.1),
+            nan_policy="skip")
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(), enqueue])
+            events = []
+            for _ in range(BAD_BATCH + 2):
+                try:
+                    sess.run(train_op)
+                except tf.errors.InvalidArgumentError as err:
+                    events.append(slim_nanguard.handle_numerics_error(sess, err))
+            left = sess.run(queue.size())
+    event, = events
+    assert (event.autopsy.first_bad_op["name"], event.autopsy.first_bad_op["type"]) == (
+        "dequeue", "QueueDequeueV2")
+    assert event.autopsy.bad_examples == (3,)
+    assert left == len(data) - (BAD_BATCH + 2)  # the autopsy dequeued nothing
+
+
 def test_nan_loss_error_carries_the_autopsy_in_a_check_numerics_loop():
     model = _Model("check_numerics", fault="log_of_zero", fed=True, nan_policy="raise")
     with model.graph.as_default():
