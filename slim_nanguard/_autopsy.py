@@ -365,18 +365,22 @@ def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
         fed arrays; pass it when weights are fed too).
 
     Returns:
-      The `Autopsy` (without a dump). Raises nothing but what `session.run` raises for the
-      reproduction check itself; `run_autopsy` catches every error.
+      The `Autopsy` (without a dump); when the targets read an input op that is not fed, one
+      with ``error`` set and nothing run. Raises nothing but what `session.run` raises for
+      the reproduction check itself; `run_autopsy` catches every error.
     """
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
     if batch_size is None:
         batch_size = _batch_size(feeds.values())
+    try:  # Before any run: a run that reaches an unkept input op would take a new batch.
+        ops = _ops_to_check(targets, feeds)
+    except AutopsyError as err:
+        return Autopsy(batch_size=batch_size, cost=budget.cost(), error=str(err), step=step)
     values = budget.run(session, targets, feeds)
     if all(is_finite_health(health(v)) for v in values):
         return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
-    ops = _ops_to_check(targets, feeds)
     error = None
     try:
         found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)

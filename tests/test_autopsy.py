@@ -332,6 +332,17 @@ def _replay_session(model):
     return sess, {model.x: model.data[BAD_BATCH]}
 
 
+def test_a_replay_without_the_batch_runs_nothing_and_says_what_is_missing():
+    model = _Model("hook", fault="log_of_zero")  # the batch comes from an iterator
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        result = _autopsy.replay(sess, {}, [model.guard.grad_sums])
+        first = sess.run(model.x)  # the iterator was not touched by the replay
+    assert result.reproduced is None and result.cost["runs"] == 0
+    assert "IteratorGetNext (IteratorGetNext), which was not kept" in result.error
+    np.testing.assert_array_equal(first, model.data[0])
+
+
 def test_the_replay_fetches_in_chunks_and_finds_the_same_op():
     model = _Model("hook", fault="log_of_zero", fed=True)
     sess, feeds = _replay_session(model)
