@@ -89,9 +89,9 @@ class GuardConfig:
         bad batch itself.
       rollback_lr_factor: Multiplies the learning rate at each rollback; 1.0 keeps it.
       max_rollbacks: Give up (raise) at the rollback after this many.
-      autopsy_max_steps: How many bad steps of a run get an autopsy (the step replayed from
-        the batch it kept, to find the first op that made a non-finite value); 0 turns
-        autopsies off, and then the train op keeps no batch either.
+      autopsy_max_steps: How many bad steps get an autopsy (the step replayed from the batch
+        it kept, to find the first op that made a non-finite value): the first ones the guard
+        sees in this process. 0 turns autopsies off, and then the train op keeps no batch.
       autopsy_timeout_secs: The longest one autopsy may take.
     """
 
