@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
@@ -105,13 +105,15 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
         graph._set_control_flow_context(context)  # pylint: disable=protected-access
 
 
-def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool = True,
+def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *,
+               enabled: bool = True,
                tensors: Optional[Sequence[tf.Tensor]] = None, merge: bool = True) -> Capture:
     """Builds the stores that keep the batch of `loss` on a bad step only.
 
     Args:
       loss: The loss tensor; its batch is found with `batch_tensors`.
-      ok: The scalar boolean finiteness test: True on a good step.
+      ok: The scalar boolean finiteness test (True on a good step), or a function that
+        builds it: called only when there is a batch to keep.
       enabled: False builds nothing (an empty `Capture`): autopsies are off.
       tensors: The batch tensors, when not those `batch_tensors` finds.
       merge: Whether to build ``done`` (check_numerics mode waits on it; hook mode puts the
@@ -125,6 +127,8 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool = True,
     tensors = list(batch_tensors(loss) if tensors is None else tensors)
     if not tensors:
         return Capture()
+    if callable(ok):
+        ok = ok()
     graph = loss.graph
     variables, stores = [], []
     with tf.name_scope("keep_batch"):

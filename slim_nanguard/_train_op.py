@@ -206,7 +206,7 @@ def create_train_op(total_loss: tf.Tensor,
                 # The batch, kept on a bad step only (for the autopsy): the check waits on a
                 # merge of a good-step no-op and the bad step's stores.
                 capture = _capture.keep_batch(
-                    total_loss, tf.math.is_finite(tf.reduce_sum(grad_sums)),
+                    total_loss, lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
                     enabled=config.autopsy_max_steps > 0)
                 with tf.control_dependencies([store] + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
