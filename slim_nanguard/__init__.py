@@ -6,6 +6,7 @@ chose (raise, stop, skip, rollback) decides what happens next.
 """
 
 from slim_nanguard import compat
+from slim_nanguard._autopsy import Autopsy
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
@@ -45,6 +46,7 @@ compat.install()
 
 __all__ = [
     "EVENTS_FILENAME",
+    "Autopsy",
     "CheckpointNotFoundError",
     "EventRecorder",
     "FiniteSaver",

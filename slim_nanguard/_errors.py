@@ -48,6 +48,8 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
             parts.append(self.event.describe())
         if self.reason:
             parts.append(self.reason)
+        if self.event is not None and getattr(self.event, "autopsy", None) is not None:
+            parts.append(self.event.autopsy.describe())
         return ": ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if len(parts) > 1 else ".")
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from tensorflow.compat.v1 import logging as tf_logging
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._autopsy import Autopsy
 
 # How the loss of a bad step looked.
 LOSS_NAN = "nan"
@@ -50,6 +53,9 @@ class NanEvent:
         ``total``).
       time: Wall-clock time (seconds since the epoch) the step was seen.
       loss_scale: With a dynamic loss-scale optimizer, the loss scale the step used; else None.
+      autopsy: The replay of the step (an `Autopsy`: the first op that made a non-finite
+        value and the examples behind it), or None (autopsies off, or past
+        ``autopsy_max_steps``).
     """
 
     step: int
@@ -62,6 +68,7 @@ class NanEvent:
     action: str = ""
     time: float = dataclasses.field(default_factory=time.time)
     loss_scale: Optional[float] = None
+    autopsy: Optional["Autopsy"] = None
 
     @property
     def loss_is_nan(self) -> bool:
@@ -91,11 +98,14 @@ class NanEvent:
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
         d["culprits"] = list(self.culprits)
         d["loss"] = _json_float(self.loss)
         if self.loss_scale is None:
             del d["loss_scale"]
+        d.pop("autopsy")
+        if self.autopsy is not None:
+            d["autopsy"] = self.autopsy.to_json()
         return d
 
 
@@ -132,3 +142,7 @@ def log_event(event: NanEvent, level: Optional[int] = None) -> None:
         level = tf_logging.ERROR if event.action == "raise" else tf_logging.WARN
     tf_logging.log(level, "%s slim_nanguard: bad step (%s mode), action %s: %s", DIVERGED,
                    event.mode, event.action, event.describe())
+    if event.autopsy is not None:
+        dump = f" (dump: {event.autopsy.dump})" if event.autopsy.dump else ""
+        tf_logging.log(level, "slim_nanguard: autopsy of global step %d: %s%s", event.step,
+                       event.autopsy.describe(), dump)

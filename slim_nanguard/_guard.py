@@ -134,6 +134,11 @@ class Guard:
         self._listeners: List[Listener] = []
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
+        # Autopsy: the batch a bad step keeps (a `_capture.Capture`, set by create_train_op),
+        # the directory dumps go to (set by the loop or the hook), and the autopsies done.
+        self.capture = None
+        self.autopsy_dir: Optional[str] = None
+        self.autopsies = 0
         if lr_scale is not None:
             # init_scope: in the outermost graph, even for a train op built in a loop body.
             with loss.graph.as_default(), tf.init_scope():
@@ -162,6 +167,8 @@ class Guard:
 
     def _notify(self, kind: str, event: _events.NanEvent, **extra: Any) -> None:
         record = {"kind": kind, **event.to_json(), **extra}
+        if kind != "bad_step":
+            record.pop("autopsy", None)  # Once, in the bad step's own record.
         for listener in list(self._listeners):
             listener(record)
 
@@ -244,8 +251,31 @@ class Guard:
         return tuple(name for name, s in zip(self.variable_names, list(sums)[1:])
                      if not math.isfinite(float(s)))
 
+    def autopsy(self, session, step: int):
+        """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
+
+        Call it right after the bad step, before any rollback: the variables still hold the
+        weights that produced it, and the train op kept its batch.
+
+        Args:
+          session: A raw `tf.compat.v1.Session`.
+          step: The global step of the bad step.
+
+        Returns:
+          The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
+          autopsies are off, past their count, or the train op keeps no batch.
+        """
+        if (self.capture is None or not self.capture.tensors
+                or self.autopsies >= self.config.autopsy_max_steps):
+            return None
+        from slim_nanguard import _autopsy  # Local: only a bad step needs it.
+        self.autopsies += 1
+        return _autopsy.autopsy_bad_step(session, self.capture, [self.grad_sums], step=step,
+                                         dump_dir=self.autopsy_dir,
+                                         timeout_secs=self.config.autopsy_timeout_secs)
+
     def on_bad_step(self, *, step: int, loss: float, sums: Optional[Sequence[float]],
-                    policy: Optional[str] = None) -> _events.NanEvent:
+                    policy: Optional[str] = None, autopsy=None) -> _events.NanEvent:
         """Counts a bad step, asks the policy (and the `on_nan` callback) what to do.
 
         After ``max_consecutive_bad_steps`` bad steps in a row under ``skip`` or ``rollback``
@@ -257,6 +287,7 @@ class Guard:
           loss: The loss value of the bad step.
           sums: The per-gradient sums (the loss first), or None if unknown.
           policy: The policy to apply instead of the configured one (a hook may say so).
+          autopsy: The step's `Autopsy` (see `autopsy`), put in the event, or None.
 
         Returns:
           The event, with ``action`` set to ``"stop"``, ``"skip"`` or ``"rollback"``: what is to
@@ -280,7 +311,7 @@ class Guard:
             culprits=self.culprits(sums) if sums is not None else (),
             consecutive=state.consecutive_bad_steps, total=state.total_bad_steps,
             mode=self.mode, action=policy or self.config.nan_policy,
-            loss_scale=self._loss_scale_of(sums))
+            loss_scale=self._loss_scale_of(sums), autopsy=autopsy)
         action = event.action
         if self.config.on_nan is not None:
             chosen = self.config.on_nan(event)
@@ -359,8 +390,9 @@ class Guard:
           NanLossError: As `on_bad_step`, chained to `error`.
         """
         step, sums = self.read_bad_step(session)
+        autopsy = self.autopsy(session, step)
         try:
-            return self.on_bad_step(step=step, loss=sums[0], sums=sums)
+            return self.on_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
         except _errors.NanLossError as nan_error:
             raise nan_error from error
 

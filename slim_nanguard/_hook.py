@@ -128,6 +128,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
+        if self._checkpoint_dir and guard.autopsy_dir is None:
+            guard.autopsy_dir = self._checkpoint_dir  # Autopsy dumps go next to checkpoints.
         if self._may_roll_back():
             if not self._checkpoint_dir:
                 what = ("the 'rollback' policy" if self._effective_policy() == _policy.ROLLBACK
@@ -211,8 +213,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             guard.on_loss_scale_overflow(step=step, sums=sums)
             return
         self._session_bad_steps += 1
+        autopsy = guard.autopsy(run_context.session, step)  # Before any rollback.
         event = guard.on_bad_step(step=step, loss=sums[0], sums=sums,
-                                  policy=self._effective_policy())
+                                  policy=self._effective_policy(), autopsy=autopsy)
         if event.action == _policy.STOP:
             run_context.request_stop()
         elif event.action == _policy.ROLLBACK:

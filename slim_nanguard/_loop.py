@@ -298,6 +298,7 @@ def train(train_op: tf.Tensor,
 
     recorder = _record.EventRecorder(logdir)
     guard.add_listener(recorder)
+    guard.autopsy_dir = logdir  # Autopsy dumps go next to the checkpoints.
     first_state = dataclasses.replace(guard.state)
     try:
         with graph.as_default():

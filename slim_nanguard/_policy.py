@@ -89,6 +89,10 @@ class GuardConfig:
         bad batch itself.
       rollback_lr_factor: Multiplies the learning rate at each rollback; 1.0 keeps it.
       max_rollbacks: Give up (raise) at the rollback after this many.
+      autopsy_max_steps: How many bad steps get an autopsy (the step replayed from the batch
+        it kept, to find the first op that made a non-finite value): the first ones the guard
+        sees in this process. 0 turns autopsies off, and then the train op keeps no batch.
+      autopsy_timeout_secs: The longest one autopsy may take.
     """
 
     nan_policy: str = RAISE
@@ -98,6 +102,8 @@ class GuardConfig:
     rollback_skip_batches: int = 1
     rollback_lr_factor: float = 1.0
     max_rollbacks: int = 3
+    autopsy_max_steps: int = 3
+    autopsy_timeout_secs: float = 60.0
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -116,6 +122,12 @@ class GuardConfig:
                 or not math.isfinite(factor) or not 0.0 < factor <= 1.0):
             raise ValueError("rollback_lr_factor must be a number in (0, 1] (1 keeps the "
                              f"learning rate); got {factor!r}.")
+        _check_int("autopsy_max_steps", self.autopsy_max_steps, minimum=0)
+        timeout = self.autopsy_timeout_secs
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not timeout > 0 or not math.isfinite(timeout)):
+            raise ValueError("autopsy_timeout_secs must be a number of seconds > 0; got "
+                             f"{timeout!r}.")
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(f"on_nan must be callable (event -> policy name or None); got "
                              f"{self.on_nan!r}.")

@@ -91,6 +91,8 @@ def handle_numerics_error(session, error: BaseException, *,
     _require_checkpoint_dir(guard, checkpoint_dir,
                             "pass handle_numerics_error(..., checkpoint_dir=...), the directory "
                             "the loop saves checkpoints to")
+    if checkpoint_dir and guard.autopsy_dir is None:
+        guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
     event = _raw_session_call(session, lambda raw: guard.handle_numerics_error(raw, error))
     if event.action == _policy.STOP:
         if hasattr(session, "_coordinated_creator"):
@@ -179,6 +181,9 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
     except tf.errors.InvalidArgumentError as error:
         if not guard.owns_error(error):
             raise
+        dump_dir = checkpoint_dir or train_step_kwargs.get("logdir")
+        if dump_dir and guard.autopsy_dir is None:
+            guard.autopsy_dir = dump_dir  # Autopsy dumps go next to the checkpoints.
         event = guard.handle_numerics_error(sess, error)
         return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, False)
     guard.note_good_step()

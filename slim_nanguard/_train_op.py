@@ -45,6 +45,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _capture
 from slim_nanguard import _guard
 from slim_nanguard import _policy
 
@@ -240,7 +241,12 @@ def create_train_op(total_loss: tf.Tensor,
                         restored_done = tf.identity(untaken)
                     ready.append(control_flow_ops.merge([tf.identity(taken),
                                                          restored_done])[0])
-                with tf.control_dependencies(ready):
+                # The batch, kept on a bad step only (for the autopsy): the check waits on a
+                # merge of a good-step no-op and the bad step's stores.
+                capture = _capture.keep_batch(
+                    total_loss, lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
+                    enabled=config.autopsy_max_steps > 0)
+                with tf.control_dependencies(ready + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
                         _unhandled_message(config, hook_mode=False))
@@ -274,7 +280,11 @@ def create_train_op(total_loss: tf.Tensor,
                 unjudged = tf.debugging.Assert(tf.logical_or(is_judged, bad_pivot),
                                                [_unhandled_message(config, hook_mode=True)],
                                                name="unjudged")
-                with tf.control_dependencies([store, unjudged] + _restore(snapshots, ok)):
+                # The batch too, for the autopsy, on the same bad branch.
+                capture = _capture.keep_batch(total_loss, ok, merge=False,
+                                              enabled=config.autopsy_max_steps > 0)
+                with tf.control_dependencies([store, unjudged] + list(capture.stores)
+                                             + _restore(snapshots, ok)):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -324,6 +334,7 @@ def create_train_op(total_loss: tf.Tensor,
         guard.pivot = (finite_gate if finite_gate is not None else
                        gate if mode == _guard.MODE_HOOK else None)
         guard.judged = judged
+        guard.capture = capture  # The batch a bad step keeps, for the autopsy.
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             with tf.init_scope():
                 guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,

@@ -200,8 +200,13 @@ def _loss_scale_skip(loss, optimizer):
     return tf_slim.learning.create_train_op(loss, wrapped, check_numerics=False)
 
 
-def _ours(check_numerics: bool, policy: str):
+def _ours(check_numerics: bool, policy: str, autopsy: bool = True):
     def build(loss, optimizer):
+        if not autopsy:  # No batch kept on bad steps: what the autopsy's capture costs.
+            config = slim_nanguard.GuardConfig(nan_policy=policy, autopsy_max_steps=0,
+                                               **_PATIENT)
+            return slim_nanguard.create_train_op(loss, optimizer,
+                                                 check_numerics=check_numerics, config=config)
         return slim_nanguard.create_train_op(loss, optimizer, check_numerics=check_numerics,
                                              nan_policy=policy, **_PATIENT)
     return build
@@ -253,6 +258,14 @@ def _make_variants() -> Dict[str, Variant]:
             f"nanguard_hook_{policy}", f"ours: hook mode, {policy}", MTS, "baseline_mts",
             _ours(False, policy), hooks=_our_hook, nan_policy=policy, ours=True,
             bad_step=policy in BAD_STEP_POLICIES))
+    # The same guards with the autopsy off (no batch kept on a bad step), timed in the same
+    # run: side by side with the raise variants above, the good-step cost of the capture.
+    variants.append(Variant(
+        "nanguard_check_numerics_no_autopsy", "ours: check_numerics mode, raise, autopsy off",
+        PLAIN, "baseline", _ours(True, "raise", autopsy=False), nan_policy="raise", ours=True))
+    variants.append(Variant(
+        "nanguard_hook_no_autopsy", "ours: hook mode, raise, autopsy off", MTS, "baseline_mts",
+        _ours(False, "raise", autopsy=False), hooks=_our_hook, nan_policy="raise", ours=True))
     variants.append(Variant(
         "nanguard_hook_graph_only", "ours: hook-mode graph in a plain loop, no hook", PLAIN,
         "baseline", _ours(False, "raise"), nan_policy="raise", ours=True,

@@ -1,0 +1,710 @@
+"""The autopsy of a bad step: which op made the first non-finite value, and for which examples.
+
+Because the guard is atomic, the weights after a bad step are the weights that produced it;
+`slim_nanguard._capture` kept its batch. The autopsy replays the step from both::
+
+    run(loss and gradient sums, feeding the kept batch)
+    all finite?  -> reproduced: False (dropout, a transient fault: not the model); done
+    for each chunk of ops, in topological order (the batch's own ops first):
+        run(their float outputs, feeding the kept batch)     # memory: one chunk at a time
+        the first op whose output holds NaN or Inf, all its inputs being finite, is the
+        first bad op: describe it (name, type, the user's line that built it, the health of
+        each input and of the output) and the rows of the batch that are non-finite there
+        past the deadline? -> stop, say so
+
+A NaN already in the data makes the input op itself (the fed placeholder, ``IteratorGetNext``)
+the first bad op. Every failure (an op that cannot be fed, out of memory, the deadline) is
+caught and reported in `Autopsy.error`: an autopsy never takes training down.
+
+The pure parts (`health`, `user_frames`, `bad_rows`, `explain`) take arrays and dicts and are
+tested without a graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import linecache
+import math
+import os
+import sysconfig
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+from absl import logging
+
+DUMP_DIRNAME = "nanguard_autopsy"
+DEFAULT_TIMEOUT_SECS = 60.0
+DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+# The weights the step read go into the dump (so that --replay needs nothing else) up to this.
+DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
+
+# Ops that are the batch itself: a non-finite value there was in the data.
+_INPUT_TYPES = frozenset({
+    "Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
+    "IteratorGetNextSync", "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2",
+    "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo"
+})
+# Ops whose output a fed input cannot stand in for: replaying past them would need them to run.
+_UNREPLAYABLE_TYPES = _INPUT_TYPES | {"ReaderReadV2", "ReaderReadUpToV2"}
+_VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
+_SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.
+_ZERO_INPUTS = {"Log": (0,), "Reciprocal": (0,), "Inv": (0,), "Rsqrt": (0,), "Xdivy": (1,),
+                "RealDiv": (1,), "Div": (1,), "FloorDiv": (1,), "TruncateDiv": (1,),
+                "FloorMod": (1,), "Mod": (1,), "Pow": (0,), "Digamma": (0,), "Lgamma": (0,)}
+# Ops for which a negative input (below -1 for Log1p) is the usual cause.
+_NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
+# Library code, left out of an op's traceback: the user's frame is what builds the model.
+_LIBRARY_PARTS = tuple(os.sep + part + os.sep for part in (
+    "tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy"))
+_STDLIB = sysconfig.get_paths().get("stdlib", "\0")
+
+
+class AutopsyError(Exception):
+    """Why a replay could not go on (caught by `run_autopsy` and put in `Autopsy.error`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Autopsy:
+    """What the replay of one bad step found.
+
+    Attributes:
+      reproduced: True if the replay was not finite, False if it was (the bad step does not
+        reproduce: nondeterminism or hardware, not the model), None if the replay failed first.
+      first_bad_op: The first op in topological order whose output is not finite while its
+        float inputs are: ``name``, ``type``, ``where`` (``file.py:42``, the user's line that
+        built it), ``traceback`` (the user's frames, outermost first), ``inputs`` (one health
+        dict per float input, with its ``name``) and ``output`` (the health of each float
+        output). None if not found.
+      bad_examples: Indices in the batch of the examples whose rows are non-finite at that op
+        (when its output has the batch as leading dimension).
+      batch_size: The number of examples in the kept batch (0 if unknown).
+      dump: Path of the JSON report written next to the checkpoints (its ``.npz`` holds the
+        batch), or None.
+      cost: ``seconds`` (wall time of the replay), ``peak_bytes`` (most bytes fetched by one
+        run), ``runs`` (session runs) and ``ops_checked``.
+      error: Why the autopsy failed or stopped early, or None.
+      step: The global step of the bad step.
+    """
+
+    reproduced: Optional[bool] = None
+    first_bad_op: Optional[Dict[str, Any]] = None
+    bad_examples: Tuple[int, ...] = ()
+    batch_size: int = 0
+    dump: Optional[str] = None
+    cost: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None
+    step: int = -1
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-ready dict (no NaN or Inf floats)."""
+        d = dataclasses.asdict(self)
+        d["bad_examples"] = list(self.bad_examples)
+        d["summary"] = self.describe()
+        return _json_safe(d)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Autopsy":
+        """The inverse of `to_json` (extra keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs["bad_examples"] = tuple(kwargs.get("bad_examples") or ())
+        return cls(**kwargs)
+
+    def describe(self) -> str:
+        """One sentence for a log line or an error message."""
+        return explain(self.first_bad_op, self.bad_examples, self.reproduced, self.error,
+                       self.batch_size)
+
+
+# ---------------------------------------------------------------------- pure parts
+def health(value: Any) -> Dict[str, Any]:
+    """How finite an array is: NaN, +Inf, -Inf and zero counts, finite min and max, shape.
+
+    Args:
+      value: An array (or anything `np.asarray` takes) of a numeric dtype.
+
+    Returns:
+      ``shape``, ``dtype``, ``size``, ``nan``, ``posinf``, ``neginf``, ``zeros``, and
+      ``finite_min`` / ``finite_max`` (None when no element is finite).
+    """
+    a = np.asarray(value)
+    d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
+    if a.dtype.kind not in "fc":
+        if a.dtype.kind in "iub":
+            d.update(nan=0, posinf=0, neginf=0, zeros=int(np.count_nonzero(a == 0)))
+            d.update(finite_min=_item(a.min()) if a.size else None,
+                     finite_max=_item(a.max()) if a.size else None)
+            return d
+        if a.dtype.kind != "V":  # bfloat16 (ml_dtypes) is kind "V": widen it below.
+            return d
+    if a.dtype.kind == "V" or a.dtype.itemsize < 4:
+        a = a.astype(np.float32)
+    finite = np.isfinite(a)
+    d.update(nan=int(np.count_nonzero(np.isnan(a))), posinf=int(np.count_nonzero(np.isposinf(a))),
+             neginf=int(np.count_nonzero(np.isneginf(a))), zeros=int(np.count_nonzero(a == 0)))
+    values = a[finite]
+    d.update(finite_min=_item(values.min()) if values.size else None,
+             finite_max=_item(values.max()) if values.size else None)
+    return d
+
+
+def is_finite_health(h: Mapping[str, Any]) -> bool:
+    """True when a `health` dict counts no NaN and no Inf."""
+    return not (h.get("nan") or h.get("posinf") or h.get("neginf"))
+
+
+def bad_rows(value: Any, batch_size: int) -> List[int]:
+    """The indices along axis 0 whose rows hold NaN or Inf, if axis 0 is the batch.
+
+    Args:
+      value: An array.
+      batch_size: The number of examples in the batch.
+
+    Returns:
+      The row indices (ascending); empty when the array is not batch-major (its leading
+      dimension is not `batch_size`) or all finite.
+    """
+    a = np.asarray(value)
+    if batch_size <= 0 or a.ndim == 0 or a.shape[0] != batch_size or a.dtype.kind not in "fcV":
+        return []
+    if a.dtype.kind == "V":
+        a = a.astype(np.float32)
+    rows = ~np.isfinite(a.reshape(batch_size, -1)).all(axis=1)
+    return [int(i) for i in np.flatnonzero(rows)]
+
+
+def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
+    """The frames of an op's traceback that are the user's, as ``file.py:42 in fn: code``.
+
+    Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library)
+    are left out. With no user frame at all, the innermost frame is kept.
+
+    Args:
+      frames: Objects with ``filename``, ``lineno`` and ``name`` (an ``op.traceback``), or
+        ``(filename, lineno, name, line)`` tuples; outermost first.
+      limit: The most frames to keep (the innermost ones).
+
+    Returns:
+      Strings, outermost first.
+    """
+    parsed = []
+    for frame in frames:
+        if isinstance(frame, (tuple, list)):
+            filename, lineno, name = frame[0], frame[1], frame[2]
+        else:
+            filename, lineno, name = frame.filename, frame.lineno, frame.name
+        parsed.append((str(filename), int(lineno), str(name)))
+    mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
+    lines = []
+    for filename, lineno, name in mine[-limit:]:
+        code = linecache.getline(filename, lineno).strip()
+        text = f"{filename}:{lineno} in {name}"
+        lines.append(f"{text}: {code}" if code else text)
+    return lines
+
+
+def where(traceback_lines: Sequence[str]) -> str:
+    """``file.py:42`` from the innermost line `user_frames` gave ('' if none)."""
+    if not traceback_lines:
+        return ""
+    location = traceback_lines[-1].split(" in ", 1)[0]
+    return os.path.basename(location)
+
+
+def explain(first_bad_op: Optional[Mapping[str, Any]], bad_examples: Sequence[int],
+            reproduced: Optional[bool], error: Optional[str] = None,
+            batch_size: int = 0) -> str:
+    """The autopsy in one sentence.
+
+    For example ``first non-finite value: fc2/Log (Log) at model.py:42, input fc2/Softmax
+    holds a 0; examples 3, 17 of the batch``.
+    """
+    if reproduced is False:
+        return ("the replay of the step from the same weights and batch is finite: the bad "
+                "step does not reproduce (nondeterminism such as dropout, or a transient "
+                "fault), so the model is not to blame")
+    if first_bad_op is None:
+        if error:
+            return f"autopsy failed: {error}"
+        return "the replay is not finite, but no single op could be named as the first"
+    text = f"first non-finite value: {first_bad_op['name']} ({first_bad_op['type']})"
+    if first_bad_op.get("where"):
+        text += f" at {first_bad_op['where']}"
+    cause = _cause(first_bad_op)
+    if cause:
+        text += f", {cause}"
+    if bad_examples:
+        shown = ", ".join(str(i) for i in list(bad_examples)[:10])
+        more = f" and {len(bad_examples) - 10} more" if len(bad_examples) > 10 else ""
+        if batch_size and len(bad_examples) == batch_size:
+            text += f"; all {batch_size} examples of the batch"
+        else:
+            noun = "example" if len(bad_examples) == 1 else "examples"
+            text += f"; {noun} {shown}{more} of the batch"
+        if first_bad_op.get("examples_at"):
+            text += f" (from {first_bad_op['examples_at']} on)"
+    if error:
+        text += f" ({error})"
+    return text
+
+
+def _cause(op: Mapping[str, Any]) -> str:
+    """What about the inputs of the first bad op explains it, as a clause."""
+    inputs = op.get("inputs") or []
+    outputs = op.get("output") or []
+    if not inputs:
+        kinds = _kinds(outputs[0]) if outputs else ""
+        if op["type"] in _INPUT_TYPES:
+            return f"the batch itself holds {kinds}" if kinds else "the batch itself"
+        return f"which makes {kinds} from no float input" if kinds else ""
+    for h in inputs:
+        if not is_finite_health(h):
+            return f"input {_short(h['name'])} holds {_kinds(h)}"
+    for index in _ZERO_INPUTS.get(op["type"], ()):
+        if index < len(inputs) and inputs[index].get("zeros"):
+            return f"input {_short(inputs[index]['name'])} holds a 0"
+    if op["type"] in _NEGATIVE_INPUTS and inputs:
+        h = inputs[0]
+        low = h.get("finite_min")
+        if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
+            return f"input {_short(h['name'])} holds {low:.6g}"
+    def extreme(h):  # The finite value of largest magnitude, with its sign.
+        low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
+        return low if abs(low) > abs(high) else high
+
+    largest = max(inputs, key=lambda h: abs(extreme(h)))
+    return f"input {_short(largest['name'])} reaches {extreme(largest):.3g}"
+
+
+def _short(tensor_name: str) -> str:
+    """``fc2/Softmax`` for ``fc2/Softmax:0``: the op's name stands for its first output."""
+    return tensor_name[:-2] if tensor_name.endswith(":0") else tensor_name
+
+
+def _kinds(h: Mapping[str, Any]) -> str:
+    parts = []
+    for key, word in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
+        if h.get(key):
+            parts.append(f"{h[key]} {word}")
+    return ", ".join(parts)
+
+
+def _is_library(filename: str) -> bool:
+    if any(part in filename for part in _LIBRARY_PARTS):
+        return True
+    if os.sep + "slim_nanguard" + os.sep + "_" in filename:  # our private modules
+        return True
+    return filename.startswith(_STDLIB) and "site-packages" not in filename
+
+
+def _item(x) -> Any:
+    return x.item()  # A NumPy scalar as a Python number.
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    return value
+
+
+# ---------------------------------------------------------------------- the replay
+@dataclasses.dataclass
+class _Budget:
+    clock: Callable[[], float]
+    timeout_secs: float
+    start: float = 0.0
+    runs: int = 0
+    peak_bytes: int = 0
+    ops_checked: int = 0
+
+    def check(self, what: str) -> None:
+        spent = self.clock() - self.start
+        if spent > self.timeout_secs:
+            raise AutopsyError(f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), "
+                               f"{what}")
+
+    def run(self, session, fetches: List, feeds: Dict) -> List:
+        self.runs += 1
+        values = session.run(fetches, feeds)
+        fetched = sum(np.asarray(v).nbytes for v in values)
+        fed = sum(np.asarray(v).nbytes for v in feeds.values())
+        self.peak_bytes = max(self.peak_bytes, fetched + fed)
+        return values
+
+    def cost(self) -> Dict[str, Any]:
+        return {"seconds": round(self.clock() - self.start, 4), "peak_bytes": self.peak_bytes,
+                "runs": self.runs, "ops_checked": self.ops_checked}
+
+
+def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
+           timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+           clock: Callable[[], float] = time.monotonic, step: int = -1,
+           batch_size: Optional[int] = None) -> Autopsy:
+    """Replays a step and finds the first op whose output is not finite.
+
+    Args:
+      session: A raw `tf.compat.v1.Session` over the graph (its variables hold the weights of
+        the step; nothing is written).
+      feeds: The batch: tensor -> array.
+      targets: The tensors the step computed (the loss and the gradient sums).
+      timeout_secs: Give up (with `error` set) after this many seconds.
+      max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
+      clock: The clock the deadline is measured on.
+      step: The global step, recorded in the result.
+      batch_size: The number of examples (default: the most common leading dimension of the
+        fed arrays; pass it when weights are fed too).
+
+    Returns:
+      The `Autopsy` (without a dump); when the targets read an input op that is not fed, one
+      with ``error`` set and nothing run. Raises nothing but what `session.run` raises for
+      the reproduction check itself; `run_autopsy` catches every error.
+    """
+    budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
+    feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
+    targets = [_tensor(session.graph, t) for t in targets]
+    if batch_size is None:
+        batch_size = _batch_size(feeds.values())
+    try:  # Before any run: a run that reaches an unkept input op would take a new batch.
+        ops = _ops_to_check(targets, feeds)
+    except AutopsyError as err:
+        return Autopsy(batch_size=batch_size, cost=budget.cost(), error=str(err), step=step)
+    values = budget.run(session, targets, feeds)
+    if all(is_finite_health(health(v)) for v in values):
+        return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
+    error = None
+    try:
+        found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)
+    except AutopsyError as err:
+        found, error = None, str(err)
+    if found is None:
+        return Autopsy(reproduced=True, batch_size=batch_size, cost=budget.cost(),
+                       error=error or "the replay was not finite but no op checked one by one "
+                       "was: the step is nondeterministic, or its first non-finite value is "
+                       "inside a while loop or a cond", step=step)
+    op, described, examples = found
+    return Autopsy(reproduced=True, first_bad_op=described, bad_examples=tuple(examples),
+                   batch_size=batch_size, cost=budget.cost(), step=step)
+
+
+def _tensor(graph, t):
+    return graph.get_tensor_by_name(t) if isinstance(t, str) else t
+
+
+def _batch_size(arrays) -> int:
+    leading = [np.asarray(a).shape[0] for a in arrays if np.ndim(a) >= 1]
+    if not leading:
+        return 0
+    return max(set(leading), key=leading.count)
+
+
+def _is_float(tensor) -> bool:
+    dtype = tensor.dtype.base_dtype
+    return dtype.is_floating
+
+
+def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
+    """The ops the targets depend on, through data edges, in topological order.
+
+    The walk stops at fed ops. An op inside a control-flow context cannot be fetched from
+    outside: it is passed through but not checked. Neither is an op whose value depends on
+    neither the batch nor the weights nor a stateful op (a constant, say): a NaN or -Inf
+    constant is there on every step on purpose (a mask, a fault injector's value), and the
+    first bad op is then the one that lets it into the step's values.
+
+    Raises:
+      AutopsyError: The targets depend on an input op or a placeholder that is not fed.
+    """
+    fed_ops = {t.op for t in feeds}
+    seen, stack, found = set(), [t.op for t in targets], []
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op in fed_ops:
+            found.append(op)
+            continue
+        if op.type in _UNREPLAYABLE_TYPES and op.type != "PlaceholderWithDefault":
+            raise AutopsyError(f"the step reads {op.name} ({op.type}), which was not kept, so "
+                               "it cannot be replayed without taking a new batch")
+        stack.extend(t.op for t in op.inputs)
+        if op._control_flow_context is None and any(  # pylint: disable=protected-access
+                _is_float(t) for t in op.outputs):
+            found.append(op)
+    order = {op: i for i, op in enumerate(targets[0].graph.get_operations())}
+    varies = {}  # op -> whether its value can change from step to step
+    for op in sorted(seen, key=order.get):
+        # A shape carries no values: fill(shape(x), nan) is a constant NaN whatever x holds.
+        varies[op] = (op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
+                      or any(varies.get(t.op, False) for t in op.inputs
+                             if t.op.type not in _SHAPE_TYPES))
+    return sorted((op for op in found if varies[op]), key=order.get)
+
+
+def _is_stateful(op) -> bool:
+    try:
+        return bool(op.op_def.is_stateful)
+    except Exception:  # pylint: disable=broad-except  (an op without an OpDef)
+        return False
+
+
+def _estimate_bytes(op, batch_size: int) -> int:
+    total = 0
+    for t in op.outputs:
+        if not _is_float(t):
+            continue
+        dims = t.shape.as_list() if t.shape.rank is not None else [batch_size or 1]
+        size = 1
+        for d in dims:
+            size *= d if d is not None else max(batch_size, 1)
+        total += size * t.dtype.base_dtype.size
+    return total
+
+
+def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[Any]]:
+    chunks, current, size = [], [], 0
+    for op in ops:
+        estimate = _estimate_bytes(op, batch_size)
+        if current and size + estimate > max_bytes:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(op)
+        size += estimate
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
+                  batch_size: int):
+    fed = {t.op: t for t in feeds}
+    # The batch first: a NaN in the data is found without running anything.
+    for op in ops:
+        if op in fed:
+            budget.ops_checked += 1
+            outputs = [t for t in op.outputs if t in feeds]
+            values = [feeds[t] for t in outputs]
+            if any(not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind
+                   in "fcV"):
+                return _describe(session, op, feeds, budget, batch_size)
+    computed = [op for op in ops if op not in fed]
+    chunks = _chunks(computed, batch_size, max_chunk_bytes)
+    for number, chunk in enumerate(chunks):
+        budget.check(f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
+                     f"of {len(chunks)})")
+        fetches = [t for op in chunk for t in op.outputs if _is_float(t)]
+        values = dict(zip(fetches, budget.run(session, fetches, feeds)))
+        for index, op in enumerate(chunk):
+            budget.ops_checked += 1
+            if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
+                downstream = _first_bad_rows(chunk[index + 1:], values, batch_size)
+                del values
+                return _describe(session, op, feeds, budget, batch_size, downstream)
+    return None
+
+
+def _first_bad_rows(ops, values, batch_size: int):
+    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
+    for op in ops:
+        rows = sorted({i for t in op.outputs if t in values
+                       for i in bad_rows(values[t], batch_size)})
+        if rows:
+            return op.name, rows
+    return None
+
+
+def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
+    """Fetches the inputs and outputs of `op` and describes them.
+
+    A fed op (the batch) has no inputs in the replay: fetching what is behind it (the
+    iterator behind a ``placeholder_with_default``) would take a new batch. When the output
+    of `op` is not batch-major (a scalar, a weight), the examples are those `downstream`
+    found: ``(op name, rows)`` at the first later op with non-finite rows of the batch.
+    """
+    is_fed = any(t in feeds for t in op.outputs)
+    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
+    outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
+    wanted = [t for t in inputs + outputs if t not in feeds]
+    fetched = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
+    value = lambda t: feeds[t] if t in feeds else fetched[t]  # noqa: E731
+    frames = user_frames(_traceback(op))
+    described = {
+        "name": op.name, "type": op.type, "where": where(frames), "traceback": frames,
+        "inputs": [{"name": t.name, **health(value(t))} for t in inputs],
+        "output": [{"name": t.name, **health(value(t))} for t in outputs],
+    }
+    examples = sorted({i for t in outputs for i in bad_rows(value(t), batch_size)})
+    if not examples and downstream is not None:
+        described["examples_at"], examples = downstream
+    return op, described, examples
+
+
+def _traceback(op) -> Sequence[Any]:
+    try:
+        return list(op.traceback or ())
+    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
+        return []
+
+
+# ---------------------------------------------------------------------- in training
+def autopsy_bad_step(session, capture, targets: Sequence[Any], *, step: int = -1,
+                     dump_dir: Optional[str] = None,
+                     timeout_secs: float = DEFAULT_TIMEOUT_SECS) -> Autopsy:
+    """Reads the batch a bad step kept (`slim_nanguard._capture`) and replays the step.
+
+    Never raises (but KeyboardInterrupt): a failure is the result's ``error``.
+
+    Args:
+      session: A raw `tf.compat.v1.Session`, right after the bad step.
+      capture: The `Capture` of the train op.
+      targets: The loss and gradient sums.
+      step: The global step of the bad step.
+      dump_dir: Where to write the dump (see `run_autopsy`), or None.
+      timeout_secs: The deadline of the replay.
+    """
+    from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
+    try:
+        values = _capture.read_kept_batch(session, capture)
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
+        message = f"reading the kept batch failed: {type(err).__name__}: {_first_line(err)}"
+        logging.warning("slim_nanguard: the autopsy of step %d failed (training goes on): %s",
+                        step, message)
+        return Autopsy(error=message, step=step)
+    return run_autopsy(session, capture.tensors, values, targets, step=step,
+                       dump_dir=dump_dir, timeout_secs=timeout_secs)
+
+
+def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
+    """The tensors through which the targets read variables (what the step's weights are)."""
+    fed_ops = {t.op for t in feeds}
+    seen, stack, reads = set(), [t.op for t in targets], []
+    while stack:
+        op = stack.pop()
+        if op in seen or op in fed_ops:
+            continue
+        seen.add(op)
+        if op._control_flow_context is None and (  # pylint: disable=protected-access
+                op.type in _VARIABLE_READ_TYPES or (op.type == "Identity" and op.inputs
+                                                    and op.inputs[0].dtype._is_ref_dtype)):
+            # A resource variable's read, or a reference variable's "read" Identity (a
+            # reference tensor cannot be fed).
+            reads += [t for t in op.outputs if _is_float(t)]
+            continue
+        stack.extend(t.op for t in op.inputs)
+    return sorted(reads, key=lambda t: t.name)
+
+
+def run_autopsy(session, batch_tensors: Sequence[Any], batch_values: Sequence[Any],
+                targets: Sequence[Any], *, step: int = -1, dump_dir: Optional[str] = None,
+                timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+                max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
+                clock: Callable[[], float] = time.monotonic) -> Autopsy:
+    """Replays a bad step and writes its dump; never raises (but KeyboardInterrupt).
+
+    Args:
+      session: A raw `tf.compat.v1.Session`, right after the bad step.
+      batch_tensors: The batch tensors (`Capture.tensors`).
+      batch_values: The values the bad step kept, in the same order.
+      targets: The loss and gradient sums.
+      step: The global step of the bad step.
+      dump_dir: The training directory: the dump goes to its ``nanguard_autopsy/``; None for
+        no dump.
+      timeout_secs: The deadline of the replay.
+      max_chunk_bytes: About how many bytes one run fetches.
+      max_dump_weight_bytes: The weights the step read go into the dump up to this size.
+      clock: The clock of the deadline.
+
+    Returns:
+      The `Autopsy`; on failure one with ``error`` set.
+    """
+    start = clock()
+    try:
+        feeds = dict(zip(batch_tensors, batch_values))
+        result = replay(session, feeds, targets, timeout_secs=timeout_secs,
+                        max_chunk_bytes=max_chunk_bytes, clock=clock, step=step)
+        if dump_dir:
+            weights = {}
+            reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
+            if sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes:
+                weights = dict(zip(reads, session.run(reads)))
+            path = write_dump(dump_dir, result, feeds, weights, targets)
+            result = dataclasses.replace(result, dump=path)
+        return result
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
+        message = f"{type(err).__name__}: {_first_line(err)}"
+        logging.warning("slim_nanguard: the autopsy of step %d failed (training goes on): %s",
+                        step, message)
+        return Autopsy(error=message, step=step,
+                       cost={"seconds": round(clock() - start, 4)})
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(getattr(err, "message", "") or err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ---------------------------------------------------------------------- the dump
+def write_dump(dump_dir: str, result: Autopsy, feeds: Mapping[Any, Any],
+               weights: Mapping[Any, Any], targets: Sequence[Any]) -> str:
+    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
+
+    Returns:
+      The path of the JSON report. An existing dump of the same step (a rollback can bring a
+      step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
+    """
+    directory = os.path.join(dump_dir, DUMP_DIRNAME)
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, f"step{result.step}")
+    suffix = 1
+    while os.path.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
+        suffix += 1
+    base = f"{base}-{suffix}" if suffix > 1 else base
+    arrays, batch, read = {}, [], []
+    for i, (tensor, value) in enumerate(feeds.items()):
+        arrays[f"batch_{i}"] = np.asarray(value)
+        batch.append({"key": f"batch_{i}", "tensor": _name(tensor)})
+    for i, (tensor, value) in enumerate(weights.items()):
+        arrays[f"weight_{i}"] = np.asarray(value)
+        read.append({"key": f"weight_{i}", "tensor": _name(tensor)})
+    np.savez(base + ".npz", **arrays)
+    report = dict(result.to_json(), dump=base + ".json", batch=batch, weights=read,
+                  targets=[_name(t) for t in targets], arrays=os.path.basename(base) + ".npz")
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+    return base + ".json"
+
+
+def _name(t) -> str:
+    return t if isinstance(t, str) else t.name
+
+
+def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+    """Reads a dump written by `write_dump`.
+
+    Args:
+      path: The JSON report (or its ``.npz``).
+
+    Returns:
+      ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
+      and for the weights the step read (empty if they were too big to keep).
+    """
+    if path.endswith(".npz"):
+        path = path[:-len(".npz")] + ".json"
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    arrays = os.path.join(os.path.dirname(path), report["arrays"])
+    with np.load(arrays) as data:
+        batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
+        weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}
+    return report, batch, weights

@@ -1,0 +1,160 @@
+"""Keeping the batch of a bad step, at no cost to a good one.
+
+An autopsy replays a bad step from the weights it left unchanged and the batch it was given.
+The weights are still in the variables (the guard is atomic); the batch is gone once the step
+is over, unless the graph kept it. `keep_batch` builds that keeping: one store per batch
+tensor, each on the branch of a ``Switch`` that runs on bad steps only, so a good step
+stores nothing (the ``Switch`` forwards its input to an output no op consumes).
+
+"The batch" is the frontier of the loss's inputs that are not variables: the outputs of
+placeholders (a fed batch, or a ``placeholder_with_default`` over an iterator) and of input
+ops (``IteratorGetNext``, queue dequeues). The walk back from the loss stops at a placeholder,
+so a fed placeholder never pulls the iterator behind its default into the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_ops
+
+# Ops whose outputs are a batch: fed placeholders and the ops that fetch the next batch.
+PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
+INPUT_OP_TYPES = frozenset({
+    "IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2", "QueueDequeueManyV2",
+    "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo",
+    "ReaderReadV2", "ReaderReadUpToV2"
+})
+_UNKEPT_DTYPES = (tf.resource, tf.variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """The batch tensors of a guarded train op and the variables a bad step keeps them in.
+
+    Attributes:
+      tensors: The batch tensors, in a stable order (fed back in the same order at replay).
+      variables: One local resource variable per tensor (in no collection: never saved, never
+        initialised, read only after a bad step wrote it).
+      stores: The assignments, each on the bad branch of the finiteness test.
+      done: A tensor that is live on every step: on a good step through a no-op, on a bad
+        step only after the stores ran. Check_numerics mode makes its check wait on it.
+        None when there is nothing to keep.
+    """
+
+    tensors: Tuple[tf.Tensor, ...] = ()
+    variables: Tuple[tf.Variable, ...] = ()
+    stores: Tuple[tf.Operation, ...] = ()
+    done: Optional[tf.Tensor] = None
+
+    @property
+    def control_inputs(self) -> List[tf.Tensor]:
+        """``[done]``, or ``[]`` when nothing is kept: what a check waits on."""
+        return [self.done] if self.done is not None else []
+
+
+def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
+    """The tensors that make the batch of `loss`: placeholders and input-op outputs it reads.
+
+    The walk follows data edges back from `loss` and stops at a placeholder or an input op, so
+    variables, constants and everything behind a placeholder's default are left out. Tensors
+    inside a control-flow context (a while loop, a v1 cond) cannot be kept from outside and are
+    left out too.
+
+    Args:
+      loss: The loss tensor.
+
+    Returns:
+      The tensors, ordered by the position of their op in the graph, then output index.
+    """
+    found, seen, stack = [], set(), [loss.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in PLACEHOLDER_TYPES or op.type in INPUT_OP_TYPES:
+            found.append(op)
+            continue
+        stack.extend(t.op for t in op.inputs)
+    order = {op: i for i, op in enumerate(loss.graph.get_operations())}
+    tensors = []
+    for op in sorted(found, key=order.get):
+        if op._control_flow_context is not None:  # pylint: disable=protected-access
+            continue
+        tensors += [t for t in op.outputs if t.dtype.base_dtype not in _UNKEPT_DTYPES]
+    return tensors
+
+
+@contextlib.contextmanager
+def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
+    """Builds in `graph` with no control-flow context and no control dependencies.
+
+    Variables made here live at the top level of the graph even when the train op is built
+    inside a while loop or a cond.
+    """
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    graph._set_control_flow_context(None)  # pylint: disable=protected-access
+    try:
+        with tf.control_dependencies(None):
+            yield
+    finally:
+        graph._set_control_flow_context(context)  # pylint: disable=protected-access
+
+
+def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *,
+               enabled: bool = True,
+               tensors: Optional[Sequence[tf.Tensor]] = None, merge: bool = True) -> Capture:
+    """Builds the stores that keep the batch of `loss` on a bad step only.
+
+    Args:
+      loss: The loss tensor; its batch is found with `batch_tensors`.
+      ok: The scalar boolean finiteness test (True on a good step), or a function that
+        builds it: called only when there is a batch to keep.
+      enabled: False builds nothing (an empty `Capture`): autopsies are off.
+      tensors: The batch tensors, when not those `batch_tensors` finds.
+      merge: Whether to build ``done`` (check_numerics mode waits on it; hook mode puts the
+        stores on its own bad branch and needs none).
+
+    Returns:
+      The `Capture`. Its ``stores`` run on bad steps only; ``done`` is live on every step.
+    """
+    if not enabled:
+        return Capture()
+    tensors = list(batch_tensors(loss) if tensors is None else tensors)
+    if not tensors:
+        return Capture()
+    if callable(ok):
+        ok = ok()
+    graph = loss.graph
+    variables, stores = [], []
+    with tf.name_scope("keep_batch"):
+        for i, tensor in enumerate(tensors):
+            # Out of a v1 loop's context and out of a function body (a while_v2 loop).
+            with outside_control_flow(graph), tf.init_scope():
+                empty = tf.constant([], dtype=tensor.dtype.base_dtype)
+                variable = tf.compat.v1.Variable(
+                    empty, trainable=False, collections=[], validate_shape=False,
+                    shape=tf.TensorShape(None), use_resource=True, name=f"batch_{i}")
+            bad_value, _ = control_flow_ops.switch(tensor, ok)
+            stores.append(variable.assign(bad_value, read_value=False))
+            variables.append(variable)
+        if not merge:
+            return Capture(tuple(tensors), tuple(variables), tuple(stores))
+        # switch returns (output_false, output_true): the bad step's side comes first.
+        on_bad, on_good = control_flow_ops.switch(ok, ok)
+        good_done = tf.identity(on_good, name="good_step")
+        with tf.control_dependencies(stores):
+            bad_done = tf.identity(on_bad, name="bad_step_kept")
+        done, _ = control_flow_ops.merge([good_done, bad_done], name="done")
+    return Capture(tuple(tensors), tuple(variables), tuple(stores), done)
+
+
+def read_kept_batch(session, capture: Capture) -> List:
+    """The values the last bad step kept, in the order of ``capture.tensors``."""
+    if not capture.variables:
+        return []
+    return list(session.run(list(capture.variables)))
