@@ -414,7 +414,6 @@ def test_a_rollback_splits_the_loss_into_what_was_kept_and_what_was_dropped():
 
 
 def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
-    pytest.importorskip("matplotlib")
     from slim_nanguard import autopsy
     slim_nanguard.train(_Model("hook", fault="log_of_zero").train_op, str(tmp_path),
                         number_of_steps=5, save_checkpoint_steps=1, save_summaries_steps=1,
