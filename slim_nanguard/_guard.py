@@ -317,19 +317,10 @@ class Guard:
             chosen = self.config.on_nan(event)
             if chosen is not None:
                 action = _policy.validate_action(chosen, "the on_nan callback")
-        reason = escalation = ""
-        if action in (_policy.SKIP, _policy.ROLLBACK) and (
-                state.consecutive_bad_steps >= self.config.max_consecutive_bad_steps):
-            # The state is bad, not the batch: escalate (raise by default).
-            reason = escalation = (
-                f"{state.consecutive_bad_steps} bad steps in a row reached "
-                f"max_consecutive_bad_steps={self.config.max_consecutive_bad_steps}")
-            action = self.config.persistent_nan_policy
-        if action == _policy.ROLLBACK and state.rollbacks >= self.config.max_rollbacks:
-            limit = (f"{state.rollbacks} rollbacks already done reached "
-                     f"max_rollbacks={self.config.max_rollbacks}")
-            reason = f"{reason}, and {limit}" if reason else limit
-            action = _policy.RAISE
+        decision = _policy.decide(self.config, action,
+                                  consecutive_bad_steps=state.consecutive_bad_steps,
+                                  rollbacks=state.rollbacks)
+        action, escalation = decision.action, decision.escalation
         event = dataclasses.replace(event, action=action)
         if action == _policy.SKIP:
             state.skips += 1
@@ -346,7 +337,7 @@ class Guard:
         self._notify("bad_step", event, **({"escalation": escalation} if escalation else {}))
         self.last_event = event
         if action == _policy.RAISE:
-            raise _errors.NanLossError(event, reason or "the nan_policy is 'raise'")
+            raise _errors.NanLossError(event, decision.reason)
         return event
 
     # ----------------------------------------------------------------- check_numerics mode

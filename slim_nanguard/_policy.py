@@ -164,3 +164,53 @@ def validate_action(action: object, source: str) -> str:
         raise ValueError(f"{source} must return one of {', '.join(POLICIES)} or None; got "
                          f"{action!r}.")
     return action  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do about one bad step, and why: the result of `decide`.
+
+    Attributes:
+      action: One of `POLICIES`: what the caller carries out (``raise`` gives up).
+      escalation: Why ``persistent_nan_policy`` replaced the chosen action (the count of bad
+        steps in a row reached its bound), or "" if it did not.
+      reason: Why training gives up, when ``action`` is ``raise``; "" otherwise.
+    """
+
+    action: str
+    escalation: str = ""
+    reason: str = ""
+
+
+def decide(config: GuardConfig, chosen: str, *, consecutive_bad_steps: int,
+           rollbacks: int) -> Decision:
+    """Decides what a bad step leads to: a pure function of the config and the counters.
+
+    No TensorFlow and no session: `Guard.on_bad_step` counts the step, lets the ``on_nan``
+    callback choose, calls this, and carries the decision out.
+
+    Args:
+      config: The guard's configuration.
+      chosen: The action the policy (or a hook's override, or the ``on_nan`` callback) chose.
+      consecutive_bad_steps: Bad steps in a row, this one included.
+      rollbacks: Rollbacks already done.
+
+    Returns:
+      The `Decision`. A ``skip`` or ``rollback`` at ``max_consecutive_bad_steps`` bad steps in
+      a row becomes ``persistent_nan_policy``; a ``rollback`` past ``max_rollbacks`` becomes
+      ``raise``, and the reason names each bound that was reached.
+    """
+    action, escalation, reason = chosen, "", ""
+    if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
+        # The state is bad, not the batch: escalate (raise by default).
+        reason = escalation = (f"{consecutive_bad_steps} bad steps in a row reached "
+                               f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}")
+        action = config.persistent_nan_policy
+    if action == ROLLBACK and rollbacks >= config.max_rollbacks:
+        limit = (f"{rollbacks} rollbacks already done reached "
+                 f"max_rollbacks={config.max_rollbacks}")
+        reason = f"{reason}, and {limit}" if reason else limit
+        action = RAISE
+    if action != RAISE:
+        return Decision(action, escalation)
+    return Decision(action, escalation, reason or "the nan_policy is 'raise'")

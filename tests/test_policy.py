@@ -1,0 +1,78 @@
+"""The policy decision as a pure function: stories of bad steps, no graph and no session.
+
+`decide` takes the config, the action chosen for a bad step and the counters, and says what
+happens: the chosen action, an escalation to ``persistent_nan_policy``, or giving up.
+"""
+
+import pytest
+
+from slim_nanguard import _policy
+from slim_nanguard._policy import GuardConfig
+from slim_nanguard._policy import decide
+
+
+def _run(config, bad_steps_in_a_row, *, rollbacks=0):
+    """The decisions for bad steps 1..n in a row, counting the rollbacks they lead to."""
+    decisions = []
+    for consecutive in range(1, bad_steps_in_a_row + 1):
+        decision = decide(config, config.nan_policy, consecutive_bad_steps=consecutive,
+                          rollbacks=rollbacks)
+        decisions.append(decision)
+        if decision.action == _policy.ROLLBACK:
+            rollbacks += 1
+    return decisions
+
+
+def test_skip_skips_until_the_bound_then_gives_up_by_default():
+    config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=3)
+    first, second, third = _run(config, 3)
+    assert (first.action, second.action) == ("skip", "skip")
+    assert first.escalation == first.reason == ""
+    assert third.action == "raise"
+    assert third.escalation == "3 bad steps in a row reached max_consecutive_bad_steps=3"
+    assert third.reason == third.escalation
+
+
+def test_skip_escalates_to_a_rollback_while_rollbacks_are_left():
+    config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=2,
+                         persistent_nan_policy="rollback", max_rollbacks=1)
+    first, second = _run(config, 2)
+    assert (first.action, second.action) == ("skip", "rollback")
+    assert "max_consecutive_bad_steps=2" in second.escalation and second.reason == ""
+    # Once the one rollback allowed is done, the same escalation gives up, naming both bounds.
+    late = decide(config, "skip", consecutive_bad_steps=2, rollbacks=1)
+    assert late.action == "raise"
+    assert late.reason == ("2 bad steps in a row reached max_consecutive_bad_steps=2, and "
+                           "1 rollbacks already done reached max_rollbacks=1")
+
+
+def test_skip_escalates_to_a_clean_stop():
+    config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=2,
+                         persistent_nan_policy="stop")
+    assert [d.action for d in _run(config, 2)] == ["skip", "stop"]
+
+
+def test_rollback_rolls_back_until_max_rollbacks_then_gives_up():
+    config = GuardConfig(nan_policy="rollback", max_rollbacks=2, max_consecutive_bad_steps=10)
+    decisions = [decide(config, "rollback", consecutive_bad_steps=1, rollbacks=done)
+                 for done in range(3)]
+    assert [d.action for d in decisions] == ["rollback", "rollback", "raise"]
+    assert decisions[2].reason == "2 rollbacks already done reached max_rollbacks=2"
+    assert decisions[2].escalation == ""
+
+
+@pytest.mark.parametrize("policy", ["raise", "stop"])
+def test_raise_and_stop_never_escalate(policy):
+    config = GuardConfig(nan_policy=policy, max_consecutive_bad_steps=1,
+                         persistent_nan_policy="rollback", max_rollbacks=1)
+    decision = decide(config, policy, consecutive_bad_steps=5, rollbacks=0)
+    assert decision.action == policy and decision.escalation == ""
+    assert decision.reason == ("the nan_policy is 'raise'" if policy == "raise" else "")
+
+
+def test_a_callbacks_choice_is_decided_like_the_policy():
+    """on_nan may pick rollback under a skip policy; the bounds still apply to that choice."""
+    config = GuardConfig(nan_policy="skip", max_rollbacks=1)
+    decision = decide(config, "rollback", consecutive_bad_steps=1, rollbacks=1)
+    assert decision.action == "raise"
+    assert decision.reason == "1 rollbacks already done reached max_rollbacks=1"
