@@ -195,9 +195,12 @@ def create_train_op(total_loss: tf.Tensor,
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
             # checkpoints nor initialised (it is only read after a write).
-            diagnostics = tf.compat.v1.Variable(
-                tf.zeros_like(grad_sums), trainable=False, collections=[],
-                use_resource=True, name="gradient_sums")
+            # Colocated with the sums, so on this worker: a replica_device_setter would
+            # put a variable on the ps, shared by all workers, which overwrite each other's.
+            with tf.compat.v1.colocate_with(grad_sums.op):
+                diagnostics = tf.compat.v1.Variable(
+                    tf.zeros_like(grad_sums), trainable=False, collections=[],
+                    use_resource=True, name="gradient_sums")
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
