@@ -34,6 +34,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _cluster
 from slim_nanguard import _guard
 from slim_nanguard import _policy
 
@@ -230,9 +231,13 @@ def create_train_op(total_loss: tf.Tensor,
                 ok, _ = control_flow_ops.merge([gate, bad_done], name="all_finite_checked")
 
         first_new_op = len(graph.get_operations())
-        with tf.control_dependencies([gate]):
-            grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
-        gated = _gate_writes(graph, graph.get_operations()[first_new_op:], gate)
+        if _cluster.is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
+            grad_updates, gated = _cluster.apply_sync_replicas(optimizer, grads, global_step,
+                                                               gate)
+        else:
+            with tf.control_dependencies([gate]):
+                grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
+            gated = _gate_writes(graph, graph.get_operations()[first_new_op:], gate)
         gated += _gate_update_ops(update_ops, gate)
         logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test",
                      len(gated))

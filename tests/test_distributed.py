@@ -73,3 +73,78 @@ def test_the_guards_gradient_sums_stay_on_the_worker_that_made_them(mode):
     ops = [op for op in replica.graph.get_operations()
            if op.name.startswith(guard.diagnostics.op.name)]
     assert ops and {op.device for op in ops} == {"/job:worker/task:1"}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sync_replicas_session_starts_with_fed_placeholders_and_skips_a_bad_step(mode):
+    """Its init, ready check and token ops need no feed; a bad step writes nothing."""
+    replica = cluster_lib.build(sync_replicas=True, fed=True, check_numerics=MODES[mode],
+                                nan_policy="skip")
+    with replica.graph.as_default():
+        weights = tf.compat.v1.trainable_variables()
+        with _session(replica, MODES[mode]) as sess:  # used to fail: "must feed a value"
+            _step(sess, replica, _feed(replica, 0))
+            _wait_for_step(sess, replica, 1)
+            before = _raw(sess, weights + [replica.global_step])
+            loss, _, raised = _step(sess, replica, _feed(replica, 1, "nan_loss"))
+            assert raised if MODES[mode] else np.isnan(loss)
+            time.sleep(0.2)  # the chief's queue runner would have applied by now
+            after = _raw(sess, weights + [replica.global_step])
+            assert all(np.array_equal(b, a) for b, a in zip(before, after))
+            # The next gradient may be stale (it carries the local step of the first
+            # token): TensorFlow drops it, and the one after makes the step.
+            for seed in (2, 3):
+                _step(sess, replica, _feed(replica, seed))
+            _wait_for_step(sess, replica, 2)
+            assert cluster_lib.all_finite(_raw(sess, weights))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sync_replicas_only_the_train_op_takes_batches(mode):
+    """With tf.data input, session creation and the chief's ops pull no batch."""
+    replica = cluster_lib.build(sync_replicas=True, faults={2: "nan_loss"},
+                                check_numerics=MODES[mode], nan_policy="skip")
+    seen, bad = [], 0
+    with replica.graph.as_default(), _session(replica, MODES[mode]) as sess:
+        for _ in range(6):
+            loss, index, raised = _step(sess, replica)
+            if raised or not np.isfinite(loss):
+                bad += 1
+            if index is not None:
+                seen.append(int(index))
+        _wait_for_step(sess, replica, 3)  # 5 good batches; a stale one is dropped
+    assert bad == 1
+    # check_numerics mode: the bad run raised, so its batch index was not returned.
+    assert seen == ([0, 1, 3, 4, 5] if MODES[mode] else [0, 1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_bad_gradient_never_enters_the_accumulators(mode):
+    """Two gradients per round: good, bad (not counted), good completes the round."""
+    replica = cluster_lib.build(sync_replicas=True, replicas_to_aggregate=2, fed=True,
+                                check_numerics=MODES[mode], nan_policy="skip")
+    with replica.graph.as_default():
+        counts = [accumulator.num_accumulated()
+                  for accumulator, _ in replica.optimizer._accumulator_list]
+        weights = tf.compat.v1.trainable_variables()
+        with _session(replica, MODES[mode]) as sess:
+            _step(sess, replica, _feed(replica, 0))
+            assert set(_raw(sess, counts)) == {1}
+            before = _raw(sess, weights)
+            _step(sess, replica, _feed(replica, 1, "nan_loss"))
+            assert set(_raw(sess, counts)) == {1}
+            assert _raw(sess, replica.global_step) == 0
+            assert all(np.array_equal(b, a) for b, a in zip(before, _raw(sess, weights)))
+            _step(sess, replica, _feed(replica, 2))
+            _wait_for_step(sess, replica, 1)
+            assert cluster_lib.all_finite(_raw(sess, weights))
+
+
+def test_the_chiefs_aggregated_update_waits_on_its_own_check():
+    replica = cluster_lib.build(sync_replicas=True, fed=True)
+    writes = [op for op in replica.graph.get_operations()
+              if op.type.startswith(("ApplyGradientDescent", "ResourceApplyGradientDescent"))]
+    assert len(writes) == 4  # two layers' weights and biases
+    for op in writes:
+        checks = [c for c in op.control_inputs if c.type.startswith("CheckNumerics")]
+        assert checks and b"aggregated" in checks[0].get_attr("message")
