@@ -38,9 +38,11 @@ that worker, and nothing waits on it.
 
 from __future__ import annotations
 
+import time
 from typing import List, Sequence, Tuple
 
 import tensorflow as tf
+from absl import logging
 
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
 _ACCUMULATE_OP_TYPES = frozenset({
@@ -128,3 +130,125 @@ def _writes_before(roots: Sequence[tf.Operation], stop_at: set) -> List[tf.Opera
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return found
+
+
+# ------------------------------------------------------------------------------------------
+# Cluster-wide decisions: a stop anywhere stops every worker; a ps exits when all are done.
+#
+# Two FIFO queues on the ps, shared by name, carry them (no variable, so nothing is
+# initialised, checkpointed or restored): a worker that stops or gives up enqueues its task id
+# on the stop queue, which every worker's `ClusterStopHook` reads each step; every worker, last
+# thing, enqueues on each ps's done queue, which `serve_ps` waits on.
+
+STOP_QUEUE = "nanguard_cluster_stop"
+DONE_QUEUE = "nanguard_cluster_done"
+
+
+def _stop_queue() -> tf.queue.FIFOQueue:
+    with tf.device("/job:ps/task:0"):
+        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(), shared_name=STOP_QUEUE,
+                                  name=STOP_QUEUE)
+
+
+def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
+    with tf.device(f"/job:ps/task:{ps_task}"):
+        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(),
+                                  shared_name=f"{DONE_QUEUE}_{ps_task}",
+                                  name=f"{DONE_QUEUE}_{ps_task}")
+
+
+class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
+    """Stops this worker's loop once any worker of the cluster asked for a stop.
+
+    Each step fetches, with the train op, the size of the stop queue on ps task 0.
+    """
+
+    def __init__(self):
+        self.stopped_by_peer = False
+        self._size = None
+
+    def begin(self):
+        self._size = _stop_queue().size()
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(self._size)
+
+    def after_run(self, run_context, run_values):
+        if run_values.results:
+            self.stopped_by_peer = True
+            run_context.request_stop()
+
+
+def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.ConfigProto:
+    """A session config that sees only the ps tasks and this task, with an op timeout."""
+    filters = ["/job:ps", f"/job:{job}/task:{task}"] if job == "worker" else [
+        f"/job:ps/task:{task}"]
+    return tf.compat.v1.ConfigProto(device_filters=filters,
+                                    operation_timeout_in_ms=int(timeout_secs * 1000))
+
+
+def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: float = 30) -> bool:
+    """A worker's last word to the ps: a stop if `stop`, then done to every ps.
+
+    Args:
+      target: This worker's server target.
+      task: This worker's task id.
+      num_ps: How many ps tasks.
+      stop: Whether this worker stopped or gave up, so that every other worker stops too.
+      timeout_secs: How long to wait for the ps.
+
+    Returns:
+      Whether any worker (this one included) asked the cluster to stop.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        stop_queue = _stop_queue()
+        ask = stop_queue.enqueue(task) if stop else None
+        size = stop_queue.size()
+        done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
+    config = session_config("worker", task, timeout_secs)
+    try:
+        with tf.compat.v1.Session(target, graph=graph, config=config) as session:
+            if ask is not None:
+                session.run(ask)
+            stopped = int(session.run(size)) > 0
+            session.run(done)
+            return stopped
+    except tf.errors.OpError as err:
+        logging.warning("slim_nanguard: could not tell the ps this worker is done: %s",
+                        str(err).splitlines()[0])
+        return stop
+
+
+def serve_ps(target: str, *, task: int, num_workers: int) -> None:
+    """Serves as ps task `task` until every worker said it is done (see `finish`)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        all_done = _done_queue(task).dequeue_many(num_workers)
+    config = tf.compat.v1.ConfigProto(device_filters=[f"/job:ps/task:{task}"])
+    with tf.compat.v1.Session(target, graph=graph, config=config) as session:
+        session.run(all_done)
+
+
+def wait_for_model(graph: tf.Graph, target: str, config, timeout_secs: float,
+                   poll_secs: float = 0.25) -> None:
+    """Waits until the chief has initialised or restored the model on the ps.
+
+    A non-chief `MonitoredTrainingSession` checks every 30 s; polling here first means it
+    finds the model ready at once.
+
+    Raises:
+      tf.errors.DeadlineExceededError: The model was not ready within `timeout_secs`.
+    """
+    with graph.as_default():
+        # Global ones only: the local ones (sync replicas' local step) are this worker's.
+        not_ready = tf.compat.v1.report_uninitialized_variables(
+            tf.compat.v1.global_variables())
+    deadline = time.monotonic() + timeout_secs
+    with tf.compat.v1.Session(target, graph=graph, config=config) as session:
+        while session.run(not_ready).size:
+            if time.monotonic() > deadline:
+                raise tf.errors.DeadlineExceededError(
+                    None, None, f"the chief did not initialise the model within "
+                    f"{timeout_secs:g}s")
+            time.sleep(poll_secs)
