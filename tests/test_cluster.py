@@ -91,6 +91,35 @@ def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
 
 
+def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
+    flags = ["--check_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
+    exits = _run_cluster(tmp_path, flags,
+                         worker1=["--nan_policy=raise", "--inject_fault=nan_loss:20"])
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+        _explain(exits)
+    assert "NaN" in exits["worker1"].stderr and "Traceback" not in exits["worker1"].stderr
+    assert "another worker of the cluster stopped" in exits["worker0"].stdout
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
+    assert int(final.rsplit("-", 1)[1]) < 5000
+
+
+def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path):
+    """The model lives on the ps: worker 1 restores the chief's latest checkpoint into it."""
+    flags = ["--nocheck_numerics", "--max_number_of_steps=60", "--nan_policy=skip"]
+    exits = _run_cluster(tmp_path, flags,
+                         worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:30"])
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    records = slim_nanguard.read_events(tmp_path)
+    rollbacks = [r for r in records if r["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["task"] == 1
+    assert rollbacks[0]["checkpoint"].startswith(str(tmp_path))
+    assert "rolled back 1" in exits["worker1"].stdout
+
+
 @pytest.mark.parametrize("flags, words", [
     (dict(ps_hosts="127.0.0.1", worker_hosts="127.0.0.1:2", job_name="worker"),
      ["--ps_hosts", "HOST:PORT"]),
