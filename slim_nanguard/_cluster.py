@@ -44,6 +44,8 @@ from typing import List, Sequence, Tuple
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _guard
+
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
 _ACCUMULATE_OP_TYPES = frozenset({
     "AccumulatorApplyGradient", "ResourceAccumulatorApplyGradient",
@@ -160,15 +162,29 @@ def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     """Stops this worker's loop once any worker of the cluster asked for a stop.
 
-    Each step fetches, with the train op, the size of the stop queue on ps task 0.
+    Each step fetches, with the train op, the size of the stop queue on ps task 0. When this
+    worker's guard stopped it, `end` asks the others to stop before the session closes (a
+    sync-replicas chief's close ends the token queue, and the workers waiting on it with it).
+
+    Args:
+      task: This worker's task id.
     """
 
-    def __init__(self):
+    def __init__(self, task: int = 0):
         self.stopped_by_peer = False
-        self._size = None
+        self._task = task
+        self._size = self._ask = None
+        self._stops_before = {}
 
     def begin(self):
-        self._size = _stop_queue().size()
+        queue = _stop_queue()
+        self._size = queue.size()
+        self._ask = queue.enqueue(self._task)
+        self._stops_before = {g: g.state.stops for g in _guard.guards()}
+
+    def end(self, session):
+        if any(g.state.stops > n for g, n in self._stops_before.items()):
+            session.run(self._ask)
 
     def before_run(self, run_context):
         return tf.compat.v1.train.SessionRunArgs(self._size)

@@ -135,7 +135,7 @@ class Cluster:
 
     def hooks(self, optimizer) -> List[tf.compat.v1.train.SessionRunHook]:
         """The sync-replicas hook (after ``apply_gradients``) and the cluster-stop hook."""
-        hooks = [self._state.setdefault("stop_hook", _cluster.ClusterStopHook())]
+        hooks = [self._state.setdefault("stop_hook", _cluster.ClusterStopHook(self.task))]
         if self.sync_replicas:
             hooks.append(optimizer.make_session_run_hook(is_chief=self.is_chief))
         return hooks

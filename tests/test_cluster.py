@@ -91,6 +91,20 @@ def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
 
 
+def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(tmp_path):
+    """The chief's close ends the token queue; worker 1 must not read that as end of data."""
+    flags = ["--check_numerics", "--sync_replicas", "--max_number_of_steps=5000"]
+    with cluster_lib.Cluster(_command(tmp_path, *flags), workers=2, timeout=170) as cluster:
+        cluster.start({"worker0": ["--nan_policy=stop", "--inject_fault=nan_loss:20"]})
+        exits = cluster.wait()
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, \
+        _explain(exits)
+    assert "another worker of the cluster stopped" in exits["worker1"].stdout
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    assert [r["task"] for r in _bad_steps(tmp_path)] == [0]
+
+
 def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
     flags = ["--check_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
     exits = _run_cluster(tmp_path, flags,
