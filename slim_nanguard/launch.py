@@ -698,7 +698,7 @@ def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
             result = _loop.train(
                 built.train_op, train_dir, number_of_steps=config.max_number_of_steps,
                 master=cluster_kwargs.pop("master", config.master), is_chief=config.is_chief,
-                scaffold=built.scaffold, hooks=built.hooks + cluster_kwargs.pop("hooks", []), **cluster_kwargs,
+                scaffold=built.scaffold, hooks=built.hooks, **cluster_kwargs,
                 save_checkpoint_secs=None if config.save_interval_steps else
                 (config.save_interval_secs or None),
                 save_checkpoint_steps=config.save_interval_steps or None,

@@ -35,6 +35,10 @@ from slim_nanguard import launch
 
 JOBS = ("ps", "worker")
 
+# The launcher's flags that go to `Cluster` (with --task, which TrainConfig has too).
+CLUSTER_FLAGS = ("ps_hosts", "worker_hosts", "job_name", "sync_replicas",
+                 "replicas_to_aggregate", "ps_timeout_secs")
+
 # TrainResult.stop_reason of a worker that another worker's stop (or error) stopped.
 STOP_CLUSTER = "cluster_stop"
 
@@ -252,4 +256,4 @@ def describe(cluster: Cluster) -> str:
             f"of {len(cluster.ps_hosts)} ps + {len(cluster.worker_hosts)} workers, {mode}")
 
 
-__all__ = ["Cluster", "JOBS", "STOP_CLUSTER", "describe", "from_flags", "run_ps", "wait_for_ps"]
+__all__ = ["CLUSTER_FLAGS", "Cluster", "JOBS", "STOP_CLUSTER", "describe", "from_flags", "run_ps", "wait_for_ps"]
