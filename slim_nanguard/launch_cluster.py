@@ -256,4 +256,5 @@ def describe(cluster: Cluster) -> str:
             f"of {len(cluster.ps_hosts)} ps + {len(cluster.worker_hosts)} workers, {mode}")
 
 
-__all__ = ["CLUSTER_FLAGS", "Cluster", "JOBS", "STOP_CLUSTER", "describe", "from_flags", "run_ps", "wait_for_ps"]
+__all__ = ["CLUSTER_FLAGS", "Cluster", "JOBS", "STOP_CLUSTER", "describe", "from_flags",
+           "run_ps", "wait_for_ps"]

@@ -190,3 +190,15 @@ def test_an_unreachable_ps_is_one_clear_line_and_exit_1(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "--ps_hosts" in lines[0]
     assert not train_dir.exists()
+
+
+def test_read_events_returns_every_tasks_records_oldest_first(tmp_path):
+    chief = slim_nanguard.EventRecorder(str(tmp_path), write_summaries=False, task=0)
+    worker1 = slim_nanguard.EventRecorder(str(tmp_path), write_summaries=False, task=1)
+    worker1({"kind": "bad_step", "step": 3, "time": 1.0})
+    chief({"kind": "bad_step", "step": 4, "time": 2.0})
+    worker1({"kind": "stop", "reason": "nan_policy_stop", "time": 3.0})
+    assert pathlib.Path(worker1.path).name == "nanguard_events.task1.jsonl"
+    assert [(r["task"], r["kind"]) for r in slim_nanguard.read_events(tmp_path)] == [
+        (1, "bad_step"), (0, "bad_step"), (1, "stop")]
+    assert [r["task"] for r in slim_nanguard.read_events(worker1.path)] == [1, 1]

@@ -148,3 +148,32 @@ def test_the_chiefs_aggregated_update_waits_on_its_own_check():
     for op in writes:
         checks = [c for c in op.control_inputs if c.type.startswith("CheckNumerics")]
         assert checks and b"aggregated" in checks[0].get_attr("message")
+
+
+def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
+    """Two finite gradients of 2e38 sum to Inf in the accumulator: the chief's check catches it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        scale = tf.compat.v1.placeholder(tf.float32, [], name="scale")
+        w = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.constant_initializer(0.5))
+        optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(1e-3), replicas_to_aggregate=2,
+            total_num_replicas=2)
+        train_op = slim_nanguard.create_train_op(w * scale, optimizer, nan_policy="skip")
+        hook = optimizer.make_session_run_hook(is_chief=True)
+        session = tf.compat.v1.train.MonitoredTrainingSession(
+            is_chief=True, hooks=[hook], save_checkpoint_secs=None, save_summaries_steps=None,
+            save_summaries_secs=None, log_step_count_steps=None, stop_grace_period_secs=1)
+        # The check's error stops the chief's coordinator; the session raises it at the latest
+        # when it closes (a run in between may first see the token queue closed).
+        with pytest.raises(tf.errors.InvalidArgumentError, match="aggregated gradient"):
+            with session as sess:
+                sess.run(train_op, {scale: 2e38})  # each gradient is finite: both pass the guard
+                sess.run(train_op, {scale: 2e38})
+                time.sleep(0.5)  # the chief's queue runner takes the round, fails its check
+                assert _raw(sess, w) == 0.5
+                assert _raw(sess, tf.compat.v1.train.get_global_step()) == 0
+                try:
+                    sess.run(train_op, {scale: 1.0})
+                except tf.errors.OutOfRangeError:
+                    pass
