@@ -210,6 +210,7 @@ def main(argv):
     logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
     tf.compat.v1.disable_v2_behavior()
     compat.install()
+    cluster = None
     try:
         cluster = launch_cluster.from_flags(
             ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
@@ -241,6 +242,8 @@ def main(argv):
         result = launch.run_training(config, cluster)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
+        if cluster is not None:
+            cluster.finish(None)  # a worker failing early still stops the others, frees the ps
         return fail(err)
     print(launch.describe_training(result, config), flush=True)
     if eval_config is not None and result.checkpoint and config.is_chief:

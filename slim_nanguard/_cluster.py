@@ -203,11 +203,13 @@ def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.Con
                                     operation_timeout_in_ms=int(timeout_secs * 1000))
 
 
-def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: float = 30) -> bool:
+def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: float = 30,
+           job: str = "worker") -> bool:
     """A worker's last word to the ps: a stop if `stop`, then done to every ps.
 
     Args:
-      target: This worker's server target.
+      target: This worker's server target (or ps 0's, with ``job="ps"``, for a worker that
+        failed before it started its server).
       task: This worker's task id.
       num_ps: How many ps tasks.
       stop: Whether this worker stopped or gave up, so that every other worker stops too.
@@ -222,7 +224,9 @@ def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: flo
         ask = stop_queue.enqueue(task) if stop else None
         size = stop_queue.size()
         done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
-    config = session_config("worker", task, timeout_secs)
+    config = (session_config("worker", task, timeout_secs) if job == "worker" else
+              tf.compat.v1.ConfigProto(device_filters=["/job:ps"],
+                                       operation_timeout_in_ms=int(timeout_secs * 1000)))
     try:
         with tf.compat.v1.Session(target, graph=graph, config=config) as session:
             if ask is not None:

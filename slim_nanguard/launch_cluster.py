@@ -176,12 +176,21 @@ class Cluster:
           `result`, with ``stop_reason`` ``cluster_stop`` when another worker stopped the
           cluster.
         """
+        if self._state.get("finished") or self.job_name != "worker":
+            return result  # once only: the ps counts one goodbye per worker
+        self._state["finished"] = True
         server = self._state.get("server")
-        if server is None:
-            return result
+        if server is not None:
+            target, job = server.target, "worker"
+        else:  # It failed before it started its server: through ps 0's, once it answers.
+            try:
+                wait_for_ps(self)
+            except launch.LaunchError:
+                return result  # no ps to tell
+            target, job = f"grpc://{self.ps_hosts[0]}", "ps"
         stopped_here = result is None or result.stop_reason == _loop.STOP_POLICY
-        stopped = _cluster.finish(server.target, task=self.task, num_ps=len(self.ps_hosts),
-                                  stop=stopped_here)
+        stopped = _cluster.finish(target, task=self.task, num_ps=len(self.ps_hosts),
+                                  stop=stopped_here, job=job)
         if result is not None and stopped and not stopped_here and (
                 result.stop_reason != _loop.STOP_STEP_LIMIT):
             result = dataclasses.replace(result, stop_reason=STOP_CLUSTER)

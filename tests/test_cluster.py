@@ -53,23 +53,23 @@ def _bad_steps(train_dir):
 def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_path, mode,
                                                                           sync):
     """Worker 1 skips 4 bad batches; the cluster trains on to the step limit."""
-    flags = [MODES[mode], "--max_number_of_steps=40", "--nan_policy=skip"]
+    flags = [MODES[mode], "--max_number_of_steps=80", "--nan_policy=skip"]
     if sync:
         flags.append("--sync_replicas")
     exits = _run_cluster(tmp_path, flags, worker1=["--inject_fault=nan_loss:3-6"])
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
-    for name in ("worker0", "worker1"):  # async: both may run the last step, so 40 or 41
-        assert re.search(r"reached the step limit at global step 4[01]/40",
+    for name in ("worker0", "worker1"):  # async: both may run the last step, so 80 or 81
+        assert re.search(r"reached the step limit at global step 8[01]/80",
                          exits[name].stdout), exits[name].stdout
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 2
-    assert int(slim_nanguard.latest_good_checkpoint(str(tmp_path)).rsplit("-", 1)[1]) >= 40
+    assert int(slim_nanguard.latest_good_checkpoint(str(tmp_path)).rsplit("-", 1)[1]) >= 80
     # Each record of a bad step is worker 1's own: its NaN loss, not the chief's sums (which
     # overwrote them when the sums lived on the ps).
     bad = _bad_steps(tmp_path)
     assert len(bad) == 4 and {r["task"] for r in bad} == {1}
     assert all(r["loss_kind"] == "nan" and r["culprits"] == [] and r["action"] == "skip"
-               and 0 <= r["step"] <= 41 and r["mode"] == mode for r in bad), bad
+               and 0 <= r["step"] <= 81 and r["mode"] == mode for r in bad), bad
     stops = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"]
     assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"),
                                                                 (1, "step_limit")]
@@ -122,11 +122,24 @@ def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
     assert int(final.rsplit("-", 1)[1]) < 5000
 
 
+def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path):
+    """Worker 1 fails before it starts its server; it still tells the ps, via ps 0's."""
+    flags = ["--max_number_of_steps=5000"]
+    exits = _run_cluster(tmp_path, flags, worker1=["--dataset_name=tfrecord"])
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+        _explain(exits)
+    assert "--dataset_dir" in exits["worker1"].stderr
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+
+
 def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path):
     """The model lives on the ps: worker 1 restores the chief's latest checkpoint into it."""
-    flags = ["--nocheck_numerics", "--max_number_of_steps=60", "--nan_policy=skip"]
+    # Worker 1 starts training within about a poll (0.25 s) of the chief, and the chief's first
+    # checkpoint (step 0) comes first; batch 10 leaves a margin for both.
+    flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
     exits = _run_cluster(tmp_path, flags,
-                         worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:30"])
+                         worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"])
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     cluster_lib.assert_checkpoints_finite(tmp_path)
