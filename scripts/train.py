@@ -43,6 +43,7 @@ with _quiet_start.quiet_imports(sys.argv):
     from slim_nanguard import datasets  # noqa: E402
     from slim_nanguard import faults  # noqa: E402
     from slim_nanguard import launch  # noqa: E402
+    from slim_nanguard import launch_cluster  # noqa: E402
     from slim_nanguard import models  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -122,6 +123,18 @@ flags.DEFINE_boolean("ignore_missing_vars", False, "Leave variables missing from
 # ----------------------------------------------------------------------- distribution
 flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
 flags.DEFINE_integer("task", 0, "Task id; task 0 is the chief.", lower_bound=0)
+flags.DEFINE_list("ps_hosts", [], "Parameter servers, HOST:PORT comma-separated (with "
+                  "--worker_hosts, --job_name and --task: a ps/worker cluster; or TF_CONFIG).")
+flags.DEFINE_list("worker_hosts", [], "Workers, HOST:PORT comma-separated; worker 0 is the "
+                  "chief (checkpoints, summaries, evaluation).")
+flags.DEFINE_enum("job_name", None, ("ps", "worker"), "This task's job in the cluster.")
+flags.DEFINE_boolean("sync_replicas", False, "Aggregate the workers' gradients each step "
+                     "(SyncReplicasOptimizer) instead of training asynchronously.")
+flags.DEFINE_integer("replicas_to_aggregate", None, "With --sync_replicas: gradients per "
+                     "step (default: one per worker; fewer gives backup workers).",
+                     lower_bound=1)
+flags.DEFINE_float("ps_timeout_secs", 60.0, "How long a worker waits for the ps to answer.",
+                   lower_bound=0.0)
 
 # ----------------------------------------------------------------------- the guard
 flags.DEFINE_boolean("check_numerics", True, "The guard's mode: a bad step raises inside the "
@@ -214,8 +227,20 @@ def main(argv):
     logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
     tf.compat.v1.disable_v2_behavior()
     compat.install()
+    cluster = None
     try:
+        cluster = launch_cluster.from_flags(
+            ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
+            task=FLAGS.task, sync_replicas=FLAGS.sync_replicas,
+            replicas_to_aggregate=FLAGS.replicas_to_aggregate,
+            tf_config=os.environ.get("TF_CONFIG"), ps_timeout_secs=FLAGS.ps_timeout_secs)
+        if cluster is not None and cluster.job_name == "ps":
+            launch_cluster.run_ps(cluster)  # returns once every worker is done
+            print(f"ps task {cluster.task}: every worker is done.", flush=True)
+            return 0
         config = train_config_from_flags()
+        if cluster is not None:
+            config = dataclasses.replace(config, task=cluster.task)
         eval_config = None
         if FLAGS.eval_split_name:
             eval_config = launch.EvalConfig(
@@ -229,11 +254,13 @@ def main(argv):
             try:
                 launch.check_eval_dataset(eval_config, split_flag="--eval_split_name")
             except ValueError as err:
-                raise launch.LaunchError(f"{err} (--eval_split_name='' skips the "
-                                         "evaluation)") from None
-        result = launch.run_training(config)
+                raise launch.LaunchError(f"--eval_split_name={FLAGS.eval_split_name}: {err} "
+                                         "(--eval_split_name='' skips the evaluation)") from None
+        result = launch.run_training(config, cluster)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
+        if cluster is not None:
+            cluster.finish(None)  # a worker failing early still stops the others, frees the ps
         return fail(err)
     print(launch.describe_training(result, config), flush=True)
     if eval_config is not None and result.checkpoint and config.is_chief:
@@ -243,7 +270,7 @@ def main(argv):
             print(f"  evaluation    {evaluation.describe()}", flush=True)
         except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
             print(f"  evaluation    not possible: {launch.error_message(err)}", flush=True)
-    if result.stop_reason == "nan_policy_stop":
+    if result.stop_reason in ("nan_policy_stop", launch_cluster.STOP_CLUSTER):
         return EXIT_NAN_STOP
     if result.stop_reason == "interrupted":
         return EXIT_INTERRUPTED

@@ -105,6 +105,26 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
         graph._set_control_flow_context(context)  # pylint: disable=protected-access
 
 
+@contextlib.contextmanager
+def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
+    """Where the guard makes a variable of its own (sums, a kept batch, the judged flag).
+
+    Outside any control-flow construct and any function body, so that a train op built in a
+    while loop still builds; and colocated with `near`, a tensor of the step, so that the
+    variable stays on the worker that computes it. A `replica_device_setter` would otherwise
+    put it on a parameter server, shared by every worker, which would overwrite each other's.
+    A tensor of a function body cannot be colocated with from outside it: there the variable
+    takes the device scope in force.
+    """
+    in_function = getattr(graph, "building_function", False)
+    with outside_control_flow(graph), tf.init_scope():
+        if in_function:
+            yield
+        else:
+            with tf.compat.v1.colocate_with(near.op, ignore_existing=True):
+                yield
+
+
 def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *,
                enabled: bool = True,
                tensors: Optional[Sequence[tf.Tensor]] = None, merge: bool = True) -> Capture:
@@ -133,8 +153,7 @@ def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
-            # Out of a v1 loop's context and out of a function body (a while_v2 loop).
-            with outside_control_flow(graph), tf.init_scope():
+            with guard_variable_scope(graph, tensor):
                 empty = tf.constant([], dtype=tensor.dtype.base_dtype)
                 variable = tf.compat.v1.Variable(
                     empty, trainable=False, collections=[], validate_shape=False,

@@ -237,7 +237,9 @@ def train(train_op: tf.Tensor,
           config: Optional[tf.compat.v1.ConfigProto] = None,
           log_every_n_steps: int = 100,
           max_checkpoints_to_keep: int = 5,
-          handle_sigint: bool = True) -> TrainResult:
+          handle_sigint: bool = True,
+          stop_grace_period_secs: float = 120,
+          task: Optional[int] = None) -> TrainResult:
     """Runs a guarded train op until a step limit, a stop, or the end of the data.
 
     The arguments follow `tf_slim.training.train`. The loop works in both modes: in hook mode
@@ -267,6 +269,10 @@ def train(train_op: tf.Tensor,
       max_checkpoints_to_keep: Checkpoints kept on disk.
       handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
         summary; ``stop_reason`` ``interrupted`` or ``terminated``).
+      stop_grace_period_secs: How long the session's end waits for its threads (a sync-replicas
+        chief's queue runner blocks in take_grad until the session closes).
+      task: The task id in a cluster: records name it, and task N > 0 writes its own record
+        (see `read_events`); only the chief writes TensorBoard scalars. None: no cluster.
 
     Returns:
       A `TrainResult`.
@@ -296,7 +302,7 @@ def train(train_op: tf.Tensor,
     graph = train_op.graph
     resume_from = _checkpoints.latest_good_checkpoint(logdir) if is_chief else None
 
-    recorder = _record.EventRecorder(logdir)
+    recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
     guard.autopsy_dir = logdir  # Autopsy dumps go next to the checkpoints.
     first_state = dataclasses.replace(guard.state)
@@ -331,7 +337,7 @@ def train(train_op: tf.Tensor,
                 logging.info("slim_nanguard: resuming from %s", resume_from)
             outcome = _run(train_op, guard, logdir, scaffold, master, is_chief, config,
                            all_hooks, chief_hooks, progress, first_state, handle_sigint,
-                           number_of_steps)
+                           number_of_steps, stop_grace_period_secs=stop_grace_period_secs)
     except _errors.NanLossError as err:
         recorder.append({"kind": "stop", "reason": STOP_NAN_ERROR, "time": time.time(),
                          "message": str(err), "checkpoint": err.checkpoint})
@@ -345,6 +351,10 @@ def train(train_op: tf.Tensor,
         last_step = int(final_hook.final_ops_values["global_step"])
         # The scale the model holds: in a resumed run, the one its checkpoint carried on.
         lr_scale = float(final_hook.final_ops_values.get("learning_rate_scale", lr_scale))
+    if (stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and number_of_steps is not None
+            and last_step >= number_of_steps):
+        # The global step reached the limit; other workers (a cluster) made part of it.
+        stop_reason = STOP_STEP_LIMIT
     state = guard.state
     result = TrainResult(
         final_loss=final_loss, global_step=last_step, steps=steps,
@@ -430,7 +440,7 @@ def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_s
 
 
 def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chief_hooks,
-         progress, first_state, handle_sigint, number_of_steps):
+         progress, first_state, handle_sigint, number_of_steps, stop_grace_period_secs=120):
     """The loop itself; returns (final loss, good steps, stop reason, global step)."""
     final_loss, steps, step = float("nan"), 0, -1
     stop_reason = None
@@ -446,7 +456,7 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 master=master, is_chief=is_chief, checkpoint_dir=None, scaffold=scaffold,
                 hooks=hooks, chief_only_hooks=chief_hooks, save_checkpoint_secs=None,
                 save_summaries_steps=None, save_summaries_secs=None, config=config,
-                log_step_count_steps=None) as sess:
+                log_step_count_steps=None, stop_grace_period_secs=stop_grace_period_secs) as sess:
         step = read_step(sess)
         progress.start(step)
         if number_of_steps is not None and step >= number_of_steps:

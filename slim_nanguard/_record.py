@@ -7,6 +7,7 @@ can at worst leave a partial last line; `read_events` skips it, so earlier lines
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -16,6 +17,12 @@ import tensorflow as tf
 from absl import logging
 
 EVENTS_FILENAME = "nanguard_events.jsonl"
+
+
+def events_filename(task: Optional[int] = None) -> str:
+    """The record of one task of a cluster: task 0 (the chief, or no cluster) keeps the usual
+    name, task N writes ``nanguard_events.taskN.jsonl`` next to it."""
+    return EVENTS_FILENAME if not task else f"nanguard_events.task{task}.jsonl"
 
 
 class EventRecorder:
@@ -28,10 +35,14 @@ class EventRecorder:
       summary_writer: Where the scalars go; default: the `FileWriterCache` writer of
         `logdir` (the one the training session's summaries use). None-able for tests.
       write_summaries: False to write the JSON lines only.
+      task: The task id in a cluster: each record gets a ``task`` field, and task N > 0
+        writes its own file (`events_filename`). None: no cluster.
     """
 
-    def __init__(self, logdir: str, summary_writer=None, write_summaries: bool = True):
-        self.path = os.path.join(logdir, EVENTS_FILENAME)
+    def __init__(self, logdir: str, summary_writer=None, write_summaries: bool = True,
+                 task: Optional[int] = None):
+        self.path = os.path.join(logdir, events_filename(task))
+        self.task = task
         self._logdir = logdir
         self._writer = summary_writer
         self._write_summaries = write_summaries
@@ -61,6 +72,8 @@ class EventRecorder:
         If an earlier run died mid-line, the partial line is closed first, so that it stays
         one unreadable line instead of swallowing this one.
         """
+        if self.task is not None:
+            record = {"task": self.task, **record}
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
         if _ends_mid_line(self.path):
             line = "\n" + line
@@ -71,6 +84,8 @@ class EventRecorder:
 
     def write_scalars(self, step: int, loss: Optional[float] = None) -> None:
         """Writes the counters (and the loss, when given) as scalars at `step`."""
+        if not self._write_summaries:
+            return
         writer = self._writer
         if writer is None:
             writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
@@ -97,6 +112,9 @@ def _ends_mid_line(path: str) -> bool:
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
     """Reads the records of a run; a partial last line (a crash mid-write) is skipped.
 
+    A directory written by a cluster holds one file per task (`events_filename`); their
+    records are merged by time, each with its ``task`` field.
+
     Args:
       logdir_or_path: The training directory or the ``.jsonl`` file itself.
 
@@ -105,6 +123,11 @@ def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
     """
     path = logdir_or_path
     if os.path.isdir(path):
+        tasks = sorted(glob.glob(os.path.join(path, "nanguard_events.task*.jsonl")))
+        if tasks:
+            merged = [r for p in [os.path.join(path, EVENTS_FILENAME)] + tasks
+                      for r in read_events(p)]
+            return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
         path = os.path.join(path, EVENTS_FILENAME)
     if not os.path.exists(path):
         return []

@@ -46,6 +46,7 @@ from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
+from slim_nanguard import _cluster
 from slim_nanguard import _guard
 from slim_nanguard import _policy
 
@@ -221,8 +222,9 @@ def create_train_op(total_loss: tf.Tensor,
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
             # checkpoints nor initialised (it is only read after a write).
-            # Made outside any control-flow construct (a train op built in a while loop).
-            with tf.init_scope():
+            # Made outside any loop the train op is built in, and on this worker: a
+            # replica_device_setter would put it on the ps, shared by all workers.
+            with _capture.guard_variable_scope(graph, grad_sums):
                 diagnostics = tf.compat.v1.Variable(
                     tf.zeros(kept.shape, kept.dtype), trainable=False,
                     collections=[], use_resource=True, name="gradient_sums")
@@ -271,7 +273,7 @@ def create_train_op(total_loss: tf.Tensor,
                 # unseen. The variable is in no collection: no initializer, Saver or
                 # readiness check touches it. Both tests wait on the bad branch, so they run
                 # on bad steps only.
-                with tf.init_scope():  # Outside any while loop the train op is built in.
+                with _capture.guard_variable_scope(graph, grad_sums):
                     judged = tf.compat.v1.Variable(True, trainable=False, collections=[],
                                                    use_resource=True, name="judged")
                 bad_pivot = tf.identity(untaken)
@@ -294,10 +296,15 @@ def create_train_op(total_loss: tf.Tensor,
                 gate, finite_gate, ok, bad_done = scaler.gates(gate, ok, bad_done)
 
         first_new_op = len(graph.get_operations())
-        with tf.control_dependencies([gate]):
-            grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
-        new_ops = graph.get_operations()[first_new_op:]
-        gated = _gate_writes(graph, new_ops, gate)
+        if _cluster.is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
+            grad_updates, gated = _cluster.apply_sync_replicas(optimizer, grads, global_step,
+                                                               gate)
+            new_ops = []
+        else:
+            with tf.control_dependencies([gate]):
+                grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
+            new_ops = graph.get_operations()[first_new_op:]
+            gated = _gate_writes(graph, new_ops, gate)
         gated_updates = _gate_update_ops(update_ops, gate, restored)
         gated += gated_updates
         if finite_gate is not None:

@@ -566,16 +566,18 @@ class _Built:
     train_op: tf.Tensor
     scaffold: Optional[tf.compat.v1.train.Scaffold]
     info: datasets.DatasetInfo
+    hooks: list = dataclasses.field(default_factory=list)
 
 
-def _build_training(config: TrainConfig, resume: bool) -> _Built:
+def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
     """Builds the training graph; reads no file in train_dir and writes nothing."""
     image_size = _image_size(config.model_name, config.train_image_size)
     fine_tune_from = None
     if config.checkpoint_path is not None and not resume:
         fine_tune_from = resolve_checkpoint(config.checkpoint_path)
     graph = tf.Graph()
-    with graph.as_default():
+    # A cluster's worker: variables on the ps, everything else on this worker.
+    with graph.as_default(), tf.compat.v1.device(cluster.device_setter() if cluster else None):
         if config.seed is not None:
             tf.compat.v1.set_random_seed(config.seed)
         with tf.device("/cpu:0"):
@@ -606,6 +608,8 @@ def _build_training(config: TrainConfig, resume: bool) -> _Built:
         global_step = tf.compat.v1.train.get_or_create_global_step()
         learning_rate = _learning_rate(config, global_step, info.split_size)
         optimizer = _optimizer(config, learning_rate)
+        if cluster is not None:
+            optimizer = cluster.wrap_optimizer(optimizer)  # SyncReplicasOptimizer, if asked
         tf.compat.v1.summary.scalar("losses/total_loss", total_loss)
 
         variables_to_train = None
@@ -633,7 +637,8 @@ def _build_training(config: TrainConfig, resume: bool) -> _Built:
         scaffold = None
         if fine_tune_from is not None:
             scaffold = _fine_tune_scaffold(config, fine_tune_from)
-    return _Built(graph=graph, train_op=train_op, scaffold=scaffold, info=info)
+    hooks = cluster.hooks(optimizer) if cluster is not None else []
+    return _Built(graph=graph, train_op=train_op, scaffold=scaffold, info=info, hooks=hooks)
 
 
 def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Scaffold:
@@ -685,7 +690,7 @@ def _check_resume(config: TrainConfig, built: _Built, checkpoint: str) -> None:
                 "model_name): resume with the same flags, or use a new --train_dir.")
 
 
-def run_training(config: TrainConfig) -> _loop.TrainResult:
+def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
     """Builds the graph of `config` and trains it with `slim_nanguard.train`.
 
     Everything is checked and the graph built before ``config.train_dir`` is created; if the
@@ -694,6 +699,8 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
 
     Args:
       config: A `TrainConfig`.
+      cluster: For a worker of a ps/worker cluster, its `launch_cluster.Cluster` (then
+        ``config.task`` is the worker's index; worker 0 is the chief).
 
     Returns:
       The `slim_nanguard.TrainResult` of the run.
@@ -716,16 +723,18 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
     if existing and config.checkpoint_path:
         logging.info("Ignoring --checkpoint_path because %s already holds a checkpoint: "
                      "resuming from %s.", train_dir, existing)
-    built = _build_training(config, resume=existing is not None)
+    built = _build_training(config, resume=existing is not None, cluster=cluster)
     if existing:
         _check_resume(config, built, existing)
 
     created = not os.path.exists(train_dir)
     try:
+        cluster_kwargs = cluster.start(built.graph) if cluster is not None else {}
         with built.graph.as_default():
-            return _loop.train(
+            result = _loop.train(
                 built.train_op, train_dir, number_of_steps=config.max_number_of_steps,
-                master=config.master, is_chief=config.is_chief, scaffold=built.scaffold,
+                master=cluster_kwargs.pop("master", config.master), is_chief=config.is_chief,
+                scaffold=built.scaffold, hooks=built.hooks, **cluster_kwargs,
                 save_checkpoint_secs=None if config.save_interval_steps else
                 (config.save_interval_secs or None),
                 save_checkpoint_steps=config.save_interval_steps or None,
@@ -735,7 +744,9 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
                 log_every_n_steps=config.log_every_n_steps,
                 max_checkpoints_to_keep=config.max_checkpoints_to_keep)
     except BaseException as err:
-        if created and not isinstance(err, _errors.NanLossError):
+        if cluster is not None:
+            cluster.finish(None)  # tells the others to stop, and the ps this worker is done
+        if created and config.is_chief and not isinstance(err, _errors.NanLossError):
             _remove_if_unused(train_dir)
         if isinstance(err, tf.errors.OpError) and config.dataset_name == "tfrecord":
             # The input pipeline's error names neither the file nor the record: find them.
@@ -747,6 +758,7 @@ def run_training(config: TrainConfig) -> _loop.TrainResult:
                     f"{found}: re-run the conversion that wrote it, or move the file out of "
                     "--dataset_dir.") from err
         raise
+    return cluster.finish(result) if cluster is not None else result
 
 
 def _remove_if_unused(train_dir: str) -> None:
@@ -885,6 +897,7 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
         _loop.STOP_TERMINATED: "terminated (SIGTERM), stopped cleanly",
         _loop.STOP_END_OF_DATA: "the input ran out",
         _loop.STOP_REQUESTED: "a hook asked to stop",
+        "cluster_stop": "stopped because another worker of the cluster stopped or failed",
     }
     lines = [
         f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import datasets
+from slim_nanguard import launch_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
@@ -306,6 +307,7 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     assert proc.returncode == 0, proc.stderr[-2000:]
     flag_names, fields = json.loads(proc.stdout.strip().splitlines()[-1])
     launcher_only = {"eval_split_name", "inject_fault"}  # eval's split; parsed into faults
+    launcher_only |= set(launch_cluster.CLUSTER_FLAGS)  # to launch_cluster.Cluster instead
     assert set(flag_names) - launcher_only == set(fields) - {"inject_faults"}
 
 

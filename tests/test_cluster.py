@@ -1,0 +1,217 @@
+"""Real loopback clusters: 1 ps and 2 workers, each its own process, started by the launcher.
+
+Every cluster runs on free 127.0.0.1 ports found at run time; every process is bounded by a
+timeout and ended by its own PID (`cluster_lib.Cluster`). The faults are NaN losses, so what
+the tests assert holds on any CPU kernel: nothing non-finite reaches the ps (every checkpoint
+the chief wrote is finite), worker 1's records name it and say what the bad step was, and
+every process exits with the status its role and the policy say.
+"""
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import cluster_lib
+import slim_nanguard
+from slim_nanguard import launch
+from slim_nanguard import launch_cluster
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "scripts" / "train.py")
+MODES = {"check_numerics": "--check_numerics", "hook": "--nocheck_numerics"}
+_LOG_LINE = re.compile(r"^(WARNING: All log messages|To enable the following|[IWEF]\d{4} )")
+
+
+def _command(train_dir, *flags):
+    return [sys.executable, TRAIN, f"--train_dir={train_dir}", "--save_interval_steps=20",
+            "--log_every_n_steps=0", "--eval_split_name=", "--save_summaries_steps=0",
+            "--save_summaries_secs=0", *flags]
+
+
+def _run_cluster(train_dir, flags, worker1=()):
+    with cluster_lib.Cluster(_command(train_dir, *flags), workers=2, timeout=170) as cluster:
+        cluster.start({"worker1": list(worker1)})
+        exits = cluster.wait()
+    return exits
+
+
+def _explain(exits):
+    return "\n".join(f"--- {name} exit {e.code}\n{e.tail()}" for name, e in exits.items())
+
+
+def _bad_steps(train_dir):
+    return [r for r in slim_nanguard.read_events(train_dir) if r["kind"] == "bad_step"]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_path, mode,
+                                                                          sync):
+    """Worker 1 skips 4 bad batches; the cluster trains on to the step limit."""
+    flags = [MODES[mode], "--max_number_of_steps=80", "--nan_policy=skip"]
+    if sync:
+        flags.append("--sync_replicas")
+    exits = _run_cluster(tmp_path, flags, worker1=["--inject_fault=nan_loss:3-6"])
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    for name in ("worker0", "worker1"):  # async: both may run the last step, so 80 or 81
+        assert re.search(r"reached the step limit at global step 8[01]/80",
+                         exits[name].stdout), exits[name].stdout
+    assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 2
+    assert int(slim_nanguard.latest_good_checkpoint(str(tmp_path)).rsplit("-", 1)[1]) >= 80
+    # Each record of a bad step is worker 1's own: its NaN loss, not the chief's sums (which
+    # overwrote them when the sums lived on the ps).
+    bad = _bad_steps(tmp_path)
+    assert len(bad) == 4 and {r["task"] for r in bad} == {1}
+    assert all(r["loss_kind"] == "nan" and r["culprits"] == [] and r["action"] == "skip"
+               and 0 <= r["step"] <= 81 and r["mode"] == mode for r in bad), bad
+    stops = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"]
+    assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"),
+                                                                (1, "step_limit")]
+
+
+def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
+    """Worker 1 stops at its bad batch; the chief follows with a final finite checkpoint."""
+    flags = ["--nocheck_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
+    exits = _run_cluster(tmp_path, flags,
+                         worker1=["--nan_policy=stop", "--inject_fault=nan_loss:20"])
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, \
+        _explain(exits)
+    assert "stopped by --nan_policy=stop" in exits["worker1"].stdout
+    assert "another worker of the cluster stopped" in exits["worker0"].stdout
+    assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 1
+    final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
+    assert int(final.rsplit("-", 1)[1]) < 5000  # stopped early, with a closing checkpoint
+    stops = {r["task"]: r["reason"] for r in slim_nanguard.read_events(tmp_path)
+             if r["kind"] == "stop"}
+    assert stops[1] == "nan_policy_stop"
+    assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
+
+
+def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(tmp_path):
+    """The chief's close ends the token queue; worker 1 must not read that as end of data."""
+    flags = ["--check_numerics", "--sync_replicas", "--max_number_of_steps=5000"]
+    with cluster_lib.Cluster(_command(tmp_path, *flags), workers=2, timeout=170) as cluster:
+        cluster.start({"worker0": ["--nan_policy=stop", "--inject_fault=nan_loss:20"]})
+        exits = cluster.wait()
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, \
+        _explain(exits)
+    assert "another worker of the cluster stopped" in exits["worker1"].stdout
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    assert [r["task"] for r in _bad_steps(tmp_path)] == [0]
+
+
+def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
+    flags = ["--check_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
+    exits = _run_cluster(tmp_path, flags,
+                         worker1=["--nan_policy=raise", "--inject_fault=nan_loss:20"])
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+        _explain(exits)
+    assert "NaN" in exits["worker1"].stderr and "Traceback" not in exits["worker1"].stderr
+    assert "another worker of the cluster stopped" in exits["worker0"].stdout
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
+    assert int(final.rsplit("-", 1)[1]) < 5000
+
+
+def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path):
+    """Worker 1 fails before it starts its server; it still tells the ps, via ps 0's."""
+    flags = ["--max_number_of_steps=5000"]
+    exits = _run_cluster(tmp_path, flags, worker1=["--dataset_name=tfrecord"])
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+        _explain(exits)
+    assert "--dataset_dir" in exits["worker1"].stderr
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+
+
+def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path):
+    """The model lives on the ps: worker 1 restores the chief's latest checkpoint into it."""
+    # Worker 1 starts training within about a poll (0.25 s) of the chief, and the chief's first
+    # checkpoint (step 0) comes first; batch 10 leaves a margin for both.
+    flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
+    exits = _run_cluster(tmp_path, flags,
+                         worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"])
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    records = slim_nanguard.read_events(tmp_path)
+    rollbacks = [r for r in records if r["kind"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["task"] == 1
+    assert rollbacks[0]["checkpoint"].startswith(str(tmp_path))
+    assert "rolled back 1" in exits["worker1"].stdout
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(ps_hosts="127.0.0.1", worker_hosts="127.0.0.1:2", job_name="worker"),
+     ["--ps_hosts", "HOST:PORT"]),
+    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2,127.0.0.1:3", job_name="worker",
+          task=2), ["--task=2", "out of range"]),
+    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2"), ["--job_name"]),
+    (dict(job_name="worker"), ["--job_name=worker", "--ps_hosts"]),
+    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2", job_name="worker",
+          replicas_to_aggregate=2), ["--replicas_to_aggregate=2"]),
+])
+def test_bad_cluster_flags_name_the_flag(flags, words):
+    args = dict(ps_hosts=[], worker_hosts=[], job_name=None, task=0, sync_replicas=False,
+                replicas_to_aggregate=None, tf_config=None)
+    args.update(flags)
+    with pytest.raises(launch.LaunchError) as info:
+        launch_cluster.from_flags(**args)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    for word in words:
+        assert word in message
+
+
+def test_every_cluster_flag_is_a_field_of_the_cluster():
+    fields = {f.name for f in dataclasses.fields(launch_cluster.Cluster)} - {"_state"}
+    assert fields == set(launch_cluster.CLUSTER_FLAGS) | {"task"}
+
+
+def test_tf_config_describes_the_same_cluster_as_the_flags():
+    tf_config = ('{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", '
+                 '"127.0.0.1:3"]}, "task": {"type": "worker", "index": 1}}')
+    cluster = launch_cluster.from_flags(ps_hosts=[], worker_hosts=[], job_name=None, task=0,
+                                        sync_replicas=True, replicas_to_aggregate=None,
+                                        tf_config=tf_config)
+    assert cluster == launch_cluster.Cluster(
+        ps_hosts=("127.0.0.1:1",), worker_hosts=("127.0.0.1:2", "127.0.0.1:3"),
+        job_name="worker", task=1, sync_replicas=True)
+    assert not cluster.is_chief and cluster.aggregate() == 2
+
+
+def test_an_unreachable_ps_is_one_clear_line_and_exit_1(tmp_path):
+    port, worker = cluster_lib.free_ports(2)
+    train_dir = tmp_path / "run"
+    proc = subprocess.run(
+        _command(train_dir, f"--ps_hosts=127.0.0.1:{port}",
+                 f"--worker_hosts=127.0.0.1:{worker}", "--job_name=worker", "--task=0",
+                 "--ps_timeout_secs=1"),
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"))
+    lines = [line for line in proc.stderr.splitlines()
+             if line.strip() and not _LOG_LINE.match(line)]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "--ps_hosts" in lines[0]
+    assert not train_dir.exists()
+
+
+def test_read_events_returns_every_tasks_records_oldest_first(tmp_path):
+    chief = slim_nanguard.EventRecorder(str(tmp_path), write_summaries=False, task=0)
+    worker1 = slim_nanguard.EventRecorder(str(tmp_path), write_summaries=False, task=1)
+    worker1({"kind": "bad_step", "step": 3, "time": 1.0})
+    chief({"kind": "bad_step", "step": 4, "time": 2.0})
+    worker1({"kind": "stop", "reason": "nan_policy_stop", "time": 3.0})
+    assert pathlib.Path(worker1.path).name == "nanguard_events.task1.jsonl"
+    assert [(r["task"], r["kind"]) for r in slim_nanguard.read_events(tmp_path)] == [
+        (1, "bad_step"), (0, "bad_step"), (1, "stop")]
+    assert [r["task"] for r in slim_nanguard.read_events(worker1.path)] == [1, 1]

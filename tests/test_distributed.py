@@ -1,0 +1,179 @@
+"""The guard in a replicated graph, in one process: device placement and sync replicas.
+
+A worker of a between-graph replicated cluster builds its graph under a
+`replica_device_setter`; `SyncReplicasOptimizer` adds accumulators, a token queue and a chief
+queue runner. These tests build exactly that graph and run it in one process (the real
+multi-process clusters are in test_cluster.py).
+"""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import cluster_lib
+import nanguard_testlib as lib
+import slim_nanguard
+
+MODES = {"check_numerics": True, "hook": False}
+CLUSTER = {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]}
+
+
+def _session(replica, check_numerics):
+    hooks = list(replica.hooks)
+    if not check_numerics:
+        hooks.append(slim_nanguard.nan_hook(replica.train_op))
+    return tf.compat.v1.train.MonitoredTrainingSession(
+        is_chief=True, hooks=hooks, save_checkpoint_secs=None, save_summaries_steps=None,
+        save_summaries_secs=None, log_step_count_steps=None,
+        # The chief's queue runner blocks in take_grad when the session ends; don't wait on it.
+        stop_grace_period_secs=1)
+
+
+def _raw(sess, fetches):
+    """Runs `fetches` in the raw session, so that no hook adds its own fetches."""
+    return sess.run_step_fn(lambda step_context: step_context.session.run(fetches))
+
+
+def _step(sess, replica, feed=None):
+    """One run of the train op; returns (loss or None, batch index or None, raised)."""
+    fetches = [replica.train_op] + ([replica.index] if replica.index is not None else [])
+    try:
+        values = sess.run(fetches, feed)
+    except tf.errors.InvalidArgumentError as err:
+        assert slim_nanguard.is_numerics_error(err), err
+        return None, None, True
+    return values[0], (values[1] if len(values) > 1 else None), False
+
+
+def _wait_for_step(sess, replica, step, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _raw(sess, replica.global_step) >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"global_step did not reach {step} in {timeout}s")
+
+
+def _feed(replica, seed, fault=None):
+    x, y, _, _ = lib.batches(count=seed + 1)
+    p = replica.placeholders
+    return {p["x"]: x[seed], p["y"]: y[seed],
+            p["offset"]: np.float32(np.nan if fault == "nan_loss" else 0.0)}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_guards_gradient_sums_stay_on_the_worker_that_made_them(mode):
+    """replica_device_setter puts variables on the ps; the guard's own stays on worker 1."""
+    replica = cluster_lib.build(cluster=CLUSTER, task=1, check_numerics=MODES[mode])
+    guard = slim_nanguard.get_guard(replica.train_op)
+    with replica.graph.as_default():
+        assert all(v.device == "/job:ps/task:0" for v in tf.compat.v1.global_variables())
+    ops = [op for op in replica.graph.get_operations()
+           if op.name.startswith(guard.diagnostics.op.name)]
+    assert ops and {op.device for op in ops} == {"/job:worker/task:1"}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sync_replicas_session_starts_with_fed_placeholders_and_skips_a_bad_step(mode):
+    """Its init, ready check and token ops need no feed; a bad step writes nothing."""
+    replica = cluster_lib.build(sync_replicas=True, fed=True, check_numerics=MODES[mode],
+                                nan_policy="skip")
+    with replica.graph.as_default():
+        weights = tf.compat.v1.trainable_variables()
+        with _session(replica, MODES[mode]) as sess:  # used to fail: "must feed a value"
+            _step(sess, replica, _feed(replica, 0))
+            _wait_for_step(sess, replica, 1)
+            before = _raw(sess, weights + [replica.global_step])
+            loss, _, raised = _step(sess, replica, _feed(replica, 1, "nan_loss"))
+            assert raised if MODES[mode] else np.isnan(loss)
+            time.sleep(0.2)  # the chief's queue runner would have applied by now
+            after = _raw(sess, weights + [replica.global_step])
+            assert all(np.array_equal(b, a) for b, a in zip(before, after))
+            # The next gradient may be stale (it carries the local step of the first
+            # token): TensorFlow drops it, and the one after makes the step.
+            for seed in (2, 3):
+                _step(sess, replica, _feed(replica, seed))
+            _wait_for_step(sess, replica, 2)
+            assert cluster_lib.all_finite(_raw(sess, weights))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sync_replicas_only_the_train_op_takes_batches(mode):
+    """With tf.data input, session creation and the chief's ops pull no batch."""
+    replica = cluster_lib.build(sync_replicas=True, faults={2: "nan_loss"},
+                                check_numerics=MODES[mode], nan_policy="skip")
+    seen, bad = [], 0
+    with replica.graph.as_default(), _session(replica, MODES[mode]) as sess:
+        for _ in range(6):
+            loss, index, raised = _step(sess, replica)
+            if raised or not np.isfinite(loss):
+                bad += 1
+            if index is not None:
+                seen.append(int(index))
+        _wait_for_step(sess, replica, 3)  # 5 good batches; a stale one is dropped
+    assert bad == 1
+    # check_numerics mode: the bad run raised, so its batch index was not returned.
+    assert seen == ([0, 1, 3, 4, 5] if MODES[mode] else [0, 1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_bad_gradient_never_enters_the_accumulators(mode):
+    """Two gradients per round: good, bad (not counted), good completes the round."""
+    replica = cluster_lib.build(sync_replicas=True, replicas_to_aggregate=2, fed=True,
+                                check_numerics=MODES[mode], nan_policy="skip")
+    with replica.graph.as_default():
+        counts = [accumulator.num_accumulated()
+                  for accumulator, _ in replica.optimizer._accumulator_list]
+        weights = tf.compat.v1.trainable_variables()
+        with _session(replica, MODES[mode]) as sess:
+            _step(sess, replica, _feed(replica, 0))
+            assert set(_raw(sess, counts)) == {1}
+            before = _raw(sess, weights)
+            _step(sess, replica, _feed(replica, 1, "nan_loss"))
+            assert set(_raw(sess, counts)) == {1}
+            assert _raw(sess, replica.global_step) == 0
+            assert all(np.array_equal(b, a) for b, a in zip(before, _raw(sess, weights)))
+            _step(sess, replica, _feed(replica, 2))
+            _wait_for_step(sess, replica, 1)
+            assert cluster_lib.all_finite(_raw(sess, weights))
+
+
+def test_the_chiefs_aggregated_update_waits_on_its_own_check():
+    replica = cluster_lib.build(sync_replicas=True, fed=True)
+    writes = [op for op in replica.graph.get_operations()
+              if op.type.startswith(("ApplyGradientDescent", "ResourceApplyGradientDescent"))]
+    assert len(writes) == 4  # two layers' weights and biases
+    for op in writes:
+        checks = [c for c in op.control_inputs if c.type.startswith("CheckNumerics")]
+        assert checks and b"aggregated" in checks[0].get_attr("message")
+
+
+def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
+    """Two finite gradients of 2e38 sum to Inf in the accumulator: the chief's check catches it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        scale = tf.compat.v1.placeholder(tf.float32, [], name="scale")
+        w = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.constant_initializer(0.5))
+        optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(1e-3), replicas_to_aggregate=2,
+            total_num_replicas=2)
+        train_op = slim_nanguard.create_train_op(w * scale, optimizer, nan_policy="skip")
+        hook = optimizer.make_session_run_hook(is_chief=True)
+        session = tf.compat.v1.train.MonitoredTrainingSession(
+            is_chief=True, hooks=[hook], save_checkpoint_secs=None, save_summaries_steps=None,
+            save_summaries_secs=None, log_step_count_steps=None, stop_grace_period_secs=1)
+        # The check's error stops the chief's coordinator; the session raises it at the latest
+        # when it closes (a run in between may first see the token queue closed).
+        with pytest.raises(tf.errors.InvalidArgumentError, match="aggregated gradient"):
+            with session as sess:
+                sess.run(train_op, {scale: 2e38})  # each gradient is finite: both pass the guard
+                sess.run(train_op, {scale: 2e38})
+                time.sleep(0.5)  # the chief's queue runner takes the round, fails its check
+                assert _raw(sess, w) == 0.5
+                assert _raw(sess, tf.compat.v1.train.get_global_step()) == 0
+                try:
+                    sess.run(train_op, {scale: 1.0})
+                except tf.errors.OutOfRangeError:
+                    pass
