@@ -18,10 +18,10 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from slim_nanguard import autopsy  # noqa: E402
 

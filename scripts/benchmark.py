@@ -19,11 +19,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write the results as JSON to this file.")

@@ -26,10 +26,10 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
 with _quiet_start.quiet_imports(sys.argv):
+    import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402
     from absl import flags  # noqa: E402
     from absl import logging  # noqa: E402
-    import tensorflow as tf  # noqa: E402
 
     import slim_nanguard  # noqa: E402
     from slim_nanguard import compat  # noqa: E402

@@ -32,13 +32,12 @@ _SPEC.loader.exec_module(_quiet_start)
 # TensorFlow's start-up banner and C++ messages (which repeat every bad step's CheckNumerics
 # message; the guard logs its own) stay out of the output unless --verbosity asks for them.
 with _quiet_start.quiet_imports(sys.argv):
+    import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402
     from absl import flags  # noqa: E402
     from absl import logging  # noqa: E402
-    import tensorflow as tf  # noqa: E402
 
     import slim_nanguard  # noqa: E402
-
     from slim_nanguard import compat  # noqa: E402
     from slim_nanguard import datasets  # noqa: E402
     from slim_nanguard import faults  # noqa: E402

@@ -449,7 +449,8 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
     def read_step(sess) -> int:
         if guard.global_step is None:
             return steps
-        return int(sess.run_step_fn(lambda step_context: step_context.session.run(guard.global_step)))
+        return int(sess.run_step_fn(
+            lambda step_context: step_context.session.run(guard.global_step)))
 
     with _SigintStop(handle_sigint) as sigint, \
             tf.compat.v1.train.MonitoredTrainingSession(
@@ -474,7 +475,8 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 try:
                     loss = sess.run(train_op)
                 except _errors.NanLossError as nan_error:  # Hook mode: the hook gave up.
-                    raise _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
+                    _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
+                    raise
             except tf.errors.OutOfRangeError:
                 stop_reason = STOP_END_OF_DATA
                 break
@@ -484,13 +486,14 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 try:
                     event = sess.run_step_fn(functools.partial(_handle, guard, err))
                 except _errors.NanLossError as nan_error:
-                    raise _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
+                    _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
+                    raise
                 if event.action == _policy.STOP:
                     stop_reason = STOP_POLICY
                     break
                 if event.action == _policy.ROLLBACK:
-                    sess.run_step_fn(lambda step_context: guard.rollback(step_context.session, logdir,
-                                                                saver=saver))
+                    sess.run_step_fn(lambda step_context: guard.rollback(
+                        step_context.session, logdir, saver=saver))
                     step = read_step(sess)
                 continue
             if guard.state.total_bad_steps != bad_before:

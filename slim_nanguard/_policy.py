@@ -12,11 +12,11 @@ The same names mean the same thing in both modes (check_numerics and hook):
   bad steps in a row, apply ``persistent_nan_policy``. The checkpoint is the newest readable
   one of the checkpoint directory; but when the step right after a rollback is bad again (no
   step went through since), the state restored did not hold up (its weights may be finite yet
-  already diverging), and the rollback goes to an earlier step's checkpoint. Every checkpoint the guard lets through is finite, and a
-  `CheckpointSaverHook` saves one when the session starts, so there is one from the first
-  step on. With checkpointing off there is none: the rollback then fails with
-  `CheckpointNotFoundError` (it does not silently fall back to the initial weights, which
-  would throw away the whole run).
+  already diverging), and the rollback goes to an earlier step's checkpoint. Every checkpoint
+  the guard lets through is finite, and a `CheckpointSaverHook` saves one when the session
+  starts, so there is one from the first step on. With checkpointing off there is none: the
+  rollback then fails with `CheckpointNotFoundError` (it does not silently fall back to the
+  initial weights, which would throw away the whole run).
 
 Escalation, ``persistent_nan_policy``: ``skip`` is for transient faults (a corrupt record, an
 overflow in one batch). When ``max_consecutive_bad_steps`` bad steps come in a row under

@@ -39,7 +39,7 @@ an element-wise `is_finite` and its boolean tensor.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from absl import logging

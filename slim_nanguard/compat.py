@@ -161,7 +161,7 @@ def _warn_on_tf_keras_mismatch() -> None:
 def _batch_normalization_is_broken(module: types.ModuleType) -> bool:
     """Probes TensorFlow's lazy ``tensorflow.python.layers.normalization``."""
     try:
-        getattr(module, "BatchNormalization")
+        module.BatchNormalization  # noqa: B018  (the attribute access is the probe)
     except ImportError:
         # The lazy import of tf_keras.legacy_tf_layers.normalization failed.
         return True

@@ -37,9 +37,9 @@ import os
 import types
 from typing import Iterator, Mapping, Sequence
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import op_error_cause

@@ -31,9 +31,9 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from absl import logging
 import tensorflow as tf
 import tf_slim as slim
+from absl import logging
 
 from slim_nanguard._errors import NanGuardError
 

@@ -23,8 +23,9 @@ import numpy as np
 import tensorflow as tf
 import tf_slim as slim
 
-import nanguard_testlib as lib
 import slim_nanguard
+
+import nanguard_testlib as lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

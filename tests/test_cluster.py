@@ -16,10 +16,11 @@ import sys
 
 import pytest
 
-import cluster_lib
 import slim_nanguard
 from slim_nanguard import launch
 from slim_nanguard import launch_cluster
+
+import cluster_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "scripts" / "train.py")

@@ -183,9 +183,11 @@ def test_install_is_idempotent_and_thread_safe(installed):
 
 
 def test_patches_only_what_this_tensorflow_removed(installed):
-    from tensorflow.python.framework import ops
-    from tensorflow.python.ops import array_ops, control_flow_ops, variable_scope
     import tf_slim.learning
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import array_ops
+    from tensorflow.python.ops import control_flow_ops
+    from tensorflow.python.ops import variable_scope
 
     expected = set()
     for module, names in ((ops, ("Tensor", "IndexedSlices")), (variable_scope, ("variable",)),
@@ -327,8 +329,8 @@ def _net_step(build, size, batch=1, num_classes=3, watch_scopes=()):
 
 
 def test_resnet_v1_50_trains():
-    from tf_slim.nets import resnet_v1
     import tf_slim as slim
+    from tf_slim.nets import resnet_v1
 
     def build(images, num_classes):
         with slim.arg_scope(resnet_v1.resnet_arg_scope()):
@@ -340,8 +342,8 @@ def test_resnet_v1_50_trains():
 
 
 def test_resnet_v2_50_trains():
-    from tf_slim.nets import resnet_v2
     import tf_slim as slim
+    from tf_slim.nets import resnet_v2
 
     def build(images, num_classes):
         with slim.arg_scope(resnet_v2.resnet_arg_scope()):
@@ -352,8 +354,8 @@ def test_resnet_v2_50_trains():
 
 
 def test_inception_v1_trains():
-    from tf_slim.nets import inception_v1
     import tf_slim as slim
+    from tf_slim.nets import inception_v1
 
     # The 7x7 VALID average pool before the logits needs a 224x224 input.
     def build(images, num_classes):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import nanguard_testlib as lib
 import slim_nanguard
+
+import nanguard_testlib as lib
 
 MODES = {"check_numerics": True, "hook": False}
 v1 = tf.compat.v1

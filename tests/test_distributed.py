@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import slim_nanguard
+
 import cluster_lib
 import nanguard_testlib as lib
-import slim_nanguard
 
 MODES = {"check_numerics": True, "hook": False}
 CLUSTER = {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]}

@@ -13,8 +13,9 @@ import pytest
 import tensorflow as tf
 import tf_slim as slim
 
-import nanguard_testlib as lib
 import slim_nanguard
+
+import nanguard_testlib as lib
 
 BAD_BATCH = 3
 STEPS = 6

@@ -11,8 +11,9 @@ import pytest
 import tensorflow as tf
 import tf_slim as slim
 
-import nanguard_testlib as lib
 import slim_nanguard
+
+import nanguard_testlib as lib
 
 MODES = {"check_numerics": True, "hook": False}
 

@@ -18,8 +18,9 @@ import pytest
 import tensorflow as tf
 import tf_slim as slim
 
-import nanguard_testlib as lib
 import slim_nanguard
+
+import nanguard_testlib as lib
 
 BAD = 3
 MODES = {"check_numerics": True, "hook": False}
