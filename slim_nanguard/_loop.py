@@ -460,12 +460,14 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                 log_step_count_steps=None, stop_grace_period_secs=stop_grace_period_secs) as sess:
         step = read_step(sess)
         progress.start(step)
-        if number_of_steps is not None and step >= number_of_steps:
-            # StopAtStepHook only looks after a step: without this, one more would run.
+        # StopAtStepHook only looks after a step: without this, one more would run. Only the
+        # start is checked here; after it the hook, which reads global_step, ends the loop
+        # (`step` counts this task's steps, which in a cluster is not the global step).
+        finished = number_of_steps is not None and step >= number_of_steps
+        if finished:
             logging.info("slim_nanguard: global step %d already reaches number_of_steps=%d; "
                          "nothing to train.", step, number_of_steps)
-        while not sess.should_stop() and not (number_of_steps is not None
-                                              and step >= number_of_steps):
+        while not finished and not sess.should_stop():
             if sigint.requested:
                 stop_reason = sigint.stop_reason
                 break
