@@ -62,6 +62,7 @@ def show_flags_in_help(module_name: str, doc: str) -> None:
     no docstring either. This registers the launcher's flags for it, and its docstring.
     """
     from absl import flags  # pylint: disable=import-outside-toplevel
+
     main = sys.modules.get("__main__")
     if main is not None and not getattr(main, "__doc__", None):
         main.__doc__ = doc

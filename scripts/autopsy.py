@@ -28,12 +28,24 @@ from slim_nanguard import autopsy  # noqa: E402
 FLAGS = flags.FLAGS
 EXIT_ERROR = 1
 
-flags.DEFINE_integer("step", None, "The global step of the bad step to show (default: the "
-                     "latest one with an autopsy).", lower_bound=0)
-flags.DEFINE_boolean("replay", False, "Rebuild the graph from the checkpoint's meta graph and "
-                     "replay the step from its dump (the kept batch and weights).")
-flags.DEFINE_string("plot", None, "Draw the loss over steps with the bad steps, skips and "
-                    "rollbacks marked, to this .png (needs matplotlib: the 'plot' extra).")
+flags.DEFINE_integer(
+    "step",
+    None,
+    "The global step of the bad step to show (default: the latest one with an autopsy).",
+    lower_bound=0,
+)
+flags.DEFINE_boolean(
+    "replay",
+    False,
+    "Rebuild the graph from the checkpoint's meta graph and "
+    "replay the step from its dump (the kept batch and weights).",
+)
+flags.DEFINE_string(
+    "plot",
+    None,
+    "Draw the loss over steps with the bad steps, skips and "
+    "rollbacks marked, to this .png (needs matplotlib: the 'plot' extra).",
+)
 flags.DEFINE_float("timeout_secs", 60.0, "The longest the --replay may take.", lower_bound=0)
 
 
@@ -50,8 +62,11 @@ def fail(err: BaseException) -> int:
 
 def main(argv):
     if len(argv) != 2:
-        print(f"{_prog()}: error: give one training directory (TRAIN_DIR); got "
-              f"{' '.join(argv[1:]) or 'none'}.", file=sys.stderr)
+        print(
+            f"{_prog()}: error: give one training directory (TRAIN_DIR); got "
+            f"{' '.join(argv[1:]) or 'none'}.",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     train_dir = argv[1]
     logging.set_verbosity(max(FLAGS.verbosity, logging.WARNING))
@@ -61,8 +76,7 @@ def main(argv):
         warnings.filterwarnings("ignore", category=DeprecationWarning)
     tf.compat.v1.disable_v2_behavior()
     if not os.path.isdir(train_dir):
-        return fail(ValueError(f"{train_dir} is not a directory; give the --train_dir of a "
-                               "run."))
+        return fail(ValueError(f"{train_dir} is not a directory; give the --train_dir of a run."))
     try:
         if FLAGS.plot:
             print(f"plot: {autopsy.plot_run(train_dir, FLAGS.plot)}")
@@ -73,16 +87,20 @@ def main(argv):
         if FLAGS.replay:
             dump = (record.get("autopsy") or {}).get("dump")
             if not dump:
-                raise ValueError(f"the bad step at global step {record.get('step')} has no "
-                                 "dump to replay (no autopsy, or no training directory when "
-                                 "it ran).")
+                raise ValueError(
+                    f"the bad step at global step {record.get('step')} has no "
+                    "dump to replay (no autopsy, or no training directory when "
+                    "it ran)."
+                )
             dump = _relocated(dump, train_dir)
             result = autopsy.replay_dump(dump, train_dir, timeout_secs=FLAGS.timeout_secs)
             print(f"replay: {result.describe()}")
             if result.reproduced is None:  # The replay itself failed.
                 return EXIT_ERROR
-            print(f"  cost        {result.cost.get('seconds', 0):.3g} s, "
-                  f"{result.cost.get('runs', '?')} runs")
+            print(
+                f"  cost        {result.cost.get('seconds', 0):.3g} s, "
+                f"{result.cost.get('runs', '?')} runs"
+            )
     except (ValueError, ImportError, OSError) as err:
         return fail(err)
     return 0
@@ -92,8 +110,7 @@ def _relocated(dump: str, train_dir: str) -> str:
     """The dump's path, in `train_dir` if the directory was moved since the run."""
     if os.path.exists(dump):
         return dump
-    moved = os.path.join(train_dir, os.path.basename(os.path.dirname(dump)),
-                         os.path.basename(dump))
+    moved = os.path.join(train_dir, os.path.basename(os.path.dirname(dump)), os.path.basename(dump))
     return moved if os.path.exists(moved) else dump
 
 

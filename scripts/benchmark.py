@@ -27,38 +27,62 @@ from absl import logging  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write the results as JSON to this file.")
 flags.DEFINE_string("markdown", None, "Also write the tables as Markdown to this file.")
-flags.DEFINE_bool("quick", False, "Every model and variant, SGD only, one session each, a few "
-                  "short rounds: a look in under two minutes. Flags given explicitly still win.")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "Every model and variant, SGD only, one session each, a few "
+    "short rounds: a look in under two minutes. Flags given explicitly still win.",
+)
 flags.DEFINE_list("models", None, "Models to time (default: all): mlp, lenet, deep, wide.")
 flags.DEFINE_list("optimizers", None, "Optimizers (default: all; quick: sgd): sgd, adam.")
-flags.DEFINE_list("variants", None, "Variants to time (default: all); the baselines they are "
-                  "compared with are added.")
+flags.DEFINE_list(
+    "variants",
+    None,
+    "Variants to time (default: all); the baselines they are compared with are added.",
+)
 flags.DEFINE_integer("rounds", None, "Interleaved rounds (default 7; quick 3).")
-flags.DEFINE_integer("chunks", None, "Timed chunks per session and round; the fastest counts "
-                     "(default 2).")
-flags.DEFINE_integer("replicas", None, "Sessions per variant (own variables, own memory "
-                     "layout); the fastest counts (default 2; quick 1).")
-flags.DEFINE_float("round_seconds", None, "Time of one variant in one round (default 0.12; "
-                   "quick 0.03).")
+flags.DEFINE_integer(
+    "chunks", None, "Timed chunks per session and round; the fastest counts (default 2)."
+)
+flags.DEFINE_integer(
+    "replicas",
+    None,
+    "Sessions per variant (own variables, own memory "
+    "layout); the fastest counts (default 2; quick 1).",
+)
+flags.DEFINE_float(
+    "round_seconds", None, "Time of one variant in one round (default 0.12; quick 0.03)."
+)
 flags.DEFINE_integer("warmup_steps", None, "Untimed steps per session (default 10; quick 5).")
-flags.DEFINE_integer("bad_step_repeats", None, "Bad steps timed per policy (default 3; "
-                     "quick 1).")
+flags.DEFINE_integer("bad_step_repeats", None, "Bad steps timed per policy (default 3; quick 1).")
 flags.DEFINE_float("batch_scale", None, "Multiplies every batch size (default 1).")
 flags.DEFINE_integer("deep_layers", None, "Hidden layers of the deep narrow net (default 50).")
 flags.DEFINE_integer("intra_op_threads", None, "Session intra-op threads (0: TensorFlow's).")
 flags.DEFINE_integer("inter_op_threads", None, "Session inter-op threads (0: TensorFlow's).")
 flags.DEFINE_integer("seed", None, "Seed of the data, weights and variant order.")
-flags.DEFINE_bool("memory", True, "Trace a few steps of each variant for the most bytes its "
-                  "step holds at once.")
+flags.DEFINE_bool(
+    "memory", True, "Trace a few steps of each variant for the most bytes its step holds at once."
+)
 
-_SETTING_FLAGS = ("rounds", "chunks", "replicas", "round_seconds", "warmup_steps",
-                  "bad_step_repeats", "batch_scale", "deep_layers", "intra_op_threads",
-                  "inter_op_threads", "seed")
+_SETTING_FLAGS = (
+    "rounds",
+    "chunks",
+    "replicas",
+    "round_seconds",
+    "warmup_steps",
+    "bad_step_repeats",
+    "batch_scale",
+    "deep_layers",
+    "intra_op_threads",
+    "inter_op_threads",
+    "seed",
+)
 
 
 def settings_from_flags():
     """The `Settings` the flags ask for (--quick first, explicit flags over it)."""
     from slim_nanguard import benchmarking  # pylint: disable=import-outside-toplevel
+
     values = dict(benchmarking.QUICK) if FLAGS.quick else {}
     for name in ("models", "optimizers", "variants"):
         if FLAGS[name].value:
@@ -72,10 +96,14 @@ def settings_from_flags():
         raise app.UsageError(str(err)) from None
 
 
-flags.DEFINE_bool("keep_freed_memory", True, "Have glibc malloc keep freed memory (one "
-                  "arena, no trim, no mmap below 32 MiB) so that no session page-faults its "
-                  "step's tensors back in every step; which sessions did so was down to "
-                  "allocation history, not to the variant, and moved their times by up to 10%.")
+flags.DEFINE_bool(
+    "keep_freed_memory",
+    True,
+    "Have glibc malloc keep freed memory (one "
+    "arena, no trim, no mmap below 32 MiB) so that no session page-faults its "
+    "step's tensors back in every step; which sessions did so was down to "
+    "allocation history, not to the variant, and moved their times by up to 10%.",
+)
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -93,8 +121,14 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     # One arena: a thread's own arena unmaps a heap as soon as it is empty, whatever the trim
     # threshold, so a 16 MiB gradient freed by another thread was faulted in again each step.
-    return all(mallopt(param, value) for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 32 * 2**20), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+    return all(
+        mallopt(param, value)
+        for param, value in (
+            (_M_ARENA_MAX, 1),
+            (_M_MMAP_THRESHOLD, 32 * 2**20),
+            (_M_TRIM_THRESHOLD, 2**31 - 1),
+        )
+    )
 
 
 def main(argv):
@@ -104,16 +138,20 @@ def main(argv):
         logging.warning("could not tune malloc (not glibc?); times may include page faults.")
     tf.compat.v1.disable_v2_behavior()
     from slim_nanguard import benchmarking  # pylint: disable=import-outside-toplevel
+
     settings = settings_from_flags()
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.
     logging.set_verbosity(logging.ERROR)
-    report = benchmarking.run_benchmark(settings, memory=FLAGS.memory,
-                                        log=lambda line: print(line, flush=True))
+    report = benchmarking.run_benchmark(
+        settings, memory=FLAGS.memory, log=lambda line: print(line, flush=True)
+    )
     tables = benchmarking.format_tables(report)
     machine = report["machine"]
-    header = (f"{machine['cores']} cores, {machine['cpu']}, TensorFlow {machine['tensorflow']}, "
-              f"Python {machine['python']}; {settings.rounds} rounds x {settings.replicas} "
-              f"sessions x {settings.chunks} chunks; {report['seconds']:.0f} s")
+    header = (
+        f"{machine['cores']} cores, {machine['cpu']}, TensorFlow {machine['tensorflow']}, "
+        f"Python {machine['python']}; {settings.rounds} rounds x {settings.replicas} "
+        f"sessions x {settings.chunks} chunks; {report['seconds']:.0f} s"
+    )
     print(header)
     print(tables)
     if FLAGS.out:

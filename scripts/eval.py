@@ -19,8 +19,9 @@ import warnings
 # The start-up helper next to this file, however the script is started (by path, through
 # runpy, or as the installed console command), and before TensorFlow is imported.
 _SPEC = importlib.util.spec_from_file_location(
-    "slim_nanguard_quiet_start", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                              "_quiet_start.py"))
+    "slim_nanguard_quiet_start",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quiet_start.py"),
+)
 _quiet_start = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_quiet_start)
 
@@ -41,20 +42,34 @@ FLAGS = flags.FLAGS
 
 EXIT_ERROR = 1
 
-flags.DEFINE_string("checkpoint_path", None, "The checkpoint to evaluate: a file prefix "
-                    "(model.ckpt-N) or a training directory (its latest checkpoint).")
+flags.DEFINE_string(
+    "checkpoint_path",
+    None,
+    "The checkpoint to evaluate: a file prefix "
+    "(model.ckpt-N) or a training directory (its latest checkpoint).",
+)
 flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model the checkpoint holds.")
-flags.DEFINE_enum("dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES,
-                  "The dataset to evaluate on.")
+flags.DEFINE_enum(
+    "dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES, "The dataset to evaluate on."
+)
 flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
 flags.DEFINE_string("dataset_split_name", "test", "The split to evaluate on.")
 flags.DEFINE_integer("batch_size", 100, "Examples per evaluation batch.", lower_bound=1)
-flags.DEFINE_integer("eval_image_size", None, "Image side fed to the model (as in "
-                     "training); default: the model's own.", lower_bound=1)
-flags.DEFINE_integer("max_num_batches", None, "Evaluate at most this many batches "
-                     "(default: the whole split).", lower_bound=1)
-flags.DEFINE_string("eval_dir", None, "Where to write the evaluation summaries (default: "
-                    "none written).")
+flags.DEFINE_integer(
+    "eval_image_size",
+    None,
+    "Image side fed to the model (as in training); default: the model's own.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "max_num_batches",
+    None,
+    "Evaluate at most this many batches (default: the whole split).",
+    lower_bound=1,
+)
+flags.DEFINE_string(
+    "eval_dir", None, "Where to write the evaluation summaries (default: none written)."
+)
 flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
 
 flags.mark_flag_as_required("checkpoint_path")
@@ -66,8 +81,11 @@ def _prog() -> str:
 
 def main(argv):
     if len(argv) > 1:
-        print(f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
-              "is a --flag (see --helpshort).", file=sys.stderr)
+        print(
+            f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
+            "is a --flag (see --helpshort).",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     if FLAGS.verbosity < 1:
         tf.get_logger().setLevel("ERROR")
@@ -78,11 +96,17 @@ def main(argv):
     compat.install()
     try:
         config = launch.EvalConfig(
-            checkpoint_path=FLAGS.checkpoint_path, model_name=FLAGS.model_name,
-            dataset_name=FLAGS.dataset_name, dataset_dir=FLAGS.dataset_dir,
-            dataset_split_name=FLAGS.dataset_split_name, batch_size=FLAGS.batch_size,
-            eval_image_size=FLAGS.eval_image_size, max_num_batches=FLAGS.max_num_batches,
-            eval_dir=FLAGS.eval_dir, master=FLAGS.master)
+            checkpoint_path=FLAGS.checkpoint_path,
+            model_name=FLAGS.model_name,
+            dataset_name=FLAGS.dataset_name,
+            dataset_dir=FLAGS.dataset_dir,
+            dataset_split_name=FLAGS.dataset_split_name,
+            batch_size=FLAGS.batch_size,
+            eval_image_size=FLAGS.eval_image_size,
+            max_num_batches=FLAGS.max_num_batches,
+            eval_dir=FLAGS.eval_dir,
+            master=FLAGS.master,
+        )
         result = launch.run_eval(config)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         if FLAGS.verbosity >= 1:

@@ -25,8 +25,12 @@ import numpy as np
 
 SEED = 20240917
 TEST_PER_CLASS = 30
-DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "slim_nanguard", "data", "digits.npz")
+DEFAULT_OUTPUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "slim_nanguard",
+    "data",
+    "digits.npz",
+)
 
 
 def build_arrays(images: np.ndarray, labels: np.ndarray) -> dict:
@@ -41,8 +45,10 @@ def build_arrays(images: np.ndarray, labels: np.ndarray) -> dict:
     """
     images = np.asarray(images)
     if images.min() < 0 or images.max() > 16 or not np.all(images == np.round(images)):
-        raise ValueError("expected integer pixel values in 0..16, got range %s..%s" %
-                         (images.min(), images.max()))
+        raise ValueError(
+            "expected integer pixel values in 0..16, got range %s..%s"
+            % (images.min(), images.max())
+        )
     labels = np.asarray(labels).astype(np.int64)
     rng = np.random.RandomState(SEED)
     test_index = []
@@ -71,16 +77,24 @@ def main(argv=None) -> int:
     try:
         from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
     except ImportError:
-        print("make_digits_npz.py needs scikit-learn (dev-only): pip install scikit-learn",
-              file=sys.stderr)
+        print(
+            "make_digits_npz.py needs scikit-learn (dev-only): pip install scikit-learn",
+            file=sys.stderr,
+        )
         return 1
     digits = load_digits()
     arrays = build_arrays(digits.images, digits.target)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     np.savez_compressed(args.output, **arrays)
-    print("wrote %s: %d train, %d test, %d bytes" %
-          (args.output, len(arrays["train_labels"]), len(arrays["test_labels"]),
-           os.path.getsize(args.output)))
+    print(
+        "wrote %s: %d train, %d test, %d bytes"
+        % (
+            args.output,
+            len(arrays["train_labels"]),
+            len(arrays["test_labels"]),
+            os.path.getsize(args.output),
+        )
+    )
     return 0
 
 

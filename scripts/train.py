@@ -24,8 +24,9 @@ import warnings
 # The start-up helper next to this file, however the script is started (by path, through
 # runpy, or as the installed console command), and before TensorFlow is imported.
 _SPEC = importlib.util.spec_from_file_location(
-    "slim_nanguard_quiet_start", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                              "_quiet_start.py"))
+    "slim_nanguard_quiet_start",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quiet_start.py"),
+)
 _quiet_start = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_quiet_start)
 
@@ -53,29 +54,45 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
 
 # ----------------------------------------------------------------------- where and what
-flags.DEFINE_string("train_dir", None, "Directory for checkpoints, summaries and the event "
-                    "record (nanguard_events.jsonl). A directory with a checkpoint is resumed.")
+flags.DEFINE_string(
+    "train_dir",
+    None,
+    "Directory for checkpoints, summaries and the event "
+    "record (nanguard_events.jsonl). A directory with a checkpoint is resumed.",
+)
 flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model to train.")
-flags.DEFINE_enum("dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES,
-                  "digits: UCI 8x8 digits shipped with the package (offline); synthetic: a "
-                  "generated toy problem; tfrecord: TF-Slim TFRecords in --dataset_dir.")
+flags.DEFINE_enum(
+    "dataset_name",
+    datasets.DEFAULT_DATASET,
+    datasets.DATASET_NAMES,
+    "digits: UCI 8x8 digits shipped with the package (offline); synthetic: a "
+    "generated toy problem; tfrecord: TF-Slim TFRecords in --dataset_dir.",
+)
 flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
 flags.DEFINE_string("dataset_split_name", "train", "The split to train on.")
 flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
-flags.DEFINE_integer("train_image_size", None, "Image side fed to the model; default: the "
-                     "model's own (28 for lenet, 224 for the tf_slim.nets, the data's for mlp).",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "train_image_size",
+    None,
+    "Image side fed to the model; default: the "
+    "model's own (28 for lenet, 224 for the tf_slim.nets, the data's for mlp).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("seed", 0, "Seed of the graph and of the shuffling (same seed, same run).")
 
 # ----------------------------------------------------------------------- optimisation
 flags.DEFINE_integer("max_number_of_steps", 2000, "Stop when the global step reaches this.")
 flags.DEFINE_enum("optimizer", "momentum", launch.OPTIMIZERS, "The optimizer.")
 flags.DEFINE_float("learning_rate", 0.05, "Initial learning rate.")
-flags.DEFINE_enum("learning_rate_decay_type", "fixed", launch.DECAY_TYPES,
-                  "How the learning rate decays.")
+flags.DEFINE_enum(
+    "learning_rate_decay_type", "fixed", launch.DECAY_TYPES, "How the learning rate decays."
+)
 flags.DEFINE_float("learning_rate_decay_factor", 0.94, "Exponential decay factor.")
-flags.DEFINE_float("num_epochs_per_decay", 2.0, "Epochs per exponential decay, or over which "
-                   "polynomial decay reaches --end_learning_rate.")
+flags.DEFINE_float(
+    "num_epochs_per_decay",
+    2.0,
+    "Epochs per exponential decay, or over which polynomial decay reaches --end_learning_rate.",
+)
 flags.DEFINE_float("end_learning_rate", 0.0001, "Where polynomial decay ends.")
 flags.DEFINE_float("momentum", 0.9, "Momentum of the momentum optimizer.")
 flags.DEFINE_float("rmsprop_momentum", 0.9, "Momentum of rmsprop.")
@@ -94,78 +111,151 @@ flags.DEFINE_float("label_smoothing", 0.0, "Label smoothing of the cross-entropy
 flags.DEFINE_float("clip_gradient_norm", 0.0, "Clip each gradient to this norm (0: off).")
 
 # ----------------------------------------------------------------------- logging and saving
-flags.DEFINE_integer("log_every_n_steps", 100, "Steps between progress lines (0: none).",
-                     lower_bound=0)
+flags.DEFINE_integer(
+    "log_every_n_steps", 100, "Steps between progress lines (0: none).", lower_bound=0
+)
 flags.DEFINE_integer("save_interval_secs", 600, "Seconds between checkpoints.", lower_bound=0)
-flags.DEFINE_integer("save_interval_steps", 0, "Steps between checkpoints; when > 0 it "
-                     "replaces --save_interval_secs.", lower_bound=0)
-flags.DEFINE_integer("save_summaries_secs", 600, "Seconds between summaries (when "
-                     "--save_summaries_steps is 0).", lower_bound=0)
-flags.DEFINE_integer("save_summaries_steps", 100, "Steps between summaries (0: by time).",
-                     lower_bound=0)
-flags.DEFINE_integer("max_checkpoints_to_keep", 5, "Checkpoints kept in --train_dir (all "
-                     "finite: more of them give rollback older points to return to).",
-                     lower_bound=1)
-flags.DEFINE_string("eval_split_name", "test", "After training, evaluate the final "
-                    "checkpoint on this split ('' to skip).")
+flags.DEFINE_integer(
+    "save_interval_steps",
+    0,
+    "Steps between checkpoints; when > 0 it replaces --save_interval_secs.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "save_summaries_secs",
+    600,
+    "Seconds between summaries (when --save_summaries_steps is 0).",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "save_summaries_steps", 100, "Steps between summaries (0: by time).", lower_bound=0
+)
+flags.DEFINE_integer(
+    "max_checkpoints_to_keep",
+    5,
+    "Checkpoints kept in --train_dir (all "
+    "finite: more of them give rollback older points to return to).",
+    lower_bound=1,
+)
+flags.DEFINE_string(
+    "eval_split_name",
+    "test",
+    "After training, evaluate the final checkpoint on this split ('' to skip).",
+)
 
 # ----------------------------------------------------------------------- fine-tuning
-flags.DEFINE_string("checkpoint_path", None, "Fine-tune from this checkpoint (prefix or "
-                    "directory); ignored when --train_dir already holds a checkpoint.")
-flags.DEFINE_list("checkpoint_exclude_scopes", [], "Comma-separated variable scopes not "
-                  "restored from --checkpoint_path (e.g. MLP/logits).")
-flags.DEFINE_list("trainable_scopes", [], "Comma-separated variable scopes to train "
-                  "(default: all).")
-flags.DEFINE_boolean("ignore_missing_vars", False, "Leave variables missing from "
-                     "--checkpoint_path initialised instead of failing.")
+flags.DEFINE_string(
+    "checkpoint_path",
+    None,
+    "Fine-tune from this checkpoint (prefix or "
+    "directory); ignored when --train_dir already holds a checkpoint.",
+)
+flags.DEFINE_list(
+    "checkpoint_exclude_scopes",
+    [],
+    "Comma-separated variable scopes not restored from --checkpoint_path (e.g. MLP/logits).",
+)
+flags.DEFINE_list(
+    "trainable_scopes", [], "Comma-separated variable scopes to train (default: all)."
+)
+flags.DEFINE_boolean(
+    "ignore_missing_vars",
+    False,
+    "Leave variables missing from --checkpoint_path initialised instead of failing.",
+)
 
 # ----------------------------------------------------------------------- distribution
 flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
 flags.DEFINE_integer("task", 0, "Task id; task 0 is the chief.", lower_bound=0)
-flags.DEFINE_list("ps_hosts", [], "Parameter servers, HOST:PORT comma-separated (with "
-                  "--worker_hosts, --job_name and --task: a ps/worker cluster; or TF_CONFIG).")
-flags.DEFINE_list("worker_hosts", [], "Workers, HOST:PORT comma-separated; worker 0 is the "
-                  "chief (checkpoints, summaries, evaluation).")
+flags.DEFINE_list(
+    "ps_hosts",
+    [],
+    "Parameter servers, HOST:PORT comma-separated (with "
+    "--worker_hosts, --job_name and --task: a ps/worker cluster; or TF_CONFIG).",
+)
+flags.DEFINE_list(
+    "worker_hosts",
+    [],
+    "Workers, HOST:PORT comma-separated; worker 0 is the "
+    "chief (checkpoints, summaries, evaluation).",
+)
 flags.DEFINE_enum("job_name", None, ("ps", "worker"), "This task's job in the cluster.")
-flags.DEFINE_boolean("sync_replicas", False, "Aggregate the workers' gradients each step "
-                     "(SyncReplicasOptimizer) instead of training asynchronously.")
-flags.DEFINE_integer("replicas_to_aggregate", None, "With --sync_replicas: gradients per "
-                     "step (default: one per worker; fewer gives backup workers).",
-                     lower_bound=1)
-flags.DEFINE_float("ps_timeout_secs", 60.0, "How long a worker waits for the ps to answer.",
-                   lower_bound=0.0)
+flags.DEFINE_boolean(
+    "sync_replicas",
+    False,
+    "Aggregate the workers' gradients each step "
+    "(SyncReplicasOptimizer) instead of training asynchronously.",
+)
+flags.DEFINE_integer(
+    "replicas_to_aggregate",
+    None,
+    "With --sync_replicas: gradients per "
+    "step (default: one per worker; fewer gives backup workers).",
+    lower_bound=1,
+)
+flags.DEFINE_float(
+    "ps_timeout_secs", 60.0, "How long a worker waits for the ps to answer.", lower_bound=0.0
+)
 
 # ----------------------------------------------------------------------- the guard
-flags.DEFINE_boolean("check_numerics", True, "The guard's mode: a bad step raises inside the "
-                     "step (check_numerics mode); --nocheck_numerics lets a session hook see "
-                     "it (hook mode). Both write nothing on a bad step.")
-flags.DEFINE_enum("nan_policy", "skip", ("raise", "stop", "skip", "rollback"),
-                  "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
-                  "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).")
-flags.DEFINE_integer("max_consecutive_bad_steps", 10, "Under skip or rollback, apply "
-                     "--persistent_nan_policy after this many bad steps in a row.",
-                     lower_bound=1)
-flags.DEFINE_enum("persistent_nan_policy", "raise", ("raise", "stop", "rollback"),
-                  "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
-                  "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
-                  "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks).")
-flags.DEFINE_integer("rollback_skip_batches", 1, "Batches skipped after a rollback.",
-                     lower_bound=0)
-flags.DEFINE_float("rollback_lr_factor", 1.0, "Multiply the learning rate by this at each "
-                   "rollback, in (0, 1].", lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("max_rollbacks", 3, "Give up (exit 1) rather than roll back more often.",
-                     lower_bound=1)
-flags.DEFINE_list("inject_fault", [], "Faults to inject, KIND:STEP or KIND:FIRST-LAST, comma-"
-                  f"separated; KIND is one of {', '.join(faults.FAULT_KINDS)}; STEP counts "
-                  "batches from 0 (in a fresh run, the global step of the bad step).")
+flags.DEFINE_boolean(
+    "check_numerics",
+    True,
+    "The guard's mode: a bad step raises inside the "
+    "step (check_numerics mode); --nocheck_numerics lets a session hook see "
+    "it (hook mode). Both write nothing on a bad step.",
+)
+flags.DEFINE_enum(
+    "nan_policy",
+    "skip",
+    ("raise", "stop", "skip", "rollback"),
+    "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
+    "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).",
+)
+flags.DEFINE_integer(
+    "max_consecutive_bad_steps",
+    10,
+    "Under skip or rollback, apply --persistent_nan_policy after this many bad steps in a row.",
+    lower_bound=1,
+)
+flags.DEFINE_enum(
+    "persistent_nan_policy",
+    "raise",
+    ("raise", "stop", "rollback"),
+    "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
+    "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
+    "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks).",
+)
+flags.DEFINE_integer("rollback_skip_batches", 1, "Batches skipped after a rollback.", lower_bound=0)
+flags.DEFINE_float(
+    "rollback_lr_factor",
+    1.0,
+    "Multiply the learning rate by this at each rollback, in (0, 1].",
+    lower_bound=0.0,
+    upper_bound=1.0,
+)
+flags.DEFINE_integer(
+    "max_rollbacks", 3, "Give up (exit 1) rather than roll back more often.", lower_bound=1
+)
+flags.DEFINE_list(
+    "inject_fault",
+    [],
+    "Faults to inject, KIND:STEP or KIND:FIRST-LAST, comma-"
+    f"separated; KIND is one of {', '.join(faults.FAULT_KINDS)}; STEP counts "
+    "batches from 0 (in a fresh run, the global step of the bad step).",
+)
 
 flags.mark_flag_as_required("train_dir")
 flags.register_validator(
-    "max_number_of_steps", lambda value: value is None or value >= 0,
-    message="must be >= 0: the global step at which training stops.")
+    "max_number_of_steps",
+    lambda value: value is None or value >= 0,
+    message="must be >= 0: the global step at which training stops.",
+)
 flags.register_validator(
-    "rollback_lr_factor", lambda value: value > 0,
-    message="must be in (0, 1]: the learning-rate factor applied at each rollback.")
+    "rollback_lr_factor",
+    lambda value: value > 0,
+    message="must be in (0, 1]: the learning-rate factor applied at each rollback.",
+)
 
 
 def _check_faults(values):
@@ -197,8 +287,12 @@ def _quiet_tensorflow() -> None:
     if FLAGS.verbosity < 1:
         # Errors only, and the guard's own lines: it logs each bad step on TensorFlow's
         # logger, where NanTensorHook logs its "Model diverged with loss = NaN.".
-        tf.get_logger().addFilter(lambda record: record.levelno >= tf.compat.v1.logging.ERROR
-                                  or "slim_nanguard:" in record.getMessage())
+        tf.get_logger().addFilter(
+            lambda record: (
+                record.levelno >= tf.compat.v1.logging.ERROR
+                or "slim_nanguard:" in record.getMessage()
+            )
+        )
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -219,8 +313,11 @@ def _prog() -> str:
 def main(argv):
     if len(argv) > 1:
         # Not app.UsageError: it prints the whole flag list.
-        print(f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
-              "is a --flag (see --helpshort).", file=sys.stderr)
+        print(
+            f"{_prog()}: error: unexpected arguments {' '.join(argv[1:])!r}: every setting "
+            "is a --flag (see --helpshort).",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     _quiet_tensorflow()
     logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
@@ -229,10 +326,15 @@ def main(argv):
     cluster = None
     try:
         cluster = launch_cluster.from_flags(
-            ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts, job_name=FLAGS.job_name,
-            task=FLAGS.task, sync_replicas=FLAGS.sync_replicas,
+            ps_hosts=FLAGS.ps_hosts,
+            worker_hosts=FLAGS.worker_hosts,
+            job_name=FLAGS.job_name,
+            task=FLAGS.task,
+            sync_replicas=FLAGS.sync_replicas,
             replicas_to_aggregate=FLAGS.replicas_to_aggregate,
-            tf_config=os.environ.get("TF_CONFIG"), ps_timeout_secs=FLAGS.ps_timeout_secs)
+            tf_config=os.environ.get("TF_CONFIG"),
+            ps_timeout_secs=FLAGS.ps_timeout_secs,
+        )
         if cluster is not None and cluster.job_name == "ps":
             launch_cluster.run_ps(cluster)  # returns once every worker is done
             print(f"ps task {cluster.task}: every worker is done.", flush=True)
@@ -243,18 +345,25 @@ def main(argv):
         eval_config = None
         if FLAGS.eval_split_name:
             eval_config = launch.EvalConfig(
-                checkpoint_path=config.train_dir, model_name=config.model_name,
-                dataset_name=config.dataset_name, dataset_dir=config.dataset_dir,
+                checkpoint_path=config.train_dir,
+                model_name=config.model_name,
+                dataset_name=config.dataset_name,
+                dataset_dir=config.dataset_dir,
                 dataset_split_name=FLAGS.eval_split_name,
-                eval_image_size=config.train_image_size, master=config.master)
+                eval_image_size=config.train_image_size,
+                master=config.master,
+            )
             # The training split first, so that its errors name --dataset_split_name.
-            launch.check_eval_dataset(dataclasses.replace(
-                eval_config, dataset_split_name=config.dataset_split_name))
+            launch.check_eval_dataset(
+                dataclasses.replace(eval_config, dataset_split_name=config.dataset_split_name)
+            )
             try:
                 launch.check_eval_dataset(eval_config, split_flag="--eval_split_name")
             except ValueError as err:
-                raise launch.LaunchError(f"--eval_split_name={FLAGS.eval_split_name}: {err} "
-                                         "(--eval_split_name='' skips the evaluation)") from None
+                raise launch.LaunchError(
+                    f"--eval_split_name={FLAGS.eval_split_name}: {err} "
+                    "(--eval_split_name='' skips the evaluation)"
+                ) from None
         result = launch.run_training(config, cluster)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
@@ -264,8 +373,9 @@ def main(argv):
     print(launch.describe_training(result, config), flush=True)
     if eval_config is not None and result.checkpoint and config.is_chief:
         try:
-            evaluation = launch.run_eval(dataclasses.replace(
-                eval_config, checkpoint_path=result.checkpoint))
+            evaluation = launch.run_eval(
+                dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)
+            )
             print(f"  evaluation    {evaluation.describe()}", flush=True)
         except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
             print(f"  evaluation    not possible: {launch.error_message(err)}", flush=True)

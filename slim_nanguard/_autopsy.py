@@ -41,24 +41,49 @@ DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
 
 # Ops that are the batch itself: a non-finite value there was in the data.
-_INPUT_TYPES = frozenset({
-    "Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
-    "IteratorGetNextSync", "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2",
-    "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo"
-})
+_INPUT_TYPES = frozenset(
+    {
+        "Placeholder",
+        "PlaceholderV2",
+        "PlaceholderWithDefault",
+        "IteratorGetNext",
+        "IteratorGetNextSync",
+        "QueueDequeueV2",
+        "QueueDequeueManyV2",
+        "QueueDequeueUpToV2",
+        "QueueDequeue",
+        "QueueDequeueMany",
+        "QueueDequeueUpTo",
+    }
+)
 # Ops whose output a fed input cannot stand in for: replaying past them would need them to run.
 _UNREPLAYABLE_TYPES = _INPUT_TYPES | {"ReaderReadV2", "ReaderReadUpToV2"}
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.
-_ZERO_INPUTS = {"Log": (0,), "Reciprocal": (0,), "Inv": (0,), "Rsqrt": (0,), "Xdivy": (1,),
-                "RealDiv": (1,), "Div": (1,), "FloorDiv": (1,), "TruncateDiv": (1,),
-                "FloorMod": (1,), "Mod": (1,), "Pow": (0,), "Digamma": (0,), "Lgamma": (0,)}
+_ZERO_INPUTS = {
+    "Log": (0,),
+    "Reciprocal": (0,),
+    "Inv": (0,),
+    "Rsqrt": (0,),
+    "Xdivy": (1,),
+    "RealDiv": (1,),
+    "Div": (1,),
+    "FloorDiv": (1,),
+    "TruncateDiv": (1,),
+    "FloorMod": (1,),
+    "Mod": (1,),
+    "Pow": (0,),
+    "Digamma": (0,),
+    "Lgamma": (0,),
+}
 # Ops for which a negative input (below -1 for Log1p) is the usual cause.
 _NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
 # Library code, left out of an op's traceback: the user's frame is what builds the model.
-_LIBRARY_PARTS = tuple(os.sep + part + os.sep for part in (
-    "tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy"))
+_LIBRARY_PARTS = tuple(
+    os.sep + part + os.sep
+    for part in ("tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy")
+)
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 
 
@@ -115,8 +140,9 @@ class Autopsy:
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        return explain(self.first_bad_op, self.bad_examples, self.reproduced, self.error,
-                       self.batch_size)
+        return explain(
+            self.first_bad_op, self.bad_examples, self.reproduced, self.error, self.batch_size
+        )
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -135,19 +161,27 @@ def health(value: Any) -> Dict[str, Any]:
     if a.dtype.kind not in "fc":
         if a.dtype.kind in "iub":
             d.update(nan=0, posinf=0, neginf=0, zeros=int(np.count_nonzero(a == 0)))
-            d.update(finite_min=_item(a.min()) if a.size else None,
-                     finite_max=_item(a.max()) if a.size else None)
+            d.update(
+                finite_min=_item(a.min()) if a.size else None,
+                finite_max=_item(a.max()) if a.size else None,
+            )
             return d
         if a.dtype.kind != "V":  # bfloat16 (ml_dtypes) is kind "V": widen it below.
             return d
     if a.dtype.kind == "V" or a.dtype.itemsize < 4:
         a = a.astype(np.float32)
     finite = np.isfinite(a)
-    d.update(nan=int(np.count_nonzero(np.isnan(a))), posinf=int(np.count_nonzero(np.isposinf(a))),
-             neginf=int(np.count_nonzero(np.isneginf(a))), zeros=int(np.count_nonzero(a == 0)))
+    d.update(
+        nan=int(np.count_nonzero(np.isnan(a))),
+        posinf=int(np.count_nonzero(np.isposinf(a))),
+        neginf=int(np.count_nonzero(np.isneginf(a))),
+        zeros=int(np.count_nonzero(a == 0)),
+    )
     values = a[finite]
-    d.update(finite_min=_item(values.min()) if values.size else None,
-             finite_max=_item(values.max()) if values.size else None)
+    d.update(
+        finite_min=_item(values.min()) if values.size else None,
+        finite_max=_item(values.max()) if values.size else None,
+    )
     return d
 
 
@@ -214,18 +248,24 @@ def where(traceback_lines: Sequence[str]) -> str:
     return os.path.basename(location)
 
 
-def explain(first_bad_op: Optional[Mapping[str, Any]], bad_examples: Sequence[int],
-            reproduced: Optional[bool], error: Optional[str] = None,
-            batch_size: int = 0) -> str:
+def explain(
+    first_bad_op: Optional[Mapping[str, Any]],
+    bad_examples: Sequence[int],
+    reproduced: Optional[bool],
+    error: Optional[str] = None,
+    batch_size: int = 0,
+) -> str:
     """The autopsy in one sentence.
 
     For example ``first non-finite value: fc2/Log (Log) at model.py:42, input fc2/Softmax
     holds a 0; examples 3, 17 of the batch``.
     """
     if reproduced is False:
-        return ("the replay of the step from the same weights and batch is finite: the bad "
-                "step does not reproduce (nondeterminism such as dropout, or a transient "
-                "fault), so the model is not to blame")
+        return (
+            "the replay of the step from the same weights and batch is finite: the bad "
+            "step does not reproduce (nondeterminism such as dropout, or a transient "
+            "fault), so the model is not to blame"
+        )
     if first_bad_op is None:
         if error:
             return f"autopsy failed: {error}"
@@ -271,6 +311,7 @@ def _cause(op: Mapping[str, Any]) -> str:
         low = h.get("finite_min")
         if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
             return f"input {_short(h['name'])} holds {low:.6g}"
+
     def extreme(h):  # The finite value of largest magnitude, with its sign.
         low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
         return low if abs(low) > abs(high) else high
@@ -329,8 +370,9 @@ class _Budget:
     def check(self, what: str) -> None:
         spent = self.clock() - self.start
         if spent > self.timeout_secs:
-            raise AutopsyError(f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), "
-                               f"{what}")
+            raise AutopsyError(
+                f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), {what}"
+            )
 
     def run(self, session, fetches: List, feeds: Dict) -> List:
         self.runs += 1
@@ -341,15 +383,25 @@ class _Budget:
         return values
 
     def cost(self) -> Dict[str, Any]:
-        return {"seconds": round(self.clock() - self.start, 4), "peak_bytes": self.peak_bytes,
-                "runs": self.runs, "ops_checked": self.ops_checked}
+        return {
+            "seconds": round(self.clock() - self.start, 4),
+            "peak_bytes": self.peak_bytes,
+            "runs": self.runs,
+            "ops_checked": self.ops_checked,
+        }
 
 
-def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
-           timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-           max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-           clock: Callable[[], float] = time.monotonic, step: int = -1,
-           batch_size: Optional[int] = None) -> Autopsy:
+def replay(
+    session,
+    feeds: Mapping[Any, Any],
+    targets: Sequence[Any],
+    *,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    clock: Callable[[], float] = time.monotonic,
+    step: int = -1,
+    batch_size: Optional[int] = None,
+) -> Autopsy:
     """Replays a step and finds the first op whose output is not finite.
 
     Args:
@@ -387,13 +439,25 @@ def replay(session, feeds: Mapping[Any, Any], targets: Sequence[Any], *,
     except AutopsyError as err:
         found, error = None, str(err)
     if found is None:
-        return Autopsy(reproduced=True, batch_size=batch_size, cost=budget.cost(),
-                       error=error or "the replay was not finite but no op checked one by one "
-                       "was: the step is nondeterministic, or its first non-finite value is "
-                       "inside a while loop or a cond", step=step)
+        return Autopsy(
+            reproduced=True,
+            batch_size=batch_size,
+            cost=budget.cost(),
+            error=error
+            or "the replay was not finite but no op checked one by one "
+            "was: the step is nondeterministic, or its first non-finite value is "
+            "inside a while loop or a cond",
+            step=step,
+        )
     op, described, examples = found
-    return Autopsy(reproduced=True, first_bad_op=described, bad_examples=tuple(examples),
-                   batch_size=batch_size, cost=budget.cost(), step=step)
+    return Autopsy(
+        reproduced=True,
+        first_bad_op=described,
+        bad_examples=tuple(examples),
+        batch_size=batch_size,
+        cost=budget.cost(),
+        step=step,
+    )
 
 
 def _tensor(graph, t):
@@ -435,19 +499,25 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
             found.append(op)
             continue
         if op.type in _UNREPLAYABLE_TYPES and op.type != "PlaceholderWithDefault":
-            raise AutopsyError(f"the step reads {op.name} ({op.type}), which was not kept, so "
-                               "it cannot be replayed without taking a new batch")
+            raise AutopsyError(
+                f"the step reads {op.name} ({op.type}), which was not kept, so "
+                "it cannot be replayed without taking a new batch"
+            )
         stack.extend(t.op for t in op.inputs)
         if op._control_flow_context is None and any(  # pylint: disable=protected-access
-                _is_float(t) for t in op.outputs):
+            _is_float(t) for t in op.outputs
+        ):
             found.append(op)
     order = {op: i for i, op in enumerate(targets[0].graph.get_operations())}
     varies = {}  # op -> whether its value can change from step to step
     for op in sorted(seen, key=order.get):
         # A shape carries no values: fill(shape(x), nan) is a constant NaN whatever x holds.
-        varies[op] = (op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
-                      or any(varies.get(t.op, False) for t in op.inputs
-                             if t.op.type not in _SHAPE_TYPES))
+        varies[op] = (
+            op in fed_ops
+            or op.type in _VARIABLE_READ_TYPES
+            or _is_stateful(op)
+            or any(varies.get(t.op, False) for t in op.inputs if t.op.type not in _SHAPE_TYPES)
+        )
     return sorted((op for op in found if varies[op]), key=order.get)
 
 
@@ -485,8 +555,7 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
     return chunks
 
 
-def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
-                  batch_size: int):
+def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
     fed = {t.op: t for t in feeds}
     # The batch first: a NaN in the data is found without running anything.
     for op in ops:
@@ -494,20 +563,23 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
             budget.ops_checked += 1
             outputs = [t for t in op.outputs if t in feeds]
             values = [feeds[t] for t in outputs]
-            if any(not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind
-                   in "fcV"):
+            if any(
+                not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind in "fcV"
+            ):
                 return _describe(session, op, feeds, budget, batch_size)
     computed = [op for op in ops if op not in fed]
     chunks = _chunks(computed, batch_size, max_chunk_bytes)
     for number, chunk in enumerate(chunks):
-        budget.check(f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
-                     f"of {len(chunks)})")
+        budget.check(
+            f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
+            f"of {len(chunks)})"
+        )
         fetches = [t for op in chunk for t in op.outputs if _is_float(t)]
         values = dict(zip(fetches, budget.run(session, fetches, feeds)))
         for index, op in enumerate(chunk):
             budget.ops_checked += 1
             if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
-                downstream = _first_bad_rows(chunk[index + 1:], values, batch_size)
+                downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
     return None
@@ -516,8 +588,9 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int,
 def _first_bad_rows(ops, values, batch_size: int):
     """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
     for op in ops:
-        rows = sorted({i for t in op.outputs if t in values
-                       for i in bad_rows(values[t], batch_size)})
+        rows = sorted(
+            {i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)}
+        )
         if rows:
             return op.name, rows
     return None
@@ -539,7 +612,10 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
     value = lambda t: feeds[t] if t in feeds else fetched[t]  # noqa: E731
     frames = user_frames(_traceback(op))
     described = {
-        "name": op.name, "type": op.type, "where": where(frames), "traceback": frames,
+        "name": op.name,
+        "type": op.type,
+        "where": where(frames),
+        "traceback": frames,
         "inputs": [{"name": t.name, **health(value(t))} for t in inputs],
         "output": [{"name": t.name, **health(value(t))} for t in outputs],
     }
@@ -557,9 +633,15 @@ def _traceback(op) -> Sequence[Any]:
 
 
 # ---------------------------------------------------------------------- in training
-def autopsy_bad_step(session, capture, targets: Sequence[Any], *, step: int = -1,
-                     dump_dir: Optional[str] = None,
-                     timeout_secs: float = DEFAULT_TIMEOUT_SECS) -> Autopsy:
+def autopsy_bad_step(
+    session,
+    capture,
+    targets: Sequence[Any],
+    *,
+    step: int = -1,
+    dump_dir: Optional[str] = None,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+) -> Autopsy:
     """Reads the batch a bad step kept (`slim_nanguard._capture`) and replays the step.
 
     Never raises (but KeyboardInterrupt): a failure is the result's ``error``.
@@ -573,15 +655,24 @@ def autopsy_bad_step(session, capture, targets: Sequence[Any], *, step: int = -1
       timeout_secs: The deadline of the replay.
     """
     from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
+
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
         message = f"reading the kept batch failed: {type(err).__name__}: {_first_line(err)}"
-        logging.warning("slim_nanguard: the autopsy of step %d failed (training goes on): %s",
-                        step, message)
+        logging.warning(
+            "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
+        )
         return Autopsy(error=message, step=step)
-    return run_autopsy(session, capture.tensors, values, targets, step=step,
-                       dump_dir=dump_dir, timeout_secs=timeout_secs)
+    return run_autopsy(
+        session,
+        capture.tensors,
+        values,
+        targets,
+        step=step,
+        dump_dir=dump_dir,
+        timeout_secs=timeout_secs,
+    )
 
 
 def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
@@ -594,8 +685,9 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
             continue
         seen.add(op)
         if op._control_flow_context is None and (  # pylint: disable=protected-access
-                op.type in _VARIABLE_READ_TYPES or (op.type == "Identity" and op.inputs
-                                                    and op.inputs[0].dtype._is_ref_dtype)):
+            op.type in _VARIABLE_READ_TYPES
+            or (op.type == "Identity" and op.inputs and op.inputs[0].dtype._is_ref_dtype)
+        ):
             # A resource variable's read, or a reference variable's "read" Identity (a
             # reference tensor cannot be fed).
             reads += [t for t in op.outputs if _is_float(t)]
@@ -604,12 +696,19 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
     return sorted(reads, key=lambda t: t.name)
 
 
-def run_autopsy(session, batch_tensors: Sequence[Any], batch_values: Sequence[Any],
-                targets: Sequence[Any], *, step: int = -1, dump_dir: Optional[str] = None,
-                timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-                max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
-                clock: Callable[[], float] = time.monotonic) -> Autopsy:
+def run_autopsy(
+    session,
+    batch_tensors: Sequence[Any],
+    batch_values: Sequence[Any],
+    targets: Sequence[Any],
+    *,
+    step: int = -1,
+    dump_dir: Optional[str] = None,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
+    clock: Callable[[], float] = time.monotonic,
+) -> Autopsy:
     """Replays a bad step and writes its dump; never raises (but KeyboardInterrupt).
 
     Args:
@@ -631,8 +730,15 @@ def run_autopsy(session, batch_tensors: Sequence[Any], batch_values: Sequence[An
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
-        result = replay(session, feeds, targets, timeout_secs=timeout_secs,
-                        max_chunk_bytes=max_chunk_bytes, clock=clock, step=step)
+        result = replay(
+            session,
+            feeds,
+            targets,
+            timeout_secs=timeout_secs,
+            max_chunk_bytes=max_chunk_bytes,
+            clock=clock,
+            step=step,
+        )
         if dump_dir:
             weights = {}
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
@@ -643,10 +749,10 @@ def run_autopsy(session, batch_tensors: Sequence[Any], batch_values: Sequence[An
         return result
     except Exception as err:  # pylint: disable=broad-except  (never into training)
         message = f"{type(err).__name__}: {_first_line(err)}"
-        logging.warning("slim_nanguard: the autopsy of step %d failed (training goes on): %s",
-                        step, message)
-        return Autopsy(error=message, step=step,
-                       cost={"seconds": round(clock() - start, 4)})
+        logging.warning(
+            "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
+        )
+        return Autopsy(error=message, step=step, cost={"seconds": round(clock() - start, 4)})
 
 
 def _first_line(err: BaseException) -> str:
@@ -655,8 +761,13 @@ def _first_line(err: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------- the dump
-def write_dump(dump_dir: str, result: Autopsy, feeds: Mapping[Any, Any],
-               weights: Mapping[Any, Any], targets: Sequence[Any]) -> str:
+def write_dump(
+    dump_dir: str,
+    result: Autopsy,
+    feeds: Mapping[Any, Any],
+    weights: Mapping[Any, Any],
+    targets: Sequence[Any],
+) -> str:
     """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
 
     Returns:
@@ -678,8 +789,14 @@ def write_dump(dump_dir: str, result: Autopsy, feeds: Mapping[Any, Any],
         arrays[f"weight_{i}"] = np.asarray(value)
         read.append({"key": f"weight_{i}", "tensor": _name(tensor)})
     np.savez(base + ".npz", **arrays)
-    report = dict(result.to_json(), dump=base + ".json", batch=batch, weights=read,
-                  targets=[_name(t) for t in targets], arrays=os.path.basename(base) + ".npz")
+    report = dict(
+        result.to_json(),
+        dump=base + ".json",
+        batch=batch,
+        weights=read,
+        targets=[_name(t) for t in targets],
+        arrays=os.path.basename(base) + ".npz",
+    )
     with open(base + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1, sort_keys=True)
     return base + ".json"
@@ -700,7 +817,7 @@ def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[st
       and for the weights the step read (empty if they were too big to keep).
     """
     if path.endswith(".npz"):
-        path = path[:-len(".npz")] + ".json"
+        path = path[: -len(".npz")] + ".json"
     with open(path, encoding="utf-8") as f:
         report = json.load(f)
     arrays = os.path.join(os.path.dirname(path), report["arrays"])

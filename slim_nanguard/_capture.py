@@ -23,11 +23,20 @@ from tensorflow.python.ops import control_flow_ops
 
 # Ops whose outputs are a batch: fed placeholders and the ops that fetch the next batch.
 PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
-INPUT_OP_TYPES = frozenset({
-    "IteratorGetNext", "IteratorGetNextSync", "QueueDequeueV2", "QueueDequeueManyV2",
-    "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo",
-    "ReaderReadV2", "ReaderReadUpToV2"
-})
+INPUT_OP_TYPES = frozenset(
+    {
+        "IteratorGetNext",
+        "IteratorGetNextSync",
+        "QueueDequeueV2",
+        "QueueDequeueManyV2",
+        "QueueDequeueUpToV2",
+        "QueueDequeue",
+        "QueueDequeueMany",
+        "QueueDequeueUpTo",
+        "ReaderReadV2",
+        "ReaderReadUpToV2",
+    }
+)
 _UNKEPT_DTYPES = (tf.resource, tf.variant)
 
 
@@ -125,9 +134,14 @@ def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
                 yield
 
 
-def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *,
-               enabled: bool = True,
-               tensors: Optional[Sequence[tf.Tensor]] = None, merge: bool = True) -> Capture:
+def keep_batch(
+    loss: tf.Tensor,
+    ok: Union[tf.Tensor, Callable[[], tf.Tensor]],
+    *,
+    enabled: bool = True,
+    tensors: Optional[Sequence[tf.Tensor]] = None,
+    merge: bool = True,
+) -> Capture:
     """Builds the stores that keep the batch of `loss` on a bad step only.
 
     Args:
@@ -156,8 +170,14 @@ def keep_batch(loss: tf.Tensor, ok: Union[tf.Tensor, Callable[[], tf.Tensor]], *
             with guard_variable_scope(graph, tensor):
                 empty = tf.constant([], dtype=tensor.dtype.base_dtype)
                 variable = tf.compat.v1.Variable(
-                    empty, trainable=False, collections=[], validate_shape=False,
-                    shape=tf.TensorShape(None), use_resource=True, name=f"batch_{i}")
+                    empty,
+                    trainable=False,
+                    collections=[],
+                    validate_shape=False,
+                    shape=tf.TensorShape(None),
+                    use_resource=True,
+                    name=f"batch_{i}",
+                )
             bad_value, _ = control_flow_ops.switch(tensor, ok)
             stores.append(variable.assign(bad_value, read_value=False))
             variables.append(variable)

@@ -58,8 +58,9 @@ def checkpoint_step(checkpoint_path: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
-                           before_step: Optional[int] = None) -> Optional[str]:
+def latest_good_checkpoint(
+    checkpoint_dir: Optional[str], *, before_step: Optional[int] = None
+) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
     A newer checkpoint that cannot be read is passed over with a warning naming it and the one
@@ -80,8 +81,9 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
     candidates = _candidates(checkpoint_dir)
     if before_step is not None:
         steps = {path: checkpoint_step(path) for path in candidates}
-        candidates = [path for path in candidates
-                      if steps[path] is not None and steps[path] < before_step]
+        candidates = [
+            path for path in candidates if steps[path] is not None and steps[path] < before_step
+        ]
     if not candidates:
         return None
     failures: List[str] = []
@@ -97,14 +99,19 @@ def latest_good_checkpoint(checkpoint_dir: Optional[str], *,
             raise _errors.NonFiniteCheckpointError(
                 f"checkpoint {path} holds NaN or Inf in {', '.join(bad[:5])}"
                 f"{' and more' if len(bad) > 5 else ''}; refusing to train from it. Delete it "
-                "(and its entry in the 'checkpoint' file) to resume from an older one.")
+                "(and its entry in the 'checkpoint' file) to resume from an older one."
+            )
         if failures:
-            logging.warning("slim_nanguard: checkpoint %s cannot be read; using %s instead.",
-                            ", ".join(failures), path)
+            logging.warning(
+                "slim_nanguard: checkpoint %s cannot be read; using %s instead.",
+                ", ".join(failures),
+                path,
+            )
         return path
     raise _errors.CheckpointNotFoundError(
         f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
-        "broken files or train in a new directory.")
+        "broken files or train in a new directory."
+    )
 
 
 def _candidates(checkpoint_dir: Optional[str]) -> List[str]:
@@ -209,10 +216,13 @@ def _refuse(saver, sess, save_path, global_step) -> bool:
     if not bad:
         return False
     saver.refused_saves += 1
-    logging.error("slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
-                  "latest checkpoint stays the last good one.", save_path,
-                  global_step if not hasattr(global_step, "dtype") else "current",
-                  ", ".join(bad[:5]))
+    logging.error(
+        "slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
+        "latest checkpoint stays the last good one.",
+        save_path,
+        global_step if not hasattr(global_step, "dtype") else "current",
+        ", ".join(bad[:5]),
+    )
     return True
 
 
@@ -232,7 +242,8 @@ class _FiniteSaving:
         self.saver = saver
         with tf.name_scope("nanguard_finite_saver"):
             self._finite_flags, self._checked_names = finite_flags(
-                _saved_variables(saver._var_list))  # pylint: disable=protected-access
+                _saved_variables(saver._var_list)
+            )  # pylint: disable=protected-access
         self.refused_saves = 0
 
     def __getattr__(self, name):
@@ -263,6 +274,7 @@ def finite_saver(saver):
       saver: A `tf.compat.v1.train.Saver` (or None).
     """
     if isinstance(saver, (FiniteSaver, _FiniteSaving)) or not isinstance(
-            saver, tf.compat.v1.train.Saver):
+        saver, tf.compat.v1.train.Saver
+    ):
         return saver
     return _FiniteSaving(saver)

@@ -47,16 +47,25 @@ from absl import logging
 from slim_nanguard import _guard
 
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
-_ACCUMULATE_OP_TYPES = frozenset({
-    "AccumulatorApplyGradient", "ResourceAccumulatorApplyGradient",
-    "SparseAccumulatorApplyGradient"})
+_ACCUMULATE_OP_TYPES = frozenset(
+    {
+        "AccumulatorApplyGradient",
+        "ResourceAccumulatorApplyGradient",
+        "SparseAccumulatorApplyGradient",
+    }
+)
 
 # The ops that take the aggregated gradient, and which output holds its values.
-_TAKE_OP_OUTPUTS = {"AccumulatorTakeGradient": 0, "ResourceAccumulatorTakeGradient": 0,
-                    "SparseAccumulatorTakeGradient": 1}
+_TAKE_OP_OUTPUTS = {
+    "AccumulatorTakeGradient": 0,
+    "ResourceAccumulatorTakeGradient": 0,
+    "SparseAccumulatorTakeGradient": 1,
+}
 
-AGGREGATE_CHECK_MESSAGE = ("slim_nanguard: the replicas' aggregated gradient is NaN or Inf "
-                           "(an overflow of finite gradients); no variable was updated")
+AGGREGATE_CHECK_MESSAGE = (
+    "slim_nanguard: the replicas' aggregated gradient is NaN or Inf "
+    "(an overflow of finite gradients); no variable was updated"
+)
 
 
 def is_sync_replicas(optimizer) -> bool:
@@ -64,8 +73,9 @@ def is_sync_replicas(optimizer) -> bool:
     return isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)
 
 
-def apply_sync_replicas(optimizer, grads_and_vars, global_step,
-                        gate: tf.Tensor) -> Tuple[tf.Operation, List[tf.Operation]]:
+def apply_sync_replicas(
+    optimizer, grads_and_vars, global_step, gate: tf.Tensor
+) -> Tuple[tf.Operation, List[tf.Operation]]:
     """Builds ``optimizer.apply_gradients`` with its worker-side writes behind `gate`.
 
     Args:
@@ -82,8 +92,10 @@ def apply_sync_replicas(optimizer, grads_and_vars, global_step,
       ValueError: No global step, or no gradient reaches an accumulator.
     """
     if global_step is None:
-        raise ValueError("SyncReplicasOptimizer needs a global step: pass global_step (or "
-                         "leave the default) to create_train_op.")
+        raise ValueError(
+            "SyncReplicasOptimizer needs a global step: pass global_step (or "
+            "leave the default) to create_train_op."
+        )
     graph = gate.graph
     first_new_op = len(graph.get_operations())
     train_op = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
@@ -94,25 +106,26 @@ def apply_sync_replicas(optimizer, grads_and_vars, global_step,
             op._add_control_input(gate.op)  # pylint: disable=protected-access
             gated.append(op)
     if not gated:
-        raise ValueError("SyncReplicasOptimizer.apply_gradients made no accumulator op to "
-                         "gate; this TensorFlow version builds it differently.")
+        raise ValueError(
+            "SyncReplicasOptimizer.apply_gradients made no accumulator op to "
+            "gate; this TensorFlow version builds it differently."
+        )
     return train_op, gated + _check_aggregate(optimizer, new_ops, global_step)
 
 
-def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation],
-                     global_step) -> List[tf.Operation]:
+def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation], global_step) -> List[tf.Operation]:
     """Makes the chief's writes of the aggregated gradient wait on its finiteness check."""
-    taken = [op.outputs[_TAKE_OP_OUTPUTS[op.type]] for op in new_ops
-             if op.type in _TAKE_OP_OUTPUTS]
+    taken = [op.outputs[_TAKE_OP_OUTPUTS[op.type]] for op in new_ops if op.type in _TAKE_OP_OUTPUTS]
     runner = optimizer.get_chief_queue_runner()
     if not taken or runner is None:
         return []
     with tf.device(global_step.device), tf.name_scope("nanguard_aggregate"):
-        sums = [tf.reduce_sum(tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32))
-                for t in taken]
+        sums = [
+            tf.reduce_sum(tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32))
+            for t in taken
+        ]
         check = tf.debugging.check_numerics(tf.add_n(sums), AGGREGATE_CHECK_MESSAGE)
-    writes = _writes_before(list(runner.enqueue_ops), stop_at=set(
-        t.op for t in taken))
+    writes = _writes_before(list(runner.enqueue_ops), stop_at=set(t.op for t in taken))
     for op in writes:
         op._add_control_input(check.op)  # pylint: disable=protected-access
     return writes
@@ -121,6 +134,7 @@ def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation],
 def _writes_before(roots: Sequence[tf.Operation], stop_at: set) -> List[tf.Operation]:
     """The variable writes `roots` wait on, not looking past the ops in `stop_at`."""
     from slim_nanguard import _train_op  # Local: _train_op imports this module.
+
     found, seen, stack = [], set(), list(roots)
     while stack:
         op = stack.pop()
@@ -148,15 +162,18 @@ DONE_QUEUE = "nanguard_cluster_done"
 
 def _stop_queue() -> tf.queue.FIFOQueue:
     with tf.device("/job:ps/task:0"):
-        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(), shared_name=STOP_QUEUE,
-                                  name=STOP_QUEUE)
+        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(), shared_name=STOP_QUEUE, name=STOP_QUEUE)
 
 
 def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
     with tf.device(f"/job:ps/task:{ps_task}"):
-        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(),
-                                  shared_name=f"{DONE_QUEUE}_{ps_task}",
-                                  name=f"{DONE_QUEUE}_{ps_task}")
+        return tf.queue.FIFOQueue(
+            -1,
+            tf.int32,
+            shapes=(),
+            shared_name=f"{DONE_QUEUE}_{ps_task}",
+            name=f"{DONE_QUEUE}_{ps_task}",
+        )
 
 
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
@@ -197,14 +214,23 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
 
 def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.ConfigProto:
     """A session config that sees only the ps tasks and this task, with an op timeout."""
-    filters = ["/job:ps", f"/job:{job}/task:{task}"] if job == "worker" else [
-        f"/job:ps/task:{task}"]
-    return tf.compat.v1.ConfigProto(device_filters=filters,
-                                    operation_timeout_in_ms=int(timeout_secs * 1000))
+    filters = (
+        ["/job:ps", f"/job:{job}/task:{task}"] if job == "worker" else [f"/job:ps/task:{task}"]
+    )
+    return tf.compat.v1.ConfigProto(
+        device_filters=filters, operation_timeout_in_ms=int(timeout_secs * 1000)
+    )
 
 
-def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: float = 30,
-           job: str = "worker") -> bool:
+def finish(
+    target: str,
+    *,
+    task: int,
+    num_ps: int,
+    stop: bool,
+    timeout_secs: float = 30,
+    job: str = "worker",
+) -> bool:
     """A worker's last word to the ps: a stop if `stop`, then done to every ps.
 
     Args:
@@ -224,9 +250,13 @@ def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: flo
         ask = stop_queue.enqueue(task) if stop else None
         size = stop_queue.size()
         done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
-    config = (session_config("worker", task, timeout_secs) if job == "worker" else
-              tf.compat.v1.ConfigProto(device_filters=["/job:ps"],
-                                       operation_timeout_in_ms=int(timeout_secs * 1000)))
+    config = (
+        session_config("worker", task, timeout_secs)
+        if job == "worker"
+        else tf.compat.v1.ConfigProto(
+            device_filters=["/job:ps"], operation_timeout_in_ms=int(timeout_secs * 1000)
+        )
+    )
     try:
         with tf.compat.v1.Session(target, graph=graph, config=config) as session:
             if ask is not None:
@@ -235,8 +265,9 @@ def finish(target: str, *, task: int, num_ps: int, stop: bool, timeout_secs: flo
             session.run(done)
             return stopped
     except tf.errors.OpError as err:
-        logging.warning("slim_nanguard: could not tell the ps this worker is done: %s",
-                        str(err).splitlines()[0])
+        logging.warning(
+            "slim_nanguard: could not tell the ps this worker is done: %s", str(err).splitlines()[0]
+        )
         return stop
 
 
@@ -250,8 +281,9 @@ def serve_ps(target: str, *, task: int, num_workers: int) -> None:
         session.run(all_done)
 
 
-def wait_for_model(graph: tf.Graph, target: str, config, timeout_secs: float,
-                   poll_secs: float = 0.25) -> None:
+def wait_for_model(
+    graph: tf.Graph, target: str, config, timeout_secs: float, poll_secs: float = 0.25
+) -> None:
     """Waits until the chief has initialised or restored the model on the ps.
 
     A non-chief `MonitoredTrainingSession` checks every 30 s; polling here first means it
@@ -262,13 +294,12 @@ def wait_for_model(graph: tf.Graph, target: str, config, timeout_secs: float,
     """
     with graph.as_default():
         # Global ones only: the local ones (sync replicas' local step) are this worker's.
-        not_ready = tf.compat.v1.report_uninitialized_variables(
-            tf.compat.v1.global_variables())
+        not_ready = tf.compat.v1.report_uninitialized_variables(tf.compat.v1.global_variables())
     deadline = time.monotonic() + timeout_secs
     with tf.compat.v1.Session(target, graph=graph, config=config) as session:
         while session.run(not_ready).size:
             if time.monotonic() > deadline:
                 raise tf.errors.DeadlineExceededError(
-                    None, None, f"the chief did not initialise the model within "
-                    f"{timeout_secs:g}s")
+                    None, None, f"the chief did not initialise the model within {timeout_secs:g}s"
+                )
             time.sleep(poll_secs)

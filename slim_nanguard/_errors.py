@@ -71,9 +71,15 @@ def op_error_cause(error: BaseException) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if lines and lines[0].startswith("Graph execution error"):
         node = next((i for i, line in enumerate(lines) if line.startswith("Node: ")), None)
-        rest = lines[node + 1:] if node is not None else [
-            line for line in lines[1:]
-            if not line.startswith(("Detected at node", "File ", "[[", "Original stack"))]
+        rest = (
+            lines[node + 1 :]
+            if node is not None
+            else [
+                line
+                for line in lines[1:]
+                if not line.startswith(("Detected at node", "File ", "[[", "Original stack"))
+            ]
+        )
         if rest:
             return rest[0]
     return lines[0] if lines else type(error).__name__

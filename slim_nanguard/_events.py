@@ -89,12 +89,16 @@ class NanEvent:
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
-            return (f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
-                    f"{culprits} at loss scale {self.loss_scale:g}: the optimizer skipped the "
-                    "update and lowers the scale (not a bad step)")
+            return (
+                f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
+                f"{culprits} at loss scale {self.loss_scale:g}: the optimizer skipped the "
+                "update and lowers the scale (not a bad step)"
+            )
         scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
-        return (f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), {culprits}"
-                f"{scale}, bad step {self.consecutive} in a row ({self.total} in all)")
+        return (
+            f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), {culprits}"
+            f"{scale}, bad step {self.consecutive} in a row ({self.total} in all)"
+        )
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
@@ -134,15 +138,29 @@ def log_event(event: NanEvent, level: Optional[int] = None) -> None:
       level: A Python `logging` level, to override the above.
     """
     if event.action == LOSS_SCALE_OVERFLOW:
-        tf_logging.log(tf_logging.INFO if level is None else level,
-                       "slim_nanguard: loss-scale overflow (%s mode): %s", event.mode,
-                       event.describe())
+        tf_logging.log(
+            tf_logging.INFO if level is None else level,
+            "slim_nanguard: loss-scale overflow (%s mode): %s",
+            event.mode,
+            event.describe(),
+        )
         return
     if level is None:
         level = tf_logging.ERROR if event.action == "raise" else tf_logging.WARN
-    tf_logging.log(level, "%s slim_nanguard: bad step (%s mode), action %s: %s", DIVERGED,
-                   event.mode, event.action, event.describe())
+    tf_logging.log(
+        level,
+        "%s slim_nanguard: bad step (%s mode), action %s: %s",
+        DIVERGED,
+        event.mode,
+        event.action,
+        event.describe(),
+    )
     if event.autopsy is not None:
         dump = f" (dump: {event.autopsy.dump})" if event.autopsy.dump else ""
-        tf_logging.log(level, "slim_nanguard: autopsy of global step %d: %s%s", event.step,
-                       event.autopsy.describe(), dump)
+        tf_logging.log(
+            level,
+            "slim_nanguard: autopsy of global step %d: %s%s",
+            event.step,
+            event.autopsy.describe(),
+            dump,
+        )

@@ -30,16 +30,27 @@ MODE_CHECK_NUMERICS = "check_numerics"
 MODE_HOOK = "hook"
 
 # Op types that fetch the next batch; a rollback runs them to skip input.
-_INPUT_OP_TYPES = frozenset({
-    "IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "QueueDequeueV2",
-    "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany",
-    "QueueDequeueUpTo", "ReaderReadV2", "ReaderReadUpToV2"
-})
+_INPUT_OP_TYPES = frozenset(
+    {
+        "IteratorGetNext",
+        "IteratorGetNextSync",
+        "IteratorGetNextAsOptional",
+        "QueueDequeueV2",
+        "QueueDequeueManyV2",
+        "QueueDequeueUpToV2",
+        "QueueDequeue",
+        "QueueDequeueMany",
+        "QueueDequeueUpTo",
+        "ReaderReadV2",
+        "ReaderReadUpToV2",
+    }
+)
 
 # Op types that run a function body: an error raised inside (a train op built in a
 # tf.while_loop, a tf.function) is reported on them, with the inner node named in the message.
-_FUNCTION_OP_TYPES = frozenset({"While", "StatelessWhile", "If", "StatelessIf",
-                                "PartitionedCall", "StatefulPartitionedCall"})
+_FUNCTION_OP_TYPES = frozenset(
+    {"While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall"}
+)
 # What CheckNumerics says, and the node the message names.
 _CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
 _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
@@ -104,12 +115,23 @@ class Guard:
       state: The `GuardState` counters.
     """
 
-    def __init__(self, *, config: _policy.GuardConfig, mode: str, train_op: tf.Tensor,
-                 loss: tf.Tensor, global_step, grad_sums: tf.Tensor, ok: Optional[tf.Tensor],
-                 diagnostics: tf.Variable, check_op_name: Optional[str],
-                 variable_names: Sequence[str], lr_scale: Optional[tf.Variable],
-                 loss_scale_floor: Optional[float] = None,
-                 in_loop: bool = False):
+    def __init__(
+        self,
+        *,
+        config: _policy.GuardConfig,
+        mode: str,
+        train_op: tf.Tensor,
+        loss: tf.Tensor,
+        global_step,
+        grad_sums: tf.Tensor,
+        ok: Optional[tf.Tensor],
+        diagnostics: tf.Variable,
+        check_op_name: Optional[str],
+        variable_names: Sequence[str],
+        lr_scale: Optional[tf.Variable],
+        loss_scale_floor: Optional[float] = None,
+        in_loop: bool = False,
+    ):
         self.config = config
         self.mode = mode
         self.train_op = train_op
@@ -142,8 +164,9 @@ class Guard:
         if lr_scale is not None:
             # init_scope: in the outermost graph, even for a train op built in a loop body.
             with loss.graph.as_default(), tf.init_scope():
-                self._lr_scale_value = tf.compat.v1.placeholder(lr_scale.dtype.base_dtype, [],
-                                                                name="nanguard_lr_scale_value")
+                self._lr_scale_value = tf.compat.v1.placeholder(
+                    lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
+                )
                 self._lr_scale_assign = tf.compat.v1.assign(lr_scale, self._lr_scale_value)
 
     # ----------------------------------------------------------------- listeners
@@ -212,11 +235,13 @@ class Guard:
           sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
         """
         scale = self._loss_scale_of(sums)
-        return (scale is not None and math.isfinite(float(list(sums)[0]))
-                and scale > self.loss_scale_floor)
+        return (
+            scale is not None
+            and math.isfinite(float(list(sums)[0]))
+            and scale > self.loss_scale_floor
+        )
 
-    def on_loss_scale_overflow(self, *, step: int,
-                               sums: Sequence[float]) -> _events.NanEvent:
+    def on_loss_scale_overflow(self, *, step: int, sums: Sequence[float]) -> _events.NanEvent:
         """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
 
         The optimizer skipped the update and lowered its scale; nothing else was written. The
@@ -234,10 +259,16 @@ class Guard:
         state.loss_scale_overflows += 1
         sums = list(sums)
         event = _events.NanEvent(
-            step=int(step), loss=float(sums[0]), loss_kind=_events.classify(float(sums[0])),
-            culprits=self.culprits(sums), consecutive=state.consecutive_bad_steps,
-            total=state.total_bad_steps, mode=self.mode,
-            action=_events.LOSS_SCALE_OVERFLOW, loss_scale=self._loss_scale_of(sums))
+            step=int(step),
+            loss=float(sums[0]),
+            loss_kind=_events.classify(float(sums[0])),
+            culprits=self.culprits(sums),
+            consecutive=state.consecutive_bad_steps,
+            total=state.total_bad_steps,
+            mode=self.mode,
+            action=_events.LOSS_SCALE_OVERFLOW,
+            loss_scale=self._loss_scale_of(sums),
+        )
         _events.log_event(event)
         self._notify(_events.LOSS_SCALE_OVERFLOW, event)
         return event
@@ -248,8 +279,11 @@ class Guard:
 
     def culprits(self, sums: Sequence[float]) -> Tuple[str, ...]:
         """Names of the variables whose gradient sums in `sums` (loss first) are non-finite."""
-        return tuple(name for name, s in zip(self.variable_names, list(sums)[1:])
-                     if not math.isfinite(float(s)))
+        return tuple(
+            name
+            for name, s in zip(self.variable_names, list(sums)[1:])
+            if not math.isfinite(float(s))
+        )
 
     def autopsy(self, session, step: int):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
@@ -265,17 +299,33 @@ class Guard:
           The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
           autopsies are off, past their count, or the train op keeps no batch.
         """
-        if (self.capture is None or not self.capture.tensors
-                or self.autopsies >= self.config.autopsy_max_steps):
+        if (
+            self.capture is None
+            or not self.capture.tensors
+            or self.autopsies >= self.config.autopsy_max_steps
+        ):
             return None
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
-        self.autopsies += 1
-        return _autopsy.autopsy_bad_step(session, self.capture, [self.grad_sums], step=step,
-                                         dump_dir=self.autopsy_dir,
-                                         timeout_secs=self.config.autopsy_timeout_secs)
 
-    def on_bad_step(self, *, step: int, loss: float, sums: Optional[Sequence[float]],
-                    policy: Optional[str] = None, autopsy=None) -> _events.NanEvent:
+        self.autopsies += 1
+        return _autopsy.autopsy_bad_step(
+            session,
+            self.capture,
+            [self.grad_sums],
+            step=step,
+            dump_dir=self.autopsy_dir,
+            timeout_secs=self.config.autopsy_timeout_secs,
+        )
+
+    def on_bad_step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        sums: Optional[Sequence[float]],
+        policy: Optional[str] = None,
+        autopsy=None,
+    ) -> _events.NanEvent:
         """Counts a bad step, asks the policy (and the `on_nan` callback) what to do.
 
         After ``max_consecutive_bad_steps`` bad steps in a row under ``skip`` or ``rollback``
@@ -299,27 +349,35 @@ class Guard:
             rollbacks).
         """
         state = self.state
-        if (state.last_bad_step is not None and step >= 0
-                and step != state.last_bad_step):
+        if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
             # A step went through since the last bad one (global_step moved on).
             state.consecutive_bad_steps = 0
         state.total_bad_steps += 1
         state.consecutive_bad_steps += 1
         state.last_bad_step = step
         event = _events.NanEvent(
-            step=int(step), loss=float(loss), loss_kind=_events.classify(float(loss)),
+            step=int(step),
+            loss=float(loss),
+            loss_kind=_events.classify(float(loss)),
             culprits=self.culprits(sums) if sums is not None else (),
-            consecutive=state.consecutive_bad_steps, total=state.total_bad_steps,
-            mode=self.mode, action=policy or self.config.nan_policy,
-            loss_scale=self._loss_scale_of(sums), autopsy=autopsy)
+            consecutive=state.consecutive_bad_steps,
+            total=state.total_bad_steps,
+            mode=self.mode,
+            action=policy or self.config.nan_policy,
+            loss_scale=self._loss_scale_of(sums),
+            autopsy=autopsy,
+        )
         action = event.action
         if self.config.on_nan is not None:
             chosen = self.config.on_nan(event)
             if chosen is not None:
                 action = _policy.validate_action(chosen, "the on_nan callback")
-        decision = _policy.decide(self.config, action,
-                                  consecutive_bad_steps=state.consecutive_bad_steps,
-                                  rollbacks=state.rollbacks)
+        decision = _policy.decide(
+            self.config,
+            action,
+            consecutive_bad_steps=state.consecutive_bad_steps,
+            rollbacks=state.rollbacks,
+        )
         action, escalation = decision.action, decision.escalation
         event = dataclasses.replace(event, action=action)
         if action == _policy.SKIP:
@@ -328,8 +386,12 @@ class Guard:
             state.stops += 1
         _events.log_event(event)
         if escalation and action != _policy.RAISE:
-            logging.warning("slim_nanguard: %s, so the weights, not the batch, went bad: "
-                            "applying persistent_nan_policy=%r", escalation, action)
+            logging.warning(
+                "slim_nanguard: %s, so the weights, not the batch, went bad: "
+                "applying persistent_nan_policy=%r",
+                escalation,
+                action,
+            )
             if action == _policy.ROLLBACK:
                 # Start the count over, or the first bad step after the rollback would
                 # escalate again (global_step may come back to the value of this bad step).
@@ -348,7 +410,8 @@ class Guard:
             return False
         if op is None or op.type in _FUNCTION_OP_TYPES:  # Raised in a loop body: by name.
             return self.in_loop and self.check_op_name in _INNER_NODE.findall(
-                getattr(error, "message", ""))
+                getattr(error, "message", "")
+            )
         return op.name == self.check_op_name
 
     def read_bad_step(self, session) -> Tuple[int, List[float]]:
@@ -409,31 +472,47 @@ class Guard:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
+
         path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
         bad_step = self.last_event.step if self.last_event is not None else -1
-        if path is not None and self._restored_step is not None and (
-                bad_step == self._restored_step):
+        if (
+            path is not None
+            and self._restored_step is not None
+            and (bad_step == self._restored_step)
+        ):
             # No step went through since the last rollback restored this step: the state it
             # restored went bad at once (finite weights can already be diverging). Go back to
             # an earlier step's checkpoint, if one is kept.
-            older = _checkpoints.latest_good_checkpoint(checkpoint_dir,
-                                                        before_step=self._restored_step)
+            older = _checkpoints.latest_good_checkpoint(
+                checkpoint_dir, before_step=self._restored_step
+            )
             if older is not None:
-                logging.warning("slim_nanguard: training went bad again at step %d, right "
-                                "after rolling back to it; rolling back further, to %s",
-                                bad_step, older)
+                logging.warning(
+                    "slim_nanguard: training went bad again at step %d, right "
+                    "after rolling back to it; rolling back further, to %s",
+                    bad_step,
+                    older,
+                )
                 path = older
             else:  # None earlier is kept: the same step again (not a newer, failed one).
-                path = _checkpoints.latest_good_checkpoint(
-                    checkpoint_dir, before_step=self._restored_step + 1) or path
+                path = (
+                    _checkpoints.latest_good_checkpoint(
+                        checkpoint_dir, before_step=self._restored_step + 1
+                    )
+                    or path
+                )
         if path is None:
-            where = (f"in {checkpoint_dir!r}" if checkpoint_dir else
-                     "and no checkpoint directory was given (pass checkpoint_dir=..., the "
-                     "directory the loop saves checkpoints to)")
+            where = (
+                f"in {checkpoint_dir!r}"
+                if checkpoint_dir
+                else "and no checkpoint directory was given (pass checkpoint_dir=..., the "
+                "directory the loop saves checkpoints to)"
+            )
             raise _errors.CheckpointNotFoundError(
                 f"rollback needs a good checkpoint {where} and there is none; save "
                 "checkpoints from the first step (save_checkpoint_steps), or choose policies "
-                "that do not roll back (nan_policy, persistent_nan_policy).")
+                "that do not roll back (nan_policy, persistent_nan_policy)."
+            )
         if saver is None:
             raise ValueError("rollback needs a Saver built before the graph was finalized.")
         if self.lr_scale is not None:
@@ -442,21 +521,33 @@ class Guard:
             live = float(session.run(self.lr_scale))
             self.state.learning_rate_scale = min(self.state.learning_rate_scale, live)
         saver.restore(session, path)
-        self._restored_step = (int(session.run(self.global_step))
-                               if self.global_step is not None else None)
+        self._restored_step = (
+            int(session.run(self.global_step)) if self.global_step is not None else None
+        )
         if self.lr_scale is not None:
             self.state.learning_rate_scale *= self.config.rollback_lr_factor
-            session.run(self._lr_scale_assign,
-                        {self._lr_scale_value: self.state.learning_rate_scale})
+            session.run(
+                self._lr_scale_assign, {self._lr_scale_value: self.state.learning_rate_scale}
+            )
         skipped = self.skip_input(session, self.config.rollback_skip_batches)
         self.state.rollbacks += 1
         if self.last_event is not None:
-            self._notify("rollback", self.last_event, checkpoint=path, skipped_batches=skipped,
-                         learning_rate_scale=self.state.learning_rate_scale)
+            self._notify(
+                "rollback",
+                self.last_event,
+                checkpoint=path,
+                skipped_batches=skipped,
+                learning_rate_scale=self.state.learning_rate_scale,
+            )
         logging.warning(
             "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
-            "learning-rate scale now %g", path, self.state.rollbacks, self.config.max_rollbacks,
-            skipped, self.state.learning_rate_scale)
+            "learning-rate scale now %g",
+            path,
+            self.state.rollbacks,
+            self.config.max_rollbacks,
+            skipped,
+            self.state.learning_rate_scale,
+        )
         return path
 
     def skip_input(self, session, batches: int) -> int:

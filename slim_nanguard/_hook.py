@@ -78,13 +78,21 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         `Guard.add_listener`).
     """
 
-    def __init__(self, loss_tensor, fail_on_nan_loss: bool = True, *,
-                 nan_policy: Optional[str] = None, checkpoint_dir: Optional[str] = None,
-                 event_listener=None):
+    def __init__(
+        self,
+        loss_tensor,
+        fail_on_nan_loss: bool = True,
+        *,
+        nan_policy: Optional[str] = None,
+        checkpoint_dir: Optional[str] = None,
+        event_listener=None,
+    ):
         super().__init__(loss_tensor, fail_on_nan_loss=fail_on_nan_loss)
         if nan_policy is not None and nan_policy not in _policy.POLICIES:
-            raise ValueError(f"nan_policy must be one of {', '.join(_policy.POLICIES)} or None; "
-                             f"got {nan_policy!r}.")
+            raise ValueError(
+                f"nan_policy must be one of {', '.join(_policy.POLICIES)} or None; "
+                f"got {nan_policy!r}."
+            )
         self._nan_policy = nan_policy
         self._checkpoint_dir = checkpoint_dir
         self._event_listener = event_listener
@@ -110,49 +118,68 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def begin(self):
         self._guard = _guard.get_guard(self._loss_tensor)
         if self._guard is None:
-            logging.info("slim_nanguard: %s comes from no guarded train op; the hook checks the "
-                         "loss only and cannot undo an update.", self._loss_tensor.name)
+            logging.info(
+                "slim_nanguard: %s comes from no guarded train op; the hook checks the "
+                "loss only and cannot undo an update.",
+                self._loss_tensor.name,
+            )
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
         guard = self._guard
         if guard.ok is None:
-            logging.info("slim_nanguard: the train op of %s is in check_numerics mode; its "
-                         "check raises before this hook could run.", self._loss_tensor.name)
+            logging.info(
+                "slim_nanguard: the train op of %s is in check_numerics mode; its "
+                "check raises before this hook could run.",
+                self._loss_tensor.name,
+            )
         # One boolean per step. A bad step stored its gradient sums (the loss first) in the
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
         # Writes built after the train op that wait on it (an EMA chained after it).
         _train_op.gate_writes_after(guard)
-        self._judge_every_run = sum(
-            g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
+        self._judge_every_run = (
+            sum(g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
+        )
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         if self._checkpoint_dir and guard.autopsy_dir is None:
             guard.autopsy_dir = self._checkpoint_dir  # Autopsy dumps go next to checkpoints.
         if self._may_roll_back():
             if not self._checkpoint_dir:
-                what = ("the 'rollback' policy" if self._effective_policy() == _policy.ROLLBACK
-                        else "persistent_nan_policy='rollback'")
-                raise ValueError(f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
-                                 "the session saves checkpoints to.")
+                what = (
+                    "the 'rollback' policy"
+                    if self._effective_policy() == _policy.ROLLBACK
+                    else "persistent_nan_policy='rollback'"
+                )
+                raise ValueError(
+                    f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
+                    "the session saves checkpoints to."
+                )
             # Built here if create_train_op did not: after begin() the graph is finalized.
-            self._saver = guard.saver or tf.compat.v1.train.Saver(max_to_keep=None,
-                                                                  name="nanguard_rollback")
+            self._saver = guard.saver or tf.compat.v1.train.Saver(
+                max_to_keep=None, name="nanguard_rollback"
+            )
 
     def _may_roll_back(self) -> bool:
         config = self._guard.config
         policy = self._effective_policy()
-        return (policy == _policy.ROLLBACK
-                # Escalation from skip, after max_consecutive_bad_steps in a row.
-                or (policy == _policy.SKIP and config.persistent_nan_policy == _policy.ROLLBACK)
-                or config.on_nan is not None and self._checkpoint_dir is not None)
+        return (
+            policy == _policy.ROLLBACK
+            # Escalation from skip, after max_consecutive_bad_steps in a row.
+            or (policy == _policy.SKIP and config.persistent_nan_policy == _policy.ROLLBACK)
+            or config.on_nan is not None
+            and self._checkpoint_dir is not None
+        )
 
     def after_create_session(self, session, coord):
         # Per-session state only: the guard's counters describe the whole run.
         self._session_bad_steps = 0
-        if self._guard is not None and self._guard.in_loop and (
-                self._guard.mode == _guard.MODE_HOOK):
+        if (
+            self._guard is not None
+            and self._guard.in_loop
+            and (self._guard.mode == _guard.MODE_HOOK)
+        ):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(self._guard.diagnostics.initializer)
         if self._guard is not None:
@@ -161,7 +188,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def before_run(self, run_context):
         self._judging = self._judge_every_run or self._fetches_reach_train_op(
-            run_context.original_args.fetches)
+            run_context.original_args.fetches
+        )
         return self._run_args if self._judging else None
 
     def _fetches_reach_train_op(self, fetches) -> bool:
@@ -191,8 +219,11 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if not self._judging:  # A run of another guarded train op: not ours to judge.
             return
         stored = None
-        if self._guard is not None and self._guard.in_loop and (
-                self._guard.mode == _guard.MODE_HOOK):
+        if (
+            self._guard is not None
+            and self._guard.in_loop
+            and (self._guard.mode == _guard.MODE_HOOK)
+        ):
             stored = self._guard.read_bad_step(run_context.session)
             results = bool(np.all(np.isfinite(stored[1])))
             if not results:  # A bad iteration stored its sums; zero them for the next run.
@@ -214,8 +245,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             return
         self._session_bad_steps += 1
         autopsy = guard.autopsy(run_context.session, step)  # Before any rollback.
-        event = guard.on_bad_step(step=step, loss=sums[0], sums=sums,
-                                  policy=self._effective_policy(), autopsy=autopsy)
+        event = guard.on_bad_step(
+            step=step, loss=sums[0], sums=sums, policy=self._effective_policy(), autopsy=autopsy
+        )
         if event.action == _policy.STOP:
             run_context.request_stop()
         elif event.action == _policy.ROLLBACK:
@@ -231,20 +263,28 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def _unguarded_bad_step(self, run_context, loss: float) -> None:
         policy = self._nan_policy or (_policy.RAISE if self._fail_on_nan_loss else _policy.STOP)
-        event = _events.NanEvent(step=-1, loss=loss, loss_kind=_events.classify(loss),
-                                 culprits=(), consecutive=self._session_bad_steps,
-                                 total=self._session_bad_steps, mode=_guard.MODE_HOOK,
-                                 action=policy)
+        event = _events.NanEvent(
+            step=-1,
+            loss=loss,
+            loss_kind=_events.classify(loss),
+            culprits=(),
+            consecutive=self._session_bad_steps,
+            total=self._session_bad_steps,
+            mode=_guard.MODE_HOOK,
+            action=policy,
+        )
         _events.log_event(event)
         if policy == _policy.RAISE:
-            raise _errors.NanLossError(event, "the loss comes from no guarded train op, so the "
-                                       "update of this step may already have happened")
+            raise _errors.NanLossError(
+                event,
+                "the loss comes from no guarded train op, so the "
+                "update of this step may already have happened",
+            )
         if policy in (_policy.STOP, _policy.ROLLBACK):
             run_context.request_stop()
 
 
-def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
-             event_listener=None) -> NanLossHook:
+def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None, event_listener=None) -> NanLossHook:
     """Returns the `NanLossHook` a train op from `create_train_op` needs in hook mode.
 
     Args:
@@ -260,14 +300,17 @@ def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None,
     """
     guard = _guard.get_guard(train_op)
     if guard is None:
-        raise ValueError(f"{getattr(train_op, 'name', train_op)!r} was not made by "
-                         "slim_nanguard.create_train_op; build it with that, or use "
-                         "NanLossHook(loss) for a loss-only check.")
+        raise ValueError(
+            f"{getattr(train_op, 'name', train_op)!r} was not made by "
+            "slim_nanguard.create_train_op; build it with that, or use "
+            "NanLossHook(loss) for a loss-only check."
+        )
     if guard.config.needs_checkpoint_dir and not checkpoint_dir:
         # Refused now, not at the first bad step: the information is all here.
-        raise ValueError(f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
-                         f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs "
-                         "nan_hook(train_op, checkpoint_dir=...), the directory the session "
-                         "saves checkpoints to.")
-    return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir,
-                       event_listener=event_listener)
+        raise ValueError(
+            f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
+            f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs "
+            "nan_hook(train_op, checkpoint_dir=...), the directory the session "
+            "saves checkpoints to."
+        )
+    return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir, event_listener=event_listener)

@@ -85,12 +85,17 @@ class TrainResult:
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
-        overflows = (f", {self.loss_scale_overflows} loss-scale overflows"
-                     if self.loss_scale_overflows else "")
-        return (f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
-                f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
-                f"({self.skips} skipped, {self.rollbacks} rolled back){overflows}\n"
-                f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}")
+        overflows = (
+            f", {self.loss_scale_overflows} loss-scale overflows"
+            if self.loss_scale_overflows
+            else ""
+        )
+        return (
+            f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
+            f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
+            f"({self.skips} skipped, {self.rollbacks} rolled back){overflows}\n"
+            f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}"
+        )
 
 
 def check_logdir(logdir: str) -> str:
@@ -109,8 +114,10 @@ def check_logdir(logdir: str) -> str:
         with tempfile.NamedTemporaryFile(dir=logdir, prefix=".nanguard_write_test"):
             pass
     except OSError as err:
-        raise ValueError(f"logdir {logdir} cannot be written to ({err.strerror}); choose a "
-                         "directory you can write to.") from None
+        raise ValueError(
+            f"logdir {logdir} cannot be written to ({err.strerror}); choose a "
+            "directory you can write to."
+        ) from None
     return logdir
 
 
@@ -132,14 +139,20 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
                 f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}; refusing to train "
-                "from it. Start from another checkpoint.")
+                "from it. Start from another checkpoint."
+            )
 
 
 class _Progress:
     """Logs a progress line every `every` global steps."""
 
-    def __init__(self, every: int, last_step: Optional[int], recorder: _record.EventRecorder,
-                 guard: _guard.Guard):
+    def __init__(
+        self,
+        every: int,
+        last_step: Optional[int],
+        recorder: _record.EventRecorder,
+        guard: _guard.Guard,
+    ):
         self._every = every
         self._last_step = last_step
         self._recorder = recorder
@@ -164,10 +177,17 @@ class _Progress:
         if rate and self._last_step:
             left = f", {_duration((self._last_step - step) / rate)} left"
         state = self._guard.state
-        logging.info("step %d%s: loss %.4f, %s%s; bad steps %d (skipped %d, rolled back %d)",
-                     step, total, loss, speed, left,
-                     state.total_bad_steps - first_state.total_bad_steps,
-                     state.skips - first_state.skips, state.rollbacks - first_state.rollbacks)
+        logging.info(
+            "step %d%s: loss %.4f, %s%s; bad steps %d (skipped %d, rolled back %d)",
+            step,
+            total,
+            loss,
+            speed,
+            left,
+            state.total_bad_steps - first_state.total_bad_steps,
+            state.skips - first_state.skips,
+            state.rollbacks - first_state.rollbacks,
+        )
         self._recorder.write_scalars(step, loss if math.isfinite(loss) else None)
 
 
@@ -211,8 +231,11 @@ class _SigintStop:
         self.requested = True
         self.signum = signum
         what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
-        logging.warning("slim_nanguard: %s; stopping after this step with a final "
-                        "checkpoint (a second signal aborts at once).", what)
+        logging.warning(
+            "slim_nanguard: %s; stopping after this step with a final "
+            "checkpoint (a second signal aborts at once).",
+            what,
+        )
 
     def __exit__(self, *exc):
         if self._enabled:
@@ -221,25 +244,27 @@ class _SigintStop:
         return False
 
 
-def train(train_op: tf.Tensor,
-          logdir: str,
-          *,
-          number_of_steps: Optional[int] = None,
-          master: str = "",
-          is_chief: bool = True,
-          scaffold: Optional[tf.compat.v1.train.Scaffold] = None,
-          hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
-          chief_only_hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
-          save_checkpoint_secs: Optional[float] = 600,
-          save_checkpoint_steps: Optional[int] = None,
-          save_summaries_steps: Optional[int] = 100,
-          save_summaries_secs: Optional[float] = None,
-          config: Optional[tf.compat.v1.ConfigProto] = None,
-          log_every_n_steps: int = 100,
-          max_checkpoints_to_keep: int = 5,
-          handle_sigint: bool = True,
-          stop_grace_period_secs: float = 120,
-          task: Optional[int] = None) -> TrainResult:
+def train(
+    train_op: tf.Tensor,
+    logdir: str,
+    *,
+    number_of_steps: Optional[int] = None,
+    master: str = "",
+    is_chief: bool = True,
+    scaffold: Optional[tf.compat.v1.train.Scaffold] = None,
+    hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
+    chief_only_hooks: Optional[Sequence[tf.compat.v1.train.SessionRunHook]] = None,
+    save_checkpoint_secs: Optional[float] = 600,
+    save_checkpoint_steps: Optional[int] = None,
+    save_summaries_steps: Optional[int] = 100,
+    save_summaries_secs: Optional[float] = None,
+    config: Optional[tf.compat.v1.ConfigProto] = None,
+    log_every_n_steps: int = 100,
+    max_checkpoints_to_keep: int = 5,
+    handle_sigint: bool = True,
+    stop_grace_period_secs: float = 120,
+    task: Optional[int] = None,
+) -> TrainResult:
     """Runs a guarded train op until a step limit, a stop, or the end of the data.
 
     The arguments follow `tf_slim.training.train`. The loop works in both modes: in hook mode
@@ -289,13 +314,18 @@ def train(train_op: tf.Tensor,
     """
     guard = _guard.get_guard(train_op)
     if guard is None:
-        raise ValueError(f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
-                         "slim_nanguard.create_train_op.")
-    if number_of_steps is not None and (isinstance(number_of_steps, bool)
-                                        or not isinstance(number_of_steps, int)
-                                        or number_of_steps < 0):
-        raise ValueError(f"number_of_steps must be a non-negative integer or None; got "
-                         f"{number_of_steps!r}.")
+        raise ValueError(
+            f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
+            "slim_nanguard.create_train_op."
+        )
+    if number_of_steps is not None and (
+        isinstance(number_of_steps, bool)
+        or not isinstance(number_of_steps, int)
+        or number_of_steps < 0
+    ):
+        raise ValueError(
+            f"number_of_steps must be a non-negative integer or None; got {number_of_steps!r}."
+        )
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
     logdir = check_logdir(logdir)
@@ -308,14 +338,16 @@ def train(train_op: tf.Tensor,
     first_state = dataclasses.replace(guard.state)
     try:
         with graph.as_default():
-            scaffold = _make_scaffold(scaffold, logdir if is_chief else None, resume_from,
-                                      max_checkpoints_to_keep)
+            scaffold = _make_scaffold(
+                scaffold, logdir if is_chief else None, resume_from, max_checkpoints_to_keep
+            )
             all_hooks = list(hooks or [])
             # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
             # records its overflow steps, which do not raise).
             if (guard.mode == _guard.MODE_HOOK or guard.ok is not None) and not any(
-                    isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
-                    for h in all_hooks):  # pylint: disable=protected-access
+                isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
+                for h in all_hooks
+            ):  # pylint: disable=protected-access
                 all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
             if number_of_steps is not None:
                 all_hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=number_of_steps))
@@ -329,18 +361,43 @@ def train(train_op: tf.Tensor,
                 all_hooks.append(final_hook)
             chief_hooks = list(chief_only_hooks or [])
             chief_hooks.insert(0, _FiniteModelHook(resume_from or "initialisation"))
-            chief_hooks += _saving_hooks(logdir, scaffold, save_checkpoint_secs,
-                                         save_checkpoint_steps, save_summaries_steps,
-                                         save_summaries_secs)
+            chief_hooks += _saving_hooks(
+                logdir,
+                scaffold,
+                save_checkpoint_secs,
+                save_checkpoint_steps,
+                save_summaries_steps,
+                save_summaries_secs,
+            )
             progress = _Progress(log_every_n_steps, number_of_steps, recorder, guard)
             if resume_from:
                 logging.info("slim_nanguard: resuming from %s", resume_from)
-            outcome = _run(train_op, guard, logdir, scaffold, master, is_chief, config,
-                           all_hooks, chief_hooks, progress, first_state, handle_sigint,
-                           number_of_steps, stop_grace_period_secs=stop_grace_period_secs)
+            outcome = _run(
+                train_op,
+                guard,
+                logdir,
+                scaffold,
+                master,
+                is_chief,
+                config,
+                all_hooks,
+                chief_hooks,
+                progress,
+                first_state,
+                handle_sigint,
+                number_of_steps,
+                stop_grace_period_secs=stop_grace_period_secs,
+            )
     except _errors.NanLossError as err:
-        recorder.append({"kind": "stop", "reason": STOP_NAN_ERROR, "time": time.time(),
-                         "message": str(err), "checkpoint": err.checkpoint})
+        recorder.append(
+            {
+                "kind": "stop",
+                "reason": STOP_NAN_ERROR,
+                "time": time.time(),
+                "message": str(err),
+                "checkpoint": err.checkpoint,
+            }
+        )
         raise
     finally:
         guard.remove_listener(recorder)
@@ -351,21 +408,36 @@ def train(train_op: tf.Tensor,
         last_step = int(final_hook.final_ops_values["global_step"])
         # The scale the model holds: in a resumed run, the one its checkpoint carried on.
         lr_scale = float(final_hook.final_ops_values.get("learning_rate_scale", lr_scale))
-    if (stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and number_of_steps is not None
-            and last_step >= number_of_steps):
+    if (
+        stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA)
+        and number_of_steps is not None
+        and last_step >= number_of_steps
+    ):
         # The global step reached the limit; other workers (a cluster) made part of it.
         stop_reason = STOP_STEP_LIMIT
     state = guard.state
     result = TrainResult(
-        final_loss=final_loss, global_step=last_step, steps=steps,
+        final_loss=final_loss,
+        global_step=last_step,
+        steps=steps,
         bad_steps=state.total_bad_steps - first_state.total_bad_steps,
         skips=state.skips - first_state.skips,
-        rollbacks=state.rollbacks - first_state.rollbacks, stop_reason=stop_reason,
-        checkpoint=_checkpoints.latest_checkpoint(logdir), events_path=recorder.path,
+        rollbacks=state.rollbacks - first_state.rollbacks,
+        stop_reason=stop_reason,
+        checkpoint=_checkpoints.latest_checkpoint(logdir),
+        events_path=recorder.path,
         learning_rate_scale=lr_scale,
-        loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows)
-    recorder.append({"kind": "stop", "reason": stop_reason, "step": last_step,
-                     "time": time.time(), "final_loss": _record_float(final_loss)})
+        loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows,
+    )
+    recorder.append(
+        {
+            "kind": "stop",
+            "reason": stop_reason,
+            "step": last_step,
+            "time": time.time(),
+            "final_loss": _record_float(final_loss),
+        }
+    )
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
     return result
 
@@ -374,8 +446,7 @@ def _record_float(value: float):
     return value if math.isfinite(value) else str(value)
 
 
-def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
-                   max_to_keep: int):
+def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str], max_to_keep: int):
     """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
     The init_fn runs for every session the MonitoredSession creates: the first one, and a new
@@ -387,8 +458,9 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
     saver = scaffold.saver if scaffold is not None else None
     if saver is None:
         # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
-        saver = _checkpoints.FiniteSaver(max_to_keep=max_to_keep, sharded=True,
-                                         allow_empty=True, save_relative_paths=True)
+        saver = _checkpoints.FiniteSaver(
+            max_to_keep=max_to_keep, sharded=True, allow_empty=True, save_relative_paths=True
+        )
     else:  # The user's saver, as given, but it never writes NaN or Inf either.
         saver = _checkpoints.finite_saver(saver)
     kwargs = {"saver": saver}
@@ -402,6 +474,7 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str],
                 (restorer if latest == resume_from else saver).restore(session, latest)
             elif given_init_fn is not None:
                 given_init_fn(session)
+
         kwargs["init_fn"] = init_fn
     if scaffold is not None:
         return tf.compat.v1.train.Scaffold(copy_from_scaffold=scaffold, **kwargs)
@@ -420,27 +493,55 @@ def _resume_saver(saver, checkpoint: str):
     missing = [v for v in variables if v.op.name not in in_checkpoint]
     if not missing or any(not v.op.name.startswith("nanguard/") for v in missing):
         return saver
-    logging.info("slim_nanguard: %s has no %s; starting it from its initial value.", checkpoint,
-                 ", ".join(v.op.name for v in missing))
+    logging.info(
+        "slim_nanguard: %s has no %s; starting it from its initial value.",
+        checkpoint,
+        ", ".join(v.op.name for v in missing),
+    )
     return tf.compat.v1.train.Saver([v for v in variables if v not in missing], sharded=True)
 
 
-def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps,
-                  summary_secs) -> list:
+def _saving_hooks(
+    logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs
+) -> list:
     hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
     if checkpoint_secs or checkpoint_steps:
-        hooks.append(tf.compat.v1.train.CheckpointSaverHook(
-            logdir, save_secs=None if checkpoint_steps else checkpoint_secs,
-            save_steps=checkpoint_steps or None, scaffold=scaffold))
+        hooks.append(
+            tf.compat.v1.train.CheckpointSaverHook(
+                logdir,
+                save_secs=None if checkpoint_steps else checkpoint_secs,
+                save_steps=checkpoint_steps or None,
+                scaffold=scaffold,
+            )
+        )
     if summary_steps or summary_secs:
-        hooks.append(tf.compat.v1.train.SummarySaverHook(
-            save_steps=None if summary_secs else summary_steps, save_secs=summary_secs or None,
-            output_dir=logdir, scaffold=scaffold))
+        hooks.append(
+            tf.compat.v1.train.SummarySaverHook(
+                save_steps=None if summary_secs else summary_steps,
+                save_secs=summary_secs or None,
+                output_dir=logdir,
+                scaffold=scaffold,
+            )
+        )
     return hooks
 
 
-def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chief_hooks,
-         progress, first_state, handle_sigint, number_of_steps, stop_grace_period_secs=120):
+def _run(
+    train_op,
+    guard,
+    logdir,
+    scaffold,
+    master,
+    is_chief,
+    config,
+    hooks,
+    chief_hooks,
+    progress,
+    first_state,
+    handle_sigint,
+    number_of_steps,
+    stop_grace_period_secs=120,
+):
     """The loop itself; returns (final loss, good steps, stop reason, global step)."""
     final_loss, steps, step = float("nan"), 0, -1
     stop_reason = None
@@ -449,15 +550,27 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
     def read_step(sess) -> int:
         if guard.global_step is None:
             return steps
-        return int(sess.run_step_fn(
-            lambda step_context: step_context.session.run(guard.global_step)))
+        return int(
+            sess.run_step_fn(lambda step_context: step_context.session.run(guard.global_step))
+        )
 
-    with _SigintStop(handle_sigint) as sigint, \
-            tf.compat.v1.train.MonitoredTrainingSession(
-                master=master, is_chief=is_chief, checkpoint_dir=None, scaffold=scaffold,
-                hooks=hooks, chief_only_hooks=chief_hooks, save_checkpoint_secs=None,
-                save_summaries_steps=None, save_summaries_secs=None, config=config,
-                log_step_count_steps=None, stop_grace_period_secs=stop_grace_period_secs) as sess:
+    with (
+        _SigintStop(handle_sigint) as sigint,
+        tf.compat.v1.train.MonitoredTrainingSession(
+            master=master,
+            is_chief=is_chief,
+            checkpoint_dir=None,
+            scaffold=scaffold,
+            hooks=hooks,
+            chief_only_hooks=chief_hooks,
+            save_checkpoint_secs=None,
+            save_summaries_steps=None,
+            save_summaries_secs=None,
+            config=config,
+            log_step_count_steps=None,
+            stop_grace_period_secs=stop_grace_period_secs,
+        ) as sess,
+    ):
         step = read_step(sess)
         progress.start(step)
         # StopAtStepHook only looks after a step: without this, one more would run. Only the
@@ -465,8 +578,12 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
         # (`step` counts this task's steps, which in a cluster is not the global step).
         finished = number_of_steps is not None and step >= number_of_steps
         if finished:
-            logging.info("slim_nanguard: global step %d already reaches number_of_steps=%d; "
-                         "nothing to train.", step, number_of_steps)
+            logging.info(
+                "slim_nanguard: global step %d already reaches number_of_steps=%d; "
+                "nothing to train.",
+                step,
+                number_of_steps,
+            )
         while not finished and not sess.should_stop():
             if sigint.requested:
                 stop_reason = sigint.stop_reason
@@ -494,8 +611,11 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
                     stop_reason = STOP_POLICY
                     break
                 if event.action == _policy.ROLLBACK:
-                    sess.run_step_fn(lambda step_context: guard.rollback(
-                        step_context.session, logdir, saver=saver))
+                    sess.run_step_fn(
+                        lambda step_context: guard.rollback(
+                            step_context.session, logdir, saver=saver
+                        )
+                    )
                     step = read_step(sess)
                 continue
             if guard.state.total_bad_steps != bad_before:
@@ -521,8 +641,9 @@ def _run(train_op, guard, logdir, scaffold, master, is_chief, config, hooks, chi
     return final_loss, steps, stop_reason, step
 
 
-def _save_good_state(sess, guard: _guard.Guard, scaffold, logdir: str, is_chief: bool,
-                     error: _errors.NanLossError) -> _errors.NanLossError:
+def _save_good_state(
+    sess, guard: _guard.Guard, scaffold, logdir: str, is_chief: bool, error: _errors.NanLossError
+) -> _errors.NanLossError:
     """Saves the state the guard kept at a bad step before giving up; returns `error`.
 
     A bad step wrote nothing, so the model is still at its last good step: saving it now
@@ -531,17 +652,24 @@ def _save_good_state(sess, guard: _guard.Guard, scaffold, logdir: str, is_chief:
     """
     path = None
     if is_chief:
+
         def save(step_context):
-            step = (int(step_context.session.run(guard.global_step))
-                    if guard.global_step is not None else None)
-            return scaffold.saver.save(step_context.session, os.path.join(logdir, "model.ckpt"),
-                                       global_step=step)
+            step = (
+                int(step_context.session.run(guard.global_step))
+                if guard.global_step is not None
+                else None
+            )
+            return scaffold.saver.save(
+                step_context.session, os.path.join(logdir, "model.ckpt"), global_step=step
+            )
+
         try:
             path = sess.run_step_fn(save)
         except Exception as err:  # pylint: disable=broad-except
             # The NaN error is what the caller must see; a failed save only loses progress.
-            logging.error("slim_nanguard: could not save the last good state before giving "
-                          "up: %s", err)
+            logging.error(
+                "slim_nanguard: could not save the last good state before giving up: %s", err
+            )
         if path:
             logging.warning("slim_nanguard: giving up; the last good state is saved as %s", path)
     error.checkpoint = path or _checkpoints.latest_checkpoint(logdir)

@@ -107,30 +107,44 @@ class GuardConfig:
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
-            raise ValueError(f"nan_policy must be one of {', '.join(POLICIES)}; got "
-                             f"{self.nan_policy!r}.")
+            raise ValueError(
+                f"nan_policy must be one of {', '.join(POLICIES)}; got {self.nan_policy!r}."
+            )
         _check_int("max_consecutive_bad_steps", self.max_consecutive_bad_steps, minimum=1)
         if self.persistent_nan_policy not in PERSISTENT_POLICIES:
             raise ValueError(
                 f"persistent_nan_policy must be one of {', '.join(PERSISTENT_POLICIES)} (what "
                 "happens once max_consecutive_bad_steps bad steps came in a row; 'skip' would "
-                f"never end); got {self.persistent_nan_policy!r}.")
+                f"never end); got {self.persistent_nan_policy!r}."
+            )
         _check_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _check_int("max_rollbacks", self.max_rollbacks, minimum=1)
         factor = self.rollback_lr_factor
-        if (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                or not math.isfinite(factor) or not 0.0 < factor <= 1.0):
-            raise ValueError("rollback_lr_factor must be a number in (0, 1] (1 keeps the "
-                             f"learning rate); got {factor!r}.")
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or not 0.0 < factor <= 1.0
+        ):
+            raise ValueError(
+                "rollback_lr_factor must be a number in (0, 1] (1 keeps the "
+                f"learning rate); got {factor!r}."
+            )
         _check_int("autopsy_max_steps", self.autopsy_max_steps, minimum=0)
         timeout = self.autopsy_timeout_secs
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not timeout > 0 or not math.isfinite(timeout)):
-            raise ValueError("autopsy_timeout_secs must be a number of seconds > 0; got "
-                             f"{timeout!r}.")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not timeout > 0
+            or not math.isfinite(timeout)
+        ):
+            raise ValueError(
+                f"autopsy_timeout_secs must be a number of seconds > 0; got {timeout!r}."
+            )
         if self.on_nan is not None and not callable(self.on_nan):
-            raise ValueError(f"on_nan must be callable (event -> policy name or None); got "
-                             f"{self.on_nan!r}.")
+            raise ValueError(
+                f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
+            )
 
     @property
     def may_roll_back(self) -> bool:
@@ -139,8 +153,7 @@ class GuardConfig:
         True under the ``rollback`` policy, with ``persistent_nan_policy="rollback"``, and with
         an ``on_nan`` callback (it may choose ``rollback``).
         """
-        return (ROLLBACK in (self.nan_policy, self.persistent_nan_policy)
-                or self.on_nan is not None)
+        return ROLLBACK in (self.nan_policy, self.persistent_nan_policy) or self.on_nan is not None
 
     @property
     def needs_checkpoint_dir(self) -> bool:
@@ -149,8 +162,9 @@ class GuardConfig:
         True under ``rollback``, and under ``skip`` with ``persistent_nan_policy="rollback"``:
         a loop must then know the checkpoint directory, and can refuse to start without it.
         """
-        return self.nan_policy == ROLLBACK or (self.nan_policy == SKIP
-                                               and self.persistent_nan_policy == ROLLBACK)
+        return self.nan_policy == ROLLBACK or (
+            self.nan_policy == SKIP and self.persistent_nan_policy == ROLLBACK
+        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -161,8 +175,9 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def validate_action(action: object, source: str) -> str:
     """Returns `action` if it names a policy, else raises ValueError naming `source`."""
     if action not in POLICIES:
-        raise ValueError(f"{source} must return one of {', '.join(POLICIES)} or None; got "
-                         f"{action!r}.")
+        raise ValueError(
+            f"{source} must return one of {', '.join(POLICIES)} or None; got {action!r}."
+        )
     return action  # type: ignore[return-value]
 
 
@@ -182,8 +197,9 @@ class Decision:
     reason: str = ""
 
 
-def decide(config: GuardConfig, chosen: str, *, consecutive_bad_steps: int,
-           rollbacks: int) -> Decision:
+def decide(
+    config: GuardConfig, chosen: str, *, consecutive_bad_steps: int, rollbacks: int
+) -> Decision:
     """Decides what a bad step leads to: a pure function of the config and the counters.
 
     No TensorFlow and no session: `Guard.on_bad_step` counts the step, lets the ``on_nan``
@@ -203,12 +219,13 @@ def decide(config: GuardConfig, chosen: str, *, consecutive_bad_steps: int,
     action, escalation, reason = chosen, "", ""
     if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
         # The state is bad, not the batch: escalate (raise by default).
-        reason = escalation = (f"{consecutive_bad_steps} bad steps in a row reached "
-                               f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}")
+        reason = escalation = (
+            f"{consecutive_bad_steps} bad steps in a row reached "
+            f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}"
+        )
         action = config.persistent_nan_policy
     if action == ROLLBACK and rollbacks >= config.max_rollbacks:
-        limit = (f"{rollbacks} rollbacks already done reached "
-                 f"max_rollbacks={config.max_rollbacks}")
+        limit = f"{rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
         reason = f"{reason}, and {limit}" if reason else limit
         action = RAISE
     if action != RAISE:

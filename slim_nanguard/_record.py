@@ -39,8 +39,13 @@ class EventRecorder:
         writes its own file (`events_filename`). None: no cluster.
     """
 
-    def __init__(self, logdir: str, summary_writer=None, write_summaries: bool = True,
-                 task: Optional[int] = None):
+    def __init__(
+        self,
+        logdir: str,
+        summary_writer=None,
+        write_summaries: bool = True,
+        task: Optional[int] = None,
+    ):
         self.path = os.path.join(logdir, events_filename(task))
         self.task = task
         self._logdir = logdir
@@ -89,8 +94,10 @@ class EventRecorder:
         writer = self._writer
         if writer is None:
             writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
-        values = [tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
-                  for name, count in sorted(self.counts.items())]
+        values = [
+            tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
+            for name, count in sorted(self.counts.items())
+        ]
         if loss is not None:
             values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
@@ -125,8 +132,9 @@ def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
     if os.path.isdir(path):
         tasks = sorted(glob.glob(os.path.join(path, "nanguard_events.task*.jsonl")))
         if tasks:
-            merged = [r for p in [os.path.join(path, EVENTS_FILENAME)] + tasks
-                      for r in read_events(p)]
+            merged = [
+                r for p in [os.path.join(path, EVENTS_FILENAME)] + tasks for r in read_events(p)
+            ]
             return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
         path = os.path.join(path, EVENTS_FILENAME)
     if not os.path.exists(path):

@@ -40,19 +40,21 @@ def _session_checkpoint_dir(session) -> Optional[str]:
     return None
 
 
-def _require_checkpoint_dir(guard: _guard.Guard, checkpoint_dir: Optional[str],
-                            what: str) -> None:
+def _require_checkpoint_dir(guard: _guard.Guard, checkpoint_dir: Optional[str], what: str) -> None:
     """Raises ValueError if `guard`'s policy rolls back and `checkpoint_dir` is unknown."""
     if guard.config.needs_checkpoint_dir and not checkpoint_dir:
-        message = (f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
-                   f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs the "
-                   f"checkpoint directory: {what}.")
+        message = (
+            f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
+            f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs the "
+            f"checkpoint directory: {what}."
+        )
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
 
 
-def handle_numerics_error(session, error: BaseException, *,
-                          checkpoint_dir: Optional[str] = None) -> _events.NanEvent:
+def handle_numerics_error(
+    session, error: BaseException, *, checkpoint_dir: Optional[str] = None
+) -> _events.NanEvent:
     """Applies the guard's policy to an error raised by ``session.run(train_op)``.
 
     For a hand-written check_numerics-mode loop::
@@ -88,9 +90,12 @@ def handle_numerics_error(session, error: BaseException, *,
     if guard is None:
         raise error
     checkpoint_dir = checkpoint_dir or _session_checkpoint_dir(session)
-    _require_checkpoint_dir(guard, checkpoint_dir,
-                            "pass handle_numerics_error(..., checkpoint_dir=...), the directory "
-                            "the loop saves checkpoints to")
+    _require_checkpoint_dir(
+        guard,
+        checkpoint_dir,
+        "pass handle_numerics_error(..., checkpoint_dir=...), the directory "
+        "the loop saves checkpoints to",
+    )
     if checkpoint_dir and guard.autopsy_dir is None:
         guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
     event = _raw_session_call(session, lambda raw: guard.handle_numerics_error(raw, error))
@@ -99,8 +104,9 @@ def handle_numerics_error(session, error: BaseException, *,
             # MonitoredSession has no public request_stop; its coordinator does.
             session._coordinated_creator.coord.request_stop()  # pylint: disable=protected-access
     elif event.action == _policy.ROLLBACK:
-        _raw_session_call(session, lambda raw: guard.rollback(raw, checkpoint_dir,
-                                                              saver=guard.saver))
+        _raw_session_call(
+            session, lambda raw: guard.rollback(raw, checkpoint_dir, saver=guard.saver)
+        )
     return event
 
 
@@ -119,10 +125,15 @@ class _JudgingSession:
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         items = fetches if isinstance(fetches, (list, tuple)) else [fetches]
         if not any(item is self._guard.train_op for item in items):
-            return self._session.run(fetches, feed_dict=feed_dict, options=options,
-                                     run_metadata=run_metadata)
-        values, ok = self._session.run([fetches, self._guard.ok], feed_dict=feed_dict,
-                                       options=options, run_metadata=run_metadata)
+            return self._session.run(
+                fetches, feed_dict=feed_dict, options=options, run_metadata=run_metadata
+            )
+        values, ok = self._session.run(
+            [fetches, self._guard.ok],
+            feed_dict=feed_dict,
+            options=options,
+            run_metadata=run_metadata,
+        )
         self.ok = bool(np.asarray(ok))
         return values
 
@@ -130,8 +141,9 @@ class _JudgingSession:
         return getattr(self._session, name)
 
 
-def train_step(sess, train_op, global_step, train_step_kwargs, *,
-               checkpoint_dir: Optional[str] = None) -> Tuple[float, bool]:
+def train_step(
+    sess, train_op, global_step, train_step_kwargs, *, checkpoint_dir: Optional[str] = None
+) -> Tuple[float, bool]:
     """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy.
 
     Use it as ``tf_slim.learning.train(train_op, logdir, train_step_fn=slim_nanguard.train_step)``
@@ -160,24 +172,27 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
     if guard is None:
         return tf_slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
     checkpoint_dir = checkpoint_dir or train_step_kwargs.get("logdir")
-    _require_checkpoint_dir(guard, checkpoint_dir,
-                            "pass train_step_fn=slim_nanguard.make_train_step(logdir) to "
-                            "tf_slim.learning.train")
+    _require_checkpoint_dir(
+        guard,
+        checkpoint_dir,
+        "pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
+    )
     if guard.mode == _guard.MODE_HOOK:
         guard.mark_judged(sess)  # once per session: this function applies the policy
         judging = _JudgingSession(sess, guard)
-        loss, should_stop = tf_slim.learning.train_step(judging, train_op, global_step,
-                                                        train_step_kwargs)
+        loss, should_stop = tf_slim.learning.train_step(
+            judging, train_op, global_step, train_step_kwargs
+        )
         if judging.ok:
             guard.note_good_step()
             return loss, should_stop
         step, sums = guard.read_bad_step(sess)
         event = guard.on_bad_step(step=step, loss=sums[0], sums=sums)
-        return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs,
-                          should_stop)
+        return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, should_stop)
     try:
-        loss, should_stop = tf_slim.learning.train_step(sess, train_op, global_step,
-                                                        train_step_kwargs)
+        loss, should_stop = tf_slim.learning.train_step(
+            sess, train_op, global_step, train_step_kwargs
+        )
     except tf.errors.InvalidArgumentError as error:
         if not guard.owns_error(error):
             raise
@@ -190,9 +205,14 @@ def train_step(sess, train_op, global_step, train_step_kwargs, *,
     return loss, should_stop
 
 
-def _carry_out(sess, guard: _guard.Guard, event: _events.NanEvent,
-               checkpoint_dir: Optional[str], train_step_kwargs,
-               should_stop: bool) -> Tuple[float, bool]:
+def _carry_out(
+    sess,
+    guard: _guard.Guard,
+    event: _events.NanEvent,
+    checkpoint_dir: Optional[str],
+    train_step_kwargs,
+    should_stop: bool,
+) -> Tuple[float, bool]:
     """Carries out `event`'s action for `train_step`; returns ``(loss, should_stop)``."""
     should_stop = should_stop or event.action == _policy.STOP
     if event.action == _policy.ROLLBACK:
@@ -208,8 +228,13 @@ def make_train_step(checkpoint_dir: str):
     Raises:
       ValueError: `checkpoint_dir` is empty.
     """
-    if not checkpoint_dir or not isinstance(checkpoint_dir, (str, bytes)) and not hasattr(
-            checkpoint_dir, "__fspath__"):
-        raise ValueError(f"make_train_step needs the directory tf_slim.learning.train saves "
-                         f"checkpoints to (its logdir); got {checkpoint_dir!r}.")
+    if (
+        not checkpoint_dir
+        or not isinstance(checkpoint_dir, (str, bytes))
+        and not hasattr(checkpoint_dir, "__fspath__")
+    ):
+        raise ValueError(
+            f"make_train_step needs the directory tf_slim.learning.train saves "
+            f"checkpoints to (its logdir); got {checkpoint_dir!r}."
+        )
     return functools.partial(train_step, checkpoint_dir=checkpoint_dir)

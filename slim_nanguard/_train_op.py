@@ -57,35 +57,45 @@ _USE_GLOBAL_STEP = 0
 GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
 
 # Prefixes of the op types that write to a variable.
-_WRITE_OP_PREFIXES = ("Assign", "Apply", "ResourceApply", "SparseApply", "ResourceSparseApply",
-                      "Scatter", "ResourceScatter", "StridedSliceAssign",
-                      "ResourceStridedSliceAssign")
+_WRITE_OP_PREFIXES = (
+    "Assign",
+    "Apply",
+    "ResourceApply",
+    "SparseApply",
+    "ResourceSparseApply",
+    "Scatter",
+    "ResourceScatter",
+    "StridedSliceAssign",
+    "ResourceStridedSliceAssign",
+)
 
 GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
 
 
-def create_train_op(total_loss: tf.Tensor,
-                    optimizer: tf.compat.v1.train.Optimizer,
-                    global_step=_USE_GLOBAL_STEP,
-                    update_ops: Optional[Iterable] = None,
-                    variables_to_train: Optional[Sequence[tf.Variable]] = None,
-                    clip_gradient_norm: float = 0,
-                    summarize_gradients: bool = False,
-                    gate_gradients: int = GATE_OP,
-                    aggregation_method=None,
-                    colocate_gradients_with_ops: bool = False,
-                    gradient_multipliers: Optional[Dict] = None,
-                    check_numerics: bool = True,
-                    transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]] = None,
-                    *,
-                    nan_policy: str = _policy.RAISE,
-                    max_consecutive_bad_steps: int = 10,
-                    persistent_nan_policy: str = _policy.RAISE,
-                    on_nan: Optional[_policy.OnNanCallback] = None,
-                    rollback_skip_batches: int = 1,
-                    rollback_lr_factor: float = 1.0,
-                    max_rollbacks: int = 3,
-                    config: Optional[_policy.GuardConfig] = None) -> tf.Tensor:
+def create_train_op(
+    total_loss: tf.Tensor,
+    optimizer: tf.compat.v1.train.Optimizer,
+    global_step=_USE_GLOBAL_STEP,
+    update_ops: Optional[Iterable] = None,
+    variables_to_train: Optional[Sequence[tf.Variable]] = None,
+    clip_gradient_norm: float = 0,
+    summarize_gradients: bool = False,
+    gate_gradients: int = GATE_OP,
+    aggregation_method=None,
+    colocate_gradients_with_ops: bool = False,
+    gradient_multipliers: Optional[Dict] = None,
+    check_numerics: bool = True,
+    transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]] = None,
+    *,
+    nan_policy: str = _policy.RAISE,
+    max_consecutive_bad_steps: int = 10,
+    persistent_nan_policy: str = _policy.RAISE,
+    on_nan: Optional[_policy.OnNanCallback] = None,
+    rollback_skip_batches: int = 1,
+    rollback_lr_factor: float = 1.0,
+    max_rollbacks: int = 3,
+    config: Optional[_policy.GuardConfig] = None,
+) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
 
     The first twelve arguments are tf-slim 1.1.0's, in its order and with its meaning, and the
@@ -170,17 +180,22 @@ def create_train_op(total_loss: tf.Tensor,
     """
     if config is None:
         config = _policy.GuardConfig(
-            nan_policy=nan_policy, max_consecutive_bad_steps=max_consecutive_bad_steps,
-            persistent_nan_policy=persistent_nan_policy, on_nan=on_nan,
-            rollback_skip_batches=rollback_skip_batches, rollback_lr_factor=rollback_lr_factor,
-            max_rollbacks=max_rollbacks)
+            nan_policy=nan_policy,
+            max_consecutive_bad_steps=max_consecutive_bad_steps,
+            persistent_nan_policy=persistent_nan_policy,
+            on_nan=on_nan,
+            rollback_skip_batches=rollback_skip_batches,
+            rollback_lr_factor=rollback_lr_factor,
+            max_rollbacks=max_rollbacks,
+        )
     elif not isinstance(config, _policy.GuardConfig):
         raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
     _check_loss(total_loss)
     _check_optimizer(optimizer)
     if clip_gradient_norm is None or clip_gradient_norm < 0:
-        raise ValueError(f"clip_gradient_norm must be >= 0 (0 turns clipping off); got "
-                         f"{clip_gradient_norm!r}.")
+        raise ValueError(
+            f"clip_gradient_norm must be >= 0 (0 turns clipping off); got {clip_gradient_norm!r}."
+        )
 
     graph = total_loss.graph
     with graph.as_default():
@@ -194,9 +209,12 @@ def create_train_op(total_loss: tf.Tensor,
             lr_scale = _scale_learning_rate(optimizer)
 
         grads = optimizer.compute_gradients(
-            total_loss, variables_to_train, gate_gradients=gate_gradients,
+            total_loss,
+            variables_to_train,
+            gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
-            colocate_gradients_with_ops=colocate_gradients_with_ops)
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+        )
         if gradient_multipliers:
             with tf.name_scope("multiply_grads"):
                 grads = multiply_gradients(grads, gradient_multipliers)
@@ -209,8 +227,10 @@ def create_train_op(total_loss: tf.Tensor,
             with tf.name_scope("summarize_grads"):
                 add_gradients_summaries(grads)
         if all(g is None for g, _ in grads):
-            raise ValueError(f"total_loss {total_loss.name!r} has no gradient with respect to "
-                             "any of variables_to_train; check that the loss depends on them.")
+            raise ValueError(
+                f"total_loss {total_loss.name!r} has no gradient with respect to "
+                "any of variables_to_train; check that the loss depends on them."
+            )
 
         with tf.name_scope("nanguard"):
             present = [(g, v) for g, v in grads if g is not None]
@@ -226,8 +246,12 @@ def create_train_op(total_loss: tf.Tensor,
             # replica_device_setter would put it on the ps, shared by all workers.
             with _capture.guard_variable_scope(graph, grad_sums):
                 diagnostics = tf.compat.v1.Variable(
-                    tf.zeros(kept.shape, kept.dtype), trainable=False,
-                    collections=[], use_resource=True, name="gradient_sums")
+                    tf.zeros(kept.shape, kept.dtype),
+                    trainable=False,
+                    collections=[],
+                    use_resource=True,
+                    name="gradient_sums",
+                )
             # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
             # run before the test: each variable's pre-step value is put back on a bad step.
             snapshots, restored = _snapshot_forward_writes(graph, grad_sums)
@@ -241,17 +265,19 @@ def create_train_op(total_loss: tf.Tensor,
                     untaken, taken = control_flow_ops.switch(ok, ok)
                     with tf.control_dependencies(_restore(snapshots, ok)):
                         restored_done = tf.identity(untaken)
-                    ready.append(control_flow_ops.merge([tf.identity(taken),
-                                                         restored_done])[0])
+                    ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
                 # The batch, kept on a bad step only (for the autopsy): the check waits on a
                 # merge of a good-step no-op and the bad step's stores.
                 capture = _capture.keep_batch(
-                    total_loss, lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
-                    enabled=config.autopsy_max_steps > 0)
+                    total_loss,
+                    lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
+                    enabled=config.autopsy_max_steps > 0,
+                )
                 with tf.control_dependencies(ready + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
                         tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
-                        _unhandled_message(config, hook_mode=False))
+                        _unhandled_message(config, hook_mode=False),
+                    )
                 check_op_name, ok, bad_done, judged = gate.op.name, None, None, None
             else:
                 mode = _guard.MODE_HOOK
@@ -274,19 +300,24 @@ def create_train_op(total_loss: tf.Tensor,
                 # readiness check touches it. Both tests wait on the bad branch, so they run
                 # on bad steps only.
                 with _capture.guard_variable_scope(graph, grad_sums):
-                    judged = tf.compat.v1.Variable(True, trainable=False, collections=[],
-                                                   use_resource=True, name="judged")
+                    judged = tf.compat.v1.Variable(
+                        True, trainable=False, collections=[], use_resource=True, name="judged"
+                    )
                 bad_pivot = tf.identity(untaken)
                 with tf.control_dependencies([bad_pivot]):
                     is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
-                unjudged = tf.debugging.Assert(tf.logical_or(is_judged, bad_pivot),
-                                               [_unhandled_message(config, hook_mode=True)],
-                                               name="unjudged")
+                unjudged = tf.debugging.Assert(
+                    tf.logical_or(is_judged, bad_pivot),
+                    [_unhandled_message(config, hook_mode=True)],
+                    name="unjudged",
+                )
                 # The batch too, for the autopsy, on the same bad branch.
-                capture = _capture.keep_batch(total_loss, ok, merge=False,
-                                              enabled=config.autopsy_max_steps > 0)
-                with tf.control_dependencies([store, unjudged] + list(capture.stores)
-                                             + _restore(snapshots, ok)):
+                capture = _capture.keep_batch(
+                    total_loss, ok, merge=False, enabled=config.autopsy_max_steps > 0
+                )
+                with tf.control_dependencies(
+                    [store, unjudged] + list(capture.stores) + _restore(snapshots, ok)
+                ):
                     bad_done = tf.identity(untaken)
                 # What the hook fetches: `ok`, through the store on a bad step, so the sums
                 # are there to read even after a run that did not fetch the train op.
@@ -297,8 +328,7 @@ def create_train_op(total_loss: tf.Tensor,
 
         first_new_op = len(graph.get_operations())
         if _cluster.is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
-            grad_updates, gated = _cluster.apply_sync_replicas(optimizer, grads, global_step,
-                                                               gate)
+            grad_updates, gated = _cluster.apply_sync_replicas(optimizer, grads, global_step, gate)
             new_ops = []
         else:
             with tf.control_dependencies([gate]):
@@ -310,16 +340,19 @@ def create_train_op(total_loss: tf.Tensor,
         if finite_gate is not None:
             # The loss scale's own update runs on an overflow step; every other write does not.
             scale_ops = {v.op for v in _loss_scale_variables(loss_scale)}
-            _gate_writes(graph, [op for op in new_ops if _written_variable(op) not in scale_ops],
-                         finite_gate)
+            _gate_writes(
+                graph, [op for op in new_ops if _written_variable(op) not in scale_ops], finite_gate
+            )
             for op in gated_updates:
                 op._add_control_input(finite_gate.op)  # pylint: disable=protected-access
-        logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test",
-                     len(gated))
+        logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test", len(gated))
 
         with tf.name_scope("train_op"):
-            with tf.control_dependencies([grad_updates] + list(update_ops)
-                                         + ([finite_gate] if finite_gate is not None else [])):
+            with tf.control_dependencies(
+                [grad_updates]
+                + list(update_ops)
+                + ([finite_gate] if finite_gate is not None else [])
+            ):
                 done = tf.identity(gate)
             if bad_done is not None:
                 done, _ = control_flow_ops.merge([done, bad_done])
@@ -331,21 +364,30 @@ def create_train_op(total_loss: tf.Tensor,
             train_ops.append(train_op)
         in_loop = _in_loop(graph)
         guard = _guard.Guard(
-            config=config, mode=mode, train_op=train_op, loss=total_loss,
-            global_step=global_step, grad_sums=grad_sums, ok=None if in_loop else ok,
-            diagnostics=diagnostics, check_op_name=check_op_name,
-            variable_names=[v.op.name for _, v in present], lr_scale=lr_scale,
-            loss_scale_floor=None if scaler is None else scaler.floor, in_loop=in_loop)
+            config=config,
+            mode=mode,
+            train_op=train_op,
+            loss=total_loss,
+            global_step=global_step,
+            grad_sums=grad_sums,
+            ok=None if in_loop else ok,
+            diagnostics=diagnostics,
+            check_op_name=check_op_name,
+            variable_names=[v.op.name for _, v in present],
+            lr_scale=lr_scale,
+            loss_scale_floor=None if scaler is None else scaler.floor,
+            in_loop=in_loop,
+        )
         # Hook mode: the tensor a write built later after the train op must also wait on.
         # With a loss-scale optimizer, the gate every write but the scale's waits on.
-        guard.pivot = (finite_gate if finite_gate is not None else
-                       gate if mode == _guard.MODE_HOOK else None)
+        guard.pivot = (
+            finite_gate if finite_gate is not None else gate if mode == _guard.MODE_HOOK else None
+        )
         guard.judged = judged
         guard.capture = capture  # The batch a bad step keeps, for the autopsy.
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             with tf.init_scope():
-                guard.saver = tf.compat.v1.train.Saver(max_to_keep=None,
-                                                       name="nanguard_rollback")
+                guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
         _guard.register(guard)
     return train_op
 
@@ -366,17 +408,26 @@ def _check_optimizer(optimizer) -> None:
         except (TypeError, ValueError):
             params = {}
         works_like_one = "gate_gradients" in params or any(
-            p.kind == p.VAR_KEYWORD for p in params.values())
+            p.kind == p.VAR_KEYWORD for p in params.values()
+        )
     if not works_like_one:
         kind = type(optimizer)
-        keras = (" Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
-                 "in a graph-mode TF-Slim train op." if "keras" in kind.__module__ else "")
-        shown = (repr(optimizer) if kind.__module__ == "builtins" else
-                 f"{kind.__module__}.{kind.__qualname__}")
+        keras = (
+            " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+            "in a graph-mode TF-Slim train op."
+            if "keras" in kind.__module__
+            else ""
+        )
+        shown = (
+            repr(optimizer)
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
         raise ValueError(
             f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
             "tf.compat.v1.train optimizer of the same algorithm, for example "
-            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer.")
+            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
+        )
 
 
 def _dynamic_loss_scale(optimizer):
@@ -388,9 +439,11 @@ def _dynamic_loss_scale(optimizer):
     under it is a bad step like any other.
     """
     from tensorflow.python.training.experimental import loss_scale as loss_scale_module
+
     loss_scale = getattr(optimizer, "_loss_scale", None)
-    if hasattr(optimizer, "_optimizer") and isinstance(loss_scale,
-                                                       loss_scale_module.DynamicLossScale):
+    if hasattr(optimizer, "_optimizer") and isinstance(
+        loss_scale, loss_scale_module.DynamicLossScale
+    ):
         return loss_scale
     return None
 
@@ -405,8 +458,10 @@ def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
     if not op.inputs:
         return None
     tensor = op.inputs[0]
-    while tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter",
-                             "RefEnter") and tensor.op.inputs:
+    while (
+        tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter", "RefEnter")
+        and tensor.op.inputs
+    ):
         tensor = tensor.op.inputs[0]
     return tensor.op
 
@@ -438,13 +493,15 @@ class _OverflowTest:
         total = tf.reduce_sum(grad_sums)
         # The scale this step multiplied the loss by. The scale's writes wait on this test.
         scale = tf.cast(loss_scale(), grad_sums.dtype)
-        self.sums_and_scale = tf.concat([grad_sums, tf.reshape(scale, [1])], 0,
-                                        name="gradient_sums_and_loss_scale")
+        self.sums_and_scale = tf.concat(
+            [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
+        )
         self.finite = tf.math.is_finite(total, name="all_finite")
         self.overflow = tf.logical_and(
             tf.logical_not(self.finite),
             tf.logical_and(tf.math.is_finite(grad_sums[0]), scale > self.floor),
-            name="loss_scale_overflow")
+            name="loss_scale_overflow",
+        )
         self.unless_overflow = tf.where(self.overflow, tf.zeros_like(total), total)
 
     def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
@@ -464,8 +521,9 @@ class _OverflowTest:
         if ok is None:  # check_numerics mode
             untaken, taken = control_flow_ops.switch(self.finite, self.finite)
             finite_gate = tf.identity(taken, name="finite_pivot")
-            ok, _ = control_flow_ops.merge([finite_gate, tf.identity(untaken)],
-                                           name="all_finite_checked")
+            ok, _ = control_flow_ops.merge(
+                [finite_gate, tf.identity(untaken)], name="all_finite_checked"
+            )
             # The check's output, live past the check on a step that is not finite.
             overflow_done, _ = control_flow_ops.switch(gate, self.finite, name="overflow_done")
             return gate, finite_gate, ok, overflow_done
@@ -489,41 +547,55 @@ def _in_loop(graph: tf.Graph) -> bool:
 def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
     """The error a bad step raises when no loop applies the policy (it names what to add)."""
     rollback = config.needs_checkpoint_dir
-    step_fn = ("slim_nanguard.make_train_step(logdir)" if rollback
-               else "slim_nanguard.train_step")
-    hook = ("slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)" if rollback
-            else "slim_nanguard.nan_hook(train_op)")
+    step_fn = "slim_nanguard.make_train_step(logdir)" if rollback else "slim_nanguard.train_step"
+    hook = (
+        "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)"
+        if rollback
+        else "slim_nanguard.nan_hook(train_op)"
+    )
     if hook_mode:
-        return (f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
-                f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
-                f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
-                f"with tf_slim.learning.train pass train_step_fn={step_fn}")
-    return (f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
-            f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
-            f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
-            "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
-            f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
-            "with slim_nanguard.train")
+        return (
+            f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
+            f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
+            f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
+            f"with tf_slim.learning.train pass train_step_fn={step_fn}"
+        )
+    return (
+        f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
+        f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
+        f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
+        "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
+        f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
+        "with slim_nanguard.train"
+    )
 
 
 def _check_loss(total_loss) -> None:
     if not isinstance(total_loss, tf.Tensor):
-        raise ValueError(f"total_loss must be a graph-mode tf.Tensor; got "
-                         f"{type(total_loss).__name__} {total_loss!r}.")
+        raise ValueError(
+            f"total_loss must be a graph-mode tf.Tensor; got "
+            f"{type(total_loss).__name__} {total_loss!r}."
+        )
     if not total_loss.dtype.is_floating:
-        raise ValueError(f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
-                         f"dtype {total_loss.dtype.name}.")
+        raise ValueError(
+            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
+            f"dtype {total_loss.dtype.name}."
+        )
     if total_loss.shape.rank not in (None, 0):
-        raise ValueError(f"total_loss must be a scalar; {total_loss.name!r} has shape "
-                         f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean).")
+        raise ValueError(
+            f"total_loss must be a scalar; {total_loss.name!r} has shape "
+            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
+        )
 
 
 def _resolve_update_ops(graph: tf.Graph, update_ops) -> list:
     global_update_ops = set(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
     resolved = global_update_ops if update_ops is None else set(update_ops)
     if not global_update_ops.issubset(resolved):
-        logging.warning("update_ops in create_train_op does not contain all the update_ops in "
-                        "GraphKeys.UPDATE_OPS")
+        logging.warning(
+            "update_ops in create_train_op does not contain all the update_ops in "
+            "GraphKeys.UPDATE_OPS"
+        )
     # A stable order, so that two builds of the same graph are the same.
     return sorted(resolved, key=lambda u: getattr(u, "name", str(u)))
 
@@ -538,11 +610,15 @@ def _resolve_variables(variables_to_train):
             if not (getattr(v, "trainable", False) or v in trainable):
                 raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
         if not variables_to_train:
-            raise ValueError("variables_to_train is empty: pass the variables to train, or "
-                             "None to train all trainable variables.")
+            raise ValueError(
+                "variables_to_train is empty: pass the variables to train, or "
+                "None to train all trainable variables."
+            )
     if not variables_to_train:
-        raise ValueError("the graph has no trainable variables: variables_to_train is None, "
-                         "so every trainable variable would be trained, and there is none.")
+        raise ValueError(
+            "the graph has no trainable variables: variables_to_train is None, "
+            "so every trainable variable would be trained, and there is none."
+        )
     return variables_to_train
 
 
@@ -572,9 +648,11 @@ def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tens
     such producers away. An explicit edge on each write keeps the gate whatever the optimizer.
     Variable initialisers (of slots made on the fly) are left alone.
     """
-    initializers = {v.initializer for v in graph.get_collection(
-        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
-            tf.compat.v1.GraphKeys.LOCAL_VARIABLES)}
+    initializers = {
+        v.initializer
+        for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+    }
     gated = []
     for op in new_ops:
         if _is_write(op) and op not in initializers and gate.op not in op.control_inputs:
@@ -616,18 +694,25 @@ def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
         stack.extend(c for t in op.outputs for c in t.consumers())
         stack.extend(op._control_outputs)  # pylint: disable=protected-access
     if writes and guard.train_op.graph.finalized:
-        logging.warning("slim_nanguard: %s write variables after %s, but the graph is "
-                        "finalized, so they also run on a bad step; do not finalize the graph "
-                        "before the session whose NanLossHook begins on it is made.",
-                        ", ".join(op.name for op in writes), guard.train_op.name)
+        logging.warning(
+            "slim_nanguard: %s write variables after %s, but the graph is "
+            "finalized, so they also run on a bad step; do not finalize the graph "
+            "before the session whose NanLossHook begins on it is made.",
+            ", ".join(op.name for op in writes),
+            guard.train_op.name,
+        )
         return []
     gated = []
     for op in writes:
         op._add_control_input(pivot.op)  # pylint: disable=protected-access
         gated.append(op)
     if gated:
-        logging.vlog(1, "slim_nanguard: %d variable writes after %s wait on its finiteness test",
-                     len(gated), guard.train_op.name)
+        logging.vlog(
+            1,
+            "slim_nanguard: %d variable writes after %s wait on its finiteness test",
+            len(gated),
+            guard.train_op.name,
+        )
     return gated
 
 
@@ -663,12 +748,15 @@ def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
       collections (or that sits in a loop body of its own) is logged as one that cannot be
       undone.
     """
-    initializers = {v.initializer for v in graph.get_collection(
-        tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
-            tf.compat.v1.GraphKeys.LOCAL_VARIABLES)}
+    initializers = {
+        v.initializer
+        for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+        + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+    }
     ancestors = _ancestors([grad_sums.op])
-    writes = sorted((op for op in ancestors if _is_write(op) and op not in initializers),
-                    key=lambda op: op.name)
+    writes = sorted(
+        (op for op in ancestors if _is_write(op) and op not in initializers), key=lambda op: op.name
+    )
     # A functional tf.cond or while loop (control flow v2: slim.batch_norm with a tensor
     # is_training) writes in a body of its own: it waits on the copies of what it writes.
     calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
@@ -676,8 +764,9 @@ def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
     if not writes and not calls:
         return [], frozenset()
     variables = {}
-    for v in (graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-              + graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)):
+    for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
+        tf.compat.v1.GraphKeys.LOCAL_VARIABLES
+    ):
         variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
@@ -685,25 +774,36 @@ def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
         variable = variables.get(_source(op.inputs[0]).op) if op.inputs else None
         write_context = op._get_control_flow_context()  # pylint: disable=protected-access
         in_other_loop = write_context is not context and any(
-            c.IsWhileContext() for c in _contexts(write_context))
+            c.IsWhileContext() for c in _contexts(write_context)
+        )
         if variable is None or in_other_loop:
-            why = ("it sits in a loop body of its own" if in_other_loop else
-                   "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
-                   "LOCAL_VARIABLES")
-            logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
-                            "finiteness test, and cannot be undone on a bad step (%s), or "
-                            "make it an update op the loss does not wait on.", op.name,
-                            op.inputs[0].op.name if op.inputs else "a variable", why)
+            why = (
+                "it sits in a loop body of its own"
+                if in_other_loop
+                else "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+                "LOCAL_VARIABLES"
+            )
+            logging.warning(
+                "slim_nanguard: %s writes %s in the forward pass, before the "
+                "finiteness test, and cannot be undone on a bad step (%s), or "
+                "make it an update op the loss does not wait on.",
+                op.name,
+                op.inputs[0].op.name if op.inputs else "a variable",
+                why,
+            )
             continue
         by_variable.setdefault(variable.op, []).append(op)
     for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
         for handle in handles:
             variable = variables.get(handle.op)
             if variable is None:
-                logging.warning("slim_nanguard: %s writes %s in the forward pass, before the "
-                                "finiteness test, and cannot be undone on a bad step (the "
-                                "variable is in no variable collection).", op.name,
-                                handle.op.name)
+                logging.warning(
+                    "slim_nanguard: %s writes %s in the forward pass, before the "
+                    "finiteness test, and cannot be undone on a bad step (the "
+                    "variable is in no variable collection).",
+                    op.name,
+                    handle.op.name,
+                )
             elif op not in by_variable.setdefault(variable.op, []):
                 by_variable[variable.op].append(op)
     snapshots, restored = [], set()
@@ -723,8 +823,14 @@ def _source(tensor: tf.Tensor) -> tf.Tensor:
     """What a TF1 tf.cond or while loop passed in (through a Switch or an Enter), or what a
     function body (control flow v2) captured; else `tensor` itself."""
     while True:
-        if tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter",
-                              "RefEnter"):
+        if tensor.op.type in (
+            "Switch",
+            "RefSwitch",
+            "Identity",
+            "RefIdentity",
+            "Enter",
+            "RefEnter",
+        ):
             tensor = tensor.op.inputs[0]
             continue
         captured = {id(inner): outer for outer, inner in getattr(tensor.graph, "captures", ())}
@@ -735,8 +841,14 @@ def _source(tensor: tf.Tensor) -> tf.Tensor:
 
 def _body_graphs(op: tf.Operation) -> list:
     """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
-    return [g for g in (getattr(op, attr, None) for attr in (
-        "_true_graph", "_false_graph", "_cond_graph", "_body_graph")) if g is not None]
+    return [
+        g
+        for g in (
+            getattr(op, attr, None)
+            for attr in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
+        )
+        if g is not None
+    ]
 
 
 def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
@@ -772,8 +884,9 @@ def _restore(snapshots, ok: tf.Tensor) -> List[tf.Operation]:
     return restores
 
 
-def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor,
-                     restored: frozenset = frozenset()) -> list:
+def _gate_update_ops(
+    update_ops: Sequence, gate: tf.Tensor, restored: frozenset = frozenset()
+) -> list:
     """Makes the variable writes that `update_ops` run wait on `gate`.
 
     The writes are found by walking back from each update op, leaving out everything the
@@ -791,9 +904,13 @@ def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor,
             gated.append(op)
     for op in roots:
         if op in needed_by_gate and any(
-                _is_write(w) and w not in restored for w in _ancestors([op])):
-            logging.warning("slim_nanguard: update op %s feeds the loss, so it runs before the "
-                            "finiteness test and cannot be rolled back on a bad step.", op.name)
+            _is_write(w) and w not in restored for w in _ancestors([op])
+        ):
+            logging.warning(
+                "slim_nanguard: update op %s feeds the loss, so it runs before the "
+                "finiteness test and cannot be rolled back on a bad step.",
+                op.name,
+            )
     return gated
 
 
@@ -801,7 +918,8 @@ def _scale_learning_rate(optimizer) -> tf.Variable:
     """Multiplies the optimizer's learning rate by a variable the rollback policy can lower."""
     inner = getattr(optimizer, "_optimizer", None)
     if isinstance(inner, tf.compat.v1.train.Optimizer) and not any(
-            getattr(optimizer, attr, None) is not None for attr in ("_learning_rate", "_lr")):
+        getattr(optimizer, attr, None) is not None for attr in ("_learning_rate", "_lr")
+    ):
         # A wrapper (a loss-scale optimizer, for one): the rate is the inner optimizer's.
         return _scale_learning_rate(inner)
     for attr in ("_learning_rate", "_lr"):
@@ -811,12 +929,17 @@ def _scale_learning_rate(optimizer) -> tf.Variable:
         raise ValueError(
             f"rollback_lr_factor needs an optimizer with a learning rate to scale; "
             f"{type(optimizer).__name__} has neither _learning_rate nor _lr. Use "
-            "rollback_lr_factor=1.0 with this optimizer.")
-    with tf.init_scope(), tf.compat.v1.variable_scope("nanguard",
-                                                      reuse=tf.compat.v1.AUTO_REUSE):
-        scale = tf.compat.v1.get_variable("learning_rate_scale", [], tf.float32,
-                                          initializer=tf.compat.v1.ones_initializer(),
-                                          trainable=False, use_resource=True)
+            "rollback_lr_factor=1.0 with this optimizer."
+        )
+    with tf.init_scope(), tf.compat.v1.variable_scope("nanguard", reuse=tf.compat.v1.AUTO_REUSE):
+        scale = tf.compat.v1.get_variable(
+            "learning_rate_scale",
+            [],
+            tf.float32,
+            initializer=tf.compat.v1.ones_initializer(),
+            trainable=False,
+            use_resource=True,
+        )
     rate = getattr(optimizer, attr)
     if callable(rate):
         rate = rate()
@@ -843,15 +966,17 @@ def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict)
     if not isinstance(grads_and_vars, list):
         raise ValueError("grads_and_vars must be a list of (gradient, variable).")
     if not isinstance(gradient_multipliers, dict) or not gradient_multipliers:
-        raise ValueError(f"gradient_multipliers must be a non-empty dict; got "
-                         f"{gradient_multipliers!r}.")
+        raise ValueError(
+            f"gradient_multipliers must be a non-empty dict; got {gradient_multipliers!r}."
+        )
     result = []
     for grad, var in grads_and_vars:
         key = var if var in gradient_multipliers else var.op.name
         if key in gradient_multipliers:
             if grad is None:
-                raise ValueError(f"gradient_multipliers names {var.op.name!r}, which has no "
-                                 "gradient.")
+                raise ValueError(
+                    f"gradient_multipliers names {var.op.name!r}, which has no gradient."
+                )
             multiplier = gradient_multipliers[key]
             if not isinstance(multiplier, tf.Tensor):
                 multiplier = tf.constant(multiplier, dtype=grad.dtype)
@@ -868,8 +993,9 @@ def clip_gradient_norms(grads_and_vars: GradsAndVars, max_norm: float) -> GradsA
     result = []
     for grad, var in grads_and_vars:
         if isinstance(grad, tf.IndexedSlices):
-            grad = tf.IndexedSlices(tf.clip_by_norm(grad.values, max_norm), grad.indices,
-                                    grad.dense_shape)
+            grad = tf.IndexedSlices(
+                tf.clip_by_norm(grad.values, max_norm), grad.indices, grad.dense_shape
+            )
         elif grad is not None:
             grad = tf.clip_by_norm(grad, max_norm)
         result.append((grad, var))
@@ -891,6 +1017,9 @@ def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
         finite = tf.boolean_mask(values, tf.math.is_finite(values))
         summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
-        summaries.append(tf.compat.v1.summary.scalar(var.op.name + "/gradient_norm",
-                                                     tf.linalg.global_norm([values])))
+        summaries.append(
+            tf.compat.v1.summary.scalar(
+                var.op.name + "/gradient_norm", tf.linalg.global_norm([values])
+            )
+        )
     return summaries

@@ -60,7 +60,6 @@ from slim_nanguard import models
 # ---------------------------------------------------------------------------- models
 
 
-
 def _minor_page_faults() -> int:
     """The process's minor page faults so far, or 0 where `resource` is missing (Windows)."""
     try:
@@ -68,6 +67,7 @@ def _minor_page_faults() -> int:
     except ImportError:
         return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -105,13 +105,15 @@ def _lenet(images: tf.Tensor, depth: int) -> tf.Tensor:
 def _deep(images: tf.Tensor, depth: int, width: int = 64) -> tf.Tensor:
     # He initialisation keeps 50 ReLU layers' activations (and gradients) in range.
     with tf.compat.v1.variable_scope("Deep"):
-        with tf_slim.arg_scope([tf_slim.fully_connected], activation_fn=tf.nn.relu,
-                               weights_initializer=tf_slim.variance_scaling_initializer(2.0)):
+        with tf_slim.arg_scope(
+            [tf_slim.fully_connected],
+            activation_fn=tf.nn.relu,
+            weights_initializer=tf_slim.variance_scaling_initializer(2.0),
+        ):
             net = images
             for index in range(depth):
                 net = tf_slim.fully_connected(net, width, scope=f"fc{index + 1}")
-            return tf_slim.fully_connected(net, NUM_CLASSES, activation_fn=None,
-                                           scope="logits")
+            return tf_slim.fully_connected(net, NUM_CLASSES, activation_fn=None, scope="logits")
 
 
 def _wide(images: tf.Tensor, depth: int) -> tf.Tensor:
@@ -120,11 +122,13 @@ def _wide(images: tf.Tensor, depth: int) -> tf.Tensor:
 
 
 MODELS: Dict[str, ModelSpec] = {
-    spec.name: spec for spec in (
+    spec.name: spec
+    for spec in (
         ModelSpec("mlp", "MLP 784-256-256-10, batch 128", (784,), 128, _mlp),
         ModelSpec("lenet", "LeNet CNN on 8x8x1 digits, batch 64", (8, 8, 1), 64, _lenet),
-        ModelSpec("deep", "{depth} x FC(64) + logits, {variables} variables, batch 128",
-                  (64,), 128, _deep),
+        ModelSpec(
+            "deep", "{depth} x FC(64) + logits, {variables} variables, batch 128", (64,), 128, _deep
+        ),
         ModelSpec("wide", "784-2048-2048-10, 5.8M parameters, batch 32", (784,), 32, _wide),
     )
 }
@@ -180,22 +184,28 @@ class Variant:
 def _slim(check_numerics: bool):
     def build(loss, optimizer):
         return tf_slim.learning.create_train_op(loss, optimizer, check_numerics=check_numerics)
+
     return build
 
 
 def _check_each_gradient(loss, optimizer):
     def transform(grads_and_vars):
-        return [(tf.debugging.check_numerics(g, f"gradient of {v.op.name}"), v)
-                for g, v in grads_and_vars]
-    return tf_slim.training.create_train_op(loss, optimizer, transform_grads_fn=transform,
-                                            check_numerics=False)
+        return [
+            (tf.debugging.check_numerics(g, f"gradient of {v.op.name}"), v)
+            for g, v in grads_and_vars
+        ]
+
+    return tf_slim.training.create_train_op(
+        loss, optimizer, transform_grads_fn=transform, check_numerics=False
+    )
 
 
 def _loss_scale_skip(loss, optimizer):
     # A dynamic loss scale of 1 that never grows: no scaling, and a skipped step (a tf.cond
     # over one all-finite flag) whenever a gradient is NaN or Inf.
     scale = tf.compat.v1.mixed_precision.DynamicLossScale(
-        initial_loss_scale=1, increment_period=2**31 - 1, multiplier=2)
+        initial_loss_scale=1, increment_period=2**31 - 1, multiplier=2
+    )
     wrapped = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(optimizer, scale)
     return tf_slim.learning.create_train_op(loss, wrapped, check_numerics=False)
 
@@ -203,12 +213,14 @@ def _loss_scale_skip(loss, optimizer):
 def _ours(check_numerics: bool, policy: str, autopsy: bool = True):
     def build(loss, optimizer):
         if not autopsy:  # No batch kept on bad steps: what the autopsy's capture costs.
-            config = slim_nanguard.GuardConfig(nan_policy=policy, autopsy_max_steps=0,
-                                               **_PATIENT)
-            return slim_nanguard.create_train_op(loss, optimizer,
-                                                 check_numerics=check_numerics, config=config)
-        return slim_nanguard.create_train_op(loss, optimizer, check_numerics=check_numerics,
-                                             nan_policy=policy, **_PATIENT)
+            config = slim_nanguard.GuardConfig(nan_policy=policy, autopsy_max_steps=0, **_PATIENT)
+            return slim_nanguard.create_train_op(
+                loss, optimizer, check_numerics=check_numerics, config=config
+            )
+        return slim_nanguard.create_train_op(
+            loss, optimizer, check_numerics=check_numerics, nan_policy=policy, **_PATIENT
+        )
+
     return build
 
 
@@ -228,48 +240,135 @@ BAD_STEP_POLICIES = ("skip", "rollback")
 
 def _make_variants() -> Dict[str, Variant]:
     variants = [
-        Variant("baseline", "slim, unguarded (check_numerics=False)", PLAIN, None,
-                _slim(False)),
-        Variant("baseline_again", "slim, unguarded: a second copy (the noise floor)", PLAIN,
-                "baseline", _slim(False), graph_of="baseline"),
-        Variant("baseline_mts", "slim, unguarded, in MonitoredTrainingSession", MTS,
-                "baseline", _slim(False), graph_of="baseline"),
-        Variant("baseline_resource", "slim, unguarded, resource variables", PLAIN,
-                "baseline", _slim(False), resource_variables=True),
-        Variant("slim_check_numerics", "slim check_numerics=True (loss only, not atomic)",
-                PLAIN, "baseline", _slim(True)),
-        Variant("nan_tensor_hook", "NanTensorHook (loss only, after the update)", MTS,
-                "baseline_mts", _slim(False), hooks=_nan_tensor_hook, graph_of="baseline"),
-        Variant("check_numerics_per_gradient", "check_numerics on every gradient (not atomic)",
-                PLAIN, "baseline", _check_each_gradient),
-        Variant("enable_check_numerics", "tf.debugging.enable_check_numerics", PLAIN,
-                "baseline_resource", _slim(False), resource_variables=True,
-                check_numerics_callback=True),
-        Variant("loss_scale_skip", "MixedPrecisionLossScaleOptimizer, loss scale 1 (atomic)",
-                PLAIN, "baseline", _loss_scale_skip),
+        Variant("baseline", "slim, unguarded (check_numerics=False)", PLAIN, None, _slim(False)),
+        Variant(
+            "baseline_again",
+            "slim, unguarded: a second copy (the noise floor)",
+            PLAIN,
+            "baseline",
+            _slim(False),
+            graph_of="baseline",
+        ),
+        Variant(
+            "baseline_mts",
+            "slim, unguarded, in MonitoredTrainingSession",
+            MTS,
+            "baseline",
+            _slim(False),
+            graph_of="baseline",
+        ),
+        Variant(
+            "baseline_resource",
+            "slim, unguarded, resource variables",
+            PLAIN,
+            "baseline",
+            _slim(False),
+            resource_variables=True,
+        ),
+        Variant(
+            "slim_check_numerics",
+            "slim check_numerics=True (loss only, not atomic)",
+            PLAIN,
+            "baseline",
+            _slim(True),
+        ),
+        Variant(
+            "nan_tensor_hook",
+            "NanTensorHook (loss only, after the update)",
+            MTS,
+            "baseline_mts",
+            _slim(False),
+            hooks=_nan_tensor_hook,
+            graph_of="baseline",
+        ),
+        Variant(
+            "check_numerics_per_gradient",
+            "check_numerics on every gradient (not atomic)",
+            PLAIN,
+            "baseline",
+            _check_each_gradient,
+        ),
+        Variant(
+            "enable_check_numerics",
+            "tf.debugging.enable_check_numerics",
+            PLAIN,
+            "baseline_resource",
+            _slim(False),
+            resource_variables=True,
+            check_numerics_callback=True,
+        ),
+        Variant(
+            "loss_scale_skip",
+            "MixedPrecisionLossScaleOptimizer, loss scale 1 (atomic)",
+            PLAIN,
+            "baseline",
+            _loss_scale_skip,
+        ),
     ]
     for policy in POLICY_NAMES:
-        variants.append(Variant(
-            f"nanguard_check_numerics_{policy}", f"ours: check_numerics mode, {policy}", PLAIN,
-            "baseline", _ours(True, policy), nan_policy=policy, ours=True,
-            bad_step=policy in BAD_STEP_POLICIES))
+        variants.append(
+            Variant(
+                f"nanguard_check_numerics_{policy}",
+                f"ours: check_numerics mode, {policy}",
+                PLAIN,
+                "baseline",
+                _ours(True, policy),
+                nan_policy=policy,
+                ours=True,
+                bad_step=policy in BAD_STEP_POLICIES,
+            )
+        )
     for policy in POLICY_NAMES:
-        variants.append(Variant(
-            f"nanguard_hook_{policy}", f"ours: hook mode, {policy}", MTS, "baseline_mts",
-            _ours(False, policy), hooks=_our_hook, nan_policy=policy, ours=True,
-            bad_step=policy in BAD_STEP_POLICIES))
+        variants.append(
+            Variant(
+                f"nanguard_hook_{policy}",
+                f"ours: hook mode, {policy}",
+                MTS,
+                "baseline_mts",
+                _ours(False, policy),
+                hooks=_our_hook,
+                nan_policy=policy,
+                ours=True,
+                bad_step=policy in BAD_STEP_POLICIES,
+            )
+        )
     # The same guards with the autopsy off (no batch kept on a bad step), timed in the same
     # run: side by side with the raise variants above, the good-step cost of the capture.
-    variants.append(Variant(
-        "nanguard_check_numerics_no_autopsy", "ours: check_numerics mode, raise, autopsy off",
-        PLAIN, "baseline", _ours(True, "raise", autopsy=False), nan_policy="raise", ours=True))
-    variants.append(Variant(
-        "nanguard_hook_no_autopsy", "ours: hook mode, raise, autopsy off", MTS, "baseline_mts",
-        _ours(False, "raise", autopsy=False), hooks=_our_hook, nan_policy="raise", ours=True))
-    variants.append(Variant(
-        "nanguard_hook_graph_only", "ours: hook-mode graph in a plain loop, no hook", PLAIN,
-        "baseline", _ours(False, "raise"), nan_policy="raise", ours=True,
-        graph_of="nanguard_hook_raise"))
+    variants.append(
+        Variant(
+            "nanguard_check_numerics_no_autopsy",
+            "ours: check_numerics mode, raise, autopsy off",
+            PLAIN,
+            "baseline",
+            _ours(True, "raise", autopsy=False),
+            nan_policy="raise",
+            ours=True,
+        )
+    )
+    variants.append(
+        Variant(
+            "nanguard_hook_no_autopsy",
+            "ours: hook mode, raise, autopsy off",
+            MTS,
+            "baseline_mts",
+            _ours(False, "raise", autopsy=False),
+            hooks=_our_hook,
+            nan_policy="raise",
+            ours=True,
+        )
+    )
+    variants.append(
+        Variant(
+            "nanguard_hook_graph_only",
+            "ours: hook-mode graph in a plain loop, no hook",
+            PLAIN,
+            "baseline",
+            _ours(False, "raise"),
+            nan_policy="raise",
+            ours=True,
+            graph_of="nanguard_hook_raise",
+        )
+    )
     return {v.name: v for v in variants}
 
 
@@ -330,23 +429,33 @@ class Settings:
     seed: int = 0
 
     def __post_init__(self):
-        for kind, names, known in (("model", self.models, MODELS),
-                                   ("optimizer", self.optimizers, OPTIMIZERS),
-                                   ("variant", self.variants, VARIANTS)):
+        for kind, names, known in (
+            ("model", self.models, MODELS),
+            ("optimizer", self.optimizers, OPTIMIZERS),
+            ("variant", self.variants, VARIANTS),
+        ):
             unknown = [n for n in names if n not in known]
             if unknown or not names:
-                raise ValueError(f"unknown or no {kind} names {unknown or list(names)}; "
-                                 f"choose from {', '.join(known)}.")
-        if (min(self.rounds, self.chunks, self.replicas, self.min_steps) < 1
-                or self.warmup_steps < 0):
-            raise ValueError(f"rounds, chunks, replicas and min_steps must be >= 1 and "
-                             f"warmup_steps >= 0; got {self.rounds}, {self.chunks}, "
-                             f"{self.replicas}, {self.min_steps}, {self.warmup_steps}.")
+                raise ValueError(
+                    f"unknown or no {kind} names {unknown or list(names)}; "
+                    f"choose from {', '.join(known)}."
+                )
+        if (
+            min(self.rounds, self.chunks, self.replicas, self.min_steps) < 1
+            or self.warmup_steps < 0
+        ):
+            raise ValueError(
+                f"rounds, chunks, replicas and min_steps must be >= 1 and "
+                f"warmup_steps >= 0; got {self.rounds}, {self.chunks}, "
+                f"{self.replicas}, {self.min_steps}, {self.warmup_steps}."
+            )
         if self.deep_layers < 1:
             raise ValueError(f"deep_layers must be >= 1; got {self.deep_layers}.")
         if self.round_seconds <= 0 or self.batch_scale <= 0:
-            raise ValueError(f"round_seconds and batch_scale must be > 0; got "
-                             f"{self.round_seconds}, {self.batch_scale}.")
+            raise ValueError(
+                f"round_seconds and batch_scale must be > 0; got "
+                f"{self.round_seconds}, {self.batch_scale}."
+            )
 
     def all_variants(self) -> Tuple[str, ...]:
         """The chosen variants and every reference they are compared with, in table order."""
@@ -359,13 +468,22 @@ class Settings:
         return tuple(n for n in VARIANTS if n in wanted)
 
     def session_config(self) -> tf.compat.v1.ConfigProto:
-        return tf.compat.v1.ConfigProto(intra_op_parallelism_threads=self.intra_op_threads,
-                                        inter_op_parallelism_threads=self.inter_op_threads)
+        return tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=self.intra_op_threads,
+            inter_op_parallelism_threads=self.inter_op_threads,
+        )
 
 
 # --quick: every model and variant, SGD only, few short rounds.
-QUICK = dict(optimizers=("sgd",), rounds=3, chunks=2, replicas=1, round_seconds=0.03,
-             warmup_steps=5, bad_step_repeats=1)
+QUICK = dict(
+    optimizers=("sgd",),
+    rounds=3,
+    chunks=2,
+    replicas=1,
+    round_seconds=0.03,
+    warmup_steps=5,
+    bad_step_repeats=1,
+)
 
 # ---------------------------------------------------------------------------- one variant
 
@@ -385,8 +503,14 @@ class Trainer:
       timed_steps: Steps timed by `time_steps`.
     """
 
-    def __init__(self, model: ModelSpec, optimizer: str, variant: Variant,
-                 settings: Settings, checkpoint_dir: str):
+    def __init__(
+        self,
+        model: ModelSpec,
+        optimizer: str,
+        variant: Variant,
+        settings: Settings,
+        checkpoint_dir: str,
+    ):
         self.variant = variant
         self.checkpoint_dir = checkpoint_dir
         self.graph = tf.Graph()
@@ -400,12 +524,15 @@ class Trainer:
                 tf.debugging.enable_check_numerics()
             try:
                 with tf.compat.v1.variable_scope(
-                        "", use_resource=True if variant.resource_variables else None):
+                    "", use_resource=True if variant.resource_variables else None
+                ):
                     self.images = tf.compat.v1.placeholder_with_default(
-                        self.batch_images, self.batch_images.shape, name="images")
+                        self.batch_images, self.batch_images.shape, name="images"
+                    )
                     logits = model.build(self.images, settings.deep_layers)
                     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
-                        tf.constant(labels), logits)
+                        tf.constant(labels), logits
+                    )
                     self.train_op = variant.build(loss, OPTIMIZERS[optimizer]())
             finally:
                 if variant.check_numerics_callback:
@@ -415,7 +542,8 @@ class Trainer:
             self.global_step = tf.compat.v1.train.get_global_step()
             self.gradient_bytes = sum(
                 v.shape.num_elements() * v.dtype.base_dtype.size
-                for v in tf.compat.v1.trainable_variables())
+                for v in tf.compat.v1.trainable_variables()
+            )
             self._init_op = tf.compat.v1.global_variables_initializer()
         self._settings = settings
         self.page_faults = self.timed_steps = 0
@@ -436,12 +564,21 @@ class Trainer:
         config = self._settings.session_config()
         with self.graph.as_default():
             if self.variant.loop == MTS:
-                hooks = (self.variant.hooks(self.train_op, self.checkpoint_dir)
-                         if self.variant.hooks else [])
+                hooks = (
+                    self.variant.hooks(self.train_op, self.checkpoint_dir)
+                    if self.variant.hooks
+                    else []
+                )
                 return tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=hooks, config=config, checkpoint_dir=None, save_checkpoint_secs=None,
-                    save_checkpoint_steps=None, save_summaries_steps=None,
-                    save_summaries_secs=None, log_step_count_steps=None)
+                    hooks=hooks,
+                    config=config,
+                    checkpoint_dir=None,
+                    save_checkpoint_secs=None,
+                    save_checkpoint_steps=None,
+                    save_summaries_steps=None,
+                    save_summaries_secs=None,
+                    log_step_count_steps=None,
+                )
             session = tf.compat.v1.Session(graph=self.graph, config=config)
             session.run(self._init_op)
             return session
@@ -458,8 +595,9 @@ class Trainer:
         except tf.errors.InvalidArgumentError as error:
             if self.guard is None:
                 raise
-            return slim_nanguard.handle_numerics_error(self.session, error,
-                                                       checkpoint_dir=self.checkpoint_dir)
+            return slim_nanguard.handle_numerics_error(
+                self.session, error, checkpoint_dir=self.checkpoint_dir
+            )
 
     def time_steps(self, steps: int) -> float:
         """Seconds per step over `steps` steps (the same loop for every variant).
@@ -491,9 +629,11 @@ class Trainer:
         return bad
 
     def save(self) -> str:
-        return self.guard.saver.save(self.raw_session(),
-                                     os.path.join(self.checkpoint_dir, "model.ckpt"),
-                                     global_step=self.global_step_value())
+        return self.guard.saver.save(
+            self.raw_session(),
+            os.path.join(self.checkpoint_dir, "model.ckpt"),
+            global_step=self.global_step_value(),
+        )
 
     def close(self):
         self.session.close()
@@ -516,10 +656,15 @@ def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
         options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
         metadata = tf.compat.v1.RunMetadata()
         trainer.raw_session().run(trainer.train_op, options=options, run_metadata=metadata)
-        events = sorted(((r.alloc_micros, -r.alloc_bytes)
-                         for device in metadata.step_stats.dev_stats
-                         for node in device.node_stats for memory in node.memory
-                         for r in memory.allocation_records))
+        events = sorted(
+            (
+                (r.alloc_micros, -r.alloc_bytes)
+                for device in metadata.step_stats.dev_stats
+                for node in device.node_stats
+                for memory in node.memory
+                for r in memory.allocation_records
+            )
+        )
         live = 0
         for _, negated in events:
             live -= negated
@@ -557,15 +702,23 @@ def _time_bad_steps(trainer: Trainer, settings: Settings) -> Dict[str, Any]:
         for _ in range(3):
             trainer.step()
     state = trainer.guard.state
-    return {"model": None, "optimizer": None, "variant": trainer.variant.name,
-            "policy": policy, "good_step_ms": 1e3 * statistics.median(good_times),
-            "bad_step_ms": _summary([1e3 * t for t in bad_times]),
-            "steps_lost": _summary(lost), "skips": state.skips, "rollbacks": state.rollbacks,
-            "bad_steps": state.total_bad_steps}
+    return {
+        "model": None,
+        "optimizer": None,
+        "variant": trainer.variant.name,
+        "policy": policy,
+        "good_step_ms": 1e3 * statistics.median(good_times),
+        "bad_step_ms": _summary([1e3 * t for t in bad_times]),
+        "steps_lost": _summary(lost),
+        "skips": state.skips,
+        "rollbacks": state.rollbacks,
+        "bad_steps": state.total_bad_steps,
+    }
 
 
-def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bool,
-                 log: Callable[[str], None]) -> Tuple[List[Dict], List[Dict]]:
+def _measure_one(
+    model_name: str, optimizer: str, settings: Settings, memory: bool, log: Callable[[str], None]
+) -> Tuple[List[Dict], List[Dict]]:
     model = MODELS[model_name]
     names = settings.all_variants()
     workdir = tempfile.mkdtemp(prefix="nanguard_bench_")
@@ -575,11 +728,9 @@ def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bo
         for name in names:
             variant = VARIANTS[name]
             if variant.graph_of in trainers:
-                first = trainers[variant.graph_of][0].replica(_directory(workdir, name, 0),
-                                                              variant)
+                first = trainers[variant.graph_of][0].replica(_directory(workdir, name, 0), variant)
             else:
-                first = Trainer(model, optimizer, variant, settings,
-                                _directory(workdir, name, 0))
+                first = Trainer(model, optimizer, variant, settings, _directory(workdir, name, 0))
             trainers[name] = [first]
         # The other sessions in later passes, not right after the first: two sessions made
         # one after the other get the same relative placement of their buffers, so share
@@ -594,9 +745,11 @@ def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bo
         per_step = trainers["baseline"][0].time_steps(max(settings.min_steps, 10))
         samples = settings.chunks * settings.replicas
         steps = max(settings.min_steps, int(round(settings.round_seconds / samples / per_step)))
-        log(f"{model_name}/{optimizer}: {len(names)} variants x {settings.replicas} sessions "
+        log(
+            f"{model_name}/{optimizer}: {len(names)} variants x {settings.replicas} sessions "
             f"built and warmed up in {time.perf_counter() - start:.1f} s; {samples} x {steps} "
-            f"steps per variant and round ({1e3 * per_step:.2f} ms/step)")
+            f"steps per variant and round ({1e3 * per_step:.2f} ms/step)"
+        )
         order = [(name, i) for name in names for i in range(settings.replicas)]
         rng = random.Random(settings.seed)
         times: Dict[str, List[float]] = {n: [] for n in names}
@@ -617,38 +770,53 @@ def _measure_one(model_name: str, optimizer: str, settings: Settings, memory: bo
             variant = VARIANTS[name]
             ref = variant.reference or name
             ratios = [t / r for t, r in zip(times[name], times[ref])]
-            results.append({
-                "model": model_name, "optimizer": optimizer, "variant": name,
-                "label": variant.label, "loop": variant.loop, "reference": ref,
-                "ms_per_step": _summary([1e3 * t for t in times[name]]),
-                "round_ms": [1e3 * t for t in times[name]],
-                "session_median_ms": [1e3 * statistics.median(session_times[name, i])
-                                      for i in range(settings.replicas)],
-                "ratio": _summary(ratios), "rounds": settings.rounds,
-                "chunks": settings.chunks, "steps_per_chunk": steps,
-                "replicas": settings.replicas,
-                # Minor page faults per timed step, per session: memory handed back to the
-                # system and faulted in again every step shows here (and in the time).
-                "page_faults_per_step": [t.page_faults / max(t.timed_steps, 1)
-                                         for t in trainers[name]],
-                "graph_ops": trainers[name][0].ops,
-                "graph_ops_added": trainers[name][0].ops - trainers[ref][0].ops,
-                "gradient_bytes": trainers[name][0].gradient_bytes,
-            })
+            results.append(
+                {
+                    "model": model_name,
+                    "optimizer": optimizer,
+                    "variant": name,
+                    "label": variant.label,
+                    "loop": variant.loop,
+                    "reference": ref,
+                    "ms_per_step": _summary([1e3 * t for t in times[name]]),
+                    "round_ms": [1e3 * t for t in times[name]],
+                    "session_median_ms": [
+                        1e3 * statistics.median(session_times[name, i])
+                        for i in range(settings.replicas)
+                    ],
+                    "ratio": _summary(ratios),
+                    "rounds": settings.rounds,
+                    "chunks": settings.chunks,
+                    "steps_per_chunk": steps,
+                    "replicas": settings.replicas,
+                    # Minor page faults per timed step, per session: memory handed back to the
+                    # system and faulted in again every step shows here (and in the time).
+                    "page_faults_per_step": [
+                        t.page_faults / max(t.timed_steps, 1) for t in trainers[name]
+                    ],
+                    "graph_ops": trainers[name][0].ops,
+                    "graph_ops_added": trainers[name][0].ops - trainers[ref][0].ops,
+                    "gradient_bytes": trainers[name][0].gradient_bytes,
+                }
+            )
             # Memory against the unguarded op on the same kind of variables.
             base = "baseline_resource" if variant.resource_variables else "baseline"
             if memory and base in peaks:
                 extra = peaks[name] - peaks[base]
                 results[-1].update(
-                    step_peak_bytes=peaks[name], extra_peak_bytes=extra,
-                    extra_gradient_copies=extra / trainers[name][0].gradient_bytes)
+                    step_peak_bytes=peaks[name],
+                    extra_peak_bytes=extra,
+                    extra_gradient_copies=extra / trainers[name][0].gradient_bytes,
+                )
         bad_steps = []
         for name in names:
             if VARIANTS[name].bad_step:
                 record = _time_bad_steps(trainers[name][0], settings)
-                record.update(model=model_name, optimizer=optimizer,
-                              baseline_ms=1e3 * statistics.median(times[
-                                  VARIANTS[name].reference]))
+                record.update(
+                    model=model_name,
+                    optimizer=optimizer,
+                    baseline_ms=1e3 * statistics.median(times[VARIANTS[name].reference]),
+                )
                 bad_steps.append(record)
         return results, bad_steps
     finally:
@@ -675,13 +843,19 @@ def machine_info() -> Dict[str, Any]:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "tensorflow": tf.__version__, "tf_slim": getattr(tf_slim, "__version__", "1.1.0"),
-            "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "tf_slim": getattr(tf_slim, "__version__", "1.1.0"),
+        "platform": platform.platform(),
+    }
 
 
-def run_benchmark(settings: Settings, *, memory: bool = True,
-                  log: Callable[[str], None] = print) -> Dict[str, Any]:
+def run_benchmark(
+    settings: Settings, *, memory: bool = True, log: Callable[[str], None] = print
+) -> Dict[str, Any]:
     """Times every variant of `settings` on every model and optimizer.
 
     Args:
@@ -701,16 +875,23 @@ def run_benchmark(settings: Settings, *, memory: bool = True,
             results += r
             bad_steps += b
     depth = settings.deep_layers
-    models_used = {name: {"description": MODELS[name].description.format(
-        depth=depth, variables=2 * (depth + 1)),
-                          "input_shape": list(MODELS[name].input_shape),
-                          "batch_size": max(1, int(round(MODELS[name].batch_size
-                                                         * settings.batch_scale)))}
-                   for name in settings.models}
-    report = {"machine": machine_info(), "settings": dataclasses.asdict(settings),
-              "models": models_used,
-              "results": results, "bad_steps": bad_steps, "targets": check_targets(results),
-              "seconds": time.perf_counter() - start}
+    models_used = {
+        name: {
+            "description": MODELS[name].description.format(depth=depth, variables=2 * (depth + 1)),
+            "input_shape": list(MODELS[name].input_shape),
+            "batch_size": max(1, int(round(MODELS[name].batch_size * settings.batch_scale))),
+        }
+        for name in settings.models
+    }
+    report = {
+        "machine": machine_info(),
+        "settings": dataclasses.asdict(settings),
+        "models": models_used,
+        "results": results,
+        "bad_steps": bad_steps,
+        "targets": check_targets(results),
+        "seconds": time.perf_counter() - start,
+    }
     return report
 
 
@@ -727,19 +908,39 @@ def check_targets(results: List[Dict]) -> List[Dict[str, Any]]:
         ratio = r["ratio"]["median"]
         limit = TARGETS.get(model)
         if limit is not None:
-            checks.append({"model": model, "optimizer": optimizer, "variant": name,
-                           "target": f"<= {limit:.2f}x {r['reference']}", "measured": ratio,
-                           "met": ratio <= limit})
+            checks.append(
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "variant": name,
+                    "target": f"<= {limit:.2f}x {r['reference']}",
+                    "measured": ratio,
+                    "met": ratio <= limit,
+                }
+            )
         scale = by_key.get((model, optimizer, "loss_scale_skip"))
         if scale is not None:
-            checks.append({"model": model, "optimizer": optimizer, "variant": name,
-                           "target": f"<= loss_scale_skip ({scale['ratio']['median']:.3f}x)",
-                           "measured": ratio, "met": ratio <= scale["ratio"]["median"]})
+            checks.append(
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "variant": name,
+                    "target": f"<= loss_scale_skip ({scale['ratio']['median']:.3f}x)",
+                    "measured": ratio,
+                    "met": ratio <= scale["ratio"]["median"],
+                }
+            )
         if "extra_gradient_copies" in r:
-            checks.append({"model": model, "optimizer": optimizer, "variant": name,
-                           "target": "<= 1 extra copy of the gradients at peak",
-                           "measured": r["extra_gradient_copies"],
-                           "met": r["extra_gradient_copies"] <= 1.0})
+            checks.append(
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "variant": name,
+                    "target": "<= 1 extra copy of the gradients at peak",
+                    "measured": r["extra_gradient_copies"],
+                    "met": r["extra_gradient_copies"] <= 1.0,
+                }
+            )
     return checks
 
 
@@ -752,9 +953,11 @@ def _mib(n: float) -> str:
 
 def format_tables(report: Dict[str, Any]) -> str:
     """The report as Markdown: step times, bad steps, targets."""
-    lines = ["| model | opt | variant | loop | ms/step | ratio (min–max) | ops added | "
-             "extra peak MiB (× gradients) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | opt | variant | loop | ms/step | ratio (min–max) | ops added | "
+        "extra peak MiB (× gradients) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["results"]:
         ms, ratio = r["ms_per_step"], r["ratio"]
         if r["reference"] == r["variant"]:
@@ -764,22 +967,35 @@ def format_tables(report: Dict[str, Any]) -> str:
         memory = "–"
         if "extra_peak_bytes" in r:
             memory = f"{_mib(r['extra_peak_bytes'])} ({r['extra_gradient_copies']:.2f})"
-        lines.append(f"| {r['model']} | {r['optimizer']} | {r['label']} | "
-                     f"{'MTS' if r['loop'] == MTS else 'session'} | {ms['median']:.2f} | "
-                     f"{shown} | {r['graph_ops_added']} | {memory} |")
+        lines.append(
+            f"| {r['model']} | {r['optimizer']} | {r['label']} | "
+            f"{'MTS' if r['loop'] == MTS else 'session'} | {ms['median']:.2f} | "
+            f"{shown} | {r['graph_ops_added']} | {memory} |"
+        )
     if report["bad_steps"]:
-        lines += ["", "| model | opt | variant | good step ms | bad step ms, median (min–max) | "
-                      "global steps lost |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| model | opt | variant | good step ms | bad step ms, median (min–max) | "
+            "global steps lost |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for b in report["bad_steps"]:
             bad = b["bad_step_ms"]
-            lines.append(f"| {b['model']} | {b['optimizer']} | {VARIANTS[b['variant']].label} "
-                         f"| {b['good_step_ms']:.2f} | {bad['median']:.2f} "
-                         f"({bad['min']:.2f}–{bad['max']:.2f}) | "
-                         f"{b['steps_lost']['median']:g} |")
+            lines.append(
+                f"| {b['model']} | {b['optimizer']} | {VARIANTS[b['variant']].label} "
+                f"| {b['good_step_ms']:.2f} | {bad['median']:.2f} "
+                f"({bad['min']:.2f}–{bad['max']:.2f}) | "
+                f"{b['steps_lost']['median']:g} |"
+            )
     if report["targets"]:
-        lines += ["", "| model | opt | variant | target | measured | met |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| model | opt | variant | target | measured | met |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for t in report["targets"]:
-            lines.append(f"| {t['model']} | {t['optimizer']} | {t['variant']} | {t['target']} "
-                         f"| {t['measured']:.3f} | {'yes' if t['met'] else '**no**'} |")
+            lines.append(
+                f"| {t['model']} | {t['optimizer']} | {t['variant']} | {t['target']} "
+                f"| {t['measured']:.3f} | {'yes' if t['met'] else '**no**'} |"
+            )
     return "\n".join(lines)

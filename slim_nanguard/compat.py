@@ -116,6 +116,7 @@ class _ModuleProxy(types.ModuleType):
 
 def _tf() -> Any:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
     return tf
 
 
@@ -123,8 +124,10 @@ def _legacy_batch_normalization_module() -> Optional[types.ModuleType]:
     """Returns tf-keras' legacy ``tf.layers`` normalization module, or None."""
     # The first path is the one TensorFlow's own lazy loader asks for; the second is
     # where tf-keras 2.21 actually keeps the module.
-    for name in ("tf_keras.legacy_tf_layers.normalization",
-                 "tf_keras.src.legacy_tf_layers.normalization"):
+    for name in (
+        "tf_keras.legacy_tf_layers.normalization",
+        "tf_keras.src.legacy_tf_layers.normalization",
+    ):
         try:
             return importlib.import_module(name)
         except ImportError:
@@ -145,6 +148,7 @@ def _warn_on_tf_keras_mismatch() -> None:
     """Warns if tf-keras and TensorFlow are not the same major.minor release."""
     try:
         import tf_keras  # pylint: disable=g-import-not-at-top
+
         tf_version = _tf().__version__.split(".")[:2]
         keras_version = tf_keras.__version__.split(".")[:2]
     except Exception:  # pylint: disable=broad-except
@@ -181,18 +185,21 @@ class _Restore:
         is_broken: Detects, on the running TensorFlow, whether the names are missing.
     """
 
-    def __init__(self,
-                 tf_module: str,
-                 names: Tuple[str, ...],
-                 loader: Callable[[], Optional[Dict[str, Any]]],
-                 users: Tuple[Tuple[str, str], ...],
-                 is_broken: Optional[Callable[[types.ModuleType], bool]] = None) -> None:
+    def __init__(
+        self,
+        tf_module: str,
+        names: Tuple[str, ...],
+        loader: Callable[[], Optional[Dict[str, Any]]],
+        users: Tuple[Tuple[str, str], ...],
+        is_broken: Optional[Callable[[types.ModuleType], bool]] = None,
+    ) -> None:
         self.tf_module = tf_module
         self.names = names
         self.loader = loader
         self.users = users
         self.is_broken = is_broken or (
-            lambda module: not all(hasattr(module, name) for name in names))
+            lambda module: not all(hasattr(module, name) for name in names)
+        )
 
 
 def _public(**names: str) -> Callable[[], Dict[str, Any]]:
@@ -318,7 +325,9 @@ def _apply() -> Tuple[str, ...]:
             logging.warning(
                 "slim_nanguard.compat: %s.%s is missing and no replacement was found "
                 "(is a tf-keras matching TensorFlow installed?); not patched.",
-                restore.tf_module, restore.names[0])
+                restore.tf_module,
+                restore.names[0],
+            )
             continue
         restored.setdefault(restore.tf_module, {}).update(replacements)
         applied.extend(f"{restore.tf_module}.{name}" for name in restore.names)
@@ -327,8 +336,7 @@ def _apply() -> Tuple[str, ...]:
 
     # One proxy per TensorFlow module, shared by the tf-slim modules that need it.
     proxies = {
-        name: _ModuleProxy(importlib.import_module(name), names)
-        for name, names in restored.items()
+        name: _ModuleProxy(importlib.import_module(name), names) for name, names in restored.items()
     }
     for (slim_module_name, alias), tf_module_name in sorted(users.items()):
         slim_module = importlib.import_module(slim_module_name)
@@ -338,7 +346,11 @@ def _apply() -> Tuple[str, ...]:
         if current is not importlib.import_module(tf_module_name):
             logging.warning(
                 "slim_nanguard.compat: %s.%s is %r, not %s; left unpatched.",
-                slim_module_name, alias, current, tf_module_name)
+                slim_module_name,
+                alias,
+                current,
+                tf_module_name,
+            )
             continue
         setattr(slim_module, alias, proxies[tf_module_name])
     return tuple(applied)

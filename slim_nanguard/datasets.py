@@ -135,20 +135,22 @@ class DatasetInfo:
         return self.num_examples.get(self.split)
 
 
-def get_dataset(name: str,
-                split: str = "train",
-                *,
-                batch_size: int,
-                dataset_dir: str | None = None,
-                shuffle: bool = True,
-                repeat: bool = True,
-                seed: int | None = None,
-                image_size: int | None = None,
-                num_classes: int | None = None,
-                channels: int | None = None,
-                drop_remainder: bool | None = None,
-                file_pattern: str | None = None,
-                shuffle_buffer_size: int | None = None) -> tuple[tf.data.Dataset, DatasetInfo]:
+def get_dataset(
+    name: str,
+    split: str = "train",
+    *,
+    batch_size: int,
+    dataset_dir: str | None = None,
+    shuffle: bool = True,
+    repeat: bool = True,
+    seed: int | None = None,
+    image_size: int | None = None,
+    num_classes: int | None = None,
+    channels: int | None = None,
+    drop_remainder: bool | None = None,
+    file_pattern: str | None = None,
+    shuffle_buffer_size: int | None = None,
+) -> tuple[tf.data.Dataset, DatasetInfo]:
     """Builds the input pipeline of a dataset split.
 
     Args:
@@ -189,14 +191,17 @@ def get_dataset(name: str,
             what to change.
     """
     if name not in DATASET_NAMES:
-        raise DatasetError(f"Unknown dataset name {name!r} (--dataset_name): choose one of "
-                         f"{', '.join(DATASET_NAMES)}.")
+        raise DatasetError(
+            f"Unknown dataset name {name!r} (--dataset_name): choose one of "
+            f"{', '.join(DATASET_NAMES)}."
+        )
     _check_positive_int("batch_size", batch_size)
     if image_size is not None:
         _check_positive_int("image_size", image_size)
     if channels is not None and channels not in (1, 3, 4):
-        raise DatasetError(f"channels={channels!r}: images can have 1 (grey), 3 (RGB) or 4 "
-                         "(RGBA) channels.")
+        raise DatasetError(
+            f"channels={channels!r}: images can have 1 (grey), 3 (RGB) or 4 (RGBA) channels."
+        )
     if num_classes is not None:
         _check_positive_int("num_classes", num_classes)
     if shuffle_buffer_size is not None:
@@ -209,16 +214,19 @@ def get_dataset(name: str,
     elif name == "synthetic":
         dataset, map_fn, info, buffer = _synthetic(split, image_size, num_classes, channels)
     else:
-        dataset, map_fn, info, buffer = _tfrecord(split, dataset_dir, file_pattern, image_size,
-                                                  num_classes, channels, shuffle, seed)
+        dataset, map_fn, info, buffer = _tfrecord(
+            split, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle, seed
+        )
     if shuffle_buffer_size is not None:
         buffer = shuffle_buffer_size
     size = info.split_size
     if size is not None and not repeat and drop_remainder and batch_size > size:
-        raise DatasetError(f"batch_size {batch_size} is larger than the {size} examples of "
-                         f"{name} split {split!r}, and with drop_remainder and no repeat not "
-                         "one batch would come out: lower batch_size or pass "
-                         "drop_remainder=False.")
+        raise DatasetError(
+            f"batch_size {batch_size} is larger than the {size} examples of "
+            f"{name} split {split!r}, and with drop_remainder and no repeat not "
+            "one batch would come out: lower batch_size or pass "
+            "drop_remainder=False."
+        )
 
     if shuffle:
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
@@ -227,9 +235,15 @@ def get_dataset(name: str,
     dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
-    logging.info("Dataset %s split %s: %s examples, images %s, %s classes, batch %s.", name,
-                 split, size if size is not None else "unknown number of", info.image_shape,
-                 info.num_classes, batch_size)
+    logging.info(
+        "Dataset %s split %s: %s examples, images %s, %s classes, batch %s.",
+        name,
+        split,
+        size if size is not None else "unknown number of",
+        info.image_shape,
+        info.num_classes,
+        batch_size,
+    )
     return dataset, info
 
 
@@ -240,23 +254,30 @@ def get_dataset(name: str,
 @functools.lru_cache(maxsize=1)
 def _load_digits() -> Mapping[str, np.ndarray]:
     if not os.path.isfile(_DIGITS_PATH):
-        raise DatasetError(f"The shipped digits file {_DIGITS_PATH} is missing: reinstall "
-                         "slim_nanguard (its package data must include data/digits.npz), or "
-                         "regenerate it with scripts/make_digits_npz.py.")
+        raise DatasetError(
+            f"The shipped digits file {_DIGITS_PATH} is missing: reinstall "
+            "slim_nanguard (its package data must include data/digits.npz), or "
+            "regenerate it with scripts/make_digits_npz.py."
+        )
     with np.load(_DIGITS_PATH) as npz:
         return types.MappingProxyType({key: npz[key] for key in npz.files})
 
 
 def _digits(split, image_size, num_classes, channels):
     if split not in _DIGITS_SPLITS:
-        raise DatasetError(f"Unknown split {split!r} (--dataset_split_name) for dataset digits: "
-                         f"choose one of {', '.join(_DIGITS_SPLITS)}.")
+        raise DatasetError(
+            f"Unknown split {split!r} (--dataset_split_name) for dataset digits: "
+            f"choose one of {', '.join(_DIGITS_SPLITS)}."
+        )
     if num_classes not in (None, 10):
-        raise DatasetError(f"num_classes={num_classes}: the digits have 10 classes; leave "
-                         "num_classes unset.")
+        raise DatasetError(
+            f"num_classes={num_classes}: the digits have 10 classes; leave num_classes unset."
+        )
     if channels not in (None, 1, 3):
-        raise DatasetError(f"channels={channels}: the digits are grey; use 1, or 3 to repeat "
-                         "the grey level into RGB.")
+        raise DatasetError(
+            f"channels={channels}: the digits are grey; use 1, or 3 to repeat "
+            "the grey level into RGB."
+        )
     channels = channels or 1
     arrays = _load_digits()
     images = arrays[f"{split}_images"].astype(np.float32)[..., np.newaxis] / _DIGITS_LEVELS
@@ -270,12 +291,14 @@ def _digits(split, image_size, num_classes, channels):
             image = tf.image.grayscale_to_rgb(image)
         return image, label
 
-    info = DatasetInfo(name="digits",
-                       split=split,
-                       num_classes=10,
-                       image_shape=(side, side, channels),
-                       num_examples={s: len(arrays[f"{s}_labels"]) for s in _DIGITS_SPLITS},
-                       class_names=tuple(str(d) for d in range(10)))
+    info = DatasetInfo(
+        name="digits",
+        split=split,
+        num_classes=10,
+        image_shape=(side, side, channels),
+        num_examples={s: len(arrays[f"{s}_labels"]) for s in _DIGITS_SPLITS},
+        class_names=tuple(str(d) for d in range(10)),
+    )
     dataset = tf.data.Dataset.from_tensor_slices((images, labels))
     return dataset, map_fn, info, len(labels)
 
@@ -292,37 +315,43 @@ def _resize(image: tf.Tensor, size: int) -> tf.Tensor:
 
 def _synthetic(split, image_size, num_classes, channels):
     if split not in _SYNTHETIC_SPLITS:
-        raise DatasetError(f"Unknown split {split!r} (--dataset_split_name) for dataset "
-                         f"synthetic: choose one of {', '.join(_SYNTHETIC_SPLITS)}.")
+        raise DatasetError(
+            f"Unknown split {split!r} (--dataset_split_name) for dataset "
+            f"synthetic: choose one of {', '.join(_SYNTHETIC_SPLITS)}."
+        )
     side = image_size or _SYNTHETIC_DEFAULT_SIZE
     classes = num_classes or 10
     channels = channels or 1
     pattern_shape = [_SYNTHETIC_PATTERN, _SYNTHETIC_PATTERN, channels]
     # The labelling function: the same for every split, so test measures generalisation.
-    weights = np.random.RandomState(_SYNTHETIC_DATA_SEED).randn(int(np.prod(pattern_shape)),
-                                                               classes)
+    weights = np.random.RandomState(_SYNTHETIC_DATA_SEED).randn(
+        int(np.prod(pattern_shape)), classes
+    )
     weights = (weights / np.linalg.norm(weights, axis=0)).astype(np.float32)  # Balances classes.
     split_seed = _SYNTHETIC_SPLIT_SEEDS[split]
 
     def map_fn(index):
         # Stateless ops keyed on (split, index): the same example every time, in any order.
-        pattern = tf.random.stateless_uniform(pattern_shape,
-                                              seed=tf.stack([split_seed, 2 * index]))
-        noise = tf.random.stateless_uniform([side, side, channels],
-                                            seed=tf.stack([split_seed, 2 * index + 1]))
+        pattern = tf.random.stateless_uniform(pattern_shape, seed=tf.stack([split_seed, 2 * index]))
+        noise = tf.random.stateless_uniform(
+            [side, side, channels], seed=tf.stack([split_seed, 2 * index + 1])
+        )
         scores = tf.matmul(tf.reshape(pattern - 0.5, [1, -1]), weights)
         label = tf.argmax(scores[0], output_type=tf.int64)
-        image = tf.image.resize(pattern, [side, side],
-                                method=tf.image.ResizeMethod.NEAREST_NEIGHBOR)
+        image = tf.image.resize(
+            pattern, [side, side], method=tf.image.ResizeMethod.NEAREST_NEIGHBOR
+        )
         image = 0.75 * image + 0.25 * noise
         image.set_shape([side, side, channels])
         return image, label
 
-    info = DatasetInfo(name="synthetic",
-                       split=split,
-                       num_classes=classes,
-                       image_shape=(side, side, channels),
-                       num_examples=dict(_SYNTHETIC_SPLITS))
+    info = DatasetInfo(
+        name="synthetic",
+        split=split,
+        num_classes=classes,
+        image_shape=(side, side, channels),
+        num_examples=dict(_SYNTHETIC_SPLITS),
+    )
     dataset = tf.data.Dataset.range(_SYNTHETIC_SPLITS[split])
     return dataset, map_fn, info, _SYNTHETIC_SPLITS[split]
 
@@ -334,6 +363,7 @@ def _synthetic(split, image_size, num_classes, channels):
 @dataclasses.dataclass
 class _Scan:
     """What reading a split's files at build time found."""
+
     num_records: int | None = None  # None: the split was too large to count.
     max_label: int | None = None
     min_label: int | None = None
@@ -343,29 +373,36 @@ class _Scan:
     empty_files: list = dataclasses.field(default_factory=list)
 
 
-def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle,
-              seed):
+def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle, seed):
     files, patterns = _split_files(dataset_dir, split, file_pattern)
     scan = _scan_files(files, channels)
     if scan.empty_files:
         if len(scan.empty_files) == len(files):
-            raise DatasetError(f"The TFRecord files of split {split!r} in {dataset_dir} hold no "
-                             f"records: {', '.join(scan.empty_files)} (matched by "
-                             f'{" or ".join(patterns)}). Re-run the conversion that wrote '
-                             "them, or point --dataset_dir / --dataset_split_name at files "
-                             "that hold examples.")
-        logging.warning("Skipping %s TFRecord file(s) with no records: %s", len(scan.empty_files),
-                        ", ".join(scan.empty_files))
+            raise DatasetError(
+                f"The TFRecord files of split {split!r} in {dataset_dir} hold no "
+                f"records: {', '.join(scan.empty_files)} (matched by "
+                f"{' or '.join(patterns)}). Re-run the conversion that wrote "
+                "them, or point --dataset_dir / --dataset_split_name at files "
+                "that hold examples."
+            )
+        logging.warning(
+            "Skipping %s TFRecord file(s) with no records: %s",
+            len(scan.empty_files),
+            ", ".join(scan.empty_files),
+        )
         files = [f for f in files if f not in scan.empty_files]
 
     height, width, decoded_channels = scan.first_shape
     channels = channels or decoded_channels
     if image_size is None and len(scan.sizes) > 1:
-        raise DatasetError(f"The images of split {split!r} in {dataset_dir} differ in size "
-                         f'(e.g. {", ".join("%sx%s" % s for s in sorted(scan.sizes)[:3])}) '
-                         "and cannot be batched: pass image_size (e.g. 224) to resize them.")
-    image_shape = ((image_size, image_size, channels) if image_size is not None else
-                   (height, width, channels))
+        raise DatasetError(
+            f"The images of split {split!r} in {dataset_dir} differ in size "
+            f"(e.g. {', '.join('%sx%s' % s for s in sorted(scan.sizes)[:3])}) "
+            "and cannot be batched: pass image_size (e.g. 224) to resize them."
+        )
+    image_shape = (
+        (image_size, image_size, channels) if image_size is not None else (height, width, channels)
+    )
 
     class_names = None
     labels_path = os.path.join(dataset_dir, LABELS_FILENAME)
@@ -377,55 +414,78 @@ def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channel
             num_classes = len(class_names)
         elif scan.max_label is not None:
             num_classes = scan.max_label + 1
-            logging.warning("No %s in %s: taking num_classes=%s from the largest label seen. "
-                            "Write a labels.txt (write_label_file) or pass num_classes if "
-                            "some class is missing from split %s.", LABELS_FILENAME,
-                            dataset_dir, num_classes, split)
+            logging.warning(
+                "No %s in %s: taking num_classes=%s from the largest label seen. "
+                "Write a labels.txt (write_label_file) or pass num_classes if "
+                "some class is missing from split %s.",
+                LABELS_FILENAME,
+                dataset_dir,
+                num_classes,
+                split,
+            )
         else:
-            raise DatasetError(f"Cannot tell the number of classes of {dataset_dir}: it has no "
-                             f"{LABELS_FILENAME} and split {split!r} is too large to scan. "
-                             f'Pass num_classes, or write {labels_path} with "0:name" lines '
-                             "(write_label_file).")
+            raise DatasetError(
+                f"Cannot tell the number of classes of {dataset_dir}: it has no "
+                f"{LABELS_FILENAME} and split {split!r} is too large to scan. "
+                f'Pass num_classes, or write {labels_path} with "0:name" lines '
+                "(write_label_file)."
+            )
     elif class_names is not None and len(class_names) != num_classes:
-        logging.warning("num_classes=%s overrides the %s classes of %s.", num_classes,
-                        len(class_names), labels_path)
+        logging.warning(
+            "num_classes=%s overrides the %s classes of %s.",
+            num_classes,
+            len(class_names),
+            labels_path,
+        )
         class_names = None
     if scan.min_label is not None and scan.min_label < 0:
-        raise DatasetError(f"A record in split {split!r} of {dataset_dir} has the negative label "
-                         f"{scan.min_label} under {LABEL_KEY!r}: labels must be 0.."
-                         f"num_classes-1; fix the conversion that wrote the files.")
+        raise DatasetError(
+            f"A record in split {split!r} of {dataset_dir} has the negative label "
+            f"{scan.min_label} under {LABEL_KEY!r}: labels must be 0.."
+            f"num_classes-1; fix the conversion that wrote the files."
+        )
     if scan.max_label is not None and scan.max_label >= num_classes:
         source = labels_path if class_names is not None else "num_classes"
-        raise DatasetError(f"{scan.max_label_file} has label {scan.max_label} under "
-                         f"{LABEL_KEY!r}, but there are only {num_classes} classes (from "
-                         f"{source}): labels must be 0..{num_classes - 1}. Pass the right "
-                         f"num_classes or fix {LABELS_FILENAME}.")
+        raise DatasetError(
+            f"{scan.max_label_file} has label {scan.max_label} under "
+            f"{LABEL_KEY!r}, but there are only {num_classes} classes (from "
+            f"{source}): labels must be 0..{num_classes - 1}. Pass the right "
+            f"num_classes or fix {LABELS_FILENAME}."
+        )
 
-    info = DatasetInfo(name="tfrecord",
-                       split=split,
-                       num_classes=num_classes,
-                       image_shape=image_shape,
-                       num_examples={split: scan.num_records},
-                       class_names=class_names)
+    info = DatasetInfo(
+        name="tfrecord",
+        split=split,
+        num_classes=num_classes,
+        image_shape=image_shape,
+        num_examples={split: scan.num_records},
+        class_names=class_names,
+    )
 
     def map_fn(serialized):
         features = tf.io.parse_single_example(
-            serialized, {
+            serialized,
+            {
                 ENCODED_KEY: tf.io.FixedLenFeature([], tf.string),
                 LABEL_KEY: tf.io.FixedLenFeature([], tf.int64),
-            })
-        image = tf.io.decode_image(features[ENCODED_KEY],
-                                   channels=channels,
-                                   expand_animations=False)
+            },
+        )
+        image = tf.io.decode_image(
+            features[ENCODED_KEY], channels=channels, expand_animations=False
+        )
         image = tf.image.convert_image_dtype(image, tf.float32)
         if image_size is not None:
             image = _resize(image, image_size)
         else:
             same = tf.debugging.assert_equal(
-                tf.shape(image)[:2], tf.constant([height, width]),
-                message=(f"An image of split {split!r} in {dataset_dir} is not "
-                         f"{height}x{width} like the first one: pass image_size to resize "
-                         "the images to one size."))
+                tf.shape(image)[:2],
+                tf.constant([height, width]),
+                message=(
+                    f"An image of split {split!r} in {dataset_dir} is not "
+                    f"{height}x{width} like the first one: pass image_size to resize "
+                    "the images to one size."
+                ),
+            )
             with tf.control_dependencies([same]):
                 image = tf.identity(image)
             image.set_shape(image_shape)
@@ -433,9 +493,11 @@ def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channel
 
     if shuffle and len(files) > 1:
         dataset = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed)
-        dataset = dataset.interleave(tf.data.TFRecordDataset,
-                                     cycle_length=min(len(files), 4),
-                                     num_parallel_calls=tf.data.AUTOTUNE)
+        dataset = dataset.interleave(
+            tf.data.TFRecordDataset,
+            cycle_length=min(len(files), 4),
+            num_parallel_calls=tf.data.AUTOTUNE,
+        )
     else:
         dataset = tf.data.TFRecordDataset(files)
     buffer = _DEFAULT_TFRECORD_SHUFFLE_BUFFER
@@ -447,33 +509,46 @@ def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channel
 def _split_files(dataset_dir, split, file_pattern):
     """Returns the sorted TFRecord files of a split and the patterns that were tried."""
     if dataset_dir is None:
-        raise DatasetError("Dataset tfrecord needs dataset_dir (--dataset_dir): the directory "
-                         "holding the TF-Slim TFRecord files, e.g. the --dataset_dir given to "
-                         "slim's download_and_convert_data.py.")
+        raise DatasetError(
+            "Dataset tfrecord needs dataset_dir (--dataset_dir): the directory "
+            "holding the TF-Slim TFRecord files, e.g. the --dataset_dir given to "
+            "slim's download_and_convert_data.py."
+        )
     if not tf.io.gfile.exists(dataset_dir):
-        raise DatasetError(f"dataset_dir (--dataset_dir) {dataset_dir} does not exist: pass the "
-                         "directory that holds the TFRecord files.")
+        raise DatasetError(
+            f"dataset_dir (--dataset_dir) {dataset_dir} does not exist: pass the "
+            "directory that holds the TFRecord files."
+        )
     if not tf.io.gfile.isdir(dataset_dir):
-        raise DatasetError(f"dataset_dir (--dataset_dir) {dataset_dir} is not a directory: pass "
-                         "the directory that holds the TFRecord files, not a file.")
+        raise DatasetError(
+            f"dataset_dir (--dataset_dir) {dataset_dir} is not a directory: pass "
+            "the directory that holds the TFRecord files, not a file."
+        )
     if not split or any(c in split for c in "*?[]/"):
-        raise DatasetError(f"Bad split name {split!r} (--dataset_split_name): give the word that "
-                         "names the split's files, e.g. train or validation.")
+        raise DatasetError(
+            f"Bad split name {split!r} (--dataset_split_name): give the word that "
+            "names the split's files, e.g. train or validation."
+        )
     if file_pattern is not None:
         patterns = [file_pattern % split if "%s" in file_pattern else file_pattern]
     else:
         patterns = [p.format(split=split) for p in DEFAULT_FILE_PATTERNS]
     files = set()
     for pattern in patterns:
-        files.update(f for f in tf.io.gfile.glob(os.path.join(dataset_dir, pattern))
-                     if not tf.io.gfile.isdir(f))
+        files.update(
+            f
+            for f in tf.io.gfile.glob(os.path.join(dataset_dir, pattern))
+            if not tf.io.gfile.isdir(f)
+        )
     if not files:
         present = sorted(tf.io.gfile.listdir(dataset_dir))
         shown = ", ".join(present[:8]) + (", ..." if len(present) > 8 else "")
-        raise DatasetError(f"No TFRecord files for split {split!r} (--dataset_split_name) in "
-                         f'{dataset_dir}: looked for {" and ".join(patterns)}; the directory '
-                         f'holds {shown or "nothing"}. Pass the split named in your files '
-                         "(e.g. train, validation) or a file_pattern.")
+        raise DatasetError(
+            f"No TFRecord files for split {split!r} (--dataset_split_name) in "
+            f"{dataset_dir}: looked for {' and '.join(patterns)}; the directory "
+            f"holds {shown or 'nothing'}. Pass the split named in your files "
+            "(e.g. train, validation) or a file_pattern."
+        )
     return sorted(files), patterns
 
 
@@ -545,8 +620,9 @@ class _RecordReader:
 
     def records(self, path: str, only_first: bool) -> Iterator[tuple[int, bytes]]:
         """Yields (index, serialized record) of the file: all of them, or the first only."""
-        iterator, get_next = ((self._first, self._next_first) if only_first else
-                              (self._all, self._next_all))
+        iterator, get_next = (
+            (self._first, self._next_first) if only_first else (self._all, self._next_all)
+        )
         index = 0
         try:
             self._session.run(iterator.initializer, {self._path: path})
@@ -561,42 +637,54 @@ class _RecordReader:
         except tf.errors.OpError as err:
             # Records are read in batches: count the good ones one by one.
             index = self.count_readable(path)
-            raise DatasetError(f"{path} is not a readable TFRecord file after {index} records "
-                             f"({op_error_cause(err)}); it may be truncated, compressed or of "
-                             "another format: re-run the conversion, or move the file out of "
-                             "--dataset_dir.") from err
+            raise DatasetError(
+                f"{path} is not a readable TFRecord file after {index} records "
+                f"({op_error_cause(err)}); it may be truncated, compressed or of "
+                "another format: re-run the conversion, or move the file out of "
+                "--dataset_dir."
+            ) from err
 
 
 def _parse_example(path: str, index: int, record: bytes) -> dict:
     try:
         example = tf.train.Example.FromString(record)
     except Exception as err:  # protobuf raises its own DecodeError.
-        raise DatasetError(f"Record {index} of {path} is not a tf.train.Example ({err}): the "
-                         "tfrecord dataset reads TF-Slim image records; re-run the conversion "
-                         "that wrote the file.") from err
+        raise DatasetError(
+            f"Record {index} of {path} is not a tf.train.Example ({err}): the "
+            "tfrecord dataset reads TF-Slim image records; re-run the conversion "
+            "that wrote the file."
+        ) from err
     feature = example.features.feature
     for key in (ENCODED_KEY, LABEL_KEY):
         if key not in feature:
-            raise DatasetError(f"Record {index} of {path} has no {key!r} key (it has "
-                             f'{", ".join(sorted(feature)) or "no keys"}): the tfrecord '
-                             f"dataset needs {ENCODED_KEY!r} and {LABEL_KEY!r} as written by "
-                             "slim's download_and_convert_data.py or write_tfrecord.")
+            raise DatasetError(
+                f"Record {index} of {path} has no {key!r} key (it has "
+                f"{', '.join(sorted(feature)) or 'no keys'}): the tfrecord "
+                f"dataset needs {ENCODED_KEY!r} and {LABEL_KEY!r} as written by "
+                "slim's download_and_convert_data.py or write_tfrecord."
+            )
     encoded = feature[ENCODED_KEY].bytes_list.value
     if len(encoded) != 1:
-        raise DatasetError(f"Record {index} of {path}: {ENCODED_KEY!r} must hold one encoded "
-                         f"image (bytes), it holds {len(encoded)} bytes values. Re-write the "
-                         "file with one image per record.")
+        raise DatasetError(
+            f"Record {index} of {path}: {ENCODED_KEY!r} must hold one encoded "
+            f"image (bytes), it holds {len(encoded)} bytes values. Re-write the "
+            "file with one image per record."
+        )
     labels = feature[LABEL_KEY].int64_list.value
     if len(labels) != 1:
-        raise DatasetError(f"Record {index} of {path}: {LABEL_KEY!r} must hold one int64 label, "
-                         f"it holds {len(labels)} int64 values. Re-write the file with one "
-                         "integer label per record.")
+        raise DatasetError(
+            f"Record {index} of {path}: {LABEL_KEY!r} must hold one int64 label, "
+            f"it holds {len(labels)} int64 values. Re-write the file with one "
+            "integer label per record."
+        )
     if FORMAT_KEY in feature:
         fmt = b"".join(feature[FORMAT_KEY].bytes_list.value).decode("utf-8", "replace").lower()
         if fmt and fmt not in _SUPPORTED_FORMATS:
-            raise DatasetError(f"Record {index} of {path} has {FORMAT_KEY!r} {fmt!r}: only "
-                             f"encoded images ({', '.join(_SUPPORTED_FORMATS)}) can be read; "
-                             "convert the images to PNG or JPEG (write_tfrecord does).")
+            raise DatasetError(
+                f"Record {index} of {path} has {FORMAT_KEY!r} {fmt!r}: only "
+                f"encoded images ({', '.join(_SUPPORTED_FORMATS)}) can be read; "
+                "convert the images to PNG or JPEG (write_tfrecord does)."
+            )
     size = None
     if HEIGHT_KEY in feature and WIDTH_KEY in feature:
         heights = feature[HEIGHT_KEY].int64_list.value
@@ -610,8 +698,9 @@ def _parse_example(path: str, index: int, record: bytes) -> dict:
 def _scratch_session() -> Iterator[tf.compat.v1.Session]:
     """A one-thread session on a throwaway graph: works in eager and graph mode alike."""
     graph = tf.Graph()
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                      inter_op_parallelism_threads=1)
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=1, inter_op_parallelism_threads=1
+    )
     with graph.as_default(), tf.compat.v1.Session(graph=graph, config=config) as session:
         yield session
 
@@ -621,21 +710,25 @@ def _decode_first_images(session, firsts, channels) -> tuple[int, int, int]:
     shapes = []
     with session.graph.as_default():
         encoded = tf.compat.v1.placeholder(tf.string, [])
-        shape = tf.shape(tf.io.decode_image(encoded, channels=channels or 0,
-                                            expand_animations=False))
+        shape = tf.shape(
+            tf.io.decode_image(encoded, channels=channels or 0, expand_animations=False)
+        )
     for path, data in firsts:
         try:
             shapes.append(tuple(int(d) for d in session.run(shape, {encoded: data})))
         except tf.errors.OpError as err:
-            raise DatasetError(f"The first image of {path} does not decode "
-                             f"({op_error_cause(err)}): {ENCODED_KEY!r} must hold PNG, JPEG, "
-                             "GIF, BMP or WebP bytes. Re-run the conversion that wrote the "
-                             "file.") from err
+            raise DatasetError(
+                f"The first image of {path} does not decode "
+                f"({op_error_cause(err)}): {ENCODED_KEY!r} must hold PNG, JPEG, "
+                "GIF, BMP or WebP bytes. Re-run the conversion that wrote the "
+                "file."
+            ) from err
     return shapes[0]
 
 
-def find_bad_record(dataset_dir: str, split: str, *, channels: int | None = None,
-                    file_pattern: str | None = None) -> str | None:
+def find_bad_record(
+    dataset_dir: str, split: str, *, channels: int | None = None, file_pattern: str | None = None
+) -> str | None:
     """Reads every record of a split to name the first one that cannot be used.
 
     For an input error that surfaced in the middle of training (an image that does not
@@ -651,8 +744,9 @@ def find_bad_record(dataset_dir: str, split: str, *, channels: int | None = None
         reader = _RecordReader(session)
         with session.graph.as_default():
             encoded = tf.compat.v1.placeholder(tf.string, [])
-            decoded = tf.shape(tf.io.decode_image(encoded, channels=channels or 0,
-                                                  expand_animations=False))
+            decoded = tf.shape(
+                tf.io.decode_image(encoded, channels=channels or 0, expand_animations=False)
+            )
         for path in files:
             try:
                 for index, record in reader.records(path, only_first=False):
@@ -660,8 +754,10 @@ def find_bad_record(dataset_dir: str, split: str, *, channels: int | None = None
                     try:
                         session.run(decoded, {encoded: example[ENCODED_KEY]})
                     except tf.errors.OpError as err:
-                        return (f"Record {index} of {path} (after {index} good records) does "
-                                f"not decode ({op_error_cause(err)})")
+                        return (
+                            f"Record {index} of {path} (after {index} good records) does "
+                            f"not decode ({op_error_cause(err)})"
+                        )
             except DatasetError as err:
                 return str(err)
     return None
@@ -693,19 +789,23 @@ def read_label_file(dataset_dir: str, filename: str = LABELS_FILENAME) -> dict[i
         except ValueError:
             sep = ""
         if not sep:
-            raise DatasetError(f'Line {number} of {path} is {line!r}, not "<label>:<class '
-                             'name>" (e.g. "0:daisy"): fix or remove the file.')
+            raise DatasetError(
+                f'Line {number} of {path} is {line!r}, not "<label>:<class '
+                'name>" (e.g. "0:daisy"): fix or remove the file.'
+            )
     if not names:
-        raise DatasetError(f'{path} lists no class: write one "<label>:<class name>" line per '
-                         "class, or remove the file.")
+        raise DatasetError(
+            f'{path} lists no class: write one "<label>:<class name>" line per '
+            "class, or remove the file."
+        )
     if min(names) < 0:
         raise DatasetError(f"{path} has the negative label {min(names)}: labels are 0..N-1.")
     return names
 
 
-def write_label_file(dataset_dir: str,
-                     class_names: Sequence[str],
-                     filename: str = LABELS_FILENAME) -> str:
+def write_label_file(
+    dataset_dir: str, class_names: Sequence[str], filename: str = LABELS_FILENAME
+) -> str:
     """Writes slim's ``labels.txt`` (``0:name`` lines) for the tfrecord dataset.
 
     Args:
@@ -724,10 +824,12 @@ def write_label_file(dataset_dir: str,
     return path
 
 
-def write_tfrecord(path: str,
-                   images: np.ndarray | Sequence[np.ndarray],
-                   labels: Sequence[int] | np.ndarray,
-                   format: str = "png") -> int:  # pylint: disable=redefined-builtin
+def write_tfrecord(
+    path: str,
+    images: np.ndarray | Sequence[np.ndarray],
+    labels: Sequence[int] | np.ndarray,
+    format: str = "png",
+) -> int:  # pylint: disable=redefined-builtin
     """Writes images and labels as a TFRecord file in TF-Slim's format.
 
     Each record is a ``tf.train.Example`` with ``image/encoded``, ``image/format``,
@@ -756,22 +858,29 @@ def write_tfrecord(path: str,
     fmt = "jpeg" if fmt == "jpg" else fmt
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise DatasetError(f"labels must be a 1-D sequence of integers, got shape "
-                         f"{labels.shape} of {labels.dtype}.")
+        raise DatasetError(
+            f"labels must be a 1-D sequence of integers, got shape "
+            f"{labels.shape} of {labels.dtype}."
+        )
     if len(images) != len(labels):
-        raise DatasetError(f"{len(images)} images but {len(labels)} labels: pass one label per "
-                         "image.")
+        raise DatasetError(
+            f"{len(images)} images but {len(labels)} labels: pass one label per image."
+        )
     arrays = []
     for index, image in enumerate(images):
         image = np.asarray(image)
         if image.dtype != np.uint8:
-            raise DatasetError(f"Image {index} is {image.dtype}, not uint8: convert it, e.g. "
-                             "(np.clip(image, 0, 1) * 255).round().astype(np.uint8).")
+            raise DatasetError(
+                f"Image {index} is {image.dtype}, not uint8: convert it, e.g. "
+                "(np.clip(image, 0, 1) * 255).round().astype(np.uint8)."
+            )
         if image.ndim == 2:
             image = image[..., np.newaxis]
         if image.ndim != 3 or image.shape[-1] not in ((1, 3) if fmt == "jpeg" else (1, 3, 4)):
-            raise DatasetError(f"Image {index} has shape {image.shape}: pass [H, W] or [H, W, C] "
-                             f'with C in {(1, 3) if fmt == "jpeg" else (1, 3, 4)} for {fmt}.')
+            raise DatasetError(
+                f"Image {index} has shape {image.shape}: pass [H, W] or [H, W, C] "
+                f"with C in {(1, 3) if fmt == 'jpeg' else (1, 3, 4)} for {fmt}."
+            )
         arrays.append(image)
     parent = os.path.dirname(path)
     if parent:
@@ -782,14 +891,17 @@ def write_tfrecord(path: str,
         with tf.io.TFRecordWriter(path) as writer:
             for image, label in zip(arrays, labels):
                 encoded = session.run(encode, {pixels: image})
-                example = tf.train.Example(features=tf.train.Features(
-                    feature={
-                        ENCODED_KEY: _bytes_feature(encoded),
-                        FORMAT_KEY: _bytes_feature(fmt.encode("ascii")),
-                        LABEL_KEY: _int64_feature(int(label)),
-                        HEIGHT_KEY: _int64_feature(image.shape[0]),
-                        WIDTH_KEY: _int64_feature(image.shape[1]),
-                    }))
+                example = tf.train.Example(
+                    features=tf.train.Features(
+                        feature={
+                            ENCODED_KEY: _bytes_feature(encoded),
+                            FORMAT_KEY: _bytes_feature(fmt.encode("ascii")),
+                            LABEL_KEY: _int64_feature(int(label)),
+                            HEIGHT_KEY: _int64_feature(image.shape[0]),
+                            WIDTH_KEY: _int64_feature(image.shape[1]),
+                        }
+                    )
+                )
                 writer.write(example.SerializeToString())
     logging.info("Wrote %s records to %s.", len(arrays), path)
     return len(arrays)

@@ -76,16 +76,20 @@ class FaultSpec:
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {self.kind!r}: choose one of "
-                             f"{', '.join(FAULT_KINDS)}.")
+            raise ValueError(
+                f"unknown fault kind {self.kind!r}: choose one of {', '.join(FAULT_KINDS)}."
+            )
         if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0:
-            raise ValueError(f"the batch index of a fault must be an integer >= 0; got "
-                             f"{self.first!r}.")
+            raise ValueError(
+                f"the batch index of a fault must be an integer >= 0; got {self.first!r}."
+            )
         if self.last == -1:
             object.__setattr__(self, "last", self.first)
         if isinstance(self.last, bool) or not isinstance(self.last, int) or self.last < self.first:
-            raise ValueError(f"the last batch of fault {self.kind}:{self.first}-{self.last} comes "
-                             "before its first; write KIND:FIRST-LAST with FIRST <= LAST.")
+            raise ValueError(
+                f"the last batch of fault {self.kind}:{self.first}-{self.last} comes "
+                "before its first; write KIND:FIRST-LAST with FIRST <= LAST."
+            )
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -97,12 +101,16 @@ class FaultSpec:
         """
         match = _SPEC.match(text or "")
         if not match:
-            raise ValueError(f"fault {text!r} is not KIND:STEP or KIND:FIRST-LAST (for example "
-                             f"nan_input:40); KIND is one of {', '.join(FAULT_KINDS)}.")
+            raise ValueError(
+                f"fault {text!r} is not KIND:STEP or KIND:FIRST-LAST (for example "
+                f"nan_input:40); KIND is one of {', '.join(FAULT_KINDS)}."
+            )
         kind, first, last = match.group(1), int(match.group(2)), match.group(3)
         if kind not in FAULT_KINDS:
-            raise ValueError(f"fault {text!r} has the unknown kind {kind!r}: choose one of "
-                             f"{', '.join(FAULT_KINDS)}.")
+            raise ValueError(
+                f"fault {text!r} has the unknown kind {kind!r}: choose one of "
+                f"{', '.join(FAULT_KINDS)}."
+            )
         return cls(kind, first, int(last) if last is not None else first)
 
     @classmethod
@@ -132,13 +140,16 @@ def enumerate_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 def _nan_gradient_on(loss: tf.Tensor, hit: tf.Tensor) -> tf.Tensor:
     """`loss` unchanged, with its gradient times NaN when `hit` (an identity otherwise)."""
+
     # A custom gradient, because the usual tricks (0 * sqrt(0), 0 * norm(0)) give 0, not NaN:
     # TensorFlow's SqrtGrad returns 0 where the incoming gradient is 0.
     @tf.custom_gradient
     def identity_with_nan_gradient(x):
         def grad(dy):
-            return dy * tf.where(hit, tf.constant(float("nan"), dy.dtype),
-                                 tf.constant(1.0, dy.dtype))
+            return dy * tf.where(
+                hit, tf.constant(float("nan"), dy.dtype), tf.constant(1.0, dy.dtype)
+            )
+
         return tf.identity(x), grad
 
     return identity_with_nan_gradient(loss)
@@ -161,8 +172,7 @@ class FaultInjector:
     """
 
     def __init__(self, faults: Iterable, batch_index: tf.Tensor):
-        self.faults = tuple(f if isinstance(f, FaultSpec) else FaultSpec.parse(f)
-                            for f in faults)
+        self.faults = tuple(f if isinstance(f, FaultSpec) else FaultSpec.parse(f) for f in faults)
         self.batch_index = batch_index
 
     def _hit(self, kinds: Sequence[str]) -> tf.Tensor:
@@ -197,8 +207,9 @@ class FaultInjector:
             dtype = loss.dtype
             for kind, bad in ((NAN_LOSS, float("nan")), (INF_LOSS, float("inf"))):
                 if self._has([kind]):
-                    loss = loss + tf.where(self._hit([kind]), tf.constant(bad, dtype),
-                                           tf.constant(0.0, dtype))
+                    loss = loss + tf.where(
+                        self._hit([kind]), tf.constant(bad, dtype), tf.constant(0.0, dtype)
+                    )
             if self._has([NAN_GRADIENT]):
                 loss = _nan_gradient_on(loss, self._hit([NAN_GRADIENT]))
             return loss

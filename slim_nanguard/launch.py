@@ -82,8 +82,11 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return (isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, bool) and math.isfinite(value))
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 def _scopes(value) -> Tuple[str, ...]:
@@ -223,70 +226,119 @@ class TrainConfig:
             set_("checkpoint_path", None)
         if self.dataset_dir == "":
             set_("dataset_dir", None)
-        _check(isinstance(self.train_dir, (str, os.PathLike)) and bool(os.fspath(self.train_dir)),
-               "train_dir (--train_dir) must name a directory for checkpoints and logs.")
+        _check(
+            isinstance(self.train_dir, (str, os.PathLike)) and bool(os.fspath(self.train_dir)),
+            "train_dir (--train_dir) must name a directory for checkpoints and logs.",
+        )
         for name in ("train_dir", "dataset_dir", "checkpoint_path"):
             _check_no_flag_in_path(name, getattr(self, name))
-        _check(self.model_name in models.MODEL_NAMES,
-               f"Unknown model name {self.model_name!r} (--model_name): choose one of "
-               f"{', '.join(models.MODEL_NAMES)}.")
-        _check(self.dataset_name in datasets.DATASET_NAMES,
-               f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
-               f"{', '.join(datasets.DATASET_NAMES)}.")
-        _check(self.optimizer in OPTIMIZERS,
-               f"Unknown optimizer {self.optimizer!r} (--optimizer): choose one of "
-               f"{', '.join(OPTIMIZERS)}.")
-        _check(self.learning_rate_decay_type in DECAY_TYPES,
-               f"Unknown learning_rate_decay_type {self.learning_rate_decay_type!r} "
-               f"(--learning_rate_decay_type): choose one of {', '.join(DECAY_TYPES)}.")
-        _check(self.nan_policy in _policy.POLICIES,
-               f"Unknown nan_policy {self.nan_policy!r} (--nan_policy): choose one of "
-               f"{', '.join(_policy.POLICIES)}.")
-        _check(self.persistent_nan_policy in _policy.PERSISTENT_POLICIES,
-               f"Unknown persistent_nan_policy {self.persistent_nan_policy!r} "
-               "(--persistent_nan_policy): choose one of "
-               f"{', '.join(_policy.PERSISTENT_POLICIES)} (what happens after "
-               "--max_consecutive_bad_steps bad steps in a row).")
-        for name in ("batch_size", "max_consecutive_bad_steps", "max_rollbacks",
-                     "max_checkpoints_to_keep"):
+        _check(
+            self.model_name in models.MODEL_NAMES,
+            f"Unknown model name {self.model_name!r} (--model_name): choose one of "
+            f"{', '.join(models.MODEL_NAMES)}.",
+        )
+        _check(
+            self.dataset_name in datasets.DATASET_NAMES,
+            f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
+            f"{', '.join(datasets.DATASET_NAMES)}.",
+        )
+        _check(
+            self.optimizer in OPTIMIZERS,
+            f"Unknown optimizer {self.optimizer!r} (--optimizer): choose one of "
+            f"{', '.join(OPTIMIZERS)}.",
+        )
+        _check(
+            self.learning_rate_decay_type in DECAY_TYPES,
+            f"Unknown learning_rate_decay_type {self.learning_rate_decay_type!r} "
+            f"(--learning_rate_decay_type): choose one of {', '.join(DECAY_TYPES)}.",
+        )
+        _check(
+            self.nan_policy in _policy.POLICIES,
+            f"Unknown nan_policy {self.nan_policy!r} (--nan_policy): choose one of "
+            f"{', '.join(_policy.POLICIES)}.",
+        )
+        _check(
+            self.persistent_nan_policy in _policy.PERSISTENT_POLICIES,
+            f"Unknown persistent_nan_policy {self.persistent_nan_policy!r} "
+            "(--persistent_nan_policy): choose one of "
+            f"{', '.join(_policy.PERSISTENT_POLICIES)} (what happens after "
+            "--max_consecutive_bad_steps bad steps in a row).",
+        )
+        for name in (
+            "batch_size",
+            "max_consecutive_bad_steps",
+            "max_rollbacks",
+            "max_checkpoints_to_keep",
+        ):
             value = getattr(self, name)
-            _check(_is_int(value) and value >= 1,
-                   f"{name} (--{name}) must be a positive integer; got {value!r}.")
-        for name in ("log_every_n_steps", "save_interval_steps", "save_summaries_steps",
-                     "rollback_skip_batches", "task"):
+            _check(
+                _is_int(value) and value >= 1,
+                f"{name} (--{name}) must be a positive integer; got {value!r}.",
+            )
+        for name in (
+            "log_every_n_steps",
+            "save_interval_steps",
+            "save_summaries_steps",
+            "rollback_skip_batches",
+            "task",
+        ):
             value = getattr(self, name)
-            _check(_is_int(value) and value >= 0,
-                   f"{name} (--{name}) must be an integer >= 0; got {value!r}.")
-        _check(self.max_number_of_steps is None
-               or (_is_int(self.max_number_of_steps) and self.max_number_of_steps >= 0),
-               "max_number_of_steps (--max_number_of_steps) must be an integer >= 0 (or unset "
-               f"to train until stopped); got {self.max_number_of_steps!r}.")
-        _check(self.train_image_size is None
-               or (_is_int(self.train_image_size) and self.train_image_size >= 1),
-               "train_image_size (--train_image_size) must be a positive integer; got "
-               f"{self.train_image_size!r}.")
-        _check(_is_number(self.learning_rate) and self.learning_rate > 0,
-               f"learning_rate (--learning_rate) must be a positive number; got "
-               f"{self.learning_rate!r}.")
-        for name in ("weight_decay", "label_smoothing", "clip_gradient_norm",
-                     "save_interval_secs", "save_summaries_secs", "end_learning_rate"):
+            _check(
+                _is_int(value) and value >= 0,
+                f"{name} (--{name}) must be an integer >= 0; got {value!r}.",
+            )
+        _check(
+            self.max_number_of_steps is None
+            or (_is_int(self.max_number_of_steps) and self.max_number_of_steps >= 0),
+            "max_number_of_steps (--max_number_of_steps) must be an integer >= 0 (or unset "
+            f"to train until stopped); got {self.max_number_of_steps!r}.",
+        )
+        _check(
+            self.train_image_size is None
+            or (_is_int(self.train_image_size) and self.train_image_size >= 1),
+            "train_image_size (--train_image_size) must be a positive integer; got "
+            f"{self.train_image_size!r}.",
+        )
+        _check(
+            _is_number(self.learning_rate) and self.learning_rate > 0,
+            f"learning_rate (--learning_rate) must be a positive number; got "
+            f"{self.learning_rate!r}.",
+        )
+        for name in (
+            "weight_decay",
+            "label_smoothing",
+            "clip_gradient_norm",
+            "save_interval_secs",
+            "save_summaries_secs",
+            "end_learning_rate",
+        ):
             value = getattr(self, name)
-            _check(_is_number(value) and value >= 0,
-                   f"{name} (--{name}) must be a number >= 0; got {value!r}.")
-        _check(self.label_smoothing < 1,
-               f"label_smoothing (--label_smoothing) must be below 1; got "
-               f"{self.label_smoothing!r}.")
-        _check(_is_number(self.num_epochs_per_decay) and self.num_epochs_per_decay > 0,
-               "num_epochs_per_decay (--num_epochs_per_decay) must be a positive number; got "
-               f"{self.num_epochs_per_decay!r}.")
-        _check(_is_number(self.rollback_lr_factor) and 0 < self.rollback_lr_factor <= 1,
-               "rollback_lr_factor (--rollback_lr_factor) must be in (0, 1] (1 keeps the "
-               f"learning rate); got {self.rollback_lr_factor!r}.")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed (--seed) must be an integer; got {self.seed!r}.")
-        _check(self.dataset_name != "tfrecord" or self.dataset_dir is not None,
-               "dataset tfrecord needs --dataset_dir: the directory holding the TFRecord "
-               "files.")
+            _check(
+                _is_number(value) and value >= 0,
+                f"{name} (--{name}) must be a number >= 0; got {value!r}.",
+            )
+        _check(
+            self.label_smoothing < 1,
+            f"label_smoothing (--label_smoothing) must be below 1; got {self.label_smoothing!r}.",
+        )
+        _check(
+            _is_number(self.num_epochs_per_decay) and self.num_epochs_per_decay > 0,
+            "num_epochs_per_decay (--num_epochs_per_decay) must be a positive number; got "
+            f"{self.num_epochs_per_decay!r}.",
+        )
+        _check(
+            _is_number(self.rollback_lr_factor) and 0 < self.rollback_lr_factor <= 1,
+            "rollback_lr_factor (--rollback_lr_factor) must be in (0, 1] (1 keeps the "
+            f"learning rate); got {self.rollback_lr_factor!r}.",
+        )
+        _check(
+            self.seed is None or _is_int(self.seed),
+            f"seed (--seed) must be an integer; got {self.seed!r}.",
+        )
+        _check(
+            self.dataset_name != "tfrecord" or self.dataset_dir is not None,
+            "dataset tfrecord needs --dataset_dir: the directory holding the TFRecord files.",
+        )
 
     @property
     def is_chief(self) -> bool:
@@ -295,10 +347,13 @@ class TrainConfig:
     def guard_config(self) -> _policy.GuardConfig:
         """The guard's part of the config."""
         return _policy.GuardConfig(
-            nan_policy=self.nan_policy, max_consecutive_bad_steps=self.max_consecutive_bad_steps,
+            nan_policy=self.nan_policy,
+            max_consecutive_bad_steps=self.max_consecutive_bad_steps,
             persistent_nan_policy=self.persistent_nan_policy,
             rollback_skip_batches=self.rollback_skip_batches,
-            rollback_lr_factor=self.rollback_lr_factor, max_rollbacks=self.max_rollbacks)
+            rollback_lr_factor=self.rollback_lr_factor,
+            max_rollbacks=self.max_rollbacks,
+        )
 
 
 def _check_no_flag_in_path(name: str, value) -> None:
@@ -311,9 +366,11 @@ def _check_no_flag_in_path(name: str, value) -> None:
         return
     text = os.fspath(value)
     match = re.search(r"(?:^|\s)(--?[A-Za-z_]\w*(?:=\S*)?)", text)
-    _check(match is None,
-           f"{name} (--{name}) {text!r} holds the flag {match.group(1) if match else ''!r}: "
-           "a flagfile line takes one flag; put each flag on its own line.")
+    _check(
+        match is None,
+        f"{name} (--{name}) {text!r} holds the flag {match.group(1) if match else ''!r}: "
+        "a flagfile line takes one flag; put each flag on its own line.",
+    )
 
 
 def _fault_specs(value) -> Tuple[faults_lib.FaultSpec, ...]:
@@ -364,29 +421,41 @@ class EvalConfig:
             object.__setattr__(self, "dataset_dir", None)
         if self.eval_dir == "":
             object.__setattr__(self, "eval_dir", None)
-        _check(isinstance(self.checkpoint_path, (str, os.PathLike))
-               and bool(os.fspath(self.checkpoint_path)),
-               "checkpoint_path (--checkpoint_path) must name a checkpoint or a training "
-               "directory.")
-        _check(self.model_name in models.MODEL_NAMES,
-               f"Unknown model name {self.model_name!r} (--model_name): choose one of "
-               f"{', '.join(models.MODEL_NAMES)}.")
-        _check(self.dataset_name in datasets.DATASET_NAMES,
-               f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
-               f"{', '.join(datasets.DATASET_NAMES)}.")
-        _check(_is_int(self.batch_size) and self.batch_size >= 1,
-               f"batch_size (--batch_size) must be a positive integer; got {self.batch_size!r}.")
-        _check(self.max_num_batches is None
-               or (_is_int(self.max_num_batches) and self.max_num_batches >= 1),
-               "max_num_batches (--max_num_batches) must be a positive integer (or unset for "
-               f"the whole split); got {self.max_num_batches!r}.")
-        _check(self.eval_image_size is None
-               or (_is_int(self.eval_image_size) and self.eval_image_size >= 1),
-               "eval_image_size (--eval_image_size) must be a positive integer; got "
-               f"{self.eval_image_size!r}.")
-        _check(self.dataset_name != "tfrecord" or self.dataset_dir is not None,
-               "dataset tfrecord needs --dataset_dir: the directory holding the TFRecord "
-               "files.")
+        _check(
+            isinstance(self.checkpoint_path, (str, os.PathLike))
+            and bool(os.fspath(self.checkpoint_path)),
+            "checkpoint_path (--checkpoint_path) must name a checkpoint or a training directory.",
+        )
+        _check(
+            self.model_name in models.MODEL_NAMES,
+            f"Unknown model name {self.model_name!r} (--model_name): choose one of "
+            f"{', '.join(models.MODEL_NAMES)}.",
+        )
+        _check(
+            self.dataset_name in datasets.DATASET_NAMES,
+            f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
+            f"{', '.join(datasets.DATASET_NAMES)}.",
+        )
+        _check(
+            _is_int(self.batch_size) and self.batch_size >= 1,
+            f"batch_size (--batch_size) must be a positive integer; got {self.batch_size!r}.",
+        )
+        _check(
+            self.max_num_batches is None
+            or (_is_int(self.max_num_batches) and self.max_num_batches >= 1),
+            "max_num_batches (--max_num_batches) must be a positive integer (or unset for "
+            f"the whole split); got {self.max_num_batches!r}.",
+        )
+        _check(
+            self.eval_image_size is None
+            or (_is_int(self.eval_image_size) and self.eval_image_size >= 1),
+            "eval_image_size (--eval_image_size) must be a positive integer; got "
+            f"{self.eval_image_size!r}.",
+        )
+        _check(
+            self.dataset_name != "tfrecord" or self.dataset_dir is not None,
+            "dataset tfrecord needs --dataset_dir: the directory holding the TFRecord files.",
+        )
         for name in ("checkpoint_path", "dataset_dir", "eval_dir"):
             _check_no_flag_in_path(name, getattr(self, name))
 
@@ -413,8 +482,10 @@ class EvalResult:
 
     def describe(self) -> str:
         step = f" (global step {self.global_step})" if self.global_step is not None else ""
-        return (f"{self.split} accuracy {self.accuracy:.4f}, loss {self.loss:.4f} on "
-                f"{self.num_examples} examples; checkpoint {self.checkpoint_path}{step}")
+        return (
+            f"{self.split} accuracy {self.accuracy:.4f}, loss {self.loss:.4f} on "
+            f"{self.num_examples} examples; checkpoint {self.checkpoint_path}{step}"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -430,9 +501,11 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
     path = os.fspath(path)
     if tf.io.gfile.isdir(path):
         latest = _checkpoints.latest_checkpoint(path)
-        _check(latest is not None,
-               f"{flag}={path} is a directory without a checkpoint: point it at a training "
-               "directory that has saved one, or at a checkpoint file prefix (model.ckpt-N).")
+        _check(
+            latest is not None,
+            f"{flag}={path} is a directory without a checkpoint: point it at a training "
+            "directory that has saved one, or at a checkpoint file prefix (model.ckpt-N).",
+        )
         return latest
     if tf.io.gfile.exists(path + ".index"):
         return path
@@ -447,18 +520,24 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
             return path
         except (tf.errors.OpError, ValueError):
             pass
-        raise LaunchError(f"{flag}={path} is not a checkpoint TensorFlow can read: pass a "
-                          "checkpoint prefix (model.ckpt-N, without .index) or its directory.")
-    raise LaunchError(f"{flag}={path} does not exist: pass a checkpoint prefix "
-                      "(train_dir/model.ckpt-N) or a training directory.")
+        raise LaunchError(
+            f"{flag}={path} is not a checkpoint TensorFlow can read: pass a "
+            "checkpoint prefix (model.ckpt-N, without .index) or its directory."
+        )
+    raise LaunchError(
+        f"{flag}={path} does not exist: pass a checkpoint prefix "
+        "(train_dir/model.ckpt-N) or a training directory."
+    )
 
 
 def _checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
     try:
         return tf.train.load_checkpoint(path).get_variable_to_shape_map()
     except (tf.errors.OpError, ValueError) as err:
-        raise LaunchError(f"{flag}: checkpoint {path} cannot be read "
-                          f"({_first_line(err)}); pass another checkpoint.") from None
+        raise LaunchError(
+            f"{flag}: checkpoint {path} cannot be read "
+            f"({_first_line(err)}); pass another checkpoint."
+        ) from None
 
 
 def _mismatches(variables: Sequence[tf.Variable], shapes: Dict[str, List[int]]):
@@ -477,8 +556,15 @@ def _names(items: Sequence[str], limit: int = 3) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _check_fits(path: str, variables: Sequence[tf.Variable], shapes, *, what: str,
-                ignore_missing: bool, advice: str) -> List[tf.Variable]:
+def _check_fits(
+    path: str,
+    variables: Sequence[tf.Variable],
+    shapes,
+    *,
+    what: str,
+    ignore_missing: bool,
+    advice: str,
+) -> List[tf.Variable]:
     """The variables to restore from `path`; raises LaunchError if the model does not fit.
 
     `what` names the checkpoint in the message, e.g. ``"--checkpoint_path {path}"``.
@@ -488,8 +574,7 @@ def _check_fits(path: str, variables: Sequence[tf.Variable], shapes, *, what: st
     if wrong:
         raise LaunchError(f"{what} does not match the model: {_names(wrong, 2)}. {advice}")
     if missing and not ignore_missing:
-        raise LaunchError(f"{what} does not match the model: it has no {_names(missing)}. "
-                          f"{advice}")
+        raise LaunchError(f"{what} does not match the model: it has no {_names(missing)}. {advice}")
     if missing:
         logging.warning("Not in %s, left as initialised: %s", path, _names(missing, 10))
     return [v for v in variables if v.op.name not in missing]
@@ -515,18 +600,31 @@ def _learning_rate(config: TrainConfig, global_step, split_size: Optional[int]) 
     kind = config.learning_rate_decay_type
     if kind == "fixed":
         return tf.constant(config.learning_rate, tf.float32, name="fixed_learning_rate")
-    _check(split_size is not None,
-           f"learning_rate_decay_type {kind} needs the number of examples of the training "
-           f"split, and split {config.dataset_split_name!r} is too large to count: use "
-           "--learning_rate_decay_type=fixed.")
+    _check(
+        split_size is not None,
+        f"learning_rate_decay_type {kind} needs the number of examples of the training "
+        f"split, and split {config.dataset_split_name!r} is too large to count: use "
+        "--learning_rate_decay_type=fixed.",
+    )
     decay_steps = max(1, int(split_size / config.batch_size * config.num_epochs_per_decay))
     if kind == "exponential":
         return tf.compat.v1.train.exponential_decay(
-            config.learning_rate, global_step, decay_steps, config.learning_rate_decay_factor,
-            staircase=True, name="exponential_decay_learning_rate")
+            config.learning_rate,
+            global_step,
+            decay_steps,
+            config.learning_rate_decay_factor,
+            staircase=True,
+            name="exponential_decay_learning_rate",
+        )
     return tf.compat.v1.train.polynomial_decay(
-        config.learning_rate, global_step, decay_steps, config.end_learning_rate, power=1.0,
-        cycle=False, name="polynomial_decay_learning_rate")
+        config.learning_rate,
+        global_step,
+        decay_steps,
+        config.end_learning_rate,
+        power=1.0,
+        cycle=False,
+        name="polynomial_decay_learning_rate",
+    )
 
 
 def _optimizer(config: TrainConfig, learning_rate) -> tf.compat.v1.train.Optimizer:
@@ -534,25 +632,37 @@ def _optimizer(config: TrainConfig, learning_rate) -> tf.compat.v1.train.Optimiz
     train = tf.compat.v1.train
     name = config.optimizer
     if name == "adadelta":
-        return train.AdadeltaOptimizer(learning_rate, rho=config.adadelta_rho,
-                                       epsilon=config.opt_epsilon)
+        return train.AdadeltaOptimizer(
+            learning_rate, rho=config.adadelta_rho, epsilon=config.opt_epsilon
+        )
     if name == "adagrad":
         return train.AdagradOptimizer(
-            learning_rate, initial_accumulator_value=config.adagrad_initial_accumulator_value)
+            learning_rate, initial_accumulator_value=config.adagrad_initial_accumulator_value
+        )
     if name == "adam":
-        return train.AdamOptimizer(learning_rate, beta1=config.adam_beta1,
-                                   beta2=config.adam_beta2, epsilon=config.opt_epsilon)
+        return train.AdamOptimizer(
+            learning_rate,
+            beta1=config.adam_beta1,
+            beta2=config.adam_beta2,
+            epsilon=config.opt_epsilon,
+        )
     if name == "ftrl":
         return train.FtrlOptimizer(
-            learning_rate, learning_rate_power=config.ftrl_learning_rate_power,
+            learning_rate,
+            learning_rate_power=config.ftrl_learning_rate_power,
             initial_accumulator_value=config.ftrl_initial_accumulator_value,
-            l1_regularization_strength=config.ftrl_l1, l2_regularization_strength=config.ftrl_l2)
+            l1_regularization_strength=config.ftrl_l1,
+            l2_regularization_strength=config.ftrl_l2,
+        )
     if name == "momentum":
         return train.MomentumOptimizer(learning_rate, momentum=config.momentum, name="Momentum")
     if name == "rmsprop":
-        return train.RMSPropOptimizer(learning_rate, decay=config.rmsprop_decay,
-                                      momentum=config.rmsprop_momentum,
-                                      epsilon=config.opt_epsilon)
+        return train.RMSPropOptimizer(
+            learning_rate,
+            decay=config.rmsprop_decay,
+            momentum=config.rmsprop_momentum,
+            epsilon=config.opt_epsilon,
+        )
     return train.GradientDescentOptimizer(learning_rate)
 
 
@@ -582,15 +692,22 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
             tf.compat.v1.set_random_seed(config.seed)
         with tf.device("/cpu:0"):
             dataset, info = datasets.get_dataset(
-                config.dataset_name, config.dataset_split_name, batch_size=config.batch_size,
-                dataset_dir=config.dataset_dir, shuffle=True, repeat=True, seed=config.seed,
-                image_size=image_size, channels=_channels(config.model_name,
-                                                          config.dataset_name))
+                config.dataset_name,
+                config.dataset_split_name,
+                batch_size=config.batch_size,
+                dataset_dir=config.dataset_dir,
+                shuffle=True,
+                repeat=True,
+                seed=config.seed,
+                image_size=image_size,
+                channels=_channels(config.model_name, config.dataset_name),
+            )
             injector = None
             if config.inject_faults:
                 dataset = faults_lib.enumerate_batches(dataset)
                 batch_index, (images, labels) = tf.compat.v1.data.make_one_shot_iterator(
-                    dataset).get_next()
+                    dataset
+                ).get_next()
                 injector = faults_lib.FaultInjector(config.inject_faults, batch_index)
                 images = injector.corrupt_images(images)
             else:
@@ -599,8 +716,8 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
         model_fn = models.get_model(config.model_name, weight_decay=config.weight_decay)
         logits = model_fn(images, info.num_classes, is_training=True)
         tf.compat.v1.losses.softmax_cross_entropy(
-            tf.one_hot(labels, info.num_classes), logits,
-            label_smoothing=config.label_smoothing)
+            tf.one_hot(labels, info.num_classes), logits, label_smoothing=config.label_smoothing
+        )
         total_loss = tf.compat.v1.losses.get_total_loss(name="total_loss")
         if injector is not None:
             total_loss = injector.corrupt_loss(total_loss)
@@ -614,20 +731,27 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
 
         variables_to_train = None
         if config.trainable_scopes:
-            variables_to_train = _in_scopes(tf.compat.v1.trainable_variables(),
-                                            config.trainable_scopes)
+            variables_to_train = _in_scopes(
+                tf.compat.v1.trainable_variables(), config.trainable_scopes
+            )
             if not variables_to_train:
-                scopes = sorted({"/".join(v.op.name.split("/")[:2])
-                                 for v in tf.compat.v1.trainable_variables()})
+                scopes = sorted(
+                    {"/".join(v.op.name.split("/")[:2]) for v in tf.compat.v1.trainable_variables()}
+                )
                 raise LaunchError(
                     f"--trainable_scopes={','.join(config.trainable_scopes)} matches no "
                     f"trainable variable of model {config.model_name}; its scopes are "
-                    f"{_names(scopes, 6)}.")
+                    f"{_names(scopes, 6)}."
+                )
 
         train_op = _train_op.create_train_op(
-            total_loss, optimizer, variables_to_train=variables_to_train,
-            clip_gradient_norm=config.clip_gradient_norm, check_numerics=config.check_numerics,
-            config=config.guard_config())
+            total_loss,
+            optimizer,
+            variables_to_train=variables_to_train,
+            clip_gradient_norm=config.clip_gradient_norm,
+            check_numerics=config.check_numerics,
+            config=config.guard_config(),
+        )
         lr_scale = _guard.get_guard(train_op).lr_scale
         if lr_scale is not None:
             # The rate in effect: the rollbacks' scale (restored with the model) included.
@@ -644,33 +768,49 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
 def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Scaffold:
     """A scaffold whose init_fn loads the model variables from `path` (slim's _get_init_fn)."""
     model_variables = slim.get_model_variables()
-    unmatched = [s for s in config.checkpoint_exclude_scopes
-                 if not _in_scopes(model_variables, [s])]
+    unmatched = [
+        s for s in config.checkpoint_exclude_scopes if not _in_scopes(model_variables, [s])
+    ]
     if unmatched:
         scopes = sorted({"/".join(v.op.name.split("/")[:2]) for v in model_variables})
         raise LaunchError(
             f"--checkpoint_exclude_scopes={','.join(unmatched)} matches no variable of model "
-            f"{config.model_name}; its scopes are {_names(scopes, 6)}.")
-    variables = [v for v in model_variables
-                 if not any(v.op.name.startswith(s) for s in config.checkpoint_exclude_scopes)]
-    _check(bool(variables),
-           f"--checkpoint_exclude_scopes={','.join(config.checkpoint_exclude_scopes)} excludes "
-           "every variable of the model: there is nothing to fine-tune from.")
+            f"{config.model_name}; its scopes are {_names(scopes, 6)}."
+        )
+    variables = [
+        v
+        for v in model_variables
+        if not any(v.op.name.startswith(s) for s in config.checkpoint_exclude_scopes)
+    ]
+    _check(
+        bool(variables),
+        f"--checkpoint_exclude_scopes={','.join(config.checkpoint_exclude_scopes)} excludes "
+        "every variable of the model: there is nothing to fine-tune from.",
+    )
     shapes = _checkpoint_shapes(path, "--checkpoint_path")
     restore = _check_fits(
-        path, variables, shapes, what="--checkpoint_path {path}",
+        path,
+        variables,
+        shapes,
+        what="--checkpoint_path {path}",
         ignore_missing=config.ignore_missing_vars,
         advice=f"Use a checkpoint of model {config.model_name}, list the scopes that differ "
-        "in --checkpoint_exclude_scopes (e.g. the logits), or pass --ignore_missing_vars.")
+        "in --checkpoint_exclude_scopes (e.g. the logits), or pass --ignore_missing_vars.",
+    )
     _check(bool(restore), f"--checkpoint_path {path} holds none of the model's variables.")
     bad = _checkpoints.non_finite_variables(path)
     if bad:
         raise _errors.NonFiniteCheckpointError(
             f"--checkpoint_path {path} holds NaN or Inf in {_names(list(bad))}; refusing to "
-            "fine-tune from it. Pick an earlier checkpoint.")
+            "fine-tune from it. Pick an earlier checkpoint."
+        )
     saver = tf.compat.v1.train.Saver(restore, name="fine_tune_saver")
-    logging.info("Fine-tuning from %s: %d variables restored, %d excluded.", path,
-                 len(restore), len(slim.get_model_variables()) - len(restore))
+    logging.info(
+        "Fine-tuning from %s: %d variables restored, %d excluded.",
+        path,
+        len(restore),
+        len(slim.get_model_variables()) - len(restore),
+    )
 
     def init_fn(unused_scaffold, session):
         saver.restore(session, path)
@@ -681,13 +821,19 @@ def _fine_tune_scaffold(config: TrainConfig, path: str) -> tf.compat.v1.train.Sc
 def _check_resume(config: TrainConfig, built: _Built, checkpoint: str) -> None:
     with built.graph.as_default():
         # The guard's own variables may be missing (slim_nanguard.train restores around them).
-        variables = [v for v in tf.compat.v1.global_variables()
-                     if not v.op.name.startswith("nanguard/")]
+        variables = [
+            v for v in tf.compat.v1.global_variables() if not v.op.name.startswith("nanguard/")
+        ]
     shapes = _checkpoint_shapes(checkpoint, "--train_dir")
-    _check_fits(checkpoint, variables, shapes, what="The checkpoint in --train_dir ({path})",
-                ignore_missing=False,
-                advice="It was written by another model or other options (optimizer, "
-                "model_name): resume with the same flags, or use a new --train_dir.")
+    _check_fits(
+        checkpoint,
+        variables,
+        shapes,
+        what="The checkpoint in --train_dir ({path})",
+        ignore_missing=False,
+        advice="It was written by another model or other options (optimizer, "
+        "model_name): resume with the same flags, or use a new --train_dir.",
+    )
 
 
 def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
@@ -717,12 +863,17 @@ def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
     if not isinstance(config, TrainConfig):
         raise LaunchError(f"run_training takes a TrainConfig; got {type(config).__name__}.")
     train_dir = os.path.abspath(os.fspath(config.train_dir))
-    _check(not os.path.exists(train_dir) or os.path.isdir(train_dir),
-           f"--train_dir={train_dir} is a file, not a directory: choose a directory.")
+    _check(
+        not os.path.exists(train_dir) or os.path.isdir(train_dir),
+        f"--train_dir={train_dir} is a file, not a directory: choose a directory.",
+    )
     existing = _checkpoints.latest_good_checkpoint(train_dir) if config.is_chief else None
     if existing and config.checkpoint_path:
-        logging.info("Ignoring --checkpoint_path because %s already holds a checkpoint: "
-                     "resuming from %s.", train_dir, existing)
+        logging.info(
+            "Ignoring --checkpoint_path because %s already holds a checkpoint: resuming from %s.",
+            train_dir,
+            existing,
+        )
     built = _build_training(config, resume=existing is not None, cluster=cluster)
     if existing:
         _check_resume(config, built, existing)
@@ -732,17 +883,25 @@ def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
         cluster_kwargs = cluster.start(built.graph) if cluster is not None else {}
         with built.graph.as_default():
             result = _loop.train(
-                built.train_op, train_dir, number_of_steps=config.max_number_of_steps,
-                master=cluster_kwargs.pop("master", config.master), is_chief=config.is_chief,
-                scaffold=built.scaffold, hooks=built.hooks, **cluster_kwargs,
-                save_checkpoint_secs=None if config.save_interval_steps else
-                (config.save_interval_secs or None),
+                built.train_op,
+                train_dir,
+                number_of_steps=config.max_number_of_steps,
+                master=cluster_kwargs.pop("master", config.master),
+                is_chief=config.is_chief,
+                scaffold=built.scaffold,
+                hooks=built.hooks,
+                **cluster_kwargs,
+                save_checkpoint_secs=None
+                if config.save_interval_steps
+                else (config.save_interval_secs or None),
                 save_checkpoint_steps=config.save_interval_steps or None,
                 save_summaries_steps=config.save_summaries_steps or None,
-                save_summaries_secs=None if config.save_summaries_steps else
-                (config.save_summaries_secs or None),
+                save_summaries_secs=None
+                if config.save_summaries_steps
+                else (config.save_summaries_secs or None),
                 log_every_n_steps=config.log_every_n_steps,
-                max_checkpoints_to_keep=config.max_checkpoints_to_keep)
+                max_checkpoints_to_keep=config.max_checkpoints_to_keep,
+            )
     except BaseException as err:
         if cluster is not None:
             cluster.finish(None)  # tells the others to stop, and the ps this worker is done
@@ -751,12 +910,15 @@ def run_training(config: TrainConfig, cluster=None) -> _loop.TrainResult:
         if isinstance(err, tf.errors.OpError) and config.dataset_name == "tfrecord":
             # The input pipeline's error names neither the file nor the record: find them.
             found = datasets.find_bad_record(
-                config.dataset_dir, config.dataset_split_name,
-                channels=_channels(config.model_name, config.dataset_name))
+                config.dataset_dir,
+                config.dataset_split_name,
+                channels=_channels(config.model_name, config.dataset_name),
+            )
             if found:
                 raise datasets.DatasetError(
                     f"{found}: re-run the conversion that wrote it, or move the file out of "
-                    "--dataset_dir.") from err
+                    "--dataset_dir."
+                ) from err
         raise
     return cluster.finish(result) if cluster is not None else result
 
@@ -776,8 +938,9 @@ def _remove_if_unused(train_dir: str) -> None:
 # Evaluation
 
 
-def check_eval_dataset(config: EvalConfig,
-                       split_flag: str = "--dataset_split_name") -> datasets.DatasetInfo:
+def check_eval_dataset(
+    config: EvalConfig, split_flag: str = "--dataset_split_name"
+) -> datasets.DatasetInfo:
     """Builds the evaluation input of `config` in a scratch graph, to fail early on bad input.
 
     Args:
@@ -791,15 +954,19 @@ def check_eval_dataset(config: EvalConfig,
     try:
         with tf.Graph().as_default():
             _, info = datasets.get_dataset(
-                config.dataset_name, config.dataset_split_name, batch_size=config.batch_size,
-                dataset_dir=config.dataset_dir, shuffle=False, repeat=False,
+                config.dataset_name,
+                config.dataset_split_name,
+                batch_size=config.batch_size,
+                dataset_dir=config.dataset_dir,
+                shuffle=False,
+                repeat=False,
                 image_size=_image_size(config.model_name, config.eval_image_size),
-                channels=_channels(config.model_name, config.dataset_name))
+                channels=_channels(config.model_name, config.dataset_name),
+            )
     except datasets.DatasetError as err:
         if split_flag == "--dataset_split_name":
             raise
-        raise datasets.DatasetError(
-            str(err).replace("--dataset_split_name", split_flag)) from None
+        raise datasets.DatasetError(str(err).replace("--dataset_split_name", split_flag)) from None
     return info
 
 
@@ -828,52 +995,86 @@ def run_eval(config: EvalConfig) -> EvalResult:
     if bad:
         raise _errors.NonFiniteCheckpointError(
             f"checkpoint {path} holds NaN or Inf in {_names(list(bad))}; refusing to evaluate "
-            "it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' file).")
+            "it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' file)."
+        )
     image_size = _image_size(config.model_name, config.eval_image_size)
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/cpu:0"):
             dataset, info = datasets.get_dataset(
-                config.dataset_name, config.dataset_split_name, batch_size=config.batch_size,
-                dataset_dir=config.dataset_dir, shuffle=False, repeat=False,
-                image_size=image_size, channels=_channels(config.model_name,
-                                                          config.dataset_name))
+                config.dataset_name,
+                config.dataset_split_name,
+                batch_size=config.batch_size,
+                dataset_dir=config.dataset_dir,
+                shuffle=False,
+                repeat=False,
+                image_size=image_size,
+                channels=_channels(config.model_name, config.dataset_name),
+            )
             images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
         model_fn = models.get_model(config.model_name)
         logits = model_fn(images, info.num_classes, is_training=False)
         variables = slim.get_model_variables()
         restore = _check_fits(
-            path, variables, shapes, what="--checkpoint_path {path}", ignore_missing=False,
+            path,
+            variables,
+            shapes,
+            what="--checkpoint_path {path}",
+            ignore_missing=False,
             advice=f"Evaluate with the --model_name, dataset and image size it was trained "
             f"with (here: {config.model_name} on {info.image_shape[0]}x{info.image_shape[1]}x"
-            f"{info.image_shape[2]} {config.dataset_name} images, {info.num_classes} classes).")
+            f"{info.image_shape[2]} {config.dataset_name} images, {info.num_classes} classes).",
+        )
         global_step = tf.compat.v1.train.get_or_create_global_step()
         if global_step.op.name in shapes:
             restore.append(global_step)
         predictions = tf.argmax(logits, axis=1)
         losses = tf.compat.v1.losses.sparse_softmax_cross_entropy(
-            labels, logits, reduction=tf.compat.v1.losses.Reduction.NONE)
+            labels, logits, reduction=tf.compat.v1.losses.Reduction.NONE
+        )
         accuracy, accuracy_update = tf.compat.v1.metrics.accuracy(labels, predictions)
         mean_loss, loss_update = tf.compat.v1.metrics.mean(losses)
-        count = tf.compat.v1.Variable(0, dtype=tf.int64, trainable=False, name="eval_count",
-                                      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+        count = tf.compat.v1.Variable(
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            name="eval_count",
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES],
+        )
         count_update = count.assign_add(tf.shape(labels, out_type=tf.int64)[0])
         summary_op = None
         if config.eval_dir:
-            summary_op = tf.compat.v1.summary.merge([
-                tf.compat.v1.summary.scalar("eval/accuracy", accuracy),
-                tf.compat.v1.summary.scalar("eval/loss", mean_loss)])
-        final = {"accuracy": accuracy, "loss": mean_loss, "count": count,
-                 "global_step": global_step}
+            summary_op = tf.compat.v1.summary.merge(
+                [
+                    tf.compat.v1.summary.scalar("eval/accuracy", accuracy),
+                    tf.compat.v1.summary.scalar("eval/loss", mean_loss),
+                ]
+            )
+        final = {
+            "accuracy": accuracy,
+            "loss": mean_loss,
+            "count": count,
+            "global_step": global_step,
+        }
         values = slim.evaluation.evaluate_once(
-            master=config.master, checkpoint_path=path, logdir=config.eval_dir,
+            master=config.master,
+            checkpoint_path=path,
+            logdir=config.eval_dir,
             num_evals=config.max_num_batches,
-            eval_op=[accuracy_update, loss_update, count_update], final_op=final,
-            summary_op=summary_op, variables_to_restore=restore)
+            eval_op=[accuracy_update, loss_update, count_update],
+            final_op=final,
+            summary_op=summary_op,
+            variables_to_restore=restore,
+        )
     step = int(values["global_step"]) if global_step.op.name in shapes else None
-    return EvalResult(accuracy=float(values["accuracy"]), loss=float(values["loss"]),
-                      num_examples=int(values["count"]), global_step=step,
-                      checkpoint_path=path, split=config.dataset_split_name)
+    return EvalResult(
+        accuracy=float(values["accuracy"]),
+        loss=float(values["loss"]),
+        num_examples=int(values["count"]),
+        global_step=step,
+        checkpoint_path=path,
+        split=config.dataset_split_name,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -888,8 +1089,10 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
     stopped_by = "--nan_policy=stop at a bad step"
     if config is not None and config.nan_policy != _policy.STOP:
         # The launcher has no on_nan: only an escalation stops a run under another policy.
-        stopped_by = (f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
-                      f"{config.max_consecutive_bad_steps} bad steps in a row")
+        stopped_by = (
+            f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
+            f"{config.max_consecutive_bad_steps} bad steps in a row"
+        )
     reasons = {
         _loop.STOP_STEP_LIMIT: "reached the step limit",
         _loop.STOP_POLICY: f"stopped by {stopped_by}",
@@ -902,16 +1105,16 @@ def describe_training(result: _loop.TrainResult, config: Optional[TrainConfig] =
     lines = [
         f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "
         f"{result.global_step}{total}.",
-        f"  final loss    {result.final_loss:.4f}" if result.steps else
-        "  final loss    - (no step in this run)",
+        f"  final loss    {result.final_loss:.4f}"
+        if result.steps
+        else "  final loss    - (no step in this run)",
         f"  steps         {result.steps} good steps in this run",
         f"  bad steps     {result.bad_steps} (skipped {result.skips}, rolled back "
         f"{result.rollbacks})",
     ]
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
-    lines += [f"  checkpoint    {result.checkpoint}",
-              f"  event record  {result.events_path}"]
+    lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
     return "\n".join(lines)
 
 
@@ -928,17 +1131,20 @@ def error_message(err: BaseException) -> str:
     if isinstance(err, _errors.NanLossError):
         reason = getattr(err, "reason", "") or ""
         if "max_consecutive_bad_steps" in reason and "max_rollbacks" not in reason:
-            advice = ("Every batch now gives NaN or Inf, so the weights went bad before the loss "
-                      "did (a learning rate too high?). After that many bad steps in a row, "
-                      "--persistent_nan_policy=rollback restores the last good checkpoint (with "
-                      "--rollback_lr_factor to lower the learning rate), and "
-                      "--persistent_nan_policy=stop ends the run cleanly.")
+            advice = (
+                "Every batch now gives NaN or Inf, so the weights went bad before the loss "
+                "did (a learning rate too high?). After that many bad steps in a row, "
+                "--persistent_nan_policy=rollback restores the last good checkpoint (with "
+                "--rollback_lr_factor to lower the learning rate), and "
+                "--persistent_nan_policy=stop ends the run cleanly."
+            )
         elif "rollback" in reason:
-            advice = ("Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
-                      "so that each rollback lowers it further.")
+            advice = (
+                "Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
+                "so that each rollback lowers it further."
+            )
         else:
-            advice = ("To carry on past bad steps, use --nan_policy=skip or "
-                      "--nan_policy=rollback.")
+            advice = "To carry on past bad steps, use --nan_policy=skip or --nan_policy=rollback."
         checkpoint = getattr(err, "checkpoint", None)
         if checkpoint:
             step = _checkpoints.checkpoint_step(checkpoint)
@@ -950,8 +1156,10 @@ def error_message(err: BaseException) -> str:
     if isinstance(err, tf.errors.OpError):
         text = _first_line(err)
         if "decode" in text.lower() or "image" in text.lower():
-            return (f"{text}\nAn image in the dataset does not decode: re-run the conversion "
-                    "that wrote the TFRecord files.")
+            return (
+                f"{text}\nAn image in the dataset does not decode: re-run the conversion "
+                "that wrote the TFRecord files."
+            )
         return text
     if isinstance(err, OSError) and err.filename:
         return f"{err.strerror}: {err.filename}"

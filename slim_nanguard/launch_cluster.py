@@ -36,8 +36,14 @@ from slim_nanguard import launch
 JOBS = ("ps", "worker")
 
 # The launcher's flags that go to `Cluster` (with --task, which TrainConfig has too).
-CLUSTER_FLAGS = ("ps_hosts", "worker_hosts", "job_name", "sync_replicas",
-                 "replicas_to_aggregate", "ps_timeout_secs")
+CLUSTER_FLAGS = (
+    "ps_hosts",
+    "worker_hosts",
+    "job_name",
+    "sync_replicas",
+    "replicas_to_aggregate",
+    "ps_timeout_secs",
+)
 
 # TrainResult.stop_reason of a worker that another worker's stop (or error) stopped.
 STOP_CLUSTER = "cluster_stop"
@@ -50,8 +56,10 @@ def _hosts(value, flag: str) -> Tuple[str, ...]:
     for host in hosts:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise launch.LaunchError(f"{flag}: {host!r} is not HOST:PORT; give a comma-separated "
-                                     "list such as 127.0.0.1:2222,127.0.0.1:2223.")
+            raise launch.LaunchError(
+                f"{flag}: {host!r} is not HOST:PORT; give a comma-separated "
+                "list such as 127.0.0.1:2222,127.0.0.1:2223."
+            )
     if len(set(hosts)) != len(hosts):
         raise launch.LaunchError(f"{flag}={','.join(hosts)} lists an address twice.")
     return hosts
@@ -86,24 +94,30 @@ class Cluster:
         object.__setattr__(self, "worker_hosts", _hosts(self.worker_hosts, "--worker_hosts"))
         if not self.ps_hosts or not self.worker_hosts:
             missing = "--ps_hosts" if not self.ps_hosts else "--worker_hosts"
-            raise launch.LaunchError(f"{missing} is empty: a cluster needs at least one ps and "
-                                     "one worker (HOST:PORT, comma-separated).")
+            raise launch.LaunchError(
+                f"{missing} is empty: a cluster needs at least one ps and "
+                "one worker (HOST:PORT, comma-separated)."
+            )
         if self.job_name not in JOBS:
             raise launch.LaunchError(
                 f"--job_name={self.job_name or ''} must be ps or worker when --ps_hosts and "
-                "--worker_hosts are given.")
+                "--worker_hosts are given."
+            )
         hosts = self.ps_hosts if self.job_name == "ps" else self.worker_hosts
         if not isinstance(self.task, int) or not 0 <= self.task < len(hosts):
             raise launch.LaunchError(
                 f"--task={self.task} is out of range: --job_name={self.job_name} has "
-                f"{len(hosts)} task{'s' if len(hosts) > 1 else ''} (0 to {len(hosts) - 1}).")
+                f"{len(hosts)} task{'s' if len(hosts) > 1 else ''} (0 to {len(hosts) - 1})."
+            )
         workers = len(self.worker_hosts)
         if self.replicas_to_aggregate is not None and not (
-                isinstance(self.replicas_to_aggregate, int)
-                and 1 <= self.replicas_to_aggregate <= workers):
+            isinstance(self.replicas_to_aggregate, int)
+            and 1 <= self.replicas_to_aggregate <= workers
+        ):
             raise launch.LaunchError(
                 f"--replicas_to_aggregate={self.replicas_to_aggregate} must be between 1 and "
-                f"the number of workers ({workers}).")
+                f"the number of workers ({workers})."
+            )
 
     @property
     def is_chief(self) -> bool:
@@ -111,22 +125,23 @@ class Cluster:
 
     @property
     def spec(self) -> tf.train.ClusterSpec:
-        return tf.train.ClusterSpec({"ps": list(self.ps_hosts),
-                                     "worker": list(self.worker_hosts)})
+        return tf.train.ClusterSpec({"ps": list(self.ps_hosts), "worker": list(self.worker_hosts)})
 
     def aggregate(self) -> int:
         return self.replicas_to_aggregate or len(self.worker_hosts)
 
     def device_setter(self):
         return tf.compat.v1.train.replica_device_setter(
-            cluster=self.spec, worker_device=f"/job:worker/task:{self.task}")
+            cluster=self.spec, worker_device=f"/job:worker/task:{self.task}"
+        )
 
     def session_config(self) -> tf.compat.v1.ConfigProto:
         return _cluster.session_config(self.job_name, self.task, timeout_secs=0)
 
     def start_server(self) -> tf.distribute.Server:
-        return tf.distribute.Server(self.spec, job_name=self.job_name, task_index=self.task,
-                                    start=True)
+        return tf.distribute.Server(
+            self.spec, job_name=self.job_name, task_index=self.task, start=True
+        )
 
     # ------------------------------------------------------------- a worker's run
     def wrap_optimizer(self, optimizer):
@@ -134,8 +149,10 @@ class Cluster:
         if not self.sync_replicas:
             return optimizer
         return tf.compat.v1.train.SyncReplicasOptimizer(
-            optimizer, replicas_to_aggregate=self.aggregate(),
-            total_num_replicas=len(self.worker_hosts))
+            optimizer,
+            replicas_to_aggregate=self.aggregate(),
+            total_num_replicas=len(self.worker_hosts),
+        )
 
     def hooks(self, optimizer) -> List[tf.compat.v1.train.SessionRunHook]:
         """The sync-replicas hook (after ``apply_gradients``) and the cluster-stop hook."""
@@ -157,14 +174,23 @@ class Cluster:
         logging.info("slim_nanguard: %s", describe(self))
         if not self.is_chief:
             try:
-                _cluster.wait_for_model(graph, server.target, self.session_config(),
-                                        timeout_secs=max(self.ps_timeout_secs, 120))
+                _cluster.wait_for_model(
+                    graph,
+                    server.target,
+                    self.session_config(),
+                    timeout_secs=max(self.ps_timeout_secs, 120),
+                )
             except tf.errors.DeadlineExceededError as err:
                 raise launch.LaunchError(
                     f"--worker_hosts: the chief ({self.worker_hosts[0]}) did not initialise "
-                    f"the model ({err.message}); start worker 0.") from None
-        return {"master": server.target, "config": self.session_config(),
-                "task": self.task, "stop_grace_period_secs": 5}
+                    f"the model ({err.message}); start worker 0."
+                ) from None
+        return {
+            "master": server.target,
+            "config": self.session_config(),
+            "task": self.task,
+            "stop_grace_period_secs": 5,
+        }
 
     def finish(self, result):
         """Tells the ps this worker is done (and to stop all, if it stopped or gave up).
@@ -189,17 +215,30 @@ class Cluster:
                 return result  # no ps to tell
             target, job = f"grpc://{self.ps_hosts[0]}", "ps"
         stopped_here = result is None or result.stop_reason == _loop.STOP_POLICY
-        stopped = _cluster.finish(target, task=self.task, num_ps=len(self.ps_hosts),
-                                  stop=stopped_here, job=job)
-        if result is not None and stopped and not stopped_here and (
-                result.stop_reason != _loop.STOP_STEP_LIMIT):
+        stopped = _cluster.finish(
+            target, task=self.task, num_ps=len(self.ps_hosts), stop=stopped_here, job=job
+        )
+        if (
+            result is not None
+            and stopped
+            and not stopped_here
+            and (result.stop_reason != _loop.STOP_STEP_LIMIT)
+        ):
             result = dataclasses.replace(result, stop_reason=STOP_CLUSTER)
         return result
 
 
-def from_flags(*, ps_hosts, worker_hosts, job_name: Optional[str], task: int,
-               sync_replicas: bool, replicas_to_aggregate: Optional[int],
-               tf_config: Optional[str], ps_timeout_secs: float = 60.0) -> Optional[Cluster]:
+def from_flags(
+    *,
+    ps_hosts,
+    worker_hosts,
+    job_name: Optional[str],
+    task: int,
+    sync_replicas: bool,
+    replicas_to_aggregate: Optional[int],
+    tf_config: Optional[str],
+    ps_timeout_secs: float = 60.0,
+) -> Optional[Cluster]:
     """The cluster the flags (or else ``TF_CONFIG``) describe; None for a one-process run.
 
     ``TF_CONFIG`` is TensorFlow's JSON: ``{"cluster": {"ps": [...], "worker": [...]},
@@ -213,22 +252,34 @@ def from_flags(*, ps_hosts, worker_hosts, job_name: Optional[str], task: int,
             job_name = job_name or who.get("type")
             task = int(who.get("index", task))
         except (ValueError, AttributeError, TypeError) as err:
-            raise launch.LaunchError(f"TF_CONFIG is not the JSON TensorFlow expects ({err}); "
-                                     "unset it or fix it.") from None
+            raise launch.LaunchError(
+                f"TF_CONFIG is not the JSON TensorFlow expects ({err}); unset it or fix it."
+            ) from None
     if not (ps_hosts or worker_hosts):
         if job_name:
-            raise launch.LaunchError(f"--job_name={job_name} needs --ps_hosts and "
-                                     "--worker_hosts (or TF_CONFIG).")
+            raise launch.LaunchError(
+                f"--job_name={job_name} needs --ps_hosts and --worker_hosts (or TF_CONFIG)."
+            )
         if sync_replicas:
-            raise launch.LaunchError("--sync_replicas needs a cluster: --ps_hosts, "
-                                     "--worker_hosts, --job_name and --task.")
+            raise launch.LaunchError(
+                "--sync_replicas needs a cluster: --ps_hosts, "
+                "--worker_hosts, --job_name and --task."
+            )
         return None
     if not job_name:
-        raise launch.LaunchError("--job_name is missing: with --ps_hosts and --worker_hosts, "
-                                 "say --job_name=ps or --job_name=worker (and --task).")
-    return Cluster(ps_hosts=ps_hosts, worker_hosts=worker_hosts, job_name=job_name, task=task,
-                   sync_replicas=sync_replicas, replicas_to_aggregate=replicas_to_aggregate,
-                   ps_timeout_secs=ps_timeout_secs)
+        raise launch.LaunchError(
+            "--job_name is missing: with --ps_hosts and --worker_hosts, "
+            "say --job_name=ps or --job_name=worker (and --task)."
+        )
+    return Cluster(
+        ps_hosts=ps_hosts,
+        worker_hosts=worker_hosts,
+        job_name=job_name,
+        task=task,
+        sync_replicas=sync_replicas,
+        replicas_to_aggregate=replicas_to_aggregate,
+        ps_timeout_secs=ps_timeout_secs,
+    )
 
 
 def wait_for_ps(cluster: Cluster, poll_secs: float = 0.25) -> None:
@@ -245,25 +296,43 @@ def wait_for_ps(cluster: Cluster, poll_secs: float = 0.25) -> None:
                     raise launch.LaunchError(
                         f"--ps_hosts: the ps at {host} did not answer within "
                         f"{cluster.ps_timeout_secs:g}s; start it first, or check the "
-                        "address.") from None
+                        "address."
+                    ) from None
                 time.sleep(poll_secs)
 
 
 def run_ps(cluster: Cluster) -> None:
     """Serves as a ps until every worker is done (each says so as its last step)."""
     server = cluster.start_server()
-    logging.info("ps task %d serving at %s for %d workers", cluster.task,
-                 cluster.ps_hosts[cluster.task], len(cluster.worker_hosts))
+    logging.info(
+        "ps task %d serving at %s for %d workers",
+        cluster.task,
+        cluster.ps_hosts[cluster.task],
+        len(cluster.worker_hosts),
+    )
     _cluster.serve_ps(server.target, task=cluster.task, num_workers=len(cluster.worker_hosts))
     logging.info("ps task %d: every worker is done; exiting", cluster.task)
 
 
 def describe(cluster: Cluster) -> str:
-    mode = (f"sync replicas, {cluster.aggregate()} of {len(cluster.worker_hosts)} gradients "
-            "per step" if cluster.sync_replicas else "async")
-    return (f"{cluster.job_name} task {cluster.task}{' (chief)' if cluster.is_chief else ''} "
-            f"of {len(cluster.ps_hosts)} ps + {len(cluster.worker_hosts)} workers, {mode}")
+    mode = (
+        f"sync replicas, {cluster.aggregate()} of {len(cluster.worker_hosts)} gradients per step"
+        if cluster.sync_replicas
+        else "async"
+    )
+    return (
+        f"{cluster.job_name} task {cluster.task}{' (chief)' if cluster.is_chief else ''} "
+        f"of {len(cluster.ps_hosts)} ps + {len(cluster.worker_hosts)} workers, {mode}"
+    )
 
 
-__all__ = ["CLUSTER_FLAGS", "Cluster", "JOBS", "STOP_CLUSTER", "describe", "from_flags",
-           "run_ps", "wait_for_ps"]
+__all__ = [
+    "CLUSTER_FLAGS",
+    "Cluster",
+    "JOBS",
+    "STOP_CLUSTER",
+    "describe",
+    "from_flags",
+    "run_ps",
+    "wait_for_ps",
+]

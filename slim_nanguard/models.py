@@ -73,13 +73,15 @@ class ModelFn(Protocol):
         """
 
 
-def mlp(images: tf.Tensor,
-        num_classes: int,
-        is_training: bool,
-        *,
-        hidden_units: Sequence[int] = (256, 256),
-        weight_decay: float = 0.0,
-        scope: str = "MLP") -> tf.Tensor:
+def mlp(
+    images: tf.Tensor,
+    num_classes: int,
+    is_training: bool,
+    *,
+    hidden_units: Sequence[int] = (256, 256),
+    weight_decay: float = 0.0,
+    scope: str = "MLP",
+) -> tf.Tensor:
     """A multi-layer perceptron: flatten, ReLU fully connected layers, linear logits.
 
     Args:
@@ -96,22 +98,26 @@ def mlp(images: tf.Tensor,
     """
     del is_training  # No layer behaves differently in training.
     with tf.compat.v1.variable_scope(scope, "MLP", [images]):
-        with slim.arg_scope([slim.fully_connected],
-                            activation_fn=tf.nn.relu,
-                            weights_regularizer=slim.l2_regularizer(weight_decay)):
+        with slim.arg_scope(
+            [slim.fully_connected],
+            activation_fn=tf.nn.relu,
+            weights_regularizer=slim.l2_regularizer(weight_decay),
+        ):
             net = slim.flatten(images)
             for index, units in enumerate(hidden_units):
                 net = slim.fully_connected(net, units, scope=f"fc{index + 1}")
             return slim.fully_connected(net, num_classes, activation_fn=None, scope="logits")
 
 
-def lenet(images: tf.Tensor,
-          num_classes: int,
-          is_training: bool,
-          *,
-          dropout_keep_prob: float = 0.5,
-          weight_decay: float = 0.0,
-          scope: str = "LeNet") -> tf.Tensor:
+def lenet(
+    images: tf.Tensor,
+    num_classes: int,
+    is_training: bool,
+    *,
+    dropout_keep_prob: float = 0.5,
+    weight_decay: float = 0.0,
+    scope: str = "LeNet",
+) -> tf.Tensor:
     """LeNet as in tensorflow/models ``research/slim/nets/lenet.py``, with 'SAME' pooling.
 
     The variable names match slim's ``LeNet/conv1`` ... ``LeNet/fc4``. Pooling pads ('SAME')
@@ -130,11 +136,12 @@ def lenet(images: tf.Tensor,
         float32 logits ``[batch, num_classes]``.
     """
     with tf.compat.v1.variable_scope(scope, "LeNet", [images]):
-        with slim.arg_scope([slim.conv2d, slim.fully_connected],
-                            weights_regularizer=slim.l2_regularizer(weight_decay),
-                            weights_initializer=tf.compat.v1.truncated_normal_initializer(
-                                stddev=0.1),
-                            activation_fn=tf.nn.relu):
+        with slim.arg_scope(
+            [slim.conv2d, slim.fully_connected],
+            weights_regularizer=slim.l2_regularizer(weight_decay),
+            weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=0.1),
+            activation_fn=tf.nn.relu,
+        ):
             with slim.arg_scope([slim.max_pool2d], padding="SAME"):
                 net = slim.conv2d(images, 32, [5, 5], scope="conv1")
                 net = slim.max_pool2d(net, [2, 2], 2, scope="pool1")
@@ -142,8 +149,9 @@ def lenet(images: tf.Tensor,
                 net = slim.max_pool2d(net, [2, 2], 2, scope="pool2")
                 net = slim.flatten(net)
                 net = slim.fully_connected(net, 1024, scope="fc3")
-                net = slim.dropout(net, dropout_keep_prob, is_training=is_training,
-                                   scope="dropout3")
+                net = slim.dropout(
+                    net, dropout_keep_prob, is_training=is_training, scope="dropout3"
+                )
                 return slim.fully_connected(net, num_classes, activation_fn=None, scope="fc4")
 
 
@@ -184,19 +192,22 @@ MIN_IMAGE_SIZE: Mapping[str, int] = {
 }
 
 
-def _net(images: tf.Tensor,
-         num_classes: int,
-         is_training: bool,
-         *,
-         name: str,
-         weight_decay: float | None = None,
-         dropout_keep_prob: float | None = None) -> tf.Tensor:
+def _net(
+    images: tf.Tensor,
+    num_classes: int,
+    is_training: bool,
+    *,
+    name: str,
+    weight_decay: float | None = None,
+    dropout_keep_prob: float | None = None,
+) -> tf.Tensor:
     """Builds a tf_slim.nets classifier; returns logits [batch, num_classes]."""
     _check_images(name, images)
     # Imported here, not at the top: compat is the TF-2 compatibility layer for tf-slim
     # (slim.batch_norm fails on current TensorFlow without it), and the small models do not
     # need it. install() is expected to be idempotent.
     from slim_nanguard import compat  # pylint: disable=import-outside-toplevel
+
     compat.install()
     from tf_slim import nets  # pylint: disable=import-outside-toplevel
 
@@ -224,23 +235,31 @@ def _to_logits(net: tf.Tensor, name: str) -> tf.Tensor:
     height, width = net.shape[1], net.shape[2]
     if height == 1 and width == 1:
         return tf.squeeze(net, [1, 2], name="logits")
-    logging.info("Model %s: averaging its %sx%s map of logits (input larger than its "
-                 "default %s).", name, height, width, DEFAULT_IMAGE_SIZE[name])
+    logging.info(
+        "Model %s: averaging its %sx%s map of logits (input larger than its default %s).",
+        name,
+        height,
+        width,
+        DEFAULT_IMAGE_SIZE[name],
+    )
     return tf.reduce_mean(net, [1, 2], name="logits")
 
 
 def _check_images(name: str, images: tf.Tensor) -> None:
     shape = images.shape
     if shape.rank is not None and shape.rank != 4:
-        raise ModelError(f"Model {name} takes images [batch, height, width, channels], got "
-                         f"shape {shape}.")
+        raise ModelError(
+            f"Model {name} takes images [batch, height, width, channels], got shape {shape}."
+        )
     minimum = MIN_IMAGE_SIZE[name]
     sides = [d for d in (shape[1:3] if shape.rank else []) if d is not None]
     if any(side < minimum for side in sides):
-        raise ModelError(f"Model {name} needs images of at least {minimum}x{minimum}, got "
-                         f"{shape[1]}x{shape[2]}: resize them with image_size (e.g. "
-                         f"{DEFAULT_IMAGE_SIZE[name]}, its default) or choose a small model "
-                         "(mlp, lenet).")
+        raise ModelError(
+            f"Model {name} needs images of at least {minimum}x{minimum}, got "
+            f"{shape[1]}x{shape[2]}: resize them with image_size (e.g. "
+            f"{DEFAULT_IMAGE_SIZE[name]}, its default) or choose a small model "
+            "(mlp, lenet)."
+        )
 
 
 _BUILDERS: Mapping[str, Callable[..., tf.Tensor]] = {
@@ -269,16 +288,22 @@ def get_model(name: str, **options: Any) -> ModelFn:
         ModelError: (a ``ValueError``) for an unknown name or option.
     """
     if name not in _BUILDERS:
-        raise ModelError(f"Unknown model name {name!r} (--model_name): choose one of "
-                         f"{', '.join(MODEL_NAMES)}.")
+        raise ModelError(
+            f"Unknown model name {name!r} (--model_name): choose one of {', '.join(MODEL_NAMES)}."
+        )
     builder = _BUILDERS[name]
     if name in _NETS:
         allowed = _NET_OPTIONS if _NETS[name][3] else ("weight_decay",)
     else:
-        allowed = tuple(p.name for p in inspect.signature(builder).parameters.values()
-                        if p.kind is p.KEYWORD_ONLY)
+        allowed = tuple(
+            p.name
+            for p in inspect.signature(builder).parameters.values()
+            if p.kind is p.KEYWORD_ONLY
+        )
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ModelError(f"Model {name} has no option {', '.join(unknown)}: its options are "
-                         f"{', '.join(allowed)}.")
+        raise ModelError(
+            f"Model {name} has no option {', '.join(unknown)}: its options are "
+            f"{', '.join(allowed)}."
+        )
     return functools.partial(builder, **options)

@@ -43,15 +43,28 @@ class Replica:
     hooks: List
 
 
-def build(*, cluster: Optional[Dict] = None, task: int = 0, sync_replicas: bool = False,
-          replicas_to_aggregate: Optional[int] = None, fed: bool = False,
-          faults: Optional[Dict[int, str]] = None, **create_kwargs) -> Replica:
+def build(
+    *,
+    cluster: Optional[Dict] = None,
+    task: int = 0,
+    sync_replicas: bool = False,
+    replicas_to_aggregate: Optional[int] = None,
+    fed: bool = False,
+    faults: Optional[Dict[int, str]] = None,
+    **create_kwargs,
+) -> Replica:
     """The test MLP as worker `task` builds it; ``hooks`` holds the sync-replicas hook."""
     graph = tf.Graph()
-    with graph.as_default(), tf.compat.v1.device(
+    with (
+        graph.as_default(),
+        tf.compat.v1.device(
             tf.compat.v1.train.replica_device_setter(
-                cluster=cluster, worker_device=f"/job:worker/task:{task}")
-            if cluster else None):
+                cluster=cluster, worker_device=f"/job:worker/task:{task}"
+            )
+            if cluster
+            else None
+        ),
+    ):
         tf.compat.v1.set_random_seed(1)
         index = None
         placeholders = {}
@@ -63,8 +76,7 @@ def build(*, cluster: Optional[Dict] = None, task: int = 0, sync_replicas: bool 
         else:
             data = tf.data.Dataset.from_tensor_slices(lib.batches(faults)).repeat()
             data = data.enumerate()
-            index, (x, y, offset, _) = tf.compat.v1.data.make_one_shot_iterator(
-                data).get_next()
+            index, (x, y, offset, _) = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
         hidden = slim.fully_connected(x, 16, activation_fn=tf.nn.relu, scope="fc1")
         logits = slim.fully_connected(hidden, 2, activation_fn=None, scope="logits")
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits) + offset
@@ -74,8 +86,10 @@ def build(*, cluster: Optional[Dict] = None, task: int = 0, sync_replicas: bool 
         if sync_replicas:
             workers = len(cluster["worker"]) if cluster else (replicas_to_aggregate or 1)
             optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
-                optimizer, replicas_to_aggregate=replicas_to_aggregate or workers,
-                total_num_replicas=workers)
+                optimizer,
+                replicas_to_aggregate=replicas_to_aggregate or workers,
+                total_num_replicas=workers,
+            )
         train_op = slim_nanguard.create_train_op(loss, optimizer, **create_kwargs)
         if sync_replicas:
             hooks.append(optimizer.make_session_run_hook(is_chief=task == 0))
@@ -107,21 +121,34 @@ class Cluster:
       env: Extra environment variables.
     """
 
-    def __init__(self, argv: List[str], workers: int = 2, timeout: float = 150,
-                 env: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        argv: List[str],
+        workers: int = 2,
+        timeout: float = 150,
+        env: Optional[Dict[str, str]] = None,
+    ):
         ports = free_ports(1 + workers)
         self.ps_hosts = f"127.0.0.1:{ports[0]}"
         self.worker_hosts = ",".join(f"127.0.0.1:{p}" for p in ports[1:])
         self.deadline = time.monotonic() + timeout
         self.procs: Dict[str, subprocess.Popen] = {}
         self._argv = argv
-        self._env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]),
-                         TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+        self._env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+            TF_CPP_MIN_LOG_LEVEL="2",
+            **(env or {}),
+        )
         self._workers = workers
 
     def flags(self, job: str, task: int) -> List[str]:
-        return [f"--ps_hosts={self.ps_hosts}", f"--worker_hosts={self.worker_hosts}",
-                f"--job_name={job}", f"--task={task}"]
+        return [
+            f"--ps_hosts={self.ps_hosts}",
+            f"--worker_hosts={self.worker_hosts}",
+            f"--job_name={job}",
+            f"--task={task}",
+        ]
 
     def start(self, extra: Optional[Dict[str, List[str]]] = None) -> "Cluster":
         """Starts every task; `extra` maps ``"worker1"`` (etc.) to more arguments."""
@@ -131,7 +158,11 @@ class Cluster:
             name = f"{job}{task}"
             self.procs[name] = subprocess.Popen(
                 self._argv + self.flags(job, task) + extra.get(name, []),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self._env)
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=self._env,
+            )
         return self
 
     def wait(self) -> Dict[str, "Exit"]:

@@ -46,6 +46,7 @@ def loss_kind(value) -> str:
     """``nan``, ``inf`` or ``finite``: the kind of a loss value, as a `NanEvent` names it."""
     return "nan" if np.isnan(value) else "inf" if np.isinf(value) else "finite"
 
+
 BATCH = 8
 FEATURES = 4
 
@@ -114,13 +115,17 @@ def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
         elif fault is not None:
             raise ValueError(fault)
         xs.append(x), ys.append(y), offsets.append(offset), scales.append(scale)
-    return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32),
-            np.array(scales, np.float32))
+    return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32), np.array(scales, np.float32))
 
 
-def build_model(*, optimizer: str = "adam", train_op_fn=None,
-                faults: Optional[Dict[int, str]] = None, repeat: bool = False,
-                **create_kwargs) -> Model:
+def build_model(
+    *,
+    optimizer: str = "adam",
+    train_op_fn=None,
+    faults: Optional[Dict[int, str]] = None,
+    repeat: bool = False,
+    **create_kwargs,
+) -> Model:
     """Builds the MLP in a new graph; `train_op_fn` defaults to slim_nanguard's.
 
     Unless fed, each run takes the next batch of a `tf.data` pipeline of 1000 batches (for
@@ -140,18 +145,24 @@ def build_model(*, optimizer: str = "adam", train_op_fn=None,
         norm_scale = tf.compat.v1.placeholder_with_default(bscale, [], name="norm_scale")
         hidden = slim.fully_connected(x, 16, activation_fn=tf.nn.relu, scope="fc1")
         moving_mean = tf.compat.v1.get_variable(
-            "moving_mean", [16], initializer=tf.compat.v1.zeros_initializer(), trainable=False)
+            "moving_mean", [16], initializer=tf.compat.v1.zeros_initializer(), trainable=False
+        )
         update = tf.compat.v1.assign_sub(
-            moving_mean, (moving_mean - tf.reduce_mean(hidden, 0)) * 0.1)
+            moving_mean, (moving_mean - tf.reduce_mean(hidden, 0)) * 0.1
+        )
         tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, update)
         logits = slim.fully_connected(hidden, 2, activation_fn=None, scope="logits")
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
         # A norm whose gradient is NaN when norm_scale is 0 (d|v|/dv at v = 0).
         w = tf.compat.v1.trainable_variables("logits")[0]
         loss = loss + 1e-3 * tf.norm(w * norm_scale) + offset
-        opt = (tf.compat.v1.train.AdamOptimizer(0.01) if optimizer == "adam" else
-               tf.compat.v1.train.MomentumOptimizer(0.1, 0.9) if optimizer == "momentum" else
-               tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        opt = (
+            tf.compat.v1.train.AdamOptimizer(0.01)
+            if optimizer == "adam"
+            else tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+            if optimizer == "momentum"
+            else tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        )
         train_op_fn = train_op_fn or slim_nanguard.create_train_op
         train_op = train_op_fn(loss, opt, **create_kwargs)
         global_step = tf.compat.v1.train.get_global_step()
@@ -201,7 +212,8 @@ def all_checkpoints(logdir: str):
     """Every checkpoint prefix in `logdir` (from the index files, not the state file)."""
     import glob
     import os
-    return sorted(p[:-len(".index")] for p in glob.glob(os.path.join(logdir, "*.index")))
+
+    return sorted(p[: -len(".index")] for p in glob.glob(os.path.join(logdir, "*.index")))
 
 
 def assert_no_poisoned_checkpoint(logdir: str) -> None:

@@ -40,8 +40,7 @@ def _batches(fault=None, count=8, bad_example=3):
 class _Model:
     """``loss = mean(log(sum((x * w)^2, axis=1)))`` on a placeholder or a tf.data iterator."""
 
-    def __init__(self, mode, *, fault=None, fed=False, extra_loss=None, data=None,
-                 **create_kwargs):
+    def __init__(self, mode, *, fault=None, fed=False, extra_loss=None, data=None, **create_kwargs):
         self.graph = tf.Graph()
         self.data = _batches(fault) if data is None else data
         with self.graph.as_default():
@@ -51,8 +50,9 @@ class _Model:
                 dataset = tf.data.Dataset.from_tensor_slices(self.data)
                 self.x = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
             with tf.compat.v1.variable_scope("model"):
-                w = tf.compat.v1.get_variable("w", [FEATURES],
-                                              initializer=tf.compat.v1.ones_initializer())
+                w = tf.compat.v1.get_variable(
+                    "w", [FEATURES], initializer=tf.compat.v1.ones_initializer()
+                )
                 squared_norm = tf.reduce_sum(tf.square(self.x * w), axis=1, name="squared_norm")
                 log_norm = tf.math.log(squared_norm, name="log_norm")  # -Inf where x is all 0
                 self.loss = tf.reduce_mean(log_norm, name="loss")
@@ -60,15 +60,23 @@ class _Model:
                 self.loss = self.loss + extra_loss(self.x)
             create_kwargs.setdefault("nan_policy", "skip")
             self.train_op = slim_nanguard.create_train_op(
-                self.loss, tf.compat.v1.train.GradientDescentOptimizer(0.01),
-                check_numerics=MODES[mode], **create_kwargs)
+                self.loss,
+                tf.compat.v1.train.GradientDescentOptimizer(0.01),
+                check_numerics=MODES[mode],
+                **create_kwargs,
+            )
         self.guard = slim_nanguard.get_guard(self.train_op)
 
 
 def _train(logdir, model, steps=5):
-    return slim_nanguard.train(model.train_op, str(logdir), number_of_steps=steps,
-                               save_checkpoint_steps=1, save_summaries_steps=None,
-                               log_every_n_steps=0)
+    return slim_nanguard.train(
+        model.train_op,
+        str(logdir),
+        number_of_steps=steps,
+        save_checkpoint_steps=1,
+        save_summaries_steps=None,
+        log_every_n_steps=0,
+    )
 
 
 def _bad_steps(logdir):
@@ -93,26 +101,50 @@ def test_bad_rows_are_counted_only_when_the_leading_dimension_is_the_batch():
 
 
 def test_the_traceback_keeps_the_users_frames_and_names_the_innermost():
-    frames = [("/home/me/train.py", 10, "main", ""), ("/home/me/model.py", 42, "build", ""),
-              ("/usr/lib/python3/site-packages/tf_slim/layers/layers.py", 7, "fc", ""),
-              ("/usr/lib/python3/site-packages/tensorflow/python/ops/math_ops.py", 9, "log", "")]
+    frames = [
+        ("/home/me/train.py", 10, "main", ""),
+        ("/home/me/model.py", 42, "build", ""),
+        ("/usr/lib/python3/site-packages/tf_slim/layers/layers.py", 7, "fc", ""),
+        ("/usr/lib/python3/site-packages/tensorflow/python/ops/math_ops.py", 9, "log", ""),
+    ]
     lines = _autopsy.user_frames(frames)
     assert lines == ["/home/me/train.py:10 in main", "/home/me/model.py:42 in build"]
     assert _autopsy.where(lines) == "model.py:42"
 
 
 def test_the_sentence_names_the_op_the_line_the_cause_and_the_examples():
-    op = {"name": "fc2/Log", "type": "Log", "where": "model.py:42",
-          "inputs": [{"name": "fc2/Softmax:0", "nan": 0, "posinf": 0, "neginf": 0, "zeros": 2,
-                      "finite_min": 0.0, "finite_max": 1.0}], "output": []}
+    op = {
+        "name": "fc2/Log",
+        "type": "Log",
+        "where": "model.py:42",
+        "inputs": [
+            {
+                "name": "fc2/Softmax:0",
+                "nan": 0,
+                "posinf": 0,
+                "neginf": 0,
+                "zeros": 2,
+                "finite_min": 0.0,
+                "finite_max": 1.0,
+            }
+        ],
+        "output": [],
+    }
     assert _autopsy.explain(op, [3, 17], reproduced=True, batch_size=32) == (
         "first non-finite value: fc2/Log (Log) at model.py:42, input fc2/Softmax holds a 0; "
-        "examples 3, 17 of the batch")
-    data = {"name": "IteratorGetNext", "type": "IteratorGetNext", "where": "", "inputs": [],
-            "output": [{"name": "IteratorGetNext:0", "nan": 1}]}
+        "examples 3, 17 of the batch"
+    )
+    data = {
+        "name": "IteratorGetNext",
+        "type": "IteratorGetNext",
+        "where": "",
+        "inputs": [],
+        "output": [{"name": "IteratorGetNext:0", "nan": 1}],
+    }
     assert _autopsy.explain(data, [4], reproduced=True) == (
         "first non-finite value: IteratorGetNext (IteratorGetNext), the batch itself holds "
-        "1 NaN; example 4 of the batch")
+        "1 NaN; example 4 of the batch"
+    )
     assert "does not reproduce" in _autopsy.explain(None, [], reproduced=False)
 
 
@@ -142,7 +174,7 @@ def test_good_steps_keep_nothing_and_a_bad_step_keeps_its_batch(mode):
             sess.run(model.train_op, {model.x: model.data[BAD_BATCH]})
         except tf.errors.InvalidArgumentError as err:
             assert slim_nanguard.is_numerics_error(err)
-        kept, = _capture.read_kept_batch(sess, capture)
+        (kept,) = _capture.read_kept_batch(sess, capture)
     np.testing.assert_array_equal(kept, model.data[BAD_BATCH])
 
 
@@ -151,7 +183,7 @@ def test_good_steps_keep_nothing_and_a_bad_step_keeps_its_batch(mode):
 def test_train_names_the_log_of_zero_and_the_example_in_the_record(tmp_path, mode):
     result = _train(tmp_path, _Model(mode, fault="log_of_zero"))
     assert (result.bad_steps, result.skips) == (1, 1)
-    record, = _bad_steps(tmp_path)
+    (record,) = _bad_steps(tmp_path)
     autopsy = record["autopsy"]
     assert autopsy["reproduced"] is True
     assert autopsy["first_bad_op"]["name"] == "model/log_norm"
@@ -161,7 +193,8 @@ def test_train_names_the_log_of_zero_and_the_example_in_the_record(tmp_path, mod
     assert autopsy["first_bad_op"]["output"][0]["neginf"] == 1
     assert autopsy["bad_examples"] == [3]
     assert autopsy["summary"].startswith(
-        "first non-finite value: model/log_norm (Log) at test_autopsy.py:")
+        "first non-finite value: model/log_norm (Log) at test_autopsy.py:"
+    )
     assert "input model/squared_norm holds a 0; example 3 of the batch" in autopsy["summary"]
     assert autopsy["cost"]["seconds"] >= 0 and autopsy["cost"]["peak_bytes"] > 0
     # The dump, next to the checkpoints: the report and the batch.
@@ -175,7 +208,7 @@ def test_train_names_the_log_of_zero_and_the_example_in_the_record(tmp_path, mod
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_nan_in_the_data_makes_the_input_op_the_first_bad_op(tmp_path, mode):
     _train(tmp_path, _Model(mode, fault="nan_input"))
-    record, = _bad_steps(tmp_path)
+    (record,) = _bad_steps(tmp_path)
     first = record["autopsy"]["first_bad_op"]
     assert (first["name"], first["type"]) == ("IteratorGetNext", "IteratorGetNext")
     assert first["output"][0]["nan"] == 1
@@ -197,15 +230,19 @@ def test_only_the_first_autopsy_max_steps_bad_steps_are_autopsied(tmp_path):
 def test_the_hook_in_a_monitored_session_carries_the_autopsy_of_a_fed_batch(tmp_path):
     model = _Model("hook", fault="nan_input", fed=True)
     records = []
-    hook = slim_nanguard.nan_hook(model.train_op, checkpoint_dir=str(tmp_path),
-                                  event_listener=records.append)
+    hook = slim_nanguard.nan_hook(
+        model.train_op, checkpoint_dir=str(tmp_path), event_listener=records.append
+    )
     with model.graph.as_default():
         with tf.compat.v1.train.MonitoredTrainingSession(
-                hooks=[hook], checkpoint_dir=str(tmp_path), save_summaries_steps=None,
-                log_step_count_steps=None) as sess:
+            hooks=[hook],
+            checkpoint_dir=str(tmp_path),
+            save_summaries_steps=None,
+            log_step_count_steps=None,
+        ) as sess:
             for batch in model.data[:4]:
                 sess.run(model.train_op, {model.x: batch})
-    record, = [r for r in records if r["kind"] == "bad_step"]
+    (record,) = [r for r in records if r["kind"] == "bad_step"]
     first = record["autopsy"]["first_bad_op"]
     assert (first["name"], first["type"]) == ("x", "Placeholder")
     assert record["autopsy"]["bad_examples"] == [3]
@@ -216,22 +253,32 @@ def test_the_hook_in_a_monitored_session_carries_the_autopsy_of_a_fed_batch(tmp_
 @pytest.mark.parametrize("loop", ["learning.train", "training.train"])
 def test_tf_slims_own_loops_get_the_same_autopsy(tmp_path, loop):
     import tf_slim as slim
+
     model = _Model("check_numerics" if loop == "learning.train" else "hook", fault="log_of_zero")
     records = []
     model.guard.add_listener(records.append)
     with model.graph.as_default():
         if loop == "learning.train":
-            slim.learning.train(model.train_op, str(tmp_path),
-                                train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
-                                number_of_steps=4,
-                                save_summaries_secs=None, save_interval_secs=None)
+            slim.learning.train(
+                model.train_op,
+                str(tmp_path),
+                train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
+                number_of_steps=4,
+                save_summaries_secs=None,
+                save_interval_secs=None,
+            )
         else:
             slim.training.train(
-                model.train_op, str(tmp_path),
-                hooks=[slim_nanguard.nan_hook(model.train_op, checkpoint_dir=str(tmp_path)),
-                       tf.compat.v1.train.StopAtStepHook(last_step=4)],
-                save_checkpoint_secs=None, save_summaries_steps=None)
-    record, = [r for r in records if r["kind"] == "bad_step"]
+                model.train_op,
+                str(tmp_path),
+                hooks=[
+                    slim_nanguard.nan_hook(model.train_op, checkpoint_dir=str(tmp_path)),
+                    tf.compat.v1.train.StopAtStepHook(last_step=4),
+                ],
+                save_checkpoint_secs=None,
+                save_summaries_steps=None,
+            )
+    (record,) = [r for r in records if r["kind"] == "bad_step"]
     assert record["autopsy"]["first_bad_op"]["name"] == "model/log_norm"
     assert record["autopsy"]["bad_examples"] == [3]
     assert record["autopsy"]["dump"].startswith(str(tmp_path))
@@ -246,8 +293,10 @@ def test_a_nan_in_a_queued_batch_makes_the_dequeue_the_first_bad_op():
         x = queue.dequeue(name="dequeue")
         w = tf.compat.v1.get_variable("w", [FEATURES])
         train_op = slim_nanguard.create_train_op(
-            tf.reduce_sum(x * w), tf.compat.v1.train.GradientDescentOptimizer(0.1),
-            nan_policy="skip")
+            tf.reduce_sum(x * w),
+            tf.compat.v1.train.GradientDescentOptimizer(0.1),
+            nan_policy="skip",
+        )
         with tf.compat.v1.Session() as sess:
             sess.run([tf.compat.v1.global_variables_initializer(), enqueue])
             events = []
@@ -257,9 +306,11 @@ def test_a_nan_in_a_queued_batch_makes_the_dequeue_the_first_bad_op():
                 except tf.errors.InvalidArgumentError as err:
                     events.append(slim_nanguard.handle_numerics_error(sess, err))
             left = sess.run(queue.size())
-    event, = events
+    (event,) = events
     assert (event.autopsy.first_bad_op["name"], event.autopsy.first_bad_op["type"]) == (
-        "dequeue", "QueueDequeueV2")
+        "dequeue",
+        "QueueDequeueV2",
+    )
     assert event.autopsy.bad_examples == (3,)
     assert left == len(data) - (BAD_BATCH + 2)  # the autopsy dequeued nothing
 
@@ -268,7 +319,8 @@ def test_nan_loss_error_carries_the_autopsy_in_a_check_numerics_loop():
     model = _Model("check_numerics", fault="log_of_zero", fed=True, nan_policy="raise")
     with model.graph.as_default():
         with tf.compat.v1.train.MonitoredTrainingSession(
-                save_summaries_steps=None, log_step_count_steps=None) as sess:
+            save_summaries_steps=None, log_step_count_steps=None
+        ) as sess:
             with pytest.raises(slim_nanguard.NanLossError) as caught:
                 for batch in model.data[:4]:
                     try:
@@ -298,7 +350,7 @@ def test_a_bad_step_that_does_not_reproduce_says_so(tmp_path, mode):
     model = _Model(mode, extra_loss=_nan_on_first_call_only())
     result = _train(tmp_path, model, steps=3)
     assert result.bad_steps == 1
-    record, = _bad_steps(tmp_path)
+    (record,) = _bad_steps(tmp_path)
     assert record["autopsy"]["reproduced"] is False
     assert record["autopsy"]["first_bad_op"] is None
     assert "does not reproduce" in record["autopsy"]["summary"]
@@ -312,7 +364,7 @@ def test_a_failing_autopsy_never_takes_training_down(tmp_path, mode, monkeypatch
     monkeypatch.setattr(_autopsy, "replay", out_of_memory)
     result = _train(tmp_path, _Model(mode, fault="log_of_zero"))
     assert (result.bad_steps, result.skips, result.steps) == (1, 1, 5)
-    record, = _bad_steps(tmp_path)
+    (record,) = _bad_steps(tmp_path)
     assert record["action"] == "skip"
     assert record["autopsy"]["error"] == "MemoryError: simulated: the replay ran out of memory"
     assert record["autopsy"]["summary"].startswith("autopsy failed: MemoryError")
@@ -353,16 +405,25 @@ def test_a_replay_past_its_deadline_stops_and_says_where():
     sess, feeds = _replay_session(model)
     ticks = iter(range(0, 10_000, 100))
     with sess:
-        result = _autopsy.replay(sess, feeds, [model.guard.grad_sums], timeout_secs=50,
-                                 clock=lambda: next(ticks))
+        result = _autopsy.replay(
+            sess, feeds, [model.guard.grad_sums], timeout_secs=50, clock=lambda: next(ticks)
+        )
     assert result.reproduced is True and result.first_bad_op is None
     assert result.error.startswith("gave up after")
+
+
 # ---------------------------------------------------------------------- the console command
 def _run_cli(*args):
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "autopsy.py"), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "autopsy.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_console_command_prints_and_replays_a_recorded_bad_step(tmp_path):
@@ -390,8 +451,11 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
         w = tf.compat.v1.get_variable("w", [FEATURES])
         loss = tf.reduce_sum(x * w)
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=False,
-            nan_policy="skip")
+            loss,
+            tf.compat.v1.train.GradientDescentOptimizer(0.1),
+            check_numerics=False,
+            nan_policy="skip",
+        )
         guard = slim_nanguard.get_guard(train_op)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
@@ -406,6 +470,7 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
 
 def test_a_rollback_splits_the_loss_into_what_was_kept_and_what_was_dropped():
     from slim_nanguard import autopsy
+
     # Steps 1-4 diverge, step 5 is bad, the rollback goes back to 0 and steps 1-3 follow.
     written = [(1, 2.0), (2, 50.0), (3, 1e9), (4, 1e30), (1, 2.0), (2, 1.5), (3, 1.2)]
     (kept, dropped), (after, none) = autopsy.split_at_rollbacks(written)
@@ -415,9 +480,15 @@ def test_a_rollback_splits_the_loss_into_what_was_kept_and_what_was_dropped():
 
 def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
     from slim_nanguard import autopsy
-    slim_nanguard.train(_Model("hook", fault="log_of_zero").train_op, str(tmp_path),
-                        number_of_steps=5, save_checkpoint_steps=1, save_summaries_steps=1,
-                        log_every_n_steps=1)
+
+    slim_nanguard.train(
+        _Model("hook", fault="log_of_zero").train_op,
+        str(tmp_path),
+        number_of_steps=5,
+        save_checkpoint_steps=1,
+        save_summaries_steps=1,
+        log_every_n_steps=1,
+    )
     tag, points = autopsy.read_scalars(str(tmp_path))
     assert tag == "nanguard/loss" and [step for step, _ in points] == [1, 2, 3, 4, 5]
     out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
@@ -426,6 +497,7 @@ def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
 
 def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     from slim_nanguard import autopsy
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'slim_nanguard\[plot\]'"):
         autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
@@ -441,7 +513,8 @@ def test_a_nan_constant_is_not_the_culprit_the_op_that_lets_it_in_is():
         picked = tf.where(x > 100.0, tf.fill(tf.shape(x), nan), x, name="picked")
         loss = tf.reduce_sum(picked * w)
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=False)
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=False
+        )
         data = np.ones((BATCH, FEATURES), np.float32)
         data[5, 0] = 1000.0
         with tf.compat.v1.Session() as sess:
@@ -455,8 +528,7 @@ def test_a_nan_constant_is_not_the_culprit_the_op_that_lets_it_in_is():
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_with_autopsies_off_nothing_of_the_capture_is_built(mode):
     def ops(autopsy_max_steps):
-        model = _Model(mode, config=slim_nanguard.GuardConfig(
-            autopsy_max_steps=autopsy_max_steps))
+        model = _Model(mode, config=slim_nanguard.GuardConfig(autopsy_max_steps=autopsy_max_steps))
         return model.graph.get_operations()
 
     on, off = ops(3), ops(0)

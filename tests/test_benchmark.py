@@ -27,10 +27,24 @@ def _env():
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark") / "quick.json"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--quick", f"--out={out}", "--batch_scale=0.1",
-         "--deep_layers=3", "--rounds=1", "--chunks=1", "--round_seconds=0.001",
-         "--warmup_steps=1"],
-        env=_env(), capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            SCRIPT,
+            "--quick",
+            f"--out={out}",
+            "--batch_scale=0.1",
+            "--deep_layers=3",
+            "--rounds=1",
+            "--chunks=1",
+            "--round_seconds=0.001",
+            "--warmup_steps=1",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out, encoding="utf-8") as f:
         return json.load(f), proc.stdout
@@ -51,8 +65,12 @@ def test_every_model_and_variant_is_timed(report):
 def test_bad_steps_are_recovered_without_losing_progress_on_skip(report):
     data, _ = report
     kinds = {(b["model"], b["variant"]) for b in data["bad_steps"]}
-    expected = {(m, f"nanguard_{mode}_{policy}") for m in benchmarking.MODELS
-                for mode in ("check_numerics", "hook") for policy in ("skip", "rollback")}
+    expected = {
+        (m, f"nanguard_{mode}_{policy}")
+        for m in benchmarking.MODELS
+        for mode in ("check_numerics", "hook")
+        for policy in ("skip", "rollback")
+    }
     assert kinds == expected
     for b in data["bad_steps"]:
         if b["policy"] == "skip":

@@ -29,9 +29,17 @@ _LOG_LINE = re.compile(r"^(WARNING: All log messages|To enable the following|[IW
 
 
 def _command(train_dir, *flags):
-    return [sys.executable, TRAIN, f"--train_dir={train_dir}", "--save_interval_steps=20",
-            "--log_every_n_steps=0", "--eval_split_name=", "--save_summaries_steps=0",
-            "--save_summaries_secs=0", *flags]
+    return [
+        sys.executable,
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--save_interval_steps=20",
+        "--log_every_n_steps=0",
+        "--eval_split_name=",
+        "--save_summaries_steps=0",
+        "--save_summaries_secs=0",
+        *flags,
+    ]
 
 
 def _run_cluster(train_dir, flags, worker1=()):
@@ -51,8 +59,7 @@ def _bad_steps(train_dir):
 
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_path, mode,
-                                                                          sync):
+def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_path, mode, sync):
     """Worker 1 skips 4 bad batches; the cluster trains on to the step limit."""
     flags = [MODES[mode], "--max_number_of_steps=80", "--nan_policy=skip"]
     if sync:
@@ -61,36 +68,45 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     for name in ("worker0", "worker1"):  # async: both may run the last step, so 80 or 81
-        assert re.search(r"reached the step limit at global step 8[01]/80",
-                         exits[name].stdout), exits[name].stdout
+        assert re.search(r"reached the step limit at global step 8[01]/80", exits[name].stdout), (
+            exits[name].stdout
+        )
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 2
     assert int(slim_nanguard.latest_good_checkpoint(str(tmp_path)).rsplit("-", 1)[1]) >= 80
     # Each record of a bad step is worker 1's own: its NaN loss, not the chief's sums (which
     # overwrote them when the sums lived on the ps).
     bad = _bad_steps(tmp_path)
     assert len(bad) == 4 and {r["task"] for r in bad} == {1}
-    assert all(r["loss_kind"] == "nan" and r["culprits"] == [] and r["action"] == "skip"
-               and 0 <= r["step"] <= 81 and r["mode"] == mode for r in bad), bad
+    assert all(
+        r["loss_kind"] == "nan"
+        and r["culprits"] == []
+        and r["action"] == "skip"
+        and 0 <= r["step"] <= 81
+        and r["mode"] == mode
+        for r in bad
+    ), bad
     stops = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"]
-    assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"),
-                                                                (1, "step_limit")]
+    assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"), (1, "step_limit")]
 
 
 def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     """Worker 1 stops at its bad batch; the chief follows with a final finite checkpoint."""
     flags = ["--nocheck_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
-    exits = _run_cluster(tmp_path, flags,
-                         worker1=["--nan_policy=stop", "--inject_fault=nan_loss:20"])
+    exits = _run_cluster(
+        tmp_path, flags, worker1=["--nan_policy=stop", "--inject_fault=nan_loss:20"]
+    )
 
-    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, \
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, (
         _explain(exits)
+    )
     assert "stopped by --nan_policy=stop" in exits["worker1"].stdout
     assert "another worker of the cluster stopped" in exits["worker0"].stdout
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 1
     final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     assert int(final.rsplit("-", 1)[1]) < 5000  # stopped early, with a closing checkpoint
-    stops = {r["task"]: r["reason"] for r in slim_nanguard.read_events(tmp_path)
-             if r["kind"] == "stop"}
+    stops = {
+        r["task"]: r["reason"] for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"
+    }
     assert stops[1] == "nan_policy_stop"
     assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
 
@@ -102,8 +118,9 @@ def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(
         cluster.start({"worker0": ["--nan_policy=stop", "--inject_fault=nan_loss:20"]})
         exits = cluster.wait()
 
-    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, \
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, (
         _explain(exits)
+    )
     assert "another worker of the cluster stopped" in exits["worker1"].stdout
     cluster_lib.assert_checkpoints_finite(tmp_path)
     assert [r["task"] for r in _bad_steps(tmp_path)] == [0]
@@ -111,11 +128,13 @@ def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(
 
 def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
     flags = ["--check_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]
-    exits = _run_cluster(tmp_path, flags,
-                         worker1=["--nan_policy=raise", "--inject_fault=nan_loss:20"])
+    exits = _run_cluster(
+        tmp_path, flags, worker1=["--nan_policy=raise", "--inject_fault=nan_loss:20"]
+    )
 
-    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, (
         _explain(exits)
+    )
     assert "NaN" in exits["worker1"].stderr and "Traceback" not in exits["worker1"].stderr
     assert "another worker of the cluster stopped" in exits["worker0"].stdout
     cluster_lib.assert_checkpoints_finite(tmp_path)
@@ -128,8 +147,9 @@ def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path
     flags = ["--max_number_of_steps=5000"]
     exits = _run_cluster(tmp_path, flags, worker1=["--dataset_name=tfrecord"])
 
-    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, \
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 1}, (
         _explain(exits)
+    )
     assert "--dataset_dir" in exits["worker1"].stderr
     cluster_lib.assert_checkpoints_finite(tmp_path)
 
@@ -139,8 +159,9 @@ def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path
     # Worker 1 starts training within about a poll (0.25 s) of the chief, and the chief's first
     # checkpoint (step 0) comes first; batch 10 leaves a margin for both.
     flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
-    exits = _run_cluster(tmp_path, flags,
-                         worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"])
+    exits = _run_cluster(
+        tmp_path, flags, worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"]
+    )
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     cluster_lib.assert_checkpoints_finite(tmp_path)
@@ -151,19 +172,45 @@ def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path
     assert "rolled back 1" in exits["worker1"].stdout
 
 
-@pytest.mark.parametrize("flags, words", [
-    (dict(ps_hosts="127.0.0.1", worker_hosts="127.0.0.1:2", job_name="worker"),
-     ["--ps_hosts", "HOST:PORT"]),
-    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2,127.0.0.1:3", job_name="worker",
-          task=2), ["--task=2", "out of range"]),
-    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2"), ["--job_name"]),
-    (dict(job_name="worker"), ["--job_name=worker", "--ps_hosts"]),
-    (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2", job_name="worker",
-          replicas_to_aggregate=2), ["--replicas_to_aggregate=2"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            dict(ps_hosts="127.0.0.1", worker_hosts="127.0.0.1:2", job_name="worker"),
+            ["--ps_hosts", "HOST:PORT"],
+        ),
+        (
+            dict(
+                ps_hosts="127.0.0.1:1",
+                worker_hosts="127.0.0.1:2,127.0.0.1:3",
+                job_name="worker",
+                task=2,
+            ),
+            ["--task=2", "out of range"],
+        ),
+        (dict(ps_hosts="127.0.0.1:1", worker_hosts="127.0.0.1:2"), ["--job_name"]),
+        (dict(job_name="worker"), ["--job_name=worker", "--ps_hosts"]),
+        (
+            dict(
+                ps_hosts="127.0.0.1:1",
+                worker_hosts="127.0.0.1:2",
+                job_name="worker",
+                replicas_to_aggregate=2,
+            ),
+            ["--replicas_to_aggregate=2"],
+        ),
+    ],
+)
 def test_bad_cluster_flags_name_the_flag(flags, words):
-    args = dict(ps_hosts=[], worker_hosts=[], job_name=None, task=0, sync_replicas=False,
-                replicas_to_aggregate=None, tf_config=None)
+    args = dict(
+        ps_hosts=[],
+        worker_hosts=[],
+        job_name=None,
+        task=0,
+        sync_replicas=False,
+        replicas_to_aggregate=None,
+        tf_config=None,
+    )
     args.update(flags)
     with pytest.raises(launch.LaunchError) as info:
         launch_cluster.from_flags(**args)
@@ -179,14 +226,26 @@ def test_every_cluster_flag_is_a_field_of_the_cluster():
 
 
 def test_tf_config_describes_the_same_cluster_as_the_flags():
-    tf_config = ('{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", '
-                 '"127.0.0.1:3"]}, "task": {"type": "worker", "index": 1}}')
-    cluster = launch_cluster.from_flags(ps_hosts=[], worker_hosts=[], job_name=None, task=0,
-                                        sync_replicas=True, replicas_to_aggregate=None,
-                                        tf_config=tf_config)
+    tf_config = (
+        '{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", '
+        '"127.0.0.1:3"]}, "task": {"type": "worker", "index": 1}}'
+    )
+    cluster = launch_cluster.from_flags(
+        ps_hosts=[],
+        worker_hosts=[],
+        job_name=None,
+        task=0,
+        sync_replicas=True,
+        replicas_to_aggregate=None,
+        tf_config=tf_config,
+    )
     assert cluster == launch_cluster.Cluster(
-        ps_hosts=("127.0.0.1:1",), worker_hosts=("127.0.0.1:2", "127.0.0.1:3"),
-        job_name="worker", task=1, sync_replicas=True)
+        ps_hosts=("127.0.0.1:1",),
+        worker_hosts=("127.0.0.1:2", "127.0.0.1:3"),
+        job_name="worker",
+        task=1,
+        sync_replicas=True,
+    )
     assert not cluster.is_chief and cluster.aggregate() == 2
 
 
@@ -194,13 +253,22 @@ def test_an_unreachable_ps_is_one_clear_line_and_exit_1(tmp_path):
     port, worker = cluster_lib.free_ports(2)
     train_dir = tmp_path / "run"
     proc = subprocess.run(
-        _command(train_dir, f"--ps_hosts=127.0.0.1:{port}",
-                 f"--worker_hosts=127.0.0.1:{worker}", "--job_name=worker", "--task=0",
-                 "--ps_timeout_secs=1"),
-        capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"))
-    lines = [line for line in proc.stderr.splitlines()
-             if line.strip() and not _LOG_LINE.match(line)]
+        _command(
+            train_dir,
+            f"--ps_hosts=127.0.0.1:{port}",
+            f"--worker_hosts=127.0.0.1:{worker}",
+            "--job_name=worker",
+            "--task=0",
+            "--ps_timeout_secs=1",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    lines = [
+        line for line in proc.stderr.splitlines() if line.strip() and not _LOG_LINE.match(line)
+    ]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "--ps_hosts" in lines[0]
     assert not train_dir.exists()
@@ -214,5 +282,8 @@ def test_read_events_returns_every_tasks_records_oldest_first(tmp_path):
     worker1({"kind": "stop", "reason": "nan_policy_stop", "time": 3.0})
     assert pathlib.Path(worker1.path).name == "nanguard_events.task1.jsonl"
     assert [(r["task"], r["kind"]) for r in slim_nanguard.read_events(tmp_path)] == [
-        (1, "bad_step"), (0, "bad_step"), (1, "stop")]
+        (1, "bad_step"),
+        (0, "bad_step"),
+        (1, "stop"),
+    ]
     assert [r["task"] for r in slim_nanguard.read_events(worker1.path)] == [1, 1]

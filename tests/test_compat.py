@@ -98,13 +98,14 @@ _UNPATCHED_PROBE = textwrap.dedent(r"""
 
 _NO_TF_KERAS_LEGACY = "ModuleNotFoundError: No module named 'tf_keras.legacy_tf_layers'"
 _NO_OPS_TENSOR = (
-    "AttributeError: module 'tensorflow.python.framework.ops' has no attribute 'Tensor'")
+    "AttributeError: module 'tensorflow.python.framework.ops' has no attribute 'Tensor'"
+)
 _NO_OPS_INDEXED_SLICES = (
-    "AttributeError: module 'tensorflow.python.framework.ops' has no attribute "
-    "'IndexedSlices'")
+    "AttributeError: module 'tensorflow.python.framework.ops' has no attribute 'IndexedSlices'"
+)
 _NO_VARIABLE_SCOPE_VARIABLE = (
-    "AttributeError: module 'tensorflow.python.ops.variable_scope' has no attribute "
-    "'variable'")
+    "AttributeError: module 'tensorflow.python.ops.variable_scope' has no attribute 'variable'"
+)
 
 # What each feature does on TensorFlow 2.21 / tf-keras 2.21 without the compat layer.
 _EXPECTED_UNPATCHED = {
@@ -137,26 +138,30 @@ def _tf_at_least_tested_version() -> bool:
 def unpatched_results():
     """Runs the probe once in a subprocess that never imports slim_nanguard.compat."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-c", _UNPATCHED_PROBE],
-                          capture_output=True,
-                          text=True,
-                          timeout=300,
-                          env=env,
-                          cwd=REPO_ROOT,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNPATCHED_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO_ROOT,
+        check=False,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS=")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1][len("RESULTS="):])
+    results = json.loads(lines[-1][len("RESULTS=") :])
     assert results.pop("compat_imported") is False
     return results
 
 
-@pytest.mark.skipif(not _tf_at_least_tested_version(),
-                    reason="expected failures are those of TensorFlow 2.21")
+@pytest.mark.skipif(
+    not _tf_at_least_tested_version(), reason="expected failures are those of TensorFlow 2.21"
+)
 @pytest.mark.parametrize("feature", sorted(_EXPECTED_UNPATCHED))
 def test_feature_without_compat(unpatched_results, feature):
-    assert unpatched_results[feature].startswith(_EXPECTED_UNPATCHED[feature]), (
-        unpatched_results[feature])
+    assert unpatched_results[feature].startswith(_EXPECTED_UNPATCHED[feature]), unpatched_results[
+        feature
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -190,9 +195,12 @@ def test_patches_only_what_this_tensorflow_removed(installed):
     from tensorflow.python.ops import variable_scope
 
     expected = set()
-    for module, names in ((ops, ("Tensor", "IndexedSlices")), (variable_scope, ("variable",)),
-                          (control_flow_ops, ("cond", "case", "while_loop", "Assert")),
-                          (array_ops, ("stack", "unstack"))):
+    for module, names in (
+        (ops, ("Tensor", "IndexedSlices")),
+        (variable_scope, ("variable",)),
+        (control_flow_ops, ("cond", "case", "while_loop", "Assert")),
+        (array_ops, ("stack", "unstack")),
+    ):
         expected.update(f"{module.__name__}.{n}" for n in names if not hasattr(module, n))
     try:
         import tf_keras.legacy_tf_layers.normalization  # noqa: F401
@@ -203,8 +211,7 @@ def test_patches_only_what_this_tensorflow_removed(installed):
         assert len(expected) == 10  # everything listed above is gone in TF 2.21
 
     # TensorFlow's own modules are untouched; tf-slim sees the restored names.
-    assert ("tensorflow.python.framework.ops.Tensor" in installed) == (not hasattr(
-        ops, "Tensor"))
+    assert ("tensorflow.python.framework.ops.Tensor" in installed) == (not hasattr(ops, "Tensor"))
     assert tf_slim.learning.ops.Tensor is tf.Tensor
     assert tf_slim.learning.ops.IndexedSlices is tf.IndexedSlices
     assert tf_slim.learning.ops.GraphKeys is ops.GraphKeys  # forwarded to the real module
@@ -227,8 +234,7 @@ def test_no_tf_slim_module_uses_a_missing_tensorflow_name():
                 continue
             path = os.path.join(dirpath, filename)
             rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-            name = "tf_slim" if rel == "__init__" else "tf_slim." + rel.replace(
-                ".__init__", "")
+            name = "tf_slim" if rel == "__init__" else "tf_slim." + rel.replace(".__init__", "")
             module = importlib.import_module(name)
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read())
@@ -237,8 +243,10 @@ def test_no_tf_slim_module_uses_a_missing_tensorflow_name():
                 if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
                     continue
                 target = getattr(module, node.value.id, None)
-                if not (isinstance(target, types.ModuleType) and
-                        target.__name__.startswith("tensorflow")):
+                if not (
+                    isinstance(target, types.ModuleType)
+                    and target.__name__.startswith("tensorflow")
+                ):
                     continue
                 try:
                     found = hasattr(target, node.attr)
@@ -299,17 +307,23 @@ def test_batch_norm_trains(fused):
 
     with tf.Graph().as_default():
         images, labels = _images_and_labels(2, 4, 3)
-        net = slim.conv2d(images, 4, [3, 3], normalizer_fn=slim.batch_norm,
-                          normalizer_params={"fused": fused, "is_training": True,
-                                             "scale": True})
+        net = slim.conv2d(
+            images,
+            4,
+            [3, 3],
+            normalizer_fn=slim.batch_norm,
+            normalizer_params={"fused": fused, "is_training": True, "scale": True},
+        )
         logits = slim.fully_connected(slim.flatten(net), 3, activation_fn=None)
         loss = _classification_loss(logits, labels)
-        bn_vars = {v.op.name.split("/")[-1]: v for v in tf1.global_variables()
-                   if "BatchNorm" in v.op.name}
+        bn_vars = {
+            v.op.name.split("/")[-1]: v for v in tf1.global_variables() if "BatchNorm" in v.op.name
+        }
         assert set(bn_vars) == {"beta", "gamma", "moving_mean", "moving_variance"}
         _, values, _ = _train_one_step(
-            loss, [bn_vars["beta"], bn_vars["gamma"], bn_vars["moving_mean"],
-                   bn_vars["moving_variance"]])
+            loss,
+            [bn_vars["beta"], bn_vars["gamma"], bn_vars["moving_mean"], bn_vars["moving_variance"]],
+        )
     # beta/gamma are trained; the moving statistics are updated by the UPDATE_OPS
     # that create_train_op runs with the step.
     _assert_changed(values)
@@ -336,9 +350,16 @@ def test_resnet_v1_50_trains():
         with slim.arg_scope(resnet_v1.resnet_arg_scope()):
             return resnet_v1.resnet_v1_50(images, num_classes)[0]
 
-    _net_step(build, 64, batch=2,
-              watch_scopes=("conv1/BatchNorm/beta", "block4/unit_3/bottleneck_v1/conv3/weights",
-                            "logits/weights"))
+    _net_step(
+        build,
+        64,
+        batch=2,
+        watch_scopes=(
+            "conv1/BatchNorm/beta",
+            "block4/unit_3/bottleneck_v1/conv3/weights",
+            "logits/weights",
+        ),
+    )
 
 
 def test_resnet_v2_50_trains():
@@ -349,8 +370,9 @@ def test_resnet_v2_50_trains():
         with slim.arg_scope(resnet_v2.resnet_arg_scope()):
             return resnet_v2.resnet_v2_50(images, num_classes)[0]
 
-    _net_step(build, 64, batch=2,
-              watch_scopes=("conv1/weights", "postnorm/gamma", "logits/weights"))
+    _net_step(
+        build, 64, batch=2, watch_scopes=("conv1/weights", "postnorm/gamma", "logits/weights")
+    )
 
 
 def test_inception_v1_trains():
@@ -362,24 +384,31 @@ def test_inception_v1_trains():
         with slim.arg_scope(inception_v1.inception_v1_arg_scope()):
             return inception_v1.inception_v1(images, num_classes)[0]
 
-    _net_step(build, 224,
-              watch_scopes=("Conv2d_1a_7x7/BatchNorm/beta", "Logits/Conv2d_0c_1x1/weights"))
+    _net_step(
+        build, 224, watch_scopes=("Conv2d_1a_7x7/BatchNorm/beta", "Logits/Conv2d_0c_1x1/weights")
+    )
 
 
 def test_vgg_a_trains():
     from tf_slim.nets import vgg
 
     # fc6 is a 7x7 VALID convolution: the net needs a 224x224 input.
-    _net_step(lambda images, n: vgg.vgg_a(images, n)[0], 224,
-              watch_scopes=("conv1/conv1_1/weights", "fc8/weights"))
+    _net_step(
+        lambda images, n: vgg.vgg_a(images, n)[0],
+        224,
+        watch_scopes=("conv1/conv1_1/weights", "fc8/weights"),
+    )
 
 
 def test_alexnet_v2_trains():
     from tf_slim.nets import alexnet
 
     # fc6 is a 5x5 VALID convolution: the net needs a 224x224 input.
-    _net_step(lambda images, n: alexnet.alexnet_v2(images, n)[0], 224,
-              watch_scopes=("conv1/weights", "fc8/weights"))
+    _net_step(
+        lambda images, n: alexnet.alexnet_v2(images, n)[0],
+        224,
+        watch_scopes=("conv1/weights", "fc8/weights"),
+    )
 
 
 def test_local_variable_in_training_step():
@@ -396,8 +425,9 @@ def test_local_variable_in_training_step():
         assert constant in tf1.global_variables()
         assert constant not in tf1.trainable_variables()
         tf1.add_to_collection(tf1.GraphKeys.UPDATE_OPS, tf1.assign_add(steps_seen, 1))
-        loss_value, values, extra = _train_one_step(loss, [weights],
-                                                    extra_fetches=[steps_seen, constant])
+        loss_value, values, extra = _train_one_step(
+            loss, [weights], extra_fetches=[steps_seen, constant]
+        )
     # The reported loss may be read before or after the update (ref variables).
     assert 4.8 <= loss_value <= 5.0 + 1e-5
     assert extra[0] == 1  # the update op ran once, with the step
@@ -455,16 +485,23 @@ def test_create_train_op_with_gradient_helpers():
     with tf.Graph().as_default():
         loss, dense, table, _ = _embedding_grads()
         loss_value, values, _ = _train_one_step(
-            loss, [dense, table], clip_gradient_norm=5.0, summarize_gradients=True,
-            gradient_multipliers={dense: 2.0})
+            loss,
+            [dense, table],
+            clip_gradient_norm=5.0,
+            summarize_gradients=True,
+            gradient_multipliers={dense: 2.0},
+        )
     assert 29.0 < loss_value <= 30.0 + 1e-5  # read before or after the update
     # dense: grad [2, 4] times 2 -> [4, 8] (norm sqrt(80)), clipped to norm 5; lr 0.01.
-    np.testing.assert_allclose(values["dense"][1],
-                               [1.0, 2.0] - 0.01 * 5.0 * np.array([4.0, 8.0]) / np.sqrt(80.0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        values["dense"][1],
+        [1.0, 2.0] - 0.01 * 5.0 * np.array([4.0, 8.0]) / np.sqrt(80.0),
+        rtol=1e-6,
+    )
     # table row 1: grad [6, 8] has norm 10, clipped to 5 -> [3, 4]; row 0 untouched.
-    np.testing.assert_allclose(values["table"][1], [[1.0, 1.0], [3.0 - 0.03, 4.0 - 0.04]],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        values["table"][1], [[1.0, 1.0], [3.0 - 0.03, 4.0 - 0.04]], rtol=1e-6
+    )
 
 
 def test_other_restored_control_flow_and_stack_users():
@@ -479,12 +516,13 @@ def test_other_restored_control_flow_and_stack_users():
         chosen = utils.smart_cond(flag, lambda: tf.constant(1.0), lambda: tf.constant(2.0))
         values, update = slim.metrics.streaming_concat(tf.constant([1.0, 2.0]))
         auc, auc_update = histogram_ops.auc_using_histogram(
-            tf.constant([True, False, True]), tf.constant([0.9, 0.1, 0.8]), [0.0, 1.0],
-            nbins=10)
+            tf.constant([True, False, True]), tf.constant([0.9, 0.1, 0.8]), [0.0, 1.0], nbins=10
+        )
         # The while_loop part of the cluster loss (cluster_loss itself needs scikit-learn).
         clustering = metric_learning.compute_gt_cluster_score(
-            metric_learning.pairwise_distance(
-                tf.constant([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0]])), tf.constant([0, 0, 1]))
+            metric_learning.pairwise_distance(tf.constant([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0]])),
+            tf.constant([0, 0, 1]),
+        )
         legacy = slim.layers.legacy_fully_connected(tf.ones([2, 3]), 2)
         with tf1.Session() as sess:
             sess.run([tf1.global_variables_initializer(), tf1.local_variables_initializer()])

@@ -26,12 +26,15 @@ OPTIMIZERS: Dict[str, Callable[[tf.Variable], v1.train.Optimizer]] = {
     "adagrad": lambda step: v1.train.AdagradOptimizer(0.1),
     "adadelta": lambda step: v1.train.AdadeltaOptimizer(1.0),
     "ftrl_shrinkage": lambda step: v1.train.FtrlOptimizer(
-        0.1, l2_shrinkage_regularization_strength=0.01),
+        0.1, l2_shrinkage_regularization_strength=0.01
+    ),
     "proximal_adagrad": lambda step: v1.train.ProximalAdagradOptimizer(
-        0.1, l1_regularization_strength=0.001),
+        0.1, l1_regularization_strength=0.001
+    ),
     "adagrad_da": lambda step: v1.train.AdagradDAOptimizer(0.1, step),
     "adam_decayed_lr": lambda step: v1.train.AdamOptimizer(
-        v1.train.exponential_decay(0.01, step, 1, 0.5)),
+        v1.train.exponential_decay(0.01, step, 1, 0.5)
+    ),
 }
 
 
@@ -48,8 +51,16 @@ def _scale_gradient(x: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
 class Run:
     """A tiny model in its own graph, with the two faults it can be fed."""
 
-    def __init__(self, *, optimizer: str = "sgd", dtype=tf.float32, embedding: str = "",
-                 ema: bool = False, use_resource: bool = True, **create_kwargs):
+    def __init__(
+        self,
+        *,
+        optimizer: str = "sgd",
+        dtype=tf.float32,
+        embedding: str = "",
+        ema: bool = False,
+        use_resource: bool = True,
+        **create_kwargs,
+    ):
         self.graph = tf.Graph()
         with self.graph.as_default(), v1.variable_scope("", use_resource=use_resource):
             v1.set_random_seed(8)
@@ -58,8 +69,7 @@ class Run:
             self.offset = v1.placeholder_with_default(tf.constant(0.0, dtype), [])
             self.grad_scale = v1.placeholder_with_default(tf.constant(1.0, dtype), [])
             if embedding:
-                partitioner = (v1.fixed_size_partitioner(2) if embedding == "partitioned"
-                               else None)
+                partitioner = v1.fixed_size_partitioner(2) if embedding == "partitioned" else None
                 table = v1.get_variable("table", [6, 3], dtype, partitioner=partitioner)
                 ids = tf.constant([0, 2, 2, 5])
                 rows = tf.nn.embedding_lookup(table, ids)  # its gradient: IndexedSlices
@@ -72,11 +82,13 @@ class Run:
             target = tf.constant(rng.randn(features.shape[0], 3), dtype)
             self.loss = tf.reduce_mean(tf.square(features + biases - target)) + self.offset
             if ema:
-                average = v1.train.ExponentialMovingAverage(0.9).apply(
-                    v1.trainable_variables())
+                average = v1.train.ExponentialMovingAverage(0.9).apply(v1.trainable_variables())
                 v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, average)
-            opt = (v1.train.GradientDescentOptimizer(0.1) if optimizer == "sgd"
-                   else OPTIMIZERS[optimizer](step))
+            opt = (
+                v1.train.GradientDescentOptimizer(0.1)
+                if optimizer == "sgd"
+                else OPTIMIZERS[optimizer](step)
+            )
             self.train_op = slim_nanguard.create_train_op(self.loss, opt, **create_kwargs)
 
     def story(self, bad_gradient: float = np.nan) -> Dict[str, np.ndarray]:
@@ -104,10 +116,10 @@ class Run:
 @pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_each_optimizer_skips_a_bad_step_and_trains_on_a_good_one(mode, optimizer,
-                                                                   use_resource):
-    changed = Run(optimizer=optimizer, use_resource=use_resource,
-                  check_numerics=MODES[mode]).story()
+def test_each_optimizer_skips_a_bad_step_and_trains_on_a_good_one(mode, optimizer, use_resource):
+    changed = Run(
+        optimizer=optimizer, use_resource=use_resource, check_numerics=MODES[mode]
+    ).story()
     assert {"weights", "biases", "global_step"} <= changed
 
 
@@ -120,7 +132,8 @@ CONFIGURATIONS: Dict[str, Dict] = {
     "float64": dict(dtype=tf.float64, optimizer="adam_decayed_lr"),
     "gate_none_with_aggregation_method": dict(
         gate_gradients=v1.train.Optimizer.GATE_NONE,
-        aggregation_method=tf.AggregationMethod.EXPERIMENTAL_TREE),
+        aggregation_method=tf.AggregationMethod.EXPERIMENTAL_TREE,
+    ),
     "no_update_ops": dict(ema=True, update_ops=[]),
     "no_global_step": dict(global_step=None, optimizer="rmsprop_centered"),
 }
@@ -137,8 +150,10 @@ EXPECTED_CHANGES: Dict[str, Optional[set]] = {
 def test_each_configuration_skips_a_bad_step_and_trains_on_a_good_one(mode, name):
     run = Run(check_numerics=MODES[mode], **CONFIGURATIONS[name])
     if "embedding" in name:  # the NaN rows reach the table as IndexedSlices: a sparse update
-        assert any(op.type.startswith(("SparseApply", "ResourceSparseApply", "Scatter",
-                                       "ResourceScatter")) for op in run.graph.get_operations())
+        assert any(
+            op.type.startswith(("SparseApply", "ResourceSparseApply", "Scatter", "ResourceScatter"))
+            for op in run.graph.get_operations()
+        )
     changed = run.story()
     assert EXPECTED_CHANGES.get(name, {"weights", "biases"}) <= changed
     assert ("global_step" in changed) == (name != "no_global_step")

@@ -1,6 +1,5 @@
 """Tests of slim_nanguard.datasets: the shipped digits, synthetic data and TF-Slim TFRecords."""
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -32,8 +31,9 @@ def _read_all(name, split="train", **kwargs):
 
 
 def _digit_like_images(count, height=8, width=8, channels=1, seed=0):
-    return np.random.RandomState(seed).randint(0, 256, size=(count, height, width, channels),
-                                               dtype=np.uint8)
+    return np.random.RandomState(seed).randint(
+        0, 256, size=(count, height, width, channels), dtype=np.uint8
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,8 +69,9 @@ def test_digits_training_batches_are_full_float_images_in_0_1_with_int64_labels(
 
 
 def test_digits_test_split_read_once_yields_every_example_once():
-    images, labels, _, (image_t, _) = _read("digits", "test", batch_size=64, shuffle=False,
-                                            repeat=False)
+    images, labels, _, (image_t, _) = _read(
+        "digits", "test", batch_size=64, shuffle=False, repeat=False
+    )
 
     assert [len(b) for b in labels] == [64, 64, 64, 64, 44]  # the remainder is kept.
     assert image_t.shape.as_list() == [None, 8, 8, 1]
@@ -138,8 +139,9 @@ def test_a_tfrecord_written_with_write_tfrecord_reads_back_the_same_pixels_and_l
     assert datasets.write_tfrecord(str(tmp_path / "digits_train.tfrecord"), pixels, labels) == 10
     datasets.write_label_file(str(tmp_path), ["zero", "one", "two"])
 
-    images, read_labels, info = _read_all("tfrecord", "train", dataset_dir=str(tmp_path),
-                                          batch_size=4)
+    images, read_labels, info = _read_all(
+        "tfrecord", "train", dataset_dir=str(tmp_path), batch_size=4
+    )
 
     np.testing.assert_array_equal(read_labels, labels)
     np.testing.assert_array_equal(np.round(images * 255).astype(np.uint8), pixels)  # PNG.
@@ -151,17 +153,22 @@ def test_a_tfrecord_written_with_write_tfrecord_reads_back_the_same_pixels_and_l
 def test_tfrecord_reads_slims_shard_names_and_only_the_asked_split(tmp_path):
     rgb = _digit_like_images(6, 5, 7, 3)
     for shard in range(2):
-        datasets.write_tfrecord(str(tmp_path / f"flowers_train_{shard:05d}-of-00002.tfrecord"),
-                                rgb[3 * shard:3 * shard + 3], [shard] * 3)
-    datasets.write_tfrecord(str(tmp_path / "flowers_validation_00000-of-00001.tfrecord"),
-                            rgb[:1], [4])
+        datasets.write_tfrecord(
+            str(tmp_path / f"flowers_train_{shard:05d}-of-00002.tfrecord"),
+            rgb[3 * shard : 3 * shard + 3],
+            [shard] * 3,
+        )
+    datasets.write_tfrecord(
+        str(tmp_path / "flowers_validation_00000-of-00001.tfrecord"), rgb[:1], [4]
+    )
     datasets.write_tfrecord(str(tmp_path / "validation-00000-of-00001"), rgb[:1], [4])
 
-    train_images, train_labels, train_info = _read_all("tfrecord", "train",
-                                                       dataset_dir=str(tmp_path), batch_size=4,
-                                                       num_classes=5)
-    _, validation_labels, validation_info = _read_all("tfrecord", "validation",
-                                                      dataset_dir=str(tmp_path), batch_size=4)
+    train_images, train_labels, train_info = _read_all(
+        "tfrecord", "train", dataset_dir=str(tmp_path), batch_size=4, num_classes=5
+    )
+    _, validation_labels, validation_info = _read_all(
+        "tfrecord", "validation", dataset_dir=str(tmp_path), batch_size=4
+    )
 
     assert sorted(train_labels) == [0, 0, 0, 1, 1, 1]
     assert train_images.shape == (6, 5, 7, 3)
@@ -173,8 +180,9 @@ def test_tfrecord_reads_slims_shard_names_and_only_the_asked_split(tmp_path):
 def test_tfrecord_shuffled_training_batches_have_a_static_shape(tmp_path):
     datasets.write_tfrecord(str(tmp_path / "x_train.tfrecord"), _digit_like_images(10), [1] * 10)
 
-    _, labels, info, (image_t, label_t) = _read("tfrecord", dataset_dir=str(tmp_path),
-                                                batch_size=4, seed=0, num_batches=5)
+    _, labels, info, (image_t, label_t) = _read(
+        "tfrecord", dataset_dir=str(tmp_path), batch_size=4, seed=0, num_batches=5
+    )
 
     assert image_t.shape.as_list() == [4, 8, 8, 1] and label_t.dtype == tf.int64
     assert len(labels) == 5 and info.num_classes == 2
@@ -186,8 +194,9 @@ def test_tfrecord_images_of_varying_size_need_image_size(tmp_path):
 
     with pytest.raises(ValueError, match="differ in size.*image_size"):
         datasets.get_dataset("tfrecord", dataset_dir=str(tmp_path), batch_size=2)
-    resized, labels, info = _read_all("tfrecord", dataset_dir=str(tmp_path), batch_size=2,
-                                      image_size=16)
+    resized, labels, info = _read_all(
+        "tfrecord", dataset_dir=str(tmp_path), batch_size=2, image_size=16
+    )
     assert resized.shape == (2, 16, 16, 3) and info.image_shape == (16, 16, 3)
     np.testing.assert_allclose(resized[0], 0.0)
     np.testing.assert_allclose(resized[1], 1.0)
@@ -196,8 +205,9 @@ def test_tfrecord_images_of_varying_size_need_image_size(tmp_path):
 
 def test_tfrecord_jpeg_reads_back_close_to_the_original(tmp_path):
     smooth = np.tile(np.linspace(0, 255, 16, dtype=np.uint8), (4, 16, 1))[..., None]
-    datasets.write_tfrecord(str(tmp_path / "j_test.tfrecord"), np.repeat(smooth, 3, -1), [0] * 4,
-                            format="jpeg")
+    datasets.write_tfrecord(
+        str(tmp_path / "j_test.tfrecord"), np.repeat(smooth, 3, -1), [0] * 4, format="jpeg"
+    )
 
     images, _, info = _read_all("tfrecord", "test", dataset_dir=str(tmp_path), batch_size=4)
 
@@ -213,7 +223,8 @@ def _write_examples(path, features_list):
     with tf.io.TFRecordWriter(str(path)) as writer:
         for features in features_list:
             writer.write(
-                tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString())
+                tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+            )
 
 
 def _bytes(value):
@@ -241,12 +252,15 @@ def test_unknown_split_lists_the_splits():
         datasets.get_dataset("digits", "validation", batch_size=8)
 
 
-@pytest.mark.parametrize("argument, match", [
-    (dict(batch_size=0), "batch_size=0"),
-    (dict(batch_size=8, image_size=-1), "image_size=-1"),
-    (dict(batch_size=8, channels=2), "channels=2"),
-    (dict(batch_size=8, num_classes=7), "num_classes=7.*10 classes"),
-])
+@pytest.mark.parametrize(
+    "argument, match",
+    [
+        (dict(batch_size=0), "batch_size=0"),
+        (dict(batch_size=8, image_size=-1), "image_size=-1"),
+        (dict(batch_size=8, channels=2), "channels=2"),
+        (dict(batch_size=8, num_classes=7), "num_classes=7.*10 classes"),
+    ],
+)
 def test_bad_arguments_are_named(argument, match):
     with pytest.raises(ValueError, match=match):
         datasets.get_dataset("digits", **argument)
@@ -277,15 +291,19 @@ def test_dataset_dir_that_is_a_file(tmp_path):
 
 def test_no_files_for_the_split_says_the_pattern_and_what_is_there(tmp_path):
     datasets.write_tfrecord(str(tmp_path / "flowers_train.tfrecord"), _digit_like_images(1), [0])
-    with pytest.raises(ValueError,
-                       match=r"split 'validation'.*\*validation\*\.tfrecord\*.*flowers_train"):
+    with pytest.raises(
+        ValueError, match=r"split 'validation'.*\*validation\*\.tfrecord\*.*flowers_train"
+    ):
         datasets.get_dataset("tfrecord", "validation", dataset_dir=str(tmp_path), batch_size=8)
 
 
 def test_files_with_no_records(tmp_path):
     (tmp_path / "flowers_train_00000-of-00001.tfrecord").write_bytes(b"")
-    with pytest.raises(ValueError, match="flowers_train_00000-of-00001.tfrecord.*no records|"
-                       "no records.*flowers_train_00000-of-00001.tfrecord"):
+    with pytest.raises(
+        ValueError,
+        match="flowers_train_00000-of-00001.tfrecord.*no records|"
+        "no records.*flowers_train_00000-of-00001.tfrecord",
+    ):
         datasets.get_dataset("tfrecord", dataset_dir=str(tmp_path), batch_size=8)
 
 
@@ -314,7 +332,8 @@ def test_a_record_without_a_required_key_names_the_key_and_the_file(tmp_path, mi
 def _raw_records(path):
     with tf.Graph().as_default():
         next_record = tf.compat.v1.data.make_one_shot_iterator(
-            tf.data.TFRecordDataset(str(path))).get_next()
+            tf.data.TFRecordDataset(str(path))
+        ).get_next()
         with tf.compat.v1.Session() as session:
             while True:
                 try:
@@ -325,22 +344,32 @@ def _raw_records(path):
 
 def test_an_image_that_does_not_decode_names_the_file(tmp_path):
     path = tmp_path / "broken_train.tfrecord"
-    _write_examples(path, [{
-        "image/encoded": _bytes(b"\x89PNG but not really"),
-        "image/format": _bytes(b"png"),
-        "image/class/label": _int64(0),
-    }])
+    _write_examples(
+        path,
+        [
+            {
+                "image/encoded": _bytes(b"\x89PNG but not really"),
+                "image/format": _bytes(b"png"),
+                "image/class/label": _int64(0),
+            }
+        ],
+    )
     with pytest.raises(ValueError, match=f"first image of {path} does not decode"):
         datasets.get_dataset("tfrecord", dataset_dir=str(tmp_path), batch_size=8)
 
 
 def test_raw_pixel_records_are_refused_with_what_to_do(tmp_path):
     path = tmp_path / "raw_train.tfrecord"
-    _write_examples(path, [{
-        "image/encoded": _bytes(bytes(64)),
-        "image/format": _bytes(b"RAW"),
-        "image/class/label": _int64(0),
-    }])
+    _write_examples(
+        path,
+        [
+            {
+                "image/encoded": _bytes(bytes(64)),
+                "image/format": _bytes(b"RAW"),
+                "image/class/label": _int64(0),
+            }
+        ],
+    )
     with pytest.raises(ValueError, match=f"{path} has 'image/format' 'raw'.*PNG or JPEG"):
         datasets.get_dataset("tfrecord", dataset_dir=str(tmp_path), batch_size=8)
 
@@ -362,8 +391,7 @@ def test_a_malformed_labels_txt_names_the_line(tmp_path):
 
 def test_write_tfrecord_wants_uint8_images_and_one_label_each(tmp_path):
     with pytest.raises(ValueError, match="float32, not uint8"):
-        datasets.write_tfrecord(str(tmp_path / "f.tfrecord"), np.zeros((1, 4, 4), np.float32),
-                                [0])
+        datasets.write_tfrecord(str(tmp_path / "f.tfrecord"), np.zeros((1, 4, 4), np.float32), [0])
     with pytest.raises(ValueError, match="2 images but 1 labels"):
         datasets.write_tfrecord(str(tmp_path / "f.tfrecord"), _digit_like_images(2), [0])
 
@@ -394,17 +422,23 @@ def test_find_bad_record_names_the_file_the_record_and_the_cause(tmp_path):
     path = tmp_path / "late_train.tfrecord"
     datasets.write_tfrecord(str(path), _digit_like_images(6), list(range(6)))
     broken = tmp_path / "broken.tfrecord"
-    _write_examples(broken, [{
-        "image/encoded": _bytes(b"\x89PNG but not really"),
-        "image/format": _bytes(b"png"),
-        "image/class/label": _int64(0),
-    }])
+    _write_examples(
+        broken,
+        [
+            {
+                "image/encoded": _bytes(b"\x89PNG but not really"),
+                "image/format": _bytes(b"png"),
+                "image/class/label": _int64(0),
+            }
+        ],
+    )
     with tf.io.TFRecordWriter(str(tmp_path / "joined_train.tfrecord")) as writer:
         for record in list(_raw_records(path)) + list(_raw_records(broken)):
             writer.write(record)
     path.unlink()
     broken.unlink()
     found = datasets.find_bad_record(str(tmp_path), "train")
-    assert found.startswith(f"Record 6 of {tmp_path / 'joined_train.tfrecord'} (after 6 good "
-                            "records) does not decode (")
+    assert found.startswith(
+        f"Record 6 of {tmp_path / 'joined_train.tfrecord'} (after 6 good records) does not decode ("
+    )
     assert "Graph execution error" not in found

@@ -26,10 +26,15 @@ def _session(replica, check_numerics):
     if not check_numerics:
         hooks.append(slim_nanguard.nan_hook(replica.train_op))
     return tf.compat.v1.train.MonitoredTrainingSession(
-        is_chief=True, hooks=hooks, save_checkpoint_secs=None, save_summaries_steps=None,
-        save_summaries_secs=None, log_step_count_steps=None,
+        is_chief=True,
+        hooks=hooks,
+        save_checkpoint_secs=None,
+        save_summaries_steps=None,
+        save_summaries_secs=None,
+        log_step_count_steps=None,
         # The chief's queue runner blocks in take_grad when the session ends; don't wait on it.
-        stop_grace_period_secs=1)
+        stop_grace_period_secs=1,
+    )
 
 
 def _raw(sess, fetches):
@@ -60,8 +65,11 @@ def _wait_for_step(sess, replica, step, timeout=20.0):
 def _feed(replica, seed, fault=None):
     x, y, _, _ = lib.batches(count=seed + 1)
     p = replica.placeholders
-    return {p["x"]: x[seed], p["y"]: y[seed],
-            p["offset"]: np.float32(np.nan if fault == "nan_loss" else 0.0)}
+    return {
+        p["x"]: x[seed],
+        p["y"]: y[seed],
+        p["offset"]: np.float32(np.nan if fault == "nan_loss" else 0.0),
+    }
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -71,16 +79,18 @@ def test_the_guards_gradient_sums_stay_on_the_worker_that_made_them(mode):
     guard = slim_nanguard.get_guard(replica.train_op)
     with replica.graph.as_default():
         assert all(v.device == "/job:ps/task:0" for v in tf.compat.v1.global_variables())
-    ops = [op for op in replica.graph.get_operations()
-           if op.name.startswith(guard.diagnostics.op.name)]
+    ops = [
+        op for op in replica.graph.get_operations() if op.name.startswith(guard.diagnostics.op.name)
+    ]
     assert ops and {op.device for op in ops} == {"/job:worker/task:1"}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_sync_replicas_session_starts_with_fed_placeholders_and_skips_a_bad_step(mode):
     """Its init, ready check and token ops need no feed; a bad step writes nothing."""
-    replica = cluster_lib.build(sync_replicas=True, fed=True, check_numerics=MODES[mode],
-                                nan_policy="skip")
+    replica = cluster_lib.build(
+        sync_replicas=True, fed=True, check_numerics=MODES[mode], nan_policy="skip"
+    )
     with replica.graph.as_default():
         weights = tf.compat.v1.trainable_variables()
         with _session(replica, MODES[mode]) as sess:  # used to fail: "must feed a value"
@@ -103,8 +113,9 @@ def test_sync_replicas_session_starts_with_fed_placeholders_and_skips_a_bad_step
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_sync_replicas_only_the_train_op_takes_batches(mode):
     """With tf.data input, session creation and the chief's ops pull no batch."""
-    replica = cluster_lib.build(sync_replicas=True, faults={2: "nan_loss"},
-                                check_numerics=MODES[mode], nan_policy="skip")
+    replica = cluster_lib.build(
+        sync_replicas=True, faults={2: "nan_loss"}, check_numerics=MODES[mode], nan_policy="skip"
+    )
     seen, bad = [], 0
     with replica.graph.as_default(), _session(replica, MODES[mode]) as sess:
         for _ in range(6):
@@ -122,11 +133,17 @@ def test_sync_replicas_only_the_train_op_takes_batches(mode):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_bad_gradient_never_enters_the_accumulators(mode):
     """Two gradients per round: good, bad (not counted), good completes the round."""
-    replica = cluster_lib.build(sync_replicas=True, replicas_to_aggregate=2, fed=True,
-                                check_numerics=MODES[mode], nan_policy="skip")
+    replica = cluster_lib.build(
+        sync_replicas=True,
+        replicas_to_aggregate=2,
+        fed=True,
+        check_numerics=MODES[mode],
+        nan_policy="skip",
+    )
     with replica.graph.as_default():
-        counts = [accumulator.num_accumulated()
-                  for accumulator, _ in replica.optimizer._accumulator_list]
+        counts = [
+            accumulator.num_accumulated() for accumulator, _ in replica.optimizer._accumulator_list
+        ]
         weights = tf.compat.v1.trainable_variables()
         with _session(replica, MODES[mode]) as sess:
             _step(sess, replica, _feed(replica, 0))
@@ -143,8 +160,11 @@ def test_a_bad_gradient_never_enters_the_accumulators(mode):
 
 def test_the_chiefs_aggregated_update_waits_on_its_own_check():
     replica = cluster_lib.build(sync_replicas=True, fed=True)
-    writes = [op for op in replica.graph.get_operations()
-              if op.type.startswith(("ApplyGradientDescent", "ResourceApplyGradientDescent"))]
+    writes = [
+        op
+        for op in replica.graph.get_operations()
+        if op.type.startswith(("ApplyGradientDescent", "ResourceApplyGradientDescent"))
+    ]
     assert len(writes) == 4  # two layers' weights and biases
     for op in writes:
         checks = [c for c in op.control_inputs if c.type.startswith("CheckNumerics")]
@@ -158,13 +178,21 @@ def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
         scale = tf.compat.v1.placeholder(tf.float32, [], name="scale")
         w = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.constant_initializer(0.5))
         optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
-            tf.compat.v1.train.GradientDescentOptimizer(1e-3), replicas_to_aggregate=2,
-            total_num_replicas=2)
+            tf.compat.v1.train.GradientDescentOptimizer(1e-3),
+            replicas_to_aggregate=2,
+            total_num_replicas=2,
+        )
         train_op = slim_nanguard.create_train_op(w * scale, optimizer, nan_policy="skip")
         hook = optimizer.make_session_run_hook(is_chief=True)
         session = tf.compat.v1.train.MonitoredTrainingSession(
-            is_chief=True, hooks=[hook], save_checkpoint_secs=None, save_summaries_steps=None,
-            save_summaries_secs=None, log_step_count_steps=None, stop_grace_period_secs=1)
+            is_chief=True,
+            hooks=[hook],
+            save_checkpoint_secs=None,
+            save_summaries_steps=None,
+            save_summaries_secs=None,
+            log_step_count_steps=None,
+            stop_grace_period_secs=1,
+        )
         # The check's error stops the chief's coordinator; the session raises it at the latest
         # when it closes (a run in between may first see the token queue closed).
         with pytest.raises(tf.errors.InvalidArgumentError, match="aggregated gradient"):

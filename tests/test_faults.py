@@ -18,27 +18,33 @@ from slim_nanguard import launch
 # FaultSpec
 
 
-@pytest.mark.parametrize("text, kind, first, last", [
-    ("nan_input:40", "nan_input", 40, 40),
-    ("inf_input:0", "inf_input", 0, 0),
-    (" nan_loss : 7 ", "nan_loss", 7, 7),
-    ("inf_loss:3-5", "inf_loss", 3, 5),
-    ("nan_gradient:12", "nan_gradient", 12, 12),
-])
+@pytest.mark.parametrize(
+    "text, kind, first, last",
+    [
+        ("nan_input:40", "nan_input", 40, 40),
+        ("inf_input:0", "inf_input", 0, 0),
+        (" nan_loss : 7 ", "nan_loss", 7, 7),
+        ("inf_loss:3-5", "inf_loss", 3, 5),
+        ("nan_gradient:12", "nan_gradient", 12, 12),
+    ],
+)
 def test_parse_reads_kind_and_batches(text, kind, first, last):
     spec = faults.FaultSpec.parse(text)
     assert (spec.kind, spec.first, spec.last) == (kind, first, last)
     assert faults.FaultSpec.parse(str(spec)) == spec
 
 
-@pytest.mark.parametrize("text, words", [
-    ("nan_foo:3", ["unknown kind 'nan_foo'", "nan_input"]),
-    ("nan_loss", ["KIND:STEP", "nan_input:40"]),
-    ("nan_loss:-1", ["KIND:STEP"]),
-    ("nan_loss:x", ["KIND:STEP"]),
-    ("nan_loss:5-3", ["FIRST <= LAST"]),
-    ("", ["KIND:STEP"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("nan_foo:3", ["unknown kind 'nan_foo'", "nan_input"]),
+        ("nan_loss", ["KIND:STEP", "nan_input:40"]),
+        ("nan_loss:-1", ["KIND:STEP"]),
+        ("nan_loss:x", ["KIND:STEP"]),
+        ("nan_loss:5-3", ["FIRST <= LAST"]),
+        ("", ["KIND:STEP"]),
+    ],
+)
 def test_parse_rejects_bad_text_with_a_clear_message(text, words):
     with pytest.raises(ValueError) as info:
         faults.FaultSpec.parse(text)
@@ -63,27 +69,35 @@ def _run_injected(spec_text, num_batches=4):
         images = np.ones([num_batches * 2, 2, 2, 1], np.float32)
         dataset = tf.data.Dataset.from_tensor_slices(images).batch(2)
         index, batch = tf.compat.v1.data.make_one_shot_iterator(
-            faults.enumerate_batches(dataset)).get_next()
+            faults.enumerate_batches(dataset)
+        ).get_next()
         injector = faults.FaultInjector(faults.FaultSpec.parse_list(spec_text), index)
         batch = injector.corrupt_images(batch)
         weights = tf.compat.v1.get_variable("w", [4, 1], initializer=tf.ones_initializer())
         loss = tf.reduce_mean(tf.matmul(tf.reshape(batch, [-1, 4]), weights))
         loss = injector.corrupt_loss(loss)
         (grad,) = tf.gradients(loss, [weights])
-        fetch = [index, tf.reduce_all(tf.math.is_finite(batch)), loss,
-                 tf.reduce_all(tf.math.is_finite(grad))]
+        fetch = [
+            index,
+            tf.reduce_all(tf.math.is_finite(batch)),
+            loss,
+            tf.reduce_all(tf.math.is_finite(grad)),
+        ]
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             return [session.run(fetch) for _ in range(num_batches)]
 
 
-@pytest.mark.parametrize("kind, images_ok, loss_check, grad_ok", [
-    ("nan_input", False, np.isnan, False),
-    ("inf_input", False, np.isinf, False),
-    ("nan_loss", True, np.isnan, True),
-    ("inf_loss", True, np.isinf, True),
-    ("nan_gradient", True, np.isfinite, False),
-])
+@pytest.mark.parametrize(
+    "kind, images_ok, loss_check, grad_ok",
+    [
+        ("nan_input", False, np.isnan, False),
+        ("inf_input", False, np.isinf, False),
+        ("nan_loss", True, np.isnan, True),
+        ("inf_loss", True, np.isinf, True),
+        ("nan_gradient", True, np.isfinite, False),
+    ],
+)
 def test_each_kind_corrupts_only_the_chosen_batch(kind, images_ok, loss_check, grad_ok):
     rows = _run_injected(f"{kind}:2")
     for index, batch_finite, loss, grad_finite in rows:
@@ -111,20 +125,25 @@ def test_a_range_hits_every_batch_in_it():
 # TrainConfig / EvalConfig validation
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"max_number_of_steps": -5}, ["--max_number_of_steps", "-5"]),
-    ({"optimizer": "sgdx"}, ["--optimizer", "'sgdx'", "momentum"]),
-    ({"learning_rate_decay_type": "cosine"}, ["--learning_rate_decay_type"]),
-    ({"nan_policy": "ignore"}, ["--nan_policy", "rollback"]),
-    ({"persistent_nan_policy": "skip"}, ["--persistent_nan_policy", "'skip'",
-                                         "raise, stop, rollback"]),
-    ({"model_name": "resnet_v9"}, ["--model_name"]),
-    ({"batch_size": 0}, ["--batch_size"]),
-    ({"learning_rate": -1.0}, ["--learning_rate"]),
-    ({"rollback_lr_factor": 0.0}, ["--rollback_lr_factor"]),
-    ({"inject_faults": "nan_foo:3"}, ["--inject_fault", "nan_foo"]),
-    ({"dataset_name": "tfrecord"}, ["--dataset_dir"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_number_of_steps": -5}, ["--max_number_of_steps", "-5"]),
+        ({"optimizer": "sgdx"}, ["--optimizer", "'sgdx'", "momentum"]),
+        ({"learning_rate_decay_type": "cosine"}, ["--learning_rate_decay_type"]),
+        ({"nan_policy": "ignore"}, ["--nan_policy", "rollback"]),
+        (
+            {"persistent_nan_policy": "skip"},
+            ["--persistent_nan_policy", "'skip'", "raise, stop, rollback"],
+        ),
+        ({"model_name": "resnet_v9"}, ["--model_name"]),
+        ({"batch_size": 0}, ["--batch_size"]),
+        ({"learning_rate": -1.0}, ["--learning_rate"]),
+        ({"rollback_lr_factor": 0.0}, ["--rollback_lr_factor"]),
+        ({"inject_faults": "nan_foo:3"}, ["--inject_fault", "nan_foo"]),
+        ({"dataset_name": "tfrecord"}, ["--dataset_dir"]),
+    ],
+)
 def test_train_config_names_the_bad_setting(kwargs, words, tmp_path):
     with pytest.raises(launch.LaunchError) as info:
         launch.TrainConfig(train_dir=str(tmp_path / "run"), **kwargs)
@@ -135,8 +154,12 @@ def test_train_config_names_the_bad_setting(kwargs, words, tmp_path):
 
 
 def test_train_config_normalises_lists():
-    config = launch.TrainConfig(train_dir="/tmp/x", checkpoint_exclude_scopes="A/b, C",
-                                trainable_scopes=["D"], inject_faults="nan_loss:3,inf_input:4")
+    config = launch.TrainConfig(
+        train_dir="/tmp/x",
+        checkpoint_exclude_scopes="A/b, C",
+        trainable_scopes=["D"],
+        inject_faults="nan_loss:3,inf_input:4",
+    )
     assert config.checkpoint_exclude_scopes == ("A/b", "C")
     assert config.trainable_scopes == ("D",)
     assert [str(f) for f in config.inject_faults] == ["nan_loss:3", "inf_input:4"]
@@ -147,17 +170,24 @@ def test_train_config_normalises_lists():
 
 
 def _config(train_dir, **kwargs):
-    values = dict(train_dir=str(train_dir), dataset_name="synthetic", batch_size=16,
-                  max_number_of_steps=30, log_every_n_steps=0, save_summaries_steps=0,
-                  save_summaries_secs=0)
+    values = dict(
+        train_dir=str(train_dir),
+        dataset_name="synthetic",
+        batch_size=16,
+        max_number_of_steps=30,
+        log_every_n_steps=0,
+        save_summaries_steps=0,
+        save_summaries_secs=0,
+    )
     values.update(kwargs)
     return launch.TrainConfig(**values)
 
 
 @pytest.mark.parametrize("check_numerics", [True, False], ids=["check_numerics", "hook"])
 def test_skip_steps_over_an_injected_nan_batch(tmp_path, check_numerics):
-    result = launch.run_training(_config(tmp_path / "run", check_numerics=check_numerics,
-                                         inject_faults="nan_input:10"))
+    result = launch.run_training(
+        _config(tmp_path / "run", check_numerics=check_numerics, inject_faults="nan_input:10")
+    )
     assert (result.global_step, result.bad_steps, result.skips) == (30, 1, 1)
     assert result.stop_reason == "step_limit"
     assert not slim_nanguard.non_finite_variables(result.checkpoint)
@@ -165,33 +195,58 @@ def test_skip_steps_over_an_injected_nan_batch(tmp_path, check_numerics):
     assert [(e["step"], e["action"]) for e in bad] == [(10, "skip")]
 
 
-@pytest.mark.parametrize("optimizer, decay", [
-    ("sgd", "fixed"), ("momentum", "exponential"), ("rmsprop", "polynomial"),
-    ("adam", "fixed"), ("adagrad", "fixed"), ("adadelta", "fixed"), ("ftrl", "fixed")])
+@pytest.mark.parametrize(
+    "optimizer, decay",
+    [
+        ("sgd", "fixed"),
+        ("momentum", "exponential"),
+        ("rmsprop", "polynomial"),
+        ("adam", "fixed"),
+        ("adagrad", "fixed"),
+        ("adadelta", "fixed"),
+        ("ftrl", "fixed"),
+    ],
+)
 def test_every_optimizer_and_decay_trains(tmp_path, optimizer, decay):
-    result = launch.run_training(_config(tmp_path / "run", optimizer=optimizer,
-                                         learning_rate_decay_type=decay, learning_rate=0.01,
-                                         max_number_of_steps=5, rollback_lr_factor=0.5,
-                                         nan_policy="rollback"))
+    result = launch.run_training(
+        _config(
+            tmp_path / "run",
+            optimizer=optimizer,
+            learning_rate_decay_type=decay,
+            learning_rate=0.01,
+            max_number_of_steps=5,
+            rollback_lr_factor=0.5,
+            nan_policy="rollback",
+        )
+    )
     assert result.global_step == 5 and np.isfinite(result.final_loss)
 
 
 def test_bad_dataset_dir_fails_before_train_dir_is_created(tmp_path):
     train_dir = tmp_path / "run"
     with pytest.raises(datasets.DatasetError, match="does not exist"):
-        launch.run_training(_config(train_dir, dataset_name="tfrecord",
-                                    dataset_dir=str(tmp_path / "missing")))
+        launch.run_training(
+            _config(train_dir, dataset_name="tfrecord", dataset_dir=str(tmp_path / "missing"))
+        )
     assert not train_dir.exists()
 
 
 def test_tfrecord_with_an_image_that_does_not_decode(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    example = tf.train.Example(features=tf.train.Features(feature={
-        datasets.ENCODED_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"junk"])),
-        datasets.FORMAT_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"png"])),
-        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
-    }))
+    example = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                datasets.ENCODED_KEY: tf.train.Feature(
+                    bytes_list=tf.train.BytesList(value=[b"junk"])
+                ),
+                datasets.FORMAT_KEY: tf.train.Feature(
+                    bytes_list=tf.train.BytesList(value=[b"png"])
+                ),
+                datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[1])),
+            }
+        )
+    )
     with tf.io.TFRecordWriter(str(data / "toy_train.tfrecord")) as writer:
         writer.write(example.SerializeToString())
     train_dir = tmp_path / "run"
@@ -216,8 +271,11 @@ def test_resume_with_another_model_is_refused(tmp_path):
 def test_raise_policy_keeps_the_run_directory_with_a_finite_checkpoint(tmp_path):
     train_dir = tmp_path / "run"
     with pytest.raises(slim_nanguard.NanLossError) as info:
-        launch.run_training(_config(train_dir, nan_policy="raise", save_interval_steps=5,
-                                    inject_faults="nan_loss:12"))
+        launch.run_training(
+            _config(
+                train_dir, nan_policy="raise", save_interval_steps=5, inject_faults="nan_loss:12"
+            )
+        )
     assert "global step 12" in str(info.value)
     latest = tf.train.latest_checkpoint(str(train_dir))
     # Before raising, the good state of the bad step is saved: no good step is lost.
@@ -233,13 +291,28 @@ def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):
     # norms (1x1 maps, statistics over 2 values) blow the loss up to 1e13 within three steps
     # with oneDNN off, and this test is not about divergence.
     train_dir = tmp_path / "run"
-    result = launch.run_training(_config(train_dir, model_name="resnet_v1_50",
-                                         train_image_size=32, batch_size=4, learning_rate=0.001,
-                                         max_number_of_steps=2, inject_faults="nan_gradient:0"))
+    result = launch.run_training(
+        _config(
+            train_dir,
+            model_name="resnet_v1_50",
+            train_image_size=32,
+            batch_size=4,
+            learning_rate=0.001,
+            max_number_of_steps=2,
+            inject_faults="nan_gradient:0",
+        )
+    )
     assert (result.global_step, result.skips) == (2, 1)
-    evaluation = launch.run_eval(launch.EvalConfig(
-        checkpoint_path=str(train_dir), model_name="resnet_v1_50", dataset_name="synthetic",
-        eval_image_size=32, batch_size=4, max_num_batches=1))
+    evaluation = launch.run_eval(
+        launch.EvalConfig(
+            checkpoint_path=str(train_dir),
+            model_name="resnet_v1_50",
+            dataset_name="synthetic",
+            eval_image_size=32,
+            batch_size=4,
+            max_num_batches=1,
+        )
+    )
     assert evaluation.num_examples == 4 and evaluation.global_step == 2
 
 
@@ -250,8 +323,9 @@ def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):
 def test_eval_reads_the_whole_split_once(tmp_path):
     train_dir = tmp_path / "run"
     launch.run_training(_config(train_dir, max_number_of_steps=20))
-    result = launch.run_eval(launch.EvalConfig(checkpoint_path=str(train_dir),
-                                               dataset_name="synthetic", batch_size=100))
+    result = launch.run_eval(
+        launch.EvalConfig(checkpoint_path=str(train_dir), dataset_name="synthetic", batch_size=100)
+    )
     assert result.num_examples == 256  # the synthetic test split, last batch partial
     assert result.global_step == 20
     # An accuracy over the whole split counts each of its 256 examples once.

@@ -33,6 +33,7 @@ def _raw(sess):
 
 # ------------------------------------------------------------------ EMA after the train op
 
+
 def _with_ema_after_train_op(check_numerics: bool):
     """The pattern of ExponentialMovingAverage's docstring: averages applied after each step."""
     model = lib.build_model(check_numerics=check_numerics, nan_policy="skip")
@@ -60,8 +61,10 @@ def test_in_hook_mode_an_ema_chained_after_the_train_op_holds_still_on_a_bad_ste
         sess.run(training_op, model.feed(3))  # the next good step moves the averages again
         after = lib.state(_raw(sess), model.graph)
     assert int(after["global_step"]) == 3
-    assert not np.array_equal(after["fc1/weights/ExponentialMovingAverage"],
-                              before["fc1/weights/ExponentialMovingAverage"])
+    assert not np.array_equal(
+        after["fc1/weights/ExponentialMovingAverage"],
+        before["fc1/weights/ExponentialMovingAverage"],
+    )
 
 
 def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on_a_bad_step():
@@ -76,16 +79,20 @@ def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on
         lib.assert_state_equal(before, lib.state(sess, model.graph))
         sess.run(training_op, model.feed(3))
         after = lib.state(sess, model.graph)
-    assert not np.array_equal(after["fc1/weights/ExponentialMovingAverage"],
-                              before["fc1/weights/ExponentialMovingAverage"])
+    assert not np.array_equal(
+        after["fc1/weights/ExponentialMovingAverage"],
+        before["fc1/weights/ExponentialMovingAverage"],
+    )
 
 
 # ------------------------------------------------------------------ batch norm in place
+
 
 @pytest.fixture
 def control_flow_v2():
     """Functional tf.cond and while loops (TF2's default; the suite runs TF1 behaviour)."""
     from tensorflow.python.ops import control_flow_util
+
     was = control_flow_util.ENABLE_CONTROL_FLOW_V2
     control_flow_util.ENABLE_CONTROL_FLOW_V2 = True
     yield
@@ -101,33 +108,51 @@ BATCH_NORM_VARIANTS = ["resource", "ref", "cond", "cond_v2"]
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "not_fused"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_step(
-        mode, fused, variant, request):
+    mode, fused, variant, request
+):
     """slim.batch_norm with updates_collections=None writes its moving mean and variance
     before the loss exists. A bad step (a NaN loss on finite statistics, then a NaN batch)
     leaves them as they were; the good steps around it move them."""
     from slim_nanguard import compat
+
     compat.install()  # slim.batch_norm needs it on current TensorFlow
     if variant == "cond_v2":
         request.getfixturevalue("control_flow_v2")
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.variable_scope("", use_resource=variant != "ref"):
         tf.compat.v1.set_random_seed(6)
-        is_training = (True if variant in ("resource", "ref") else
-                       tf.compat.v1.placeholder_with_default(True, [], name="is_training"))
+        is_training = (
+            True
+            if variant in ("resource", "ref")
+            else tf.compat.v1.placeholder_with_default(True, [], name="is_training")
+        )
         x = tf.compat.v1.placeholder(tf.float32, [4, 3, 3, 2])
         y = tf.compat.v1.placeholder(tf.int64, [4])
         offset = tf.compat.v1.placeholder_with_default(0.0, [])
-        net = slim.conv2d(x, 4, [3, 3], normalizer_fn=slim.batch_norm,
-                          normalizer_params={"fused": fused, "is_training": is_training,
-                                             "updates_collections": None}, scope="conv")
+        net = slim.conv2d(
+            x,
+            4,
+            [3, 3],
+            normalizer_fn=slim.batch_norm,
+            normalizer_params={
+                "fused": fused,
+                "is_training": is_training,
+                "updates_collections": None,
+            },
+            scope="conv",
+        )
         logits = slim.fully_connected(slim.flatten(net), 2, activation_fn=None, scope="out")
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits) + offset
         assert not graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        assert (variant == "cond_v2") == any(op.type in ("If", "StatelessIf")
-                                             for op in graph.get_operations())
+        assert (variant == "cond_v2") == any(
+            op.type in ("If", "StatelessIf") for op in graph.get_operations()
+        )
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode],
-            nan_policy="skip")
+            loss,
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+            check_numerics=MODES[mode],
+            nan_policy="skip",
+        )
         rng = np.random.RandomState(0)
         good = {x: rng.randn(4, 3, 3, 2).astype(np.float32), y: np.array([0, 1, 0, 1])}
         nan_batch = dict(good)
@@ -160,8 +185,9 @@ def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, capl
     graph = tf.Graph()
     with graph.as_default():
         w = tf.compat.v1.get_variable("w", [3], initializer=tf.compat.v1.ones_initializer())
-        seen = tf.compat.v1.get_variable("examples_seen", [], trainable=False,
-                                         initializer=tf.compat.v1.zeros_initializer())
+        seen = tf.compat.v1.get_variable(
+            "examples_seen", [], trainable=False, initializer=tf.compat.v1.zeros_initializer()
+        )
         hidden = tf.compat.v1.Variable(0.0, collections=[], name="hidden_counter")
         offset = tf.compat.v1.placeholder_with_default(0.0, [])
         count = tf.compat.v1.assign_add(seen, 1.0)
@@ -169,7 +195,8 @@ def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, capl
         with tf.control_dependencies([count, tf.compat.v1.assign_add(hidden, 1.0)]):
             loss = tf.reduce_sum(w * w) + offset
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=MODES[mode])
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=MODES[mode]
+        )
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert not any("examples_seen" in m or "feeds the loss" in m for m in warnings)
         assert any("hidden_counter" in m and "cannot be undone" in m for m in warnings)
@@ -199,22 +226,27 @@ def _build_loop_model(check_numerics: bool):
         global_step = tf.compat.v1.train.get_or_create_global_step()
         xs = tf.compat.v1.placeholder(tf.float32, [None, lib.BATCH, lib.FEATURES], name="xs")
         weights = tf.compat.v1.get_variable("w", [lib.FEATURES, 1])
-        seen = tf.compat.v1.get_variable("examples_seen", [], trainable=False,
-                                         initializer=tf.compat.v1.zeros_initializer())
+        seen = tf.compat.v1.get_variable(
+            "examples_seen", [], trainable=False, initializer=tf.compat.v1.zeros_initializer()
+        )
         opt = tf.compat.v1.train.MomentumOptimizer(0.05, 0.9)
         inner = []
 
         def body(i, total):
             with tf.control_dependencies([seen.assign_add(lib.BATCH)]):
                 loss = tf.reduce_mean(tf.square(tf.matmul(xs[i], weights) - 1.0))
-            train_op = slim_nanguard.create_train_op(loss, opt, check_numerics=check_numerics,
-                                                     nan_policy="skip")
+            train_op = slim_nanguard.create_train_op(
+                loss, opt, check_numerics=check_numerics, nan_policy="skip"
+            )
             inner.append(train_op)
             return i + 1, total + train_op
 
         _, total = tf.compat.v1.while_loop(
-            lambda i, _: i < tf.shape(xs)[0], body, [tf.constant(0), tf.constant(0.0)],
-            parallel_iterations=1)
+            lambda i, _: i < tf.shape(xs)[0],
+            body,
+            [tf.constant(0), tf.constant(0.0)],
+            parallel_iterations=1,
+        )
     return graph, xs, total, inner[0], global_step
 
 
@@ -234,8 +266,7 @@ def while_loop_kind(request):
     return request.param
 
 
-def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_written(
-        while_loop_kind):
+def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_written(while_loop_kind):
     """The loop builds; a bad first iteration raises the guard's error and writes nothing."""
     graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=True)
     guard = slim_nanguard.get_guard(train_op)
@@ -266,8 +297,7 @@ def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported(while_loop_kind):
         graph, xs, total, train_op, global_step = _build_loop_model(check_numerics=False)
         guard = slim_nanguard.get_guard(train_op)
         assert guard.in_loop and guard.ok is None
-        assert (while_loop_kind == "v2") == any(op.type == "While"
-                                                for op in graph.get_operations())
+        assert (while_loop_kind == "v2") == any(op.type == "While" for op in graph.get_operations())
         hook = slim_nanguard.nan_hook(train_op)
         with graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
             sess.run(total, {xs: batches})
@@ -286,41 +316,58 @@ def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported(while_loop_kind):
 
 # ------------------------------------------------------------------ two train ops (a GAN)
 
+
 def _build_gan(check_numerics: bool):
     """A generator and a discriminator, each with its own guarded train op and loss offset."""
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(5)
         z = tf.compat.v1.placeholder_with_default(
-            np.random.RandomState(0).randn(lib.BATCH, 2).astype(np.float32), [None, 2])
+            np.random.RandomState(0).randn(lib.BATCH, 2).astype(np.float32), [None, 2]
+        )
         real = tf.compat.v1.placeholder_with_default(
-            np.random.RandomState(1).randn(lib.BATCH, 2).astype(np.float32) + 3.0, [None, 2])
+            np.random.RandomState(1).randn(lib.BATCH, 2).astype(np.float32) + 3.0, [None, 2]
+        )
         g_offset = tf.compat.v1.placeholder_with_default(0.0, [], name="g_offset")
         d_offset = tf.compat.v1.placeholder_with_default(0.0, [], name="d_offset")
         fake = slim.fully_connected(z, 2, activation_fn=None, scope="generator")
 
         def discriminator(x, reuse):
-            return slim.fully_connected(x, 1, activation_fn=None, scope="discriminator",
-                                        reuse=reuse)
+            return slim.fully_connected(
+                x, 1, activation_fn=None, scope="discriminator", reuse=reuse
+            )
 
         d_real, d_fake = discriminator(real, False), discriminator(fake, True)
-        d_loss = (tf.reduce_mean(tf.nn.softplus(-d_real)) + tf.reduce_mean(tf.nn.softplus(d_fake))
-                  + d_offset)
+        d_loss = (
+            tf.reduce_mean(tf.nn.softplus(-d_real))
+            + tf.reduce_mean(tf.nn.softplus(d_fake))
+            + d_offset
+        )
         g_loss = tf.reduce_mean(tf.nn.softplus(-d_fake)) + g_offset
         g_train = slim_nanguard.create_train_op(
-            g_loss, tf.compat.v1.train.AdamOptimizer(0.01), global_step=None,
+            g_loss,
+            tf.compat.v1.train.AdamOptimizer(0.01),
+            global_step=None,
             variables_to_train=tf.compat.v1.trainable_variables("generator"),
-            check_numerics=check_numerics, nan_policy="raise")
+            check_numerics=check_numerics,
+            nan_policy="raise",
+        )
         d_train = slim_nanguard.create_train_op(
-            d_loss, tf.compat.v1.train.AdamOptimizer(0.01),
+            d_loss,
+            tf.compat.v1.train.AdamOptimizer(0.01),
             variables_to_train=tf.compat.v1.trainable_variables("discriminator"),
-            check_numerics=check_numerics, nan_policy="skip")
+            check_numerics=check_numerics,
+            nan_policy="skip",
+        )
     return graph, g_train, d_train, g_offset, d_offset
 
 
 def _changed(before, after, prefix):
-    return [name for name in before if name.startswith(prefix)
-            and not np.array_equal(before[name], after[name])]
+    return [
+        name
+        for name in before
+        if name.startswith(prefix) and not np.array_equal(before[name], after[name])
+    ]
 
 
 def test_in_hook_mode_each_gan_hook_judges_only_the_runs_of_its_own_train_op():
@@ -334,8 +381,7 @@ def test_in_hook_mode_each_gan_hook_judges_only_the_runs_of_its_own_train_op():
         before = lib.state(_raw(sess), graph)
         sess.run(d_train, {g_offset: np.nan})
         after = lib.state(_raw(sess), graph)
-        assert _changed(before, after, "discriminator") and not _changed(before, after,
-                                                                          "generator")
+        assert _changed(before, after, "discriminator") and not _changed(before, after, "generator")
         assert g_guard.state.total_bad_steps == 0 and d_guard.state.total_bad_steps == 0
         # Nor does a run that only evaluates the generator's loss (nothing trains).
         assert not np.isfinite(sess.run(g_guard.loss, {g_offset: np.nan}))
@@ -346,8 +392,7 @@ def test_in_hook_mode_each_gan_hook_judges_only_the_runs_of_its_own_train_op():
         lib.assert_state_equal(after, lib.state(_raw(sess), graph))
         sess.run([g_train, d_train])  # one run of both: each hook judges it, both train
         trained = lib.state(_raw(sess), graph)
-        assert _changed(after, trained, "generator") and _changed(after, trained,
-                                                                   "discriminator")
+        assert _changed(after, trained, "generator") and _changed(after, trained, "discriminator")
         sess.run([g_train, d_train], {d_offset: np.nan})
         assert (d_guard.state.skips, g_guard.state.total_bad_steps) == (2, 0)
         trained = lib.state(_raw(sess), graph)
@@ -366,8 +411,7 @@ def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
         _, err = _run(sess, d_train, {g_offset: np.nan})
         assert err is None
         after = lib.state(sess, graph)
-        assert _changed(before, after, "discriminator") and not _changed(before, after,
-                                                                          "generator")
+        assert _changed(before, after, "discriminator") and not _changed(before, after, "generator")
         _, err = _run(sess, g_train, {g_offset: np.nan})
         assert g_guard.owns_error(err) and not d_guard.owns_error(err)
         lib.assert_state_equal(after, lib.state(sess, graph))

@@ -39,8 +39,14 @@ def _env():
 
 
 def _run(script, *args):
-    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _plain_stderr(proc):
@@ -79,8 +85,13 @@ def _tensor(checkpoint, name):
 def trained(tmp_path_factory):
     """A clean 200-step run on the digits: (train_dir, completed process)."""
     train_dir = tmp_path_factory.mktemp("launcher") / "clean"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", "--max_number_of_steps=200",
-                "--log_every_n_steps=50", "--save_summaries_steps=50")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--max_number_of_steps=200",
+        "--log_every_n_steps=50",
+        "--save_summaries_steps=50",
+    )
     return train_dir, proc
 
 
@@ -107,8 +118,13 @@ def test_clean_run_logs_progress_and_a_summary(trained):
 @pytest.fixture(scope="module")
 def resumed(trained):
     train_dir, _ = trained
-    return train_dir, _run(TRAIN, f"--train_dir={train_dir}", "--max_number_of_steps=300",
-                           "--log_every_n_steps=50", "--eval_split_name=")
+    return train_dir, _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--max_number_of_steps=300",
+        "--log_every_n_steps=50",
+        "--eval_split_name=",
+    )
 
 
 def test_resume_continues_from_the_step_reached(resumed):
@@ -126,9 +142,15 @@ def test_fine_tune_loads_the_hidden_layers_and_trains_the_logits(resumed, tmp_pa
     source_dir, _ = resumed
     source = tf.train.latest_checkpoint(str(source_dir))
     train_dir = tmp_path / "finetune"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
-                "--checkpoint_exclude_scopes=MLP/logits", "--trainable_scopes=MLP/logits",
-                "--max_number_of_steps=30", "--eval_split_name=")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        f"--checkpoint_path={source_dir}",
+        "--checkpoint_exclude_scopes=MLP/logits",
+        "--trainable_scopes=MLP/logits",
+        "--max_number_of_steps=30",
+        "--eval_split_name=",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Fine-tuning from" in proc.stderr
     tuned = tf.train.latest_checkpoint(str(train_dir))
@@ -137,17 +159,29 @@ def test_fine_tune_loads_the_hidden_layers_and_trains_the_logits(resumed, tmp_pa
         np.testing.assert_array_equal(_tensor(tuned, name), _tensor(source, name))
     # Excluded: initialised anew, then trained.
     assert _tensor(tuned, "MLP/logits/weights").shape == _tensor(source, "MLP/logits/weights").shape
-    assert not np.allclose(_tensor(tuned, "MLP/logits/weights"),
-                           _tensor(source, "MLP/logits/weights"))
+    assert not np.allclose(
+        _tensor(tuned, "MLP/logits/weights"), _tensor(source, "MLP/logits/weights")
+    )
 
 
 def test_fine_tune_from_a_checkpoint_of_another_model_fails_cleanly(resumed, tmp_path):
     source_dir, _ = resumed
     train_dir = tmp_path / "lenet"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
-                "--model_name=lenet", "--train_image_size=8", "--max_number_of_steps=5")
-    _assert_clean_failure(proc, "--checkpoint_path", "does not match the model",
-                          "LeNet/conv1/weights", "--checkpoint_exclude_scopes")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        f"--checkpoint_path={source_dir}",
+        "--model_name=lenet",
+        "--train_image_size=8",
+        "--max_number_of_steps=5",
+    )
+    _assert_clean_failure(
+        proc,
+        "--checkpoint_path",
+        "does not match the model",
+        "LeNet/conv1/weights",
+        "--checkpoint_exclude_scopes",
+    )
     assert not train_dir.exists()
 
 
@@ -164,15 +198,17 @@ def test_eval_prints_accuracy_and_loss(resumed):
 def test_eval_refuses_a_checkpoint_with_nan(tmp_path):
     prefix = tmp_path / "nan" / "model.ckpt-7"
     with tf.Graph().as_default():
-        tf.compat.v1.get_variable("MLP/fc1/weights",
-                                  initializer=np.full([64, 4], np.nan, np.float32))
+        tf.compat.v1.get_variable(
+            "MLP/fc1/weights", initializer=np.full([64, 4], np.nan, np.float32)
+        )
         tf.compat.v1.get_variable("MLP/fc1/biases", initializer=np.zeros([4], np.float32))
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             tf.compat.v1.train.Saver().save(session, str(prefix))
     proc = _run(EVAL, f"--checkpoint_path={prefix.parent}")
-    _assert_clean_failure(proc, "NaN or Inf", "MLP/fc1/weights", "refusing to evaluate",
-                          str(prefix))
+    _assert_clean_failure(
+        proc, "NaN or Inf", "MLP/fc1/weights", "refusing to evaluate", str(prefix)
+    )
     assert "eval/accuracy" not in proc.stdout
 
 
@@ -182,22 +218,33 @@ def test_eval_refuses_a_checkpoint_with_nan(tmp_path):
 _MODES = {"check_numerics": "--check_numerics", "hook": "--nocheck_numerics"}
 
 
-@pytest.mark.parametrize("mode, policy, fault", [
-    ("check_numerics", "raise", "nan_loss"),
-    ("check_numerics", "stop", "inf_input"),
-    ("check_numerics", "skip", "nan_input"),
-    ("check_numerics", "rollback", "nan_gradient"),
-    ("hook", "raise", "nan_gradient"),
-    ("hook", "stop", "nan_loss"),
-    ("hook", "skip", "inf_input"),
-    ("hook", "rollback", "nan_input"),
-])
+@pytest.mark.parametrize(
+    "mode, policy, fault",
+    [
+        ("check_numerics", "raise", "nan_loss"),
+        ("check_numerics", "stop", "inf_input"),
+        ("check_numerics", "skip", "nan_input"),
+        ("check_numerics", "rollback", "nan_gradient"),
+        ("hook", "raise", "nan_gradient"),
+        ("hook", "stop", "nan_loss"),
+        ("hook", "skip", "inf_input"),
+        ("hook", "rollback", "nan_input"),
+    ],
+)
 def test_mode_and_policy_with_an_injected_fault(tmp_path, mode, policy, fault):
     train_dir = tmp_path / "run"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", _MODES[mode], f"--nan_policy={policy}",
-                f"--inject_fault={fault}:20", "--dataset_name=synthetic",
-                "--max_number_of_steps=40", "--save_interval_steps=10",
-                "--log_every_n_steps=10", "--eval_split_name=")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        _MODES[mode],
+        f"--nan_policy={policy}",
+        f"--inject_fault={fault}:20",
+        "--dataset_name=synthetic",
+        "--max_number_of_steps=40",
+        "--save_interval_steps=10",
+        "--log_every_n_steps=10",
+        "--eval_split_name=",
+    )
     assert "Traceback" not in proc.stderr
     (bad,) = _events(train_dir, "bad_step")
     assert (bad["step"], bad["mode"], bad["action"]) == (20, mode, policy)
@@ -208,8 +255,9 @@ def test_mode_and_policy_with_an_injected_fault(tmp_path, mode, policy, fault):
     stop = _events(train_dir, "stop")[-1]
 
     if policy == "raise":
-        _assert_clean_failure(proc, "NaN or Inf during training", "global step 20",
-                              "--nan_policy=skip")
+        _assert_clean_failure(
+            proc, "NaN or Inf during training", "global step 20", "--nan_policy=skip"
+        )
         assert stop["reason"] == "nan_error"
         assert latest.endswith("model.ckpt-20")
     elif policy == "stop":
@@ -250,8 +298,9 @@ def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
     # escalates to a rollback to the checkpoint of step 0.
     records = slim_nanguard.read_events(str(train_dir))
     assert [(r["kind"], r.get("action")) for r in records] == (
-        [("bad_step", "skip")] * 4 + [("bad_step", "rollback"), ("rollback", "rollback"),
-                                      ("stop", None)])
+        [("bad_step", "skip")] * 4
+        + [("bad_step", "rollback"), ("rollback", "rollback"), ("stop", None)]
+    )
     assert len({r["step"] for r in records[:5]}) == 1
     assert records[4]["escalation"] == "5 bad steps in a row reached max_consecutive_bad_steps=5"
     assert records[5]["checkpoint"].endswith("model.ckpt-0")
@@ -265,8 +314,13 @@ def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
     assert rates[-1][0] >= 200 and all(r == pytest.approx(0.2) for s, r in rates if s >= 100)
 
     # Resumed, the run carries the scale on and says so.
-    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}", "--max_number_of_steps=310",
-                "--eval_split_name=")
+    proc = _run(
+        TRAIN,
+        *_DIVERGE_SKIP,
+        f"--train_dir={train_dir}",
+        "--max_number_of_steps=310",
+        "--eval_split_name=",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "10 good steps in this run" in proc.stdout
     assert "lr scale      0.002 (after rollbacks)" in proc.stdout
@@ -285,8 +339,13 @@ def _scalars(train_dir, tag):
 
 def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
     train_dir = tmp_path / "run"
-    proc = _run(TRAIN, *_DIVERGE_SKIP, f"--train_dir={train_dir}",
-                "--persistent_nan_policy=raise", "--eval_split_name=")
+    proc = _run(
+        TRAIN,
+        *_DIVERGE_SKIP,
+        f"--train_dir={train_dir}",
+        "--persistent_nan_policy=raise",
+        "--eval_split_name=",
+    )
     _assert_clean_failure(proc, "--persistent_nan_policy=rollback")
     assert "5 bad steps in a row reached max_consecutive_bad_steps=5" in _plain_stderr(proc)[0]
     records = slim_nanguard.read_events(str(train_dir))
@@ -297,13 +356,16 @@ def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
 
 def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     """The launcher copies flags into TrainConfig by name, so a mismatch would be silent."""
-    code = ("import dataclasses, json, runpy; from absl import flags; "
-            f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
-            "from slim_nanguard import launch; "
-            "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
-            "['launcher']), sorted(f.name for f in dataclasses.fields(launch.TrainConfig))]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=_env())
+    code = (
+        "import dataclasses, json, runpy; from absl import flags; "
+        f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
+        "from slim_nanguard import launch; "
+        "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
+        "['launcher']), sorted(f.name for f in dataclasses.fields(launch.TrainConfig))]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     flag_names, fields = json.loads(proc.stdout.strip().splitlines()[-1])
     launcher_only = {"eval_split_name", "inject_fault"}  # eval's split; parsed into faults
@@ -315,11 +377,14 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
 # Bad input: one or two lines naming the flag, file or value; exit 1; nothing in train_dir.
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
-    (["--max_number_of_steps=-5"], ["--max_number_of_steps=-5", ">= 0"]),
-    (["--flagfile=configs/no_such.cfg"], ["configs/no_such.cfg"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
+        (["--max_number_of_steps=-5"], ["--max_number_of_steps=-5", ">= 0"]),
+        (["--flagfile=configs/no_such.cfg"], ["configs/no_such.cfg"]),
+    ],
+)
 def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
     train_dir = tmp_path / "run"
     proc = _run(TRAIN, f"--train_dir={train_dir}", *args)
@@ -330,15 +395,24 @@ def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
 def test_tfrecord_without_the_expected_keys(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    example = tf.train.Example(features=tf.train.Features(feature={
-        "image/raw": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"\0" * 64])),
-        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
-    }))
+    example = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "image/raw": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"\0" * 64])),
+                datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+            }
+        )
+    )
     with tf.io.TFRecordWriter(str(data / "toy_train.tfrecord")) as writer:
         writer.write(example.SerializeToString())
     train_dir = tmp_path / "run"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
-                f"--dataset_dir={data}", "--dataset_split_name=train")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--dataset_name=tfrecord",
+        f"--dataset_dir={data}",
+        "--dataset_split_name=train",
+    )
     _assert_clean_failure(proc, "toy_train.tfrecord", datasets.ENCODED_KEY)
     assert not train_dir.exists()
 
@@ -350,37 +424,61 @@ def test_tfrecord_without_the_expected_keys(tmp_path):
 def _raw_run(script, *args):
     """A run with the user's environment: no TF_CPP_MIN_LOG_LEVEL, no filtering of stderr."""
     env = {k: v for k, v in _env().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _as_command(module, *args):
     """Runs a launcher as its console command does: its module imported, then ``run()``."""
-    code = (f"import sys; sys.argv = ['/usr/bin/slim-nanguard-{module}'] + {list(args)!r}; "
-            f"sys.path.insert(0, {str(REPO / 'scripts')!r}); "
-            f"from scripts import {module}; {module}.run()")
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    code = (
+        f"import sys; sys.argv = ['/usr/bin/slim-nanguard-{module}'] + {list(args)!r}; "
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r}); "
+        f"from scripts import {module}; {module}.run()"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_help_lists_the_flags_of_both_launchers():
     for proc, flags_shown in (
-            (_as_command("train", "--helpshort"), ["--train_dir", "--nan_policy",
-                                                   "--max_number_of_steps", "--eval_split_name"]),
-            (_raw_run(TRAIN, "--help"), ["--train_dir", "--checkpoint_exclude_scopes"]),
-            (_as_command("eval", "--help"), ["--checkpoint_path", "--dataset_split_name",
-                                             "--max_num_batches"])):
+        (
+            _as_command("train", "--helpshort"),
+            ["--train_dir", "--nan_policy", "--max_number_of_steps", "--eval_split_name"],
+        ),
+        (_raw_run(TRAIN, "--help"), ["--train_dir", "--checkpoint_exclude_scopes"]),
+        (
+            _as_command("eval", "--help"),
+            ["--checkpoint_path", "--dataset_split_name", "--max_num_batches"],
+        ),
+    ):
         assert "Traceback" not in proc.stderr, proc.stderr  # absl's help exits with 1
         for flag in flags_shown:
             assert f"  {flag}:" in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
-    (["--train_dir={tmp}/td --max_number_of_steps=50"],
-     ["--train_dir", "holds the flag '--max_number_of_steps=50'", "its own line"]),
-    (["--eval_split_name=validation"], ["--eval_split_name", "'validation'", "train, test"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
+        (
+            ["--train_dir={tmp}/td --max_number_of_steps=50"],
+            ["--train_dir", "holds the flag '--max_number_of_steps=50'", "its own line"],
+        ),
+        (["--eval_split_name=validation"], ["--eval_split_name", "'validation'", "train, test"]),
+    ],
+)
 def test_bad_input_prints_two_lines_at_most_and_no_tensorflow_noise(tmp_path, args, words):
     train_dir = tmp_path / "run"
     args = [a.format(tmp=tmp_path) for a in args]
@@ -405,8 +503,9 @@ def test_a_moved_or_copied_train_dir_is_resumed_and_evaluated_where_it_is(resume
     assert "model.ckpt-300" in (moved / "checkpoint").read_text()
     assert str(source) not in (moved / "checkpoint").read_text()  # relative paths
     # The finished config run again: resumed from the moved directory, nothing trained.
-    proc = _run(TRAIN, f"--train_dir={moved}", "--max_number_of_steps=300",
-                "--eval_split_name=test")
+    proc = _run(
+        TRAIN, f"--train_dir={moved}", "--max_number_of_steps=300", "--eval_split_name=test"
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {moved}/model.ckpt-300" in proc.stderr
     assert "at global step 300/300" in proc.stdout and "0 good steps" in proc.stdout
@@ -419,7 +518,8 @@ def test_a_moved_or_copied_train_dir_is_resumed_and_evaluated_where_it_is(resume
     shutil.copytree(moved, copy)
     (copy / "checkpoint").write_text(
         f'model_checkpoint_path: "{moved}/model.ckpt-300"\n'
-        f'all_model_checkpoint_paths: "{moved}/model.ckpt-300"\n')
+        f'all_model_checkpoint_paths: "{moved}/model.ckpt-300"\n'
+    )
     proc = _run(TRAIN, f"--train_dir={copy}", "--max_number_of_steps=310", "--eval_split_name=")
     assert proc.returncode == 0, proc.stderr
     assert f"resuming from {copy}/model.ckpt-300" in proc.stderr
@@ -444,10 +544,16 @@ def _checkpoints_step(train_dir):
 def test_checkpoint_exclude_scopes_with_a_typo_is_an_error(resumed, tmp_path):
     source_dir, _ = resumed
     train_dir = tmp_path / "finetune"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", f"--checkpoint_path={source_dir}",
-                "--checkpoint_exclude_scopes=MLP/logit,MLP/fc9", "--max_number_of_steps=5")
-    _assert_clean_failure(proc, "--checkpoint_exclude_scopes=MLP/fc9", "matches no variable",
-                          "MLP/logits")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        f"--checkpoint_path={source_dir}",
+        "--checkpoint_exclude_scopes=MLP/logit,MLP/fc9",
+        "--max_number_of_steps=5",
+    )
+    _assert_clean_failure(
+        proc, "--checkpoint_exclude_scopes=MLP/fc9", "matches no variable", "MLP/logits"
+    )
     assert not train_dir.exists()
 
 
@@ -457,12 +563,21 @@ def test_checkpoint_exclude_scopes_with_a_typo_is_an_error(resumed, tmp_path):
 
 def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
     train_dir = tmp_path / "run"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", "--nan_policy=raise",
-                "--inject_fault=nan_loss:40", "--dataset_name=synthetic",
-                "--max_number_of_steps=100", "--eval_split_name=")  # checkpoints every 600 s
-    _assert_clean_failure(proc, "global step 40",
-                          f"The last good state (global step 40) is saved as {train_dir}/"
-                          "model.ckpt-40", "--nan_policy=skip")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--nan_policy=raise",
+        "--inject_fault=nan_loss:40",
+        "--dataset_name=synthetic",
+        "--max_number_of_steps=100",
+        "--eval_split_name=",
+    )  # checkpoints every 600 s
+    _assert_clean_failure(
+        proc,
+        "global step 40",
+        f"The last good state (global step 40) is saved as {train_dir}/model.ckpt-40",
+        "--nan_policy=skip",
+    )
     latest = tf.train.latest_checkpoint(str(train_dir))
     assert latest.endswith("model.ckpt-40")
     _assert_finite(latest)
@@ -473,9 +588,21 @@ def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
 def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
     train_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(TRAIN), f"--train_dir={train_dir}", "--dataset_name=synthetic",
-         "--max_number_of_steps=10000000", "--log_every_n_steps=0", "--eval_split_name="],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(TRAIN),
+            f"--train_dir={train_dir}",
+            "--dataset_name=synthetic",
+            "--max_number_of_steps=10000000",
+            "--log_every_n_steps=0",
+            "--eval_split_name=",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (train_dir / "model.ckpt-0.index").exists():
@@ -497,29 +624,43 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
     assert latest.endswith(f"model.ckpt-{stop['step']}")
 
 
-def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(
-        tmp_path):
+def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     good = tmp_path / "good.tfrecord"
     rng = np.random.RandomState(0)
-    datasets.write_tfrecord(str(good), rng.randint(0, 255, [20, 8, 8], np.uint8),
-                            [i % 10 for i in range(20)])
-    broken = tf.train.Example(features=tf.train.Features(feature={
-        datasets.ENCODED_KEY: tf.train.Feature(bytes_list=tf.train.BytesList(
-            value=[b"\x89PNG but not really"])),
-        datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
-    }))
+    datasets.write_tfrecord(
+        str(good), rng.randint(0, 255, [20, 8, 8], np.uint8), [i % 10 for i in range(20)]
+    )
+    broken = tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                datasets.ENCODED_KEY: tf.train.Feature(
+                    bytes_list=tf.train.BytesList(value=[b"\x89PNG but not really"])
+                ),
+                datasets.LABEL_KEY: tf.train.Feature(int64_list=tf.train.Int64List(value=[3])),
+            }
+        )
+    )
     path = data / "toy_train.tfrecord"
     with tf.io.TFRecordWriter(str(path)) as writer:
         for record in tf.compat.v1.io.tf_record_iterator(str(good)):
             writer.write(record)
         writer.write(broken.SerializeToString())
     train_dir = tmp_path / "run"
-    proc = _run(TRAIN, f"--train_dir={train_dir}", "--dataset_name=tfrecord",
-                f"--dataset_dir={data}", "--batch_size=7", "--max_number_of_steps=20",
-                "--eval_split_name=")
-    _assert_clean_failure(proc, f"Record 20 of {path} (after 20 good records) does not decode",
-                          "re-run the conversion")
+    proc = _run(
+        TRAIN,
+        f"--train_dir={train_dir}",
+        "--dataset_name=tfrecord",
+        f"--dataset_dir={data}",
+        "--batch_size=7",
+        "--max_number_of_steps=20",
+        "--eval_split_name=",
+    )
+    _assert_clean_failure(
+        proc,
+        f"Record 20 of {path} (after 20 good records) does not decode",
+        "re-run the conversion",
+    )
     assert "Graph execution error" not in proc.stderr
     assert not train_dir.exists()

@@ -34,10 +34,15 @@ def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
     events, error, bad_step_changes = [], None, []
     with model.graph.as_default():
         with tf.compat.v1.train.MonitoredTrainingSession(
-                hooks=hooks, checkpoint_dir=checkpoint_dir, save_checkpoint_steps=1,
-                save_summaries_steps=None, log_step_count_steps=None) as sess:
+            hooks=hooks,
+            checkpoint_dir=checkpoint_dir,
+            save_checkpoint_steps=1,
+            save_summaries_steps=None,
+            log_step_count_steps=None,
+        ) as sess:
             read = lambda: sess.run_step_fn(  # noqa: E731
-                lambda step_context: lib.state(step_context.session, model.graph))
+                lambda step_context: lib.state(step_context.session, model.graph)
+            )
             guard = slim_nanguard.get_guard(model.train_op)
             while not sess.should_stop():
                 before, bad_before = read(), guard.state.total_bad_steps
@@ -45,8 +50,11 @@ def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
                     sess.run(model.train_op)
                 except tf.errors.InvalidArgumentError as err:
                     try:
-                        events.append(slim_nanguard.handle_numerics_error(
-                            sess, err, checkpoint_dir=checkpoint_dir))
+                        events.append(
+                            slim_nanguard.handle_numerics_error(
+                                sess, err, checkpoint_dir=checkpoint_dir
+                            )
+                        )
                     except slim_nanguard.NanLossError as nan_error:
                         error = nan_error
                 except slim_nanguard.NanLossError as nan_error:
@@ -54,8 +62,9 @@ def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
                 if guard.state.total_bad_steps != bad_before:
                     after = read()
                     if guard.state.rollbacks == 0:
-                        bad_step_changes.append([k for k in before
-                                                 if not np.array_equal(before[k], after[k])])
+                        bad_step_changes.append(
+                            [k for k in before if not np.array_equal(before[k], after[k])]
+                        )
                     if hook_mode and error is None:
                         events.append(guard.last_event)
                 if error is not None:
@@ -67,8 +76,9 @@ def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
 @pytest.mark.parametrize("fault", lib.FAULTS)
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
 def test_seed_flow_skip_carries_on_with_the_next_batch(hook_mode, fault):
-    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
-                            faults={BAD_BATCH: fault})
+    model = lib.build_model(
+        check_numerics=not hook_mode, nan_policy="skip", faults={BAD_BATCH: fault}
+    )
     final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
     assert error is None
     assert changes == [[]], "the bad step changed variables"
@@ -90,8 +100,9 @@ def test_seed_flow_skip_carries_on_with_the_next_batch(hook_mode, fault):
 @pytest.mark.parametrize("fault", lib.FAULTS)
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
 def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(hook_mode, fault):
-    model = lib.build_model(check_numerics=not hook_mode, nan_policy="stop",
-                            faults={BAD_BATCH: fault})
+    model = lib.build_model(
+        check_numerics=not hook_mode, nan_policy="stop", faults={BAD_BATCH: fault}
+    )
     final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
     assert error is None and changes == [[]]
     assert [e.action for e in events] == ["stop"]
@@ -116,9 +127,11 @@ def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
         "nan_gradient": ["(finite), non-finite gradients of logits/weights,"],
         # Where the NaN reached the loss it came back through every gradient; where a fused
         # ReLU kernel mapped it to 0, the loss is finite and the first layer's weights are bad.
-        "nan_input": ["loss nan (nan), non-finite gradients of fc1/weights, fc1/biases, "
-                      "logits/weights, logits/biases,",
-                      "(finite), non-finite gradients of fc1/weights,"],
+        "nan_input": [
+            "loss nan (nan), non-finite gradients of fc1/weights, fc1/biases, "
+            "logits/weights, logits/biases,",
+            "(finite), non-finite gradients of fc1/weights,",
+        ],
     }[fault]
     assert any(text in message for text in expected), message
     assert "the nan_policy is 'raise'" in message
@@ -129,8 +142,9 @@ def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
 def test_skip_gives_up_after_max_consecutive_bad_steps(hook_mode):
     """The default persistent_nan_policy is raise: today's give-up rule."""
     faults = {i: "nan_input" for i in range(2, 10)}
-    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
-                            max_consecutive_bad_steps=3, faults=faults)
+    model = lib.build_model(
+        check_numerics=not hook_mode, nan_policy="skip", max_consecutive_bad_steps=3, faults=faults
+    )
     assert slim_nanguard.get_guard(model.train_op).config.persistent_nan_policy == "raise"
     final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
     assert [e.action for e in events] == ["skip", "skip"]
@@ -143,9 +157,13 @@ def test_skip_gives_up_after_max_consecutive_bad_steps(hook_mode):
 
 def _escalating_model(hook_mode, persistent_nan_policy, bad_batches, **create_kwargs):
     """The model under skip, escalating to `persistent_nan_policy`; `bad_batches` are NaN."""
-    return lib.build_model(check_numerics=not hook_mode, nan_policy="skip",
-                           persistent_nan_policy=persistent_nan_policy,
-                           faults={i: "nan_input" for i in bad_batches}, **create_kwargs)
+    return lib.build_model(
+        check_numerics=not hook_mode,
+        nan_policy="skip",
+        persistent_nan_policy=persistent_nan_policy,
+        faults={i: "nan_input" for i in bad_batches},
+        **create_kwargs,
+    )
 
 
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
@@ -155,13 +173,24 @@ def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, hook_m
     The checkpoint of step 2 is the one the rollback returns to, so the bad batch after it is
     seen at global step 2 again: only the explicit reset keeps it from escalating once more.
     """
-    model = _escalating_model(hook_mode, "rollback", range(2, 6), max_consecutive_bad_steps=3,
-                              rollback_skip_batches=0, rollback_lr_factor=0.5)
-    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode,
-                                               checkpoint_dir=str(tmp_path))
+    model = _escalating_model(
+        hook_mode,
+        "rollback",
+        range(2, 6),
+        max_consecutive_bad_steps=3,
+        rollback_skip_batches=0,
+        rollback_lr_factor=0.5,
+    )
+    final, events, error, changes = _seed_flow(
+        model, hook_mode=hook_mode, checkpoint_dir=str(tmp_path)
+    )
     assert error is None
     assert [(e.step, e.consecutive, e.action) for e in events] == [
-        (2, 1, "skip"), (2, 2, "skip"), (2, 3, "rollback"), (2, 1, "skip")]
+        (2, 1, "skip"),
+        (2, 2, "skip"),
+        (2, 3, "rollback"),
+        (2, 1, "skip"),
+    ]
     assert changes == [[], []]  # the bad steps before the rollback wrote nothing
     state = slim_nanguard.get_guard(model.train_op).state
     assert (state.skips, state.rollbacks, state.learning_rate_scale) == (3, 1, 0.5)
@@ -176,8 +205,7 @@ def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(hook_mode):
     model = _escalating_model(hook_mode, "stop", range(2, 10), max_consecutive_bad_steps=3)
     final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
     assert error is None
-    assert [(e.consecutive, e.action) for e in events] == [(1, "skip"), (2, "skip"),
-                                                           (3, "stop")]
+    assert [(e.consecutive, e.action) for e in events] == [(1, "skip"), (2, "skip"), (3, "stop")]
     assert changes == [[], [], []]
     assert int(final["global_step"]) == 2
     lib.assert_all_finite(final)
@@ -185,15 +213,22 @@ def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(hook_mode):
 
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
 def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, hook_mode):
-    model = _escalating_model(hook_mode, "rollback", range(2, 40), max_consecutive_bad_steps=2,
-                              max_rollbacks=2, rollback_skip_batches=0)
-    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode,
-                                         checkpoint_dir=str(tmp_path))
+    model = _escalating_model(
+        hook_mode,
+        "rollback",
+        range(2, 40),
+        max_consecutive_bad_steps=2,
+        max_rollbacks=2,
+        rollback_skip_batches=0,
+    )
+    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode, checkpoint_dir=str(tmp_path))
     assert [e.action for e in events] == ["skip", "rollback", "skip", "rollback", "skip"]
     assert isinstance(error, slim_nanguard.NanLossError)
     assert error.event.action == "raise"
-    assert ("2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
-            "already done reached max_rollbacks=2") in str(error)
+    assert (
+        "2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
+        "already done reached max_rollbacks=2"
+    ) in str(error)
     # The first rollback restored step 2, which went bad again before anything newer was
     # saved, so the second one went a checkpoint further back.
     assert int(final["global_step"]) == 1
@@ -202,9 +237,13 @@ def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, hook_mode):
 
 def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
     """check_numerics mode in tf-slim's own loop: skip, then the escalated rollback."""
-    model = lib.build_model(check_numerics=True, nan_policy="skip",
-                            max_consecutive_bad_steps=2, persistent_nan_policy="rollback",
-                            faults={BAD_BATCH: "nan_gradient", BAD_BATCH + 1: "nan_gradient"})
+    model = lib.build_model(
+        check_numerics=True,
+        nan_policy="skip",
+        max_consecutive_bad_steps=2,
+        persistent_nan_policy="rollback",
+        faults={BAD_BATCH: "nan_gradient", BAD_BATCH + 1: "nan_gradient"},
+    )
     guard = slim_nanguard.get_guard(model.train_op)
     with model.graph.as_default():
         saver = slim_nanguard.FiniteSaver()
@@ -212,9 +251,14 @@ def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, str(tmp_path / "model.ckpt"), global_step=0)
         loss = slim.learning.train(
-            model.train_op, str(tmp_path),
-            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)), number_of_steps=STEPS,
-            save_summaries_secs=None, save_interval_secs=None, saver=saver)
+            model.train_op,
+            str(tmp_path),
+            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+            saver=saver,
+        )
     assert np.isfinite(loss)
     assert (guard.last_event.step, guard.last_event.action) == (BAD_BATCH, "rollback")
     assert (guard.state.total_bad_steps, guard.state.skips, guard.state.rollbacks) == (2, 1, 1)
@@ -224,29 +268,42 @@ def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
 
 
 def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
-    model = lib.build_model(check_numerics=False, nan_policy="skip",
-                            persistent_nan_policy="rollback")
+    model = lib.build_model(
+        check_numerics=False, nan_policy="skip", persistent_nan_policy="rollback"
+    )
     # nan_hook knows the train op's policy: it refuses at once, before any session.
-    with pytest.raises(ValueError, match=r"persistent_nan_policy='rollback'\) rolls back, so "
-                                         r"it needs nan_hook\(train_op, checkpoint_dir=\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"persistent_nan_policy='rollback'\) rolls back, so "
+        r"it needs nan_hook\(train_op, checkpoint_dir=\.\.\.\)",
+    ):
         slim_nanguard.nan_hook(model.train_op)
     # A hook built by hand refuses at session start.
     with model.graph.as_default():
-        with pytest.raises(ValueError, match=r"persistent_nan_policy='rollback' needs "
-                                             r"NanLossHook\(checkpoint_dir=\.\.\.\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"persistent_nan_policy='rollback' needs "
+            r"NanLossHook\(checkpoint_dir=\.\.\.\)",
+        ):
             with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[slim_nanguard.NanLossHook(model.train_op)], log_step_count_steps=None):
+                hooks=[slim_nanguard.NanLossHook(model.train_op)], log_step_count_steps=None
+            ):
                 pass
 
 
 def test_a_good_step_resets_the_consecutive_count():
     faults = {2: "nan_input", 3: "nan_input", 5: "inf_loss", 6: "inf_loss"}
-    model = lib.build_model(check_numerics=True, nan_policy="skip",
-                            max_consecutive_bad_steps=3, faults=faults)
+    model = lib.build_model(
+        check_numerics=True, nan_policy="skip", max_consecutive_bad_steps=3, faults=faults
+    )
     _, events, error, _ = _seed_flow(model, hook_mode=False)
     assert error is None
     assert [(e.step, e.consecutive, e.total) for e in events] == [
-        (2, 1, 1), (2, 2, 2), (3, 1, 3), (3, 2, 4)]
+        (2, 1, 1),
+        (2, 2, 2),
+        (3, 1, 3),
+        (3, 2, 4),
+    ]
 
 
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
@@ -257,8 +314,12 @@ def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(hook_mo
         seen.append(event)
         return "stop" if event.total == 2 else None
 
-    model = lib.build_model(check_numerics=not hook_mode, nan_policy="skip", on_nan=on_nan,
-                            faults={2: "nan_loss", 4: "nan_gradient"})
+    model = lib.build_model(
+        check_numerics=not hook_mode,
+        nan_policy="skip",
+        on_nan=on_nan,
+        faults={2: "nan_loss", 4: "nan_gradient"},
+    )
     final, events, error, _ = _seed_flow(model, hook_mode=hook_mode)
     assert error is None
     assert [(e.step, e.action) for e in seen] == [(2, "skip"), (3, "skip")]
@@ -267,10 +328,14 @@ def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(hook_mo
 
 
 def test_an_on_nan_callback_returning_nonsense_is_an_error():
-    model = lib.build_model(check_numerics=False, on_nan=lambda event: "ignore",
-                            faults={1: "nan_loss"})
-    with pytest.raises(ValueError, match="the on_nan callback must return one of raise, stop, "
-                                         "skip, rollback or None; got 'ignore'"):
+    model = lib.build_model(
+        check_numerics=False, on_nan=lambda event: "ignore", faults={1: "nan_loss"}
+    )
+    with pytest.raises(
+        ValueError,
+        match="the on_nan callback must return one of raise, stop, "
+        "skip, rollback or None; got 'ignore'",
+    ):
         _seed_flow(model, hook_mode=True)
 
 
@@ -278,15 +343,18 @@ def test_a_hand_built_hook_behaves_as_the_ready_one():
     """The seed flow: the user builds NanLossHook(total_loss, fail_on_nan_loss=True)."""
     results = []
     for hand_built in (False, True):
-        model = lib.build_model(check_numerics=False, nan_policy="skip",
-                                faults={2: "nan_input"})
-        hook = (slim_nanguard.NanLossHook(model.loss, fail_on_nan_loss=True) if hand_built
-                else slim_nanguard.nan_hook(model.train_op))
+        model = lib.build_model(check_numerics=False, nan_policy="skip", faults={2: "nan_input"})
+        hook = (
+            slim_nanguard.NanLossHook(model.loss, fail_on_nan_loss=True)
+            if hand_built
+            else slim_nanguard.nan_hook(model.train_op)
+        )
         snapshots = lib.Snapshots()
         with model.graph.as_default():
             with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[hook, snapshots, tf.compat.v1.train.StopAtStepHook(last_step=5)],
-                    log_step_count_steps=None) as sess:
+                hooks=[hook, snapshots, tf.compat.v1.train.StopAtStepHook(last_step=5)],
+                log_step_count_steps=None,
+            ) as sess:
                 while not sess.should_stop():
                     sess.run(model.train_op)
         assert hook.guard is slim_nanguard.get_guard(model.train_op)
@@ -301,13 +369,15 @@ def test_after_create_session_resets_only_per_session_state():
     hook = slim_nanguard.nan_hook(model.train_op)
     with model.graph.as_default():
         with tf.compat.v1.train.MonitoredTrainingSession(
-                hooks=[hook], log_step_count_steps=None) as sess:
+            hooks=[hook], log_step_count_steps=None
+        ) as sess:
             for _ in range(3):
                 sess.run(model.train_op)
             assert hook.session_bad_steps == 1
             # What MonitoredSession does when it recovers a session.
-            hook.after_create_session(sess.run_step_fn(lambda step_context:
-                                                       step_context.session), None)
+            hook.after_create_session(
+                sess.run_step_fn(lambda step_context: step_context.session), None
+            )
             assert hook.session_bad_steps == 0
             assert hook.guard.state.total_bad_steps == 1  # the run's counters survive
 
@@ -320,21 +390,21 @@ def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
     """
     variants = {
         "NanTensorHook": (tf.compat.v1.train.NanTensorHook, slim.learning.create_train_op),
-        "NanLossHook, slim train op": (slim_nanguard.NanLossHook,
-                                       slim.learning.create_train_op),
-        "NanLossHook, guarded train op": (slim_nanguard.NanLossHook,
-                                          slim_nanguard.create_train_op),
+        "NanLossHook, slim train op": (slim_nanguard.NanLossHook, slim.learning.create_train_op),
+        "NanLossHook, guarded train op": (slim_nanguard.NanLossHook, slim_nanguard.create_train_op),
     }
     caught = {}
     for name, (hook_cls, train_op_fn) in variants.items():
-        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False,
-                                faults={1: fault})
+        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False, faults={1: fault})
         with model.graph.as_default():
             try:
                 with tf.compat.v1.train.MonitoredTrainingSession(
-                        hooks=[hook_cls(model.train_op),
-                               tf.compat.v1.train.StopAtStepHook(last_step=2)],
-                        log_step_count_steps=None) as sess:
+                    hooks=[
+                        hook_cls(model.train_op),
+                        tf.compat.v1.train.StopAtStepHook(last_step=2),
+                    ],
+                    log_step_count_steps=None,
+                ) as sess:
                     while not sess.should_stop():
                         sess.run(model.train_op)
                 caught[name] = False
@@ -348,11 +418,14 @@ def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
     }
 
 
-@pytest.mark.parametrize("policy, level", [("raise", logging.ERROR), ("stop", logging.WARNING),
-                                           ("skip", logging.WARNING)])
+@pytest.mark.parametrize(
+    "policy, level",
+    [("raise", logging.ERROR), ("stop", logging.WARNING), ("skip", logging.WARNING)],
+)
 @pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(hook_mode, policy,
-                                                                        level, caplog):
+def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
+    hook_mode, policy, level, caplog
+):
     """Alerting greps TensorFlow's log for NanTensorHook's "Model diverged with loss = NaN".
 
     An Inf loss at batch 3 (which NanTensorHook would miss) gives one such line on the
@@ -360,8 +433,9 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(hook_mo
     or skips, as NanTensorHook logs when it raises or stops; the line goes on with the step,
     the real loss and the action.
     """
-    model = lib.build_model(check_numerics=not hook_mode, nan_policy=policy,
-                            faults={BAD_BATCH: "inf_loss"})
+    model = lib.build_model(
+        check_numerics=not hook_mode, nan_policy=policy, faults={BAD_BATCH: "inf_loss"}
+    )
     with caplog.at_level(logging.INFO, logger="tensorflow"):
         _seed_flow(model, hook_mode=hook_mode)
     lines = [r for r in caplog.records if "Model diverged with loss = NaN" in r.getMessage()]
@@ -376,15 +450,20 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(hook_mo
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
     # A NaN loss on every CPU kernel: `stop` returns the bad step's loss.
-    model = lib.build_model(check_numerics=False, nan_policy=policy,
-                            faults={BAD_BATCH: "nan_loss"})
+    model = lib.build_model(check_numerics=False, nan_policy=policy, faults={BAD_BATCH: "nan_loss"})
     snapshots = lib.Snapshots()
     with model.graph.as_default():
         loss = slim.training.train(
-            model.train_op, str(tmp_path),
-            hooks=[slim_nanguard.nan_hook(model.train_op), snapshots,
-                   tf.compat.v1.train.StopAtStepHook(last_step=STEPS)],
-            save_checkpoint_secs=None, save_summaries_steps=None)
+            model.train_op,
+            str(tmp_path),
+            hooks=[
+                slim_nanguard.nan_hook(model.train_op),
+                snapshots,
+                tf.compat.v1.train.StopAtStepHook(last_step=STEPS),
+            ],
+            save_checkpoint_secs=None,
+            save_summaries_steps=None,
+        )
     guard = slim_nanguard.get_guard(model.train_op)
     assert np.isfinite(loss) if policy == "skip" else np.isnan(loss)
     assert max(snapshots.by_step) == (STEPS if policy == "skip" else BAD_BATCH)
@@ -394,13 +473,19 @@ def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
 
 @pytest.mark.parametrize("policy", ["skip", "stop", "raise"])
 def test_tf_slim_learning_train_with_train_step(tmp_path, policy):
-    model = lib.build_model(check_numerics=True, nan_policy=policy,
-                            faults={BAD_BATCH: "nan_gradient"})
+    model = lib.build_model(
+        check_numerics=True, nan_policy=policy, faults={BAD_BATCH: "nan_gradient"}
+    )
     with model.graph.as_default():
         run = lambda: slim.learning.train(  # noqa: E731
-            model.train_op, str(tmp_path), train_step_fn=slim_nanguard.train_step,
-            number_of_steps=STEPS, save_summaries_secs=None, save_interval_secs=None,
-            log_every_n_steps=1)
+            model.train_op,
+            str(tmp_path),
+            train_step_fn=slim_nanguard.train_step,
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+            log_every_n_steps=1,
+        )
         if policy == "raise":
             with pytest.raises(slim_nanguard.NanLossError, match=f"global step {BAD_BATCH}"):
                 run()

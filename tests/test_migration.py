@@ -150,11 +150,19 @@ _SCRIPT = textwrap.dedent(r"""
 
 
 def test_each_loop_applies_the_policy_or_fails_naming_what_to_add():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                          if p))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=REPO)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.split("REPORT", 1)[1])
     # `import slim_nanguard` made slim.batch_norm work and slim_nanguard.compat reachable.
@@ -166,8 +174,10 @@ def test_each_loop_applies_the_policy_or_fails_naming_what_to_add():
     assert check["error"] == "InvalidArgumentError"
     assert "nothing applied nan_policy='skip'" in check["message"]
     assert "train_step_fn=slim_nanguard.train_step" in check["message"]
-    assert "check_numerics=False and pass hooks=[slim_nanguard.nan_hook(train_op)]" in (
-        check["message"])  # for tf_slim.training.train
+    assert (
+        "check_numerics=False and pass hooks=[slim_nanguard.nan_hook(train_op)]"
+        in (check["message"])
+    )  # for tf_slim.training.train
     hook = report["learning_plain_hook"]
     assert hook["error"] == "InvalidArgumentError"
     assert "no NanLossHook saw it, so nan_policy=skip was not applied" in hook["message"]

@@ -14,21 +14,22 @@ def _train(model_name, steps, *, image_size=None, learning_rate=1e-3, **options)
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(0)
-        dataset, info = datasets.get_dataset("digits", batch_size=64, seed=0,
-                                             image_size=image_size)
+        dataset, info = datasets.get_dataset("digits", batch_size=64, seed=0, image_size=image_size)
         images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
         model_fn = models.get_model(model_name, **options)
         logits = model_fn(images, info.num_classes, is_training=True)
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
         train_op = tf.compat.v1.train.AdamOptimizer(learning_rate).minimize(loss)
 
-        test_set, _ = datasets.get_dataset("digits", "test", batch_size=300, shuffle=False,
-                                           repeat=False, image_size=image_size)
+        test_set, _ = datasets.get_dataset(
+            "digits", "test", batch_size=300, shuffle=False, repeat=False, image_size=image_size
+        )
         test_images, test_labels = tf.compat.v1.data.make_one_shot_iterator(test_set).get_next()
         with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True):
             test_logits = model_fn(test_images, info.num_classes, is_training=False)
         accuracy = tf.reduce_mean(
-            tf.cast(tf.equal(tf.argmax(test_logits, 1), test_labels), tf.float32))
+            tf.cast(tf.equal(tf.argmax(test_logits, 1), test_labels), tf.float32)
+        )
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             losses = [session.run([train_op, loss])[1] for _ in range(steps)]
@@ -37,8 +38,7 @@ def _train(model_name, steps, *, image_size=None, learning_rate=1e-3, **options)
 
 
 def test_the_registries_cover_every_model():
-    assert set(models.MODEL_NAMES) == set(models.DEFAULT_IMAGE_SIZE) == set(
-        models.MIN_IMAGE_SIZE)
+    assert set(models.MODEL_NAMES) == set(models.DEFAULT_IMAGE_SIZE) == set(models.MIN_IMAGE_SIZE)
     assert models.MODEL_NAMES[:2] == ("mlp", "lenet")
     for name in models.MODEL_NAMES:
         default = models.DEFAULT_IMAGE_SIZE[name]
@@ -75,8 +75,12 @@ def test_mlp_options_shape_the_layers_and_weight_decay_is_a_regularization_loss(
         shapes = {v.op.name: v.shape.as_list() for v in tf.compat.v1.trainable_variables()}
         regularizers = tf.compat.v1.losses.get_regularization_losses()
 
-    assert shapes == {"MLP/fc1/weights": [64, 32], "MLP/fc1/biases": [32],
-                      "MLP/logits/weights": [32, 5], "MLP/logits/biases": [5]}
+    assert shapes == {
+        "MLP/fc1/weights": [64, 32],
+        "MLP/fc1/biases": [32],
+        "MLP/logits/weights": [32, 5],
+        "MLP/logits/biases": [5],
+    }
     assert len(regularizers) == 2
 
 
@@ -88,8 +92,12 @@ def test_lenet_trains_on_the_8x8_digits():
     assert losses[-10:].mean() < 0.5 * losses[:10].mean()
     assert accuracy > 0.5
     names = {v.op.name for v in graph.get_collection("trainable_variables")}
-    assert {"LeNet/conv1/weights", "LeNet/conv2/weights", "LeNet/fc3/weights",
-            "LeNet/fc4/weights"} <= names  # slim's lenet.py names.
+    assert {
+        "LeNet/conv1/weights",
+        "LeNet/conv2/weights",
+        "LeNet/fc3/weights",
+        "LeNet/fc4/weights",
+    } <= names  # slim's lenet.py names.
 
 
 def test_lenet_at_28x28_is_slims_lenet_and_drops_out_only_in_training():

@@ -15,8 +15,9 @@ def _run(config, bad_steps_in_a_row, *, rollbacks=0):
     """The decisions for bad steps 1..n in a row, counting the rollbacks they lead to."""
     decisions = []
     for consecutive in range(1, bad_steps_in_a_row + 1):
-        decision = decide(config, config.nan_policy, consecutive_bad_steps=consecutive,
-                          rollbacks=rollbacks)
+        decision = decide(
+            config, config.nan_policy, consecutive_bad_steps=consecutive, rollbacks=rollbacks
+        )
         decisions.append(decision)
         if decision.action == _policy.ROLLBACK:
             rollbacks += 1
@@ -34,28 +35,36 @@ def test_skip_skips_until_the_bound_then_gives_up_by_default():
 
 
 def test_skip_escalates_to_a_rollback_while_rollbacks_are_left():
-    config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=2,
-                         persistent_nan_policy="rollback", max_rollbacks=1)
+    config = GuardConfig(
+        nan_policy="skip",
+        max_consecutive_bad_steps=2,
+        persistent_nan_policy="rollback",
+        max_rollbacks=1,
+    )
     first, second = _run(config, 2)
     assert (first.action, second.action) == ("skip", "rollback")
     assert "max_consecutive_bad_steps=2" in second.escalation and second.reason == ""
     # Once the one rollback allowed is done, the same escalation gives up, naming both bounds.
     late = decide(config, "skip", consecutive_bad_steps=2, rollbacks=1)
     assert late.action == "raise"
-    assert late.reason == ("2 bad steps in a row reached max_consecutive_bad_steps=2, and "
-                           "1 rollbacks already done reached max_rollbacks=1")
+    assert late.reason == (
+        "2 bad steps in a row reached max_consecutive_bad_steps=2, and "
+        "1 rollbacks already done reached max_rollbacks=1"
+    )
 
 
 def test_skip_escalates_to_a_clean_stop():
-    config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=2,
-                         persistent_nan_policy="stop")
+    config = GuardConfig(
+        nan_policy="skip", max_consecutive_bad_steps=2, persistent_nan_policy="stop"
+    )
     assert [d.action for d in _run(config, 2)] == ["skip", "stop"]
 
 
 def test_rollback_rolls_back_until_max_rollbacks_then_gives_up():
     config = GuardConfig(nan_policy="rollback", max_rollbacks=2, max_consecutive_bad_steps=10)
-    decisions = [decide(config, "rollback", consecutive_bad_steps=1, rollbacks=done)
-                 for done in range(3)]
+    decisions = [
+        decide(config, "rollback", consecutive_bad_steps=1, rollbacks=done) for done in range(3)
+    ]
     assert [d.action for d in decisions] == ["rollback", "rollback", "raise"]
     assert decisions[2].reason == "2 rollbacks already done reached max_rollbacks=2"
     assert decisions[2].escalation == ""
@@ -63,8 +72,12 @@ def test_rollback_rolls_back_until_max_rollbacks_then_gives_up():
 
 @pytest.mark.parametrize("policy", ["raise", "stop"])
 def test_raise_and_stop_never_escalate(policy):
-    config = GuardConfig(nan_policy=policy, max_consecutive_bad_steps=1,
-                         persistent_nan_policy="rollback", max_rollbacks=1)
+    config = GuardConfig(
+        nan_policy=policy,
+        max_consecutive_bad_steps=1,
+        persistent_nan_policy="rollback",
+        max_rollbacks=1,
+    )
     decision = decide(config, policy, consecutive_bad_steps=5, rollbacks=0)
     assert decision.action == policy and decision.escalation == ""
     assert decision.reason == ("the nan_policy is 'raise'" if policy == "raise" else "")

@@ -92,8 +92,9 @@ def test_a_finite_step_matches_slim(mode):
     np.testing.assert_allclose(our_losses, slim_losses, rtol=1e-5)
     assert our_state.keys() == slim_state.keys()
     for name in slim_state:
-        np.testing.assert_allclose(our_state[name], slim_state[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            our_state[name], slim_state[name], rtol=1e-5, atol=1e-6, err_msg=name
+        )
 
 
 def test_the_silent_case_a_relu_that_maps_nan_to_zero():
@@ -104,6 +105,7 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
     may propagate NaN instead, so the test spells that ReLU out (`where(z > 0, z, 0)` maps NaN
     to 0) to get the same behaviour on every CPU.
     """
+
     def build(train_op_fn):
         graph = tf.Graph()
         with graph.as_default():
@@ -114,8 +116,9 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
             hidden = tf.where(z > 0, z, tf.zeros_like(z))  # NaN -> 0, like the fused kernel
             logits = slim.fully_connected(hidden, 3, activation_fn=None, scope="out")
             loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
-            train_op = train_op_fn(loss, tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                   check_numerics=True)
+            train_op = train_op_fn(
+                loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=True
+            )
         return graph, x, y, loss, train_op
 
     xv = np.random.RandomState(0).randn(8, 4).astype(np.float32)
@@ -151,19 +154,27 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
 def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
     """The moving mean and variance that slim.batch_norm's update ops assign are gated too."""
     from slim_nanguard import compat
+
     compat.install()  # slim.batch_norm needs it on current TensorFlow
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(2)
         x = tf.compat.v1.placeholder(tf.float32, [4, 3, 3, 2])
         y = tf.compat.v1.placeholder(tf.int64, [4])
-        net = slim.conv2d(x, 4, [3, 3], normalizer_fn=slim.batch_norm,
-                          normalizer_params={"fused": fused, "is_training": True}, scope="conv")
+        net = slim.conv2d(
+            x,
+            4,
+            [3, 3],
+            normalizer_fn=slim.batch_norm,
+            normalizer_params={"fused": fused, "is_training": True},
+            scope="conv",
+        )
         logits = slim.fully_connected(slim.flatten(net), 2, activation_fn=None, scope="out")
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
         assert len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)) == 2
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode])
+            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode]
+        )
         rng = np.random.RandomState(0)
         good = {x: rng.randn(4, 3, 3, 2).astype(np.float32), y: np.array([0, 1, 0, 1])}
         bad = dict(good)
@@ -178,20 +189,21 @@ def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
             lib.assert_state_equal(before, lib.state(sess, graph))
             sess.run(train_op, good)
             after = lib.state(sess, graph)
-    assert not np.array_equal(after["conv/BatchNorm/moving_variance"],
-                              before["conv/BatchNorm/moving_variance"])
+    assert not np.array_equal(
+        after["conv/BatchNorm/moving_variance"], before["conv/BatchNorm/moving_variance"]
+    )
 
 
 def test_the_event_names_the_culprit_variables():
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        sums = sess.run(slim_nanguard.get_guard(model.train_op).grad_sums,
-                        model.feed(0, "nan_gradient"))
+        sums = sess.run(
+            slim_nanguard.get_guard(model.train_op).grad_sums, model.feed(0, "nan_gradient")
+        )
     guard = slim_nanguard.get_guard(model.train_op)
     assert guard.culprits(sums) == ("logits/weights",)
-    assert guard.variable_names == ("fc1/weights", "fc1/biases", "logits/weights",
-                                    "logits/biases")
+    assert guard.variable_names == ("fc1/weights", "fc1/biases", "logits/weights", "logits/biases")
 
 
 def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sums():
@@ -232,11 +244,11 @@ def test_in_hook_mode_a_run_without_the_train_op_still_reports_its_bad_step():
 def test_the_positional_arguments_are_slims():
     ours = list(inspect.signature(slim_nanguard.create_train_op).parameters.values())
     theirs = list(inspect.signature(slim.learning.create_train_op).parameters.values())
-    assert [p.name for p in ours[:len(theirs)]] == [p.name for p in theirs]
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
     for mine, slims in zip(ours, theirs):
         assert mine.default == slims.default, mine.name
     assert ours[len(theirs)].name == "transform_grads_fn"
-    assert all(p.kind == p.KEYWORD_ONLY for p in ours[len(theirs) + 1:])
+    assert all(p.kind == p.KEYWORD_ONLY for p in ours[len(theirs) + 1 :])
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -273,28 +285,32 @@ class TestEveryArgumentWorks:
 
     def test_gradient_multipliers_by_variable_and_by_name(self):
         plain = _one_step_delta()
-        graph_free = _one_step_delta(gradient_multipliers={"fc1/weights": 0.0,
-                                                           "logits/biases": 2.0})
+        graph_free = _one_step_delta(
+            gradient_multipliers={"fc1/weights": 0.0, "logits/biases": 2.0}
+        )
         assert not np.any(graph_free["fc1/weights"])
-        np.testing.assert_allclose(graph_free["logits/biases"], 2 * plain["logits/biases"],
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            graph_free["logits/biases"], 2 * plain["logits/biases"], rtol=1e-5
+        )
         np.testing.assert_allclose(graph_free["fc1/biases"], plain["fc1/biases"], rtol=1e-5)
 
     def test_gradient_multiplier_keyed_by_the_variable_object(self):
         def train_op_fn(loss, opt, **kwargs):
             var = tf.compat.v1.trainable_variables("fc1")[0]
-            return slim_nanguard.create_train_op(loss, opt, gradient_multipliers={var: 0.0},
-                                                 **kwargs)
+            return slim_nanguard.create_train_op(
+                loss, opt, gradient_multipliers={var: 0.0}, **kwargs
+            )
+
         delta = _one_step_delta(train_op_fn=train_op_fn)
         assert not np.any(delta["fc1/weights"]) and np.any(delta["fc1/biases"])
 
     def test_summarize_gradients_survives_a_skipped_nan_step(self):
-        model = lib.build_model(summarize_gradients=True, check_numerics=False,
-                                nan_policy="skip")
+        model = lib.build_model(summarize_gradients=True, check_numerics=False, nan_policy="skip")
         with model.graph.as_default(), tf.compat.v1.Session() as sess:
             summaries = tf.compat.v1.summary.merge_all()
-            names = [op.name for op in model.graph.get_operations()
-                     if op.type == "HistogramSummary"]
+            names = [
+                op.name for op in model.graph.get_operations() if op.type == "HistogramSummary"
+            ]
             assert len(names) == 4
             sess.run(tf.compat.v1.global_variables_initializer())
             for fault in (None, "nan_input"):
@@ -307,8 +323,9 @@ class TestEveryArgumentWorks:
 
         def transform(grads_and_vars):
             seen.append([v.op.name for _, v in grads_and_vars])
-            return [(g * 0.0, v) if v.op.name == "logits/weights" else (g, v)
-                    for g, v in grads_and_vars]
+            return [
+                (g * 0.0, v) if v.op.name == "logits/weights" else (g, v) for g, v in grads_and_vars
+            ]
 
         delta = _one_step_delta(transform_grads_fn=transform, clip_gradient_norm=5.0)
         assert seen and "logits/weights" in seen[0]
@@ -317,24 +334,34 @@ class TestEveryArgumentWorks:
     def test_variables_to_train_and_no_global_step(self):
         def train_op_fn(loss, opt, **kwargs):
             return slim_nanguard.create_train_op(
-                loss, opt, global_step=None,
-                variables_to_train=tf.compat.v1.trainable_variables("logits"), **kwargs)
+                loss,
+                opt,
+                global_step=None,
+                variables_to_train=tf.compat.v1.trainable_variables("logits"),
+                **kwargs,
+            )
+
         delta = _one_step_delta(train_op_fn=train_op_fn)
         assert not np.any(delta["fc1/weights"]) and np.any(delta["logits/weights"])
 
     def test_explicit_update_ops_gate_aggregation_and_colocation(self):
         def train_op_fn(loss, opt, **kwargs):
             return slim_nanguard.create_train_op(
-                loss, opt, update_ops=[], gate_gradients=tf.compat.v1.train.Optimizer.GATE_NONE,
+                loss,
+                opt,
+                update_ops=[],
+                gate_gradients=tf.compat.v1.train.Optimizer.GATE_NONE,
                 aggregation_method=tf.AggregationMethod.ADD_N,
-                colocate_gradients_with_ops=True, **kwargs)
+                colocate_gradients_with_ops=True,
+                **kwargs,
+            )
+
         delta = _one_step_delta(train_op_fn=train_op_fn)
         assert not np.any(delta["moving_mean"])  # update_ops=[] leaves the moving mean alone
         assert np.any(delta["fc1/weights"]) and int(delta["global_step"]) == 1
 
 
 class TestTellingErrorsApart:
-
     def test_an_unrelated_invalid_argument_error_is_not_a_numerics_error(self):
         graph = tf.Graph()
         with graph.as_default(), tf.compat.v1.Session() as sess:
@@ -356,11 +383,13 @@ class TestTellingErrorsApart:
         graph = tf.Graph()
         with graph.as_default():
             w = tf.compat.v1.get_variable("w", [4])
-            index = tf.compat.v1.get_variable("index", initializer=tf.constant([1]),
-                                              trainable=False)
+            index = tf.compat.v1.get_variable(
+                "index", initializer=tf.constant([1]), trainable=False
+            )
             loss = tf.reduce_sum(tf.square(tf.gather(w, index)))
             train_op = slim_nanguard.create_train_op(
-                loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), nan_policy="skip")
+                loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), nan_policy="skip"
+            )
             step = tf.compat.v1.train.get_global_step()
             with tf.compat.v1.Session() as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
@@ -375,7 +404,6 @@ class TestTellingErrorsApart:
 
 
 class TestBadInput:
-
     def _graph_and_opt(self):
         graph = tf.Graph()
         with graph.as_default():
@@ -384,8 +412,9 @@ class TestBadInput:
 
     def test_a_loss_that_is_not_a_tensor(self):
         _, _, opt = self._graph_and_opt()
-        with pytest.raises(ValueError, match="total_loss must be a graph-mode tf.Tensor; got "
-                                             "float 1.5"):
+        with pytest.raises(
+            ValueError, match="total_loss must be a graph-mode tf.Tensor; got float 1.5"
+        ):
             slim_nanguard.create_train_op(1.5, opt)
 
     def test_a_loss_of_the_wrong_dtype_or_shape(self):
@@ -396,21 +425,33 @@ class TestBadInput:
             with pytest.raises(ValueError, match=r"scalar.*shape \(3,\)"):
                 slim_nanguard.create_train_op(w * 2.0, opt)
 
-    @pytest.mark.parametrize("kwargs, message", [
-        ({"nan_policy": "ignore"}, "nan_policy must be one of raise, stop, skip, rollback; got "
-                                   "'ignore'"),
-        ({"max_consecutive_bad_steps": 0}, "max_consecutive_bad_steps must be an integer >= 1; "
-                                           "got 0"),
-        ({"max_consecutive_bad_steps": -3}, "got -3"),
-        ({"persistent_nan_policy": "skip"}, "persistent_nan_policy must be one of raise, stop, "
-                                            r"rollback \(.*'skip' would never end\); got 'skip'"),
-        ({"persistent_nan_policy": "retry"}, "persistent_nan_policy must be one of raise, stop, "
-                                             "rollback .*got 'retry'"),
-        ({"rollback_lr_factor": 1.5}, r"rollback_lr_factor must be a number in \(0, 1\]"),
-        ({"max_rollbacks": 0}, "max_rollbacks must be an integer >= 1; got 0"),
-        ({"on_nan": "print"}, "on_nan must be callable"),
-        ({"clip_gradient_norm": -1}, "clip_gradient_norm must be >= 0"),
-    ])
+    @pytest.mark.parametrize(
+        "kwargs, message",
+        [
+            (
+                {"nan_policy": "ignore"},
+                "nan_policy must be one of raise, stop, skip, rollback; got 'ignore'",
+            ),
+            (
+                {"max_consecutive_bad_steps": 0},
+                "max_consecutive_bad_steps must be an integer >= 1; got 0",
+            ),
+            ({"max_consecutive_bad_steps": -3}, "got -3"),
+            (
+                {"persistent_nan_policy": "skip"},
+                "persistent_nan_policy must be one of raise, stop, "
+                r"rollback \(.*'skip' would never end\); got 'skip'",
+            ),
+            (
+                {"persistent_nan_policy": "retry"},
+                "persistent_nan_policy must be one of raise, stop, rollback .*got 'retry'",
+            ),
+            ({"rollback_lr_factor": 1.5}, r"rollback_lr_factor must be a number in \(0, 1\]"),
+            ({"max_rollbacks": 0}, "max_rollbacks must be an integer >= 1; got 0"),
+            ({"on_nan": "print"}, "on_nan must be callable"),
+            ({"clip_gradient_norm": -1}, "clip_gradient_norm must be >= 0"),
+        ],
+    )
     def test_guard_options_out_of_range(self, kwargs, message):
         graph, w, opt = self._graph_and_opt()
         with graph.as_default():
@@ -430,15 +471,19 @@ class TestBadInput:
         tf-keras one used to fail deep inside with a TypeError about gate_gradients)."""
         import keras
         import tf_keras
-        optimizer = {"keras": keras.optimizers.SGD,
-                     "tf_keras": tf_keras.optimizers.SGD,
-                     "tf_keras_legacy": tf_keras.optimizers.legacy.SGD}[kind](0.1)
+
+        optimizer = {
+            "keras": keras.optimizers.SGD,
+            "tf_keras": tf_keras.optimizers.SGD,
+            "tf_keras_legacy": tf_keras.optimizers.legacy.SGD,
+        }[kind](0.1)
         name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         graph, w, _ = self._graph_and_opt()
         with graph.as_default():
             with pytest.raises(ValueError) as raised:
-                slim_nanguard.create_train_op(tf.reduce_sum(w * w), optimizer,
-                                              check_numerics=MODES[mode])
+                slim_nanguard.create_train_op(
+                    tf.reduce_sum(w * w), optimizer, check_numerics=MODES[mode]
+                )
         message = str(raised.value)
         assert message.startswith(f"optimizer must be a tf.compat.v1.train.Optimizer; got {name}.")
         assert "Use the tf.compat.v1.train optimizer of the same algorithm" in message

@@ -42,38 +42,49 @@ class _AtRollback(tf.compat.v1.train.SessionRunHook):
 
     def _on_record(self, record):
         if record["kind"] == "rollback":
-            self.states.append((lib.state(self._session, self._graph),
-                                self._guard.state.consecutive_bad_steps))
+            self.states.append(
+                (lib.state(self._session, self._graph), self._guard.state.consecutive_bad_steps)
+            )
 
 
-def _train(logdir, *, mode="check_numerics", faults=None, steps=8, hooks=(), model=None,
-           **create_kwargs):
+def _train(
+    logdir, *, mode="check_numerics", faults=None, steps=8, hooks=(), model=None, **create_kwargs
+):
     """Builds the model and trains it with checkpoints every step; returns (result, model)."""
-    model = model or lib.build_model(check_numerics=MODES[mode], faults=faults,
-                                     **create_kwargs)
-    result = slim_nanguard.train(model.train_op, str(logdir), number_of_steps=steps,
-                                 save_checkpoint_steps=1, save_summaries_steps=None,
-                                 log_every_n_steps=2, hooks=list(hooks))
+    model = model or lib.build_model(check_numerics=MODES[mode], faults=faults, **create_kwargs)
+    result = slim_nanguard.train(
+        model.train_op,
+        str(logdir),
+        number_of_steps=steps,
+        save_checkpoint_steps=1,
+        save_summaries_steps=None,
+        log_every_n_steps=2,
+        hooks=list(hooks),
+    )
     return result, model
 
 
 class TestNoPoisonedCheckpoint:
-
     @pytest.mark.parametrize("policy", ["raise", "stop", "skip", "rollback"])
     @pytest.mark.parametrize("mode", sorted(MODES))
     def test_train_saves_every_step_and_no_checkpoint_holds_nan(self, tmp_path, mode, policy):
         snapshots = lib.Snapshots()
         if policy == "raise":
             with pytest.raises(slim_nanguard.NanLossError):
-                _train(tmp_path, mode=mode, nan_policy=policy, faults={BAD: "nan_input"},
-                       hooks=[snapshots])
+                _train(
+                    tmp_path,
+                    mode=mode,
+                    nan_policy=policy,
+                    faults={BAD: "nan_input"},
+                    hooks=[snapshots],
+                )
         else:
-            result, _ = _train(tmp_path, mode=mode, nan_policy=policy,
-                               faults={BAD: "nan_input"}, hooks=[snapshots])
+            result, _ = _train(
+                tmp_path, mode=mode, nan_policy=policy, faults={BAD: "nan_input"}, hooks=[snapshots]
+            )
             assert result.bad_steps == 1
             assert result.global_step == (BAD if policy == "stop" else 8)
-            assert result.stop_reason == ("nan_policy_stop" if policy == "stop" else
-                                          "step_limit")
+            assert result.stop_reason == ("nan_policy_stop" if policy == "stop" else "step_limit")
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
         # The latest checkpoint is the last good state, variable for variable.
         latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
@@ -94,17 +105,27 @@ class TestNoPoisonedCheckpoint:
             inputs = np.zeros(20, np.float32)
             inputs[BAD] = 1e38
             x = tf.compat.v1.data.make_one_shot_iterator(
-                tf.data.Dataset.from_tensor_slices(inputs)).get_next()
+                tf.data.Dataset.from_tensor_slices(inputs)
+            ).get_next()
             w = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
             train_op = slim_nanguard.create_train_op(
-                w * x, tf.compat.v1.train.GradientDescentOptimizer(10.0),
-                check_numerics=MODES[mode], nan_policy="stop")
-            saver = tf.compat.v1.train.Saver(var_list=[w, tf.compat.v1.train.get_global_step()],
-                                             max_to_keep=None)
+                w * x,
+                tf.compat.v1.train.GradientDescentOptimizer(10.0),
+                check_numerics=MODES[mode],
+                nan_policy="stop",
+            )
+            saver = tf.compat.v1.train.Saver(
+                var_list=[w, tf.compat.v1.train.get_global_step()], max_to_keep=None
+            )
             result = slim_nanguard.train(
-                train_op, str(tmp_path), number_of_steps=8, save_checkpoint_steps=1,
-                save_summaries_steps=None, log_every_n_steps=0,
-                scaffold=tf.compat.v1.train.Scaffold(saver=saver))
+                train_op,
+                str(tmp_path),
+                number_of_steps=8,
+                save_checkpoint_steps=1,
+                save_summaries_steps=None,
+                log_every_n_steps=0,
+                scaffold=tf.compat.v1.train.Scaffold(saver=saver),
+            )
         assert result.stop_reason == "nan_policy_stop" and result.bad_steps == 1
         assert result.global_step == BAD + 1  # the overflowing update went through
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
@@ -114,14 +135,18 @@ class TestNoPoisonedCheckpoint:
 
     @pytest.mark.parametrize("policy", ["stop", "skip"])
     def test_a_plain_monitored_session_with_our_hook(self, tmp_path, policy):
-        model = lib.build_model(check_numerics=False, nan_policy=policy,
-                                faults={BAD: "nan_input"})
+        model = lib.build_model(check_numerics=False, nan_policy=policy, faults={BAD: "nan_input"})
         with model.graph.as_default():
             with tf.compat.v1.train.MonitoredTrainingSession(
-                    checkpoint_dir=str(tmp_path), save_checkpoint_steps=1,
-                    save_summaries_steps=None, log_step_count_steps=None,
-                    hooks=[slim_nanguard.nan_hook(model.train_op),
-                           tf.compat.v1.train.StopAtStepHook(last_step=6)]) as sess:
+                checkpoint_dir=str(tmp_path),
+                save_checkpoint_steps=1,
+                save_summaries_steps=None,
+                log_step_count_steps=None,
+                hooks=[
+                    slim_nanguard.nan_hook(model.train_op),
+                    tf.compat.v1.train.StopAtStepHook(last_step=6),
+                ],
+            ) as sess:
                 while not sess.should_stop():
                     sess.run(model.train_op)
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
@@ -129,25 +154,36 @@ class TestNoPoisonedCheckpoint:
         assert int(latest["global_step"]) == (BAD if policy == "stop" else 6)
 
     def test_tf_slim_training_train_and_learning_train(self, tmp_path):
-        model = lib.build_model(check_numerics=False, nan_policy="skip",
-                                faults={BAD: "nan_gradient"})
+        model = lib.build_model(
+            check_numerics=False, nan_policy="skip", faults={BAD: "nan_gradient"}
+        )
         with model.graph.as_default():
             slim.training.train(
-                model.train_op, str(tmp_path / "training"),
-                hooks=[slim_nanguard.nan_hook(model.train_op),
-                       tf.compat.v1.train.StopAtStepHook(last_step=6)],
-                chief_only_hooks=[tf.compat.v1.train.CheckpointSaverHook(
-                    str(tmp_path / "training"), save_steps=1)],
-                save_checkpoint_secs=None, save_summaries_steps=None)
+                model.train_op,
+                str(tmp_path / "training"),
+                hooks=[
+                    slim_nanguard.nan_hook(model.train_op),
+                    tf.compat.v1.train.StopAtStepHook(last_step=6),
+                ],
+                chief_only_hooks=[
+                    tf.compat.v1.train.CheckpointSaverHook(str(tmp_path / "training"), save_steps=1)
+                ],
+                save_checkpoint_secs=None,
+                save_summaries_steps=None,
+            )
         lib.assert_no_poisoned_checkpoint(str(tmp_path / "training"))
 
-        model = lib.build_model(check_numerics=True, nan_policy="skip",
-                                faults={BAD: "nan_input"})
+        model = lib.build_model(check_numerics=True, nan_policy="skip", faults={BAD: "nan_input"})
         with model.graph.as_default():
-            slim.learning.train(model.train_op, str(tmp_path / "learning"),
-                                train_step_fn=slim_nanguard.train_step, number_of_steps=6,
-                                save_summaries_secs=None, save_interval_secs=None,
-                                saver=slim_nanguard.FiniteSaver())
+            slim.learning.train(
+                model.train_op,
+                str(tmp_path / "learning"),
+                train_step_fn=slim_nanguard.train_step,
+                number_of_steps=6,
+                save_summaries_secs=None,
+                save_interval_secs=None,
+                saver=slim_nanguard.FiniteSaver(),
+            )
         lib.assert_no_poisoned_checkpoint(str(tmp_path / "learning"))
         latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path / "learning")))
         assert int(latest["global_step"]) == 6
@@ -159,21 +195,30 @@ def grpc_master():
     return tf.distribute.Server.create_local_server().target
 
 
-@pytest.mark.parametrize("mode, policy", [("check_numerics", "skip"), ("hook", "skip"),
-                                          ("hook", "rollback")])
+@pytest.mark.parametrize(
+    "mode, policy", [("check_numerics", "skip"), ("hook", "skip"), ("hook", "rollback")]
+)
 def test_a_run_through_a_grpc_master_skips_the_bad_step(tmp_path, grpc_master, mode, policy):
     """--master: the session runs the graph on a server, and the guard works the same."""
+
     class _Target(tf.compat.v1.train.SessionRunHook):
         def after_create_session(self, session, coord):
             self.target = tf.compat.as_str(session.sess_str)
 
-    model = lib.build_model(check_numerics=MODES[mode], nan_policy=policy,
-                            faults={BAD: "nan_input"})
+    model = lib.build_model(
+        check_numerics=MODES[mode], nan_policy=policy, faults={BAD: "nan_input"}
+    )
     target = _Target()
-    result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
-                                 master=grpc_master, save_checkpoint_steps=1,
-                                 save_summaries_steps=None, log_every_n_steps=0,
-                                 hooks=[target])
+    result = slim_nanguard.train(
+        model.train_op,
+        str(tmp_path),
+        number_of_steps=8,
+        master=grpc_master,
+        save_checkpoint_steps=1,
+        save_summaries_steps=None,
+        log_every_n_steps=0,
+        hooks=[target],
+    )
     assert target.target == grpc_master and grpc_master.startswith("grpc://")
     assert (result.bad_steps, result.global_step) == (1, 8)
     assert (result.skips, result.rollbacks) == ((1, 0) if policy == "skip" else (0, 1))
@@ -184,15 +229,21 @@ class TestPlainTensorFlowPoisonsCheckpoints:
     """What TensorFlow alone does with a bad step, and what ours does instead."""
 
     def _run(self, logdir, train_op_fn, hook_fn, fail):
-        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False,
-                                faults={BAD: "nan_input"})
+        model = lib.build_model(
+            train_op_fn=train_op_fn, check_numerics=False, faults={BAD: "nan_input"}
+        )
         with model.graph.as_default():
             try:
                 with tf.compat.v1.train.MonitoredTrainingSession(
-                        checkpoint_dir=str(logdir), save_checkpoint_steps=1,
-                        save_summaries_steps=None, log_step_count_steps=None,
-                        hooks=[hook_fn(model.train_op, fail),
-                               tf.compat.v1.train.StopAtStepHook(last_step=8)]) as sess:
+                    checkpoint_dir=str(logdir),
+                    save_checkpoint_steps=1,
+                    save_summaries_steps=None,
+                    log_step_count_steps=None,
+                    hooks=[
+                        hook_fn(model.train_op, fail),
+                        tf.compat.v1.train.StopAtStepHook(last_step=8),
+                    ],
+                ) as sess:
                     while not sess.should_stop():
                         sess.run(model.train_op)
             except tf.compat.v1.train.NanLossDuringTrainingError:
@@ -200,41 +251,57 @@ class TestPlainTensorFlowPoisonsCheckpoints:
         return [slim_nanguard.non_finite_variables(p) for p in lib.all_checkpoints(str(logdir))]
 
     def test_nan_tensor_hook_without_failing_saves_nan_weights_at_the_end(self, tmp_path):
-        theirs = self._run(tmp_path / "tf", slim.learning.create_train_op,
-                           tf.compat.v1.train.NanTensorHook, fail=False)
+        theirs = self._run(
+            tmp_path / "tf",
+            slim.learning.create_train_op,
+            tf.compat.v1.train.NanTensorHook,
+            fail=False,
+        )
         latest = slim_nanguard.non_finite_variables(
-            tf.train.latest_checkpoint(str(tmp_path / "tf")))
+            tf.train.latest_checkpoint(str(tmp_path / "tf"))
+        )
         assert "fc1/weights" in latest
         assert any(theirs)
-        ours = self._run(tmp_path / "ours", slim_nanguard.create_train_op,
-                         slim_nanguard.NanLossHook, fail=False)
+        ours = self._run(
+            tmp_path / "ours", slim_nanguard.create_train_op, slim_nanguard.NanLossHook, fail=False
+        )
         assert not any(ours)
 
     def test_the_checkpoint_saver_runs_before_the_nan_hook_raises(self, tmp_path):
-        theirs = self._run(tmp_path / "tf", slim.learning.create_train_op,
-                           tf.compat.v1.train.NanTensorHook, fail=True)
+        theirs = self._run(
+            tmp_path / "tf",
+            slim.learning.create_train_op,
+            tf.compat.v1.train.NanTensorHook,
+            fail=True,
+        )
         assert any("fc1/weights" in bad for bad in theirs)
-        ours = self._run(tmp_path / "ours", slim_nanguard.create_train_op,
-                         slim_nanguard.NanLossHook, fail=True)
+        ours = self._run(
+            tmp_path / "ours", slim_nanguard.create_train_op, slim_nanguard.NanLossHook, fail=True
+        )
         assert ours and not any(ours)
 
 
 class TestRefusingANonFiniteModel:
-
     def _poison_checkpoint(self, logdir):
         model = lib.build_model()
         with model.graph.as_default(), tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             weights = model.graph.get_tensor_by_name("fc1/weights:0")
-            sess.run(tf.compat.v1.assign(model.graph.get_operation_by_name(
-                "fc1/weights").outputs[0], weights * np.nan))
-            tf.compat.v1.train.Saver().save(sess, os.path.join(str(logdir), "model.ckpt"),
-                                            global_step=4)
+            sess.run(
+                tf.compat.v1.assign(
+                    model.graph.get_operation_by_name("fc1/weights").outputs[0], weights * np.nan
+                )
+            )
+            tf.compat.v1.train.Saver().save(
+                sess, os.path.join(str(logdir), "model.ckpt"), global_step=4
+            )
 
     def test_a_nan_checkpoint_in_logdir(self, tmp_path):
         self._poison_checkpoint(tmp_path)
-        with pytest.raises(slim_nanguard.NonFiniteCheckpointError,
-                           match=r"model.ckpt-4 holds NaN or Inf in fc1/weights; refusing"):
+        with pytest.raises(
+            slim_nanguard.NonFiniteCheckpointError,
+            match=r"model.ckpt-4 holds NaN or Inf in fc1/weights; refusing",
+        ):
             _train(tmp_path)
 
     def test_a_nan_model_from_the_scaffold_init_fn(self, tmp_path):
@@ -242,22 +309,25 @@ class TestRefusingANonFiniteModel:
         with model.graph.as_default():
             weights = tf.compat.v1.trainable_variables("fc1")[0]
             poison = tf.compat.v1.assign(weights, weights * np.nan)
-            scaffold = tf.compat.v1.train.Scaffold(
-                init_fn=lambda scaffold, sess: sess.run(poison))
-        with pytest.raises(slim_nanguard.NonFiniteCheckpointError,
-                           match="holds NaN or Inf in fc1/weights"):
-            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=3,
-                                scaffold=scaffold)
+            scaffold = tf.compat.v1.train.Scaffold(init_fn=lambda scaffold, sess: sess.run(poison))
+        with pytest.raises(
+            slim_nanguard.NonFiniteCheckpointError, match="holds NaN or Inf in fc1/weights"
+        ):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=3, scaffold=scaffold)
         assert not lib.all_checkpoints(str(tmp_path))
 
 
 class TestRollback:
-
     def test_rollback_restores_skips_ahead_and_lowers_the_learning_rate(self, tmp_path):
         snapshots = lib.Snapshots()
-        result, model = _train(tmp_path, nan_policy="rollback", rollback_lr_factor=0.5,
-                               rollback_skip_batches=1, hooks=[snapshots],
-                               faults={BAD: "nan_loss", BAD + 1: "nan_loss"})
+        result, model = _train(
+            tmp_path,
+            nan_policy="rollback",
+            rollback_lr_factor=0.5,
+            rollback_skip_batches=1,
+            hooks=[snapshots],
+            faults={BAD: "nan_loss", BAD + 1: "nan_loss"},
+        )
         # Batch BAD + 1 was skipped by the rollback, so only one bad step was seen.
         assert (result.bad_steps, result.rollbacks, result.skips) == (1, 1, 0)
         assert result.learning_rate_scale == 0.5
@@ -271,12 +341,16 @@ class TestRollback:
 
     @pytest.mark.parametrize("mode", sorted(MODES))
     def test_a_checkpoint_that_goes_bad_again_is_passed_over_by_the_next_rollback(
-            self, tmp_path, mode):
+        self, tmp_path, mode
+    ):
         """Batches 3 and 5 are bad. The first rollback restores step 3; the run goes bad again
         before it saves anything newer, so the second one goes a checkpoint further back."""
-        model = lib.build_model(check_numerics=MODES[mode], nan_policy="rollback",
-                                rollback_skip_batches=1,
-                                faults={BAD: "nan_loss", BAD + 2: "nan_loss"})
+        model = lib.build_model(
+            check_numerics=MODES[mode],
+            nan_policy="rollback",
+            rollback_skip_batches=1,
+            faults={BAD: "nan_loss", BAD + 2: "nan_loss"},
+        )
         guard = slim_nanguard.get_guard(model.train_op)
         seen, snapshots = _AtRollback(model, guard), lib.Snapshots()
         result, _ = _train(tmp_path, model=model, hooks=[seen, snapshots])
@@ -292,11 +366,17 @@ class TestRollback:
     def test_a_one_off_fault_after_good_steps_does_not_walk_back(self, tmp_path):
         """Bad batches 5 and 9, a checkpoint every 4 steps: good steps came between the two
         faults, so both rollbacks restore step 4."""
-        model = lib.build_model(nan_policy="rollback", rollback_skip_batches=1,
-                                faults={5: "nan_loss", 9: "nan_loss"})
-        result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
-                                     save_checkpoint_steps=4, save_summaries_steps=None,
-                                     log_every_n_steps=0)
+        model = lib.build_model(
+            nan_policy="rollback", rollback_skip_batches=1, faults={5: "nan_loss", 9: "nan_loss"}
+        )
+        result = slim_nanguard.train(
+            model.train_op,
+            str(tmp_path),
+            number_of_steps=8,
+            save_checkpoint_steps=4,
+            save_summaries_steps=None,
+            log_every_n_steps=0,
+        )
         assert (result.rollbacks, result.global_step) == (2, 8)
         rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
         assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["4", "4"]
@@ -306,14 +386,23 @@ class TestRollback:
         """Every batch from 3 on is bad; checkpoints are saved by time, so the saver writes the
         restored step again during the skipped steps. Each escalated rollback still goes one
         step further back."""
-        model = lib.build_model(check_numerics=MODES[mode], nan_policy="skip",
-                                max_consecutive_bad_steps=2, persistent_nan_policy="rollback",
-                                max_rollbacks=3,
-                                faults={i: "nan_input" for i in range(3, 60)})
+        model = lib.build_model(
+            check_numerics=MODES[mode],
+            nan_policy="skip",
+            max_consecutive_bad_steps=2,
+            persistent_nan_policy="rollback",
+            max_rollbacks=3,
+            faults={i: "nan_input" for i in range(3, 60)},
+        )
         with pytest.raises(slim_nanguard.NanLossError, match="max_rollbacks=3"):
-            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=20,
-                                save_checkpoint_secs=1e-6, save_summaries_steps=None,
-                                log_every_n_steps=0)
+            slim_nanguard.train(
+                model.train_op,
+                str(tmp_path),
+                number_of_steps=20,
+                save_checkpoint_secs=1e-6,
+                save_summaries_steps=None,
+                log_every_n_steps=0,
+            )
         rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
         assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["3", "2", "1"]
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
@@ -321,10 +410,18 @@ class TestRollback:
     @pytest.mark.parametrize("mode", sorted(MODES))
     def test_rollback_gives_up_after_max_rollbacks(self, tmp_path, mode):
         faults = {i: "inf_loss" for i in range(2, 20, 2)}
-        with pytest.raises(slim_nanguard.NanLossError,
-                           match="2 rollbacks already done reached max_rollbacks=2"):
-            _train(tmp_path, mode=mode, nan_policy="rollback", max_rollbacks=2,
-                   rollback_skip_batches=0, faults=faults, steps=30)
+        with pytest.raises(
+            slim_nanguard.NanLossError, match="2 rollbacks already done reached max_rollbacks=2"
+        ):
+            _train(
+                tmp_path,
+                mode=mode,
+                nan_policy="rollback",
+                max_rollbacks=2,
+                rollback_skip_batches=0,
+                faults=faults,
+                steps=30,
+            )
         records = slim_nanguard.read_events(tmp_path)
         assert [r["kind"] for r in records] == ["bad_step", "rollback"] * 2 + ["bad_step", "stop"]
         assert records[-1]["reason"] == "nan_error"
@@ -332,32 +429,47 @@ class TestRollback:
     @pytest.mark.parametrize("mode", sorted(MODES))
     def test_skip_escalates_to_a_rollback_to_the_last_checkpoint(self, tmp_path, mode):
         """Batches 4-6 are bad: two skips, then the third in a row rolls back to step 3."""
-        model = lib.build_model(check_numerics=MODES[mode], nan_policy="skip",
-                                max_consecutive_bad_steps=3, persistent_nan_policy="rollback",
-                                rollback_lr_factor=0.5,
-                                faults={i: "nan_input" for i in (4, 5, 6)})
+        model = lib.build_model(
+            check_numerics=MODES[mode],
+            nan_policy="skip",
+            max_consecutive_bad_steps=3,
+            persistent_nan_policy="rollback",
+            rollback_lr_factor=0.5,
+            faults={i: "nan_input" for i in (4, 5, 6)},
+        )
         guard = slim_nanguard.get_guard(model.train_op)
         seen = _AtRollback(model, guard)
-        result = slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=10,
-                                     save_checkpoint_steps=3, save_summaries_steps=None,
-                                     log_every_n_steps=0, hooks=[seen])
+        result = slim_nanguard.train(
+            model.train_op,
+            str(tmp_path),
+            number_of_steps=10,
+            save_checkpoint_steps=3,
+            save_summaries_steps=None,
+            log_every_n_steps=0,
+            hooks=[seen],
+        )
         # Batch 7 was skipped by the rollback; training went on from step 3 to the limit.
         assert (result.bad_steps, result.skips, result.rollbacks) == (3, 2, 1)
         assert (result.stop_reason, result.global_step) == ("step_limit", 10)
         assert result.learning_rate_scale == 0.5
         records = slim_nanguard.read_events(tmp_path)
         assert [(r["kind"], r.get("action"), r.get("consecutive")) for r in records] == [
-            ("bad_step", "skip", 1), ("bad_step", "skip", 2), ("bad_step", "rollback", 3),
-            ("rollback", "rollback", 3), ("stop", None, None)]
+            ("bad_step", "skip", 1),
+            ("bad_step", "skip", 2),
+            ("bad_step", "rollback", 3),
+            ("rollback", "rollback", 3),
+            ("stop", None, None),
+        ]
         assert records[2]["step"] == 4
-        assert records[2]["escalation"] == ("3 bad steps in a row reached "
-                                            "max_consecutive_bad_steps=3")
+        assert records[2]["escalation"] == (
+            "3 bad steps in a row reached max_consecutive_bad_steps=3"
+        )
         assert "escalation" not in records[0]
         checkpoint = records[3]["checkpoint"]
         assert checkpoint.endswith("model.ckpt-3")
         # Right after the rollback: the weights of the checkpoint (not those of step 4), the
         # lowered learning rate, and a consecutive count that starts over.
-        (restored, consecutive), = seen.states
+        ((restored, consecutive),) = seen.states
         assert consecutive == 0
         expected = lib.checkpoint_values(checkpoint)
         assert int(restored["global_step"]) == 3
@@ -370,15 +482,24 @@ class TestRollback:
     @pytest.mark.parametrize("mode", sorted(MODES))
     def test_escalation_to_stop_ends_with_the_last_good_checkpoint(self, tmp_path, mode):
         snapshots = lib.Snapshots()
-        result, _ = _train(tmp_path, mode=mode, nan_policy="skip", max_consecutive_bad_steps=3,
-                           persistent_nan_policy="stop", hooks=[snapshots],
-                           faults={i: "nan_input" for i in range(BAD, 20)})
+        result, _ = _train(
+            tmp_path,
+            mode=mode,
+            nan_policy="skip",
+            max_consecutive_bad_steps=3,
+            persistent_nan_policy="stop",
+            hooks=[snapshots],
+            faults={i: "nan_input" for i in range(BAD, 20)},
+        )
         assert (result.stop_reason, result.global_step) == ("nan_policy_stop", BAD)
         assert (result.bad_steps, result.skips, result.rollbacks) == (3, 2, 0)
         records = slim_nanguard.read_events(tmp_path)
         assert [(r["kind"], r.get("action") or r.get("reason")) for r in records] == [
-            ("bad_step", "skip"), ("bad_step", "skip"), ("bad_step", "stop"),
-            ("stop", "nan_policy_stop")]
+            ("bad_step", "skip"),
+            ("bad_step", "skip"),
+            ("bad_step", "stop"),
+            ("stop", "nan_policy_stop"),
+        ]
         latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
         assert int(latest["global_step"]) == BAD
         for name, value in snapshots.by_step[BAD].items():
@@ -387,22 +508,29 @@ class TestRollback:
 
     def test_rollback_without_a_checkpoint_fails_clearly(self, tmp_path):
         model = lib.build_model(nan_policy="rollback", faults={2: "nan_input"})
-        with pytest.raises(slim_nanguard.CheckpointNotFoundError,
-                           match="rollback needs a good checkpoint in .* and there is none"):
-            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=5,
-                                save_checkpoint_secs=None, save_summaries_steps=None)
+        with pytest.raises(
+            slim_nanguard.CheckpointNotFoundError,
+            match="rollback needs a good checkpoint in .* and there is none",
+        ):
+            slim_nanguard.train(
+                model.train_op,
+                str(tmp_path),
+                number_of_steps=5,
+                save_checkpoint_secs=None,
+                save_summaries_steps=None,
+            )
 
 
 class TestTheRecord:
-
     def test_each_bad_step_is_a_line_and_a_tensorboard_scalar(self, tmp_path):
-        result, _ = _train(tmp_path, nan_policy="skip",
-                           faults={2: "nan_gradient", 5: "inf_loss"})
+        result, _ = _train(tmp_path, nan_policy="skip", faults={2: "nan_gradient", 5: "inf_loss"})
         records = slim_nanguard.read_events(result.events_path)
         assert [(r["kind"], r.get("action"), r.get("step")) for r in records] == [
-            ("bad_step", "skip", 2), ("bad_step", "skip", 4), ("stop", None, 8)]
-        assert records[0]["culprits"] == ["logits/weights"] and records[0]["loss_kind"] == \
-            "finite"
+            ("bad_step", "skip", 2),
+            ("bad_step", "skip", 4),
+            ("stop", None, 8),
+        ]
+        assert records[0]["culprits"] == ["logits/weights"] and records[0]["loss_kind"] == "finite"
         assert records[1]["loss"] == "inf" and records[1]["culprits"] == []
         with open(result.events_path) as f:
             assert all(json.loads(line) for line in f)  # plain JSON, one object a line
@@ -427,33 +555,39 @@ class TestTheRecord:
 
 
 class TestResume:
-
     def test_a_second_run_carries_on_and_appends_to_the_record(self, tmp_path):
         first, _ = _train(tmp_path, nan_policy="stop", faults={BAD: "nan_input"})
         assert (first.stop_reason, first.global_step) == ("nan_policy_stop", BAD)
         second, _ = _train(tmp_path, nan_policy="skip", faults={1: "inf_loss"}, steps=8)
         assert second.global_step == 8 and second.steps == 8 - BAD
         kinds = [(r["kind"], r.get("reason")) for r in slim_nanguard.read_events(tmp_path)]
-        assert kinds == [("bad_step", None), ("stop", "nan_policy_stop"),
-                         ("bad_step", None), ("stop", "step_limit")]
+        assert kinds == [
+            ("bad_step", None),
+            ("stop", "nan_policy_stop"),
+            ("bad_step", None),
+            ("stop", "step_limit"),
+        ]
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
     def test_resuming_with_another_rollback_lr_factor(self, tmp_path):
         """The guard's learning-rate scale exists only with a factor below 1: resume anyway."""
         first, _ = _train(tmp_path, steps=3)
         assert "nanguard/learning_rate_scale" not in lib.checkpoint_values(first.checkpoint)
-        second, _ = _train(tmp_path, steps=6, nan_policy="rollback", rollback_lr_factor=0.5,
-                           faults={1: "nan_loss"})
+        second, _ = _train(
+            tmp_path, steps=6, nan_policy="rollback", rollback_lr_factor=0.5, faults={1: "nan_loss"}
+        )
         assert (second.steps, second.rollbacks, second.learning_rate_scale) == (3, 1, 0.5)
         assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.5
 
     def test_the_lowered_learning_rate_carries_into_a_resumed_run(self, tmp_path):
         """A new guard (as in a new process) starts from the scale the checkpoint holds."""
-        first, _ = _train(tmp_path, steps=4, nan_policy="rollback", rollback_lr_factor=0.5,
-                          faults={1: "nan_loss"})
+        first, _ = _train(
+            tmp_path, steps=4, nan_policy="rollback", rollback_lr_factor=0.5, faults={1: "nan_loss"}
+        )
         assert first.learning_rate_scale == 0.5
-        second, _ = _train(tmp_path, steps=8, nan_policy="rollback", rollback_lr_factor=0.5,
-                           faults={1: "nan_loss"})
+        second, _ = _train(
+            tmp_path, steps=8, nan_policy="rollback", rollback_lr_factor=0.5, faults={1: "nan_loss"}
+        )
         assert (second.rollbacks, second.learning_rate_scale) == (1, 0.25)
         assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.25
 
@@ -498,13 +632,13 @@ class TestResume:
         for data in tf.io.gfile.glob(os.path.join(str(tmp_path), "model.ckpt-*.data*")):
             with open(data, "r+b") as f:
                 f.truncate(3)
-        with pytest.raises(slim_nanguard.CheckpointNotFoundError,
-                           match="no checkpoint in .* can be read"):
+        with pytest.raises(
+            slim_nanguard.CheckpointNotFoundError, match="no checkpoint in .* can be read"
+        ):
             _train(tmp_path, steps=4)
 
 
 class TestBadInput:
-
     def test_a_logdir_that_is_a_file_or_cannot_be_created(self, tmp_path):
         model = lib.build_model()
         blocker = tmp_path / "file"
@@ -547,8 +681,9 @@ def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
                                      log_every_n_steps=50)
         print("RESULT", result.stop_reason, result.global_step, flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     try:
         # Wait until training is under way (a progress line), then press Ctrl-C.
@@ -573,12 +708,18 @@ def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
 def test_giving_up_first_saves_the_good_state_of_the_bad_step(tmp_path, mode):
     """No checkpoint by time or by steps, yet raising costs no good step: the state the guard
     kept at the bad step is saved before the error leaves `train`."""
-    model = lib.build_model(check_numerics=MODES[mode], nan_policy="raise",
-                            faults={BAD: "nan_loss"})
+    model = lib.build_model(
+        check_numerics=MODES[mode], nan_policy="raise", faults={BAD: "nan_loss"}
+    )
     with pytest.raises(slim_nanguard.NanLossError) as raised:
-        slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=8,
-                            save_checkpoint_secs=None, save_summaries_steps=None,
-                            log_every_n_steps=0)
+        slim_nanguard.train(
+            model.train_op,
+            str(tmp_path),
+            number_of_steps=8,
+            save_checkpoint_secs=None,
+            save_summaries_steps=None,
+            log_every_n_steps=0,
+        )
     assert raised.value.checkpoint == str(tmp_path / f"model.ckpt-{BAD}")
     values = lib.checkpoint_values(raised.value.checkpoint)
     assert int(values["global_step"]) == BAD

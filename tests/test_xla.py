@@ -56,10 +56,18 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_guard_holds_under_xla_auto_clustering():
-    env = dict(os.environ, TF_XLA_FLAGS="--tf_xla_cpu_global_jit --tf_xla_auto_jit=2",
-               TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=TESTS_DIR)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        TF_XLA_FLAGS="--tf_xla_cpu_global_jit --tf_xla_auto_jit=2",
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(tests=TESTS_DIR)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.split("REPORT", 1)[1])
     check, hook = report["check_numerics"], report["hook"]
