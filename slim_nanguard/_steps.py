@@ -177,6 +177,8 @@ def train_step(
         checkpoint_dir,
         "pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
     )
+    if checkpoint_dir and guard.autopsy_dir is None:
+        guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
     if guard.mode == _guard.MODE_HOOK:
         guard.mark_judged(sess)  # once per session: this function applies the policy
         judging = _JudgingSession(sess, guard)
@@ -187,7 +189,12 @@ def train_step(
             guard.note_good_step()
             return loss, should_stop
         step, sums = guard.read_bad_step(sess)
-        event = guard.on_bad_step(step=step, loss=sums[0], sums=sums)
+        if guard.is_loss_scale_overflow(sums):
+            # The loss-scale optimizer skipped the update and lowered its scale: not a bad step.
+            guard.on_loss_scale_overflow(step=step, sums=sums)
+            return loss, should_stop
+        autopsy = guard.autopsy(sess, step)  # Before any rollback.
+        event = guard.on_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
         return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, should_stop)
     try:
         loss, should_stop = tf_slim.learning.train_step(
@@ -196,9 +203,6 @@ def train_step(
     except tf.errors.InvalidArgumentError as error:
         if not guard.owns_error(error):
             raise
-        dump_dir = checkpoint_dir or train_step_kwargs.get("logdir")
-        if dump_dir and guard.autopsy_dir is None:
-            guard.autopsy_dir = dump_dir  # Autopsy dumps go next to the checkpoints.
         event = guard.handle_numerics_error(sess, error)
         return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, False)
     guard.note_good_step()

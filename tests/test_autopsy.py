@@ -250,11 +250,18 @@ def test_the_hook_in_a_monitored_session_carries_the_autopsy_of_a_fed_batch(tmp_
     assert os.path.exists(record["autopsy"]["dump"])
 
 
-@pytest.mark.parametrize("loop", ["learning.train", "training.train"])
-def test_tf_slims_own_loops_get_the_same_autopsy(tmp_path, loop):
+@pytest.mark.parametrize(
+    "loop, mode",
+    [
+        ("learning.train", "check_numerics"),
+        ("learning.train", "hook"),
+        ("training.train", "hook"),
+    ],
+)
+def test_tf_slims_own_loops_get_the_same_autopsy(tmp_path, loop, mode):
     import tf_slim as slim
 
-    model = _Model("check_numerics" if loop == "learning.train" else "hook", fault="log_of_zero")
+    model = _Model(mode, fault="log_of_zero")
     records = []
     model.guard.add_listener(records.append)
     with model.graph.as_default():
