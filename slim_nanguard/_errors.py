@@ -42,6 +42,11 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         self.checkpoint: Optional[str] = None
         super().__init__(str(self))
 
+    def __reduce__(self):
+        # Rebuilt from the event and the reason (not from the message, as Exception would):
+        # an error sent to another process, or kept by a test runner, reads the same.
+        return (type(self), (self.event, self.reason), {"checkpoint": self.checkpoint})
+
     def __str__(self) -> str:
         parts = ["NaN or Inf during training"]
         if self.event is not None:

@@ -89,3 +89,31 @@ def test_a_callbacks_choice_is_decided_like_the_policy():
     decision = decide(config, "rollback", consecutive_bad_steps=1, rollbacks=1)
     assert decision.action == "raise"
     assert decision.reason == "1 rollbacks already done reached max_rollbacks=1"
+
+
+def test_a_nan_loss_error_survives_pickling():
+    """An error sent to another process (or kept by a test runner) reads the same there."""
+    import pickle
+
+    import slim_nanguard
+    from slim_nanguard._events import NanEvent
+
+    event = NanEvent(
+        step=7,
+        loss=float("nan"),
+        loss_kind="nan",
+        culprits=("fc1/weights",),
+        consecutive=3,
+        total=4,
+        mode="hook",
+        action="raise",
+    )
+    error = slim_nanguard.NanLossError(
+        event, "3 bad steps in a row reached max_consecutive_bad_steps=3"
+    )
+    error.checkpoint = "/tmp/run/model.ckpt-7"
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, slim_nanguard.NanLossError)
+    assert str(copy) == str(error) and "global step 7" in str(copy)
+    assert copy.reason == error.reason and copy.checkpoint == error.checkpoint
+    assert copy.event.culprits == ("fc1/weights",)
