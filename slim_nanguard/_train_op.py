@@ -255,6 +255,7 @@ def create_train_op(
             # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
             # run before the test: each variable's pre-step value is put back on a bad step.
             snapshots, restored = _snapshot_forward_writes(graph, grad_sums)
+            autopsy = _autopsy_possible(config, graph, snapshots)
             if check_numerics:
                 mode = _guard.MODE_CHECK_NUMERICS
                 # Stored on every step, before the check raises.
@@ -271,7 +272,7 @@ def create_train_op(
                 capture = _capture.keep_batch(
                     total_loss,
                     lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
-                    enabled=config.autopsy_max_steps > 0,
+                    enabled=autopsy,
                 )
                 with tf.control_dependencies(ready + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
@@ -306,15 +307,16 @@ def create_train_op(
                 bad_pivot = tf.identity(untaken)
                 with tf.control_dependencies([bad_pivot]):
                     is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
+                passes = tf.logical_or(is_judged, bad_pivot)
+                if scaler is not None:  # An overflow is the loss scale's business: it passes.
+                    passes = tf.logical_or(passes, scaler.overflow)
                 unjudged = tf.debugging.Assert(
-                    tf.logical_or(is_judged, bad_pivot),
+                    passes,
                     [_unhandled_message(config, hook_mode=True)],
                     name="unjudged",
                 )
                 # The batch too, for the autopsy, on the same bad branch.
-                capture = _capture.keep_batch(
-                    total_loss, ok, merge=False, enabled=config.autopsy_max_steps > 0
-                )
+                capture = _capture.keep_batch(total_loss, ok, merge=False, enabled=autopsy)
                 with tf.control_dependencies(
                     [store, unjudged] + list(capture.stores) + _restore(snapshots, ok)
                 ):
@@ -530,6 +532,27 @@ class _OverflowTest:
         writable = tf.logical_or(self.finite, self.overflow)
         _, taken = control_flow_ops.switch(writable, writable)
         return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
+
+
+def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:
+    """Whether the train op keeps a bad step's batch for an autopsy (`GuardConfig`).
+
+    Not when the forward pass writes variables (`slim.batch_norm` with
+    ``updates_collections=None``): a replay would run those writes again, with the bad batch,
+    after the guard put their values back. Not inside a loop body either, whose tensors a
+    replay cannot fetch. Either way the guard says so once, at build time.
+    """
+    if config.autopsy_max_steps <= 0:
+        return False
+    why = ""
+    if snapshots:
+        why = "its forward pass writes variables, which a replay would write again"
+    elif _in_loop(graph):
+        why = "it is built inside a loop, whose tensors a replay cannot fetch"
+    if why:
+        logging.warning("slim_nanguard: no autopsy of bad steps for this train op: %s.", why)
+        return False
+    return True
 
 
 def _in_loop(graph: tf.Graph) -> bool:

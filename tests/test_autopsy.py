@@ -543,3 +543,27 @@ def test_with_autopsies_off_nothing_of_the_capture_is_built(mode):
     assert not [op for op in off if "keep_batch" in op.name]
     if mode == "check_numerics":  # only the capture puts control flow in this mode's graph
         assert not [op for op in off if op.type in ("Switch", "Merge", "IsFinite")]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_model_whose_forward_pass_writes_gets_no_autopsy_and_keeps_its_promise(tmp_path, mode):
+    """A replay would run the forward pass's writes again with the bad batch, after the guard
+    put their values back; so such a train op keeps no batch, and a bad step writes nothing."""
+
+    def moving_average_the_loss_waits_on(x):
+        moving = tf.compat.v1.get_variable(
+            "moving", [], initializer=tf.compat.v1.constant_initializer(0.5), trainable=False
+        )
+        update = moving.assign(0.9 * moving + 0.1 * tf.reduce_mean(x))
+        with tf.control_dependencies([update]):
+            return 0.0 * tf.identity(moving)
+
+    model = _Model(mode, fault="nan_input", extra_loss=moving_average_the_loss_waits_on)
+    assert not model.guard.capture.tensors  # no autopsy: nothing kept
+    result = _train(tmp_path, model, steps=5)
+    # One bad step, skipped; the moving average stayed finite, so every later step was good.
+    assert (result.bad_steps, result.skips, result.global_step) == (1, 1, 5)
+    values = tf.train.load_checkpoint(result.checkpoint)
+    assert np.isfinite(values.get_tensor("moving"))
+    (record,) = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "bad_step"]
+    assert "autopsy" not in record
