@@ -37,6 +37,10 @@ from slim_nanguard._train_op import add_gradients_summaries
 from slim_nanguard._train_op import clip_gradient_norms
 from slim_nanguard._train_op import create_train_op
 from slim_nanguard._train_op import multiply_gradients
+from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
+from slim_nanguard._types import Mode
+from slim_nanguard._types import StopReason
 
 __version__ = "0.1.0"
 
@@ -46,13 +50,16 @@ compat.install()
 
 __all__ = [
     "EVENTS_FILENAME",
+    "Action",
     "Autopsy",
+    "Cause",
     "CheckpointNotFoundError",
     "EventRecorder",
     "FiniteSaver",
     "Guard",
     "GuardConfig",
     "GuardState",
+    "Mode",
     "NanEvent",
     "NanGuardError",
     "NanLossError",
@@ -61,6 +68,7 @@ __all__ = [
     "OnNanCallback",
     "PERSISTENT_POLICIES",
     "POLICIES",
+    "StopReason",
     "TrainResult",
     "add_gradients_summaries",
     "clip_gradient_norms",

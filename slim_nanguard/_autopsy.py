@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from absl import logging
 
+from slim_nanguard import _ops
+
 DUMP_DIRNAME = "nanguard_autopsy"
 DEFAULT_TIMEOUT_SECS = 60.0
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
@@ -41,23 +43,9 @@ DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
 
 # Ops that are the batch itself: a non-finite value there was in the data.
-_INPUT_TYPES = frozenset(
-    {
-        "Placeholder",
-        "PlaceholderV2",
-        "PlaceholderWithDefault",
-        "IteratorGetNext",
-        "IteratorGetNextSync",
-        "QueueDequeueV2",
-        "QueueDequeueManyV2",
-        "QueueDequeueUpToV2",
-        "QueueDequeue",
-        "QueueDequeueMany",
-        "QueueDequeueUpTo",
-    }
-)
+_INPUT_TYPES = _ops.BATCH_OP_TYPES
 # Ops whose output a fed input cannot stand in for: replaying past them would need them to run.
-_UNREPLAYABLE_TYPES = _INPUT_TYPES | {"ReaderReadV2", "ReaderReadUpToV2"}
+_UNREPLAYABLE_TYPES = _ops.BATCH_OP_TYPES
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.

@@ -21,22 +21,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _ops
+
 # Ops whose outputs are a batch: fed placeholders and the ops that fetch the next batch.
-PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})
-INPUT_OP_TYPES = frozenset(
-    {
-        "IteratorGetNext",
-        "IteratorGetNextSync",
-        "QueueDequeueV2",
-        "QueueDequeueManyV2",
-        "QueueDequeueUpToV2",
-        "QueueDequeue",
-        "QueueDequeueMany",
-        "QueueDequeueUpTo",
-        "ReaderReadV2",
-        "ReaderReadUpToV2",
-    }
-)
+PLACEHOLDER_TYPES = _ops.PLACEHOLDER_TYPES
+INPUT_OP_TYPES = _ops.INPUT_OP_TYPES
 _UNKEPT_DTYPES = (tf.resource, tf.variant)
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
+from slim_nanguard._types import Cause
+
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
 
@@ -30,22 +32,42 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
     Attributes:
       event: The `NanEvent` of the step that made training give up, or None when the error
         was raised without one.
-      reason: Why training gave up (for example the policy was ``raise``, or too many bad
-        steps came in a row).
+      reason: Why training gave up, as a sentence (for example the policy was ``raise``,
+        or too many bad steps came in a row).
+      cause: Why training gave up, as a `Cause` to branch on (advice, exit codes):
+        ``Cause.POLICY`` (the policy, a hook's override or ``on_nan`` said ``raise``),
+        ``Cause.MAX_CONSECUTIVE_BAD_STEPS`` (an escalation to ``raise``),
+        ``Cause.MAX_ROLLBACKS`` (a rollback past the bound), ``Cause.UNGUARDED_LOSS`` (a
+        `NanLossHook` on a loss no guarded train op made: the update may have happened), or
+        None when the error was raised without one.
+      limit: The bound named by ``cause`` (the value of ``max_consecutive_bad_steps`` or
+        ``max_rollbacks``), else None.
       checkpoint: The checkpoint holding the last good state, when the loop saved one
         before raising (`slim_nanguard.train` does), else None.
     """
 
-    def __init__(self, event: Optional["NanEvent"] = None, reason: str = ""):
+    def __init__(
+        self,
+        event: Optional["NanEvent"] = None,
+        reason: str = "",
+        cause: Optional[Cause] = None,
+        limit: Optional[int] = None,
+    ):
         self.event = event
         self.reason = reason
+        self.cause = None if cause is None else Cause(cause)
+        self.limit = limit
         self.checkpoint: Optional[str] = None
         super().__init__(str(self))
 
     def __reduce__(self):
-        # Rebuilt from the event and the reason (not from the message, as Exception would):
-        # an error sent to another process, or kept by a test runner, reads the same.
-        return (type(self), (self.event, self.reason), {"checkpoint": self.checkpoint})
+        # Rebuilt from its fields (not from the message, as Exception would): an error sent
+        # to another process, or kept by a test runner, reads the same.
+        return (
+            type(self),
+            (self.event, self.reason, self.cause, self.limit),
+            {"checkpoint": self.checkpoint},
+        )
 
     def __str__(self) -> str:
         parts = ["NaN or Inf during training"]

@@ -46,8 +46,9 @@ class NanEvent:
         or unknown.
       consecutive: How many bad steps came in a row, this one included.
       total: How many bad steps this guard has seen in this process, this one included.
-      mode: ``"check_numerics"`` or ``"hook"``: which mode caught the step.
-      action: What the policy decided: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``;
+      mode: ``"check_numerics"`` or ``"hook"`` (a `Mode`): which mode caught the step.
+      action: What the policy decided (an `Action`, equal to its name): ``"raise"``,
+        ``"stop"``, ``"skip"`` or ``"rollback"``;
         ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer,
         which is no bad step (no policy applies, and it is not counted in ``consecutive`` or
         ``total``).
@@ -103,6 +104,8 @@ class NanEvent:
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
         d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
+        # Plain strings, not enum members: a record reads the same to any JSON consumer.
+        d["mode"], d["action"] = str(self.mode), str(self.action)
         d["culprits"] = list(self.culprits)
         d["loss"] = _json_float(self.loss)
         if self.loss_scale is None:

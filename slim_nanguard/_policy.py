@@ -45,14 +45,17 @@ import math
 from typing import Optional, Protocol
 
 from slim_nanguard._events import NanEvent
+from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
 
-RAISE = "raise"
-STOP = "stop"
-SKIP = "skip"
-ROLLBACK = "rollback"
-POLICIES = (RAISE, STOP, SKIP, ROLLBACK)
+# The policies as module constants (each equals its name: ``STOP == "stop"``).
+RAISE = Action.RAISE
+STOP = Action.STOP
+SKIP = Action.SKIP
+ROLLBACK = Action.ROLLBACK
+POLICIES = tuple(Action)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip.
-PERSISTENT_POLICIES = (RAISE, STOP, ROLLBACK)
+PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 
 class OnNanCallback(Protocol):
@@ -148,23 +151,43 @@ class GuardConfig:
 
     @property
     def may_roll_back(self) -> bool:
-        """Whether a bad step can lead to a rollback, so that one needs a Saver and a directory.
-
-        True under the ``rollback`` policy, with ``persistent_nan_policy="rollback"``, and with
-        an ``on_nan`` callback (it may choose ``rollback``).
-        """
-        return ROLLBACK in (self.nan_policy, self.persistent_nan_policy) or self.on_nan is not None
+        """Whether a bad step can lead to a rollback, so that one needs a Saver: see
+        `may_roll_back` (the function), with the configured policy."""
+        return may_roll_back(self)
 
     @property
     def needs_checkpoint_dir(self) -> bool:
-        """Whether a bad step rolls back without any callback choosing it.
+        """Whether a bad step rolls back without any callback choosing it, so that a loop
+        must know the checkpoint directory: see `rolls_back`, with the configured policy."""
+        return rolls_back(self)
 
-        True under ``rollback``, and under ``skip`` with ``persistent_nan_policy="rollback"``:
-        a loop must then know the checkpoint directory, and can refuse to start without it.
-        """
-        return self.nan_policy == ROLLBACK or (
-            self.nan_policy == SKIP and self.persistent_nan_policy == ROLLBACK
-        )
+
+def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
+    """Whether a bad step under `policy` leads to a rollback with no callback choosing it.
+
+    True for ``rollback``, and for ``skip`` with ``persistent_nan_policy="rollback"`` (the
+    escalation of a run of bad steps). ``raise`` and ``stop`` never escalate. A loop must then
+    know the checkpoint directory, and can refuse to start without it.
+
+    Args:
+      config: The guard's configuration.
+      policy: The policy applied (a hook may override the configured one); default
+        ``config.nan_policy``.
+    """
+    policy = config.nan_policy if policy is None else policy
+    return policy == ROLLBACK or (policy == SKIP and config.persistent_nan_policy == ROLLBACK)
+
+
+def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
+    """Whether a bad step under `policy` can lead to a rollback, so that a Saver is needed.
+
+    `rolls_back`, or an ``on_nan`` callback (it may choose ``rollback`` for any event).
+
+    Args:
+      config: The guard's configuration.
+      policy: The policy applied; default ``config.nan_policy``.
+    """
+    return rolls_back(config, policy) or config.on_nan is not None
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -172,13 +195,13 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
 
 
-def validate_action(action: object, source: str) -> str:
-    """Returns `action` if it names a policy, else raises ValueError naming `source`."""
+def validate_action(action: object, source: str) -> Action:
+    """Returns the `Action` `action` names, else raises ValueError naming `source`."""
     if action not in POLICIES:
         raise ValueError(
             f"{source} must return one of {', '.join(POLICIES)} or None; got {action!r}."
         )
-    return action  # type: ignore[return-value]
+    return Action(action)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,15 +209,20 @@ class Decision:
     """What to do about one bad step, and why: the result of `decide`.
 
     Attributes:
-      action: One of `POLICIES`: what the caller carries out (``raise`` gives up).
+      action: The `Action` the caller carries out (``raise`` gives up).
       escalation: Why ``persistent_nan_policy`` replaced the chosen action (the count of bad
         steps in a row reached its bound), or "" if it did not.
       reason: Why training gives up, when ``action`` is ``raise``; "" otherwise.
+      cause: Why training gives up, as a `Cause`, when ``action`` is ``raise``; else None.
+      limit: The bound that was reached (``max_consecutive_bad_steps`` or ``max_rollbacks``)
+        when ``cause`` names one; else None.
     """
 
-    action: str
+    action: Action
     escalation: str = ""
     reason: str = ""
+    cause: Optional[Cause] = None
+    limit: Optional[int] = None
 
 
 def decide(
@@ -216,18 +244,21 @@ def decide(
       a row becomes ``persistent_nan_policy``; a ``rollback`` past ``max_rollbacks`` becomes
       ``raise``, and the reason names each bound that was reached.
     """
-    action, escalation, reason = chosen, "", ""
+    action, escalation, reason = Action(chosen), "", ""
+    cause, limit = Cause.POLICY, None
     if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
         # The state is bad, not the batch: escalate (raise by default).
         reason = escalation = (
             f"{consecutive_bad_steps} bad steps in a row reached "
             f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}"
         )
-        action = config.persistent_nan_policy
+        action = Action(config.persistent_nan_policy)
+        cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
     if action == ROLLBACK and rollbacks >= config.max_rollbacks:
-        limit = f"{rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
-        reason = f"{reason}, and {limit}" if reason else limit
+        bound = f"{rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
+        reason = f"{reason}, and {bound}" if reason else bound
         action = RAISE
+        cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
-    return Decision(action, escalation, reason or "the nan_policy is 'raise'")
+    return Decision(action, escalation, reason or "the nan_policy is 'raise'", cause, limit)

@@ -117,3 +117,104 @@ def test_a_nan_loss_error_survives_pickling():
     assert str(copy) == str(error) and "global step 7" in str(copy)
     assert copy.reason == error.reason and copy.checkpoint == error.checkpoint
     assert copy.event.culprits == ("fc1/weights",)
+
+
+def test_a_nan_loss_error_carries_its_cause_and_limit_through_pickling():
+    import pickle
+
+    import slim_nanguard
+    from slim_nanguard._events import NanEvent
+
+    event = NanEvent(
+        step=9,
+        loss=float("inf"),
+        loss_kind="inf",
+        culprits=(),
+        consecutive=5,
+        total=5,
+        mode=slim_nanguard.Mode.HOOK,
+        action=slim_nanguard.Action.RAISE,
+    )
+    error = slim_nanguard.NanLossError(
+        event,
+        "5 bad steps in a row reached max_consecutive_bad_steps=5",
+        cause=slim_nanguard.Cause.MAX_CONSECUTIVE_BAD_STEPS,
+        limit=5,
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.cause is slim_nanguard.Cause.MAX_CONSECUTIVE_BAD_STEPS
+    assert copy.cause == "max_consecutive_bad_steps"
+    assert copy.limit == 5
+    assert copy.reason == error.reason and str(copy) == str(error)
+    assert copy.event == error.event
+    # Raised without a cause (by user code, say): None, and still pickles.
+    bare = pickle.loads(pickle.dumps(slim_nanguard.NanLossError()))
+    assert bare.cause is None and bare.limit is None and bare.event is None
+
+
+@pytest.mark.parametrize(
+    "chosen, consecutive, rollbacks, cause, limit",
+    [
+        ("raise", 1, 0, "policy", None),
+        ("skip", 3, 0, "max_consecutive_bad_steps", 3),
+        ("rollback", 1, 2, "max_rollbacks", 2),
+    ],
+)
+def test_a_decision_to_raise_names_its_cause_and_limit(
+    chosen, consecutive, rollbacks, cause, limit
+):
+    config = GuardConfig(
+        nan_policy=chosen,
+        max_consecutive_bad_steps=3,
+        max_rollbacks=2,
+    )
+    decision = decide(config, chosen, consecutive_bad_steps=consecutive, rollbacks=rollbacks)
+    assert decision.action == "raise"
+    assert decision.cause == cause and decision.limit == limit
+
+
+def test_a_decision_that_goes_on_has_no_cause():
+    decision = decide(GuardConfig(nan_policy="skip"), "skip", consecutive_bad_steps=1, rollbacks=0)
+    assert decision.action is _policy.Action.SKIP and decision.cause is None
+
+
+def test_actions_modes_and_causes_are_strings_to_users_and_records():
+    import json
+
+    from slim_nanguard import Action
+    from slim_nanguard import Cause
+    from slim_nanguard import Mode
+    from slim_nanguard import StopReason
+
+    assert Action.SKIP == "skip" and f"{Action.ROLLBACK}" == "rollback"
+    assert str(Mode.CHECK_NUMERICS) == "check_numerics"
+    assert StopReason.POLICY == "nan_policy_stop" and Cause.MAX_ROLLBACKS == "max_rollbacks"
+    assert json.dumps({"action": Action.STOP}) == '{"action": "stop"}'
+    assert _policy.POLICIES == ("raise", "stop", "skip", "rollback")
+    assert _policy.PERSISTENT_POLICIES == ("raise", "stop", "rollback")
+
+
+@pytest.mark.parametrize(
+    "policy, persistent, on_nan, rolls, may",
+    [
+        ("rollback", "raise", False, True, True),
+        ("skip", "rollback", False, True, True),
+        # raise and stop never escalate: persistent_nan_policy never applies.
+        ("stop", "rollback", False, False, False),
+        ("raise", "rollback", False, False, False),
+        ("skip", "raise", True, False, True),
+    ],
+)
+def test_whether_a_policy_rolls_back_is_decided_in_one_place(
+    policy, persistent, on_nan, rolls, may
+):
+    config = GuardConfig(
+        nan_policy=policy,
+        persistent_nan_policy=persistent,
+        on_nan=(lambda event: None) if on_nan else None,
+    )
+    assert _policy.rolls_back(config) is rolls and config.needs_checkpoint_dir is rolls
+    assert _policy.may_roll_back(config) is may and config.may_roll_back is may
+    # A hook's override is judged with the same rule.
+    assert _policy.rolls_back(config, "rollback") is True
+    assert _policy.rolls_back(config, "stop") is False

@@ -1,0 +1,81 @@
+"""The closed vocabularies of the guard, and the types its functions take.
+
+Each vocabulary is a `str`-valued enum: a member equals its string (``Action.SKIP == "skip"``),
+formats as it (``f"{Action.SKIP}"`` is ``skip``) and is written to JSON as it, so records and
+user code that compare with plain strings keep working. This module imports nothing of the
+package, so that every other module can use it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Dict, Protocol, Union
+
+import tensorflow as tf
+
+
+class _StrEnum(str, enum.Enum):
+    """A `str` enum whose `str` and `format` are its value (Python 3.11 would say
+    ``Action.SKIP``); `repr` keeps the class name, for debugging."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str(self), spec)
+
+
+class Action(_StrEnum):
+    """What is done about a bad step: the policies.
+
+    Adding a policy means a member here, its rule in `slim_nanguard._policy.decide` and its
+    effect in `slim_nanguard._actions.carry_out`.
+    """
+
+    RAISE = "raise"
+    STOP = "stop"
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+
+
+class Mode(_StrEnum):
+    """How a guarded train op reports a bad step."""
+
+    CHECK_NUMERICS = "check_numerics"  # the run raises the check's InvalidArgumentError
+    HOOK = "hook"  # the run returns; NanLossHook (or train_step) reads the verdict
+
+
+class StopReason(_StrEnum):
+    """Why `slim_nanguard.train` ended (`TrainResult.stop_reason`)."""
+
+    STEP_LIMIT = "step_limit"
+    POLICY = "nan_policy_stop"  # the stop policy, or persistent_nan_policy="stop"
+    INTERRUPTED = "interrupted"  # Ctrl-C
+    TERMINATED = "terminated"  # SIGTERM
+    END_OF_DATA = "end_of_data"
+    REQUESTED = "stop_requested"  # a hook asked
+    NAN_ERROR = "nan_error"  # training gave up with NanLossError (event record only)
+
+
+class Cause(_StrEnum):
+    """Why training gave up: `NanLossError.cause`."""
+
+    POLICY = "policy"  # the policy (or the hook's override, or on_nan) said raise
+    MAX_CONSECUTIVE_BAD_STEPS = "max_consecutive_bad_steps"  # escalation to raise
+    MAX_ROLLBACKS = "max_rollbacks"  # a rollback past max_rollbacks
+    UNGUARDED_LOSS = "unguarded_loss"  # NanLossHook on a loss no guarded train op made
+
+
+# A session the guard can act on: a raw session, or a MonitoredSession (whose hooks the
+# guard goes around with `run_step_fn`).
+SessionLike = Union[tf.compat.v1.Session, tf.compat.v1.train.MonitoredSession]
+
+# Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
+Listener = Callable[[Dict[str, Any]], None]
+
+
+class RequestStop(Protocol):
+    """Asks the loop to stop after this step (``run_context.request_stop``, for one)."""
+
+    def __call__(self) -> None:
+        """Requests the stop; returns at once."""
