@@ -1,11 +1,12 @@
-"""The run-time side of a guarded train op: counters, events, policy decisions, rollback.
+"""The run-time side of a guarded train op: counters, events and the policy's decisions.
 
 `create_train_op` builds the graph side (the finiteness test and the gate in front of every
-variable update) and registers one `Guard` for the train op with its graph. The hook (hook
-mode) and the training loops (check_numerics mode) look it up with `get_guard` and report
-each step to it. The registry is a weak mapping from graph to guards rather than a graph
-collection: a collection of Python objects makes every meta-graph export (each checkpoint)
-warn that it cannot be serialised.
+variable update, kept as `GraphHandles`) and registers one `Guard` for the train op with its
+graph. The hook (hook mode) and the training loops (check_numerics mode) look it up with
+`get_guard` and report each step to it; `_actions` carries out what the guard decided, and
+`_rollback` restores a checkpoint. The registry is a weak mapping from graph to guards
+rather than a graph collection: a collection of Python objects makes every meta-graph export
+(each checkpoint) warn that it cannot be serialised.
 """
 
 from __future__ import annotations
@@ -14,37 +15,25 @@ import dataclasses
 import math
 import re
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _policy
+from slim_nanguard import _rollback
+from slim_nanguard._handles import GraphHandles
+from slim_nanguard._types import Action
+from slim_nanguard._types import Listener
+from slim_nanguard._types import Mode
 
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
-MODE_CHECK_NUMERICS = "check_numerics"
-MODE_HOOK = "hook"
-
-# Op types that fetch the next batch; a rollback runs them to skip input.
-_INPUT_OP_TYPES = frozenset(
-    {
-        "IteratorGetNext",
-        "IteratorGetNextSync",
-        "IteratorGetNextAsOptional",
-        "QueueDequeueV2",
-        "QueueDequeueManyV2",
-        "QueueDequeueUpToV2",
-        "QueueDequeue",
-        "QueueDequeueMany",
-        "QueueDequeueUpTo",
-        "ReaderReadV2",
-        "ReaderReadUpToV2",
-    }
-)
+# The modes as module constants (each equals its name: ``MODE_HOOK == "hook"``).
+MODE_CHECK_NUMERICS = Mode.CHECK_NUMERICS
+MODE_HOOK = Mode.HOOK
 
 # Op types that run a function body: an error raised inside (a train op built in a
 # tf.while_loop, a tf.function) is reported on them, with the inner node named in the message.
@@ -55,8 +44,15 @@ _FUNCTION_OP_TYPES = frozenset(
 _CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
 _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
-# Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
-Listener = Callable[[Dict[str, Any]], None]
+
+def _handle(name: str) -> property:
+    """A read-only attribute of `Guard` that reads the `GraphHandles` field `name`."""
+
+    def get(self: "Guard") -> Any:
+        return getattr(self._handles, name)
+
+    get.__doc__ = f"The ``{name}`` of the guard's `GraphHandles`."
+    return property(get)
 
 
 @dataclasses.dataclass
@@ -86,88 +82,100 @@ class GuardState:
 
 
 class Guard:
-    """One guarded train op: its tensors, its policy and what it has seen.
+    """One guarded train op: its graph handles, its policy and what it has seen.
 
-    Instances are made by `create_train_op`; get them with `get_guard`.
+    Instances are made by `create_train_op`; get them with `get_guard`. The public surface
+    is read-only: the config, the state (counters), the graph handles and the listeners.
+    The graph handles (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) are also readable
+    as attributes of the guard; see `GraphHandles`.
 
-    Attributes:
+    Args:
       config: The `GuardConfig` the train op was built with.
-      mode: ``"check_numerics"`` or ``"hook"``.
-      train_op: The train op tensor `create_train_op` returned.
-      loss: The user's total loss tensor.
-      global_step: The global step variable, or None.
-      grad_sums: The loss, then the sum of each gradient, as one vector.
-      ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
-        None in check_numerics mode, whose check raises instead, unless the optimizer scales
-        the loss dynamically: then it is False on an overflow step, which does not raise.
-      diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
-        stores them before every check; hook mode only on the bad branch); with a dynamic
-        loss-scale optimizer the loss scale of the step follows the sums.
-      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer (an overflow
-        there is a bad step), or None without one.
-      in_loop: True when the train op was built inside a `tf.while_loop` (or another function
-        body), whose tensors a run cannot fetch: `ok` is then None and `NanLossHook` reads
-        `diagnostics` after each run instead.
-      judged: Hook mode: a variable in no collection that whatever applies the policy
-        (`NanLossHook`, `train_step`) initialises in its session with `mark_judged`. A bad
-        step in a session where it is not initialised fails with an error naming what to
-        add, rather than being skipped unseen. None in check_numerics mode.
-      state: The `GuardState` counters.
+      handles: What `create_train_op` built (`GraphHandles`).
+      saver: The Saver rollbacks restore with, if `create_train_op` built one.
     """
 
     def __init__(
         self,
         *,
         config: _policy.GuardConfig,
-        mode: str,
-        train_op: tf.Tensor,
-        loss: tf.Tensor,
-        global_step,
-        grad_sums: tf.Tensor,
-        ok: Optional[tf.Tensor],
-        diagnostics: tf.Variable,
-        check_op_name: Optional[str],
-        variable_names: Sequence[str],
-        lr_scale: Optional[tf.Variable],
-        loss_scale_floor: Optional[float] = None,
-        in_loop: bool = False,
+        handles: GraphHandles,
+        saver: Optional[tf.compat.v1.train.Saver] = None,
     ):
-        self.config = config
-        self.mode = mode
-        self.train_op = train_op
-        self.loss = loss
-        self.global_step = global_step
-        self.grad_sums = grad_sums
-        self.ok = ok
-        self.diagnostics = diagnostics
-        self.check_op_name = check_op_name
-        self.variable_names = tuple(variable_names)
-        self.lr_scale = lr_scale
-        self.loss_scale_floor = loss_scale_floor
-        self.in_loop = in_loop
-        self.judged: Optional[tf.Variable] = None  # Set by create_train_op in hook mode.
+        self._config = config
+        self._handles = handles
+        self._state = GuardState()
+        self._rollback = _rollback.Rollback(handles, config, saver)
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
-        self.state = GuardState()
-        self.last_event: Optional[_events.NanEvent] = None
-        # The Saver a rollback restores with; create_train_op builds it when a rollback can
-        # happen (the graph is finalized once training starts).
-        self.saver = None
-        self.input_ops = _find_input_ops(loss)
         self._listeners: List[Listener] = []
-        # The global step the last rollback restored (None before any, or without a step).
-        self._restored_step: Optional[int] = None
-        # Autopsy: the batch a bad step keeps (a `_capture.Capture`, set by create_train_op),
-        # the directory dumps go to (set by the loop or the hook), and the autopsies done.
-        self.capture = None
-        self.autopsy_dir: Optional[str] = None
-        self.autopsies = 0
-        if lr_scale is not None:
-            # init_scope: in the outermost graph, even for a train op built in a loop body.
-            with loss.graph.as_default(), tf.init_scope():
-                self._lr_scale_value = tf.compat.v1.placeholder(
-                    lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
-                )
-                self._lr_scale_assign = tf.compat.v1.assign(lr_scale, self._lr_scale_value)
+        self._last_event: Optional[_events.NanEvent] = None
+        # Autopsy: the directory dumps go to (set by the loop or the hook) and the count done.
+        self._autopsy_dir: Optional[str] = None
+        self._autopsies = 0
+
+    # ----------------------------------------------------------------- read-only surface
+    @property
+    def config(self) -> _policy.GuardConfig:
+        """The `GuardConfig` the train op was built with."""
+        return self._config
+
+    @property
+    def handles(self) -> GraphHandles:
+        """The graph side of the train op (`GraphHandles`)."""
+        return self._handles
+
+    @property
+    def state(self) -> GuardState:
+        """The `GuardState` counters, kept for the life of the process."""
+        return self._state
+
+    @property
+    def last_event(self) -> Optional[_events.NanEvent]:
+        """The event of the last bad step, or None."""
+        return self._last_event
+
+    @property
+    def saver(self) -> Optional[tf.compat.v1.train.Saver]:
+        """The one Saver every rollback of this guard restores with (None if none built)."""
+        return self._rollback.saver
+
+    @property
+    def autopsy_dir(self) -> Optional[str]:
+        """Where autopsy dumps go (next to the checkpoints), or None."""
+        return self._autopsy_dir
+
+    @property
+    def autopsies(self) -> int:
+        """Autopsies done so far in this process."""
+        return self._autopsies
+
+    def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
+        """Sends autopsy dumps to `path` (the checkpoint directory); the first one given
+        stays unless `replace`."""
+        if path and (replace or self._autopsy_dir is None):
+            self._autopsy_dir = path
+
+    def ensure_saver(self) -> tf.compat.v1.train.Saver:
+        """The rollback Saver, built now if `create_train_op` built none (a hook whose
+        policy override may roll back); call it before the graph is finalized."""
+        return self._rollback.ensure_saver()
+
+    mode = _handle("mode")
+    train_op = _handle("train_op")
+    loss = _handle("loss")
+    global_step = _handle("global_step")
+    grad_sums = _handle("grad_sums")
+    ok = _handle("ok")
+    diagnostics = _handle("diagnostics")
+    check_op_name = _handle("check_op_name")
+    variable_names = _handle("variable_names")
+    lr_scale = _handle("lr_scale")
+    loss_scale_floor = _handle("loss_scale_floor")
+    in_loop = _handle("in_loop")
+    judged = _handle("judged")
+    pivot = _handle("pivot")
+    capture = _handle("capture")
+    input_ops = _handle("input_ops")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -195,7 +203,7 @@ class Guard:
         for listener in list(self._listeners):
             listener(record)
 
-    def mark_judged(self, session) -> None:
+    def mark_judged(self, session: tf.compat.v1.Session) -> None:
         """Says that the caller applies the policy to this guard's bad steps in `session`.
 
         Hook mode only (a no-op in check_numerics mode): without it, a bad step fails with an
@@ -255,7 +263,7 @@ class Guard:
           The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
           ``"loss_scale_overflow"``.
         """
-        state = self.state
+        state = self._state
         state.loss_scale_overflows += 1
         sums = list(sums)
         event = _events.NanEvent(
@@ -285,7 +293,7 @@ class Guard:
             if not math.isfinite(float(s))
         )
 
-    def autopsy(self, session, step: int):
+    def autopsy(self, session: tf.compat.v1.Session, step: int):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
         Call it right after the bad step, before any rollback: the variables still hold the
@@ -302,22 +310,22 @@ class Guard:
         if (
             self.capture is None
             or not self.capture.tensors
-            or self.autopsies >= self.config.autopsy_max_steps
+            or self._autopsies >= self.config.autopsy_max_steps
         ):
             return None
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
-        self.autopsies += 1
+        self._autopsies += 1
         return _autopsy.autopsy_bad_step(
             session,
             self.capture,
             [self.grad_sums],
             step=step,
-            dump_dir=self.autopsy_dir,
+            dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
         )
 
-    def on_bad_step(
+    def record_bad_step(
         self,
         *,
         step: int,
@@ -325,12 +333,13 @@ class Guard:
         sums: Optional[Sequence[float]],
         policy: Optional[str] = None,
         autopsy=None,
-    ) -> _events.NanEvent:
-        """Counts a bad step, asks the policy (and the `on_nan` callback) what to do.
+    ) -> Tuple[_events.NanEvent, _policy.Decision]:
+        """Counts a bad step and decides what to do about it; carries nothing out.
 
-        After ``max_consecutive_bad_steps`` bad steps in a row under ``skip`` or ``rollback``
-        (after the `on_nan` callback), the action becomes the config's
-        ``persistent_nan_policy``; an escalated ``rollback`` starts the consecutive count over.
+        The `on_nan` callback sees the event first and may choose the action; then
+        `_policy.decide` applies ``max_consecutive_bad_steps`` (``persistent_nan_policy``)
+        and ``max_rollbacks``; an escalated ``rollback`` starts the consecutive count over.
+        The event is logged and sent to the listeners (kind ``bad_step``).
 
         Args:
           step: The global step the bad step was attempted at (-1 if unknown).
@@ -340,15 +349,10 @@ class Guard:
           autopsy: The step's `Autopsy` (see `autopsy`), put in the event, or None.
 
         Returns:
-          The event, with ``action`` set to ``"stop"``, ``"skip"`` or ``"rollback"``: what is to
-          be done, escalation included; the caller carries the action out.
-
-        Raises:
-          NanLossError: When the action is ``raise``: the policy says so, or training gives up
-            (too many bad steps in a row with ``persistent_nan_policy="raise"``, or too many
-            rollbacks).
+          ``(event, decision)``: the event's ``action`` is the decision's, escalation
+          included. `_actions.carry_out` carries it out (``raise`` included).
         """
-        state = self.state
+        state = self._state
         if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
             # A step went through since the last bad one (global_step moved on).
             state.consecutive_bad_steps = 0
@@ -363,7 +367,7 @@ class Guard:
             consecutive=state.consecutive_bad_steps,
             total=state.total_bad_steps,
             mode=self.mode,
-            action=policy or self.config.nan_policy,
+            action=Action(policy or self.config.nan_policy),
             loss_scale=self._loss_scale_of(sums),
             autopsy=autopsy,
         )
@@ -380,26 +384,53 @@ class Guard:
         )
         action, escalation = decision.action, decision.escalation
         event = dataclasses.replace(event, action=action)
-        if action == _policy.SKIP:
+        if action == Action.SKIP:
             state.skips += 1
-        elif action == _policy.STOP:
+        elif action == Action.STOP:
             state.stops += 1
         _events.log_event(event)
-        if escalation and action != _policy.RAISE:
+        if escalation and action != Action.RAISE:
             logging.warning(
                 "slim_nanguard: %s, so the weights, not the batch, went bad: "
                 "applying persistent_nan_policy=%r",
                 escalation,
-                action,
+                action.value,
             )
-            if action == _policy.ROLLBACK:
+            if action == Action.ROLLBACK:
                 # Start the count over, or the first bad step after the rollback would
                 # escalate again (global_step may come back to the value of this bad step).
                 state.consecutive_bad_steps = 0
         self._notify("bad_step", event, **({"escalation": escalation} if escalation else {}))
-        self.last_event = event
-        if action == _policy.RAISE:
-            raise _errors.NanLossError(event, decision.reason)
+        self._last_event = event
+        return event, decision
+
+    def on_bad_step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        sums: Optional[Sequence[float]],
+        policy: Optional[str] = None,
+        autopsy=None,
+    ) -> _events.NanEvent:
+        """`record_bad_step`, and raise when the decision is to give up.
+
+        Returns:
+          The event, with ``action`` ``"stop"``, ``"skip"`` or ``"rollback"``: what is to be
+          done, escalation included; the caller carries it out (see `_actions.carry_out`).
+
+        Raises:
+          NanLossError: When the action is ``raise``: the policy says so, or training gives up
+            (too many bad steps in a row with ``persistent_nan_policy="raise"``, or too many
+            rollbacks). Its ``cause`` says which.
+        """
+        from slim_nanguard import _actions  # Local: _actions reads guards.
+
+        event, decision = self.record_bad_step(
+            step=step, loss=loss, sums=sums, policy=policy, autopsy=autopsy
+        )
+        if decision.action == Action.RAISE:
+            _actions.give_up(event, decision)
         return event
 
     # ----------------------------------------------------------------- check_numerics mode
@@ -414,7 +445,13 @@ class Guard:
             )
         return op.name == self.check_op_name
 
-    def read_bad_step(self, session) -> Tuple[int, List[float]]:
+    def read_global_step(self, session: tf.compat.v1.Session) -> Optional[int]:
+        """The global step in `session` (a raw session), or None without one."""
+        if self.global_step is None:
+            return None
+        return int(session.run(self.global_step))
+
+    def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
 
         Args:
@@ -429,8 +466,10 @@ class Guard:
         values = session.run(fetches)
         return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
-    def handle_numerics_error(self, session, error: BaseException) -> _events.NanEvent:
-        """Applies the policy to a numerics error raised by this guard's train op.
+    def handle_numerics_error(
+        self, session: tf.compat.v1.Session, error: BaseException
+    ) -> _events.NanEvent:
+        """Records a numerics error raised by this guard's train op and decides about it.
 
         Args:
           session: A raw `tf.compat.v1.Session` (not a MonitoredSession: reading through one
@@ -438,32 +477,38 @@ class Guard:
           error: The `InvalidArgumentError` raised by ``session.run(train_op)``.
 
         Returns:
-          The event (action ``stop``, ``skip`` or ``rollback``, which the caller carries out).
+          The event (action ``stop``, ``skip`` or ``rollback``, which the caller carries out;
+          `slim_nanguard.handle_numerics_error` carries it out too).
 
         Raises:
           NanLossError: As `on_bad_step`, chained to `error`.
         """
+        from slim_nanguard import _actions  # Local: _actions reads guards.
+
         step, sums = self.read_bad_step(session)
         autopsy = self.autopsy(session, step)
-        try:
-            return self.on_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
-        except _errors.NanLossError as nan_error:
-            raise nan_error from error
+        event, decision = self.record_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
+        if decision.action == Action.RAISE:
+            _actions.give_up(event, decision, error)
+        return event
 
     # ----------------------------------------------------------------- rollback
-    def rollback(self, session, checkpoint_dir: Optional[str], saver=None) -> str:
+    def rollback(
+        self,
+        session: tf.compat.v1.Session,
+        checkpoint_dir: Optional[str],
+        saver: Optional[tf.compat.v1.train.Saver] = None,
+    ) -> str:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
-        When the bad step came at the very step the previous rollback restored (no step went
-        through since), that state did not hold up: this rollback goes to the newest
-        checkpoint of an earlier step instead, and so on, one further back each time, as long
-        as older readable checkpoints are kept (then the oldest one is restored again).
+        See `_rollback.Rollback.restore` for the walk back over checkpoints. Counts the
+        rollback, logs it and sends the listeners a ``rollback`` record.
 
         Args:
           session: A raw `tf.compat.v1.Session`.
           checkpoint_dir: Directory the training loop saves checkpoints to.
-          saver: The `Saver` to restore with (default: a saver over all global variables,
-            which must have been built before the graph was finalized).
+          saver: Ignored unless it is the guard's own (kept for callers that passed
+            ``guard.saver``): every rollback of a guard restores with `saver`.
 
         Returns:
           The path of the checkpoint restored.
@@ -471,97 +516,39 @@ class Guard:
         Raises:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
-        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
-        bad_step = self.last_event.step if self.last_event is not None else -1
-        if (
-            path is not None
-            and self._restored_step is not None
-            and (bad_step == self._restored_step)
-        ):
-            # No step went through since the last rollback restored this step: the state it
-            # restored went bad at once (finite weights can already be diverging). Go back to
-            # an earlier step's checkpoint, if one is kept.
-            older = _checkpoints.latest_good_checkpoint(
-                checkpoint_dir, before_step=self._restored_step
-            )
-            if older is not None:
-                logging.warning(
-                    "slim_nanguard: training went bad again at step %d, right "
-                    "after rolling back to it; rolling back further, to %s",
-                    bad_step,
-                    older,
-                )
-                path = older
-            else:  # None earlier is kept: the same step again (not a newer, failed one).
-                path = (
-                    _checkpoints.latest_good_checkpoint(
-                        checkpoint_dir, before_step=self._restored_step + 1
-                    )
-                    or path
-                )
-        if path is None:
-            where = (
-                f"in {checkpoint_dir!r}"
-                if checkpoint_dir
-                else "and no checkpoint directory was given (pass checkpoint_dir=..., the "
-                "directory the loop saves checkpoints to)"
-            )
-            raise _errors.CheckpointNotFoundError(
-                f"rollback needs a good checkpoint {where} and there is none; save "
-                "checkpoints from the first step (save_checkpoint_steps), or choose policies "
-                "that do not roll back (nan_policy, persistent_nan_policy)."
-            )
-        if saver is None:
-            raise ValueError("rollback needs a Saver built before the graph was finalized.")
-        if self.lr_scale is not None:
-            # The scale the session trains with: in a resumed process, the one the checkpoint
-            # brought back; after a session recovery, the lower of it and this process's own.
-            live = float(session.run(self.lr_scale))
-            self.state.learning_rate_scale = min(self.state.learning_rate_scale, live)
-        saver.restore(session, path)
-        self._restored_step = (
-            int(session.run(self.global_step)) if self.global_step is not None else None
+        del saver  # One rule: the guard's own saver.
+        bad_step = self._last_event.step if self._last_event is not None else -1
+        restored = self._rollback.restore(
+            session,
+            checkpoint_dir,
+            bad_step=bad_step,
+            learning_rate_scale=self._state.learning_rate_scale,
         )
-        if self.lr_scale is not None:
-            self.state.learning_rate_scale *= self.config.rollback_lr_factor
-            session.run(
-                self._lr_scale_assign, {self._lr_scale_value: self.state.learning_rate_scale}
-            )
-        skipped = self.skip_input(session, self.config.rollback_skip_batches)
-        self.state.rollbacks += 1
-        if self.last_event is not None:
+        state = self._state
+        state.learning_rate_scale = restored.learning_rate_scale
+        state.rollbacks += 1
+        if self._last_event is not None:
             self._notify(
                 "rollback",
-                self.last_event,
-                checkpoint=path,
-                skipped_batches=skipped,
-                learning_rate_scale=self.state.learning_rate_scale,
+                self._last_event,
+                checkpoint=restored.checkpoint,
+                skipped_batches=restored.skipped_batches,
+                learning_rate_scale=state.learning_rate_scale,
             )
         logging.warning(
             "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
             "learning-rate scale now %g",
-            path,
-            self.state.rollbacks,
+            restored.checkpoint,
+            state.rollbacks,
             self.config.max_rollbacks,
-            skipped,
-            self.state.learning_rate_scale,
+            restored.skipped_batches,
+            state.learning_rate_scale,
         )
-        return path
+        return restored.checkpoint
 
-    def skip_input(self, session, batches: int) -> int:
+    def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
         """Runs the input ops that feed the loss `batches` times; returns how many ran."""
-        if not self.input_ops or batches <= 0:
-            return 0
-        done = 0
-        for _ in range(batches):
-            try:
-                session.run(self.input_ops)
-            except tf.errors.OutOfRangeError:
-                break
-            done += 1
-        return done
+        return self._rollback.skip_input(session, batches)
 
 
 def is_numerics_error(error: BaseException) -> bool:
@@ -615,19 +602,3 @@ def guards(graph: Optional[tf.Graph] = None) -> List[Guard]:
 def register(guard: Guard) -> None:
     """Records `guard` as the guard of its train op's graph."""
     _REGISTRY.setdefault(guard.train_op.graph, []).append(guard)
-
-
-def _find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
-    """The ops among the ancestors of `loss` that produce a new batch when run."""
-    found, seen, stack = [], set(), [loss.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in _INPUT_OP_TYPES:
-            found.append(op)
-            continue
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return found

@@ -11,7 +11,8 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
       after_run()            # finite: note a good step. Not finite: read the sums the bad
                              #   step stored (loss first); an overflow of a dynamic
                              #   loss-scale optimizer is recorded and is no bad step
-                             #   (the optimizer lowered its scale). Else build a NanEvent and
+                             #   (the optimizer lowered its scale). Else build a NanEvent,
+                             #   and _actions.carry_out acts on the guard's decision:
                              #   raise  -> raise NanLossError (end() is then not called:
                              #             no closing checkpoint, none is needed)
                              #   stop   -> run_context.request_stop(); end() runs and the
@@ -48,11 +49,16 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
+from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
+from slim_nanguard._types import Listener
+from slim_nanguard._types import Mode
 
 
 class NanLossHook(tf.compat.v1.train.NanTensorHook):
@@ -76,16 +82,19 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         by ``persistent_nan_policy="rollback"``.
       event_listener: Optional ``fn(record)`` called for each bad step and rollback (see
         `Guard.add_listener`).
+
+    Subclasses (a cluster worker's hook, say) may override `request_rollback` to roll back
+    another way; every other action is carried out by `_actions.carry_out`.
     """
 
     def __init__(
         self,
-        loss_tensor,
+        loss_tensor: tf.Tensor,
         fail_on_nan_loss: bool = True,
         *,
         nan_policy: Optional[str] = None,
         checkpoint_dir: Optional[str] = None,
-        event_listener=None,
+        event_listener: Optional[Listener] = None,
     ):
         super().__init__(loss_tensor, fail_on_nan_loss=fail_on_nan_loss)
         if nan_policy is not None and nan_policy not in _policy.POLICIES:
@@ -97,8 +106,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._checkpoint_dir = checkpoint_dir
         self._event_listener = event_listener
         self._guard: Optional[_guard.Guard] = None
-        self._saver = None
         self._run_args = None
+        self._last_outcome: Optional[_actions.Outcome] = None
         self._session_bad_steps = 0
         # Several guarded train ops in the graph: judge only the runs that reach ours.
         self._judge_every_run = True
@@ -109,6 +118,18 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def guard(self) -> Optional[_guard.Guard]:
         """The guard this hook reports to (None before `begin`, or with an unguarded loss)."""
         return self._guard
+
+    @property
+    def loss(self) -> tf.Tensor:
+        """The loss (or train op) the hook was given."""
+        return self._loss_tensor
+
+    @property
+    def last_outcome(self) -> Optional[_actions.Outcome]:
+        """What the last run this hook judged came to (`Outcome`; ``GOOD`` for a finite
+        step), or None when the last run was not judged (another guard's train op). A loop
+        reads it after each run instead of comparing counters."""
+        return self._last_outcome
 
     @property
     def session_bad_steps(self) -> int:
@@ -139,54 +160,41 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # Writes built after the train op that wait on it (an EMA chained after it).
         _train_op.gate_writes_after(guard)
         self._judge_every_run = (
-            sum(g.mode == _guard.MODE_HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
+            sum(g.mode == Mode.HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
         )
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
-        if self._checkpoint_dir and guard.autopsy_dir is None:
-            guard.autopsy_dir = self._checkpoint_dir  # Autopsy dumps go next to checkpoints.
-        if self._may_roll_back():
-            if not self._checkpoint_dir:
-                what = (
-                    "the 'rollback' policy"
-                    if self._effective_policy() == _policy.ROLLBACK
-                    else "persistent_nan_policy='rollback'"
-                )
-                raise ValueError(
-                    f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
-                    "the session saves checkpoints to."
-                )
-            # Built here if create_train_op did not: after begin() the graph is finalized.
-            self._saver = guard.saver or tf.compat.v1.train.Saver(
-                max_to_keep=None, name="nanguard_rollback"
-            )
-
-    def _may_roll_back(self) -> bool:
-        config = self._guard.config
+        guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
-        return (
-            policy == _policy.ROLLBACK
-            # Escalation from skip, after max_consecutive_bad_steps in a row.
-            or (policy == _policy.SKIP and config.persistent_nan_policy == _policy.ROLLBACK)
-            or config.on_nan is not None
-            and self._checkpoint_dir is not None
-        )
+        if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
+            what = (
+                "the 'rollback' policy"
+                if policy == Action.ROLLBACK
+                else "persistent_nan_policy='rollback'"
+            )
+            raise ValueError(
+                f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
+                "the session saves checkpoints to."
+            )
+        if _policy.may_roll_back(guard.config, policy):
+            # Built here if create_train_op did not (a policy override): after begin() the
+            # graph is finalized. Kept by the guard: every rollback restores with it.
+            guard.ensure_saver()
 
-    def after_create_session(self, session, coord):
+    def after_create_session(
+        self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
+    ) -> None:
         # Per-session state only: the guard's counters describe the whole run.
         self._session_bad_steps = 0
-        if (
-            self._guard is not None
-            and self._guard.in_loop
-            and (self._guard.mode == _guard.MODE_HOOK)
-        ):
+        if self._guard is not None and self._guard.in_loop and (self._guard.mode == Mode.HOOK):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(self._guard.diagnostics.initializer)
         if self._guard is not None:
             # This hook applies the policy here: a bad step must not fail as unjudged.
             self._guard.mark_judged(session)
 
-    def before_run(self, run_context):
+    def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
+        self._last_outcome = None
         self._judging = self._judge_every_run or self._fetches_reach_train_op(
             run_context.original_args.fetches
         )
@@ -214,55 +222,76 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             self._reaches_train_op[key] = target in seen
         return self._reaches_train_op[key]
 
-    def after_run(self, run_context, run_values):
+    def after_run(
+        self,
+        run_context: tf.compat.v1.train.SessionRunContext,
+        run_values: tf.compat.v1.train.SessionRunValues,
+    ) -> None:
         results = run_values.results
         if not self._judging:  # A run of another guarded train op: not ours to judge.
             return
-        stored = None
-        if (
-            self._guard is not None
-            and self._guard.in_loop
-            and (self._guard.mode == _guard.MODE_HOOK)
-        ):
-            stored = self._guard.read_bad_step(run_context.session)
-            results = bool(np.all(np.isfinite(stored[1])))
-            if not results:  # A bad iteration stored its sums; zero them for the next run.
-                run_context.session.run(self._guard.diagnostics.initializer)
-        if self._guard is None:
+        guard = self._guard
+        if guard is None:
             loss = float(np.asarray(results["loss"]))
             if not math.isfinite(loss):
                 self._session_bad_steps += 1
                 self._unguarded_bad_step(run_context, loss)
+            self._last_outcome = _actions.GOOD
             return
+        stored = None
+        if guard.in_loop and guard.mode == Mode.HOOK:
+            stored = guard.read_bad_step(run_context.session)
+            results = bool(np.all(np.isfinite(stored[1])))
+            if not results:  # A bad iteration stored its sums; zero them for the next run.
+                run_context.session.run(guard.diagnostics.initializer)
         if results is None or results:  # A finite step (or a check_numerics-mode op).
-            self._guard.note_good_step()
+            guard.note_good_step()
+            self._last_outcome = _actions.GOOD
             return
-        guard = self._guard
-        step, sums = stored or guard.read_bad_step(run_context.session)
-        if guard.is_loss_scale_overflow(sums):
-            # The loss-scale optimizer skipped the update and lowered its scale: not a bad step.
-            guard.on_loss_scale_overflow(step=step, sums=sums)
-            return
-        self._session_bad_steps += 1
-        autopsy = guard.autopsy(run_context.session, step)  # Before any rollback.
-        event = guard.on_bad_step(
-            step=step, loss=sums[0], sums=sums, policy=self._effective_policy(), autopsy=autopsy
-        )
-        if event.action == _policy.STOP:
-            run_context.request_stop()
-        elif event.action == _policy.ROLLBACK:
-            guard.rollback(run_context.session, self._checkpoint_dir, saver=self._saver)
+        try:
+            outcome = _actions.judge(
+                guard,
+                run_context.session,
+                checkpoint_dir=self._checkpoint_dir,
+                policy=self._effective_policy(),
+                stored=stored,
+                request_stop=run_context.request_stop,
+                rollback=self.request_rollback,
+            )
+        except _errors.NanLossError:
+            self._session_bad_steps += 1
+            raise
+        if outcome.bad:
+            self._session_bad_steps += 1
+        self._last_outcome = outcome
 
-    def _effective_policy(self) -> str:
+    def request_rollback(self, session: tf.compat.v1.Session, checkpoint_dir: Optional[str]) -> str:
+        """Rolls back after a bad step; returns the checkpoint restored.
+
+        The default restores here (`Guard.rollback`). A subclass may do otherwise (a cluster
+        worker asking its chief, for one).
+
+        Args:
+          session: The raw session of the run.
+          checkpoint_dir: The hook's checkpoint directory.
+        """
+        return self._guard.rollback(session, checkpoint_dir)
+
+    def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
-            return self._nan_policy
-        policy = self._guard.config.nan_policy
-        if policy == _policy.RAISE and not self._fail_on_nan_loss:
-            return _policy.STOP
+            return Action(self._nan_policy)
+        policy = Action(self._guard.config.nan_policy)
+        if policy == Action.RAISE and not self._fail_on_nan_loss:
+            return Action.STOP
         return policy
 
-    def _unguarded_bad_step(self, run_context, loss: float) -> None:
-        policy = self._nan_policy or (_policy.RAISE if self._fail_on_nan_loss else _policy.STOP)
+    def _unguarded_bad_step(
+        self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
+    ) -> None:
+        # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop.
+        policy = Action(
+            self._nan_policy or (Action.RAISE if self._fail_on_nan_loss else Action.STOP)
+        )
         event = _events.NanEvent(
             step=-1,
             loss=loss,
@@ -270,21 +299,27 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             culprits=(),
             consecutive=self._session_bad_steps,
             total=self._session_bad_steps,
-            mode=_guard.MODE_HOOK,
+            mode=Mode.HOOK,
             action=policy,
         )
         _events.log_event(event)
-        if policy == _policy.RAISE:
+        if policy == Action.RAISE:
             raise _errors.NanLossError(
                 event,
                 "the loss comes from no guarded train op, so the "
                 "update of this step may already have happened",
+                cause=Cause.UNGUARDED_LOSS,
             )
-        if policy in (_policy.STOP, _policy.ROLLBACK):
+        if policy in (Action.STOP, Action.ROLLBACK):
             run_context.request_stop()
 
 
-def nan_hook(train_op, *, checkpoint_dir: Optional[str] = None, event_listener=None) -> NanLossHook:
+def nan_hook(
+    train_op: tf.Tensor,
+    *,
+    checkpoint_dir: Optional[str] = None,
+    event_listener: Optional[Listener] = None,
+) -> NanLossHook:
     """Returns the `NanLossHook` a train op from `create_train_op` needs in hook mode.
 
     Args:

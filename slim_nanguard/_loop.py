@@ -20,33 +20,36 @@ Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import signal
 import tempfile
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
-from slim_nanguard import _policy
 from slim_nanguard import _record
+from slim_nanguard._types import Action
+from slim_nanguard._types import Mode
+from slim_nanguard._types import StopReason
 
-STOP_STEP_LIMIT = "step_limit"
-STOP_POLICY = "nan_policy_stop"
-STOP_INTERRUPTED = "interrupted"
-STOP_TERMINATED = "terminated"
-STOP_END_OF_DATA = "end_of_data"
-STOP_REQUESTED = "stop_requested"
-STOP_NAN_ERROR = "nan_error"
+# The stop reasons as module constants (each equals its value: STOP_POLICY == "nan_policy_stop").
+STOP_STEP_LIMIT = StopReason.STEP_LIMIT
+STOP_POLICY = StopReason.POLICY
+STOP_INTERRUPTED = StopReason.INTERRUPTED
+STOP_TERMINATED = StopReason.TERMINATED
+STOP_END_OF_DATA = StopReason.END_OF_DATA
+STOP_REQUESTED = StopReason.REQUESTED
+STOP_NAN_ERROR = StopReason.NAN_ERROR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,8 @@ class TrainResult:
       bad_steps: Bad steps seen by this call.
       skips: Bad steps skipped by this call.
       rollbacks: Rollbacks done by this call.
-      stop_reason: ``step_limit``, ``nan_policy_stop`` (the ``stop`` policy, or
+      stop_reason: A `StopReason` (equal to its string): ``step_limit``,
+        ``nan_policy_stop`` (the ``stop`` policy, or
         ``persistent_nan_policy="stop"``), ``interrupted`` (Ctrl-C), ``terminated``
         (SIGTERM), ``end_of_data`` or ``stop_requested`` (a hook asked).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
@@ -143,30 +147,58 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             )
 
 
+@dataclasses.dataclass
+class _Counts:
+    """What this call of `train` saw, tallied from the outcome of each run."""
+
+    steps: int = 0
+    bad_steps: int = 0
+    skips: int = 0
+    rollbacks: int = 0
+    loss_scale_overflows: int = 0
+
+    def add(self, outcome: _actions.Outcome) -> None:
+        if outcome.overflow:
+            self.loss_scale_overflows += 1
+        elif outcome.bad:
+            self.bad_steps += 1
+            self.skips += outcome.action == Action.SKIP
+            self.rollbacks += outcome.action == Action.ROLLBACK
+        else:
+            self.steps += 1
+
+
 class _Progress:
-    """Logs a progress line every `every` global steps."""
+    """Logs a progress line every `every` global steps.
+
+    Args:
+      every: Steps between lines (0: none).
+      last_step: The step the run ends at, for the time left (None: unknown).
+      recorder: Where the TensorBoard scalars go.
+      clock: Seconds from an arbitrary origin; `time.monotonic` unless a test gives another.
+    """
 
     def __init__(
         self,
         every: int,
         last_step: Optional[int],
-        recorder: _record.EventRecorder,
-        guard: _guard.Guard,
+        recorder: Optional[_record.EventRecorder],
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._every = every
         self._last_step = last_step
         self._recorder = recorder
-        self._guard = guard
+        self._clock = clock
         self._mark = None  # (time, step) at the previous line
 
     def start(self, step: int) -> None:
         """Marks where the loop starts, so that the first line has a rate too."""
-        self._mark = (time.monotonic(), step)
+        self._mark = (self._clock(), step)
 
-    def __call__(self, step: int, loss: float, first_state: _guard.GuardState) -> None:
+    def __call__(self, step: int, loss: float, counts: _Counts) -> None:
         if self._every <= 0 or step % self._every:
             return
-        now = time.monotonic()
+        now = self._clock()
         rate = None
         if self._mark is not None and step > self._mark[1]:
             rate = (step - self._mark[1]) / max(now - self._mark[0], 1e-9)
@@ -176,7 +208,6 @@ class _Progress:
         left = ""
         if rate and self._last_step:
             left = f", {_duration((self._last_step - step) / rate)} left"
-        state = self._guard.state
         logging.info(
             "step %d%s: loss %.4f, %s%s; bad steps %d (skipped %d, rolled back %d)",
             step,
@@ -184,11 +215,12 @@ class _Progress:
             loss,
             speed,
             left,
-            state.total_bad_steps - first_state.total_bad_steps,
-            state.skips - first_state.skips,
-            state.rollbacks - first_state.rollbacks,
+            counts.bad_steps,
+            counts.skips,
+            counts.rollbacks,
         )
-        self._recorder.write_scalars(step, loss if math.isfinite(loss) else None)
+        if self._recorder is not None:
+            self._recorder.write_scalars(step, loss if math.isfinite(loss) else None)
 
 
 def _duration(seconds: float) -> str:
@@ -222,7 +254,7 @@ class _SigintStop:
         return self
 
     @property
-    def stop_reason(self) -> str:
+    def stop_reason(self) -> StopReason:
         return STOP_TERMINATED if self.signum == signal.SIGTERM else STOP_INTERRUPTED
 
     def _handle(self, signum, frame):
@@ -334,8 +366,8 @@ def train(
 
     recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
-    guard.autopsy_dir = logdir  # Autopsy dumps go next to the checkpoints.
-    first_state = dataclasses.replace(guard.state)
+    guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
+    counts = _Counts()
     try:
         with graph.as_default():
             scaffold = _make_scaffold(
@@ -343,12 +375,20 @@ def train(
             )
             all_hooks = list(hooks or [])
             # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
-            # records its overflow steps, which do not raise).
-            if (guard.mode == _guard.MODE_HOOK or guard.ok is not None) and not any(
-                isinstance(h, _hook.NanLossHook) and _guard.get_guard(h._loss_tensor) is guard
-                for h in all_hooks
-            ):  # pylint: disable=protected-access
-                all_hooks.append(_hook.NanLossHook(guard.train_op, checkpoint_dir=logdir))
+            # records its overflow steps, which do not raise). The loop reads its outcomes.
+            judge_hook = None
+            if guard.mode == Mode.HOOK or guard.ok is not None:
+                judge_hook = next(
+                    (
+                        h
+                        for h in all_hooks
+                        if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
+                    ),
+                    None,
+                )
+                if judge_hook is None:
+                    judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=logdir)
+                    all_hooks.append(judge_hook)
             if number_of_steps is not None:
                 all_hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=number_of_steps))
             final_values = {}
@@ -369,7 +409,7 @@ def train(
                 save_summaries_steps,
                 save_summaries_secs,
             )
-            progress = _Progress(log_every_n_steps, number_of_steps, recorder, guard)
+            progress = _Progress(log_every_n_steps, number_of_steps, recorder)
             if resume_from:
                 logging.info("slim_nanguard: resuming from %s", resume_from)
             outcome = _run(
@@ -383,7 +423,8 @@ def train(
                 all_hooks,
                 chief_hooks,
                 progress,
-                first_state,
+                counts,
+                judge_hook,
                 handle_sigint,
                 number_of_steps,
                 stop_grace_period_secs=stop_grace_period_secs,
@@ -392,7 +433,7 @@ def train(
         recorder.append(
             {
                 "kind": "stop",
-                "reason": STOP_NAN_ERROR,
+                "reason": STOP_NAN_ERROR.value,
                 "time": time.time(),
                 "message": str(err),
                 "checkpoint": err.checkpoint,
@@ -402,7 +443,7 @@ def train(
     finally:
         guard.remove_listener(recorder)
 
-    final_loss, steps, stop_reason, last_step = outcome
+    final_loss, stop_reason, last_step = outcome
     lr_scale = guard.state.learning_rate_scale
     if final_hook is not None and final_hook.final_ops_values is not None:
         last_step = int(final_hook.final_ops_values["global_step"])
@@ -415,24 +456,23 @@ def train(
     ):
         # The global step reached the limit; other workers (a cluster) made part of it.
         stop_reason = STOP_STEP_LIMIT
-    state = guard.state
     result = TrainResult(
         final_loss=final_loss,
         global_step=last_step,
-        steps=steps,
-        bad_steps=state.total_bad_steps - first_state.total_bad_steps,
-        skips=state.skips - first_state.skips,
-        rollbacks=state.rollbacks - first_state.rollbacks,
+        steps=counts.steps,
+        bad_steps=counts.bad_steps,
+        skips=counts.skips,
+        rollbacks=counts.rollbacks,
         stop_reason=stop_reason,
         checkpoint=_checkpoints.latest_checkpoint(logdir),
         events_path=recorder.path,
         learning_rate_scale=lr_scale,
-        loss_scale_overflows=state.loss_scale_overflows - first_state.loss_scale_overflows,
+        loss_scale_overflows=counts.loss_scale_overflows,
     )
     recorder.append(
         {
             "kind": "stop",
-            "reason": stop_reason,
+            "reason": str(stop_reason),
             "step": last_step,
             "time": time.time(),
             "final_loss": _record_float(final_loss),
@@ -527,29 +567,34 @@ def _saving_hooks(
 
 
 def _run(
-    train_op,
-    guard,
-    logdir,
-    scaffold,
-    master,
-    is_chief,
-    config,
-    hooks,
-    chief_hooks,
-    progress,
-    first_state,
-    handle_sigint,
-    number_of_steps,
-    stop_grace_period_secs=120,
+    train_op: tf.Tensor,
+    guard: _guard.Guard,
+    logdir: str,
+    scaffold: tf.compat.v1.train.Scaffold,
+    master: str,
+    is_chief: bool,
+    config: Optional[tf.compat.v1.ConfigProto],
+    hooks: List[tf.compat.v1.train.SessionRunHook],
+    chief_hooks: List[tf.compat.v1.train.SessionRunHook],
+    progress: _Progress,
+    counts: _Counts,
+    judge_hook: Optional[_hook.NanLossHook],
+    handle_sigint: bool,
+    number_of_steps: Optional[int],
+    stop_grace_period_secs: float = 120,
 ):
-    """The loop itself; returns (final loss, good steps, stop reason, global step)."""
-    final_loss, steps, step = float("nan"), 0, -1
+    """The loop itself; returns (final loss, stop reason, global step), tallies `counts`.
+
+    Each run comes to an `Outcome`: from `_actions.judge` when the check raised
+    (check_numerics mode), else from `judge_hook` (hook mode, or a dynamic loss-scale
+    optimizer), else a good step.
+    """
+    final_loss, step = float("nan"), -1
     stop_reason = None
-    saver = guard.saver or scaffold.saver
 
     def read_step(sess) -> int:
         if guard.global_step is None:
-            return steps
+            return counts.steps
         return int(
             sess.run_step_fn(lambda step_context: step_context.session.run(guard.global_step))
         )
@@ -588,8 +633,6 @@ def _run(
             if sigint.requested:
                 stop_reason = sigint.stop_reason
                 break
-            bad_before, rollbacks_before = guard.state.total_bad_steps, guard.state.rollbacks
-            overflows_before = guard.state.loss_scale_overflows
             try:
                 try:
                     loss = sess.run(train_op)
@@ -603,42 +646,39 @@ def _run(
                 if not guard.owns_error(err):
                     raise
                 try:
-                    event = sess.run_step_fn(functools.partial(_handle, guard, err))
+                    # The loop stops by itself on a stop: nothing to ask the session.
+                    outcome = _actions.judge(
+                        guard, sess, checkpoint_dir=logdir, error=err, request_stop=_no_stop
+                    )
                 except _errors.NanLossError as nan_error:
                     _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
                     raise
-                if event.action == _policy.STOP:
-                    stop_reason = STOP_POLICY
-                    break
-                if event.action == _policy.ROLLBACK:
-                    sess.run_step_fn(
-                        lambda step_context: guard.rollback(
-                            step_context.session, logdir, saver=saver
-                        )
-                    )
-                    step = read_step(sess)
-                continue
-            if guard.state.total_bad_steps != bad_before:
-                # Hook mode: the hook saw the bad step and applied the policy.
-                if guard.state.rollbacks != rollbacks_before:
-                    step = read_step(sess)
-                elif guard.last_event is not None and guard.last_event.action == _policy.STOP:
-                    stop_reason = STOP_POLICY
-                continue
-            if guard.state.loss_scale_overflows != overflows_before:
-                continue  # The optimizer skipped the step: global_step did not move.
-            if guard.mode == _guard.MODE_CHECK_NUMERICS:
-                guard.note_good_step()
-            steps += 1
+            else:
+                outcome = judge_hook.last_outcome if judge_hook is not None else None
+                if outcome is None:  # No hook judged this run: the check let it through.
+                    guard.note_good_step()
+                    outcome = _actions.GOOD
+            counts.add(outcome)
+            if outcome.stop:
+                stop_reason = STOP_POLICY
+                break
+            if outcome.action == Action.ROLLBACK:
+                step = outcome.step if outcome.step is not None else read_step(sess)
+            if not outcome.good:
+                continue  # A bad step, or an overflow: global_step did not move.
             step += 1
             final_loss = float(np.asarray(loss))
-            progress(step, final_loss, first_state)
+            progress(step, final_loss, counts)
         if stop_reason is None:
             if number_of_steps is not None and step >= number_of_steps:
                 stop_reason = STOP_STEP_LIMIT
             else:
                 stop_reason = STOP_REQUESTED
-    return final_loss, steps, stop_reason, step
+    return final_loss, stop_reason, step
+
+
+def _no_stop() -> None:
+    """The loop leaves on `Outcome.stop` by itself: nothing to ask the session."""
 
 
 def _save_good_state(
@@ -674,8 +714,3 @@ def _save_good_state(
             logging.warning("slim_nanguard: giving up; the last good state is saved as %s", path)
     error.checkpoint = path or _checkpoints.latest_checkpoint(logdir)
     return error
-
-
-def _handle(guard: _guard.Guard, error: BaseException, step_context):
-    """A `run_step_fn` step: applies the policy to `error` with the raw session."""
-    return guard.handle_numerics_error(step_context.session, error)

@@ -13,47 +13,21 @@ by itself) before it applies the policy to the first bad step.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 import tf_slim
-from absl import logging
 
+from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _guard
-from slim_nanguard import _policy
-
-
-def _raw_session_call(session, fn):
-    """Calls ``fn(raw_session)``, going around a MonitoredSession's hooks if need be."""
-    if hasattr(session, "run_step_fn"):
-        return session.run_step_fn(lambda step_context: fn(step_context.session))
-    return fn(session)
-
-
-def _session_checkpoint_dir(session) -> Optional[str]:
-    """The directory a MonitoredTrainingSession's `CheckpointSaverHook` saves to, if any."""
-    for hook in getattr(session, "_hooks", None) or ():
-        if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
-            return getattr(hook, "_checkpoint_dir", None)
-    return None
-
-
-def _require_checkpoint_dir(guard: _guard.Guard, checkpoint_dir: Optional[str], what: str) -> None:
-    """Raises ValueError if `guard`'s policy rolls back and `checkpoint_dir` is unknown."""
-    if guard.config.needs_checkpoint_dir and not checkpoint_dir:
-        message = (
-            f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
-            f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs the "
-            f"checkpoint directory: {what}."
-        )
-        logging.error("slim_nanguard: %s", message)
-        raise ValueError(message)
+from slim_nanguard._types import Mode
+from slim_nanguard._types import SessionLike
 
 
 def handle_numerics_error(
-    session, error: BaseException, *, checkpoint_dir: Optional[str] = None
+    session: SessionLike, error: BaseException, *, checkpoint_dir: Optional[str] = None
 ) -> _events.NanEvent:
     """Applies the guard's policy to an error raised by ``session.run(train_op)``.
 
@@ -89,35 +63,24 @@ def handle_numerics_error(
     guard = next((g for g in _guard.guards(graph) if g.owns_error(error)), None) if graph else None
     if guard is None:
         raise error
-    checkpoint_dir = checkpoint_dir or _session_checkpoint_dir(session)
-    _require_checkpoint_dir(
+    checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,
-        "pass handle_numerics_error(..., checkpoint_dir=...), the directory "
+        session=session,
+        advice="pass handle_numerics_error(..., checkpoint_dir=...), the directory "
         "the loop saves checkpoints to",
     )
-    if checkpoint_dir and guard.autopsy_dir is None:
-        guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
-    event = _raw_session_call(session, lambda raw: guard.handle_numerics_error(raw, error))
-    if event.action == _policy.STOP:
-        if hasattr(session, "_coordinated_creator"):
-            # MonitoredSession has no public request_stop; its coordinator does.
-            session._coordinated_creator.coord.request_stop()  # pylint: disable=protected-access
-    elif event.action == _policy.ROLLBACK:
-        _raw_session_call(
-            session, lambda raw: guard.rollback(raw, checkpoint_dir, saver=guard.saver)
-        )
-    return event
+    return _actions.judge(guard, session, checkpoint_dir=checkpoint_dir, error=error).event
 
 
 class _JudgingSession:
-    """The session `tf_slim.learning.train_step` runs a hook-mode train op through.
+    """The session `tf_slim.learning.train_step` runs a train op through, to read ``ok``.
 
     A run of the train op also fetches the guard's ``ok`` boolean, kept in `ok`. Every other
     run passes through as is.
     """
 
-    def __init__(self, session, guard: _guard.Guard):
+    def __init__(self, session: tf.compat.v1.Session, guard: _guard.Guard):
         self._session = session
         self._guard = guard
         self.ok = True
@@ -141,8 +104,17 @@ class _JudgingSession:
         return getattr(self._session, name)
 
 
+def _no_stop() -> None:
+    """`train_step` stops by returning ``should_stop=True``: nothing to ask here."""
+
+
 def train_step(
-    sess, train_op, global_step, train_step_kwargs, *, checkpoint_dir: Optional[str] = None
+    sess: tf.compat.v1.Session,
+    train_op: tf.Tensor,
+    global_step: tf.Tensor,
+    train_step_kwargs: Dict[str, Any],
+    *,
+    checkpoint_dir: Optional[str] = None,
 ) -> Tuple[float, bool]:
     """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy.
 
@@ -150,8 +122,9 @@ def train_step(
     (for the ``rollback`` policy or ``persistent_nan_policy="rollback"``:
     ``train_step_fn=slim_nanguard.make_train_step(logdir)``), in either mode. A bad step of
     `train_op` is handled by the policy: ``skip`` returns the bad loss and carries on, ``stop``
-    returns ``should_stop=True``, ``raise`` raises `NanLossError`. Every other error
-    propagates untouched.
+    returns ``should_stop=True``, ``raise`` raises `NanLossError`. An overflow step of a
+    dynamic loss-scale optimizer (either mode) is recorded as a ``loss_scale_overflow`` and is
+    no bad step. Every other error propagates untouched.
 
     Args:
       sess: The session `tf_slim.learning.train` passes.
@@ -171,59 +144,46 @@ def train_step(
     guard = _guard.get_guard(train_op)
     if guard is None:
         return tf_slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
-    checkpoint_dir = checkpoint_dir or train_step_kwargs.get("logdir")
-    _require_checkpoint_dir(
+    checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,
-        "pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
+        logdir=train_step_kwargs.get("logdir"),
+        advice="pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
     )
-    if checkpoint_dir and guard.autopsy_dir is None:
-        guard.autopsy_dir = checkpoint_dir  # Autopsy dumps go next to the checkpoints.
-    if guard.mode == _guard.MODE_HOOK:
+    if guard.mode == Mode.HOOK:
+        if guard.ok is None:
+            raise ValueError(
+                f"train_step cannot judge {guard.train_op.name!r}: it was built in a loop "
+                "body in hook mode, so no run can fetch its verdict. Train it with "
+                "slim_nanguard.train, or a MonitoredTrainingSession with "
+                "slim_nanguard.nan_hook(train_op)."
+            )
         guard.mark_judged(sess)  # once per session: this function applies the policy
-        judging = _JudgingSession(sess, guard)
-        loss, should_stop = tf_slim.learning.train_step(
-            judging, train_op, global_step, train_step_kwargs
-        )
-        if judging.ok:
-            guard.note_good_step()
-            return loss, should_stop
-        step, sums = guard.read_bad_step(sess)
-        if guard.is_loss_scale_overflow(sums):
-            # The loss-scale optimizer skipped the update and lowered its scale: not a bad step.
-            guard.on_loss_scale_overflow(step=step, sums=sums)
-            return loss, should_stop
-        autopsy = guard.autopsy(sess, step)  # Before any rollback.
-        event = guard.on_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
-        return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, should_stop)
+    # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer, whose overflow
+    # steps do not raise: read the guard's verdict with the step.
+    judging = _JudgingSession(sess, guard) if guard.ok is not None else None
+    judge = functools.partial(
+        _actions.judge, guard, sess, checkpoint_dir=checkpoint_dir, request_stop=_no_stop
+    )
     try:
         loss, should_stop = tf_slim.learning.train_step(
-            sess, train_op, global_step, train_step_kwargs
+            judging or sess, train_op, global_step, train_step_kwargs
         )
     except tf.errors.InvalidArgumentError as error:
         if not guard.owns_error(error):
             raise
-        event = guard.handle_numerics_error(sess, error)
-        return _carry_out(sess, guard, event, checkpoint_dir, train_step_kwargs, False)
-    guard.note_good_step()
-    return loss, should_stop
-
-
-def _carry_out(
-    sess,
-    guard: _guard.Guard,
-    event: _events.NanEvent,
-    checkpoint_dir: Optional[str],
-    train_step_kwargs,
-    should_stop: bool,
-) -> Tuple[float, bool]:
-    """Carries out `event`'s action for `train_step`; returns ``(loss, should_stop)``."""
-    should_stop = should_stop or event.action == _policy.STOP
-    if event.action == _policy.ROLLBACK:
-        guard.rollback(sess, checkpoint_dir, saver=guard.saver)
+        outcome, loss, should_stop = judge(error=error), None, False
+    else:
+        if judging is None or judging.ok:
+            guard.note_good_step()
+            return loss, should_stop
+        outcome = judge()
+    if outcome.overflow:  # The optimizer skipped the update and lowered its scale.
+        return loss, should_stop
+    should_stop = should_stop or outcome.stop
     if not should_stop and "should_stop" in train_step_kwargs:
         should_stop = bool(sess.run(train_step_kwargs["should_stop"]))
-    return event.loss, should_stop
+    return outcome.event.loss, should_stop
 
 
 def make_train_step(checkpoint_dir: str):

@@ -15,7 +15,7 @@ How the bad branch shows itself depends on the mode:
 
 * check_numerics mode (``check_numerics=True``): the test is a `tf.debugging.check_numerics`
   op, and ``session.run(train_op)`` raises its `InvalidArgumentError` before any update ran.
-  `is_numerics_error` recognises it; `train`, `train_step` and `Guard.handle_numerics_error`
+  `is_numerics_error` recognises it; `train`, `train_step` and `handle_numerics_error`
   apply the policy.
 * hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
   the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
@@ -38,8 +38,9 @@ an element-wise `is_finite` and its boolean tensor.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from absl import logging
@@ -48,7 +49,9 @@ from tensorflow.python.ops import control_flow_ops
 from slim_nanguard import _capture
 from slim_nanguard import _cluster
 from slim_nanguard import _guard
+from slim_nanguard import _handles
 from slim_nanguard import _policy
+from slim_nanguard._types import Mode
 
 # Same value (and, for small ints, the same object) as tf_slim's sentinel, so a caller that
 # passes `slim.learning._USE_GLOBAL_STEP` gets the same meaning.
@@ -206,7 +209,7 @@ def create_train_op(
         loss_scale = _dynamic_loss_scale(optimizer)
         lr_scale = None
         if config.rollback_lr_factor != 1.0:
-            lr_scale = _scale_learning_rate(optimizer)
+            lr_scale = _learning_rate_scale(optimizer)
 
         grads = optimizer.compute_gradients(
             total_loss,
@@ -257,7 +260,7 @@ def create_train_op(
             snapshots, restored = _snapshot_forward_writes(graph, grad_sums)
             autopsy = _autopsy_possible(config, graph, snapshots)
             if check_numerics:
-                mode = _guard.MODE_CHECK_NUMERICS
+                mode = Mode.CHECK_NUMERICS
                 # Stored on every step, before the check raises.
                 store = diagnostics.assign(kept, read_value=False)
                 ready = [store]
@@ -281,7 +284,7 @@ def create_train_op(
                     )
                 check_op_name, ok, bad_done, judged = gate.op.name, None, None, None
             else:
-                mode = _guard.MODE_HOOK
+                mode = Mode.HOOK
                 check_op_name = None
                 ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
                 untaken, taken = control_flow_ops.switch(ok, ok)
@@ -329,14 +332,17 @@ def create_train_op(
                 gate, finite_gate, ok, bad_done = scaler.gates(gate, ok, bad_done)
 
         first_new_op = len(graph.get_operations())
-        if _cluster.is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
-            grad_updates, gated = _cluster.apply_sync_replicas(optimizer, grads, global_step, gate)
-            new_ops = []
-        else:
-            with tf.control_dependencies([gate]):
-                grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
-            new_ops = graph.get_operations()[first_new_op:]
-            gated = _gate_writes(graph, new_ops, gate)
+        with _scaled_learning_rate(optimizer, lr_scale):
+            if _cluster.is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
+                grad_updates, gated = _cluster.apply_sync_replicas(
+                    optimizer, grads, global_step, gate
+                )
+                new_ops = []
+            else:
+                with tf.control_dependencies([gate]):
+                    grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
+                new_ops = graph.get_operations()[first_new_op:]
+                gated = _gate_writes(graph, new_ops, gate)
         gated_updates = _gate_update_ops(update_ops, gate, restored)
         gated += gated_updates
         if finite_gate is not None:
@@ -365,8 +371,8 @@ def create_train_op(
         if train_op not in train_ops:
             train_ops.append(train_op)
         in_loop = _in_loop(graph)
-        guard = _guard.Guard(
-            config=config,
+        lr_scale_value, lr_scale_assign = _handles.lr_scale_setter(lr_scale, graph)
+        handles = _handles.GraphHandles(
             mode=mode,
             train_op=train_op,
             loss=total_loss,
@@ -375,22 +381,24 @@ def create_train_op(
             ok=None if in_loop else ok,
             diagnostics=diagnostics,
             check_op_name=check_op_name,
-            variable_names=[v.op.name for _, v in present],
+            variable_names=tuple(v.op.name for _, v in present),
             lr_scale=lr_scale,
+            lr_scale_value=lr_scale_value,
+            lr_scale_assign=lr_scale_assign,
             loss_scale_floor=None if scaler is None else scaler.floor,
             in_loop=in_loop,
+            judged=judged,
+            # Hook mode: the tensor a write built later after the train op must also wait
+            # on. With a loss-scale optimizer, the gate every write but the scale's waits on.
+            pivot=(finite_gate if finite_gate is not None else gate if mode == Mode.HOOK else None),
+            capture=capture,  # The batch a bad step keeps, for the autopsy.
+            input_ops=tuple(_handles.find_input_ops(total_loss)),
         )
-        # Hook mode: the tensor a write built later after the train op must also wait on.
-        # With a loss-scale optimizer, the gate every write but the scale's waits on.
-        guard.pivot = (
-            finite_gate if finite_gate is not None else gate if mode == _guard.MODE_HOOK else None
-        )
-        guard.judged = judged
-        guard.capture = capture  # The batch a bad step keeps, for the autopsy.
+        saver = None
         if config.may_roll_back:  # the rollback policy, an escalation to it, or on_nan
             with tf.init_scope():
-                guard.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-        _guard.register(guard)
+                saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
+        _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
     return train_op
 
 
@@ -670,6 +678,9 @@ def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tens
     edge from ops that already consume an op made in the block, and graph rewrites may fold
     such producers away. An explicit edge on each write keeps the gate whatever the optimizer.
     Variable initialisers (of slots made on the fly) are left alone.
+
+    The edge is added with TensorFlow's private ``Operation._add_control_input``: the ops
+    are already built (by the optimizer), and no public API adds an input to one.
     """
     initializers = {
         v.initializer
@@ -696,14 +707,22 @@ def gate_writes_after(guard: _guard.Guard) -> List[tf.Operation]:
     computed after the write has no value then. `NanLossHook.begin` calls this, before the
     graph is finalized; calling it again gates only what was built since.
 
+    This edits ops already built with TensorFlow's private ``Operation._add_control_input``
+    (there is no public way to add an input to an existing op): each write gains a control
+    input on the pivot, so a run that fetches that write alone now also runs the forward and
+    backward pass and the finiteness test.
+
     Args:
       guard: The guard of a train op made by `create_train_op`.
 
     Returns:
-      The write ops gated by this call (none in check_numerics mode, whose check raises
-      before anything after the train op can run).
+      The write ops gated by this call. In hook mode they wait on the hook-mode pivot. In
+      check_numerics mode a bad step raises before anything after the train op can run, so
+      there is nothing to gate, except with a dynamic loss-scale optimizer: an overflow step
+      does not raise, and the writes wait on the gate that lets only the loss scale's own
+      update run on it.
     """
-    pivot = getattr(guard, "pivot", None)
+    pivot = guard.pivot
     if pivot is None:
         return []
     seen, stack, writes = set(), [guard.train_op.op], []
@@ -764,6 +783,9 @@ def _snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor):
     Such a write (a moving average that slim.batch_norm with ``updates_collections=None``
     updates inside the forward pass) runs before the finiteness test, so it cannot be gated;
     instead it is made to wait on a copy of its variable's value, which a bad step puts back.
+    The wait is a control input added with TensorFlow's private
+    ``Operation._add_control_input`` (the write is the user's, already built): the write
+    then also runs the copy, which is all it changes.
 
     Returns:
       ``(snapshots, restored)``: a list of (variable, pre-step value) and the frozenset of
@@ -899,7 +921,13 @@ def _contexts(context):
 
 
 def _restore(snapshots, ok: tf.Tensor) -> List[tf.Operation]:
-    """The writes that put each snapshot back; they run only when `ok` is False."""
+    """The writes that put each snapshot back; they run only when `ok` is False.
+
+    Built on the TF1 ``Switch`` of the private ``control_flow_ops`` module, as the train
+    op's gate is: an op fed by the untaken side of a ``Switch`` is dead, so skipped, in the
+    same run; `tf.cond` would build functions (control flow v2) that no control edge from
+    outside can gate this way.
+    """
     restores = []
     for variable, value in snapshots:
         bad_value, _ = control_flow_ops.switch(value, ok)
@@ -915,6 +943,11 @@ def _gate_update_ops(
     The writes are found by walking back from each update op, leaving out everything the
     finiteness test itself needs (the forward pass), which must run before it; those are
     put back on a bad step when they are among `restored`.
+
+    The edges are added with TensorFlow's private ``Operation._add_control_input`` (the
+    user's update ops are built before the train op). What it changes for the caller: a
+    write an update op runs now waits on the finiteness test, so fetching that update op
+    alone (outside the train op) also runs the forward and backward pass.
     """
     roots = [op for op in (_as_op(u) for u in update_ops) if op is not None]
     if not roots:
@@ -937,25 +970,43 @@ def _gate_update_ops(
     return gated
 
 
-def _scale_learning_rate(optimizer) -> tf.Variable:
-    """Multiplies the optimizer's learning rate by a variable the rollback policy can lower."""
-    inner = getattr(optimizer, "_optimizer", None)
-    if isinstance(inner, tf.compat.v1.train.Optimizer) and not any(
-        getattr(optimizer, attr, None) is not None for attr in ("_learning_rate", "_lr")
-    ):
-        # A wrapper (a loss-scale optimizer, for one): the rate is the inner optimizer's.
-        return _scale_learning_rate(inner)
-    for attr in ("_learning_rate", "_lr"):
-        if hasattr(optimizer, attr) and getattr(optimizer, attr) is not None:
-            break
-    else:
-        raise ValueError(
-            f"rollback_lr_factor needs an optimizer with a learning rate to scale; "
-            f"{type(optimizer).__name__} has neither _learning_rate nor _lr. Use "
-            "rollback_lr_factor=1.0 with this optimizer."
-        )
+# Attributes through which an optimizer wraps another one: a loss-scale optimizer's
+# ``_optimizer``, SyncReplicasOptimizer's ``_opt``. The learning rate is the inner one's.
+_WRAPPED_OPTIMIZER_ATTRS = ("_optimizer", "_opt")
+# Attributes a tf.compat.v1 optimizer keeps its learning rate in (Adam: ``_lr``).
+_LEARNING_RATE_ATTRS = ("_learning_rate", "_lr")
+
+
+def _rate_owner(optimizer) -> Tuple[object, str]:
+    """The optimizer object that holds the learning rate, and the attribute it is in.
+
+    Raises:
+      ValueError: Neither `optimizer` nor one it wraps has a learning rate attribute.
+    """
+    for attr in _LEARNING_RATE_ATTRS:
+        if getattr(optimizer, attr, None) is not None:
+            return optimizer, attr
+    for wrapped in _WRAPPED_OPTIMIZER_ATTRS:
+        inner = getattr(optimizer, wrapped, None)
+        if isinstance(inner, tf.compat.v1.train.Optimizer):
+            return _rate_owner(inner)
+    raise ValueError(
+        f"rollback_lr_factor needs an optimizer with a learning rate to scale; "
+        f"{type(optimizer).__name__} has neither _learning_rate nor _lr. Use "
+        "rollback_lr_factor=1.0 with this optimizer."
+    )
+
+
+def _learning_rate_scale(optimizer) -> tf.Variable:
+    """The variable the rollback policy lowers the learning rate with (one per graph).
+
+    Raises:
+      ValueError: The optimizer has no learning rate to scale (checked now, before any graph
+        is built around it).
+    """
+    _rate_owner(optimizer)
     with tf.init_scope(), tf.compat.v1.variable_scope("nanguard", reuse=tf.compat.v1.AUTO_REUSE):
-        scale = tf.compat.v1.get_variable(
+        return tf.compat.v1.get_variable(
             "learning_rate_scale",
             [],
             tf.float32,
@@ -963,12 +1014,31 @@ def _scale_learning_rate(optimizer) -> tf.Variable:
             trainable=False,
             use_resource=True,
         )
-    rate = getattr(optimizer, attr)
-    if callable(rate):
-        rate = rate()
-    rate = tf.convert_to_tensor(rate)
-    setattr(optimizer, attr, rate * tf.cast(scale, rate.dtype))
-    return scale
+
+
+@contextlib.contextmanager
+def _scaled_learning_rate(optimizer, scale: Optional[tf.Variable]) -> Iterator[None]:
+    """While active, the optimizer's learning rate is multiplied by `scale`.
+
+    A tf.compat.v1 optimizer reads its learning rate attribute when ``apply_gradients``
+    builds the update (``_prepare``), and has no public way to change it. So the attribute
+    (``_learning_rate`` or ``_lr``, of the innermost optimizer of a loss-scale or
+    SyncReplicas wrapper) is set to ``rate * scale`` for the build only and put back after:
+    the caller's optimizer is left as it was, and a second `create_train_op` with the same
+    optimizer scales its rate once, not twice. A callable rate is called here, as the
+    optimizer itself would.
+    """
+    if scale is None:
+        yield
+        return
+    owner, attr = _rate_owner(optimizer)
+    original = getattr(owner, attr)
+    rate = tf.convert_to_tensor(original() if callable(original) else original)
+    setattr(owner, attr, rate * tf.cast(scale, rate.dtype))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
 
 
 def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict) -> GradsAndVars:

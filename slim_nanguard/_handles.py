@@ -1,0 +1,105 @@
+"""The graph side of a guarded train op: the tensors and ops `create_train_op` built.
+
+`GraphHandles` is a frozen value: made once, by the train-op builder, and read by the guard,
+the hook, the loops and the rollback. Nothing here runs a session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import tensorflow as tf
+
+from slim_nanguard import _ops
+from slim_nanguard._types import Mode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._capture import Capture
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphHandles:
+    """What `create_train_op` built for one guarded train op.
+
+    Attributes:
+      mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
+      train_op: The train op tensor `create_train_op` returned.
+      loss: The user's total loss tensor.
+      global_step: The global step variable, or None.
+      grad_sums: The loss, then the sum of each gradient, as one vector.
+      ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
+        None in check_numerics mode, whose check raises instead, unless the optimizer scales
+        the loss dynamically: then it is False on an overflow step, which does not raise.
+        None too when the train op was built in a loop body (``in_loop``).
+      diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
+        stores them before every check; hook mode only on the bad branch); with a dynamic
+        loss-scale optimizer the loss scale of the step follows the sums.
+      check_op_name: The name of the check_numerics op (check_numerics mode), else None.
+      variable_names: The variables trained, in the order of ``grad_sums[1:]``.
+      lr_scale: The variable the learning rate is multiplied by (a rollback lowers it), or
+        None when ``rollback_lr_factor`` is 1.
+      lr_scale_value: The placeholder a rollback feeds the new scale through, or None.
+      lr_scale_assign: The op that assigns it to ``lr_scale``, or None.
+      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer (an overflow
+        there is a bad step), or None without one.
+      in_loop: True when the train op was built inside a `tf.while_loop` (or another function
+        body), whose tensors a run cannot fetch.
+      judged: Hook mode: the variable whatever applies the policy initialises in its session
+        (`Guard.mark_judged`); None in check_numerics mode.
+      pivot: The tensor a write built later after the train op must wait on to be skipped on
+        a bad step (`gate_writes_after`): the hook-mode gate, or, with a dynamic loss-scale
+        optimizer, the gate of every write but the scale's. None otherwise.
+      capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
+      input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
+    """
+
+    mode: Mode
+    train_op: tf.Tensor
+    loss: tf.Tensor
+    global_step: Optional[tf.Variable]
+    grad_sums: tf.Tensor
+    ok: Optional[tf.Tensor]
+    diagnostics: tf.Variable
+    check_op_name: Optional[str]
+    variable_names: Tuple[str, ...]
+    lr_scale: Optional[tf.Variable] = None
+    lr_scale_value: Optional[tf.Tensor] = None
+    lr_scale_assign: Optional[tf.Operation] = None
+    loss_scale_floor: Optional[float] = None
+    in_loop: bool = False
+    judged: Optional[tf.Variable] = None
+    pivot: Optional[tf.Tensor] = None
+    capture: Optional["Capture"] = None
+    input_ops: Tuple[tf.Operation, ...] = ()
+
+
+def lr_scale_setter(
+    lr_scale: Optional[tf.Variable], graph: tf.Graph
+) -> Tuple[Optional[tf.Tensor], Optional[tf.Operation]]:
+    """The placeholder and assign op that set `lr_scale` (None, None without one)."""
+    if lr_scale is None:
+        return None, None
+    # init_scope: in the outermost graph, even for a train op built in a loop body.
+    with graph.as_default(), tf.init_scope():
+        value = tf.compat.v1.placeholder(
+            lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
+        )
+        assign = tf.compat.v1.assign(lr_scale, value)
+    return value, assign.op
+
+
+def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
+    """The ops among the ancestors of `loss` that produce a new batch when run."""
+    found, seen, stack = [], set(), [loss.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _ops.INPUT_OP_TYPES:
+            found.append(op)
+            continue
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return found

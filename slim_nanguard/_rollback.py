@@ -1,0 +1,170 @@
+"""Rollback: the walk back over checkpoints, the restore, the learning-rate scale, input skipping.
+
+`Rollback` belongs to one guard. It owns the one Saver every rollback of that guard restores
+with (built by `create_train_op` when the config may roll back, or by `NanLossHook.begin` for
+a hook whose policy override may), and remembers the step it restored last, so that a bad
+step right at that step walks back further.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+from absl import logging
+
+from slim_nanguard import _errors
+from slim_nanguard._handles import GraphHandles
+from slim_nanguard._policy import GuardConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What one rollback did.
+
+    Attributes:
+      checkpoint: The path of the checkpoint restored.
+      step: The global step it restored (None without a global step).
+      skipped_batches: Batches of input thrown away after the restore.
+      learning_rate_scale: The learning-rate scale after this rollback.
+    """
+
+    checkpoint: str
+    step: Optional[int]
+    skipped_batches: int
+    learning_rate_scale: float
+
+
+class Rollback:
+    """Restores a guard's model from its checkpoints.
+
+    Args:
+      handles: The guard's graph handles.
+      config: The guard's config (``rollback_lr_factor``, ``rollback_skip_batches``).
+      saver: The Saver to restore with, if `create_train_op` built one.
+    """
+
+    def __init__(
+        self,
+        handles: GraphHandles,
+        config: GuardConfig,
+        saver: Optional[tf.compat.v1.train.Saver] = None,
+    ):
+        self._handles = handles
+        self._config = config
+        self._saver = saver
+        # The global step the last rollback restored (None before any, or without a step).
+        self._restored_step: Optional[int] = None
+
+    @property
+    def saver(self) -> Optional[tf.compat.v1.train.Saver]:
+        """The Saver every rollback of this guard restores with, or None if none was built."""
+        return self._saver
+
+    def ensure_saver(self) -> tf.compat.v1.train.Saver:
+        """Builds the Saver if there is none yet (before the graph is finalized); returns it."""
+        if self._saver is None:
+            with self._handles.train_op.graph.as_default(), tf.init_scope():
+                self._saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
+        return self._saver
+
+    def restore(
+        self,
+        session: tf.compat.v1.Session,
+        checkpoint_dir: Optional[str],
+        *,
+        bad_step: int,
+        learning_rate_scale: float,
+    ) -> Restored:
+        """Restores the latest good checkpoint, skips input and scales the learning rate.
+
+        When the bad step came at the very step the previous rollback restored (no step went
+        through since), that state did not hold up: this rollback goes to the newest
+        checkpoint of an earlier step instead, and so on, one further back each time, as long
+        as older readable checkpoints are kept (then the oldest one is restored again).
+
+        Args:
+          session: A raw `tf.compat.v1.Session`.
+          checkpoint_dir: Directory the training loop saves checkpoints to.
+          bad_step: The global step of the bad step (-1 if unknown).
+          learning_rate_scale: The scale the guard has applied so far in this process.
+
+        Returns:
+          What was restored.
+
+        Raises:
+          CheckpointNotFoundError: No good checkpoint to roll back to.
+          ValueError: No Saver was built before the graph was finalized.
+        """
+        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
+
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
+        if path is not None and self._restored_step is not None and bad_step == self._restored_step:
+            # No step went through since the last rollback restored this step: the state it
+            # restored went bad at once (finite weights can already be diverging). Go back to
+            # an earlier step's checkpoint, if one is kept.
+            older = _checkpoints.latest_good_checkpoint(
+                checkpoint_dir, before_step=self._restored_step
+            )
+            if older is not None:
+                logging.warning(
+                    "slim_nanguard: training went bad again at step %d, right "
+                    "after rolling back to it; rolling back further, to %s",
+                    bad_step,
+                    older,
+                )
+                path = older
+            else:  # None earlier is kept: the same step again (not a newer, failed one).
+                path = (
+                    _checkpoints.latest_good_checkpoint(
+                        checkpoint_dir, before_step=self._restored_step + 1
+                    )
+                    or path
+                )
+        if path is None:
+            where = (
+                f"in {checkpoint_dir!r}"
+                if checkpoint_dir
+                else "and no checkpoint directory was given (pass checkpoint_dir=..., the "
+                "directory the loop saves checkpoints to)"
+            )
+            raise _errors.CheckpointNotFoundError(
+                f"rollback needs a good checkpoint {where} and there is none; save "
+                "checkpoints from the first step (save_checkpoint_steps), or choose policies "
+                "that do not roll back (nan_policy, persistent_nan_policy)."
+            )
+        if self._saver is None:
+            raise ValueError(
+                "rollback needs a Saver built before the graph was finalized; build the "
+                "train op with a policy that may roll back, or let NanLossHook.begin run "
+                "before the graph is finalized."
+            )
+        handles = self._handles
+        if handles.lr_scale is not None:
+            # The scale the session trains with: in a resumed process, the one the checkpoint
+            # brought back; after a session recovery, the lower of it and this process's own.
+            learning_rate_scale = min(learning_rate_scale, float(session.run(handles.lr_scale)))
+        self._saver.restore(session, path)
+        self._restored_step = (
+            int(session.run(handles.global_step)) if handles.global_step is not None else None
+        )
+        if handles.lr_scale is not None:
+            learning_rate_scale *= self._config.rollback_lr_factor
+            session.run(handles.lr_scale_assign, {handles.lr_scale_value: learning_rate_scale})
+        skipped = self.skip_input(session, self._config.rollback_skip_batches)
+        return Restored(path, self._restored_step, skipped, learning_rate_scale)
+
+    def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
+        """Runs the input ops that feed the loss `batches` times; returns how many ran."""
+        input_ops = list(self._handles.input_ops)
+        if not input_ops or batches <= 0:
+            return 0
+        done = 0
+        for _ in range(batches):
+            try:
+                session.run(input_ops)
+            except tf.errors.OutOfRangeError:
+                break
+            done += 1
+        return done
