@@ -203,3 +203,27 @@ def test_a_rollback_lowers_the_inner_optimizers_learning_rate(tmp_path, mode):
     kinds = [r["kind"] for r in slim_nanguard.read_events(result.events_path)]
     assert kinds.count("bad_step") == kinds.count("rollback") == 1
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_train_step_records_overflows_in_both_modes(mode):
+    """tf_slim.learning.train's step function, by hand: the first steps overflow. In either
+    mode each one is a ``loss_scale_overflow`` record, not a good step and not a bad one."""
+    graph, train_op = _build(check_numerics=MODES[mode], nan_policy="raise")
+    guard = slim_nanguard.get_guard(train_op)
+    records = []
+    guard.add_listener(records.append)
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        step = tf.compat.v1.train.get_global_step()
+        for _ in range(STEPS):
+            loss, should_stop = slim_nanguard.train_step(sess, train_op, step, {})
+            assert np.isfinite(loss) and not should_stop
+        trained = int(sess.run(step))
+    overflows = [r for r in records if r["kind"] == "loss_scale_overflow"]
+    assert len(overflows) == STEPS - trained >= 3
+    assert [r["loss_scale"] for r in overflows[:3]] == [32768, 16384, 8192]
+    assert all(r["action"] == "loss_scale_overflow" for r in overflows)
+    assert not [r for r in records if r["kind"] == "bad_step"]
+    assert guard.state.loss_scale_overflows == len(overflows)
+    assert guard.state.total_bad_steps == 0

@@ -501,3 +501,47 @@ class TestBadInput:
             v = tf.compat.v1.get_variable("v", [3], trainable=False)
             with pytest.raises(ValueError, match="^the graph has no trainable variables"):
                 slim_nanguard.create_train_op(tf.reduce_sum(v * v), opt)
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: tf.compat.v1.train.GradientDescentOptimizer(0.5),
+        lambda: tf.compat.v1.train.AdamOptimizer(0.5),
+        lambda: tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.5), "dynamic"
+        ),
+    ],
+    ids=["sgd", "adam", "loss_scale"],
+)
+def test_the_learning_rate_is_scaled_once_and_the_optimizer_left_as_it_was(make_optimizer):
+    """Two create_train_op calls with one optimizer object: each update uses rate * scale
+    (not rate * scale * scale), and the optimizer's own attribute is untouched."""
+    graph = tf.Graph()
+    with graph.as_default():
+        optimizer = make_optimizer()
+        owner = getattr(optimizer, "_optimizer", optimizer)
+        attr = "_lr" if hasattr(owner, "_lr") else "_learning_rate"
+        before = getattr(owner, attr)
+        x = tf.compat.v1.get_variable("x", [], initializer=tf.compat.v1.constant_initializer(1.0))
+        y = tf.compat.v1.get_variable("y", [], initializer=tf.compat.v1.constant_initializer(1.0))
+        first = slim_nanguard.create_train_op(
+            x * 1.0, optimizer, rollback_lr_factor=0.5, global_step=None
+        )
+        second = slim_nanguard.create_train_op(
+            y * 1.0, optimizer, rollback_lr_factor=0.5, global_step=None
+        )
+        assert getattr(owner, attr) is before
+        scale = slim_nanguard.get_guard(first).lr_scale
+        assert scale is slim_nanguard.get_guard(second).lr_scale  # one per graph
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(scale.assign(0.25))
+            sess.run(first)
+            sess.run(second)
+            x_value, y_value = sess.run([x, y])
+    # The gradient is 1: the first step of gradient descent, and of Adam, moves the variable
+    # by the learning rate it used. (Adam's second train op shares the first one's beta
+    # powers, so its step is Adam's second: only the first is compared.)
+    moved = [1 - x_value] if attr == "_lr" else [1 - x_value, 1 - y_value]
+    np.testing.assert_allclose(moved, [0.5 * 0.25] * len(moved), rtol=1e-4)

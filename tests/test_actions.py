@@ -1,0 +1,194 @@
+"""The executor and the loop's bookkeeping, in process: stories with fakes, no training run.
+
+`_actions.carry_out` is the one code that acts on a decision; each test hands it a decision
+and a fake guard or session and reads the `Outcome`. `_loop._Progress` takes its clock as an
+argument, so its lines are checked with a fake clock and no sleep.
+"""
+
+import dataclasses
+import logging
+import pickle
+
+import pytest
+import tensorflow as tf
+
+import slim_nanguard
+from slim_nanguard import _actions
+from slim_nanguard import _loop
+from slim_nanguard import _ops
+from slim_nanguard import _policy
+from slim_nanguard._events import NanEvent
+from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
+
+import nanguard_testlib as lib
+
+
+def _event(action, step=4):
+    return NanEvent(
+        step=step,
+        loss=float("nan"),
+        loss_kind="nan",
+        culprits=("w",),
+        consecutive=1,
+        total=1,
+        mode="hook",
+        action=action,
+    )
+
+
+class _FakeGuard:
+    """What carry_out reads of a guard: its rollback and its global step."""
+
+    def __init__(self):
+        self.rollbacks = []
+
+    def rollback(self, session, checkpoint_dir):
+        self.rollbacks.append((session, checkpoint_dir))
+        return f"{checkpoint_dir}/model.ckpt-2"
+
+    def read_global_step(self, session):
+        return 2
+
+
+def _carry_out(action, **kwargs):
+    guard = _FakeGuard()
+    decision = _policy.Decision(Action(action))
+    outcome = _actions.carry_out(
+        guard, "raw session", _event(action), decision, checkpoint_dir="/run", **kwargs
+    )
+    return guard, outcome
+
+
+def test_skip_does_nothing_and_says_the_step_was_bad():
+    guard, outcome = _carry_out("skip", request_stop=lambda: pytest.fail("no stop"))
+    assert (outcome.action, outcome.stop, outcome.bad, outcome.good) == ("skip", False, True, False)
+    assert guard.rollbacks == []
+
+
+def test_stop_asks_the_given_stop_once():
+    asked = []
+    _, outcome = _carry_out("stop", request_stop=lambda: asked.append(True))
+    assert asked == [True] and outcome.stop and outcome.action is Action.STOP
+
+
+def test_rollback_uses_the_guards_rollback_and_reports_the_new_step():
+    guard, outcome = _carry_out("rollback")
+    assert guard.rollbacks == [("raw session", "/run")]
+    assert (outcome.step, outcome.checkpoint) == (2, "/run/model.ckpt-2")
+    assert not outcome.stop
+
+
+def test_a_caller_can_roll_back_its_own_way():
+    """A cluster worker, say, asks its chief instead of restoring here."""
+    asked = []
+    guard, outcome = _carry_out(
+        "rollback", rollback=lambda session, directory: asked.append(directory) or "chief"
+    )
+    assert asked == ["/run"] and guard.rollbacks == [] and outcome.checkpoint == "chief"
+
+
+def test_raise_raises_the_error_with_its_cause_chained_to_the_numerics_error():
+    cause = ValueError("the check")
+    decision = _policy.Decision(
+        Action.RAISE, reason="3 rollbacks", cause=Cause.MAX_ROLLBACKS, limit=3
+    )
+    with pytest.raises(slim_nanguard.NanLossError) as caught:
+        _actions.carry_out(
+            _FakeGuard(), "s", _event("raise"), decision, checkpoint_dir=None, error=cause
+        )
+    assert caught.value.cause is Cause.MAX_ROLLBACKS and caught.value.limit == 3
+    assert caught.value.__cause__ is cause
+    assert pickle.loads(pickle.dumps(caught.value)).cause is Cause.MAX_ROLLBACKS
+
+
+def test_a_good_outcome_is_good():
+    assert _actions.GOOD.good and not _actions.GOOD.bad and not _actions.GOOD.stop
+    overflow = _actions.Outcome(overflow=True)
+    assert not overflow.good and not overflow.bad
+
+
+def test_the_loop_tallies_its_result_from_outcomes():
+    counts = _loop._Counts()
+    for outcome in [
+        _actions.GOOD,
+        _actions.Outcome(event=_event("skip"), action=Action.SKIP),
+        _actions.Outcome(overflow=True),
+        _actions.Outcome(event=_event("rollback"), action=Action.ROLLBACK, step=2),
+        _actions.GOOD,
+    ]:
+        counts.add(outcome)
+    assert dataclasses.astuple(counts) == (2, 2, 1, 1, 1)
+
+
+def test_the_input_op_types_have_one_definition():
+    from slim_nanguard import _autopsy
+    from slim_nanguard import _capture
+
+    assert _capture.INPUT_OP_TYPES is _ops.INPUT_OP_TYPES
+    assert _capture.PLACEHOLDER_TYPES is _ops.PLACEHOLDER_TYPES
+    assert _autopsy._INPUT_TYPES == _ops.PLACEHOLDER_TYPES | _ops.INPUT_OP_TYPES
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_lines_show_rate_time_left_and_this_runs_counts(caplog):
+    """Steps 0..20 at 4 steps a second, a line every 10 steps, 40 steps in all."""
+    clock = _Clock()
+    progress = _loop._Progress(10, 40, recorder=None, clock=clock)
+    counts = _loop._Counts(steps=20, bad_steps=3, skips=2, rollbacks=1)
+    progress.start(0)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        for step in range(1, 21):
+            clock.now += 0.25
+            progress(step, 0.5, counts)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines == [
+        "step 10/40: loss 0.5000, 4.0 steps/s, 7s left; bad steps 3 (skipped 2, rolled back 1)",
+        "step 20/40: loss 0.5000, 4.0 steps/s, 5s left; bad steps 3 (skipped 2, rolled back 1)",
+    ]
+
+
+def test_progress_without_a_step_limit_or_a_rate(caplog):
+    clock = _Clock()
+    progress = _loop._Progress(5, None, recorder=None, clock=clock)
+    progress.start(5)  # resumed at step 5: its first line has no steps to time yet
+    with caplog.at_level(logging.INFO, logger="absl"):
+        progress(5, float("nan"), _loop._Counts())
+        progress(6, 1.0, _loop._Counts())  # not a multiple of 5: no line
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines == ["step 5: loss nan, -- steps/s; bad steps 0 (skipped 0, rolled back 0)"]
+
+
+def test_the_guard_is_read_only_and_its_graph_handles_frozen():
+    model = lib.build_model(check_numerics=False, nan_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
+    for name in ("config", "state", "train_op", "loss", "ok", "saver", "mode"):
+        with pytest.raises(AttributeError):
+            setattr(guard, name, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        guard.handles.ok = None
+    assert guard.ok is guard.handles.ok and guard.mode == "hook"
+    assert guard.mode is slim_nanguard.Mode.HOOK
+
+
+def test_the_hook_exposes_its_loss_and_the_outcome_of_each_run():
+    model = lib.build_model(check_numerics=False, nan_policy="skip", faults={1: "nan_loss"})
+    hook = slim_nanguard.nan_hook(model.train_op)
+    assert hook.loss is model.train_op
+    outcomes = []
+    with model.graph.as_default():
+        with tf.compat.v1.train.MonitoredTrainingSession(
+            hooks=[hook], log_step_count_steps=None, save_summaries_steps=None
+        ) as sess:
+            for _ in range(3):
+                sess.run(model.train_op)
+                outcomes.append(hook.last_outcome)
+    assert [o.good for o in outcomes] == [True, False, True]
+    assert outcomes[1].action == "skip" and outcomes[1].event.step == 1
