@@ -29,12 +29,17 @@ import math
 import os
 import sysconfig
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from absl import logging
 
 from slim_nanguard import _ops
+
+if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
+    import tensorflow as tf
+
+    from slim_nanguard._capture import Capture
 
 DUMP_DIRNAME = "nanguard_autopsy"
 DEFAULT_TIMEOUT_SECS = 60.0
@@ -362,7 +367,7 @@ class _Budget:
                 f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), {what}"
             )
 
-    def run(self, session, fetches: List, feeds: Dict) -> List:
+    def run(self, session: tf.compat.v1.Session, fetches: List, feeds: Dict) -> List:
         self.runs += 1
         values = session.run(fetches, feeds)
         fetched = sum(np.asarray(v).nbytes for v in values)
@@ -380,7 +385,7 @@ class _Budget:
 
 
 def replay(
-    session,
+    session: tf.compat.v1.Session,
     feeds: Mapping[Any, Any],
     targets: Sequence[Any],
     *,
@@ -543,7 +548,14 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
     return chunks
 
 
-def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
+def _first_bad_op(
+    session: tf.compat.v1.Session,
+    ops,
+    feeds,
+    budget: _Budget,
+    max_chunk_bytes: int,
+    batch_size: int,
+):
     fed = {t.op: t for t in feeds}
     # The batch first: a NaN in the data is found without running anything.
     for op in ops:
@@ -584,7 +596,9 @@ def _first_bad_rows(ops, values, batch_size: int):
     return None
 
 
-def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
+def _describe(
+    session: tf.compat.v1.Session, op, feeds, budget: _Budget, batch_size: int, downstream=None
+):
     """Fetches the inputs and outputs of `op` and describes them.
 
     A fed op (the batch) has no inputs in the replay: fetching what is behind it (the
@@ -622,8 +636,8 @@ def _traceback(op) -> Sequence[Any]:
 
 # ---------------------------------------------------------------------- in training
 def autopsy_bad_step(
-    session,
-    capture,
+    session: tf.compat.v1.Session,
+    capture: Capture,
     targets: Sequence[Any],
     *,
     step: int = -1,
@@ -685,7 +699,7 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
 
 
 def run_autopsy(
-    session,
+    session: tf.compat.v1.Session,
     batch_tensors: Sequence[Any],
     batch_values: Sequence[Any],
     targets: Sequence[Any],

@@ -181,7 +181,7 @@ def keep_batch(
     return Capture(tuple(tensors), tuple(variables), tuple(stores), done)
 
 
-def read_kept_batch(session, capture: Capture) -> List:
+def read_kept_batch(session: tf.compat.v1.Session, capture: Capture) -> List:
     """The values the last bad step kept, in the order of ``capture.tensors``."""
     if not capture.variables:
         return []

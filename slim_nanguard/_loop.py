@@ -137,7 +137,9 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
         with tf.name_scope("nanguard_finite_model"):
             self._flags, self._names = _checkpoints.finite_flags(tf.compat.v1.global_variables())
 
-    def after_create_session(self, session, coord):
+    def after_create_session(
+        self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
+    ) -> None:
         bad = [n for n, ok in zip(self._names, session.run(self._flags)) if not ok]
         if bad:
             raise _errors.NonFiniteCheckpointError(
@@ -486,7 +488,12 @@ def _record_float(value: float):
     return value if math.isfinite(value) else str(value)
 
 
-def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str], max_to_keep: int):
+def _make_scaffold(
+    scaffold: Optional[tf.compat.v1.train.Scaffold],
+    logdir: Optional[str],
+    resume_from: Optional[str],
+    max_to_keep: int,
+) -> tf.compat.v1.train.Scaffold:
     """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
     The init_fn runs for every session the MonitoredSession creates: the first one, and a new
@@ -508,7 +515,9 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str], 
         restorer = _resume_saver(saver, resume_from) if resume_from else saver
         given_init_fn = scaffold.init_fn if scaffold is not None else None
 
-        def init_fn(unused_scaffold, session):
+        def init_fn(
+            unused_scaffold: tf.compat.v1.train.Scaffold, session: tf.compat.v1.Session
+        ) -> None:
             latest = _checkpoints.latest_good_checkpoint(logdir)
             if latest is not None:
                 (restorer if latest == resume_from else saver).restore(session, latest)
@@ -521,7 +530,7 @@ def _make_scaffold(scaffold, logdir: Optional[str], resume_from: Optional[str], 
     return tf.compat.v1.train.Scaffold(**kwargs)
 
 
-def _resume_saver(saver, checkpoint: str):
+def _resume_saver(saver: tf.compat.v1.train.Saver, checkpoint: str) -> tf.compat.v1.train.Saver:
     """`saver`, or one that leaves out the guard's own variables missing from `checkpoint`.
 
     The guard adds a variable (``nanguard/learning_rate_scale``) only when a rollback can
@@ -542,8 +551,13 @@ def _resume_saver(saver, checkpoint: str):
 
 
 def _saving_hooks(
-    logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs
-) -> list:
+    logdir: str,
+    scaffold: tf.compat.v1.train.Scaffold,
+    checkpoint_secs: Optional[float],
+    checkpoint_steps: Optional[int],
+    summary_steps: Optional[int],
+    summary_secs: Optional[float],
+) -> List[tf.compat.v1.train.SessionRunHook]:
     hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
     if checkpoint_secs or checkpoint_steps:
         hooks.append(
@@ -592,7 +606,7 @@ def _run(
     final_loss, step = float("nan"), -1
     stop_reason = None
 
-    def read_step(sess) -> int:
+    def read_step(sess: tf.compat.v1.train.MonitoredSession) -> int:
         if guard.global_step is None:
             return counts.steps
         return int(
@@ -682,7 +696,12 @@ def _no_stop() -> None:
 
 
 def _save_good_state(
-    sess, guard: _guard.Guard, scaffold, logdir: str, is_chief: bool, error: _errors.NanLossError
+    sess: tf.compat.v1.train.MonitoredSession,
+    guard: _guard.Guard,
+    scaffold: tf.compat.v1.train.Scaffold,
+    logdir: str,
+    is_chief: bool,
+    error: _errors.NanLossError,
 ) -> _errors.NanLossError:
     """Saves the state the guard kept at a bad step before giving up; returns `error`.
 

@@ -42,7 +42,7 @@ class EventRecorder:
     def __init__(
         self,
         logdir: str,
-        summary_writer=None,
+        summary_writer: Optional[tf.compat.v1.summary.FileWriter] = None,
         write_summaries: bool = True,
         task: Optional[int] = None,
     ):
