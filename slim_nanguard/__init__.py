@@ -6,6 +6,7 @@ chose (raise, stop, skip, rollback) decides what happens next.
 """
 
 from slim_nanguard import compat
+from slim_nanguard._actions import Outcome
 from slim_nanguard._autopsy import Autopsy
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
@@ -66,6 +67,7 @@ __all__ = [
     "NanLossHook",
     "NonFiniteCheckpointError",
     "OnNanCallback",
+    "Outcome",
     "PERSISTENT_POLICIES",
     "POLICIES",
     "StopReason",

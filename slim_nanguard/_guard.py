@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
@@ -424,8 +425,6 @@ class Guard:
             (too many bad steps in a row with ``persistent_nan_policy="raise"``, or too many
             rollbacks). Its ``cause`` says which.
         """
-        from slim_nanguard import _actions  # Local: _actions reads guards.
-
         event, decision = self.record_bad_step(
             step=step, loss=loss, sums=sums, policy=policy, autopsy=autopsy
         )
@@ -483,8 +482,6 @@ class Guard:
         Raises:
           NanLossError: As `on_bad_step`, chained to `error`.
         """
-        from slim_nanguard import _actions  # Local: _actions reads guards.
-
         step, sums = self.read_bad_step(session)
         autopsy = self.autopsy(session, step)
         event, decision = self.record_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
