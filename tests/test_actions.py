@@ -192,3 +192,20 @@ def test_the_hook_exposes_its_loss_and_the_outcome_of_each_run():
                 outcomes.append(hook.last_outcome)
     assert [o.good for o in outcomes] == [True, False, True]
     assert outcomes[1].action == "skip" and outcomes[1].event.step == 1
+
+
+def test_a_hooks_rollback_override_builds_the_guards_one_saver(tmp_path):
+    """The train op's policy never rolls back (no saver built); a hook that overrides it with
+    rollback builds the saver on the guard, where every rollback finds it."""
+    model = lib.build_model(check_numerics=False, nan_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert guard.saver is None
+    with pytest.raises(ValueError, match=r"needs NanLossHook\(checkpoint_dir=\.\.\.\)"):
+        with model.graph.as_default():
+            slim_nanguard.NanLossHook(model.loss, nan_policy="rollback").begin()
+    hook = slim_nanguard.NanLossHook(
+        model.loss, nan_policy="rollback", checkpoint_dir=str(tmp_path)
+    )
+    with model.graph.as_default():
+        hook.begin()
+    assert guard.saver is not None and guard.autopsy_dir == str(tmp_path)
