@@ -8,9 +8,11 @@ with a warning; `non_finite_variables` says which values of a checkpoint are not
 
 from __future__ import annotations
 
+import collections
+import glob
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -18,8 +20,28 @@ from absl import logging
 
 from slim_nanguard import _errors
 
-# path -> (mtime of its index file, list of non-finite tensor names) of checkpoints read.
-_VERIFIED: Dict[str, Tuple[float, Tuple[str, ...]]] = {}
+# The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
+# its non-finite tensors). A rollback walks back over the same few checkpoints again and again;
+# a file rewritten since (any shard, not just the index) changes the key, so it is read anew.
+_VERIFIED: "collections.OrderedDict[str, Tuple[tuple, Tuple[str, ...]]]" = collections.OrderedDict()
+_VERIFIED_MAX = 32
+
+
+def _files_key(checkpoint_path: str) -> tuple:
+    """The name, size and mtime of every file of a checkpoint: its index and data shards."""
+    files = [
+        checkpoint_path + ".index",
+        *sorted(glob.glob(glob.escape(checkpoint_path) + ".data-*")),
+    ]
+    key = []
+    for name in files:
+        try:
+            stat = os.stat(name)
+        except OSError:
+            key.append((name, None, None))
+        else:
+            key.append((name, stat.st_size, stat.st_mtime_ns))
+    return tuple(key)
 
 
 def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
@@ -35,10 +57,10 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
         raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
     """
-    index = checkpoint_path + ".index"
-    mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
+    key = _files_key(checkpoint_path)
     cached = _VERIFIED.get(checkpoint_path)
-    if cached is not None and cached[0] == mtime:
+    if cached is not None and cached[0] == key:
+        _VERIFIED.move_to_end(checkpoint_path)
         return cached[1]
     reader = tf.train.load_checkpoint(checkpoint_path)
     bad = []
@@ -48,7 +70,10 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
         value = reader.get_tensor(name)
         if not np.all(np.isfinite(value)):
             bad.append(name)
-    _VERIFIED[checkpoint_path] = (mtime, tuple(bad))
+    _VERIFIED[checkpoint_path] = (key, tuple(bad))
+    _VERIFIED.move_to_end(checkpoint_path)
+    while len(_VERIFIED) > _VERIFIED_MAX:
+        _VERIFIED.popitem(last=False)
     return tuple(bad)
 
 
