@@ -34,9 +34,9 @@ with _quiet_start.quiet_imports(sys.argv):
 
     import slim_nanguard  # noqa: E402
     from slim_nanguard import compat  # noqa: E402
-    from slim_nanguard import datasets  # noqa: E402
-    from slim_nanguard import launch  # noqa: E402
-    from slim_nanguard import models  # noqa: E402
+    from slim_nanguard.app import datasets  # noqa: E402
+    from slim_nanguard.app import launch  # noqa: E402
+    from slim_nanguard.app import models  # noqa: E402
 
 FLAGS = flags.FLAGS
 

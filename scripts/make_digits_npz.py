@@ -28,6 +28,7 @@ TEST_PER_CLASS = 30
 DEFAULT_OUTPUT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     "slim_nanguard",
+    "app",
     "data",
     "digits.npz",
 )

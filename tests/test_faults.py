@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import datasets
-from slim_nanguard import faults
-from slim_nanguard import launch
+from slim_nanguard.app import datasets
+from slim_nanguard.app import faults
+from slim_nanguard.app import launch
 
 # ---------------------------------------------------------------------------------------------
 # FaultSpec

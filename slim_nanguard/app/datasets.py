@@ -10,7 +10,7 @@ here depends on eager execution being on.
 The datasets, by ``name`` (the launcher's ``--dataset_name``):
 
 * ``digits`` (the default): the UCI 8x8 handwritten digits shipped in the package
-  (``slim_nanguard/data/digits.npz``, 1797 images, 10 classes, splits ``train`` 1497 /
+  (``slim_nanguard/app/data/digits.npz``, 1797 images, 10 classes, splits ``train`` 1497 /
   ``test`` 300). Real data that needs no download.
 * ``synthetic``: a deterministic, learnable toy problem of any image size, for tests and
   benchmarks. Each image is a random 4x4 pattern scaled up plus noise; its label is the

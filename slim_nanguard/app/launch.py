@@ -42,9 +42,9 @@ from slim_nanguard import _guard
 from slim_nanguard import _loop
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
-from slim_nanguard import datasets
-from slim_nanguard import faults as faults_lib
-from slim_nanguard import models
+from slim_nanguard.app import datasets
+from slim_nanguard.app import faults as faults_lib
+from slim_nanguard.app import models
 
 __all__ = [
     "DECAY_TYPES",

@@ -55,7 +55,7 @@ import tensorflow as tf
 import tf_slim
 
 import slim_nanguard
-from slim_nanguard import models
+from slim_nanguard.app import models
 
 # ---------------------------------------------------------------------------- models
 
