@@ -17,8 +17,8 @@ import sys
 import pytest
 
 import slim_nanguard
-from slim_nanguard import launch
-from slim_nanguard import launch_cluster
+from slim_nanguard import app as launch
+from slim_nanguard.app import cluster as launch_cluster
 
 import cluster_lib
 

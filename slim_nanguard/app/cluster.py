@@ -31,7 +31,7 @@ from absl import logging
 
 from slim_nanguard import _cluster
 from slim_nanguard import _loop
-from slim_nanguard import launch
+from slim_nanguard.app import config as launch  # LaunchError
 
 JOBS = ("ps", "worker")
 
