@@ -726,7 +726,7 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
         learning_rate = _learning_rate(config, global_step, info.split_size)
         optimizer = _optimizer(config, learning_rate)
         if cluster is not None:
-            optimizer = cluster.wrap_optimizer(optimizer)  # SyncReplicasOptimizer, if asked
+            optimizer = cluster.wrap_optimizer(optimizer, config)  # SyncReplicasOptimizer, if asked
         tf.compat.v1.summary.scalar("losses/total_loss", total_loss)
 
         variables_to_train = None
@@ -761,7 +761,7 @@ def _build_training(config: TrainConfig, resume: bool, cluster=None) -> _Built:
         scaffold = None
         if fine_tune_from is not None:
             scaffold = _fine_tune_scaffold(config, fine_tune_from)
-    hooks = cluster.hooks(optimizer) if cluster is not None else []
+    hooks = cluster.hooks(optimizer, config.train_dir) if cluster is not None else []
     return _Built(graph=graph, train_op=train_op, scaffold=scaffold, info=info, hooks=hooks)
 
 

@@ -10,6 +10,8 @@ A loopback cluster of 1 ps and 2 workers is three commands with the same cluster
 What each task does (`run_ps` for a ps; `run_training(config, cluster)` for a worker)::
 
     ps:      start the gRPC server; serve until every worker said it is done; exit 0
+             (a worker killed before it could: exit 1 once its port has refused
+             connections for ps_timeout_secs, naming it)
     worker:  wait (within ps_timeout_secs) until every ps answers on its port
              start the server; build the graph under replica_device_setter
              (optionally SyncReplicasOptimizer); train with master = this server
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import time
 from typing import List, Optional, Tuple
@@ -46,7 +49,7 @@ CLUSTER_FLAGS = (
 )
 
 # TrainResult.stop_reason of a worker that another worker's stop (or error) stopped.
-STOP_CLUSTER = "cluster_stop"
+STOP_CLUSTER = _cluster.STOP_CLUSTER
 
 
 def _hosts(value, flag: str) -> Tuple[str, ...]:
@@ -77,7 +80,9 @@ class Cluster:
       sync_replicas: Aggregate the workers' gradients with `SyncReplicasOptimizer`.
       replicas_to_aggregate: Gradients per synchronous step; None: one per worker (fewer gives
         backup workers).
-      ps_timeout_secs: How long a worker waits for the ps tasks to answer.
+      ps_timeout_secs: How long a task waits for a peer whose port does not answer: a worker
+        for the ps tasks (at its start); a ps for a worker that has not said it is done and
+        whose port stopped answering (killed), before it exits with status 1 naming it.
     """
 
     ps_hosts: Tuple[str, ...]
@@ -144,19 +149,48 @@ class Cluster:
         )
 
     # ------------------------------------------------------------- a worker's run
-    def wrap_optimizer(self, optimizer):
-        """`optimizer`, in a `SyncReplicasOptimizer` when ``sync_replicas``."""
+    def wrap_optimizer(self, optimizer, config=None):
+        """`optimizer`, in a `SyncReplicasOptimizer` when ``sync_replicas``.
+
+        Args:
+          optimizer: The optimizer the flags chose.
+          config: The `launch.TrainConfig`, checked against the cluster.
+
+        Raises:
+          launch.LaunchError: ``--rollback_lr_factor`` below 1 with ``--sync_replicas``.
+        """
         if not self.sync_replicas:
             return optimizer
+        factor = getattr(config, "rollback_lr_factor", 1.0)
+        if factor != 1.0:
+            # The scale is a variable the rate is multiplied by, and SyncReplicasOptimizer
+            # hides the inner optimizer's rate from it: refused, not silently ignored.
+            raise launch.LaunchError(
+                f"--rollback_lr_factor={factor:g} cannot lower the learning rate of "
+                "--sync_replicas training (SyncReplicasOptimizer); use --rollback_lr_factor=1 "
+                "(and a lower --learning_rate), or train asynchronously."
+            )
         return tf.compat.v1.train.SyncReplicasOptimizer(
             optimizer,
             replicas_to_aggregate=self.aggregate(),
             total_num_replicas=len(self.worker_hosts),
         )
 
-    def hooks(self, optimizer) -> List[tf.compat.v1.train.SessionRunHook]:
-        """The sync-replicas hook (after ``apply_gradients``) and the cluster-stop hook."""
-        hooks = [self._state.setdefault("stop_hook", _cluster.ClusterStopHook(self.task))]
+    def hooks(self, optimizer, train_dir: str) -> List[tf.compat.v1.train.SessionRunHook]:
+        """This worker's cluster hooks (built after ``apply_gradients``).
+
+        The cluster-stop hook; the chief's hook that carries out the others' rollback requests,
+        or a non-chief's that sends its rollbacks to the chief; the sync-replicas hook.
+        """
+        hooks = [
+            self._state.setdefault(
+                "stop_hook", _cluster.ClusterStopHook(self.task, len(self.worker_hosts))
+            )
+        ]
+        if self.is_chief:
+            hooks.append(_cluster.ChiefRollbackHook(os.path.abspath(train_dir)))
+        else:
+            hooks.append(_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:
             hooks.append(optimizer.make_session_run_hook(is_chief=self.is_chief))
         return hooks
@@ -216,7 +250,12 @@ class Cluster:
             target, job = f"grpc://{self.ps_hosts[0]}", "ps"
         stopped_here = result is None or result.stop_reason == _loop.STOP_POLICY
         stopped = _cluster.finish(
-            target, task=self.task, num_ps=len(self.ps_hosts), stop=stopped_here, job=job
+            target,
+            task=self.task,
+            num_ps=len(self.ps_hosts),
+            stop=stopped_here,
+            job=job,
+            num_workers=len(self.worker_hosts),
         )
         if (
             result is not None
@@ -302,7 +341,12 @@ def wait_for_ps(cluster: Cluster, poll_secs: float = 0.25) -> None:
 
 
 def run_ps(cluster: Cluster) -> None:
-    """Serves as a ps until every worker is done (each says so as its last step)."""
+    """Serves as a ps until every worker is done (each says so as its last step).
+
+    Raises:
+      launch.LaunchError: A worker never said it is done and its port has refused
+        connections for ``ps_timeout_secs`` (it was killed): named, with its address.
+    """
     server = cluster.start_server()
     logging.info(
         "ps task %d serving at %s for %d workers",
@@ -310,7 +354,19 @@ def run_ps(cluster: Cluster) -> None:
         cluster.ps_hosts[cluster.task],
         len(cluster.worker_hosts),
     )
-    _cluster.serve_ps(server.target, task=cluster.task, num_workers=len(cluster.worker_hosts))
+    gone = _cluster.serve_ps(
+        server.target,
+        task=cluster.task,
+        worker_hosts=cluster.worker_hosts,
+        timeout_secs=cluster.ps_timeout_secs,
+    )
+    if gone:
+        names = ", ".join(f"{w} ({cluster.worker_hosts[w]})" for w in gone)
+        raise launch.LaunchError(
+            f"ps task {cluster.task}: worker {names} never said it was done and its port has "
+            f"refused connections for --ps_timeout_secs={cluster.ps_timeout_secs:g}s (killed?); "
+            "the other workers are done, so the ps exits. Check that worker's log."
+        )
     logging.info("ps task %d: every worker is done; exiting", cluster.task)
 
 

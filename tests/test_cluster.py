@@ -154,8 +154,8 @@ def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path
     cluster_lib.assert_checkpoints_finite(tmp_path)
 
 
-def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path):
-    """The model lives on the ps: worker 1 restores the chief's latest checkpoint into it."""
+def test_worker_1s_rollback_is_a_request_the_chief_carries_out(tmp_path):
+    """The model lives on the ps: worker 1 asks, the chief restores, both carry on."""
     # Worker 1 starts training within about a poll (0.25 s) of the chief, and the chief's first
     # checkpoint (step 0) comes first; batch 10 leaves a margin for both.
     flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
@@ -166,10 +166,16 @@ def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     cluster_lib.assert_checkpoints_finite(tmp_path)
     records = slim_nanguard.read_events(tmp_path)
-    rollbacks = [r for r in records if r["kind"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["task"] == 1
-    assert rollbacks[0]["checkpoint"].startswith(str(tmp_path))
-    assert "rolled back 1" in exits["worker1"].stdout
+    kinds = [(r["task"], r["kind"]) for r in records if r["kind"] != "stop"]
+    assert kinds == [(1, "bad_step"), (1, "rollback_requested"), (0, "rollback")], records
+    bad, request, rollback = (r for r in records if r["kind"] != "stop")
+    assert bad["action"] == "rollback" and request["step"] == bad["step"]
+    assert request["chief"] == 0 and request["skipped_batches"] == 1
+    assert rollback["requested_by"] == [1] and rollback["requests"] == 1
+    assert rollback["step"] == bad["step"] and rollback["skipped_batches"] == 0
+    assert rollback["checkpoint"].startswith(str(tmp_path))
+    assert "rolled back 0" in exits["worker1"].stdout  # a request: the chief counts it
+    assert "rolled back 1" in exits["worker0"].stdout
 
 
 @pytest.mark.parametrize(
