@@ -57,6 +57,15 @@ def _bad_steps(train_dir):
     return [r for r in slim_nanguard.read_events(train_dir) if r["kind"] == "bad_step"]
 
 
+def _stops(train_dir):
+    """Each task's stop record: its reason, and the worker that stopped it (or None)."""
+    return {
+        r["task"]: (r["reason"], r.get("stopped_by"))
+        for r in slim_nanguard.read_events(train_dir)
+        if r["kind"] == "stop"
+    }
+
+
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_path, mode, sync):
@@ -104,10 +113,7 @@ def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 1
     final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     assert int(final.rsplit("-", 1)[1]) < 5000  # stopped early, with a closing checkpoint
-    stops = {
-        r["task"]: r["reason"] for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"
-    }
-    assert stops[1] == "nan_policy_stop"
+    assert _stops(tmp_path) == {0: ("cluster_stop", 1), 1: ("nan_policy_stop", None)}
     assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
 
 
@@ -124,6 +130,7 @@ def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(
     assert "another worker of the cluster stopped" in exits["worker1"].stdout
     cluster_lib.assert_checkpoints_finite(tmp_path)
     assert [r["task"] for r in _bad_steps(tmp_path)] == [0]
+    assert _stops(tmp_path) == {0: ("nan_policy_stop", None), 1: ("cluster_stop", 0)}
 
 
 def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
@@ -140,6 +147,7 @@ def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
     cluster_lib.assert_checkpoints_finite(tmp_path)
     final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     assert int(final.rsplit("-", 1)[1]) < 5000
+    assert _stops(tmp_path) == {0: ("cluster_stop", 1), 1: ("nan_error", None)}
 
 
 def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path):
