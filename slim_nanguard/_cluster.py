@@ -332,16 +332,25 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     ``max_rollbacks``; a request past it makes the chief give up as ``raise`` does (it raises
     `NanLossError` naming the requesting tasks), and so the cluster stops.
 
+    With `SyncReplicasOptimizer`, a restore takes the global step back, but the accumulators
+    keep counting from where they were, and would drop every later gradient as stale: after
+    each restore (requested, or the chief's own, seen at its next step) the hook runs
+    `after_restore`, the optimizer's ``chief_init_op``, which sets their step to the global
+    step restored.
+
     Args:
       checkpoint_dir: Where the chief saves checkpoints.
+      after_restore: Ops to run after every restore the chief does, or None.
     """
 
-    def __init__(self, checkpoint_dir: str):
+    def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
         self.rollbacks = 0
         self._checkpoint_dir = checkpoint_dir
+        self._after_restore = after_restore
         self._guard: Optional[_guard.Guard] = None
         self._saver = None
         self._size = self._take = self._count = None
+        self._restores_seen = 0
 
     def begin(self):
         queue = _rollback_queue()
@@ -355,9 +364,17 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             self._saver = self._guard.saver or tf.compat.v1.train.Saver(
                 max_to_keep=None, name="nanguard_cluster_rollback"
             )
+            self._restores_seen = self._guard.state.rollbacks
 
     def before_run(self, run_context):
+        if self._guard is not None and self._guard.state.rollbacks != self._restores_seen:
+            self._restored(run_context.session)  # The chief's own rollback, since last step.
         return tf.compat.v1.train.SessionRunArgs(self._size)
+
+    def _restored(self, session) -> None:
+        self._restores_seen = self._guard.state.rollbacks
+        if self._after_restore is not None:
+            session.run(self._after_restore)
 
     def after_run(self, run_context, run_values):
         waiting = int(run_values.results or 0)
@@ -410,6 +427,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             requests=len(tasks),
         )
         self.rollbacks += 1
+        self._restored(session)
         return path
 
 

@@ -188,7 +188,9 @@ class Cluster:
             )
         ]
         if self.is_chief:
-            hooks.append(_cluster.ChiefRollbackHook(os.path.abspath(train_dir)))
+            # With sync replicas, a restore resets the accumulators' step too.
+            reset = optimizer.chief_init_op if self.sync_replicas else None
+            hooks.append(_cluster.ChiefRollbackHook(os.path.abspath(train_dir), reset))
         else:
             hooks.append(_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:
