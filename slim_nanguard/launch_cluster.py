@@ -364,10 +364,12 @@ def run_ps(cluster: Cluster) -> None:
     )
     if gone:
         names = ", ".join(f"{w} ({cluster.worker_hosts[w]})" for w in gone)
+        one = len(gone) == 1
         raise launch.LaunchError(
-            f"ps task {cluster.task}: worker {names} never said it was done and its port has "
-            f"refused connections for --ps_timeout_secs={cluster.ps_timeout_secs:g}s (killed?); "
-            "the other workers are done, so the ps exits. Check that worker's log."
+            f"ps task {cluster.task}: worker{'' if one else 's'} {names} never said "
+            f"{'it was' if one else 'they were'} done and refused connections for "
+            f"--ps_timeout_secs={cluster.ps_timeout_secs:g}s (killed?); every other worker is "
+            f"done, so the ps exits. Check {'its log' if one else 'their logs'}."
         )
     logging.info("ps task %d: every worker is done; exiting", cluster.task)
 
