@@ -230,7 +230,11 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_float(
-    "ps_timeout_secs", 60.0, "How long a worker waits for the ps to answer.", lower_bound=0.0
+    "ps_timeout_secs",
+    60.0,
+    "How long a worker waits for the ps to answer at its start; and how long a ps waits, at "
+    "the end, for a worker whose port stopped answering (killed) before exiting 1 naming it.",
+    lower_bound=0.0,
 )
 
 # ----------------------------------------------------------------------- the guard

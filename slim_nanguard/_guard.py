@@ -156,6 +156,9 @@ class Guard:
         self._listeners: List[Listener] = []
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
+        # A cluster's non-chief worker: ``fn(session, guard) -> record fields`` asks the chief
+        # to roll back instead of restoring here (set by `_cluster.RollbackRequestHook`).
+        self.rollback_request: Optional[Callable[[Any, "Guard"], Dict[str, Any]]] = None
         # Autopsy: the batch a bad step keeps (a `_capture.Capture`, set by create_train_op),
         # the directory dumps go to (set by the loop or the hook), and the autopsies done.
         self.capture = None
@@ -451,7 +454,16 @@ class Guard:
             raise nan_error from error
 
     # ----------------------------------------------------------------- rollback
-    def rollback(self, session, checkpoint_dir: Optional[str], saver=None) -> str:
+    def rollback(
+        self,
+        session,
+        checkpoint_dir: Optional[str],
+        saver=None,
+        *,
+        event: Optional[_events.NanEvent] = None,
+        skip_batches: Optional[int] = None,
+        **record: Any,
+    ) -> str:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
         When the bad step came at the very step the previous rollback restored (no step went
@@ -464,17 +476,29 @@ class Guard:
           checkpoint_dir: Directory the training loop saves checkpoints to.
           saver: The `Saver` to restore with (default: a saver over all global variables,
             which must have been built before the graph was finalized).
+          event: The bad step this rollback answers (default: the last one this guard saw);
+            a cluster's chief passes a worker's request (see `_cluster`).
+          skip_batches: Batches of input to skip (default: ``rollback_skip_batches``).
+          **record: More fields for the ``rollback`` record.
 
         Returns:
-          The path of the checkpoint restored.
+          The path of the checkpoint restored ("" when `rollback_request` sent the rollback
+          to a cluster's chief instead).
 
         Raises:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
 
+        if self.rollback_request is not None and event is None:
+            # A cluster's non-chief: the model lives on the ps and the chief restores it.
+            fields = self.rollback_request(session, self)
+            if self.last_event is not None:
+                self._notify("rollback_requested", self.last_event, **fields)
+            return ""
+        event = event or self.last_event
         path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
-        bad_step = self.last_event.step if self.last_event is not None else -1
+        bad_step = event.step if event is not None else -1
         if (
             path is not None
             and self._restored_step is not None
@@ -529,15 +553,18 @@ class Guard:
             session.run(
                 self._lr_scale_assign, {self._lr_scale_value: self.state.learning_rate_scale}
             )
-        skipped = self.skip_input(session, self.config.rollback_skip_batches)
+        skipped = self.skip_input(
+            session, self.config.rollback_skip_batches if skip_batches is None else skip_batches
+        )
         self.state.rollbacks += 1
-        if self.last_event is not None:
+        if event is not None:
             self._notify(
                 "rollback",
-                self.last_event,
+                event,
                 checkpoint=path,
                 skipped_batches=skipped,
                 learning_rate_scale=self.state.learning_rate_scale,
+                **record,
             )
         logging.warning(
             "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "

@@ -415,6 +415,11 @@ def train(
     ):
         # The global step reached the limit; other workers (a cluster) made part of it.
         stop_reason = STOP_STEP_LIMIT
+    stop_fields = {}
+    told = [h for h in all_hooks if getattr(h, "stop_reason", None)]
+    if stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and told:
+        # The hook that stopped the run says why (a cluster's: another worker stopped it).
+        stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
     state = guard.state
     result = TrainResult(
         final_loss=final_loss,
@@ -436,6 +441,7 @@ def train(
             "step": last_step,
             "time": time.time(),
             "final_loss": _record_float(final_loss),
+            **stop_fields,
         }
     )
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))

@@ -199,7 +199,7 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
         learning_rate = configure_learning_rate(config, global_step, info.split_size)
         optimizer = configure_optimizer(config, learning_rate)
         if cluster is not None:
-            optimizer = cluster.wrap_optimizer(optimizer)  # SyncReplicasOptimizer, if asked
+            optimizer = cluster.wrap_optimizer(optimizer, config)  # SyncReplicasOptimizer, if asked
         tf.compat.v1.summary.scalar("losses/total_loss", total_loss)
 
         variables_to_train = None
@@ -234,5 +234,5 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
         scaffold = None
         if fine_tune_from is not None:
             scaffold = checkpoints.fine_tune_scaffold(config, fine_tune_from)
-    hooks = cluster.hooks(optimizer) if cluster is not None else []
+    hooks = cluster.hooks(optimizer, config.train_dir) if cluster is not None else []
     return Built(graph=graph, train_op=train_op, scaffold=scaffold, info=info, hooks=hooks)
