@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import sys
+import warnings
 from typing import Iterator, Sequence
 
 _VERBOSITY = re.compile(r"^--?(?:verbosity|v)(?:=(.*))?$")
@@ -51,6 +52,30 @@ def quiet_imports(argv: Sequence[str]) -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def quiet_tensorflow(verbosity: int) -> None:
+    """Hides TensorFlow's and tf-slim's deprecation chatter unless `verbosity` asks for it.
+
+    Call it once TensorFlow is imported, before training.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    # absl's handler on the root logger prints TensorFlow's lines; TensorFlow's own handler
+    # would print each one a second time.
+    for handler in list(tf.get_logger().handlers):
+        tf.get_logger().removeHandler(handler)
+    if verbosity < 1:
+        # Errors only, and the guard's own lines: it logs each bad step on TensorFlow's
+        # logger, where NanTensorHook logs its "Model diverged with loss = NaN.".
+        tf.get_logger().addFilter(
+            lambda record: (
+                record.levelno >= tf.compat.v1.logging.ERROR
+                or "slim_nanguard:" in record.getMessage()
+            )
+        )
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def show_flags_in_help(module_name: str, doc: str) -> None:

@@ -23,6 +23,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
+import slim_nanguard  # noqa: E402
 from slim_nanguard import autopsy  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -46,7 +47,13 @@ flags.DEFINE_string(
     "Draw the loss over steps with the bad steps, skips and "
     "rollbacks marked, to this .png (needs matplotlib: the 'plot' extra).",
 )
-flags.DEFINE_float("timeout_secs", 60.0, "The longest the --replay may take.", lower_bound=0)
+# The default is the guard's own limit on one autopsy, so that the two cannot differ.
+flags.DEFINE_float(
+    "timeout_secs",
+    slim_nanguard.GuardConfig.autopsy_timeout_secs,
+    "The longest the --replay may take.",
+    lower_bound=0,
+)
 
 
 def _prog() -> str:

@@ -5,7 +5,7 @@ r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's 
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
 
 All the variants of a model live in this one process, each in sessions of its own, and are
-timed in interleaved rounds (see `slim_nanguard.benchmarking`). Before TensorFlow allocates
+timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
 anything, glibc malloc is told to keep freed memory (``--keep_freed_memory``), so that no
 session pays page faults for its step's tensors every step. The tables go to stdout
 (Markdown; ``--markdown`` also writes them to a file) and, with ``--out``, the same figures
@@ -81,7 +81,7 @@ _SETTING_FLAGS = (
 
 def settings_from_flags():
     """The `Settings` the flags ask for (--quick first, explicit flags over it)."""
-    from slim_nanguard import benchmarking  # pylint: disable=import-outside-toplevel
+    from slim_nanguard.app import benchmarking  # pylint: disable=import-outside-toplevel
 
     values = dict(benchmarking.QUICK) if FLAGS.quick else {}
     for name in ("models", "optimizers", "variants"):
@@ -137,7 +137,7 @@ def main(argv):
     if FLAGS.keep_freed_memory and not keep_freed_memory():
         logging.warning("could not tune malloc (not glibc?); times may include page faults.")
     tf.compat.v1.disable_v2_behavior()
-    from slim_nanguard import benchmarking  # pylint: disable=import-outside-toplevel
+    from slim_nanguard.app import benchmarking  # pylint: disable=import-outside-toplevel
 
     settings = settings_from_flags()
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.

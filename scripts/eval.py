@@ -10,6 +10,7 @@ A checkpoint holding NaN or Inf is refused. The result goes to stdout as one lin
 to stderr as one or two lines (``--verbosity=1`` adds the traceback), with exit status 1.
 """
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -33,12 +34,14 @@ with _quiet_start.quiet_imports(sys.argv):
     from absl import logging  # noqa: E402
 
     import slim_nanguard  # noqa: E402
+    from slim_nanguard import app as nanguard_app  # noqa: E402
     from slim_nanguard import compat  # noqa: E402
-    from slim_nanguard import datasets  # noqa: E402
-    from slim_nanguard import launch  # noqa: E402
-    from slim_nanguard import models  # noqa: E402
+    from slim_nanguard.app import datasets  # noqa: E402
+    from slim_nanguard.app import models  # noqa: E402
 
 FLAGS = flags.FLAGS
+# Every default is the config's (the library's), so that a flag and its field cannot differ.
+DEFAULT = nanguard_app.EvalConfig
 
 EXIT_ERROR = 1
 
@@ -48,29 +51,35 @@ flags.DEFINE_string(
     "The checkpoint to evaluate: a file prefix "
     "(model.ckpt-N) or a training directory (its latest checkpoint).",
 )
-flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model the checkpoint holds.")
 flags.DEFINE_enum(
-    "dataset_name", datasets.DEFAULT_DATASET, datasets.DATASET_NAMES, "The dataset to evaluate on."
+    "model_name", DEFAULT.model_name, models.MODEL_NAMES, "The model the checkpoint holds."
 )
-flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
-flags.DEFINE_string("dataset_split_name", "test", "The split to evaluate on.")
-flags.DEFINE_integer("batch_size", 100, "Examples per evaluation batch.", lower_bound=1)
+flags.DEFINE_enum(
+    "dataset_name", DEFAULT.dataset_name, datasets.DATASET_NAMES, "The dataset to evaluate on."
+)
+flags.DEFINE_string(
+    "dataset_dir", DEFAULT.dataset_dir, "Directory of the TFRecord files (tfrecord only)."
+)
+flags.DEFINE_string("dataset_split_name", DEFAULT.dataset_split_name, "The split to evaluate on.")
+flags.DEFINE_integer(
+    "batch_size", DEFAULT.batch_size, "Examples per evaluation batch.", lower_bound=1
+)
 flags.DEFINE_integer(
     "eval_image_size",
-    None,
+    DEFAULT.eval_image_size,
     "Image side fed to the model (as in training); default: the model's own.",
     lower_bound=1,
 )
 flags.DEFINE_integer(
     "max_num_batches",
-    None,
+    DEFAULT.max_num_batches,
     "Evaluate at most this many batches (default: the whole split).",
     lower_bound=1,
 )
 flags.DEFINE_string(
-    "eval_dir", None, "Where to write the evaluation summaries (default: none written)."
+    "eval_dir", DEFAULT.eval_dir, "Where to write the evaluation summaries (default: none written)."
 )
-flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
+flags.DEFINE_string("master", DEFAULT.master, "The TensorFlow master ('' runs in-process).")
 
 flags.mark_flag_as_required("checkpoint_path")
 
@@ -95,23 +104,14 @@ def main(argv):
     tf.compat.v1.disable_v2_behavior()
     compat.install()
     try:
-        config = launch.EvalConfig(
-            checkpoint_path=FLAGS.checkpoint_path,
-            model_name=FLAGS.model_name,
-            dataset_name=FLAGS.dataset_name,
-            dataset_dir=FLAGS.dataset_dir,
-            dataset_split_name=FLAGS.dataset_split_name,
-            batch_size=FLAGS.batch_size,
-            eval_image_size=FLAGS.eval_image_size,
-            max_num_batches=FLAGS.max_num_batches,
-            eval_dir=FLAGS.eval_dir,
-            master=FLAGS.master,
+        config = nanguard_app.EvalConfig(
+            **{f.name: FLAGS[f.name].value for f in dataclasses.fields(nanguard_app.EvalConfig)}
         )
-        result = launch.run_eval(config)
+        result = nanguard_app.run_eval(config)
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         if FLAGS.verbosity >= 1:
             traceback.print_exception(type(err), err, err.__traceback__)
-        for line in launch.error_message(err).splitlines():
+        for line in nanguard_app.error_message(err).splitlines():
             print(f"{_prog()}: error: {line}", file=sys.stderr)
         return EXIT_ERROR
     print(f"eval/accuracy {result.accuracy:.4f}")

@@ -1,11 +1,11 @@
-"""Regenerates ``slim_nanguard/data/digits.npz`` from scikit-learn's copy of the UCI digits.
+"""Regenerates ``slim_nanguard/app/data/digits.npz`` from scikit-learn's copy of the UCI digits.
 
 Dev-only: this script needs scikit-learn, which is *not* a dependency of slim_nanguard.
 The package ships the resulting ``.npz`` so that the default dataset works offline on a
 fresh machine without scikit-learn. Run it only to rebuild or audit that file::
 
     pip install scikit-learn
-    python scripts/make_digits_npz.py [--output slim_nanguard/data/digits.npz]
+    python scripts/make_digits_npz.py [--output slim_nanguard/app/data/digits.npz]
 
 The output is deterministic for a given scikit-learn copy of the data: a stratified
 split with ``TEST_PER_CLASS`` examples of each digit in ``test`` (300 in all) and the
@@ -28,6 +28,7 @@ TEST_PER_CLASS = 30
 DEFAULT_OUTPUT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     "slim_nanguard",
+    "app",
     "data",
     "digits.npz",
 )

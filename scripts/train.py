@@ -19,7 +19,6 @@ import importlib.util
 import os
 import sys
 import traceback
-import warnings
 
 # The start-up helper next to this file, however the script is started (by path, through
 # runpy, or as the installed console command), and before TensorFlow is imported.
@@ -39,19 +38,18 @@ with _quiet_start.quiet_imports(sys.argv):
     from absl import logging  # noqa: E402
 
     import slim_nanguard  # noqa: E402
+    from slim_nanguard import app as nanguard_app  # noqa: E402
     from slim_nanguard import compat  # noqa: E402
-    from slim_nanguard import datasets  # noqa: E402
-    from slim_nanguard import faults  # noqa: E402
-    from slim_nanguard import launch  # noqa: E402
-    from slim_nanguard import launch_cluster  # noqa: E402
-    from slim_nanguard import models  # noqa: E402
+    from slim_nanguard.app import cluster as cluster_lib  # noqa: E402
+    from slim_nanguard.app import datasets  # noqa: E402
+    from slim_nanguard.app import faults  # noqa: E402
+    from slim_nanguard.app import models  # noqa: E402
 
 FLAGS = flags.FLAGS
+# Every default is the config's (the library's), so that a flag and its field cannot differ.
+DEFAULT = nanguard_app.TrainConfig
 
 EXIT_ERROR = 1
-EXIT_NAN_STOP = 3
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
 
 # ----------------------------------------------------------------------- where and what
 flags.DEFINE_string(
@@ -60,79 +58,115 @@ flags.DEFINE_string(
     "Directory for checkpoints, summaries and the event "
     "record (nanguard_events.jsonl). A directory with a checkpoint is resumed.",
 )
-flags.DEFINE_enum("model_name", "mlp", models.MODEL_NAMES, "The model to train.")
+flags.DEFINE_enum("model_name", DEFAULT.model_name, models.MODEL_NAMES, "The model to train.")
 flags.DEFINE_enum(
     "dataset_name",
-    datasets.DEFAULT_DATASET,
+    DEFAULT.dataset_name,
     datasets.DATASET_NAMES,
     "digits: UCI 8x8 digits shipped with the package (offline); synthetic: a "
     "generated toy problem; tfrecord: TF-Slim TFRecords in --dataset_dir.",
 )
-flags.DEFINE_string("dataset_dir", None, "Directory of the TFRecord files (tfrecord only).")
-flags.DEFINE_string("dataset_split_name", "train", "The split to train on.")
-flags.DEFINE_integer("batch_size", 32, "Examples per step.", lower_bound=1)
+flags.DEFINE_string(
+    "dataset_dir", DEFAULT.dataset_dir, "Directory of the TFRecord files (tfrecord only)."
+)
+flags.DEFINE_string("dataset_split_name", DEFAULT.dataset_split_name, "The split to train on.")
+flags.DEFINE_integer("batch_size", DEFAULT.batch_size, "Examples per step.", lower_bound=1)
 flags.DEFINE_integer(
     "train_image_size",
-    None,
+    DEFAULT.train_image_size,
     "Image side fed to the model; default: the "
     "model's own (28 for lenet, 224 for the tf_slim.nets, the data's for mlp).",
     lower_bound=1,
 )
-flags.DEFINE_integer("seed", 0, "Seed of the graph and of the shuffling (same seed, same run).")
+flags.DEFINE_integer(
+    "seed", DEFAULT.seed, "Seed of the graph and of the shuffling (same seed, same run)."
+)
 
 # ----------------------------------------------------------------------- optimisation
-flags.DEFINE_integer("max_number_of_steps", 2000, "Stop when the global step reaches this.")
-flags.DEFINE_enum("optimizer", "momentum", launch.OPTIMIZERS, "The optimizer.")
-flags.DEFINE_float("learning_rate", 0.05, "Initial learning rate.")
-flags.DEFINE_enum(
-    "learning_rate_decay_type", "fixed", launch.DECAY_TYPES, "How the learning rate decays."
+flags.DEFINE_integer(
+    "max_number_of_steps", DEFAULT.max_number_of_steps, "Stop when the global step reaches this."
 )
-flags.DEFINE_float("learning_rate_decay_factor", 0.94, "Exponential decay factor.")
+flags.DEFINE_enum("optimizer", DEFAULT.optimizer, nanguard_app.OPTIMIZERS, "The optimizer.")
+flags.DEFINE_float("learning_rate", DEFAULT.learning_rate, "Initial learning rate.")
+flags.DEFINE_enum(
+    "learning_rate_decay_type",
+    DEFAULT.learning_rate_decay_type,
+    nanguard_app.DECAY_TYPES,
+    "How the learning rate decays.",
+)
+flags.DEFINE_float(
+    "learning_rate_decay_factor", DEFAULT.learning_rate_decay_factor, "Exponential decay factor."
+)
 flags.DEFINE_float(
     "num_epochs_per_decay",
-    2.0,
+    DEFAULT.num_epochs_per_decay,
     "Epochs per exponential decay, or over which polynomial decay reaches --end_learning_rate.",
 )
-flags.DEFINE_float("end_learning_rate", 0.0001, "Where polynomial decay ends.")
-flags.DEFINE_float("momentum", 0.9, "Momentum of the momentum optimizer.")
-flags.DEFINE_float("rmsprop_momentum", 0.9, "Momentum of rmsprop.")
-flags.DEFINE_float("rmsprop_decay", 0.9, "Decay of rmsprop.")
-flags.DEFINE_float("adam_beta1", 0.9, "Adam's beta1.")
-flags.DEFINE_float("adam_beta2", 0.999, "Adam's beta2.")
-flags.DEFINE_float("opt_epsilon", 1.0, "Epsilon of adam, rmsprop and adadelta.")
-flags.DEFINE_float("adadelta_rho", 0.95, "Adadelta's rho.")
-flags.DEFINE_float("adagrad_initial_accumulator_value", 0.1, "Adagrad's initial accumulator.")
-flags.DEFINE_float("ftrl_learning_rate_power", -0.5, "FTRL's learning-rate power.")
-flags.DEFINE_float("ftrl_initial_accumulator_value", 0.1, "FTRL's initial accumulator.")
-flags.DEFINE_float("ftrl_l1", 0.0, "FTRL's L1 regularization.")
-flags.DEFINE_float("ftrl_l2", 0.0, "FTRL's L2 regularization.")
-flags.DEFINE_float("weight_decay", 0.00004, "L2 coefficient of the model's weights.")
-flags.DEFINE_float("label_smoothing", 0.0, "Label smoothing of the cross-entropy.")
-flags.DEFINE_float("clip_gradient_norm", 0.0, "Clip each gradient to this norm (0: off).")
+flags.DEFINE_float("end_learning_rate", DEFAULT.end_learning_rate, "Where polynomial decay ends.")
+flags.DEFINE_float("momentum", DEFAULT.momentum, "Momentum of the momentum optimizer.")
+flags.DEFINE_float("rmsprop_momentum", DEFAULT.rmsprop_momentum, "Momentum of rmsprop.")
+flags.DEFINE_float("rmsprop_decay", DEFAULT.rmsprop_decay, "Decay of rmsprop.")
+flags.DEFINE_float("adam_beta1", DEFAULT.adam_beta1, "Adam's beta1.")
+flags.DEFINE_float("adam_beta2", DEFAULT.adam_beta2, "Adam's beta2.")
+flags.DEFINE_float("opt_epsilon", DEFAULT.opt_epsilon, "Epsilon of adam, rmsprop and adadelta.")
+flags.DEFINE_float("adadelta_rho", DEFAULT.adadelta_rho, "Adadelta's rho.")
+flags.DEFINE_float(
+    "adagrad_initial_accumulator_value",
+    DEFAULT.adagrad_initial_accumulator_value,
+    "Adagrad's initial accumulator.",
+)
+flags.DEFINE_float(
+    "ftrl_learning_rate_power", DEFAULT.ftrl_learning_rate_power, "FTRL's learning-rate power."
+)
+flags.DEFINE_float(
+    "ftrl_initial_accumulator_value",
+    DEFAULT.ftrl_initial_accumulator_value,
+    "FTRL's initial accumulator.",
+)
+flags.DEFINE_float("ftrl_l1", DEFAULT.ftrl_l1, "FTRL's L1 regularization.")
+flags.DEFINE_float("ftrl_l2", DEFAULT.ftrl_l2, "FTRL's L2 regularization.")
+flags.DEFINE_float("weight_decay", DEFAULT.weight_decay, "L2 coefficient of the model's weights.")
+flags.DEFINE_float(
+    "label_smoothing", DEFAULT.label_smoothing, "Label smoothing of the cross-entropy."
+)
+flags.DEFINE_float(
+    "clip_gradient_norm", DEFAULT.clip_gradient_norm, "Clip each gradient to this norm (0: off)."
+)
 
 # ----------------------------------------------------------------------- logging and saving
 flags.DEFINE_integer(
-    "log_every_n_steps", 100, "Steps between progress lines (0: none).", lower_bound=0
+    "log_every_n_steps",
+    DEFAULT.log_every_n_steps,
+    "Steps between progress lines (0: none).",
+    lower_bound=0,
 )
-flags.DEFINE_integer("save_interval_secs", 600, "Seconds between checkpoints.", lower_bound=0)
+flags.DEFINE_integer(
+    "save_interval_secs",
+    int(DEFAULT.save_interval_secs),
+    "Seconds between checkpoints.",
+    lower_bound=0,
+)
 flags.DEFINE_integer(
     "save_interval_steps",
-    0,
+    DEFAULT.save_interval_steps,
     "Steps between checkpoints; when > 0 it replaces --save_interval_secs.",
     lower_bound=0,
 )
 flags.DEFINE_integer(
     "save_summaries_secs",
-    600,
+    int(DEFAULT.save_summaries_secs),
     "Seconds between summaries (when --save_summaries_steps is 0).",
     lower_bound=0,
 )
 flags.DEFINE_integer(
-    "save_summaries_steps", 100, "Steps between summaries (0: by time).", lower_bound=0
+    "save_summaries_steps",
+    DEFAULT.save_summaries_steps,
+    "Steps between summaries (0: by time).",
+    lower_bound=0,
 )
 flags.DEFINE_integer(
     "max_checkpoints_to_keep",
-    5,
+    DEFAULT.max_checkpoints_to_keep,
     "Checkpoints kept in --train_dir (all "
     "finite: more of them give rollback older points to return to).",
     lower_bound=1,
@@ -146,27 +180,29 @@ flags.DEFINE_string(
 # ----------------------------------------------------------------------- fine-tuning
 flags.DEFINE_string(
     "checkpoint_path",
-    None,
+    DEFAULT.checkpoint_path,
     "Fine-tune from this checkpoint (prefix or "
     "directory); ignored when --train_dir already holds a checkpoint.",
 )
 flags.DEFINE_list(
     "checkpoint_exclude_scopes",
-    [],
+    list(DEFAULT.checkpoint_exclude_scopes),
     "Comma-separated variable scopes not restored from --checkpoint_path (e.g. MLP/logits).",
 )
 flags.DEFINE_list(
-    "trainable_scopes", [], "Comma-separated variable scopes to train (default: all)."
+    "trainable_scopes",
+    list(DEFAULT.trainable_scopes),
+    "Comma-separated variable scopes to train (default: all).",
 )
 flags.DEFINE_boolean(
     "ignore_missing_vars",
-    False,
+    DEFAULT.ignore_missing_vars,
     "Leave variables missing from --checkpoint_path initialised instead of failing.",
 )
 
 # ----------------------------------------------------------------------- distribution
-flags.DEFINE_string("master", "", "The TensorFlow master ('' runs in-process).")
-flags.DEFINE_integer("task", 0, "Task id; task 0 is the chief.", lower_bound=0)
+flags.DEFINE_string("master", DEFAULT.master, "The TensorFlow master ('' runs in-process).")
+flags.DEFINE_integer("task", DEFAULT.task, "Task id; task 0 is the chief.", lower_bound=0)
 flags.DEFINE_list(
     "ps_hosts",
     [],
@@ -194,48 +230,68 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_float(
-    "ps_timeout_secs", 60.0, "How long a worker waits for the ps to answer.", lower_bound=0.0
+    "ps_timeout_secs",
+    60.0,
+    "How long a worker waits for the ps to answer at its start; and how long a ps waits, at "
+    "the end, for a worker whose port stopped answering (killed) before exiting 1 naming it.",
+    lower_bound=0.0,
 )
 
 # ----------------------------------------------------------------------- the guard
 flags.DEFINE_boolean(
     "check_numerics",
-    True,
+    DEFAULT.check_numerics,
     "The guard's mode: a bad step raises inside the "
     "step (check_numerics mode); --nocheck_numerics lets a session hook see "
     "it (hook mode). Both write nothing on a bad step.",
 )
 flags.DEFINE_enum(
     "nan_policy",
-    "skip",
-    ("raise", "stop", "skip", "rollback"),
+    DEFAULT.nan_policy,
+    slim_nanguard.POLICIES,
     "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
     "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).",
 )
 flags.DEFINE_integer(
     "max_consecutive_bad_steps",
-    10,
+    DEFAULT.max_consecutive_bad_steps,
     "Under skip or rollback, apply --persistent_nan_policy after this many bad steps in a row.",
     lower_bound=1,
 )
 flags.DEFINE_enum(
     "persistent_nan_policy",
-    "raise",
-    ("raise", "stop", "rollback"),
+    DEFAULT.persistent_nan_policy,
+    slim_nanguard.PERSISTENT_POLICIES,
     "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
     "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
     "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks).",
 )
-flags.DEFINE_integer("rollback_skip_batches", 1, "Batches skipped after a rollback.", lower_bound=0)
+flags.DEFINE_integer(
+    "rollback_skip_batches",
+    DEFAULT.rollback_skip_batches,
+    "Batches skipped after a rollback.",
+    lower_bound=0,
+)
 flags.DEFINE_float(
     "rollback_lr_factor",
-    1.0,
+    DEFAULT.rollback_lr_factor,
     "Multiply the learning rate by this at each rollback, in (0, 1].",
     lower_bound=0.0,
     upper_bound=1.0,
 )
 flags.DEFINE_integer(
-    "max_rollbacks", 3, "Give up (exit 1) rather than roll back more often.", lower_bound=1
+    "max_rollbacks",
+    DEFAULT.max_rollbacks,
+    "Give up (exit 1) rather than roll back more often.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "autopsy_max_steps",
+    DEFAULT.autopsy_max_steps,
+    "How many bad steps get an autopsy: the step replayed from its kept batch to name the "
+    "first op that made a NaN or Inf (slim-nanguard-autopsy shows it); 0: none, and no "
+    "batch is kept.",
+    lower_bound=0,
 )
 flags.DEFINE_list(
     "inject_fault",
@@ -270,38 +326,19 @@ def _check_faults(values):
 flags.register_validator("inject_fault", _check_faults)
 
 
-def train_config_from_flags() -> launch.TrainConfig:
+def train_config_from_flags() -> nanguard_app.TrainConfig:
     """The TrainConfig the flags describe."""
-    names = [f.name for f in dataclasses.fields(launch.TrainConfig)]
+    names = [f.name for f in dataclasses.fields(nanguard_app.TrainConfig)]
     values = {name: FLAGS[name].value for name in names if name in FLAGS}
     values["inject_faults"] = tuple(FLAGS.inject_fault)
-    return launch.TrainConfig(**values)
-
-
-def _quiet_tensorflow() -> None:
-    """Hides TensorFlow's and tf-slim's deprecation chatter unless --verbosity asks for it."""
-    # absl's handler on the root logger prints TensorFlow's lines; TensorFlow's own handler
-    # would print each one a second time.
-    for handler in list(tf.get_logger().handlers):
-        tf.get_logger().removeHandler(handler)
-    if FLAGS.verbosity < 1:
-        # Errors only, and the guard's own lines: it logs each bad step on TensorFlow's
-        # logger, where NanTensorHook logs its "Model diverged with loss = NaN.".
-        tf.get_logger().addFilter(
-            lambda record: (
-                record.levelno >= tf.compat.v1.logging.ERROR
-                or "slim_nanguard:" in record.getMessage()
-            )
-        )
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    return nanguard_app.TrainConfig(**values)
 
 
 def fail(err: BaseException) -> int:
     """Prints the one-or-two-line message of `err` (and the traceback if asked); returns 1."""
     if FLAGS.verbosity >= 1:
         traceback.print_exception(type(err), err, err.__traceback__)
-    for line in launch.error_message(err).splitlines():
+    for line in nanguard_app.error_message(err).splitlines():
         print(f"{_prog()}: error: {line}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -319,73 +356,26 @@ def main(argv):
             file=sys.stderr,
         )
         return EXIT_ERROR
-    _quiet_tensorflow()
+    _quiet_start.quiet_tensorflow(FLAGS.verbosity)
     logging.set_verbosity(max(FLAGS.verbosity, logging.INFO))
     tf.compat.v1.disable_v2_behavior()
     compat.install()
     cluster = None
     try:
-        cluster = launch_cluster.from_flags(
-            ps_hosts=FLAGS.ps_hosts,
-            worker_hosts=FLAGS.worker_hosts,
-            job_name=FLAGS.job_name,
+        cluster = cluster_lib.from_flags(
+            **{name: FLAGS[name].value for name in cluster_lib.CLUSTER_FLAGS},
             task=FLAGS.task,
-            sync_replicas=FLAGS.sync_replicas,
-            replicas_to_aggregate=FLAGS.replicas_to_aggregate,
             tf_config=os.environ.get("TF_CONFIG"),
-            ps_timeout_secs=FLAGS.ps_timeout_secs,
         )
-        if cluster is not None and cluster.job_name == "ps":
-            launch_cluster.run_ps(cluster)  # returns once every worker is done
-            print(f"ps task {cluster.task}: every worker is done.", flush=True)
-            return 0
         config = train_config_from_flags()
-        if cluster is not None:
-            config = dataclasses.replace(config, task=cluster.task)
-        eval_config = None
-        if FLAGS.eval_split_name:
-            eval_config = launch.EvalConfig(
-                checkpoint_path=config.train_dir,
-                model_name=config.model_name,
-                dataset_name=config.dataset_name,
-                dataset_dir=config.dataset_dir,
-                dataset_split_name=FLAGS.eval_split_name,
-                eval_image_size=config.train_image_size,
-                master=config.master,
-            )
-            # The training split first, so that its errors name --dataset_split_name.
-            launch.check_eval_dataset(
-                dataclasses.replace(eval_config, dataset_split_name=config.dataset_split_name)
-            )
-            try:
-                launch.check_eval_dataset(eval_config, split_flag="--eval_split_name")
-            except ValueError as err:
-                raise launch.LaunchError(
-                    f"--eval_split_name={FLAGS.eval_split_name}: {err} "
-                    "(--eval_split_name='' skips the evaluation)"
-                ) from None
-        result = launch.run_training(config, cluster)
+        return nanguard_app.train_and_evaluate(
+            config, cluster, eval_split_name=FLAGS.eval_split_name
+        )
     except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
         # Bad input or a NaN the policy gave up on; anything else is a bug: shown in full.
         if cluster is not None:
             cluster.finish(None)  # a worker failing early still stops the others, frees the ps
         return fail(err)
-    print(launch.describe_training(result, config), flush=True)
-    if eval_config is not None and result.checkpoint and config.is_chief:
-        try:
-            evaluation = launch.run_eval(
-                dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)
-            )
-            print(f"  evaluation    {evaluation.describe()}", flush=True)
-        except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
-            print(f"  evaluation    not possible: {launch.error_message(err)}", flush=True)
-    if result.stop_reason in ("nan_policy_stop", launch_cluster.STOP_CLUSTER):
-        return EXIT_NAN_STOP
-    if result.stop_reason == "interrupted":
-        return EXIT_INTERRUPTED
-    if result.stop_reason == "terminated":
-        return EXIT_TERMINATED
-    return 0
 
 
 def run():

@@ -8,9 +8,11 @@ with a warning; `non_finite_variables` says which values of a checkpoint are not
 
 from __future__ import annotations
 
+import collections
+import glob
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -18,8 +20,28 @@ from absl import logging
 
 from slim_nanguard import _errors
 
-# path -> (mtime of its index file, list of non-finite tensor names) of checkpoints read.
-_VERIFIED: Dict[str, Tuple[float, Tuple[str, ...]]] = {}
+# The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
+# its non-finite tensors). A rollback walks back over the same few checkpoints again and again;
+# a file rewritten since (any shard, not just the index) changes the key, so it is read anew.
+_VERIFIED: "collections.OrderedDict[str, Tuple[tuple, Tuple[str, ...]]]" = collections.OrderedDict()
+_VERIFIED_MAX = 32
+
+
+def _files_key(checkpoint_path: str) -> tuple:
+    """The name, size and mtime of every file of a checkpoint: its index and data shards."""
+    files = [
+        checkpoint_path + ".index",
+        *sorted(glob.glob(glob.escape(checkpoint_path) + ".data-*")),
+    ]
+    key = []
+    for name in files:
+        try:
+            stat = os.stat(name)
+        except OSError:
+            key.append((name, None, None))
+        else:
+            key.append((name, stat.st_size, stat.st_mtime_ns))
+    return tuple(key)
 
 
 def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
@@ -35,10 +57,10 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
         raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
     """
-    index = checkpoint_path + ".index"
-    mtime = os.path.getmtime(index) if os.path.exists(index) else -1.0
+    key = _files_key(checkpoint_path)
     cached = _VERIFIED.get(checkpoint_path)
-    if cached is not None and cached[0] == mtime:
+    if cached is not None and cached[0] == key:
+        _VERIFIED.move_to_end(checkpoint_path)
         return cached[1]
     reader = tf.train.load_checkpoint(checkpoint_path)
     bad = []
@@ -48,7 +70,10 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
         value = reader.get_tensor(name)
         if not np.all(np.isfinite(value)):
             bad.append(name)
-    _VERIFIED[checkpoint_path] = (mtime, tuple(bad))
+    _VERIFIED[checkpoint_path] = (key, tuple(bad))
+    _VERIFIED.move_to_end(checkpoint_path)
+    while len(_VERIFIED) > _VERIFIED_MAX:
+        _VERIFIED.popitem(last=False)
     return tuple(bad)
 
 
@@ -152,7 +177,7 @@ def _short(err: BaseException) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
 
 
-def finite_flags(variables) -> Tuple[tf.Tensor, List[str]]:
+def finite_flags(variables: Sequence[tf.Variable]) -> Tuple[tf.Tensor, List[str]]:
     """One op that tells, for each floating-point variable, whether all its values are finite.
 
     Returns:
@@ -190,18 +215,25 @@ class FiniteSaver(tf.compat.v1.train.Saver):
     def _var_list_for_check(self):
         return _saved_variables(self._var_list)
 
-    def non_finite(self, sess) -> List[str]:
+    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
         """Names of the saved variables that hold NaN or Inf now."""
         flags = sess.run(self._finite_flags)
         return [name for name, ok in zip(self._checked_names, flags) if not ok]
 
-    def save(self, sess, save_path, global_step=None, *args, **kwargs):
+    def save(
+        self,
+        sess: tf.compat.v1.Session,
+        save_path: str,
+        global_step: Union[int, tf.Tensor, None] = None,
+        *args,
+        **kwargs,
+    ) -> Optional[str]:
         if _refuse(self, sess, save_path, global_step):
             return None
         return super().save(sess, save_path, global_step, *args, **kwargs)
 
 
-def _saved_variables(var_list) -> list:
+def _saved_variables(var_list: Union[Sequence, Dict[str, Any], None]) -> List[tf.Variable]:
     """The variables a `Saver` built with `var_list` saves (None: all global variables)."""
     if var_list is None:
         return tf.compat.v1.global_variables()
@@ -210,7 +242,12 @@ def _saved_variables(var_list) -> list:
     return [v for v in var_list if isinstance(v, tf.Variable)]
 
 
-def _refuse(saver, sess, save_path, global_step) -> bool:
+def _refuse(
+    saver: Union[FiniteSaver, "_FiniteSaving"],
+    sess: tf.compat.v1.Session,
+    save_path: str,
+    global_step: Union[int, tf.Tensor, None],
+) -> bool:
     """True (after counting and logging it) if `saver` must not save now: a value is not finite."""
     bad = saver.non_finite(sess)
     if not bad:
@@ -246,22 +283,29 @@ class _FiniteSaving:
             )  # pylint: disable=protected-access
         self.refused_saves = 0
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.saver, name)
 
-    def non_finite(self, sess) -> List[str]:
+    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
         """Names of the saved variables that hold NaN or Inf now."""
         flags = sess.run(self._finite_flags)
         return [name for name, ok in zip(self._checked_names, flags) if not ok]
 
-    def save(self, sess, save_path, global_step=None, *args, **kwargs):
+    def save(
+        self,
+        sess: tf.compat.v1.Session,
+        save_path: str,
+        global_step: Union[int, tf.Tensor, None] = None,
+        *args,
+        **kwargs,
+    ) -> Optional[str]:
         """As the user's saver's ``save``, except that it refuses a non-finite value."""
         if _refuse(self, sess, save_path, global_step):
             return None
         return self.saver.save(sess, save_path, global_step, *args, **kwargs)
 
 
-def finite_saver(saver):
+def finite_saver(saver: Optional[Any]) -> Optional[Any]:
     """`saver`, made to refuse a checkpoint that holds NaN or Inf, as `FiniteSaver` does.
 
     A `FiniteSaver` comes back as it is, and so does anything that is not a
@@ -271,7 +315,10 @@ def finite_saver(saver):
     the check's ops).
 
     Args:
-      saver: A `tf.compat.v1.train.Saver` (or None).
+      saver: A `tf.compat.v1.train.Saver` (or None, or a `tf.train.Checkpoint`).
+
+    Returns:
+      The saver to save with: `saver` itself, or the user's saver behind the check.
     """
     if isinstance(saver, (FiniteSaver, _FiniteSaving)) or not isinstance(
         saver, tf.compat.v1.train.Saver

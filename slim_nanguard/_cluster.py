@@ -38,13 +38,18 @@ that worker, and nothing waits on it.
 
 from __future__ import annotations
 
+import socket
 import time
-from typing import List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _errors
+from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _policy
+from slim_nanguard import _types
 
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
 _ACCUMULATE_OP_TYPES = frozenset(
@@ -149,20 +154,45 @@ def _writes_before(roots: Sequence[tf.Operation], stop_at: set) -> List[tf.Opera
 
 
 # ------------------------------------------------------------------------------------------
-# Cluster-wide decisions: a stop anywhere stops every worker; a ps exits when all are done.
+# Cluster-wide decisions: a stop anywhere stops every worker; a rollback anywhere is the
+# chief's; a ps exits when every worker is done (or, killed, can no longer say so).
 #
-# Two FIFO queues on the ps, shared by name, carry them (no variable, so nothing is
-# initialised, checkpointed or restored): a worker that stops or gives up enqueues its task id
-# on the stop queue, which every worker's `ClusterStopHook` reads each step; every worker, last
-# thing, enqueues on each ps's done queue, which `serve_ps` waits on.
+# Three FIFO queues on ps task 0 (and a done queue on each ps), shared by name, carry them (no
+# variable, so nothing is initialised, checkpointed or restored); every task builds them the
+# same way:
+#
+#   stop queue      a worker that stops or gives up enqueues its task id once per worker;
+#                   every worker's `ClusterStopHook` fetches its size each step, and a worker
+#                   it stopped takes one id to name the task that stopped it (so some stay)
+#   rollback queue  a non-chief whose policy rolls back enqueues (task, step, loss) and
+#                   carries on; the chief's `ChiefRollbackHook` fetches its size each step
+#                   and answers every request queued by then with one restore
+#   done queue      every worker, last thing, enqueues its task id on each ps's; `serve_ps`
+#                   reads it, and watches the port of every worker that has not said so
 
 STOP_QUEUE = "nanguard_cluster_stop"
+ROLLBACK_QUEUE = "nanguard_cluster_rollback"
 DONE_QUEUE = "nanguard_cluster_done"
+
+# TrainResult.stop_reason (and the stop record's reason) of a worker that another worker's
+# stop, or failure, stopped; the record names that worker in ``stopped_by``.
+STOP_CLUSTER = _types.StopReason.CLUSTER_STOP
 
 
 def _stop_queue() -> tf.queue.FIFOQueue:
     with tf.device("/job:ps/task:0"):
         return tf.queue.FIFOQueue(-1, tf.int32, shapes=(), shared_name=STOP_QUEUE, name=STOP_QUEUE)
+
+
+def _rollback_queue() -> tf.queue.FIFOQueue:
+    with tf.device("/job:ps/task:0"):
+        return tf.queue.FIFOQueue(
+            -1,
+            (tf.int32, tf.int64, tf.float32),
+            shapes=((), (), ()),
+            shared_name=ROLLBACK_QUEUE,
+            name=ROLLBACK_QUEUE,
+        )
 
 
 def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
@@ -176,32 +206,62 @@ def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
         )
 
 
+def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
+    """``session.run`` that gives up after `timeout_secs` (a ps gone away must not hang it)."""
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_secs * 1000))
+    return session.run(fetches, feed_dict, options=options)
+
+
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     """Stops this worker's loop once any worker of the cluster asked for a stop.
 
     Each step fetches, with the train op, the size of the stop queue on ps task 0. When this
     worker's guard stopped it, `end` asks the others to stop before the session closes (a
     sync-replicas chief's close ends the token queue, and the workers waiting on it with it).
+    When another worker stopped it (seen in a step, or at `end`: a sync-replicas worker the
+    chief's close woke from its token wait), ``stop_reason`` is ``cluster_stop`` and
+    ``stop_fields`` names that worker; `slim_nanguard.train` puts both in its result and record.
 
     Args:
       task: This worker's task id.
+      num_workers: How many workers the cluster has.
     """
 
-    def __init__(self, task: int = 0):
+    def __init__(self, task: int = 0, num_workers: int = 1):
         self.stopped_by_peer = False
+        self.stop_reason: Optional[str] = None
+        self.stop_fields: Dict[str, int] = {}
         self._task = task
-        self._size = self._ask = None
+        self._num_workers = num_workers
+        self._size = self._ask = self._take = None
         self._stops_before = {}
 
     def begin(self):
         queue = _stop_queue()
         self._size = queue.size()
-        self._ask = queue.enqueue(self._task)
+        # One id per worker: each worker a stop reaches takes one, and the queue never empties.
+        self._ask = queue.enqueue_many([[self._task] * self._num_workers])
+        self._take = queue.dequeue()
         self._stops_before = {g: g.state.stops for g in _guard.guards()}
 
     def end(self, session):
         if any(g.state.stops > n for g, n in self._stops_before.items()):
             session.run(self._ask)
+            return
+        try:
+            if not self.stopped_by_peer and _run_bounded(session, self._size):
+                self.stopped_by_peer = True
+            if self.stopped_by_peer:
+                by = int(_run_bounded(session, self._take))
+                self.stop_reason, self.stop_fields = STOP_CLUSTER, {"stopped_by": by}
+                logging.warning(
+                    "slim_nanguard: worker %d stopped the cluster; this worker stopped too", by
+                )
+        except tf.errors.OpError as err:  # The ps is gone: the stop stays unexplained.
+            logging.warning(
+                "slim_nanguard: could not read the cluster's stop queue: %s",
+                str(err).splitlines()[0],
+            )
 
     def before_run(self, run_context):
         return tf.compat.v1.train.SessionRunArgs(self._size)
@@ -210,6 +270,164 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
         if run_values.results:
             self.stopped_by_peer = True
             run_context.request_stop()
+
+
+class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
+    """A non-chief worker's rollback: a request to the chief, not a restore of its own.
+
+    The model lives on the ps, so one task restores it: the chief (`ChiefRollbackHook`). This
+    hook makes the guards of the graph send their rollbacks (the ``rollback`` policy, or
+    ``persistent_nan_policy="rollback"``) here: the request (task, global step, loss of the
+    bad step) goes on the rollback queue on ps task 0, the guard records
+    ``rollback_requested``, this worker skips its ``rollback_skip_batches`` batches of input
+    and carries on (its bad step changed nothing). It counts no rollback of its own: the chief
+    counts the rollbacks it carries out against ``max_rollbacks``.
+
+    Args:
+      task: This worker's task id.
+    """
+
+    def __init__(self, task: int):
+        self.requests = 0
+        self._task = task
+        self._ask = self._step = self._loss = None
+
+    def begin(self):
+        with tf.name_scope("nanguard_rollback_request"):
+            self._step = tf.compat.v1.placeholder(tf.int64, [], name="step")
+            self._loss = tf.compat.v1.placeholder(tf.float32, [], name="loss")
+            self._ask = _rollback_queue().enqueue((self._task, self._step, self._loss))
+        for guard in _guard.guards():
+            guard.rollback_request = self._request
+
+    def _request(self, session, guard: _guard.Guard) -> Dict[str, int]:
+        event = guard.last_event
+        step = event.step if event is not None else -1
+        loss = event.loss if event is not None else float("nan")
+        _run_bounded(session, self._ask, {self._step: step, self._loss: loss})
+        self.requests += 1
+        skipped = guard.skip_input(session, guard.config.rollback_skip_batches)
+        logging.warning(
+            "slim_nanguard: worker %d asked the chief to roll back the model (bad step at "
+            "global step %d); skipped %d batches, carrying on",
+            self._task,
+            step,
+            skipped,
+        )
+        return {"chief": 0, "skipped_batches": skipped}
+
+
+class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
+    """The chief's side of a rollback: answers the other workers' requests.
+
+    Each step fetches, with the train op, the size of the rollback queue on ps task 0. When
+    requests wait, it takes them all and carries out one rollback for all of them (requests
+    queued before a restore are answered by it: coalesced) with the chief's guard: walk back
+    to the last good checkpoint (further when the requested step is the one the previous
+    rollback restored), restore it on the ps, scale the learning rate by
+    ``rollback_lr_factor``. The chief skips no input of its own (its batches were fine). The
+    ``rollback`` record (the chief's) names the requesting tasks in ``requested_by``, and
+    ``requests`` says how many requests it answered.
+
+    The chief counts the rollbacks it carries out, its own and requested ones, against
+    ``max_rollbacks``; a request past it makes the chief give up as ``raise`` does (it raises
+    `NanLossError` naming the requesting tasks), and so the cluster stops.
+
+    With `SyncReplicasOptimizer`, a restore takes the global step back, but the accumulators
+    keep counting from where they were, and would drop every later gradient as stale: after
+    each restore (requested, or the chief's own, seen at its next step) the hook runs
+    `after_restore`, the optimizer's ``chief_init_op``, which sets their step to the global
+    step restored.
+
+    Args:
+      checkpoint_dir: Where the chief saves checkpoints.
+      after_restore: Ops to run after every restore the chief does, or None.
+    """
+
+    def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
+        self.rollbacks = 0
+        self._checkpoint_dir = checkpoint_dir
+        self._after_restore = after_restore
+        self._guard: Optional[_guard.Guard] = None
+        self._size = self._take = self._count = None
+        self._restores_seen = 0
+
+    def begin(self):
+        queue = _rollback_queue()
+        self._size = queue.size()
+        self._count = tf.compat.v1.placeholder(tf.int32, [], name="nanguard_rollback_requests")
+        self._take = queue.dequeue_many(self._count)
+        guards = _guard.guards()
+        self._guard = guards[0] if guards else None
+        if self._guard is not None:
+            # Built now: after begin() the graph is finalized.
+            self._guard.ensure_saver()  # The guard's one rollback saver.
+            self._restores_seen = self._guard.state.rollbacks
+
+    def before_run(self, run_context):
+        if self._guard is not None and self._guard.state.rollbacks != self._restores_seen:
+            self._restored(run_context.session)  # The chief's own rollback, since last step.
+        return tf.compat.v1.train.SessionRunArgs(self._size)
+
+    def _restored(self, session) -> None:
+        self._restores_seen = self._guard.state.rollbacks
+        if self._after_restore is not None:
+            session.run(self._after_restore)
+
+    def after_run(self, run_context, run_values):
+        waiting = int(run_values.results or 0)
+        if not waiting or self._guard is None:
+            return
+        session = run_context.session
+        tasks, steps, losses = session.run(self._take, {self._count: waiting})
+        self.answer(session, [int(t) for t in tasks], [int(s) for s in steps], list(losses))
+
+    def answer(self, session, tasks: List[int], steps: List[int], losses: List[float]) -> str:
+        """Carries out one rollback for the requests `tasks` made at `steps`; returns its path.
+
+        Raises:
+          NanLossError: The chief already carried out ``max_rollbacks`` rollbacks.
+        """
+        guard = self._guard
+        first = min(range(len(steps)), key=steps.__getitem__)
+        loss = float(losses[first])
+        event = _events.NanEvent(
+            step=steps[first],
+            loss=loss,
+            loss_kind=_events.classify(loss),
+            culprits=(),
+            consecutive=0,
+            total=guard.state.total_bad_steps,
+            mode=guard.mode,
+            action=_policy.ROLLBACK,
+        )
+        who = ", ".join(str(t) for t in sorted(set(tasks)))
+        if guard.state.rollbacks >= guard.config.max_rollbacks:
+            reason = (
+                f"worker {who} asked for a rollback, and {guard.state.rollbacks} rollbacks "
+                f"already done reached max_rollbacks={guard.config.max_rollbacks}"
+            )
+            logging.error("slim_nanguard: %s; giving up", reason)
+            raise _errors.NanLossError(
+                event, reason, cause=_types.Cause.MAX_ROLLBACKS, limit=guard.config.max_rollbacks
+            )
+        logging.warning(
+            "slim_nanguard: the chief rolls back the model for worker %s (%d request%s)",
+            who,
+            len(tasks),
+            "s" if len(tasks) > 1 else "",
+        )
+        path = guard.rollback(
+            session,
+            self._checkpoint_dir,
+            event=event,
+            skip_batches=0,
+            requested_by=sorted(set(tasks)),
+            requests=len(tasks),
+        )
+        self.rollbacks += 1
+        self._restored(session)
+        return path
 
 
 def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.ConfigProto:
@@ -230,6 +448,7 @@ def finish(
     stop: bool,
     timeout_secs: float = 30,
     job: str = "worker",
+    num_workers: int = 1,
 ) -> bool:
     """A worker's last word to the ps: a stop if `stop`, then done to every ps.
 
@@ -240,6 +459,7 @@ def finish(
       num_ps: How many ps tasks.
       stop: Whether this worker stopped or gave up, so that every other worker stops too.
       timeout_secs: How long to wait for the ps.
+      num_workers: How many workers the cluster has (a stop is one task id for each).
 
     Returns:
       Whether any worker (this one included) asked the cluster to stop.
@@ -247,7 +467,7 @@ def finish(
     graph = tf.Graph()
     with graph.as_default():
         stop_queue = _stop_queue()
-        ask = stop_queue.enqueue(task) if stop else None
+        ask = stop_queue.enqueue_many([[task] * num_workers]) if stop else None
         size = stop_queue.size()
         done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
     config = (
@@ -271,14 +491,73 @@ def finish(
         return stop
 
 
-def serve_ps(target: str, *, task: int, num_workers: int) -> None:
-    """Serves as ps task `task` until every worker said it is done (see `finish`)."""
+def answers(host: str, timeout_secs: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at `host` (``HOST:PORT``) now."""
+    name, _, port = host.rpartition(":")
+    try:
+        with socket.create_connection((name.strip("[]"), int(port)), timeout=timeout_secs):
+            return True
+    except OSError:
+        return False
+
+
+def serve_ps(
+    target: str,
+    *,
+    task: int,
+    worker_hosts: Sequence[str],
+    timeout_secs: float,
+    poll_secs: float = 0.5,
+    is_up: Callable[[str], bool] = answers,
+    clock: Callable[[], float] = time.monotonic,
+) -> List[int]:
+    """Serves as ps task `task` until every worker said it is done (see `finish`), or is gone.
+
+    A worker that was killed (SIGKILL, a lost machine) never says it is done. So, while it
+    waits, the ps checks the port of each worker that has not said so: a worker whose port
+    refused connections for `timeout_secs` in a row counts as gone, once its port answered
+    before (it had started) or another worker said it is done (the run is over). A worker
+    that never started is waited for as long as no worker is done: the cluster is starting.
+
+    Args:
+      target: This ps's server target.
+      task: This ps's task id.
+      worker_hosts: HOST:PORT of every worker.
+      timeout_secs: How long a worker's port may refuse connections before it counts as gone.
+      poll_secs: How often to look at the done queue and the ports.
+      is_up: Whether a worker's HOST:PORT answers (injectable for tests).
+      clock: Monotonic seconds (injectable for tests).
+
+    Returns:
+      The task ids of the workers that never said they were done (gone); empty if all did.
+    """
     graph = tf.Graph()
     with graph.as_default():
-        all_done = _done_queue(task).dequeue_many(num_workers)
+        queue = _done_queue(task)
+        size = queue.size()
+        count = tf.compat.v1.placeholder(tf.int32, [])
+        take = queue.dequeue_many(count)
     config = tf.compat.v1.ConfigProto(device_filters=[f"/job:ps/task:{task}"])
+    done, started, silent_since = set(), set(), {}
+    workers = range(len(worker_hosts))
     with tf.compat.v1.Session(target, graph=graph, config=config) as session:
-        session.run(all_done)
+        while True:
+            waiting = int(session.run(size))
+            if waiting:
+                done.update(int(t) for t in session.run(take, {count: waiting}))
+            left = [w for w in workers if w not in done]
+            if not left:
+                return []
+            now = clock()
+            for w in left:
+                if is_up(worker_hosts[w]):
+                    started.add(w)
+                    silent_since.pop(w, None)
+                elif w in started or done:
+                    silent_since.setdefault(w, now)
+            if all(w in silent_since and now - silent_since[w] >= timeout_secs for w in left):
+                return left
+            time.sleep(poll_secs)
 
 
 def wait_for_model(

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +29,7 @@ from slim_nanguard._handles import GraphHandles
 from slim_nanguard._types import Action
 from slim_nanguard._types import Listener
 from slim_nanguard._types import Mode
+from slim_nanguard._types import SessionLike
 
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
@@ -110,6 +111,9 @@ class Guard:
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
+        # A cluster's non-chief worker: ``fn(session, guard) -> record fields`` asks the chief
+        # to roll back instead of restoring here (set by `_cluster.RollbackRequestHook`).
+        self.rollback_request: Optional[Callable[[SessionLike, "Guard"], Dict[str, Any]]] = None
         # Autopsy: the directory dumps go to (set by the loop or the hook) and the count done.
         self._autopsy_dir: Optional[str] = None
         self._autopsies = 0
@@ -495,6 +499,10 @@ class Guard:
         session: tf.compat.v1.Session,
         checkpoint_dir: Optional[str],
         saver: Optional[tf.compat.v1.train.Saver] = None,
+        *,
+        event: Optional[_events.NanEvent] = None,
+        skip_batches: Optional[int] = None,
+        **record: Any,
     ) -> str:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
@@ -506,31 +514,44 @@ class Guard:
           checkpoint_dir: Directory the training loop saves checkpoints to.
           saver: Ignored unless it is the guard's own (kept for callers that passed
             ``guard.saver``): every rollback of a guard restores with `saver`.
+          event: The bad step this rollback answers (default: the last one this guard saw);
+            a cluster's chief passes a worker's request (see `_cluster`).
+          skip_batches: Batches of input to skip (default: ``rollback_skip_batches``).
+          **record: More fields for the ``rollback`` record.
 
         Returns:
-          The path of the checkpoint restored.
+          The path of the checkpoint restored ("" when `rollback_request` sent the rollback
+          to a cluster's chief instead).
 
         Raises:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         del saver  # One rule: the guard's own saver.
-        bad_step = self._last_event.step if self._last_event is not None else -1
+        if self.rollback_request is not None and event is None:
+            # A cluster's non-chief: the model lives on the ps and the chief restores it.
+            fields = self.rollback_request(session, self)
+            if self._last_event is not None:
+                self._notify("rollback_requested", self._last_event, **fields)
+            return ""
+        event = event or self._last_event
         restored = self._rollback.restore(
             session,
             checkpoint_dir,
-            bad_step=bad_step,
+            bad_step=event.step if event is not None else -1,
             learning_rate_scale=self._state.learning_rate_scale,
+            skip_batches=skip_batches,
         )
         state = self._state
         state.learning_rate_scale = restored.learning_rate_scale
         state.rollbacks += 1
-        if self._last_event is not None:
+        if event is not None:
             self._notify(
                 "rollback",
-                self._last_event,
+                event,
                 checkpoint=restored.checkpoint,
                 skipped_batches=restored.skipped_batches,
                 learning_rate_scale=state.learning_rate_scale,
+                **record,
             )
         logging.warning(
             "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "

@@ -34,6 +34,7 @@ from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
+from slim_nanguard import _cluster
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
@@ -165,7 +166,9 @@ class _Counts:
         elif outcome.bad:
             self.bad_steps += 1
             self.skips += outcome.action == Action.SKIP
-            self.rollbacks += outcome.action == Action.ROLLBACK
+            # A cluster worker's rollback request restored nothing here (no checkpoint): the
+            # chief carries it out and counts it (`_cluster.ChiefRollbackHook.rollbacks`).
+            self.rollbacks += outcome.action == Action.ROLLBACK and bool(outcome.checkpoint)
         else:
             self.steps += 1
 
@@ -446,6 +449,10 @@ def train(
         guard.remove_listener(recorder)
 
     final_loss, stop_reason, last_step = outcome
+    # The rollbacks a cluster's chief carried out for other workers' requests.
+    counts.rollbacks += sum(
+        h.rollbacks for h in [*all_hooks, *chief_hooks] if isinstance(h, _cluster.ChiefRollbackHook)
+    )
     lr_scale = guard.state.learning_rate_scale
     if final_hook is not None and final_hook.final_ops_values is not None:
         last_step = int(final_hook.final_ops_values["global_step"])
@@ -458,6 +465,11 @@ def train(
     ):
         # The global step reached the limit; other workers (a cluster) made part of it.
         stop_reason = STOP_STEP_LIMIT
+    stop_fields = {}
+    told = [h for h in all_hooks if getattr(h, "stop_reason", None)]
+    if stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and told:
+        # The hook that stopped the run says why (a cluster's: another worker stopped it).
+        stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
     result = TrainResult(
         final_loss=final_loss,
         global_step=last_step,
@@ -478,6 +490,7 @@ def train(
             "step": last_step,
             "time": time.time(),
             "final_loss": _record_float(final_loss),
+            **stop_fields,
         }
     )
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))

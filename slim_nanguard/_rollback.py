@@ -76,6 +76,7 @@ class Rollback:
         *,
         bad_step: int,
         learning_rate_scale: float,
+        skip_batches: Optional[int] = None,
     ) -> Restored:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
@@ -89,6 +90,8 @@ class Rollback:
           checkpoint_dir: Directory the training loop saves checkpoints to.
           bad_step: The global step of the bad step (-1 if unknown).
           learning_rate_scale: The scale the guard has applied so far in this process.
+          skip_batches: Batches of input to skip after the restore (default:
+            ``rollback_skip_batches``; a cluster's chief answering a request skips none).
 
         Returns:
           What was restored.
@@ -152,7 +155,9 @@ class Rollback:
         if handles.lr_scale is not None:
             learning_rate_scale *= self._config.rollback_lr_factor
             session.run(handles.lr_scale_assign, {handles.lr_scale_value: learning_rate_scale})
-        skipped = self.skip_input(session, self._config.rollback_skip_batches)
+        if skip_batches is None:
+            skip_batches = self._config.rollback_skip_batches
+        skipped = self.skip_input(session, skip_batches)
         return Restored(path, self._restored_step, skipped, learning_rate_scale)
 
     def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:

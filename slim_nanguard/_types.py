@@ -54,6 +54,7 @@ class StopReason(_StrEnum):
     TERMINATED = "terminated"  # SIGTERM
     END_OF_DATA = "end_of_data"
     REQUESTED = "stop_requested"  # a hook asked
+    CLUSTER_STOP = "cluster_stop"  # another worker of the cluster stopped (its stop policy)
     NAN_ERROR = "nan_error"  # training gave up with NanLossError (event record only)
 
 

@@ -114,11 +114,15 @@ def test_the_loop_tallies_its_result_from_outcomes():
         _actions.GOOD,
         _actions.Outcome(event=_event("skip"), action=Action.SKIP),
         _actions.Outcome(overflow=True),
-        _actions.Outcome(event=_event("rollback"), action=Action.ROLLBACK, step=2),
+        _actions.Outcome(
+            event=_event("rollback"), action=Action.ROLLBACK, step=2, checkpoint="model.ckpt-2"
+        ),
+        # A cluster worker's rollback request: the chief restores, and counts it, not this task.
+        _actions.Outcome(event=_event("rollback"), action=Action.ROLLBACK, step=2, checkpoint=""),
         _actions.GOOD,
     ]:
         counts.add(outcome)
-    assert dataclasses.astuple(counts) == (2, 2, 1, 1, 1)
+    assert dataclasses.astuple(counts) == (2, 3, 1, 1, 1)
 
 
 def test_the_input_op_types_have_one_definition():

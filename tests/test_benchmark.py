@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from slim_nanguard import benchmarking
+from slim_nanguard.app import benchmarking
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")

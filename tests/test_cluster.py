@@ -13,12 +13,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 import slim_nanguard
-from slim_nanguard import launch
-from slim_nanguard import launch_cluster
+from slim_nanguard import _cluster
+from slim_nanguard import app as launch
+from slim_nanguard.app import cluster as launch_cluster
 
 import cluster_lib
 
@@ -55,6 +57,15 @@ def _explain(exits):
 
 def _bad_steps(train_dir):
     return [r for r in slim_nanguard.read_events(train_dir) if r["kind"] == "bad_step"]
+
+
+def _stops(train_dir):
+    """Each task's stop record: its reason, and the worker that stopped it (or None)."""
+    return {
+        r["task"]: (r["reason"], r.get("stopped_by"))
+        for r in slim_nanguard.read_events(train_dir)
+        if r["kind"] == "stop"
+    }
 
 
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
@@ -104,10 +115,7 @@ def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 1
     final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     assert int(final.rsplit("-", 1)[1]) < 5000  # stopped early, with a closing checkpoint
-    stops = {
-        r["task"]: r["reason"] for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "stop"
-    }
-    assert stops[1] == "nan_policy_stop"
+    assert _stops(tmp_path) == {0: ("cluster_stop", 1), 1: ("nan_policy_stop", None)}
     assert [r["task"] for r in _bad_steps(tmp_path)] == [1]
 
 
@@ -124,6 +132,7 @@ def test_a_stop_on_the_sync_replicas_chief_stops_worker_1_waiting_for_its_token(
     assert "another worker of the cluster stopped" in exits["worker1"].stdout
     cluster_lib.assert_checkpoints_finite(tmp_path)
     assert [r["task"] for r in _bad_steps(tmp_path)] == [0]
+    assert _stops(tmp_path) == {0: ("nan_policy_stop", None), 1: ("cluster_stop", 0)}
 
 
 def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
@@ -140,6 +149,7 @@ def test_a_raise_on_worker_1_ends_it_with_status_1_and_stops_the_rest(tmp_path):
     cluster_lib.assert_checkpoints_finite(tmp_path)
     final = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     assert int(final.rsplit("-", 1)[1]) < 5000
+    assert _stops(tmp_path) == {0: ("cluster_stop", 1), 1: ("nan_error", None)}
 
 
 def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path):
@@ -154,11 +164,19 @@ def test_a_worker_with_bad_flags_fails_alone_and_leaves_nothing_running(tmp_path
     cluster_lib.assert_checkpoints_finite(tmp_path)
 
 
-def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path):
-    """The model lives on the ps: worker 1 restores the chief's latest checkpoint into it."""
-    # Worker 1 starts training within about a poll (0.25 s) of the chief, and the chief's first
-    # checkpoint (step 0) comes first; batch 10 leaves a margin for both.
-    flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
+def test_worker_1s_rollback_is_a_request_the_chief_carries_out(tmp_path, sync):
+    """The model lives on the ps: worker 1 asks, the chief restores, both carry on.
+
+    With sync replicas the restore takes the global step back below the accumulators' own
+    step; the chief resets theirs, or every later gradient would be dropped as stale (a hang).
+    """
+    # The chief's first checkpoint (step 0) comes before worker 1 trains, and worker 1 starts
+    # a few seconds after the chief at worst (it waits for the model): 400 steps keep the
+    # chief training when the request comes (one the chief never sees goes unanswered).
+    flags = ["--nocheck_numerics", "--max_number_of_steps=400", "--nan_policy=skip"]
+    if sync:
+        flags.append("--sync_replicas")
     exits = _run_cluster(
         tmp_path, flags, worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"]
     )
@@ -166,10 +184,113 @@ def test_worker_1s_rollback_restores_the_shared_model_and_both_carry_on(tmp_path
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     cluster_lib.assert_checkpoints_finite(tmp_path)
     records = slim_nanguard.read_events(tmp_path)
-    rollbacks = [r for r in records if r["kind"] == "rollback"]
-    assert len(rollbacks) == 1 and rollbacks[0]["task"] == 1
-    assert rollbacks[0]["checkpoint"].startswith(str(tmp_path))
-    assert "rolled back 1" in exits["worker1"].stdout
+    kinds = [(r["task"], r["kind"]) for r in records if r["kind"] != "stop"]
+    assert kinds == [(1, "bad_step"), (1, "rollback_requested"), (0, "rollback")], records
+    bad, request, rollback = (r for r in records if r["kind"] != "stop")
+    assert bad["action"] == "rollback" and request["step"] == bad["step"]
+    assert request["chief"] == 0 and request["skipped_batches"] == 1
+    assert rollback["requested_by"] == [1] and rollback["requests"] == 1
+    assert rollback["step"] == bad["step"] and rollback["skipped_batches"] == 0
+    assert rollback["checkpoint"].startswith(str(tmp_path))
+    assert "rolled back 0" in exits["worker1"].stdout  # a request: the chief counts it
+    assert "rolled back 1" in exits["worker0"].stdout
+
+
+def test_one_worker_with_a_bad_shard_skips_it_while_the_other_trains_to_the_limit(tmp_path):
+    """Every batch of worker 1 is bad, none of worker 0's: the data, not the weights.
+
+    The global step moves on (worker 0 trains), so worker 1's bad steps are never in a row at
+    one global step: it skips them all without escalating, and the cluster ends at the limit.
+    """
+    flags = ["--nocheck_numerics", "--max_number_of_steps=60", "--nan_policy=skip"]
+    # A few bad steps of worker 1 do come at one global step (3 at most, as measured on 2
+    # busy cores); 20 leaves a margin for a chief slowed down by a checkpoint.
+    worker1 = ["--inject_fault=nan_loss:0-1000000", "--max_consecutive_bad_steps=20"]
+    exits = _run_cluster(tmp_path, flags, worker1=worker1)
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    bad = _bad_steps(tmp_path)
+    assert bad and {r["task"] for r in bad} == {1}
+    assert all(r["action"] == "skip" and "escalation" not in r for r in bad)
+    assert _stops(tmp_path) == {0: ("step_limit", None), 1: ("step_limit", None)}
+
+
+def test_all_workers_bad_freeze_the_global_step_and_escalation_stops_the_cluster(tmp_path):
+    """Every batch of both workers is bad from batch 15 on: the weights, not the data."""
+    flags = [
+        "--nocheck_numerics",
+        "--max_number_of_steps=5000",
+        "--nan_policy=skip",
+        "--max_consecutive_bad_steps=5",
+        "--persistent_nan_policy=stop",
+        "--inject_fault=nan_loss:15-1000000",
+    ]
+    exits = _run_cluster(tmp_path, flags)
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 0, "worker0": 3, "worker1": 3}, (
+        _explain(exits)
+    )
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    escalated = [r for r in _bad_steps(tmp_path) if "escalation" in r]
+    assert escalated and all(r["action"] == "stop" for r in escalated)
+    # The first worker to escalate stops the cluster; the other escalates too, or is stopped.
+    first = escalated[0]["task"]
+    stops = _stops(tmp_path)
+    assert stops[first] == ("nan_policy_stop", None)
+    assert stops[1 - first] in {("nan_policy_stop", None), ("cluster_stop", first)}
+
+
+def test_a_killed_worker_leaves_the_ps_waiting_at_most_ps_timeout_secs(tmp_path):
+    """Worker 1 is SIGKILLed while training; the chief finishes, the ps exits 1 naming it."""
+    flags = ["--nocheck_numerics", "--max_number_of_steps=100", "--nan_policy=skip"]
+    with cluster_lib.Cluster(_command(tmp_path, *flags), workers=2, timeout=170) as cluster:
+        cluster.start({"ps0": ["--ps_timeout_secs=3"]})
+        worker1 = cluster.worker_hosts.split(",")[1]
+        events = tmp_path / "nanguard_events.jsonl"
+        while not _cluster.answers(worker1) or not list(tmp_path.glob("model.ckpt-*.index")):
+            assert time.monotonic() < cluster.deadline and cluster.procs["worker1"].poll() is None
+            time.sleep(0.2)
+        cluster.procs["worker1"].kill()  # SIGKILL, by its own PID
+        exits = cluster.wait()
+
+    assert {n: e.code for n, e in exits.items()} == {"ps0": 1, "worker0": 0, "worker1": -9}, (
+        _explain(exits)
+    )
+    assert "reached the step limit" in exits["worker0"].stdout
+    message = [line for line in exits["ps0"].stderr.splitlines() if "never said" in line]
+    assert len(message) == 1 and f"worker 1 ({worker1})" in message[0], exits["ps0"].stderr
+    assert "--ps_timeout_secs=3" in message[0] and "worker 0" not in message[0]
+    assert not events.exists() or _stops(tmp_path)[0] == ("step_limit", None)
+
+
+def test_rollback_lr_factor_with_sync_replicas_is_refused_before_anything_is_written(tmp_path):
+    ps, worker = cluster_lib.free_ports(2)
+    train_dir = tmp_path / "run"
+    proc = subprocess.run(
+        _command(
+            train_dir,
+            f"--ps_hosts=127.0.0.1:{ps}",
+            f"--worker_hosts=127.0.0.1:{worker}",
+            "--job_name=worker",
+            "--task=0",
+            "--sync_replicas",
+            "--nan_policy=rollback",
+            "--rollback_lr_factor=0.5",
+            "--ps_timeout_secs=1",  # a worker that fails tells the ps, if one answers
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    lines = [
+        line for line in proc.stderr.splitlines() if line.strip() and not _LOG_LINE.match(line)
+    ]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "--rollback_lr_factor=0.5" in lines[0], lines
+    assert "--sync_replicas" in lines[0]
+    assert not train_dir.exists()
 
 
 @pytest.mark.parametrize(

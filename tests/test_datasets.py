@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import datasets
+from slim_nanguard.app import datasets
 
 
 def _read(name, split="train", num_batches=None, **kwargs):

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
+from slim_nanguard import _cluster
 
 import cluster_lib
 import nanguard_testlib as lib
@@ -206,3 +207,94 @@ def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
                     sess.run(train_op, {scale: 1.0})
                 except tf.errors.OutOfRangeError:
                     pass
+
+
+# ------------------------------------------------------------------------------------------
+# The cluster's queues on a real in-process ps (and worker) server.
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """A ps and one worker in this process (TensorFlow cannot stop them; they end with it)."""
+    ps, worker = cluster_lib.free_ports(2)
+    spec = {"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]}
+    cluster = tf.train.ClusterSpec(spec)
+    ps_server = tf.distribute.Server(cluster, job_name="ps", task_index=0, start=True)
+    worker_server = tf.distribute.Server(cluster, job_name="worker", task_index=0, start=True)
+    return spec, ps_server, worker_server
+
+
+def _run_on(target, build):
+    graph = tf.Graph()
+    with graph.as_default():
+        fetches = build()
+    with tf.compat.v1.Session(target, graph=graph) as session:
+        return session.run(fetches)
+
+
+def test_the_ps_gives_up_on_a_worker_whose_port_stopped_answering(servers):
+    """Worker 0 says it is done; worker 1's port answered once, then refused for 5 s."""
+    _, ps_server, _ = servers
+    _run_on(ps_server.target, lambda: _cluster._done_queue(0).enqueue(0))
+    now = [0.0]
+    answered = {"w1": [True, False]}  # worker 1: up at the first look, then down for good
+
+    def is_up(host):
+        return host == "w0" or (answered["w1"].pop(0) if len(answered["w1"]) > 1 else False)
+
+    def clock():
+        now[0] += 1.0
+        return now[0]
+
+    gone = _cluster.serve_ps(
+        ps_server.target,
+        task=0,
+        worker_hosts=["w0", "w1"],
+        timeout_secs=5,
+        poll_secs=0,
+        is_up=is_up,
+        clock=clock,
+    )
+    assert gone == [1] and 5 <= now[0] <= 8
+
+
+def test_the_chief_answers_requests_queued_together_with_one_rollback(servers, tmp_path):
+    """Three requests (workers 1, 2, 1) waiting at one step: one restore, then max_rollbacks."""
+    spec, _, worker_server = servers
+    replica = cluster_lib.build(cluster=spec, task=0, fed=True, nan_policy="skip", max_rollbacks=1)
+    guard = slim_nanguard.get_guard(replica.train_op)
+    records = []
+    guard.add_listener(records.append)
+    with replica.graph.as_default():
+        hook = _cluster.ChiefRollbackHook(str(tmp_path))
+        session = tf.compat.v1.train.MonitoredTrainingSession(
+            master=worker_server.target,
+            is_chief=True,
+            checkpoint_dir=str(tmp_path),  # saves model.ckpt-0 at the start
+            hooks=[hook],
+            save_checkpoint_secs=3600,
+            save_summaries_steps=None,
+            save_summaries_secs=None,
+            log_step_count_steps=None,
+        )
+    with session as sess:
+        for seed in range(3):
+            sess.run(replica.train_op, _feed(replica, seed))
+        assert _raw(sess, replica.global_step) == 3
+
+        def ask(tasks, steps):
+            queue = _cluster._rollback_queue()
+            return queue.enqueue_many((tasks, np.array(steps, np.int64), [np.nan] * len(tasks)))
+
+        _run_on(worker_server.target, lambda: ask([1, 2, 1], [3, 2, 3]))
+        sess.run(replica.train_op, _feed(replica, 3))  # the hook answers after this step
+        assert _raw(sess, replica.global_step) == 0 and hook.rollbacks == 1
+        assert guard.state.rollbacks == 1
+        (rollback,) = [r for r in records if r["kind"] == "rollback"]
+        assert rollback["requested_by"] == [1, 2] and rollback["requests"] == 3
+        assert rollback["step"] == 2 and rollback["skipped_batches"] == 0
+        assert rollback["checkpoint"].endswith("model.ckpt-0")
+
+        _run_on(worker_server.target, lambda: ask([2], [1]))
+        with pytest.raises(slim_nanguard.NanLossError, match="worker 2 asked.*max_rollbacks=1"):
+            sess.run(replica.train_op, _feed(replica, 4))

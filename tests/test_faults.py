@@ -1,4 +1,4 @@
-"""In-process tests of slim_nanguard.faults and slim_nanguard.launch (no flags, no subprocess).
+"""In-process tests of slim_nanguard.app.faults and slim_nanguard.app (no flags, no subprocess).
 
 Each training run here is a few dozen steps on the synthetic or digits data, in its own graph.
 """
@@ -10,9 +10,9 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import datasets
-from slim_nanguard import faults
-from slim_nanguard import launch
+from slim_nanguard import app as launch
+from slim_nanguard.app import datasets
+from slim_nanguard.app import faults
 
 # ---------------------------------------------------------------------------------------------
 # FaultSpec

@@ -19,8 +19,8 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import datasets
-from slim_nanguard import launch_cluster
+from slim_nanguard.app import cluster as launch_cluster
+from slim_nanguard.app import datasets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
@@ -359,7 +359,7 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     code = (
         "import dataclasses, json, runpy; from absl import flags; "
         f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
-        "from slim_nanguard import launch; "
+        "from slim_nanguard import app as launch; "
         "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
         "['launcher']), sorted(f.name for f in dataclasses.fields(launch.TrainConfig))]))"
     )

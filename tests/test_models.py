@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import datasets
-from slim_nanguard import models
+from slim_nanguard.app import datasets
+from slim_nanguard.app import models
 
 
 def _train(model_name, steps, *, image_size=None, learning_rate=1e-3, **options):

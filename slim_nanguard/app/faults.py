@@ -16,7 +16,7 @@ steps over it and the next batch is clean, a ``rollback`` goes back to an earlie
 without meeting the fault again, and in a fresh run with no earlier bad step batch ``STEP``
 is the one trained at global step ``STEP``. Rollback's skipped batches count too.
 
-How it is wired (what `slim_nanguard.launch` does)::
+How it is wired (what `slim_nanguard.app.build` does)::
 
     faults = FaultSpec.parse_list("nan_input:40,nan_loss:80")
     dataset = enumerate_batches(dataset)                 # (batch_index, (images, labels))

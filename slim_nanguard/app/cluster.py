@@ -10,18 +10,21 @@ A loopback cluster of 1 ps and 2 workers is three commands with the same cluster
 What each task does (`run_ps` for a ps; `run_training(config, cluster)` for a worker)::
 
     ps:      start the gRPC server; serve until every worker said it is done; exit 0
+             (a worker killed before it could: exit 1 once its port has refused
+             connections for ps_timeout_secs, naming it)
     worker:  wait (within ps_timeout_secs) until every ps answers on its port
              start the server; build the graph under replica_device_setter
              (optionally SyncReplicasOptimizer); train with master = this server
              last: tell ps task 0 if this worker stopped or gave up, and every ps it is done
 
-Errors in the flags are `launch.LaunchError`s naming the flag and the value.
+Errors in the flags are `LaunchError`s naming the flag and the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import time
 from typing import List, Optional, Tuple
@@ -31,7 +34,7 @@ from absl import logging
 
 from slim_nanguard import _cluster
 from slim_nanguard import _loop
-from slim_nanguard import launch
+from slim_nanguard.app.config import LaunchError
 
 JOBS = ("ps", "worker")
 
@@ -46,7 +49,7 @@ CLUSTER_FLAGS = (
 )
 
 # TrainResult.stop_reason of a worker that another worker's stop (or error) stopped.
-STOP_CLUSTER = "cluster_stop"
+STOP_CLUSTER = _cluster.STOP_CLUSTER
 
 
 def _hosts(value, flag: str) -> Tuple[str, ...]:
@@ -56,12 +59,12 @@ def _hosts(value, flag: str) -> Tuple[str, ...]:
     for host in hosts:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"{flag}: {host!r} is not HOST:PORT; give a comma-separated "
                 "list such as 127.0.0.1:2222,127.0.0.1:2223."
             )
     if len(set(hosts)) != len(hosts):
-        raise launch.LaunchError(f"{flag}={','.join(hosts)} lists an address twice.")
+        raise LaunchError(f"{flag}={','.join(hosts)} lists an address twice.")
     return hosts
 
 
@@ -77,7 +80,9 @@ class Cluster:
       sync_replicas: Aggregate the workers' gradients with `SyncReplicasOptimizer`.
       replicas_to_aggregate: Gradients per synchronous step; None: one per worker (fewer gives
         backup workers).
-      ps_timeout_secs: How long a worker waits for the ps tasks to answer.
+      ps_timeout_secs: How long a task waits for a peer whose port does not answer: a worker
+        for the ps tasks (at its start); a ps for a worker that has not said it is done and
+        whose port stopped answering (killed), before it exits with status 1 naming it.
     """
 
     ps_hosts: Tuple[str, ...]
@@ -94,18 +99,18 @@ class Cluster:
         object.__setattr__(self, "worker_hosts", _hosts(self.worker_hosts, "--worker_hosts"))
         if not self.ps_hosts or not self.worker_hosts:
             missing = "--ps_hosts" if not self.ps_hosts else "--worker_hosts"
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"{missing} is empty: a cluster needs at least one ps and "
                 "one worker (HOST:PORT, comma-separated)."
             )
         if self.job_name not in JOBS:
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"--job_name={self.job_name or ''} must be ps or worker when --ps_hosts and "
                 "--worker_hosts are given."
             )
         hosts = self.ps_hosts if self.job_name == "ps" else self.worker_hosts
         if not isinstance(self.task, int) or not 0 <= self.task < len(hosts):
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"--task={self.task} is out of range: --job_name={self.job_name} has "
                 f"{len(hosts)} task{'s' if len(hosts) > 1 else ''} (0 to {len(hosts) - 1})."
             )
@@ -114,7 +119,7 @@ class Cluster:
             isinstance(self.replicas_to_aggregate, int)
             and 1 <= self.replicas_to_aggregate <= workers
         ):
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"--replicas_to_aggregate={self.replicas_to_aggregate} must be between 1 and "
                 f"the number of workers ({workers})."
             )
@@ -144,19 +149,50 @@ class Cluster:
         )
 
     # ------------------------------------------------------------- a worker's run
-    def wrap_optimizer(self, optimizer):
-        """`optimizer`, in a `SyncReplicasOptimizer` when ``sync_replicas``."""
+    def wrap_optimizer(self, optimizer, config=None):
+        """`optimizer`, in a `SyncReplicasOptimizer` when ``sync_replicas``.
+
+        Args:
+          optimizer: The optimizer the flags chose.
+          config: The `slim_nanguard.app.TrainConfig`, checked against the cluster.
+
+        Raises:
+          LaunchError: ``--rollback_lr_factor`` below 1 with ``--sync_replicas``.
+        """
         if not self.sync_replicas:
             return optimizer
+        factor = getattr(config, "rollback_lr_factor", 1.0)
+        if factor != 1.0:
+            # The scale is a variable the rate is multiplied by, and SyncReplicasOptimizer
+            # hides the inner optimizer's rate from it: refused, not silently ignored.
+            raise LaunchError(
+                f"--rollback_lr_factor={factor:g} cannot lower the learning rate of "
+                "--sync_replicas training (SyncReplicasOptimizer); use --rollback_lr_factor=1 "
+                "(and a lower --learning_rate), or train asynchronously."
+            )
         return tf.compat.v1.train.SyncReplicasOptimizer(
             optimizer,
             replicas_to_aggregate=self.aggregate(),
             total_num_replicas=len(self.worker_hosts),
         )
 
-    def hooks(self, optimizer) -> List[tf.compat.v1.train.SessionRunHook]:
-        """The sync-replicas hook (after ``apply_gradients``) and the cluster-stop hook."""
-        hooks = [self._state.setdefault("stop_hook", _cluster.ClusterStopHook(self.task))]
+    def hooks(self, optimizer, train_dir: str) -> List[tf.compat.v1.train.SessionRunHook]:
+        """This worker's cluster hooks (built after ``apply_gradients``).
+
+        The cluster-stop hook; the chief's hook that carries out the others' rollback requests,
+        or a non-chief's that sends its rollbacks to the chief; the sync-replicas hook.
+        """
+        hooks = [
+            self._state.setdefault(
+                "stop_hook", _cluster.ClusterStopHook(self.task, len(self.worker_hosts))
+            )
+        ]
+        if self.is_chief:
+            # With sync replicas, a restore resets the accumulators' step too.
+            reset = optimizer.chief_init_op if self.sync_replicas else None
+            hooks.append(_cluster.ChiefRollbackHook(os.path.abspath(train_dir), reset))
+        else:
+            hooks.append(_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:
             hooks.append(optimizer.make_session_run_hook(is_chief=self.is_chief))
         return hooks
@@ -167,7 +203,7 @@ class Cluster:
         A non-chief worker also waits (polling) for the chief to initialise the model.
 
         Raises:
-          launch.LaunchError: A ps does not answer within ``ps_timeout_secs``.
+          LaunchError: A ps does not answer within ``ps_timeout_secs``.
         """
         wait_for_ps(self)
         server = self._state["server"] = self.start_server()
@@ -181,7 +217,7 @@ class Cluster:
                     timeout_secs=max(self.ps_timeout_secs, 120),
                 )
             except tf.errors.DeadlineExceededError as err:
-                raise launch.LaunchError(
+                raise LaunchError(
                     f"--worker_hosts: the chief ({self.worker_hosts[0]}) did not initialise "
                     f"the model ({err.message}); start worker 0."
                 ) from None
@@ -211,12 +247,17 @@ class Cluster:
         else:  # It failed before it started its server: through ps 0's, once it answers.
             try:
                 wait_for_ps(self)
-            except launch.LaunchError:
+            except LaunchError:
                 return result  # no ps to tell
             target, job = f"grpc://{self.ps_hosts[0]}", "ps"
         stopped_here = result is None or result.stop_reason == _loop.STOP_POLICY
         stopped = _cluster.finish(
-            target, task=self.task, num_ps=len(self.ps_hosts), stop=stopped_here, job=job
+            target,
+            task=self.task,
+            num_ps=len(self.ps_hosts),
+            stop=stopped_here,
+            job=job,
+            num_workers=len(self.worker_hosts),
         )
         if (
             result is not None
@@ -252,22 +293,22 @@ def from_flags(
             job_name = job_name or who.get("type")
             task = int(who.get("index", task))
         except (ValueError, AttributeError, TypeError) as err:
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"TF_CONFIG is not the JSON TensorFlow expects ({err}); unset it or fix it."
             ) from None
     if not (ps_hosts or worker_hosts):
         if job_name:
-            raise launch.LaunchError(
+            raise LaunchError(
                 f"--job_name={job_name} needs --ps_hosts and --worker_hosts (or TF_CONFIG)."
             )
         if sync_replicas:
-            raise launch.LaunchError(
+            raise LaunchError(
                 "--sync_replicas needs a cluster: --ps_hosts, "
                 "--worker_hosts, --job_name and --task."
             )
         return None
     if not job_name:
-        raise launch.LaunchError(
+        raise LaunchError(
             "--job_name is missing: with --ps_hosts and --worker_hosts, "
             "say --job_name=ps or --job_name=worker (and --task)."
         )
@@ -293,7 +334,7 @@ def wait_for_ps(cluster: Cluster, poll_secs: float = 0.25) -> None:
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise launch.LaunchError(
+                    raise LaunchError(
                         f"--ps_hosts: the ps at {host} did not answer within "
                         f"{cluster.ps_timeout_secs:g}s; start it first, or check the "
                         "address."
@@ -302,7 +343,12 @@ def wait_for_ps(cluster: Cluster, poll_secs: float = 0.25) -> None:
 
 
 def run_ps(cluster: Cluster) -> None:
-    """Serves as a ps until every worker is done (each says so as its last step)."""
+    """Serves as a ps until every worker is done (each says so as its last step).
+
+    Raises:
+      LaunchError: A worker never said it is done and its port has refused
+        connections for ``ps_timeout_secs`` (it was killed): named, with its address.
+    """
     server = cluster.start_server()
     logging.info(
         "ps task %d serving at %s for %d workers",
@@ -310,7 +356,21 @@ def run_ps(cluster: Cluster) -> None:
         cluster.ps_hosts[cluster.task],
         len(cluster.worker_hosts),
     )
-    _cluster.serve_ps(server.target, task=cluster.task, num_workers=len(cluster.worker_hosts))
+    gone = _cluster.serve_ps(
+        server.target,
+        task=cluster.task,
+        worker_hosts=cluster.worker_hosts,
+        timeout_secs=cluster.ps_timeout_secs,
+    )
+    if gone:
+        names = ", ".join(f"{w} ({cluster.worker_hosts[w]})" for w in gone)
+        one = len(gone) == 1
+        raise LaunchError(
+            f"ps task {cluster.task}: worker{'' if one else 's'} {names} never said "
+            f"{'it was' if one else 'they were'} done and refused connections for "
+            f"--ps_timeout_secs={cluster.ps_timeout_secs:g}s (killed?); every other worker is "
+            f"done, so the ps exits. Check {'its log' if one else 'their logs'}."
+        )
     logging.info("ps task %d: every worker is done; exiting", cluster.task)
 
 

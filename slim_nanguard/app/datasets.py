@@ -1,8 +1,8 @@
 """Input pipelines for training and evaluation: shipped digits, synthetic data, TF-Slim TFRecords.
 
-Every dataset comes out of :func:`get_dataset` as a batched, prefetched ``tf.data.Dataset``
+Every dataset comes out of `get_dataset` as a batched, prefetched ``tf.data.Dataset``
 of ``(images, labels)``: ``images`` float32 ``[B, H, W, C]`` scaled to ``[0, 1]``, ``labels``
-int64 ``[B]``, together with a :class:`DatasetInfo` that says how many classes and what image
+int64 ``[B]``, together with a `DatasetInfo` that says how many classes and what image
 shape to build the model for. The pipelines work in graph mode (``tf.compat.v1``, the
 launcher's ``tf.compat.v1.data.make_one_shot_iterator``) as well as in eager mode; nothing
 here depends on eager execution being on.
@@ -10,7 +10,7 @@ here depends on eager execution being on.
 The datasets, by ``name`` (the launcher's ``--dataset_name``):
 
 * ``digits`` (the default): the UCI 8x8 handwritten digits shipped in the package
-  (``slim_nanguard/data/digits.npz``, 1797 images, 10 classes, splits ``train`` 1497 /
+  (``slim_nanguard/app/data/digits.npz``, 1797 images, 10 classes, splits ``train`` 1497 /
   ``test`` 300). Real data that needs no download.
 * ``synthetic``: a deterministic, learnable toy problem of any image size, for tests and
   benchmarks. Each image is a random 4x4 pattern scaled up plus noise; its label is the
@@ -20,11 +20,11 @@ The datasets, by ``name`` (the launcher's ``--dataset_name``):
   ``image/encoded`` (PNG/JPEG/... bytes), ``image/format`` and ``image/class/label``, files
   named like ``flowers_train_00000-of-00005.tfrecord``, ``mnist_train.tfrecord`` or
   ``train-00000-of-01024`` in ``dataset_dir``, plus an optional ``labels.txt``
-  (``0:daisy`` lines). :func:`write_tfrecord` writes that format from arrays.
+  (``0:daisy`` lines). `write_tfrecord` writes that format from arrays.
 
 Bad input is caught when the dataset is built, before any training step runs: a missing or
 empty directory, no files for the split, files without records, records without the
-expected keys and images that do not decode raise a :class:`DatasetError` (a ``ValueError``)
+expected keys and images that do not decode raise a `DatasetError` (a ``ValueError``)
 naming the value, file or key and saying what to do.
 """
 
@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import os
 import types
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -45,10 +45,12 @@ from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import op_error_cause
 
 __all__ = [
+    "DATASETS",
     "DATASET_NAMES",
     "DEFAULT_DATASET",
     "DatasetError",
     "DatasetInfo",
+    "DatasetSpec",
     "ENCODED_KEY",
     "FORMAT_KEY",
     "LABEL_KEY",
@@ -60,7 +62,6 @@ __all__ = [
     "write_tfrecord",
 ]
 
-DATASET_NAMES = ("digits", "synthetic", "tfrecord")
 DEFAULT_DATASET = "digits"
 
 # The keys of TF-Slim's image classification records (slim's dataset_utils.image_to_tfexample).
@@ -85,6 +86,7 @@ _SYNTHETIC_SPLIT_SEEDS = {"train": 1, "test": 2}
 _SYNTHETIC_DATA_SEED = 20240917
 _SYNTHETIC_PATTERN = 4  # images are a 4x4 pattern scaled up, plus noise.
 _SYNTHETIC_DEFAULT_SIZE = 8
+_SYNTHETIC_DEFAULT_CLASSES = 10
 
 # A split whose files add up to at most this many bytes is read in full when the dataset is
 # built: every record's keys and label are checked and the records counted. Larger splits get
@@ -107,13 +109,13 @@ class DatasetInfo:
     """What a model needs to know about the dataset it is built for.
 
     Attributes:
-        name: the dataset name, one of ``DATASET_NAMES``.
-        split: the split the pipeline reads, e.g. ``'train'``.
-        num_classes: the number of classes; labels are in ``[0, num_classes)``.
-        image_shape: ``(height, width, channels)`` of each image the pipeline yields.
-        num_examples: examples per split, as far as they are known; ``None`` for a split
-            whose size is unknown (large TFRecord splits are not counted).
-        class_names: the class names by label, when known (digits, or a ``labels.txt``).
+      name: The dataset name, one of ``DATASET_NAMES``.
+      split: The split the pipeline reads, e.g. ``'train'``.
+      num_classes: The number of classes; labels are in ``[0, num_classes)``.
+      image_shape: ``(height, width, channels)`` of each image the pipeline yields.
+      num_examples: Examples per split, as far as they are known; ``None`` for a split
+        whose size is unknown (large TFRecord splits are not counted).
+      class_names: The class names by label, when known (digits, or a ``labels.txt``).
     """
 
     name: str
@@ -135,6 +137,11 @@ class DatasetInfo:
         return self.num_examples.get(self.split)
 
 
+# What a dataset's builder returns: its examples (unbatched), the function that maps one to
+# (image, label), its DatasetInfo and its shuffle buffer size.
+_Source = Tuple[tf.data.Dataset, Callable[..., Any], DatasetInfo, int]
+
+
 def get_dataset(
     name: str,
     split: str = "train",
@@ -154,43 +161,44 @@ def get_dataset(
     """Builds the input pipeline of a dataset split.
 
     Args:
-        name: ``'digits'``, ``'synthetic'`` or ``'tfrecord'`` (see the module docstring).
-        split: the split to read: ``'train'`` or ``'test'`` for digits and synthetic; for
-            tfrecord, the split name in the file names (e.g. ``'train'``, ``'validation'``).
-        batch_size: examples per batch.
-        dataset_dir: for tfrecord, the directory holding the files (and ``labels.txt``).
-            Not used by the other datasets.
-        shuffle: shuffle the examples (and, for tfrecord, the files).
-        repeat: repeat the split forever (training); ``False`` reads it once (evaluation).
-        seed: seed of the shuffling; the same seed gives the same order of examples.
-        image_size: if given, images are resized (bilinear) to ``image_size`` squared, e.g.
-            28 to feed the digits to LeNet. Required for tfrecord images of varying size.
-            For synthetic, the image side (default 8).
-        num_classes: for tfrecord, the number of classes when ``dataset_dir`` has no
-            ``labels.txt`` (otherwise inferred from the labels when the split is small);
-            for synthetic, the number of classes (default 10); digits has 10.
-        channels: image channels to produce: for tfrecord the images are decoded to this
-            many (default: those of the first image); synthetic defaults to 1; digits is
-            grey (1) and can be repeated to 3.
-        drop_remainder: drop a last, smaller batch so every batch has ``batch_size``
-            examples and a static batch dimension. Defaults to ``repeat``: training batches
-            are all full; a single evaluation pass keeps every example.
-        file_pattern: for tfrecord, a glob relative to ``dataset_dir`` naming the split's
-            files, ``%s`` standing for the split (e.g. ``'flowers_%s_*.tfrecord'``); by
-            default the patterns in ``DEFAULT_FILE_PATTERNS`` are tried.
-        shuffle_buffer_size: examples in the shuffle buffer; defaults to the whole split
-            for digits and synthetic, 1024 for tfrecord.
+      name: ``'digits'``, ``'synthetic'`` or ``'tfrecord'`` (see the module docstring).
+      split: The split to read: ``'train'`` or ``'test'`` for digits and synthetic; for
+        tfrecord, the split name in the file names (e.g. ``'train'``, ``'validation'``).
+      batch_size: Examples per batch.
+      dataset_dir: For tfrecord, the directory holding the files (and ``labels.txt``).
+        Not used by the other datasets.
+      shuffle: Shuffle the examples (and, for tfrecord, the files).
+      repeat: Repeat the split forever (training); ``False`` reads it once (evaluation).
+      seed: Seed of the shuffling; the same seed gives the same order of examples.
+      image_size: If given, images are resized (bilinear) to ``image_size`` squared, e.g.
+        28 to feed the digits to LeNet. Required for tfrecord images of varying size.
+        For synthetic, the image side (default 8).
+      num_classes: For tfrecord, the number of classes when ``dataset_dir`` has no
+        ``labels.txt`` (otherwise inferred from the labels when the split is small);
+        for synthetic, the number of classes (default 10); digits has 10.
+      channels: Image channels to produce: for tfrecord the images are decoded to this
+        many (default: those of the first image); synthetic defaults to 1; digits is
+        grey (1) and can be repeated to 3.
+      drop_remainder: Drop a last, smaller batch so every batch has ``batch_size``
+        examples and a static batch dimension. Defaults to ``repeat``: training batches
+        are all full; a single evaluation pass keeps every example.
+      file_pattern: For tfrecord, a glob relative to ``dataset_dir`` naming the split's
+        files, ``%s`` standing for the split (e.g. ``'flowers_%s_*.tfrecord'``); by
+        default the patterns in ``DEFAULT_FILE_PATTERNS`` are tried.
+      shuffle_buffer_size: Examples in the shuffle buffer; defaults to the whole split
+        for digits and synthetic, 1024 for tfrecord.
 
     Returns:
-        ``(dataset, info)``: the dataset yields ``(images, labels)``, float32
-        ``[batch, H, W, C]`` in ``[0, 1]`` and int64 ``[batch]``; ``info`` describes it.
+      ``(dataset, info)``: the dataset yields ``(images, labels)``, float32
+      ``[batch, H, W, C]`` in ``[0, 1]`` and int64 ``[batch]``; ``info`` describes it.
 
     Raises:
-        DatasetError: (a ``ValueError``) for an unknown name or split, bad arguments, or
-            TFRecord input that cannot be read (see the module docstring); the message says
-            what to change.
+      DatasetError: (a ``ValueError``) for an unknown name or split, bad arguments, or
+        TFRecord input that cannot be read (see the module docstring); the message says
+        what to change.
     """
-    if name not in DATASET_NAMES:
+    spec = DATASETS.get(name)
+    if spec is None:
         raise DatasetError(
             f"Unknown dataset name {name!r} (--dataset_name): choose one of "
             f"{', '.join(DATASET_NAMES)}."
@@ -209,14 +217,21 @@ def get_dataset(
     if drop_remainder is None:
         drop_remainder = repeat
 
-    if name == "digits":
-        dataset, map_fn, info, buffer = _digits(split, image_size, num_classes, channels)
-    elif name == "synthetic":
-        dataset, map_fn, info, buffer = _synthetic(split, image_size, num_classes, channels)
-    else:
-        dataset, map_fn, info, buffer = _tfrecord(
-            split, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle, seed
+    if spec.splits and split not in spec.splits:
+        raise DatasetError(
+            f"Unknown split {split!r} (--dataset_split_name) for dataset {name}: "
+            f"choose one of {', '.join(spec.splits)}."
         )
+    dataset, map_fn, info, buffer = spec.build(
+        split,
+        dataset_dir=dataset_dir,
+        file_pattern=file_pattern,
+        image_size=image_size,
+        num_classes=num_classes,
+        channels=channels,
+        shuffle=shuffle,
+        seed=seed,
+    )
     if shuffle_buffer_size is not None:
         buffer = shuffle_buffer_size
     size = info.split_size
@@ -263,12 +278,8 @@ def _load_digits() -> Mapping[str, np.ndarray]:
         return types.MappingProxyType({key: npz[key] for key in npz.files})
 
 
-def _digits(split, image_size, num_classes, channels):
-    if split not in _DIGITS_SPLITS:
-        raise DatasetError(
-            f"Unknown split {split!r} (--dataset_split_name) for dataset digits: "
-            f"choose one of {', '.join(_DIGITS_SPLITS)}."
-        )
+def _digits(split, *, image_size, num_classes, channels, **unused) -> _Source:
+    del unused  # Read from the package: no directory, files or shuffling of its own.
     if num_classes not in (None, 10):
         raise DatasetError(
             f"num_classes={num_classes}: the digits have 10 classes; leave num_classes unset."
@@ -313,14 +324,10 @@ def _resize(image: tf.Tensor, size: int) -> tf.Tensor:
 # synthetic
 
 
-def _synthetic(split, image_size, num_classes, channels):
-    if split not in _SYNTHETIC_SPLITS:
-        raise DatasetError(
-            f"Unknown split {split!r} (--dataset_split_name) for dataset "
-            f"synthetic: choose one of {', '.join(_SYNTHETIC_SPLITS)}."
-        )
+def _synthetic(split, *, image_size, num_classes, channels, **unused) -> _Source:
+    del unused  # Generated: no directory, files or shuffling of its own.
     side = image_size or _SYNTHETIC_DEFAULT_SIZE
-    classes = num_classes or 10
+    classes = num_classes or _SYNTHETIC_DEFAULT_CLASSES
     channels = channels or 1
     pattern_shape = [_SYNTHETIC_PATTERN, _SYNTHETIC_PATTERN, channels]
     # The labelling function: the same for every split, so test measures generalisation.
@@ -373,7 +380,9 @@ class _Scan:
     empty_files: list = dataclasses.field(default_factory=list)
 
 
-def _tfrecord(split, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle, seed):
+def _tfrecord(
+    split, *, dataset_dir, file_pattern, image_size, num_classes, channels, shuffle, seed
+) -> _Source:
     files, patterns = _split_files(dataset_dir, split, file_pattern)
     scan = _scan_files(files, channels)
     if scan.empty_files:
@@ -726,6 +735,73 @@ def _decode_first_images(session, firsts, channels) -> tuple[int, int, int]:
     return shapes[0]
 
 
+# --------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Everything the launcher knows about one dataset: how to read it and what it holds.
+
+    Attributes:
+      name: The dataset's name (the launcher's ``--dataset_name``).
+      build: ``fn(split, *, dataset_dir, file_pattern, image_size, num_classes, channels,
+        shuffle, seed)`` returning the split's unbatched examples, the function that maps
+        one to ``(image, label)``, its `DatasetInfo` and its shuffle buffer size.
+        `get_dataset` checks the arguments they all share first.
+      splits: The splits it has; empty: any split its files name.
+      num_classes: Its number of classes; None: the data's (or the caller's) own.
+      image_size: The side of its images when no image_size is asked for; None: the files'.
+      channels: The channels of its images by default; None: the files'.
+      dataset_dir: What the ``--dataset_dir`` it needs holds (``"the TFRecord files"``);
+        None: it reads no directory.
+      adapts_channels: Whether it gives the channels a model takes (the grey digits
+        repeated to RGB for the tf_slim.nets); False: its images keep their own.
+    """
+
+    name: str
+    build: Callable[..., _Source]
+    splits: Tuple[str, ...]
+    num_classes: Optional[int]
+    image_size: Optional[int]
+    channels: Optional[int]
+    dataset_dir: Optional[str] = None
+    adapts_channels: bool = True
+
+
+# The datasets by name: the one table the launcher, its flags and the checks read.
+DATASETS: Mapping[str, DatasetSpec] = types.MappingProxyType(
+    {
+        spec.name: spec
+        for spec in (
+            DatasetSpec(
+                "digits", _digits, _DIGITS_SPLITS, num_classes=10, image_size=8, channels=1
+            ),
+            DatasetSpec(
+                "synthetic",
+                _synthetic,
+                tuple(_SYNTHETIC_SPLITS),
+                num_classes=_SYNTHETIC_DEFAULT_CLASSES,
+                image_size=_SYNTHETIC_DEFAULT_SIZE,
+                channels=1,
+            ),
+            DatasetSpec(
+                "tfrecord",
+                _tfrecord,
+                (),
+                num_classes=None,
+                image_size=None,
+                channels=None,
+                dataset_dir="the TFRecord files",
+                adapts_channels=False,
+            ),
+        )
+    }
+)
+
+DATASET_NAMES: Tuple[str, ...] = tuple(DATASETS)
+
+
 def find_bad_record(
     dataset_dir: str, split: str, *, channels: int | None = None, file_pattern: str | None = None
 ) -> str | None:
@@ -767,14 +843,14 @@ def read_label_file(dataset_dir: str, filename: str = LABELS_FILENAME) -> dict[i
     """Reads slim's ``labels.txt``: one ``label:class name`` line per class.
 
     Args:
-        dataset_dir: the directory holding the file.
-        filename: the file's name.
+      dataset_dir: The directory holding the file.
+      filename: The file's name.
 
     Returns:
-        A dict from label to class name.
+      A dict from label to class name.
 
     Raises:
-        DatasetError: if a line is not ``<int>:<name>`` or the file lists no class.
+      DatasetError: If a line is not ``<int>:<name>`` or the file lists no class.
     """
     path = os.path.join(dataset_dir, filename)
     with tf.io.gfile.GFile(path, "r") as f:
@@ -809,12 +885,12 @@ def write_label_file(
     """Writes slim's ``labels.txt`` (``0:name`` lines) for the tfrecord dataset.
 
     Args:
-        dataset_dir: the directory to write into (created if missing).
-        class_names: the class names, by label.
-        filename: the file's name.
+      dataset_dir: The directory to write into (created if missing).
+      class_names: The class names, by label.
+      filename: The file's name.
 
     Returns:
-        The path written.
+      The path written.
     """
     tf.io.gfile.makedirs(dataset_dir)
     path = os.path.join(dataset_dir, filename)
@@ -838,19 +914,19 @@ def write_tfrecord(
     back. Name the file after its split, e.g. ``mydata_train.tfrecord``.
 
     Args:
-        path: the file to write (its directory is created if missing).
-        images: uint8 images, an array ``[N, H, W]`` or ``[N, H, W, C]`` or a sequence of
-            ``[H, W]`` / ``[H, W, C]`` arrays (which may differ in size); C is 1, 3 or 4
-            (1 or 3 for JPEG).
-        labels: N integer labels, 0..num_classes-1.
-        format: ``'png'`` (lossless) or ``'jpeg'``.
+      path: The file to write (its directory is created if missing).
+      images: Uint8 images, an array ``[N, H, W]`` or ``[N, H, W, C]`` or a sequence of
+        ``[H, W]`` / ``[H, W, C]`` arrays (which may differ in size); C is 1, 3 or 4
+        (1 or 3 for JPEG).
+      labels: N integer labels, 0..num_classes-1.
+      format: ``'png'`` (lossless) or ``'jpeg'``.
 
     Returns:
-        The number of records written.
+      The number of records written.
 
     Raises:
-        DatasetError: if the images are not uint8, have a bad shape, or do not match the
-            labels in number.
+      DatasetError: If the images are not uint8, have a bad shape, or do not match the
+        labels in number.
     """
     fmt = format.lower()
     if fmt not in ("png", "jpeg", "jpg"):

@@ -1,6 +1,6 @@
 """Image classifiers in TF-Slim layers, by name: small ones that train in seconds, and tf_slim.nets.
 
-:func:`get_model` returns a model function ``fn(images, num_classes, is_training) -> logits``
+`get_model` returns a model function ``fn(images, num_classes, is_training) -> logits``
 that builds the model in the current graph (``tf.compat.v1`` graph mode) from
 ``images`` float32 ``[B, H, W, C]`` and returns ``logits`` float32 ``[B, num_classes]``.
 Weight decay, where asked for, goes into the graph's regularization losses
@@ -27,9 +27,11 @@ function under ``tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping, Protocol, Sequence
+import types
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 import tensorflow as tf
 import tf_slim as slim
@@ -40,9 +42,12 @@ from slim_nanguard._errors import NanGuardError
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
     "MIN_IMAGE_SIZE",
+    "MODELS",
     "MODEL_NAMES",
     "ModelError",
     "ModelFn",
+    "ModelSpec",
+    "SlimNet",
     "get_model",
     "lenet",
     "mlp",
@@ -63,13 +68,13 @@ class ModelFn(Protocol):
         """Returns the logits.
 
         Args:
-            images: float32 ``[batch, height, width, channels]``.
-            num_classes: the number of classes.
-            is_training: build for training (dropout on, batch norm in training mode) or for
-                inference.
+          images: Float32 ``[batch, height, width, channels]``.
+          num_classes: The number of classes.
+          is_training: Build for training (dropout on, batch norm in training mode) or for
+            inference.
 
         Returns:
-            float32 logits ``[batch, num_classes]``.
+          Float32 logits ``[batch, num_classes]``.
         """
 
 
@@ -85,16 +90,16 @@ def mlp(
     """A multi-layer perceptron: flatten, ReLU fully connected layers, linear logits.
 
     Args:
-        images: float32 ``[batch, height, width, channels]``, any size.
-        num_classes: the number of classes.
-        is_training: unused (the MLP has no dropout or batch norm); part of the signature.
-        hidden_units: the width of each hidden layer, e.g. ``(256, 256)``; ``()`` gives a
-            linear classifier.
-        weight_decay: the L2 regularization coefficient of the weights (0 disables it).
-        scope: the variable scope.
+      images: Float32 ``[batch, height, width, channels]``, any size.
+      num_classes: The number of classes.
+      is_training: Unused (the MLP has no dropout or batch norm); part of the signature.
+      hidden_units: The width of each hidden layer, e.g. ``(256, 256)``; ``()`` gives a
+        linear classifier.
+      weight_decay: The L2 regularization coefficient of the weights (0 disables it).
+      scope: The variable scope.
 
     Returns:
-        float32 logits ``[batch, num_classes]``.
+      Float32 logits ``[batch, num_classes]``.
     """
     del is_training  # No layer behaves differently in training.
     with tf.compat.v1.variable_scope(scope, "MLP", [images]):
@@ -124,16 +129,16 @@ def lenet(
     so that any image size works (slim's 'VALID' pooling is the same at 28x28).
 
     Args:
-        images: float32 ``[batch, height, width, channels]``; 28x28 is LeNet's size, 8x8
-            (the digits) works too.
-        num_classes: the number of classes.
-        is_training: dropout is applied only in training.
-        dropout_keep_prob: the fraction of the fc3 activations kept by dropout.
-        weight_decay: the L2 regularization coefficient of the weights (0 disables it).
-        scope: the variable scope.
+      images: Float32 ``[batch, height, width, channels]``; 28x28 is LeNet's size, 8x8
+        (the digits) works too.
+      num_classes: The number of classes.
+      is_training: Dropout is applied only in training.
+      dropout_keep_prob: The fraction of the fc3 activations kept by dropout.
+      weight_decay: The L2 regularization coefficient of the weights (0 disables it).
+      scope: The variable scope.
 
     Returns:
-        float32 logits ``[batch, num_classes]``.
+      Float32 logits ``[batch, num_classes]``.
     """
     with tf.compat.v1.variable_scope(scope, "LeNet", [images]):
         with slim.arg_scope(
@@ -155,41 +160,54 @@ def lenet(
                 return slim.fully_connected(net, num_classes, activation_fn=None, scope="fc4")
 
 
-# name: (tf_slim.nets module, function, arg scope function, takes dropout_keep_prob)
-_NETS = {
-    "resnet_v1_50": ("resnet_v1", "resnet_v1_50", "resnet_arg_scope", False),
-    "resnet_v2_50": ("resnet_v2", "resnet_v2_50", "resnet_arg_scope", False),
-    "inception_v1": ("inception", "inception_v1", "inception_v1_arg_scope", True),
-    "vgg_a": ("vgg", "vgg_a", "vgg_arg_scope", True),
-    "alexnet_v2": ("alexnet", "alexnet_v2", "alexnet_v2_arg_scope", True),
-}
+@dataclasses.dataclass(frozen=True)
+class SlimNet:
+    """Where a ``tf_slim.nets`` classifier lives.
 
-MODEL_NAMES = ("mlp", "lenet") + tuple(_NETS)
+    Attributes:
+      module: The module of ``tf_slim.nets``, e.g. ``resnet_v1``.
+      function: The network function in it, e.g. ``resnet_v1_50``.
+      arg_scope: The function in it that gives the net's arg scope.
+      has_dropout: Whether the net takes ``dropout_keep_prob`` (and ``spatial_squeeze``).
+    """
 
-# The image side each model is made for; None: any, use the dataset's own size.
-DEFAULT_IMAGE_SIZE: Mapping[str, int | None] = {
-    "mlp": None,
-    "lenet": 28,
-    "resnet_v1_50": 224,
-    "resnet_v2_50": 224,
-    "inception_v1": 224,
-    "vgg_a": 224,
-    "alexnet_v2": 224,
-}
+    module: str
+    function: str
+    arg_scope: str
+    has_dropout: bool
 
-# The smallest image side each model can be built for. The resnets are fully convolutional
-# with global pooling and build for any size, though below 32 their last blocks see a 1x1
-# map. The others end in a fixed-size 'VALID' layer that needs a large enough feature map:
-# inception_v1's 7x7 average pool, vgg_a's 7x7 and alexnet_v2's 5x5 fc6 convolutions.
-MIN_IMAGE_SIZE: Mapping[str, int] = {
-    "mlp": 1,
-    "lenet": 1,
-    "resnet_v1_50": 1,
-    "resnet_v2_50": 1,
-    "inception_v1": 193,
-    "vgg_a": 224,
-    "alexnet_v2": 195,
-}
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the launcher knows about one model: how to build it and what it takes.
+
+    Attributes:
+      name: The model's name (the launcher's ``--model_name``).
+      build: ``fn(images, num_classes, is_training, **options) -> logits``.
+      options: The keyword options `get_model` passes on to `build`.
+      default_image_size: The image side the model is made for; None: any, the launcher
+        feeds the dataset's own size.
+      min_image_size: The smallest image side the model can be built for.
+      channels: The image channels the model takes (3: RGB, as the tf_slim.nets and their
+        checkpoints do); None: any, the dataset's own.
+      slim_net: For a ``tf_slim.nets`` classifier, where it lives; such a model needs
+        ``slim_nanguard.compat.install()``, which its `build` calls. None for the small
+        models of this module.
+    """
+
+    name: str
+    build: Callable[..., tf.Tensor]
+    options: Tuple[str, ...]
+    default_image_size: Optional[int]
+    min_image_size: int = 1
+    channels: Optional[int] = None
+    slim_net: Optional[SlimNet] = None
+
+
+def _keyword_options(fn: Callable[..., tf.Tensor]) -> Tuple[str, ...]:
+    return tuple(
+        p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY
+    )
 
 
 def _net(
@@ -198,8 +216,8 @@ def _net(
     is_training: bool,
     *,
     name: str,
-    weight_decay: float | None = None,
-    dropout_keep_prob: float | None = None,
+    weight_decay: Optional[float] = None,
+    dropout_keep_prob: Optional[float] = None,
 ) -> tf.Tensor:
     """Builds a tf_slim.nets classifier; returns logits [batch, num_classes]."""
     _check_images(name, images)
@@ -211,12 +229,12 @@ def _net(
     compat.install()
     from tf_slim import nets  # pylint: disable=import-outside-toplevel
 
-    module_name, fn_name, scope_fn_name, has_dropout = _NETS[name]
-    module = getattr(nets, module_name)
-    net_fn = getattr(module, fn_name)
-    scope_fn = getattr(module, scope_fn_name)
+    spec = MODELS[name].slim_net
+    module = getattr(nets, spec.module)
+    net_fn = getattr(module, spec.function)
+    scope_fn = getattr(module, spec.arg_scope)
     kwargs: dict[str, Any] = {"num_classes": num_classes, "is_training": is_training}
-    if has_dropout:
+    if spec.has_dropout:
         kwargs["spatial_squeeze"] = False  # Squeezed below, after checking the map is 1x1.
         if dropout_keep_prob is not None:
             kwargs["dropout_keep_prob"] = dropout_keep_prob
@@ -226,6 +244,49 @@ def _net(
     with slim.arg_scope(scope_fn(**scope_kwargs)):
         net, _ = net_fn(images, **kwargs)
     return _to_logits(net, name)
+
+
+def _slim_net(name: str, net: SlimNet, min_image_size: int) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        build=functools.partial(_net, name=name),
+        options=("weight_decay", "dropout_keep_prob") if net.has_dropout else ("weight_decay",),
+        default_image_size=224,
+        min_image_size=min_image_size,
+        channels=3,
+        slim_net=net,
+    )
+
+
+# The smallest image sides: the resnets are fully convolutional with global pooling and build
+# for any size, though below 32 their last blocks see a 1x1 map. The others end in a
+# fixed-size 'VALID' layer that needs a large enough feature map: inception_v1's 7x7 average
+# pool, vgg_a's 7x7 and alexnet_v2's 5x5 fc6 convolutions.
+_SPECS = (
+    ModelSpec("mlp", mlp, _keyword_options(mlp), default_image_size=None),
+    ModelSpec("lenet", lenet, _keyword_options(lenet), default_image_size=28),
+    _slim_net("resnet_v1_50", SlimNet("resnet_v1", "resnet_v1_50", "resnet_arg_scope", False), 1),
+    _slim_net("resnet_v2_50", SlimNet("resnet_v2", "resnet_v2_50", "resnet_arg_scope", False), 1),
+    _slim_net(
+        "inception_v1", SlimNet("inception", "inception_v1", "inception_v1_arg_scope", True), 193
+    ),
+    _slim_net("vgg_a", SlimNet("vgg", "vgg_a", "vgg_arg_scope", True), 224),
+    _slim_net("alexnet_v2", SlimNet("alexnet", "alexnet_v2", "alexnet_v2_arg_scope", True), 195),
+)
+
+# The models by name: the one table the launcher, its flags and the checks read.
+MODELS: Mapping[str, ModelSpec] = types.MappingProxyType({s.name: s for s in _SPECS})
+
+MODEL_NAMES: Tuple[str, ...] = tuple(MODELS)
+
+# Views of MODELS: the image side each model is made for (None: any, the dataset's own),
+# and the smallest it can be built for.
+DEFAULT_IMAGE_SIZE: Mapping[str, Optional[int]] = types.MappingProxyType(
+    {s.name: s.default_image_size for s in _SPECS}
+)
+MIN_IMAGE_SIZE: Mapping[str, int] = types.MappingProxyType(
+    {s.name: s.min_image_size for s in _SPECS}
+)
 
 
 def _to_logits(net: tf.Tensor, name: str) -> tf.Tensor:
@@ -240,7 +301,7 @@ def _to_logits(net: tf.Tensor, name: str) -> tf.Tensor:
         name,
         height,
         width,
-        DEFAULT_IMAGE_SIZE[name],
+        MODELS[name].default_image_size,
     )
     return tf.reduce_mean(net, [1, 2], name="logits")
 
@@ -251,59 +312,43 @@ def _check_images(name: str, images: tf.Tensor) -> None:
         raise ModelError(
             f"Model {name} takes images [batch, height, width, channels], got shape {shape}."
         )
-    minimum = MIN_IMAGE_SIZE[name]
+    spec = MODELS[name]
+    minimum = spec.min_image_size
     sides = [d for d in (shape[1:3] if shape.rank else []) if d is not None]
     if any(side < minimum for side in sides):
         raise ModelError(
             f"Model {name} needs images of at least {minimum}x{minimum}, got "
             f"{shape[1]}x{shape[2]}: resize them with image_size (e.g. "
-            f"{DEFAULT_IMAGE_SIZE[name]}, its default) or choose a small model "
+            f"{spec.default_image_size}, its default) or choose a small model "
             "(mlp, lenet)."
         )
-
-
-_BUILDERS: Mapping[str, Callable[..., tf.Tensor]] = {
-    "mlp": mlp,
-    "lenet": lenet,
-    **{name: functools.partial(_net, name=name) for name in _NETS},
-}
-
-_NET_OPTIONS = ("weight_decay", "dropout_keep_prob")
 
 
 def get_model(name: str, **options: Any) -> ModelFn:
     """Returns the model function of a model, by name.
 
     Args:
-        name: one of ``MODEL_NAMES``.
-        **options: the model's keyword options: for ``mlp`` ``hidden_units`` and
-            ``weight_decay``; for ``lenet`` ``dropout_keep_prob`` and ``weight_decay``; for
-            the tf_slim.nets ``weight_decay`` (``None``: the net's own default) and, except
-            the resnets, ``dropout_keep_prob``.
+      name: One of `MODEL_NAMES`.
+      **options: The model's keyword options (`ModelSpec.options`): for ``mlp``
+        ``hidden_units`` and ``weight_decay``; for ``lenet`` ``dropout_keep_prob`` and
+        ``weight_decay``; for the tf_slim.nets ``weight_decay`` (``None``: the net's own
+        default) and, except the resnets, ``dropout_keep_prob``.
 
     Returns:
-        ``fn(images, num_classes, is_training) -> logits [batch, num_classes]``.
+      ``fn(images, num_classes, is_training) -> logits [batch, num_classes]``.
 
     Raises:
-        ModelError: (a ``ValueError``) for an unknown name or option.
+      ModelError: (a ``ValueError``) for an unknown name or option.
     """
-    if name not in _BUILDERS:
+    spec = MODELS.get(name)
+    if spec is None:
         raise ModelError(
             f"Unknown model name {name!r} (--model_name): choose one of {', '.join(MODEL_NAMES)}."
         )
-    builder = _BUILDERS[name]
-    if name in _NETS:
-        allowed = _NET_OPTIONS if _NETS[name][3] else ("weight_decay",)
-    else:
-        allowed = tuple(
-            p.name
-            for p in inspect.signature(builder).parameters.values()
-            if p.kind is p.KEYWORD_ONLY
-        )
-    unknown = sorted(set(options) - set(allowed))
+    unknown = sorted(set(options) - set(spec.options))
     if unknown:
         raise ModelError(
             f"Model {name} has no option {', '.join(unknown)}: its options are "
-            f"{', '.join(allowed)}."
+            f"{', '.join(spec.options)}."
         )
-    return functools.partial(builder, **options)
+    return functools.partial(spec.build, **options)

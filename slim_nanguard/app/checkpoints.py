@@ -1,0 +1,204 @@
+"""The launcher's checkpoints: finding one, checking it fits the model, fine-tuning from it.
+
+A checkpoint that does not fit (a variable missing, a shape that differs) is refused with a
+`config.LaunchError` naming the first variables and saying which flag to change; one that
+holds NaN or Inf with a `NonFiniteCheckpointError`. All of it happens before training starts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+import tensorflow as tf
+import tf_slim as slim
+from absl import logging
+
+from slim_nanguard import _checkpoints
+from slim_nanguard import _errors
+from slim_nanguard.app import config as config_lib
+
+__all__ = [
+    "check_fits",
+    "check_resume",
+    "checkpoint_shapes",
+    "fine_tune_scaffold",
+    "in_scopes",
+    "names",
+    "resolve_checkpoint",
+]
+
+
+def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
+    """A checkpoint prefix from a prefix or a directory (its latest checkpoint).
+
+    Args:
+      path: A checkpoint file prefix (or one of its files), or a directory.
+      flag: The flag that gave `path`, named in the error.
+
+    Raises:
+      LaunchError: Nothing is there, or the directory holds no checkpoint.
+    """
+    path = os.fspath(path)
+    if tf.io.gfile.isdir(path):
+        latest = _checkpoints.latest_checkpoint(path)
+        config_lib.check(
+            latest is not None,
+            f"{flag}={path} is a directory without a checkpoint: point it at a training "
+            "directory that has saved one, or at a checkpoint file prefix (model.ckpt-N).",
+        )
+        return latest
+    if tf.io.gfile.exists(path + ".index"):
+        return path
+    if path.endswith((".index", ".meta")) or ".data-" in path:
+        prefix = path.split(".data-")[0] if ".data-" in path else path.rsplit(".", 1)[0]
+        if tf.io.gfile.exists(prefix + ".index"):
+            return prefix
+    if tf.io.gfile.exists(path):
+        # A TF1 checkpoint (V1 format) is a single file.
+        try:
+            tf.train.load_checkpoint(path)
+            return path
+        except (tf.errors.OpError, ValueError):
+            pass
+        raise config_lib.LaunchError(
+            f"{flag}={path} is not a checkpoint TensorFlow can read: pass a "
+            "checkpoint prefix (model.ckpt-N, without .index) or its directory."
+        )
+    raise config_lib.LaunchError(
+        f"{flag}={path} does not exist: pass a checkpoint prefix "
+        "(train_dir/model.ckpt-N) or a training directory."
+    )
+
+
+def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
+    """The shape of each variable in checkpoint `path`; LaunchError naming `flag` if unreadable."""
+    try:
+        return tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    except (tf.errors.OpError, ValueError) as err:
+        raise config_lib.LaunchError(
+            f"{flag}: checkpoint {path} cannot be read "
+            f"({_errors.op_error_cause(err)}); pass another checkpoint."
+        ) from None
+
+
+def _mismatches(variables: Sequence[tf.Variable], shapes: Dict[str, List[int]]):
+    missing, wrong = [], []
+    for v in variables:
+        name = v.op.name
+        if name not in shapes:
+            missing.append(name)
+        elif list(shapes[name]) != v.shape.as_list():
+            wrong.append(f"{name} is {list(shapes[name])} there but {v.shape.as_list()} here")
+    return missing, wrong
+
+
+def names(items: Sequence[str], limit: int = 3) -> str:
+    """The first `limit` items, comma-separated, and how many more there are."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_fits(
+    path: str,
+    variables: Sequence[tf.Variable],
+    shapes,
+    *,
+    what: str,
+    ignore_missing: bool,
+    advice: str,
+) -> List[tf.Variable]:
+    """The variables to restore from `path`; raises LaunchError if the model does not fit.
+
+    `what` names the checkpoint in the message, e.g. ``"--checkpoint_path {path}"``.
+    """
+    what = what.format(path=path)
+    missing, wrong = _mismatches(variables, shapes)
+    if wrong:
+        raise config_lib.LaunchError(
+            f"{what} does not match the model: {names(wrong, 2)}. {advice}"
+        )
+    if missing and not ignore_missing:
+        raise config_lib.LaunchError(
+            f"{what} does not match the model: it has no {names(missing)}. {advice}"
+        )
+    if missing:
+        logging.warning("Not in %s, left as initialised: %s", path, names(missing, 10))
+    return [v for v in variables if v.op.name not in missing]
+
+
+def in_scopes(variables: Sequence[tf.Variable], scopes: Sequence[str]) -> List[tf.Variable]:
+    """The variables whose names start with one of `scopes`."""
+    return [v for v in variables if any(v.op.name.startswith(s) for s in scopes)]
+
+
+def fine_tune_scaffold(config: config_lib.TrainConfig, path: str) -> tf.compat.v1.train.Scaffold:
+    """A scaffold whose init_fn loads the model variables from `path` (slim's _get_init_fn)."""
+    model_variables = slim.get_model_variables()
+    unmatched = [s for s in config.checkpoint_exclude_scopes if not in_scopes(model_variables, [s])]
+    if unmatched:
+        scopes = sorted({"/".join(v.op.name.split("/")[:2]) for v in model_variables})
+        raise config_lib.LaunchError(
+            f"--checkpoint_exclude_scopes={','.join(unmatched)} matches no variable of model "
+            f"{config.model_name}; its scopes are {names(scopes, 6)}."
+        )
+    variables = [
+        v
+        for v in model_variables
+        if not any(v.op.name.startswith(s) for s in config.checkpoint_exclude_scopes)
+    ]
+    config_lib.check(
+        bool(variables),
+        f"--checkpoint_exclude_scopes={','.join(config.checkpoint_exclude_scopes)} excludes "
+        "every variable of the model: there is nothing to fine-tune from.",
+    )
+    shapes = checkpoint_shapes(path, "--checkpoint_path")
+    restore = check_fits(
+        path,
+        variables,
+        shapes,
+        what="--checkpoint_path {path}",
+        ignore_missing=config.ignore_missing_vars,
+        advice=f"Use a checkpoint of model {config.model_name}, list the scopes that differ "
+        "in --checkpoint_exclude_scopes (e.g. the logits), or pass --ignore_missing_vars.",
+    )
+    config_lib.check(
+        bool(restore), f"--checkpoint_path {path} holds none of the model's variables."
+    )
+    bad = _checkpoints.non_finite_variables(path)
+    if bad:
+        raise _errors.NonFiniteCheckpointError(
+            f"--checkpoint_path {path} holds NaN or Inf in {names(list(bad))}; refusing to "
+            "fine-tune from it. Pick an earlier checkpoint."
+        )
+    saver = tf.compat.v1.train.Saver(restore, name="fine_tune_saver")
+    logging.info(
+        "Fine-tuning from %s: %d variables restored, %d excluded.",
+        path,
+        len(restore),
+        len(slim.get_model_variables()) - len(restore),
+    )
+
+    def init_fn(unused_scaffold, session):
+        saver.restore(session, path)
+
+    return tf.compat.v1.train.Scaffold(init_fn=init_fn)
+
+
+def check_resume(config: config_lib.TrainConfig, graph: tf.Graph, checkpoint: str) -> None:
+    """Raises LaunchError unless `checkpoint` (in train_dir) fits the model in `graph`."""
+    with graph.as_default():
+        # The guard's own variables may be missing (slim_nanguard.train restores around them).
+        variables = [
+            v for v in tf.compat.v1.global_variables() if not v.op.name.startswith("nanguard/")
+        ]
+    shapes = checkpoint_shapes(checkpoint, "--train_dir")
+    check_fits(
+        checkpoint,
+        variables,
+        shapes,
+        what="The checkpoint in --train_dir ({path})",
+        ignore_missing=False,
+        advice="It was written by another model or other options (optimizer, "
+        "model_name): resume with the same flags, or use a new --train_dir.",
+    )

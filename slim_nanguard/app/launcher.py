@@ -1,0 +1,118 @@
+"""What one run of ``slim-nanguard-train`` does, from its config: train, report, evaluate.
+
+``scripts/train.py`` turns its flags into a `config.TrainConfig` (and, for a ps/worker
+cluster, a `cluster.Cluster`) and calls `train_and_evaluate`, which returns the exit status::
+
+    ps task:   serve until every worker is done                           -> 0
+    worker or one process:
+        check the training split and the evaluation split (if any)        # nothing written
+        run_training(config, cluster)                                     # errors raise
+        print the summary of the run
+        the chief: evaluate the final checkpoint on the evaluation split, print the result
+        -> 0 finished; 3 stopped by a policy (or by another worker); 130 Ctrl-C; 143 SIGTERM
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from slim_nanguard import _errors
+from slim_nanguard import _loop
+from slim_nanguard.app import cluster as cluster_lib
+from slim_nanguard.app import config as config_lib
+from slim_nanguard.app import evaluate
+from slim_nanguard.app import report
+from slim_nanguard.app import train
+
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_NAN_STOP",
+    "EXIT_OK",
+    "EXIT_TERMINATED",
+    "train_and_evaluate",
+]
+
+EXIT_OK = 0
+EXIT_NAN_STOP = 3
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
+
+_EXIT_STATUS = {
+    _loop.STOP_POLICY: EXIT_NAN_STOP,
+    cluster_lib.STOP_CLUSTER: EXIT_NAN_STOP,
+    _loop.STOP_INTERRUPTED: EXIT_INTERRUPTED,
+    _loop.STOP_TERMINATED: EXIT_TERMINATED,
+}
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
+def train_and_evaluate(
+    config: config_lib.TrainConfig,
+    cluster: Optional[cluster_lib.Cluster] = None,
+    *,
+    eval_split_name: str = "test",
+    echo: Callable[[str], None] = _echo,
+) -> int:
+    """Trains as `config` says, prints the summary, evaluates the final checkpoint.
+
+    Args:
+      config: The run's `TrainConfig`.
+      cluster: This task's `cluster.Cluster` in a ps/worker cluster; None: one process.
+      eval_split_name: After training, evaluate the final checkpoint on this split (the
+        launcher's ``--eval_split_name``); empty: no evaluation.
+      echo: Prints one line of the summary (to stdout, by default).
+
+    Returns:
+      The exit status: `EXIT_OK`, `EXIT_NAN_STOP`, `EXIT_INTERRUPTED` or `EXIT_TERMINATED`.
+
+    Raises:
+      LaunchError, DatasetError, ModelError: Bad settings or input (before anything is
+        written); an evaluation split that cannot be read is a LaunchError naming
+        ``--eval_split_name``.
+      NanLossError, NonFiniteCheckpointError, tf.errors.OpError: As `train.run_training`.
+    """
+    if cluster is not None and cluster.job_name == "ps":
+        cluster_lib.run_ps(cluster)  # returns once every worker is done
+        echo(f"ps task {cluster.task}: every worker is done.")
+        return EXIT_OK
+    if cluster is not None:
+        config = dataclasses.replace(config, task=cluster.task)
+    eval_config = None
+    if eval_split_name:
+        eval_config = config_lib.EvalConfig(
+            checkpoint_path=config.train_dir,
+            model_name=config.model_name,
+            dataset_name=config.dataset_name,
+            dataset_dir=config.dataset_dir,
+            dataset_split_name=eval_split_name,
+            eval_image_size=config.train_image_size,
+            master=config.master,
+        )
+        # The training split first, so that its errors name --dataset_split_name.
+        evaluate.check_eval_dataset(
+            dataclasses.replace(eval_config, dataset_split_name=config.dataset_split_name)
+        )
+        try:
+            evaluate.check_eval_dataset(eval_config, split_flag="--eval_split_name")
+        except ValueError as err:
+            raise config_lib.LaunchError(
+                f"--eval_split_name={eval_split_name}: {err} "
+                "(--eval_split_name='' skips the evaluation)"
+            ) from None
+    result = train.run_training(config, cluster)
+    echo(report.describe_training(result, config))
+    if eval_config is not None and result.checkpoint and config.is_chief:
+        try:
+            evaluation = evaluate.run_eval(
+                dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)
+            )
+            echo(f"  evaluation    {evaluation.describe()}")
+        except (_errors.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
+            echo(f"  evaluation    not possible: {report.error_message(err)}")
+    return _EXIT_STATUS.get(result.stop_reason, EXIT_OK)

@@ -1,0 +1,114 @@
+"""What the launchers print: the summary of a run, and one or two lines for an error."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from slim_nanguard import _checkpoints
+from slim_nanguard import _errors
+from slim_nanguard import _loop
+from slim_nanguard import _policy
+from slim_nanguard._types import Cause
+from slim_nanguard.app import config as config_lib
+
+__all__ = ["describe_training", "error_message"]
+
+
+def describe_training(
+    result: _loop.TrainResult, config: Optional[config_lib.TrainConfig] = None
+) -> str:
+    """The summary printed at the end of a run: a few labelled lines.
+
+    Args:
+      result: What `run_training` returned.
+      config: The run's config, for the step limit and the policy that stopped it.
+
+    Returns:
+      The lines, without a final newline.
+    """
+    total = ""
+    if config is not None and config.max_number_of_steps is not None:
+        total = f"/{config.max_number_of_steps}"
+    stopped_by = "--nan_policy=stop at a bad step"
+    if config is not None and config.nan_policy != _policy.STOP:
+        # The launcher has no on_nan: only an escalation stops a run under another policy.
+        stopped_by = (
+            f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
+            f"{config.max_consecutive_bad_steps} bad steps in a row"
+        )
+    reasons = {
+        _loop.STOP_STEP_LIMIT: "reached the step limit",
+        _loop.STOP_POLICY: f"stopped by {stopped_by}",
+        _loop.STOP_INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
+        _loop.STOP_TERMINATED: "terminated (SIGTERM), stopped cleanly",
+        _loop.STOP_END_OF_DATA: "the input ran out",
+        _loop.STOP_REQUESTED: "a hook asked to stop",
+        "cluster_stop": "stopped because another worker of the cluster stopped or failed",
+    }
+    lines = [
+        f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "
+        f"{result.global_step}{total}.",
+        f"  final loss    {result.final_loss:.4f}"
+        if result.steps
+        else "  final loss    - (no step in this run)",
+        f"  steps         {result.steps} good steps in this run",
+        f"  bad steps     {result.bad_steps} (skipped {result.skips}, rolled back "
+        f"{result.rollbacks})",
+    ]
+    if result.learning_rate_scale != 1.0:
+        lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
+    lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
+    return "\n".join(lines)
+
+
+# What to do, by why training gave up (`NanLossError.cause`).
+_GIVE_UP_ADVICE = {
+    Cause.MAX_CONSECUTIVE_BAD_STEPS: (
+        "Every batch now gives NaN or Inf, so the weights went bad before the loss "
+        "did (a learning rate too high?). After that many bad steps in a row, "
+        "--persistent_nan_policy=rollback restores the last good checkpoint (with "
+        "--rollback_lr_factor to lower the learning rate), and "
+        "--persistent_nan_policy=stop ends the run cleanly."
+    ),
+    Cause.MAX_ROLLBACKS: (
+        "Rolling back did not help: lower --learning_rate, or --rollback_lr_factor "
+        "so that each rollback lowers it further."
+    ),
+    Cause.POLICY: "To carry on past bad steps, use --nan_policy=skip or --nan_policy=rollback.",
+    Cause.UNGUARDED_LOSS: (
+        "The loss comes from no guarded train op: build it with slim_nanguard.create_train_op."
+    ),
+}
+
+
+def error_message(err: BaseException) -> str:
+    """One or two lines for a user: what went wrong and what to do.
+
+    Errors of slim_nanguard (and ValueErrors) carry their own advice; TensorFlow's errors
+    are cut to their first line, which names the op and the problem.
+    """
+    if isinstance(err, _errors.NanLossError):
+        advice = _GIVE_UP_ADVICE.get(err.cause, _GIVE_UP_ADVICE[Cause.POLICY])
+        checkpoint = getattr(err, "checkpoint", None)
+        if checkpoint:
+            step = _checkpoints.checkpoint_step(checkpoint)
+            kept = f" (global step {step})" if step is not None else ""
+            advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
+        return f"{err}\n{advice}"
+    if isinstance(err, tf.errors.NotFoundError):
+        return f"{_errors.op_error_cause(err)}\nCheck the file and directory flags."
+    if isinstance(err, tf.errors.OpError):
+        text = _errors.op_error_cause(err)
+        if "decode" in text.lower() or "image" in text.lower():
+            return (
+                f"{text}\nAn image in the dataset does not decode: re-run the conversion "
+                "that wrote the TFRecord files."
+            )
+        return text
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.strerror}: {err.filename}"
+    text = str(err).strip() or type(err).__name__
+    lines = text.splitlines()
+    return "\n".join(lines[:2])
