@@ -150,11 +150,22 @@ class Cluster:
             f"--task={task}",
         ]
 
-    def start(self, extra: Optional[Dict[str, List[str]]] = None) -> "Cluster":
-        """Starts every task; `extra` maps ``"worker1"`` (etc.) to more arguments."""
+    def start(
+        self, extra: Optional[Dict[str, List[str]]] = None, chief_last_secs: float = 0.0
+    ) -> "Cluster":
+        """Starts every task; `extra` maps ``"worker1"`` (etc.) to more arguments.
+
+        `chief_last_secs` > 0 starts the chief (worker 0) last, that many seconds after the
+        others: they are then waiting for its model when it starts, and start training with
+        it, not a few seconds into its run (a story that needs worker 1 early in the run).
+        """
         extra = extra or {}
         tasks = [("ps", 0)] + [("worker", i) for i in range(self._workers)]
+        if chief_last_secs > 0:
+            tasks = tasks[:1] + tasks[2:] + tasks[1:2]
         for job, task in tasks:
+            if chief_last_secs > 0 and (job, task) == ("worker", 0):
+                time.sleep(chief_last_secs)
             name = f"{job}{task}"
             self.procs[name] = subprocess.Popen(
                 self._argv + self.flags(job, task) + extra.get(name, []),

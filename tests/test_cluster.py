@@ -44,9 +44,9 @@ def _command(train_dir, *flags):
     ]
 
 
-def _run_cluster(train_dir, flags, worker1=()):
+def _run_cluster(train_dir, flags, worker1=(), chief_last_secs=0.0):
     with cluster_lib.Cluster(_command(train_dir, *flags), workers=2, timeout=170) as cluster:
-        cluster.start({"worker1": list(worker1)})
+        cluster.start({"worker1": list(worker1)}, chief_last_secs=chief_last_secs)
         exits = cluster.wait()
     return exits
 
@@ -171,14 +171,18 @@ def test_worker_1s_rollback_is_a_request_the_chief_carries_out(tmp_path, sync):
     With sync replicas the restore takes the global step back below the accumulators' own
     step; the chief resets theirs, or every later gradient would be dropped as stale (a hang).
     """
-    # The chief's first checkpoint (step 0) comes before worker 1 trains, and worker 1 starts
-    # a few seconds after the chief at worst (it waits for the model): 400 steps keep the
-    # chief training when the request comes (one the chief never sees goes unanswered).
+    # The chief's first checkpoint (step 0) comes before worker 1 trains. Worker 1 starts
+    # first and waits for the chief's model, so it trains from the chief's first steps on: 400
+    # steps keep the chief training when the request comes (one the chief never sees goes
+    # unanswered).
     flags = ["--nocheck_numerics", "--max_number_of_steps=400", "--nan_policy=skip"]
     if sync:
         flags.append("--sync_replicas")
     exits = _run_cluster(
-        tmp_path, flags, worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"]
+        tmp_path,
+        flags,
+        worker1=["--nan_policy=rollback", "--inject_fault=nan_loss:10"],
+        chief_last_secs=3.0,
     )
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
