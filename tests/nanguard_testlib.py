@@ -73,7 +73,8 @@ FAULTS: Dict[str, Fault] = {
 NO_FAULT = Fault(frozenset({"finite"}))
 
 
-def _fault(name: Optional[str]) -> Fault:
+def fault(name: Optional[str]) -> Fault:
+    """The fault named `name` (`NO_FAULT` for None); an unknown name is a ValueError."""
     if name is None:
         return NO_FAULT
     if name not in FAULTS:
@@ -113,7 +114,7 @@ class Model:
         x, y = _batch(step_seed)
         feed = {self.x: x, self.y: y}
         for name in faults:
-            offset, scale = _fault(name).corrupt(x)
+            offset, scale = fault(name).corrupt(x)
             if offset != 0.0:
                 feed[self.offset] = np.float32(offset)
             if scale != 1.0:
@@ -138,7 +139,7 @@ def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
     xs, ys, offsets, scales = [], [], [], []
     for i in range(count):
         x, y = _batch(1000 + i)
-        offset, scale = _fault((faults or {}).get(i)).corrupt(x)
+        offset, scale = fault((faults or {}).get(i)).corrupt(x)
         xs.append(x), ys.append(y), offsets.append(offset), scales.append(scale)
     return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32), np.array(scales, np.float32))
 

@@ -26,11 +26,10 @@ def _batches(faults, count=100):
     xs, ys, offsets, scales = [], [], [], []
     rng = np.random.RandomState(0)
     for i in range(count):
-        xs.append(rng.randn(BATCH, 4).astype(np.float32) * 3)
-        ys.append(rng.randn(BATCH, 1).astype(np.float32))
-        fault = (faults or {}).get(i)
-        offsets.append(np.nan if fault == "nan_loss" else 0.0)
-        scales.append(0.0 if fault == "nan_gradient" else 1.0)
+        x = rng.randn(BATCH, 4).astype(np.float32) * 3
+        offset, scale = lib.fault((faults or {}).get(i)).corrupt(x)
+        xs.append(x), ys.append(rng.randn(BATCH, 1).astype(np.float32))
+        offsets.append(offset), scales.append(scale)
     return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32), np.array(scales, np.float32))
 
 
