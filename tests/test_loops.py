@@ -69,6 +69,7 @@ def test_seed_flow_skip_carries_on_with_the_next_batch(mode, fault):
 @pytest.mark.parametrize("fault", lib.FAULTS)
 @lib.each_mode
 def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(mode, fault):
+    """Batch 3 is bad under `stop`: the run ends at global step 3, weights finite."""
     model = lib.build_model(
         check_numerics=lib.MODES[mode], nan_policy="stop", faults={BAD_BATCH: fault}
     )
@@ -82,6 +83,8 @@ def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(mode, fault):
 @pytest.mark.parametrize("fault", lib.FAULTS)
 @lib.each_mode
 def test_seed_flow_raise_names_step_value_and_culprits(mode, fault):
+    """Batch 3 is bad under `raise`: the error names global step 3, the loss and the
+    culprits, and the weights are still those of step 3."""
     model = lib.build_model(check_numerics=lib.MODES[mode], faults={BAD_BATCH: fault})
     run = _seed_flow(model, mode=mode)
     error = run.error
@@ -191,6 +194,8 @@ def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(mode):
 
 @lib.each_mode
 def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, mode):
+    """Every batch from 2 on is bad; two in a row roll back, twice at most: skip, rollback,
+    skip, rollback, skip, and the next one raises."""
     model = _escalating_model(
         mode,
         "rollback",
@@ -270,6 +275,8 @@ def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
 
 
 def test_a_good_step_resets_the_consecutive_count():
+    """Bad batches 2-3 and 5-6 around a good batch 4: each pair counts 1, 2 and never
+    reaches max_consecutive_bad_steps=3."""
     faults = {2: "nan_input", 3: "nan_input", 5: "inf_loss", 6: "inf_loss"}
     model = lib.build_model(
         check_numerics=True, nan_policy="skip", max_consecutive_bad_steps=3, faults=faults
@@ -286,6 +293,8 @@ def test_a_good_step_resets_the_consecutive_count():
 
 @lib.each_mode
 def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(mode):
+    """Bad batches 2 and 4 under skip: the callback sees both and turns the second one into
+    a stop at global step 3."""
     seen = []
 
     def on_nan(event):
@@ -412,6 +421,8 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
+    """tf-slim's training.train with the hook, a NaN loss at batch 3: `skip` reaches step
+    6, `stop` ends at step 3 and returns the bad loss."""
     # A NaN loss on every CPU kernel: `stop` returns the bad step's loss.
     model = lib.build_model(check_numerics=False, nan_policy=policy, faults={BAD_BATCH: "nan_loss"})
     snapshots = lib.Snapshots()
@@ -436,6 +447,8 @@ def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
 
 @pytest.mark.parametrize("policy", ["skip", "stop", "raise"])
 def test_tf_slim_learning_train_with_train_step(tmp_path, policy):
+    """tf-slim's learning.train with train_step, a NaN gradient at batch 3: the policy
+    applies, naming logits/weights; unless it raised, the last checkpoint is finite."""
     model = lib.build_model(
         check_numerics=True, nan_policy=policy, faults={BAD_BATCH: "nan_gradient"}
     )

@@ -67,6 +67,8 @@ class TestNoPoisonedCheckpoint:
     @pytest.mark.parametrize("policy", ["raise", "stop", "skip", "rollback"])
     @lib.each_mode
     def test_train_saves_every_step_and_no_checkpoint_holds_nan(self, tmp_path, mode, policy):
+        """A NaN input at batch 3, a checkpoint every step: under every policy no
+        checkpoint holds a NaN, and the newest is the last good state."""
         snapshots = lib.Snapshots()
         if policy == "raise":
             with pytest.raises(slim_nanguard.NanLossError):
@@ -248,6 +250,8 @@ class TestPlainTensorFlowPoisonsCheckpoints:
         return [slim_nanguard.non_finite_variables(p) for p in lib.all_checkpoints(str(logdir))]
 
     def test_nan_tensor_hook_without_failing_saves_nan_weights_at_the_end(self, tmp_path):
+        """NanTensorHook that only stops: the closing save writes NaN weights. Ours stops
+        with finite ones."""
         theirs = self._run(
             tmp_path / "tf",
             slim.learning.create_train_op,
@@ -265,6 +269,8 @@ class TestPlainTensorFlowPoisonsCheckpoints:
         assert not any(ours)
 
     def test_the_checkpoint_saver_runs_before_the_nan_hook_raises(self, tmp_path):
+        """TensorFlow's saver writes the poisoned step before NanTensorHook raises; ours
+        raises as well, and every checkpoint is finite."""
         theirs = self._run(
             tmp_path / "tf",
             slim.learning.create_train_op,
@@ -316,6 +322,8 @@ class TestRefusingANonFiniteModel:
 
 class TestRollback:
     def test_rollback_restores_skips_ahead_and_lowers_the_learning_rate(self, tmp_path):
+        """NaN losses at batches 3 and 4: one rollback to the checkpoint of step 3 skips
+        batch 4 and halves the learning rate."""
         snapshots = lib.Snapshots()
         result, model = _train(
             tmp_path,
@@ -406,6 +414,8 @@ class TestRollback:
 
     @lib.each_mode
     def test_rollback_gives_up_after_max_rollbacks(self, tmp_path, mode):
+        """An Inf loss at every other batch from 2 on: two rollbacks, then the third bad
+        step raises."""
         faults = {i: "inf_loss" for i in range(2, 20, 2)}
         with pytest.raises(
             slim_nanguard.NanLossError, match="2 rollbacks already done reached max_rollbacks=2"
@@ -478,6 +488,8 @@ class TestRollback:
 
     @lib.each_mode
     def test_escalation_to_stop_ends_with_the_last_good_checkpoint(self, tmp_path, mode):
+        """Every batch from 3 on is bad: two skips, then a stop whose checkpoint is the
+        state of step 3, variable for variable."""
         snapshots = lib.Snapshots()
         result, _ = _train(
             tmp_path,
@@ -520,6 +532,8 @@ class TestRollback:
 
 class TestTheRecord:
     def test_each_bad_step_is_a_line_and_a_tensorboard_scalar(self, tmp_path):
+        """A NaN gradient at batch 2 and an Inf loss at batch 5 (global step 4, after the
+        skip): one JSON line each, and TensorBoard scalars."""
         result, _ = _train(tmp_path, nan_policy="skip", faults={2: "nan_gradient", 5: "inf_loss"})
         records = slim_nanguard.read_events(result.events_path)
         assert [(r["kind"], r.get("action"), r.get("step")) for r in records] == [
@@ -553,6 +567,8 @@ class TestTheRecord:
 
 class TestResume:
     def test_a_second_run_carries_on_and_appends_to_the_record(self, tmp_path):
+        """A run stops at its bad step 3; a second run in the same directory goes on to
+        step 8 and appends to the same record."""
         first, _ = _train(tmp_path, nan_policy="stop", faults={BAD: "nan_input"})
         assert (first.stop_reason, first.global_step) == ("nan_policy_stop", BAD)
         second, _ = _train(tmp_path, nan_policy="skip", faults={1: "inf_loss"}, steps=8)
@@ -613,6 +629,8 @@ class TestResume:
         assert result.steps <= 8 - abort.starts[1] + 5
 
     def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(self, tmp_path, caplog):
+        """Four steps, then the newest checkpoint (step 4) is cut short: the next run
+        resumes from step 3 and says why."""
         _train(tmp_path, steps=4)
         latest = tf.train.latest_checkpoint(str(tmp_path))
         assert latest.endswith("model.ckpt-4")
