@@ -11,35 +11,81 @@ step it chooses:
 What ``nan_input`` does to the loss depends on the CPU kernel, not on the guard: oneDNN's fused
 MatMul+BiasAdd+ReLU maps NaN to 0 on some CPUs (AMD Zen 4 and later), so the loss stays finite
 while the first layer's gradient (x^T . delta) is NaN; elsewhere the NaN reaches the loss.
-`LOSS_KINDS` and `SURE_CULPRITS` say what holds on every kernel, and tests assert those.
+`FAULTS` says, per fault, what holds on every kernel, and tests assert those.
+
+Shared by the test files: `MODES` and `each_mode` (the two guard modes), `run_step` (one
+session run, its error returned), and `run_monitored` (the hand-written
+`MonitoredTrainingSession` loop of the seed notes).
 """
 
 import dataclasses
-from typing import Dict, Optional
+import glob
+import itertools
+import os
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
 
-FAULTS = ("nan_loss", "inf_loss", "nan_gradient", "nan_input")
+# The guard's two modes: name -> the `check_numerics` argument of `create_train_op`.
+MODES = {"check_numerics": True, "hook": False}
 
-# The loss kinds a fault can give, on any CPU kernel.
-LOSS_KINDS = {
-    "nan_loss": {"nan"},
-    "inf_loss": {"inf"},
-    "nan_gradient": {"finite"},
-    "nan_input": {"nan", "finite"},
+# Runs a test once in each mode, as its `mode` argument.
+each_mode = pytest.mark.parametrize("mode", sorted(MODES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A fault a batch can carry, and what it does on every CPU kernel.
+
+    Attributes:
+      loss_kinds: the kinds of loss (``nan``, ``inf``, ``finite``) it may give.
+      sure_culprits: the variables whose gradient it makes non-finite on every kernel.
+      loss_offset: what it adds to the loss.
+      norm_scale: the scale of the norm whose gradient is NaN at 0.
+      nan_input: whether it puts a NaN in the input batch.
+    """
+
+    loss_kinds: FrozenSet[str]
+    sure_culprits: Tuple[str, ...] = ()
+    loss_offset: float = 0.0
+    norm_scale: float = 1.0
+    nan_input: bool = False
+
+    def corrupt(self, x: np.ndarray) -> Tuple[float, float]:
+        """Puts the fault's NaN (if any) in the batch `x`; returns (loss offset, norm scale)."""
+        if self.nan_input:
+            x[3, 2] = np.nan
+        return self.loss_offset, self.norm_scale
+
+
+FAULTS: Dict[str, Fault] = {
+    "nan_loss": Fault(frozenset({"nan"}), loss_offset=np.nan),
+    "inf_loss": Fault(frozenset({"inf"}), loss_offset=np.inf),
+    "nan_gradient": Fault(frozenset({"finite"}), ("logits/weights",), norm_scale=0.0),
+    "nan_input": Fault(frozenset({"nan", "finite"}), ("fc1/weights",), nan_input=True),
 }
 
-# The variables whose gradient a fault makes non-finite on any CPU kernel.
-SURE_CULPRITS = {
-    "nan_loss": (),
-    "inf_loss": (),
-    "nan_gradient": ("logits/weights",),
-    "nan_input": ("fc1/weights",),
-}
+NO_FAULT = Fault(frozenset({"finite"}))
+
+
+def fault(name: Optional[str]) -> Fault:
+    """The fault named `name` (`NO_FAULT` for None); an unknown name is a ValueError."""
+    if name is None:
+        return NO_FAULT
+    if name not in FAULTS:
+        raise ValueError(name)
+    return FAULTS[name]
+
+
+def _batch(seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    x = rng.randn(BATCH, FEATURES).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int64)
 
 
 def loss_kind(value) -> str:
@@ -65,21 +111,14 @@ class Model:
 
     def feed(self, step_seed: int, *faults: Optional[str]) -> Dict:
         """The feed of batch `step_seed`, with every fault in `faults` (None for none)."""
-        rng = np.random.RandomState(step_seed)
-        x = rng.randn(BATCH, FEATURES).astype(np.float32)
-        y = (x[:, 0] > 0).astype(np.int64)
+        x, y = _batch(step_seed)
         feed = {self.x: x, self.y: y}
-        for fault in faults:
-            if fault == "nan_loss":
-                feed[self.offset] = np.float32(np.nan)
-            elif fault == "inf_loss":
-                feed[self.offset] = np.float32(np.inf)
-            elif fault == "nan_gradient":
-                feed[self.norm_scale] = np.float32(0.0)
-            elif fault == "nan_input":
-                x[3, 2] = np.nan
-            elif fault is not None:
-                raise ValueError(fault)
+        for name in faults:
+            offset, scale = fault(name).corrupt(x)
+            if offset != 0.0:
+                feed[self.offset] = np.float32(offset)
+            if scale != 1.0:
+                feed[self.norm_scale] = np.float32(scale)
         return feed
 
 
@@ -99,21 +138,8 @@ def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):
     """`count` batches as arrays (x, y, loss offset, norm scale), with `faults` {index: kind}."""
     xs, ys, offsets, scales = [], [], [], []
     for i in range(count):
-        rng = np.random.RandomState(1000 + i)
-        x = rng.randn(BATCH, FEATURES).astype(np.float32)
-        y = (x[:, 0] > 0).astype(np.int64)
-        offset, scale = 0.0, 1.0
-        fault = (faults or {}).get(i)
-        if fault == "nan_loss":
-            offset = np.nan
-        elif fault == "inf_loss":
-            offset = np.inf
-        elif fault == "nan_gradient":
-            scale = 0.0
-        elif fault == "nan_input":
-            x[3, 2] = np.nan
-        elif fault is not None:
-            raise ValueError(fault)
+        x, y = _batch(1000 + i)
+        offset, scale = fault((faults or {}).get(i)).corrupt(x)
         xs.append(x), ys.append(y), offsets.append(offset), scales.append(scale)
     return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32), np.array(scales, np.float32))
 
@@ -210,9 +236,6 @@ def checkpoint_values(path: str) -> Dict[str, np.ndarray]:
 
 def all_checkpoints(logdir: str):
     """Every checkpoint prefix in `logdir` (from the index files, not the state file)."""
-    import glob
-    import os
-
     return sorted(p[: -len(".index")] for p in glob.glob(os.path.join(logdir, "*.index")))
 
 
@@ -221,3 +244,127 @@ def assert_no_poisoned_checkpoint(logdir: str) -> None:
     assert paths, f"no checkpoint in {logdir}"
     for path in paths:
         assert slim_nanguard.non_finite_variables(path) == (), path
+
+
+def run_step(sess, fetches, feed=None):
+    """Runs `fetches` once; returns (value, None), or (None, error) on an InvalidArgumentError.
+
+    The error is a check_numerics bad step's; a test asserts which outcome its mode gives.
+    """
+    try:
+        return sess.run(fetches, feed), None
+    except tf.errors.InvalidArgumentError as err:
+        return None, err
+
+
+@dataclasses.dataclass
+class MonitoredRun:
+    """What a `run_monitored` loop saw.
+
+    Attributes:
+      runs: the runs of the train op that returned.
+      events: the `NanEvent` of each bad step the loop carried on from (none for a step that
+        raised).
+      error: the `NanLossDuringTrainingError` that ended the loop, if `catch_nan_error`.
+      bad_step_changes: for each bad step that rolled nothing back, the variables it changed.
+      final: every variable when the loop ended.
+    """
+
+    runs: int = 0
+    events: List = dataclasses.field(default_factory=list)
+    error: Optional[BaseException] = None
+    bad_step_changes: List[List[str]] = dataclasses.field(default_factory=list)
+    final: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+def run_monitored(
+    train_op,
+    *,
+    hooks: Sequence = (),
+    last_step: Optional[int] = None,
+    feeds: Optional[Iterable[Dict]] = None,
+    checkpoint_dir: Optional[str] = None,
+    handle_numerics_errors: bool = False,
+    catch_nan_error: bool = False,
+) -> MonitoredRun:
+    """The seed notes' loop: a `MonitoredTrainingSession` running `train_op` until it stops.
+
+    Args:
+      train_op: the train op; its graph is the one the session runs.
+      hooks: the session's hooks.
+      last_step: adds a `StopAtStepHook` at this global step.
+      feeds: one feed per run; without them, the loop runs until the session should stop.
+      checkpoint_dir: where the session saves a checkpoint every step (none without it).
+      handle_numerics_errors: a check_numerics-mode bad step's `InvalidArgumentError` goes to
+        `slim_nanguard.handle_numerics_error`, as the README's loop does.
+      catch_nan_error: a `NanLossDuringTrainingError` (ours or TensorFlow's) ends the loop
+        and is returned as `error`; otherwise it propagates. Either way it leaves the session
+        as it would leave the user's loop, so the hooks' `end` does not run.
+    """
+    graph = train_op.graph
+    guard = slim_nanguard.get_guard(train_op)  # None: tf-slim's own train op, as a baseline
+    hooks = list(hooks)
+    if last_step is not None:
+        hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=last_step))
+    step_kwargs = dict(handle_numerics_errors=handle_numerics_errors, checkpoint_dir=checkpoint_dir)
+    run = MonitoredRun()
+    try:
+        with (
+            graph.as_default(),
+            tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=hooks,
+                checkpoint_dir=checkpoint_dir,
+                save_checkpoint_steps=1 if checkpoint_dir else None,
+                save_summaries_steps=None,
+                log_step_count_steps=None,
+            ) as sess,
+        ):
+            # Through the raw session: reading through `sess` would run the hooks.
+            def read():
+                return sess.run_step_fn(lambda step_context: state(step_context.session, graph))
+
+            try:
+                for feed in itertools.repeat(None) if feeds is None else feeds:
+                    if sess.should_stop():
+                        break
+                    if guard is None:
+                        sess.run(train_op, feed)
+                        run.runs += 1
+                    else:
+                        _guarded_step(sess, train_op, feed, guard, read, run, **step_kwargs)
+            except tf.compat.v1.train.NanLossDuringTrainingError as err:
+                run.error, run.final = err, read()
+                raise
+            run.final = read()
+    except tf.compat.v1.train.NanLossDuringTrainingError as err:
+        if not (catch_nan_error and err is run.error):
+            raise
+    return run
+
+
+def _guarded_step(
+    sess, train_op, feed, guard, read, run, *, handle_numerics_errors, checkpoint_dir
+):
+    """One step of `run_monitored`: its event, and what it changed if it was bad."""
+    before = read()
+    bad_steps, rollbacks = guard.state.total_bad_steps, guard.state.rollbacks
+    try:
+        try:
+            sess.run(train_op, feed)
+            run.runs += 1
+        except tf.errors.InvalidArgumentError as err:
+            if not handle_numerics_errors:
+                raise
+            run.events.append(
+                slim_nanguard.handle_numerics_error(sess, err, checkpoint_dir=checkpoint_dir)
+            )
+        else:
+            if guard.state.total_bad_steps != bad_steps:  # hook mode: the hook judged it
+                run.events.append(guard.last_event)
+    finally:
+        # After the policy acted (even by raising); a rollback rightly writes.
+        if guard.state.total_bad_steps != bad_steps and guard.state.rollbacks == rollbacks:
+            after = read()
+            run.bad_step_changes.append(
+                [name for name in before if not np.array_equal(before[name], after[name])]
+            )

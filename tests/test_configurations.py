@@ -17,7 +17,6 @@ import slim_nanguard
 
 import nanguard_testlib as lib
 
-MODES = {"check_numerics": True, "hook": False}
 v1 = tf.compat.v1
 
 OPTIMIZERS: Dict[str, Callable[[tf.Variable], v1.train.Optimizer]] = {
@@ -115,10 +114,10 @@ class Run:
 
 @pytest.mark.parametrize("use_resource", [True, False], ids=["resource", "ref"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_each_optimizer_skips_a_bad_step_and_trains_on_a_good_one(mode, optimizer, use_resource):
     changed = Run(
-        optimizer=optimizer, use_resource=use_resource, check_numerics=MODES[mode]
+        optimizer=optimizer, use_resource=use_resource, check_numerics=lib.MODES[mode]
     ).story()
     assert {"weights", "biases", "global_step"} <= changed
 
@@ -146,9 +145,9 @@ EXPECTED_CHANGES: Dict[str, Optional[set]] = {
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_each_configuration_skips_a_bad_step_and_trains_on_a_good_one(mode, name):
-    run = Run(check_numerics=MODES[mode], **CONFIGURATIONS[name])
+    run = Run(check_numerics=lib.MODES[mode], **CONFIGURATIONS[name])
     if "embedding" in name:  # the NaN rows reach the table as IndexedSlices: a sparse update
         assert any(
             op.type.startswith(("SparseApply", "ResourceSparseApply", "Scatter", "ResourceScatter"))
@@ -161,7 +160,7 @@ def test_each_configuration_skips_a_bad_step_and_trains_on_a_good_one(mode, name
         assert not any("ExponentialMovingAverage" in n for n in changed)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_an_inf_only_gradient_under_a_finite_loss_is_a_bad_step(mode):
-    changed = Run(check_numerics=MODES[mode], optimizer="adagrad").story(bad_gradient=np.inf)
+    changed = Run(check_numerics=lib.MODES[mode], optimizer="adagrad").story(bad_gradient=np.inf)
     assert {"weights", "weights/Adagrad", "global_step"} <= changed

@@ -14,6 +14,8 @@ from slim_nanguard import app as launch
 from slim_nanguard.app import datasets
 from slim_nanguard.app import faults
 
+import nanguard_testlib as lib
+
 # ---------------------------------------------------------------------------------------------
 # FaultSpec
 
@@ -100,6 +102,7 @@ def _run_injected(spec_text, num_batches=4):
 )
 def test_each_kind_corrupts_only_the_chosen_batch(kind, images_ok, loss_check, grad_ok):
     rows = _run_injected(f"{kind}:2")
+    assert [index for index, *_ in rows] == [0, 1, 2, 3]  # batch 2 was among them
     for index, batch_finite, loss, grad_finite in rows:
         if index == 2:
             assert bool(batch_finite) == images_ok
@@ -183,10 +186,11 @@ def _config(train_dir, **kwargs):
     return launch.TrainConfig(**values)
 
 
-@pytest.mark.parametrize("check_numerics", [True, False], ids=["check_numerics", "hook"])
-def test_skip_steps_over_an_injected_nan_batch(tmp_path, check_numerics):
+@lib.each_mode
+def test_skip_steps_over_an_injected_nan_batch(tmp_path, mode):
+    """A NaN batch at step 10 of 30: skipped, recorded, and the run reaches step 30."""
     result = launch.run_training(
-        _config(tmp_path / "run", check_numerics=check_numerics, inject_faults="nan_input:10")
+        _config(tmp_path / "run", check_numerics=lib.MODES[mode], inject_faults="nan_input:10")
     )
     assert (result.global_step, result.bad_steps, result.skips) == (30, 1, 1)
     assert result.stop_reason == "step_limit"

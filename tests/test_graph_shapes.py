@@ -15,16 +15,6 @@ import slim_nanguard
 
 import nanguard_testlib as lib
 
-MODES = {"check_numerics": True, "hook": False}
-
-
-def _run(sess, fetches, feed=None):
-    """Runs `fetches`; returns (value, error) instead of raising InvalidArgumentError."""
-    try:
-        return sess.run(fetches, feed), None
-    except tf.errors.InvalidArgumentError as err:
-        return None, err
-
 
 def _raw(sess):
     """The tf.Session under a MonitoredSession (reading through it would run the hooks)."""
@@ -74,7 +64,7 @@ def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on
         for step in range(2):
             sess.run(training_op, model.feed(step))
         before = lib.state(sess, model.graph)
-        _, err = _run(sess, training_op, model.feed(2, "nan_gradient"))
+        _, err = lib.run_step(sess, training_op, model.feed(2, "nan_gradient"))
         assert slim_nanguard.get_guard(model.train_op).owns_error(err)
         lib.assert_state_equal(before, lib.state(sess, model.graph))
         sess.run(training_op, model.feed(3))
@@ -106,7 +96,7 @@ BATCH_NORM_VARIANTS = ["resource", "ref", "cond", "cond_v2"]
 
 @pytest.mark.parametrize("variant", BATCH_NORM_VARIANTS)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "not_fused"])
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_step(
     mode, fused, variant, request
 ):
@@ -150,7 +140,7 @@ def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_ste
         train_op = slim_nanguard.create_train_op(
             loss,
             tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
-            check_numerics=MODES[mode],
+            check_numerics=lib.MODES[mode],
             nan_policy="skip",
         )
         rng = np.random.RandomState(0)
@@ -165,7 +155,7 @@ def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_ste
             before = lib.state(sess, graph)
             assert np.any(before["conv/BatchNorm/moving_mean"])  # the good step moved it
             for bad in ({**good, offset: np.nan}, nan_batch):
-                value, err = _run(sess, train_op, bad)
+                value, err = lib.run_step(sess, train_op, bad)
                 if mode == "check_numerics":
                     assert slim_nanguard.get_guard(train_op).owns_error(err)
                 else:
@@ -178,7 +168,7 @@ def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_ste
         assert not np.array_equal(after[name], before[name]), name
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, caplog):
     """A step counter in UPDATE_OPS that the loss reads after the increment: a bad step leaves
     it as it was. A write to a variable in no collection cannot be put back and says so."""
@@ -195,7 +185,7 @@ def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, capl
         with tf.control_dependencies([count, tf.compat.v1.assign_add(hidden, 1.0)]):
             loss = tf.reduce_sum(w * w) + offset
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=MODES[mode]
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), check_numerics=lib.MODES[mode]
         )
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert not any("examples_seen" in m or "feeds the loss" in m for m in warnings)
@@ -205,7 +195,7 @@ def test_an_update_op_the_loss_waits_on_is_put_back_without_a_warning(mode, capl
             sess.run(train_op)
             before = lib.state(sess, graph)
             assert before["examples_seen"] == 1
-            _run(sess, train_op, {offset: np.inf})
+            lib.run_step(sess, train_op, {offset: np.inf})
             lib.assert_state_equal(before, lib.state(sess, graph))
             sess.run(train_op)
             assert sess.run(seen) == 2
@@ -275,7 +265,7 @@ def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_writte
         sess.run(total, {xs: _loop_batches(ITERATIONS)})
         assert sess.run(global_step) == ITERATIONS  # three steps in one run
         before = lib.state(sess, graph)
-        _, err = _run(sess, total, {xs: _loop_batches(ITERATIONS, bad=[0])})
+        _, err = lib.run_step(sess, total, {xs: _loop_batches(ITERATIONS, bad=[0])})
         assert err is not None and slim_nanguard.is_numerics_error(err)
         assert guard.owns_error(err)
         lib.assert_state_equal(before, lib.state(sess, graph))
@@ -408,10 +398,10 @@ def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
     with graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         before = lib.state(sess, graph)
-        _, err = _run(sess, d_train, {g_offset: np.nan})
+        _, err = lib.run_step(sess, d_train, {g_offset: np.nan})
         assert err is None
         after = lib.state(sess, graph)
         assert _changed(before, after, "discriminator") and not _changed(before, after, "generator")
-        _, err = _run(sess, g_train, {g_offset: np.nan})
+        _, err = lib.run_step(sess, g_train, {g_offset: np.nan})
         assert g_guard.owns_error(err) and not d_guard.owns_error(err)
         lib.assert_state_equal(after, lib.state(sess, graph))

@@ -22,6 +22,8 @@ import slim_nanguard
 from slim_nanguard.app import cluster as launch_cluster
 from slim_nanguard.app import datasets
 
+import nanguard_testlib as lib
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train.py"
 EVAL = REPO / "scripts" / "eval.py"
@@ -215,8 +217,6 @@ def test_eval_refuses_a_checkpoint_with_nan(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Each mode x policy, with an injected fault at batch 20 of 40.
 
-_MODES = {"check_numerics": "--check_numerics", "hook": "--nocheck_numerics"}
-
 
 @pytest.mark.parametrize(
     "mode, policy, fault",
@@ -236,7 +236,7 @@ def test_mode_and_policy_with_an_injected_fault(tmp_path, mode, policy, fault):
     proc = _run(
         TRAIN,
         f"--train_dir={train_dir}",
-        _MODES[mode],
+        "--check_numerics" if lib.MODES[mode] else "--nocheck_numerics",
         f"--nan_policy={policy}",
         f"--inject_fault={fault}:20",
         "--dataset_name=synthetic",

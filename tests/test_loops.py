@@ -21,104 +21,77 @@ BAD_BATCH = 3
 STEPS = 6
 
 
-def _seed_flow(model, *, hook_mode, checkpoint_dir=None):
-    """The loop of the seed notes; returns (snapshots, events, caught error or None).
+def _seed_flow(model, *, mode, checkpoint_dir=None) -> lib.MonitoredRun:
+    """The loop of the seed notes, up to global step `STEPS`, until the policy ends it.
 
     In hook mode the hook comes from `nan_hook`; in check_numerics mode the loop catches the
-    error and hands it to `handle_numerics_error`. Before each step the raw session's state
-    is saved, so the state after a bad step can be compared with it.
+    error and hands it to `handle_numerics_error`.
     """
-    hooks = [tf.compat.v1.train.StopAtStepHook(last_step=STEPS)]
-    if hook_mode:
+    hooks = []
+    if mode == "hook":
         hooks.append(slim_nanguard.nan_hook(model.train_op, checkpoint_dir=checkpoint_dir))
-    events, error, bad_step_changes = [], None, []
-    with model.graph.as_default():
-        with tf.compat.v1.train.MonitoredTrainingSession(
-            hooks=hooks,
-            checkpoint_dir=checkpoint_dir,
-            save_checkpoint_steps=1,
-            save_summaries_steps=None,
-            log_step_count_steps=None,
-        ) as sess:
-            read = lambda: sess.run_step_fn(  # noqa: E731
-                lambda step_context: lib.state(step_context.session, model.graph)
-            )
-            guard = slim_nanguard.get_guard(model.train_op)
-            while not sess.should_stop():
-                before, bad_before = read(), guard.state.total_bad_steps
-                try:
-                    sess.run(model.train_op)
-                except tf.errors.InvalidArgumentError as err:
-                    try:
-                        events.append(
-                            slim_nanguard.handle_numerics_error(
-                                sess, err, checkpoint_dir=checkpoint_dir
-                            )
-                        )
-                    except slim_nanguard.NanLossError as nan_error:
-                        error = nan_error
-                except slim_nanguard.NanLossError as nan_error:
-                    error = nan_error
-                if guard.state.total_bad_steps != bad_before:
-                    after = read()
-                    if guard.state.rollbacks == 0:
-                        bad_step_changes.append(
-                            [k for k in before if not np.array_equal(before[k], after[k])]
-                        )
-                    if hook_mode and error is None:
-                        events.append(guard.last_event)
-                if error is not None:
-                    break
-            final = read()
-    return final, events, error, bad_step_changes
+    return lib.run_monitored(
+        model.train_op,
+        hooks=hooks,
+        last_step=STEPS,
+        checkpoint_dir=checkpoint_dir,
+        handle_numerics_errors=True,
+        catch_nan_error=True,
+    )
 
 
 @pytest.mark.parametrize("fault", lib.FAULTS)
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_seed_flow_skip_carries_on_with_the_next_batch(hook_mode, fault):
+@lib.each_mode
+def test_seed_flow_skip_carries_on_with_the_next_batch(mode, fault):
+    """Batch 3 is bad: it is skipped, named, and the run still makes its six good steps."""
     model = lib.build_model(
-        check_numerics=not hook_mode, nan_policy="skip", faults={BAD_BATCH: fault}
+        check_numerics=lib.MODES[mode], nan_policy="skip", faults={BAD_BATCH: fault}
     )
-    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
-    assert error is None
-    assert changes == [[]], "the bad step changed variables"
-    assert [e.action for e in events] == ["skip"]
-    assert events[0].step == BAD_BATCH and events[0].consecutive == 1
-    assert events[0].loss_kind in lib.LOSS_KINDS[fault]
-    assert events[0].loss_kind == lib.loss_kind(events[0].loss)
-    assert set(lib.SURE_CULPRITS[fault]) <= set(events[0].culprits)
-    if fault == "nan_input" and events[0].loss_kind == "nan":
+    run = _seed_flow(model, mode=mode)
+    assert run.error is None
+    assert run.bad_step_changes == [[]], "the bad step changed variables"
+    (event,) = run.events
+    assert event.action == "skip"
+    assert event.step == BAD_BATCH and event.consecutive == 1
+    assert event.loss_kind in lib.FAULTS[fault].loss_kinds
+    assert event.loss_kind == lib.loss_kind(event.loss)
+    assert set(lib.FAULTS[fault].sure_culprits) <= set(event.culprits)
+    if fault == "nan_input" and event.loss_kind == "nan":
         # A NaN input that reached the loss came back through every layer's gradient.
-        assert "logits/weights" in events[0].culprits
+        assert "logits/weights" in event.culprits
     if fault in ("nan_loss", "inf_loss"):
-        assert events[0].culprits == ()
+        assert event.culprits == ()
     # Six good steps were still made: the bad batch was stepped over, not retried.
-    assert int(final["global_step"]) == STEPS
-    lib.assert_all_finite(final)
+    assert int(run.final["global_step"]) == STEPS
+    lib.assert_all_finite(run.final)
 
 
 @pytest.mark.parametrize("fault", lib.FAULTS)
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(hook_mode, fault):
+@lib.each_mode
+def test_seed_flow_stop_ends_cleanly_with_the_last_good_weights(mode, fault):
+    """Batch 3 is bad under `stop`: the run ends at global step 3, weights finite."""
     model = lib.build_model(
-        check_numerics=not hook_mode, nan_policy="stop", faults={BAD_BATCH: fault}
+        check_numerics=lib.MODES[mode], nan_policy="stop", faults={BAD_BATCH: fault}
     )
-    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
-    assert error is None and changes == [[]]
-    assert [e.action for e in events] == ["stop"]
-    assert int(final["global_step"]) == BAD_BATCH
-    lib.assert_all_finite(final)
+    run = _seed_flow(model, mode=mode)
+    assert run.error is None and run.bad_step_changes == [[]]
+    assert [e.action for e in run.events] == ["stop"]
+    assert int(run.final["global_step"]) == BAD_BATCH
+    lib.assert_all_finite(run.final)
 
 
 @pytest.mark.parametrize("fault", lib.FAULTS)
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
-    model = lib.build_model(check_numerics=not hook_mode, faults={BAD_BATCH: fault})
-    final, _, error, changes = _seed_flow(model, hook_mode=hook_mode)
+@lib.each_mode
+def test_seed_flow_raise_names_step_value_and_culprits(mode, fault):
+    """Batch 3 is bad under `raise`: the error names global step 3, the loss and the
+    culprits, and the weights are still those of step 3."""
+    model = lib.build_model(check_numerics=lib.MODES[mode], faults={BAD_BATCH: fault})
+    run = _seed_flow(model, mode=mode)
+    error = run.error
     assert isinstance(error, slim_nanguard.NanLossError)
     assert isinstance(error, tf.compat.v1.train.NanLossDuringTrainingError)
     assert isinstance(error, slim_nanguard.NanGuardError)
-    assert changes == [[]]
+    assert run.bad_step_changes == [[]]
     message = str(error)
     assert f"global step {BAD_BATCH}" in message
     expected = {
@@ -135,30 +108,34 @@ def test_seed_flow_raise_names_step_value_and_culprits(hook_mode, fault):
     }[fault]
     assert any(text in message for text in expected), message
     assert "the nan_policy is 'raise'" in message
-    assert int(final["global_step"]) == BAD_BATCH
+    assert int(run.final["global_step"]) == BAD_BATCH
 
 
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_skip_gives_up_after_max_consecutive_bad_steps(hook_mode):
-    """The default persistent_nan_policy is raise: today's give-up rule."""
+@lib.each_mode
+def test_skip_gives_up_after_max_consecutive_bad_steps(mode):
+    """Bad batches from 2 on: two skips, then the third in a row raises (the default
+    persistent_nan_policy, today's give-up rule), with the weights of step 2."""
     faults = {i: "nan_input" for i in range(2, 10)}
     model = lib.build_model(
-        check_numerics=not hook_mode, nan_policy="skip", max_consecutive_bad_steps=3, faults=faults
+        check_numerics=lib.MODES[mode],
+        nan_policy="skip",
+        max_consecutive_bad_steps=3,
+        faults=faults,
     )
     assert slim_nanguard.get_guard(model.train_op).config.persistent_nan_policy == "raise"
-    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
-    assert [e.action for e in events] == ["skip", "skip"]
-    assert isinstance(error, slim_nanguard.NanLossError)
-    assert error.event.consecutive == 3
-    assert "3 bad steps in a row reached max_consecutive_bad_steps=3" in str(error)
-    assert changes == [[], [], []]
-    assert int(final["global_step"]) == 2
+    run = _seed_flow(model, mode=mode)
+    assert [e.action for e in run.events] == ["skip", "skip"]
+    assert isinstance(run.error, slim_nanguard.NanLossError)
+    assert run.error.event.consecutive == 3
+    assert "3 bad steps in a row reached max_consecutive_bad_steps=3" in str(run.error)
+    assert run.bad_step_changes == [[], [], []]
+    assert int(run.final["global_step"]) == 2
 
 
-def _escalating_model(hook_mode, persistent_nan_policy, bad_batches, **create_kwargs):
+def _escalating_model(mode, persistent_nan_policy, bad_batches, **create_kwargs):
     """The model under skip, escalating to `persistent_nan_policy`; `bad_batches` are NaN."""
     return lib.build_model(
-        check_numerics=not hook_mode,
+        check_numerics=lib.MODES[mode],
         nan_policy="skip",
         persistent_nan_policy=persistent_nan_policy,
         faults={i: "nan_input" for i in bad_batches},
@@ -166,73 +143,79 @@ def _escalating_model(hook_mode, persistent_nan_policy, bad_batches, **create_kw
     )
 
 
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, hook_mode):
+@lib.each_mode
+def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, mode):
     """Three bad batches in a row: the state is bad, so the guard rolls back and carries on.
 
     The checkpoint of step 2 is the one the rollback returns to, so the bad batch after it is
     seen at global step 2 again: only the explicit reset keeps it from escalating once more.
     """
     model = _escalating_model(
-        hook_mode,
+        mode,
         "rollback",
         range(2, 6),
         max_consecutive_bad_steps=3,
         rollback_skip_batches=0,
         rollback_lr_factor=0.5,
     )
-    final, events, error, changes = _seed_flow(
-        model, hook_mode=hook_mode, checkpoint_dir=str(tmp_path)
-    )
-    assert error is None
-    assert [(e.step, e.consecutive, e.action) for e in events] == [
+    run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
+    assert run.error is None
+    assert [(e.step, e.consecutive, e.action) for e in run.events] == [
         (2, 1, "skip"),
         (2, 2, "skip"),
         (2, 3, "rollback"),
         (2, 1, "skip"),
     ]
-    assert changes == [[], []]  # the bad steps before the rollback wrote nothing
+    # Only the rollback wrote: the two skips before it and the one after it changed nothing.
+    assert run.bad_step_changes == [[], [], []]
     state = slim_nanguard.get_guard(model.train_op).state
     assert (state.skips, state.rollbacks, state.learning_rate_scale) == (3, 1, 0.5)
     # Training went on after the rollback: the step limit was reached with finite weights.
-    assert int(final["global_step"]) == STEPS
-    assert final["nanguard/learning_rate_scale"] == 0.5
-    lib.assert_all_finite(final)
+    assert int(run.final["global_step"]) == STEPS
+    assert run.final["nanguard/learning_rate_scale"] == 0.5
+    lib.assert_all_finite(run.final)
 
 
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(hook_mode):
-    model = _escalating_model(hook_mode, "stop", range(2, 10), max_consecutive_bad_steps=3)
-    final, events, error, changes = _seed_flow(model, hook_mode=hook_mode)
-    assert error is None
-    assert [(e.consecutive, e.action) for e in events] == [(1, "skip"), (2, "skip"), (3, "stop")]
-    assert changes == [[], [], []]
-    assert int(final["global_step"]) == 2
-    lib.assert_all_finite(final)
+@lib.each_mode
+def test_skip_escalates_to_a_clean_stop_with_the_last_good_weights(mode):
+    """Bad batches from 2 on: two skips, then a clean stop with the weights of step 2."""
+    model = _escalating_model(mode, "stop", range(2, 10), max_consecutive_bad_steps=3)
+    run = _seed_flow(model, mode=mode)
+    assert run.error is None
+    assert [(e.consecutive, e.action) for e in run.events] == [
+        (1, "skip"),
+        (2, "skip"),
+        (3, "stop"),
+    ]
+    assert run.bad_step_changes == [[], [], []]
+    assert int(run.final["global_step"]) == 2
+    lib.assert_all_finite(run.final)
 
 
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, hook_mode):
+@lib.each_mode
+def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, mode):
+    """Every batch from 2 on is bad; two in a row roll back, twice at most: skip, rollback,
+    skip, rollback, skip, and the next one raises."""
     model = _escalating_model(
-        hook_mode,
+        mode,
         "rollback",
         range(2, 40),
         max_consecutive_bad_steps=2,
         max_rollbacks=2,
         rollback_skip_batches=0,
     )
-    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode, checkpoint_dir=str(tmp_path))
-    assert [e.action for e in events] == ["skip", "rollback", "skip", "rollback", "skip"]
-    assert isinstance(error, slim_nanguard.NanLossError)
-    assert error.event.action == "raise"
+    run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
+    assert [e.action for e in run.events] == ["skip", "rollback", "skip", "rollback", "skip"]
+    assert isinstance(run.error, slim_nanguard.NanLossError)
+    assert run.error.event.action == "raise"
     assert (
         "2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
         "already done reached max_rollbacks=2"
-    ) in str(error)
+    ) in str(run.error)
     # The first rollback restored step 2, which went bad again before anything newer was
     # saved, so the second one went a checkpoint further back.
-    assert int(final["global_step"]) == 1
-    lib.assert_all_finite(final)
+    assert int(run.final["global_step"]) == 1
+    lib.assert_all_finite(run.final)
 
 
 def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
@@ -292,13 +275,15 @@ def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
 
 
 def test_a_good_step_resets_the_consecutive_count():
+    """Bad batches 2-3 and 5-6 around a good batch 4: each pair counts 1, 2 and never
+    reaches max_consecutive_bad_steps=3."""
     faults = {2: "nan_input", 3: "nan_input", 5: "inf_loss", 6: "inf_loss"}
     model = lib.build_model(
         check_numerics=True, nan_policy="skip", max_consecutive_bad_steps=3, faults=faults
     )
-    _, events, error, _ = _seed_flow(model, hook_mode=False)
-    assert error is None
-    assert [(e.step, e.consecutive, e.total) for e in events] == [
+    run = _seed_flow(model, mode="check_numerics")
+    assert run.error is None
+    assert [(e.step, e.consecutive, e.total) for e in run.events] == [
         (2, 1, 1),
         (2, 2, 2),
         (3, 1, 3),
@@ -306,8 +291,10 @@ def test_a_good_step_resets_the_consecutive_count():
     ]
 
 
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
-def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(hook_mode):
+@lib.each_mode
+def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(mode):
+    """Bad batches 2 and 4 under skip: the callback sees both and turns the second one into
+    a stop at global step 3."""
     seen = []
 
     def on_nan(event):
@@ -315,16 +302,16 @@ def test_the_on_nan_callback_sees_each_event_and_may_override_the_policy(hook_mo
         return "stop" if event.total == 2 else None
 
     model = lib.build_model(
-        check_numerics=not hook_mode,
+        check_numerics=lib.MODES[mode],
         nan_policy="skip",
         on_nan=on_nan,
         faults={2: "nan_loss", 4: "nan_gradient"},
     )
-    final, events, error, _ = _seed_flow(model, hook_mode=hook_mode)
-    assert error is None
+    run = _seed_flow(model, mode=mode)
+    assert run.error is None
     assert [(e.step, e.action) for e in seen] == [(2, "skip"), (3, "skip")]
-    assert [e.action for e in events] == ["skip", "stop"]
-    assert int(final["global_step"]) == 3
+    assert [e.action for e in run.events] == ["skip", "stop"]
+    assert int(run.final["global_step"]) == 3
 
 
 def test_an_on_nan_callback_returning_nonsense_is_an_error():
@@ -336,11 +323,12 @@ def test_an_on_nan_callback_returning_nonsense_is_an_error():
         match="the on_nan callback must return one of raise, stop, "
         "skip, rollback or None; got 'ignore'",
     ):
-        _seed_flow(model, hook_mode=True)
+        _seed_flow(model, mode="hook")
 
 
 def test_a_hand_built_hook_behaves_as_the_ready_one():
-    """The seed flow: the user builds NanLossHook(total_loss, fail_on_nan_loss=True)."""
+    """The seed flow: the user builds NanLossHook(total_loss, fail_on_nan_loss=True). Batch 2
+    is bad; with either hook it is skipped, and six runs end at the same weights of step 5."""
     results = []
     for hand_built in (False, True):
         model = lib.build_model(check_numerics=False, nan_policy="skip", faults={2: "nan_input"})
@@ -350,13 +338,7 @@ def test_a_hand_built_hook_behaves_as_the_ready_one():
             else slim_nanguard.nan_hook(model.train_op)
         )
         snapshots = lib.Snapshots()
-        with model.graph.as_default():
-            with tf.compat.v1.train.MonitoredTrainingSession(
-                hooks=[hook, snapshots, tf.compat.v1.train.StopAtStepHook(last_step=5)],
-                log_step_count_steps=None,
-            ) as sess:
-                while not sess.should_stop():
-                    sess.run(model.train_op)
+        lib.run_monitored(model.train_op, hooks=[hook, snapshots], last_step=5)
         assert hook.guard is slim_nanguard.get_guard(model.train_op)
         assert isinstance(hook, tf.compat.v1.train.NanTensorHook)
         results.append((hook.guard.state.skips, snapshots.runs, snapshots.by_step[5]))
@@ -397,19 +379,9 @@ def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
     for name, (hook_cls, train_op_fn) in variants.items():
         model = lib.build_model(train_op_fn=train_op_fn, check_numerics=False, faults={1: fault})
         with model.graph.as_default():
-            try:
-                with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[
-                        hook_cls(model.train_op),
-                        tf.compat.v1.train.StopAtStepHook(last_step=2),
-                    ],
-                    log_step_count_steps=None,
-                ) as sess:
-                    while not sess.should_stop():
-                        sess.run(model.train_op)
-                caught[name] = False
-            except tf.compat.v1.train.NanLossDuringTrainingError:
-                caught[name] = True
+            hook = hook_cls(model.train_op)
+        run = lib.run_monitored(model.train_op, hooks=[hook], last_step=2, catch_nan_error=True)
+        caught[name] = run.error is not None
     assert caught == {
         "NanTensorHook": False,
         # A loss-only check (no guard behind slim's train op) catches Inf, not a NaN gradient.
@@ -422,9 +394,9 @@ def test_tensorflows_nan_tensor_hook_misses_what_ours_catches(fault):
     "policy, level",
     [("raise", logging.ERROR), ("stop", logging.WARNING), ("skip", logging.WARNING)],
 )
-@pytest.mark.parametrize("hook_mode", [False, True], ids=["check_numerics", "hook"])
+@lib.each_mode
 def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
-    hook_mode, policy, level, caplog
+    mode, policy, level, caplog
 ):
     """Alerting greps TensorFlow's log for NanTensorHook's "Model diverged with loss = NaN".
 
@@ -434,10 +406,10 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
     the real loss and the action.
     """
     model = lib.build_model(
-        check_numerics=not hook_mode, nan_policy=policy, faults={BAD_BATCH: "inf_loss"}
+        check_numerics=lib.MODES[mode], nan_policy=policy, faults={BAD_BATCH: "inf_loss"}
     )
     with caplog.at_level(logging.INFO, logger="tensorflow"):
-        _seed_flow(model, hook_mode=hook_mode)
+        _seed_flow(model, mode=mode)
     lines = [r for r in caplog.records if "Model diverged with loss = NaN" in r.getMessage()]
     assert len(lines) == 1
     assert (lines[0].name, lines[0].levelno) == ("tensorflow", level)
@@ -449,6 +421,8 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
+    """tf-slim's training.train with the hook, a NaN loss at batch 3: `skip` reaches step
+    6, `stop` ends at step 3 and returns the bad loss."""
     # A NaN loss on every CPU kernel: `stop` returns the bad step's loss.
     model = lib.build_model(check_numerics=False, nan_policy=policy, faults={BAD_BATCH: "nan_loss"})
     snapshots = lib.Snapshots()
@@ -473,6 +447,8 @@ def test_tf_slim_training_train_with_the_hook(tmp_path, policy):
 
 @pytest.mark.parametrize("policy", ["skip", "stop", "raise"])
 def test_tf_slim_learning_train_with_train_step(tmp_path, policy):
+    """tf-slim's learning.train with train_step, a NaN gradient at batch 3: the policy
+    applies, naming logits/weights; unless it raised, the last checkpoint is finite."""
     model = lib.build_model(
         check_numerics=True, nan_policy=policy, faults={BAD_BATCH: "nan_gradient"}
     )

@@ -9,7 +9,6 @@ and records those steps apart from real bad steps.
 """
 
 import numpy as np
-import pytest
 import tensorflow as tf
 import tf_slim as slim
 
@@ -17,7 +16,6 @@ import slim_nanguard
 
 import nanguard_testlib as lib
 
-MODES = {"check_numerics": True, "hook": False}
 BATCH = 8
 STEPS = 8
 SCALE_VARIABLES = ("current_loss_scale", "good_steps")
@@ -28,11 +26,10 @@ def _batches(faults, count=100):
     xs, ys, offsets, scales = [], [], [], []
     rng = np.random.RandomState(0)
     for i in range(count):
-        xs.append(rng.randn(BATCH, 4).astype(np.float32) * 3)
-        ys.append(rng.randn(BATCH, 1).astype(np.float32))
-        fault = (faults or {}).get(i)
-        offsets.append(np.nan if fault == "nan_loss" else 0.0)
-        scales.append(0.0 if fault == "nan_gradient" else 1.0)
+        x = rng.randn(BATCH, 4).astype(np.float32) * 3
+        offset, scale = lib.fault((faults or {}).get(i)).corrupt(x)
+        xs.append(x), ys.append(rng.randn(BATCH, 1).astype(np.float32))
+        offsets.append(offset), scales.append(scale)
     return (np.stack(xs), np.stack(ys), np.array(offsets, np.float32), np.array(scales, np.float32))
 
 
@@ -82,12 +79,12 @@ def _model_state(values):
     return {name: value for name, value in values.items() if name not in SCALE_VARIABLES}
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_an_overflow_lowers_the_scale_and_writes_nothing_else(mode):
     """Eight steps: the first ones overflow at 32768, the scale comes down as tf-slim's does
     (it stayed at 32768 for ever when the guard gated its update), and training resumes."""
     slim_history = _steps(*_build(slim.learning.create_train_op))
-    ours = _steps(*_build(check_numerics=MODES[mode], nan_policy="raise"))
+    ours = _steps(*_build(check_numerics=lib.MODES[mode], nan_policy="raise"))
 
     slim_scales = [values["current_loss_scale"] for _, values in slim_history]
     our_scales = [values["current_loss_scale"] for _, values in ours]
@@ -113,12 +110,12 @@ def test_an_overflow_lowers_the_scale_and_writes_nothing_else(mode):
     assert overflows == STEPS - trained
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_the_record_shows_overflows_apart_from_bad_steps(tmp_path, mode):
     """Three overflows in a row, then a NaN loss. max_consecutive_bad_steps=2 would give up at
     the second overflow if overflows counted; the NaN loss is the one bad step."""
     graph, train_op = _build(
-        check_numerics=MODES[mode],
+        check_numerics=lib.MODES[mode],
         nan_policy="skip",
         max_consecutive_bad_steps=2,
         faults={5: "nan_loss"},
@@ -149,12 +146,12 @@ def test_the_record_shows_overflows_apart_from_bad_steps(tmp_path, mode):
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_at_the_scale_floor_a_non_finite_gradient_is_a_bad_step(tmp_path, mode):
     """A NaN gradient at scale 2 is taken for an overflow (the scale drops to its floor, 1);
     the next one, at the floor, is a bad step, and the policy applies."""
     graph, train_op = _build(
-        check_numerics=MODES[mode],
+        check_numerics=lib.MODES[mode],
         nan_policy="stop",
         initial_scale=2,
         faults={1: "nan_gradient", 2: "nan_gradient"},
@@ -179,12 +176,12 @@ def test_at_the_scale_floor_a_non_finite_gradient_is_a_bad_step(tmp_path, mode):
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_a_rollback_lowers_the_inner_optimizers_learning_rate(tmp_path, mode):
     """The overflows at the start roll nothing back; a NaN loss at batch 5 rolls back once, and
     rollback_lr_factor scales the learning rate of the optimizer the loss-scale one wraps."""
     graph, train_op = _build(
-        check_numerics=MODES[mode],
+        check_numerics=lib.MODES[mode],
         nan_policy="rollback",
         rollback_lr_factor=0.5,
         faults={5: "nan_loss"},

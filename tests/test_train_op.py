@@ -15,16 +15,6 @@ import slim_nanguard
 
 import nanguard_testlib as lib
 
-MODES = {"check_numerics": True, "hook": False}
-
-
-def _run(sess, op, feed):
-    """Runs `op`; returns (value, error) instead of raising InvalidArgumentError."""
-    try:
-        return sess.run(op, feed), None
-    except tf.errors.InvalidArgumentError as err:
-        return None, err
-
 
 def test_slim_check_numerics_lets_the_bad_update_reach_the_weights():
     """The measurement we set out to beat: slim raises only after the NaN update landed.
@@ -35,7 +25,7 @@ def test_slim_check_numerics_lets_the_bad_update_reach_the_weights():
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(model.train_op, model.feed(0))
-        _, err = _run(sess, model.train_op, model.feed(1, "nan_loss", "nan_gradient"))
+        _, err = lib.run_step(sess, model.train_op, model.feed(1, "nan_loss", "nan_gradient"))
         assert err is not None and slim_nanguard.is_numerics_error(err)
         weights = sess.run(tf.compat.v1.trainable_variables())
     assert not all(np.all(np.isfinite(w)) for w in weights), "slim no longer poisons weights?"
@@ -45,17 +35,17 @@ def test_slim_check_numerics_misses_a_nan_gradient_with_a_finite_loss():
     model = lib.build_model(train_op_fn=slim.learning.create_train_op, check_numerics=True)
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        loss, err = _run(sess, model.train_op, model.feed(1, "nan_gradient"))
+        loss, err = lib.run_step(sess, model.train_op, model.feed(1, "nan_gradient"))
         assert err is None and np.isfinite(loss)
         assert not np.all(np.isfinite(sess.run(tf.compat.v1.trainable_variables("logits")[0])))
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "momentum", "sgd"])
 @pytest.mark.parametrize("fault", lib.FAULTS)
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_a_bad_step_changes_no_variable(mode, fault, optimizer):
     """Weights, slots, Adam's beta powers, global_step and the moving mean all stay put."""
-    model = lib.build_model(optimizer=optimizer, check_numerics=MODES[mode])
+    model = lib.build_model(optimizer=optimizer, check_numerics=lib.MODES[mode])
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for step in range(2):
@@ -63,12 +53,12 @@ def test_a_bad_step_changes_no_variable(mode, fault, optimizer):
         before = lib.state(sess, model.graph)
         assert int(before["global_step"]) == 2
         lib.mark_judged(sess, model.train_op)
-        value, err = _run(sess, model.train_op, model.feed(2, fault))
+        value, err = lib.run_step(sess, model.train_op, model.feed(2, fault))
         if mode == "check_numerics":
             assert err is not None and slim_nanguard.is_numerics_error(err)
             assert err.op.name == slim_nanguard.get_guard(model.train_op).check_op_name
         else:
-            assert err is None and lib.loss_kind(value) in lib.LOSS_KINDS[fault]
+            assert err is None and lib.loss_kind(value) in lib.FAULTS[fault].loss_kinds
         after = lib.state(sess, model.graph)
         lib.assert_state_equal(before, after)
         lib.assert_all_finite(after)
@@ -78,12 +68,12 @@ def test_a_bad_step_changes_no_variable(mode, fault, optimizer):
         assert not np.array_equal(after["fc1/weights"], sess.run("fc1/weights:0"))
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_a_finite_step_matches_slim(mode):
     """Three good steps give tf-slim's weights, slots and moving mean to float tolerance."""
     results = []
     for train_op_fn in (slim.learning.create_train_op, slim_nanguard.create_train_op):
-        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=MODES[mode])
+        model = lib.build_model(train_op_fn=train_op_fn, check_numerics=lib.MODES[mode])
         with model.graph.as_default(), tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             losses = [sess.run(model.train_op, model.feed(step)) for step in range(3)]
@@ -138,7 +128,7 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
     with graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         before = lib.state(sess, graph)
-        _, err = _run(sess, train_op, {x: xv, y: yv})
+        _, err = lib.run_step(sess, train_op, {x: xv, y: yv})
         assert err is not None and slim_nanguard.is_numerics_error(err)
         lib.assert_state_equal(before, lib.state(sess, graph))
         guard = slim_nanguard.get_guard(train_op)
@@ -150,7 +140,7 @@ def test_the_silent_case_a_relu_that_maps_nan_to_zero():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "not_fused"])
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
     """The moving mean and variance that slim.batch_norm's update ops assign are gated too."""
     from slim_nanguard import compat
@@ -173,7 +163,7 @@ def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
         assert len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)) == 2
         train_op = slim_nanguard.create_train_op(
-            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=MODES[mode]
+            loss, tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), check_numerics=lib.MODES[mode]
         )
         rng = np.random.RandomState(0)
         good = {x: rng.randn(4, 3, 3, 2).astype(np.float32), y: np.array([0, 1, 0, 1])}
@@ -185,7 +175,7 @@ def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
             sess.run(train_op, good)
             before = lib.state(sess, graph)
             assert np.any(before["conv/BatchNorm/moving_mean"])  # the good step moved it
-            _run(sess, train_op, bad)
+            lib.run_step(sess, train_op, bad)
             lib.assert_state_equal(before, lib.state(sess, graph))
             sess.run(train_op, good)
             after = lib.state(sess, graph)
@@ -251,9 +241,9 @@ def test_the_positional_arguments_are_slims():
     assert all(p.kind == p.KEYWORD_ONLY for p in ours[len(theirs) + 1 :])
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_the_train_op_is_the_loss_and_joins_the_train_op_collection(mode):
-    model = lib.build_model(check_numerics=MODES[mode])
+    model = lib.build_model(check_numerics=lib.MODES[mode])
     assert model.train_op in model.graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -465,7 +455,7 @@ class TestBadInput:
                 slim_nanguard.create_train_op(tf.reduce_sum(w * w), "sgd")
 
     @pytest.mark.parametrize("kind", ["keras", "tf_keras", "tf_keras_legacy"])
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_a_keras_optimizer_is_refused_by_name(self, mode, kind):
         """Keras 3, tf-keras and tf-keras legacy optimizers get the same clear message (a
         tf-keras one used to fail deep inside with a TypeError about gate_gradients)."""
@@ -482,7 +472,7 @@ class TestBadInput:
         with graph.as_default():
             with pytest.raises(ValueError) as raised:
                 slim_nanguard.create_train_op(
-                    tf.reduce_sum(w * w), optimizer, check_numerics=MODES[mode]
+                    tf.reduce_sum(w * w), optimizer, check_numerics=lib.MODES[mode]
                 )
         message = str(raised.value)
         assert message.startswith(f"optimizer must be a tf.compat.v1.train.Optimizer; got {name}.")

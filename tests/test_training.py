@@ -23,7 +23,6 @@ import slim_nanguard
 import nanguard_testlib as lib
 
 BAD = 3
-MODES = {"check_numerics": True, "hook": False}
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -51,7 +50,7 @@ def _train(
     logdir, *, mode="check_numerics", faults=None, steps=8, hooks=(), model=None, **create_kwargs
 ):
     """Builds the model and trains it with checkpoints every step; returns (result, model)."""
-    model = model or lib.build_model(check_numerics=MODES[mode], faults=faults, **create_kwargs)
+    model = model or lib.build_model(check_numerics=lib.MODES[mode], faults=faults, **create_kwargs)
     result = slim_nanguard.train(
         model.train_op,
         str(logdir),
@@ -66,8 +65,10 @@ def _train(
 
 class TestNoPoisonedCheckpoint:
     @pytest.mark.parametrize("policy", ["raise", "stop", "skip", "rollback"])
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_train_saves_every_step_and_no_checkpoint_holds_nan(self, tmp_path, mode, policy):
+        """A NaN input at batch 3, a checkpoint every step: under every policy no
+        checkpoint holds a NaN, and the newest is the last good state."""
         snapshots = lib.Snapshots()
         if policy == "raise":
             with pytest.raises(slim_nanguard.NanLossError):
@@ -94,7 +95,7 @@ class TestNoPoisonedCheckpoint:
         for name, value in expected.items():
             np.testing.assert_array_equal(latest[name], value, err_msg=name)
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_a_users_own_saver_never_writes_an_inf_weight(self, tmp_path, mode):
         """A Scaffold with the user's Saver (over w and global_step only). At batch 3 a huge
         but finite input gives a finite loss and gradient, and the update sends w to -Inf,
@@ -111,7 +112,7 @@ class TestNoPoisonedCheckpoint:
             train_op = slim_nanguard.create_train_op(
                 w * x,
                 tf.compat.v1.train.GradientDescentOptimizer(10.0),
-                check_numerics=MODES[mode],
+                check_numerics=lib.MODES[mode],
                 nan_policy="stop",
             )
             saver = tf.compat.v1.train.Saver(
@@ -135,20 +136,15 @@ class TestNoPoisonedCheckpoint:
 
     @pytest.mark.parametrize("policy", ["stop", "skip"])
     def test_a_plain_monitored_session_with_our_hook(self, tmp_path, policy):
+        """Batch 3 is bad in a session saving every step: the newest checkpoint is step 3's
+        (stop) or step 6's (skip), and none holds a NaN."""
         model = lib.build_model(check_numerics=False, nan_policy=policy, faults={BAD: "nan_input"})
-        with model.graph.as_default():
-            with tf.compat.v1.train.MonitoredTrainingSession(
-                checkpoint_dir=str(tmp_path),
-                save_checkpoint_steps=1,
-                save_summaries_steps=None,
-                log_step_count_steps=None,
-                hooks=[
-                    slim_nanguard.nan_hook(model.train_op),
-                    tf.compat.v1.train.StopAtStepHook(last_step=6),
-                ],
-            ) as sess:
-                while not sess.should_stop():
-                    sess.run(model.train_op)
+        lib.run_monitored(
+            model.train_op,
+            hooks=[slim_nanguard.nan_hook(model.train_op)],
+            last_step=6,
+            checkpoint_dir=str(tmp_path),
+        )
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
         latest = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
         assert int(latest["global_step"]) == (BAD if policy == "stop" else 6)
@@ -206,7 +202,7 @@ def test_a_run_through_a_grpc_master_skips_the_bad_step(tmp_path, grpc_master, m
             self.target = tf.compat.as_str(session.sess_str)
 
     model = lib.build_model(
-        check_numerics=MODES[mode], nan_policy=policy, faults={BAD: "nan_input"}
+        check_numerics=lib.MODES[mode], nan_policy=policy, faults={BAD: "nan_input"}
     )
     target = _Target()
     result = slim_nanguard.train(
@@ -229,28 +225,33 @@ class TestPlainTensorFlowPoisonsCheckpoints:
     """What TensorFlow alone does with a bad step, and what ours does instead."""
 
     def _run(self, logdir, train_op_fn, hook_fn, fail):
+        """Eight steps saving every step, the hook raising (`fail`) or stopping at a NaN.
+
+        Batch 3 has a NaN input: fc1's gradient is NaN on every CPU kernel, but the loss only
+        where the kernel lets the NaN through. Batch 4's loss is NaN on every kernel, so
+        NanTensorHook sees the NaN by then. Returns the non-finite variables of each
+        checkpoint written.
+        """
         model = lib.build_model(
-            train_op_fn=train_op_fn, check_numerics=False, faults={BAD: "nan_input"}
+            train_op_fn=train_op_fn,
+            check_numerics=False,
+            faults={BAD: "nan_input", BAD + 1: "nan_loss"},
         )
         with model.graph.as_default():
-            try:
-                with tf.compat.v1.train.MonitoredTrainingSession(
-                    checkpoint_dir=str(logdir),
-                    save_checkpoint_steps=1,
-                    save_summaries_steps=None,
-                    log_step_count_steps=None,
-                    hooks=[
-                        hook_fn(model.train_op, fail),
-                        tf.compat.v1.train.StopAtStepHook(last_step=8),
-                    ],
-                ) as sess:
-                    while not sess.should_stop():
-                        sess.run(model.train_op)
-            except tf.compat.v1.train.NanLossDuringTrainingError:
-                pass
+            hook = hook_fn(model.train_op, fail)
+        run = lib.run_monitored(
+            model.train_op,
+            hooks=[hook],
+            last_step=8,
+            checkpoint_dir=str(logdir),
+            catch_nan_error=True,
+        )
+        assert (run.error is not None) == fail, "the hook did not raise as told"
         return [slim_nanguard.non_finite_variables(p) for p in lib.all_checkpoints(str(logdir))]
 
     def test_nan_tensor_hook_without_failing_saves_nan_weights_at_the_end(self, tmp_path):
+        """NanTensorHook that only stops: the closing save writes NaN weights. Ours stops
+        with finite ones."""
         theirs = self._run(
             tmp_path / "tf",
             slim.learning.create_train_op,
@@ -268,6 +269,8 @@ class TestPlainTensorFlowPoisonsCheckpoints:
         assert not any(ours)
 
     def test_the_checkpoint_saver_runs_before_the_nan_hook_raises(self, tmp_path):
+        """TensorFlow's saver writes the poisoned step before NanTensorHook raises; ours
+        raises as well, and every checkpoint is finite."""
         theirs = self._run(
             tmp_path / "tf",
             slim.learning.create_train_op,
@@ -319,6 +322,8 @@ class TestRefusingANonFiniteModel:
 
 class TestRollback:
     def test_rollback_restores_skips_ahead_and_lowers_the_learning_rate(self, tmp_path):
+        """NaN losses at batches 3 and 4: one rollback to the checkpoint of step 3 skips
+        batch 4 and halves the learning rate."""
         snapshots = lib.Snapshots()
         result, model = _train(
             tmp_path,
@@ -339,14 +344,14 @@ class TestRollback:
         assert rollbacks[0]["skipped_batches"] == 1
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_a_checkpoint_that_goes_bad_again_is_passed_over_by_the_next_rollback(
         self, tmp_path, mode
     ):
         """Batches 3 and 5 are bad. The first rollback restores step 3; the run goes bad again
         before it saves anything newer, so the second one goes a checkpoint further back."""
         model = lib.build_model(
-            check_numerics=MODES[mode],
+            check_numerics=lib.MODES[mode],
             nan_policy="rollback",
             rollback_skip_batches=1,
             faults={BAD: "nan_loss", BAD + 2: "nan_loss"},
@@ -381,13 +386,13 @@ class TestRollback:
         rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
         assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["4", "4"]
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_walking_back_survives_the_restored_step_being_saved_again(self, tmp_path, mode):
         """Every batch from 3 on is bad; checkpoints are saved by time, so the saver writes the
         restored step again during the skipped steps. Each escalated rollback still goes one
         step further back."""
         model = lib.build_model(
-            check_numerics=MODES[mode],
+            check_numerics=lib.MODES[mode],
             nan_policy="skip",
             max_consecutive_bad_steps=2,
             persistent_nan_policy="rollback",
@@ -407,8 +412,10 @@ class TestRollback:
         assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["3", "2", "1"]
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_rollback_gives_up_after_max_rollbacks(self, tmp_path, mode):
+        """An Inf loss at every other batch from 2 on: two rollbacks, then the third bad
+        step raises."""
         faults = {i: "inf_loss" for i in range(2, 20, 2)}
         with pytest.raises(
             slim_nanguard.NanLossError, match="2 rollbacks already done reached max_rollbacks=2"
@@ -426,11 +433,11 @@ class TestRollback:
         assert [r["kind"] for r in records] == ["bad_step", "rollback"] * 2 + ["bad_step", "stop"]
         assert records[-1]["reason"] == "nan_error"
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_skip_escalates_to_a_rollback_to_the_last_checkpoint(self, tmp_path, mode):
         """Batches 4-6 are bad: two skips, then the third in a row rolls back to step 3."""
         model = lib.build_model(
-            check_numerics=MODES[mode],
+            check_numerics=lib.MODES[mode],
             nan_policy="skip",
             max_consecutive_bad_steps=3,
             persistent_nan_policy="rollback",
@@ -479,8 +486,10 @@ class TestRollback:
         assert restored["nanguard/learning_rate_scale"] == 0.5
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_escalation_to_stop_ends_with_the_last_good_checkpoint(self, tmp_path, mode):
+        """Every batch from 3 on is bad: two skips, then a stop whose checkpoint is the
+        state of step 3, variable for variable."""
         snapshots = lib.Snapshots()
         result, _ = _train(
             tmp_path,
@@ -523,6 +532,8 @@ class TestRollback:
 
 class TestTheRecord:
     def test_each_bad_step_is_a_line_and_a_tensorboard_scalar(self, tmp_path):
+        """A NaN gradient at batch 2 and an Inf loss at batch 5 (global step 4, after the
+        skip): one JSON line each, and TensorBoard scalars."""
         result, _ = _train(tmp_path, nan_policy="skip", faults={2: "nan_gradient", 5: "inf_loss"})
         records = slim_nanguard.read_events(result.events_path)
         assert [(r["kind"], r.get("action"), r.get("step")) for r in records] == [
@@ -556,6 +567,8 @@ class TestTheRecord:
 
 class TestResume:
     def test_a_second_run_carries_on_and_appends_to_the_record(self, tmp_path):
+        """A run stops at its bad step 3; a second run in the same directory goes on to
+        step 8 and appends to the same record."""
         first, _ = _train(tmp_path, nan_policy="stop", faults={BAD: "nan_input"})
         assert (first.stop_reason, first.global_step) == ("nan_policy_stop", BAD)
         second, _ = _train(tmp_path, nan_policy="skip", faults={1: "inf_loss"}, steps=8)
@@ -591,7 +604,7 @@ class TestResume:
         assert (second.rollbacks, second.learning_rate_scale) == (1, 0.25)
         assert lib.checkpoint_values(second.checkpoint)["nanguard/learning_rate_scale"] == 0.25
 
-    @pytest.mark.parametrize("mode", sorted(MODES))
+    @lib.each_mode
     def test_a_recovered_session_carries_on_from_the_last_checkpoint(self, tmp_path, mode):
         """An AbortedError (a preempted worker) makes MonitoredSession create a new session:
         it must start from the newest checkpoint, not from where the run began."""
@@ -616,6 +629,8 @@ class TestResume:
         assert result.steps <= 8 - abort.starts[1] + 5
 
     def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(self, tmp_path, caplog):
+        """Four steps, then the newest checkpoint (step 4) is cut short: the next run
+        resumes from step 3 and says why."""
         _train(tmp_path, steps=4)
         latest = tf.train.latest_checkpoint(str(tmp_path))
         assert latest.endswith("model.ckpt-4")
@@ -704,12 +719,12 @@ def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
     assert slim_nanguard.read_events(tmp_path)[-1]["reason"] == "interrupted"
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_giving_up_first_saves_the_good_state_of_the_bad_step(tmp_path, mode):
     """No checkpoint by time or by steps, yet raising costs no good step: the state the guard
     kept at the bad step is saved before the error leaves `train`."""
     model = lib.build_model(
-        check_numerics=MODES[mode], nan_policy="raise", faults={BAD: "nan_loss"}
+        check_numerics=lib.MODES[mode], nan_policy="raise", faults={BAD: "nan_loss"}
     )
     with pytest.raises(slim_nanguard.NanLossError) as raised:
         slim_nanguard.train(

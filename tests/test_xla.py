@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     config = tf.compat.v1.ConfigProto()
     config.graph_options.optimizer_options.global_jit_level = tf.compat.v1.OptimizerOptions.ON_1
     report = {{}}
-    for mode, check_numerics in (("check_numerics", True), ("hook", False)):
+    for mode, check_numerics in lib.MODES.items():
         model = lib.build_model(check_numerics=check_numerics)
         with model.graph.as_default(), tf.compat.v1.Session(config=config) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
