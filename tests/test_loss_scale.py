@@ -202,11 +202,11 @@ def test_a_rollback_lowers_the_inner_optimizers_learning_rate(tmp_path, mode):
     lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@lib.each_mode
 def test_train_step_records_overflows_in_both_modes(mode):
     """tf_slim.learning.train's step function, by hand: the first steps overflow. In either
     mode each one is a ``loss_scale_overflow`` record, not a good step and not a bad one."""
-    graph, train_op = _build(check_numerics=MODES[mode], nan_policy="raise")
+    graph, train_op = _build(check_numerics=lib.MODES[mode], nan_policy="raise")
     guard = slim_nanguard.get_guard(train_op)
     records = []
     guard.add_listener(records.append)
