@@ -9,7 +9,6 @@ with a warning; `non_finite_variables` says which values of a checkpoint are not
 from __future__ import annotations
 
 import collections
-import glob
 import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -28,19 +27,23 @@ _VERIFIED_MAX = 32
 
 
 def _files_key(checkpoint_path: str) -> tuple:
-    """The name, size and mtime of every file of a checkpoint: its index and data shards."""
+    """The name, size and mtime of every file of a checkpoint: its index and data shards.
+
+    Through `tf.io.gfile`, so that a checkpoint on a remote file system (``gs://``) has a key
+    that changes when its files do.
+    """
     files = [
         checkpoint_path + ".index",
-        *sorted(glob.glob(glob.escape(checkpoint_path) + ".data-*")),
+        *sorted(tf.io.gfile.glob(checkpoint_path + ".data-*")),
     ]
     key = []
     for name in files:
         try:
-            stat = os.stat(name)
-        except OSError:
+            stat = tf.io.gfile.stat(name)
+        except tf.errors.OpError:
             key.append((name, None, None))
         else:
-            key.append((name, stat.st_size, stat.st_mtime_ns))
+            key.append((name, stat.length, stat.mtime_nsec))
     return tuple(key)
 
 

@@ -74,6 +74,8 @@ class TrainResult:
         as the model holds it at the end (so a resumed run reports the scale it carried on).
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer in this call (not
         bad steps: the optimizer skipped them and lowered its scale).
+      rollback_requests: Bad steps of a cluster's non-chief worker whose rollback it asked the
+        chief to carry out (the chief counts the rollback in its own ``rollbacks``).
     """
 
     final_loss: float
@@ -87,6 +89,7 @@ class TrainResult:
     events_path: str
     learning_rate_scale: float = 1.0
     loss_scale_overflows: int = 0
+    rollback_requests: int = 0
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
@@ -95,10 +98,11 @@ class TrainResult:
             if self.loss_scale_overflows
             else ""
         )
+        requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
         return (
             f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
             f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
-            f"({self.skips} skipped, {self.rollbacks} rolled back){overflows}\n"
+            f"({self.skips} skipped, {self.rollbacks} rolled back{requests}){overflows}\n"
             f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}"
         )
 
@@ -159,6 +163,7 @@ class _Counts:
     skips: int = 0
     rollbacks: int = 0
     loss_scale_overflows: int = 0
+    rollback_requests: int = 0
 
     def add(self, outcome: _actions.Outcome) -> None:
         if outcome.overflow:
@@ -168,7 +173,9 @@ class _Counts:
             self.skips += outcome.action == Action.SKIP
             # A cluster worker's rollback request restored nothing here (no checkpoint): the
             # chief carries it out and counts it (`_cluster.ChiefRollbackHook.rollbacks`).
-            self.rollbacks += outcome.action == Action.ROLLBACK and bool(outcome.checkpoint)
+            restored = bool(outcome.checkpoint)
+            self.rollbacks += outcome.action == Action.ROLLBACK and restored
+            self.rollback_requests += outcome.action == Action.ROLLBACK and not restored
         else:
             self.steps += 1
 
@@ -482,6 +489,7 @@ def train(
         events_path=recorder.path,
         learning_rate_scale=lr_scale,
         loss_scale_overflows=counts.loss_scale_overflows,
+        rollback_requests=counts.rollback_requests,
     )
     recorder.append(
         {

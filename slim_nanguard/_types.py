@@ -1,9 +1,9 @@
 """The closed vocabularies of the guard, and the types its functions take.
 
 Each vocabulary is a `str`-valued enum: a member equals its string (``Action.SKIP == "skip"``),
-formats as it (``f"{Action.SKIP}"`` is ``skip``) and is written to JSON as it, so records and
-user code that compare with plain strings keep working. This module imports nothing of the
-package, so that every other module can use it.
+formats as it (``f"{Action.SKIP}"`` is ``skip``, ``f"{Action.SKIP!r}"`` is ``'skip'``) and is
+written to JSON as it, so records and user code that compare with plain strings keep working.
+This module imports nothing of the package, so that every other module can use it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,16 @@ import tensorflow as tf
 
 
 class _StrEnum(str, enum.Enum):
-    """A `str` enum whose `str` and `format` are its value (Python 3.11 would say
-    ``Action.SKIP``); `repr` keeps the class name, for debugging."""
+    """A `str` enum whose `str`, `format` and `repr` are its value's (Python 3.11 would say
+    ``Action.SKIP`` and ``<Action.SKIP: 'skip'>``): a message that quotes a setting, as in
+    ``f"nan_policy={config.nan_policy!r}"``, reads ``nan_policy='skip'`` whether the user gave
+    the string or the default is a member."""
 
     def __str__(self) -> str:
         return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return str.__repr__(self.value)
 
     def __format__(self, spec: str) -> str:
         return str.__format__(str(self), spec)

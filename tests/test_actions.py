@@ -122,7 +122,7 @@ def test_the_loop_tallies_its_result_from_outcomes():
         _actions.GOOD,
     ]:
         counts.add(outcome)
-    assert dataclasses.astuple(counts) == (2, 3, 1, 1, 1)
+    assert dataclasses.astuple(counts) == (2, 3, 1, 1, 1, 1)
 
 
 def test_the_input_op_types_have_one_definition():
@@ -213,3 +213,14 @@ def test_a_hooks_rollback_override_builds_the_guards_one_saver(tmp_path):
     with model.graph.as_default():
         hook.begin()
     assert guard.saver is not None and guard.autopsy_dir == str(tmp_path)
+
+
+def test_a_message_quotes_a_default_setting_as_the_user_would_write_it():
+    """The defaults are enum members; a message that quotes one with !r reads as a string."""
+    config = slim_nanguard.GuardConfig(nan_policy="rollback")
+    assert config.persistent_nan_policy == Action.RAISE
+    message = (
+        f"nan_policy={config.nan_policy!r} (persistent_nan_policy={config.persistent_nan_policy!r})"
+    )
+    assert message == "nan_policy='rollback' (persistent_nan_policy='raise')"
+    assert f"{Action.STOP}" == str(Action.STOP) == "stop"

@@ -11,6 +11,7 @@ from slim_nanguard import _errors
 from slim_nanguard import _loop
 from slim_nanguard import _policy
 from slim_nanguard._types import Cause
+from slim_nanguard._types import StopReason
 from slim_nanguard.app import config as config_lib
 
 __all__ = ["describe_training", "error_message"]
@@ -45,7 +46,7 @@ def describe_training(
         _loop.STOP_TERMINATED: "terminated (SIGTERM), stopped cleanly",
         _loop.STOP_END_OF_DATA: "the input ran out",
         _loop.STOP_REQUESTED: "a hook asked to stop",
-        "cluster_stop": "stopped because another worker of the cluster stopped or failed",
+        StopReason.CLUSTER_STOP: "stopped because another worker of the cluster stopped or failed",
     }
     lines = [
         f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "
@@ -55,7 +56,13 @@ def describe_training(
         else "  final loss    - (no step in this run)",
         f"  steps         {result.steps} good steps in this run",
         f"  bad steps     {result.bad_steps} (skipped {result.skips}, rolled back "
-        f"{result.rollbacks})",
+        f"{result.rollbacks}"
+        + (
+            f", sent {result.rollback_requests} to the chief to roll back"
+            if result.rollback_requests
+            else ""
+        )
+        + ")",
     ]
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
