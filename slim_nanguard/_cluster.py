@@ -291,14 +291,22 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
         self.requests = 0
         self._task = task
         self._ask = self._step = self._loss = None
+        self._guards: List[_guard.Guard] = []
 
     def begin(self):
         with tf.name_scope("nanguard_rollback_request"):
             self._step = tf.compat.v1.placeholder(tf.int64, [], name="step")
             self._loss = tf.compat.v1.placeholder(tf.float32, [], name="loss")
             self._ask = _rollback_queue().enqueue((self._task, self._step, self._loss))
-        for guard in _guard.guards():
+        self._guards = _guard.guards()
+        for guard in self._guards:
             guard.rollback_request = self._request
+
+    def end(self, session):
+        del session  # The guards roll back as before once this worker's session is over.
+        for guard in self._guards:
+            if guard.rollback_request == self._request:
+                guard.rollback_request = None
 
     def _request(self, session, guard: _guard.Guard) -> Dict[str, int]:
         event = guard.last_event

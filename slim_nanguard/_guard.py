@@ -191,7 +191,10 @@ class Guard:
         the fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
         step whose action came from ``persistent_nan_policy`` adds ``escalation`` (why, e.g.
         ``"5 bad steps in a row reached max_consecutive_bad_steps=5"``); a rollback adds
-        ``checkpoint`` and ``skipped_batches``.
+        ``checkpoint`` and ``skipped_batches`` (and, a cluster chief's rollback for other
+        workers, ``requested_by`` and ``requests``). A cluster's non-chief worker sends
+        ``"rollback_requested"`` (with ``chief`` and ``skipped_batches``) instead of
+        ``"rollback"``.
         """
         if listener not in self._listeners:
             self._listeners.append(listener)

@@ -67,7 +67,8 @@ class TrainResult:
       stop_reason: A `StopReason` (equal to its string): ``step_limit``,
         ``nan_policy_stop`` (the ``stop`` policy, or
         ``persistent_nan_policy="stop"``), ``interrupted`` (Ctrl-C), ``terminated``
-        (SIGTERM), ``end_of_data`` or ``stop_requested`` (a hook asked).
+        (SIGTERM), ``end_of_data``, ``stop_requested`` (a hook asked) or ``cluster_stop``
+        (another worker of the cluster stopped it; the stop record names it).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
       learning_rate_scale: The product of the rollback learning-rate factors applied so far,
