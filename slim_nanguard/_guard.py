@@ -412,33 +412,6 @@ class Guard:
         self._last_event = event
         return event, decision
 
-    def on_bad_step(
-        self,
-        *,
-        step: int,
-        loss: float,
-        sums: Optional[Sequence[float]],
-        policy: Optional[str] = None,
-        autopsy=None,
-    ) -> _events.NanEvent:
-        """`record_bad_step`, and raise when the decision is to give up.
-
-        Returns:
-          The event, with ``action`` ``"stop"``, ``"skip"`` or ``"rollback"``: what is to be
-          done, escalation included; the caller carries it out (see `_actions.carry_out`).
-
-        Raises:
-          NanLossError: When the action is ``raise``: the policy says so, or training gives up
-            (too many bad steps in a row with ``persistent_nan_policy="raise"``, or too many
-            rollbacks). Its ``cause`` says which.
-        """
-        event, decision = self.record_bad_step(
-            step=step, loss=loss, sums=sums, policy=policy, autopsy=autopsy
-        )
-        if decision.action == Action.RAISE:
-            _actions.give_up(event, decision)
-        return event
-
     # ----------------------------------------------------------------- check_numerics mode
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
@@ -487,7 +460,8 @@ class Guard:
           `slim_nanguard.handle_numerics_error` carries it out too).
 
         Raises:
-          NanLossError: As `on_bad_step`, chained to `error`.
+          NanLossError: The decision is ``raise`` (the policy, or training gives up; its
+            ``cause`` says which), chained to `error`.
         """
         step, sums = self.read_bad_step(session)
         autopsy = self.autopsy(session, step)

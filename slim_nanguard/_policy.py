@@ -230,8 +230,8 @@ def decide(
 ) -> Decision:
     """Decides what a bad step leads to: a pure function of the config and the counters.
 
-    No TensorFlow and no session: `Guard.on_bad_step` counts the step, lets the ``on_nan``
-    callback choose, calls this, and carries the decision out.
+    No TensorFlow and no session: `Guard.record_bad_step` counts the step, lets the ``on_nan``
+    callback choose and calls this; `_actions.carry_out` carries the decision out.
 
     Args:
       config: The guard's configuration.

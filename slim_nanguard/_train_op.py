@@ -119,7 +119,7 @@ def create_train_op(
       `tf.errors.InvalidArgumentError` of a `tf.debugging.check_numerics` op;
       `is_numerics_error` tells it from any other error. `slim_nanguard.train`,
       `slim_nanguard.train_step` (for `tf_slim.learning.train`) and
-      ``get_guard(train_op).handle_numerics_error`` apply the policy.
+      `slim_nanguard.handle_numerics_error` (for a loop of your own) apply the policy.
     * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and a
       `NanLossHook` applies the policy in ``after_run``. The hook the train op needs is ready
       made: ``slim_nanguard.nan_hook(train_op)`` returns it (``get_guard(train_op)`` finds the
