@@ -205,16 +205,7 @@ class TrainConfig:
         )
         for name in ("train_dir", "dataset_dir", "checkpoint_path"):
             _check_no_flag_in_path(name, getattr(self, name))
-        check(
-            self.model_name in models.MODEL_NAMES,
-            f"Unknown model name {self.model_name!r} (--model_name): choose one of "
-            f"{', '.join(models.MODEL_NAMES)}.",
-        )
-        check(
-            self.dataset_name in datasets.DATASET_NAMES,
-            f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
-            f"{', '.join(datasets.DATASET_NAMES)}.",
-        )
+        _check_model_and_dataset(self.model_name, self.dataset_name)
         check(
             self.optimizer in OPTIMIZERS,
             f"Unknown optimizer {self.optimizer!r} (--optimizer): choose one of "
@@ -328,6 +319,20 @@ class TrainConfig:
         )
 
 
+def _check_model_and_dataset(model_name: str, dataset_name: str) -> None:
+    """Raises LaunchError naming the flag if the model or the dataset is unknown."""
+    check(
+        model_name in models.MODEL_NAMES,
+        f"Unknown model name {model_name!r} (--model_name): choose one of "
+        f"{', '.join(models.MODEL_NAMES)}.",
+    )
+    check(
+        dataset_name in datasets.DATASET_NAMES,
+        f"Unknown dataset name {dataset_name!r} (--dataset_name): choose one of "
+        f"{', '.join(datasets.DATASET_NAMES)}.",
+    )
+
+
 def _check_no_flag_in_path(name: str, value) -> None:
     """Refuses a path that holds a flag, as a flagfile line with two flags gives.
 
@@ -406,16 +411,7 @@ class EvalConfig:
             and bool(os.fspath(self.checkpoint_path)),
             "checkpoint_path (--checkpoint_path) must name a checkpoint or a training directory.",
         )
-        check(
-            self.model_name in models.MODEL_NAMES,
-            f"Unknown model name {self.model_name!r} (--model_name): choose one of "
-            f"{', '.join(models.MODEL_NAMES)}.",
-        )
-        check(
-            self.dataset_name in datasets.DATASET_NAMES,
-            f"Unknown dataset name {self.dataset_name!r} (--dataset_name): choose one of "
-            f"{', '.join(datasets.DATASET_NAMES)}.",
-        )
+        _check_model_and_dataset(self.model_name, self.dataset_name)
         check(
             _is_int(self.batch_size) and self.batch_size >= 1,
             f"batch_size (--batch_size) must be a positive integer; got {self.batch_size!r}.",

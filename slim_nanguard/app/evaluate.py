@@ -47,6 +47,20 @@ class EvalResult:
         )
 
 
+def _eval_dataset(config: config_lib.EvalConfig):
+    """The evaluation split as the model reads it (in order, once); ``(dataset, info)``."""
+    return datasets.get_dataset(
+        config.dataset_name,
+        config.dataset_split_name,
+        batch_size=config.batch_size,
+        dataset_dir=config.dataset_dir,
+        shuffle=False,
+        repeat=False,
+        image_size=build.model_image_size(config.model_name, config.eval_image_size),
+        channels=build.input_channels(config.model_name, config.dataset_name),
+    )
+
+
 def check_eval_dataset(
     config: config_lib.EvalConfig, split_flag: str = "--dataset_split_name"
 ) -> datasets.DatasetInfo:
@@ -62,16 +76,7 @@ def check_eval_dataset(
     """
     try:
         with tf.Graph().as_default():
-            _, info = datasets.get_dataset(
-                config.dataset_name,
-                config.dataset_split_name,
-                batch_size=config.batch_size,
-                dataset_dir=config.dataset_dir,
-                shuffle=False,
-                repeat=False,
-                image_size=build.model_image_size(config.model_name, config.eval_image_size),
-                channels=build.input_channels(config.model_name, config.dataset_name),
-            )
+            _, info = _eval_dataset(config)
     except datasets.DatasetError as err:
         if split_flag == "--dataset_split_name":
             raise
@@ -107,20 +112,10 @@ def run_eval(config: config_lib.EvalConfig) -> EvalResult:
             "evaluate it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' "
             "file)."
         )
-    image_size = build.model_image_size(config.model_name, config.eval_image_size)
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/cpu:0"):
-            dataset, info = datasets.get_dataset(
-                config.dataset_name,
-                config.dataset_split_name,
-                batch_size=config.batch_size,
-                dataset_dir=config.dataset_dir,
-                shuffle=False,
-                repeat=False,
-                image_size=image_size,
-                channels=build.input_channels(config.model_name, config.dataset_name),
-            )
+            dataset, info = _eval_dataset(config)
             images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
         model_fn = models.get_model(config.model_name)
         logits = model_fn(images, info.num_classes, is_training=False)
