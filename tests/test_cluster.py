@@ -19,8 +19,8 @@ import pytest
 
 import slim_nanguard
 from slim_nanguard import _cluster
-from slim_nanguard import app as launch
-from slim_nanguard.app import cluster as launch_cluster
+from slim_nanguard import app
+from slim_nanguard.app import cluster as app_cluster
 
 import cluster_lib
 
@@ -337,8 +337,8 @@ def test_bad_cluster_flags_name_the_flag(flags, words):
         tf_config=None,
     )
     args.update(flags)
-    with pytest.raises(launch.LaunchError) as info:
-        launch_cluster.from_flags(**args)
+    with pytest.raises(app.LaunchError) as info:
+        app_cluster.from_flags(**args)
     message = str(info.value)
     assert len(message.splitlines()) == 1
     for word in words:
@@ -346,8 +346,8 @@ def test_bad_cluster_flags_name_the_flag(flags, words):
 
 
 def test_every_cluster_flag_is_a_field_of_the_cluster():
-    fields = {f.name for f in dataclasses.fields(launch_cluster.Cluster)} - {"_state"}
-    assert fields == set(launch_cluster.CLUSTER_FLAGS) | {"task"}
+    fields = {f.name for f in dataclasses.fields(app_cluster.Cluster)} - {"_state"}
+    assert fields == set(app_cluster.CLUSTER_FLAGS) | {"task"}
 
 
 def test_tf_config_describes_the_same_cluster_as_the_flags():
@@ -355,7 +355,7 @@ def test_tf_config_describes_the_same_cluster_as_the_flags():
         '{"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", '
         '"127.0.0.1:3"]}, "task": {"type": "worker", "index": 1}}'
     )
-    cluster = launch_cluster.from_flags(
+    cluster = app_cluster.from_flags(
         ps_hosts=[],
         worker_hosts=[],
         job_name=None,
@@ -364,7 +364,7 @@ def test_tf_config_describes_the_same_cluster_as_the_flags():
         replicas_to_aggregate=None,
         tf_config=tf_config,
     )
-    assert cluster == launch_cluster.Cluster(
+    assert cluster == app_cluster.Cluster(
         ps_hosts=("127.0.0.1:1",),
         worker_hosts=("127.0.0.1:2", "127.0.0.1:3"),
         job_name="worker",

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard import app as launch
+from slim_nanguard import app
 from slim_nanguard.app import datasets
 from slim_nanguard.app import faults
 
@@ -148,8 +148,8 @@ def test_a_range_hits_every_batch_in_it():
     ],
 )
 def test_train_config_names_the_bad_setting(kwargs, words, tmp_path):
-    with pytest.raises(launch.LaunchError) as info:
-        launch.TrainConfig(train_dir=str(tmp_path / "run"), **kwargs)
+    with pytest.raises(app.LaunchError) as info:
+        app.TrainConfig(train_dir=str(tmp_path / "run"), **kwargs)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, slim_nanguard.NanGuardError)
     for word in words:
@@ -157,7 +157,7 @@ def test_train_config_names_the_bad_setting(kwargs, words, tmp_path):
 
 
 def test_train_config_normalises_lists():
-    config = launch.TrainConfig(
+    config = app.TrainConfig(
         train_dir="/tmp/x",
         checkpoint_exclude_scopes="A/b, C",
         trainable_scopes=["D"],
@@ -183,13 +183,13 @@ def _config(train_dir, **kwargs):
         save_summaries_secs=0,
     )
     values.update(kwargs)
-    return launch.TrainConfig(**values)
+    return app.TrainConfig(**values)
 
 
 @lib.each_mode
 def test_skip_steps_over_an_injected_nan_batch(tmp_path, mode):
     """A NaN batch at step 10 of 30: skipped, recorded, and the run reaches step 30."""
-    result = launch.run_training(
+    result = app.run_training(
         _config(tmp_path / "run", check_numerics=lib.MODES[mode], inject_faults="nan_input:10")
     )
     assert (result.global_step, result.bad_steps, result.skips) == (30, 1, 1)
@@ -212,7 +212,7 @@ def test_skip_steps_over_an_injected_nan_batch(tmp_path, mode):
     ],
 )
 def test_every_optimizer_and_decay_trains(tmp_path, optimizer, decay):
-    result = launch.run_training(
+    result = app.run_training(
         _config(
             tmp_path / "run",
             optimizer=optimizer,
@@ -229,7 +229,7 @@ def test_every_optimizer_and_decay_trains(tmp_path, optimizer, decay):
 def test_bad_dataset_dir_fails_before_train_dir_is_created(tmp_path):
     train_dir = tmp_path / "run"
     with pytest.raises(datasets.DatasetError, match="does not exist"):
-        launch.run_training(
+        app.run_training(
             _config(train_dir, dataset_name="tfrecord", dataset_dir=str(tmp_path / "missing"))
         )
     assert not train_dir.exists()
@@ -255,18 +255,18 @@ def test_tfrecord_with_an_image_that_does_not_decode(tmp_path):
         writer.write(example.SerializeToString())
     train_dir = tmp_path / "run"
     with pytest.raises(ValueError) as info:
-        launch.run_training(_config(train_dir, dataset_name="tfrecord", dataset_dir=str(data)))
-    message = launch.error_message(info.value)
+        app.run_training(_config(train_dir, dataset_name="tfrecord", dataset_dir=str(data)))
+    message = app.error_message(info.value)
     assert "toy_train.tfrecord" in message and len(message.splitlines()) <= 2
     assert not train_dir.exists()
 
 
 def test_resume_with_another_model_is_refused(tmp_path):
     train_dir = tmp_path / "run"
-    launch.run_training(_config(train_dir, max_number_of_steps=3))
+    app.run_training(_config(train_dir, max_number_of_steps=3))
     before = sorted(os.listdir(train_dir))
-    with pytest.raises(launch.LaunchError) as info:
-        launch.run_training(_config(train_dir, model_name="lenet", train_image_size=8))
+    with pytest.raises(app.LaunchError) as info:
+        app.run_training(_config(train_dir, model_name="lenet", train_image_size=8))
     assert "does not match the model" in str(info.value)
     assert "--train_dir" in str(info.value)
     assert sorted(os.listdir(train_dir)) == before
@@ -275,7 +275,7 @@ def test_resume_with_another_model_is_refused(tmp_path):
 def test_raise_policy_keeps_the_run_directory_with_a_finite_checkpoint(tmp_path):
     train_dir = tmp_path / "run"
     with pytest.raises(slim_nanguard.NanLossError) as info:
-        launch.run_training(
+        app.run_training(
             _config(
                 train_dir, nan_policy="raise", save_interval_steps=5, inject_faults="nan_loss:12"
             )
@@ -285,7 +285,7 @@ def test_raise_policy_keeps_the_run_directory_with_a_finite_checkpoint(tmp_path)
     # Before raising, the good state of the bad step is saved: no good step is lost.
     assert latest.endswith("-12") and not slim_nanguard.non_finite_variables(latest)
     assert info.value.checkpoint == latest
-    message = launch.error_message(info.value)
+    message = app.error_message(info.value)
     assert f"The last good state (global step 12) is saved as {latest}" in message
     assert "--nan_policy=skip" in message
 
@@ -295,7 +295,7 @@ def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):
     # norms (1x1 maps, statistics over 2 values) blow the loss up to 1e13 within three steps
     # with oneDNN off, and this test is not about divergence.
     train_dir = tmp_path / "run"
-    result = launch.run_training(
+    result = app.run_training(
         _config(
             train_dir,
             model_name="resnet_v1_50",
@@ -307,8 +307,8 @@ def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):
         )
     )
     assert (result.global_step, result.skips) == (2, 1)
-    evaluation = launch.run_eval(
-        launch.EvalConfig(
+    evaluation = app.run_eval(
+        app.EvalConfig(
             checkpoint_path=str(train_dir),
             model_name="resnet_v1_50",
             dataset_name="synthetic",
@@ -326,9 +326,9 @@ def test_tf_slim_net_by_name_trains_and_evaluates(tmp_path):
 
 def test_eval_reads_the_whole_split_once(tmp_path):
     train_dir = tmp_path / "run"
-    launch.run_training(_config(train_dir, max_number_of_steps=20))
-    result = launch.run_eval(
-        launch.EvalConfig(checkpoint_path=str(train_dir), dataset_name="synthetic", batch_size=100)
+    app.run_training(_config(train_dir, max_number_of_steps=20))
+    result = app.run_eval(
+        app.EvalConfig(checkpoint_path=str(train_dir), dataset_name="synthetic", batch_size=100)
     )
     assert result.num_examples == 256  # the synthetic test split, last batch partial
     assert result.global_step == 20
@@ -338,7 +338,7 @@ def test_eval_reads_the_whole_split_once(tmp_path):
 
 
 def test_eval_refuses_a_missing_or_empty_checkpoint(tmp_path):
-    with pytest.raises(launch.LaunchError, match="does not exist"):
-        launch.run_eval(launch.EvalConfig(checkpoint_path=str(tmp_path / "nope")))
-    with pytest.raises(launch.LaunchError, match="without a checkpoint"):
-        launch.run_eval(launch.EvalConfig(checkpoint_path=str(tmp_path)))
+    with pytest.raises(app.LaunchError, match="does not exist"):
+        app.run_eval(app.EvalConfig(checkpoint_path=str(tmp_path / "nope")))
+    with pytest.raises(app.LaunchError, match="without a checkpoint"):
+        app.run_eval(app.EvalConfig(checkpoint_path=str(tmp_path)))

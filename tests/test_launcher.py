@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
-from slim_nanguard.app import cluster as launch_cluster
+from slim_nanguard.app import cluster as app_cluster
 from slim_nanguard.app import datasets
 
 import nanguard_testlib as lib
@@ -359,9 +359,9 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     code = (
         "import dataclasses, json, runpy; from absl import flags; "
         f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
-        "from slim_nanguard import app as launch; "
+        "from slim_nanguard import app; "
         "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
-        "['launcher']), sorted(f.name for f in dataclasses.fields(launch.TrainConfig))]))"
+        "['launcher']), sorted(f.name for f in dataclasses.fields(app.TrainConfig))]))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
@@ -369,7 +369,7 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     assert proc.returncode == 0, proc.stderr[-2000:]
     flag_names, fields = json.loads(proc.stdout.strip().splitlines()[-1])
     launcher_only = {"eval_split_name", "inject_fault"}  # eval's split; parsed into faults
-    launcher_only |= set(launch_cluster.CLUSTER_FLAGS)  # to launch_cluster.Cluster instead
+    launcher_only |= set(app_cluster.CLUSTER_FLAGS)  # to app_cluster.Cluster instead
     assert set(flag_names) - launcher_only == set(fields) - {"inject_faults"}
 
 
