@@ -7,7 +7,7 @@ moved or deleted, so on TensorFlow 2.21 large parts of tf-slim raise
 (importing ``tf_slim`` itself still works, which is why the breakage shows up
 late, inside model building or ``create_train_op``).
 
-:func:`install` fixes this with *narrow* patches. Every patch
+`install` fixes this with *narrow* patches. Every patch
 
 * first detects whether the original is actually broken on the running
   TensorFlow (``hasattr`` on the TensorFlow module, or an import probe), and does
@@ -62,7 +62,7 @@ accesses on TensorFlow modules that no longer exist):
 Declared support: TensorFlow >=2.16,<2.22 with the tf-keras of the same
 release and tf-slim 1.1.0. Tested: TensorFlow 2.21.0 / tf-keras 2.21.0 only.
 On a TensorFlow where a name still exists the corresponding patch is skipped;
-:func:`patched` tells which ones were applied.
+`patched` tells which ones were applied.
 """
 
 import importlib
@@ -92,8 +92,8 @@ class _ModuleProxy(types.ModuleType):
         """Initializes the proxy.
 
         Args:
-            wrapped: The real TensorFlow module.
-            restored: Mapping from removed attribute name to its replacement.
+          wrapped: The real TensorFlow module.
+          restored: Mapping from removed attribute name to its replacement.
         """
         super().__init__(wrapped.__name__, wrapped.__doc__)
         self.__dict__["_slim_nanguard_wrapped"] = wrapped
@@ -178,11 +178,11 @@ class _Restore:
     """One removed TensorFlow name and the tf-slim modules that still use it.
 
     Attributes:
-        tf_module: Dotted name of the TensorFlow module the name was removed from.
-        names: The removed attribute names.
-        loader: Returns ``{name: replacement}``, or None if no replacement exists.
-        users: ``(tf_slim module, global alias of tf_module in it)`` pairs.
-        is_broken: Detects, on the running TensorFlow, whether the names are missing.
+      tf_module: Dotted name of the TensorFlow module the name was removed from.
+      names: The removed attribute names.
+      loader: Returns ``{name: replacement}``, or None if no replacement exists.
+      users: ``(tf_slim module, global alias of tf_module in it)`` pairs.
+      is_broken: Detects, on the running TensorFlow, whether the names are missing.
     """
 
     def __init__(
@@ -379,20 +379,19 @@ def install() -> None:
 
 
 def is_installed() -> bool:
-    """Returns whether :func:`install` has run in this process.
+    """Returns whether `install` has run in this process.
 
     Returns:
-        bool: True once :func:`install` has completed.
+      True once `install` has completed.
     """
     return _INSTALLED
 
 
 def patched() -> Tuple[str, ...]:
-    """Returns the TensorFlow names that :func:`install` restored for tf-slim.
+    """Returns the TensorFlow names that `install` restored for tf-slim.
 
     Returns:
-        tuple[str, ...]: Dotted ``module.name`` strings, e.g.
-        ``"tensorflow.python.framework.ops.Tensor"``; empty before :func:`install`
-        or when nothing needed patching.
+      Dotted ``module.name`` strings, e.g. ``"tensorflow.python.framework.ops.Tensor"``;
+      empty before `install` or when nothing needed patching.
     """
     return _PATCHED
