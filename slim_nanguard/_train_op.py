@@ -1026,7 +1026,9 @@ def _scaled_learning_rate(optimizer, scale: Optional[tf.Variable]) -> Iterator[N
     SyncReplicas wrapper) is set to ``rate * scale`` for the build only and put back after:
     the caller's optimizer is left as it was, and a second `create_train_op` with the same
     optimizer scales its rate once, not twice. A callable rate is called here, as the
-    optimizer itself would.
+    optimizer itself would. During the build the attribute holds the scaled rate: two threads
+    building train ops with one optimizer object at once would see each other's (build a
+    graph from one thread, as TensorFlow's graph building asks anyway).
     """
     if scale is None:
         yield
