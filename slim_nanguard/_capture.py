@@ -68,16 +68,7 @@ def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
     Returns:
       The tensors, ordered by the position of their op in the graph, then output index.
     """
-    found, seen, stack = [], set(), [loss.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in PLACEHOLDER_TYPES or op.type in INPUT_OP_TYPES:
-            found.append(op)
-            continue
-        stack.extend(t.op for t in op.inputs)
+    found = _ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False)
     order = {op: i for i, op in enumerate(loss.graph.get_operations())}
     tensors = []
     for op in sorted(found, key=order.get):

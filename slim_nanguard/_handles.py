@@ -91,15 +91,4 @@ def lr_scale_setter(
 
 def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
     """The ops among the ancestors of `loss` that produce a new batch when run."""
-    found, seen, stack = [], set(), [loss.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in _ops.INPUT_OP_TYPES:
-            found.append(op)
-            continue
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
+    return _ops.sources([loss.op], _ops.INPUT_OP_TYPES)
