@@ -11,20 +11,30 @@ The report goes to stdout. Exit status: 0 done; 1 an error (one line on stderr, 
 directory, step or file; ``--verbosity=1`` adds the Python traceback).
 """
 
+import importlib.util
 import os
 import sys
 import traceback
 import warnings
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The start-up helper next to this file, however the script is started (by path, through
+# runpy, or as the installed console command), and before TensorFlow is imported.
+_SPEC = importlib.util.spec_from_file_location(
+    "slim_nanguard_quiet_start",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quiet_start.py"),
+)
+_quiet_start = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_quiet_start)
 
-import tensorflow as tf  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+# TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+with _quiet_start.quiet_imports(sys.argv):
+    import tensorflow as tf  # noqa: E402
+    from absl import app  # noqa: E402
+    from absl import flags  # noqa: E402
+    from absl import logging  # noqa: E402
 
-import slim_nanguard  # noqa: E402
-from slim_nanguard import autopsy  # noqa: E402
+    import slim_nanguard  # noqa: E402
+    from slim_nanguard import autopsy  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_ERROR = 1

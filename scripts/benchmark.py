@@ -14,15 +14,26 @@ and more (per-round times, per-session medians, page faults, memory) to a JSON f
 
 import ctypes
 import ctypes.util
+import importlib.util
 import json
 import os
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The start-up helper next to this file, however the script is started (by path, through
+# runpy, or as the installed console command), and before TensorFlow is imported.
+_SPEC = importlib.util.spec_from_file_location(
+    "slim_nanguard_quiet_start",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "_quiet_start.py"),
+)
+_quiet_start = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_quiet_start)
 
-import tensorflow as tf  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
-from absl import logging  # noqa: E402
+# TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+with _quiet_start.quiet_imports(sys.argv):
+    import tensorflow as tf  # noqa: E402
+    from absl import app  # noqa: E402
+    from absl import flags  # noqa: E402
+    from absl import logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Write the results as JSON to this file.")
