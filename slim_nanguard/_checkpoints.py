@@ -195,7 +195,43 @@ def finite_flags(variables: Sequence[tf.Variable]) -> Tuple[tf.Tensor, List[str]
     return tf.math.is_finite(sums), names
 
 
-class FiniteSaver(tf.compat.v1.train.Saver):
+class _FinitenessCheck:
+    """The check `FiniteSaver` and `finite_saver` put in front of ``save``.
+
+    Attributes:
+      refused_saves: Saves refused so far because a value was not finite.
+    """
+
+    def _build_check(self, variables: Sequence[tf.Variable]) -> None:
+        with tf.name_scope("nanguard_finite_saver"):
+            self._finite_flags, self._checked_names = finite_flags(variables)
+        self.refused_saves = 0
+
+    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
+        """Names of the saved variables that hold NaN or Inf now."""
+        flags = sess.run(self._finite_flags)
+        return [name for name, ok in zip(self._checked_names, flags) if not ok]
+
+    def _refuse(
+        self, sess: tf.compat.v1.Session, save_path: str, global_step: Union[int, tf.Tensor, None]
+    ) -> bool:
+        """True (after counting and logging it) if no save may happen now: a value is not
+        finite."""
+        bad = self.non_finite(sess)
+        if not bad:
+            return False
+        self.refused_saves += 1
+        logging.error(
+            "slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
+            "latest checkpoint stays the last good one.",
+            save_path,
+            global_step if not hasattr(global_step, "dtype") else "current",
+            ", ".join(bad[:5]),
+        )
+        return True
+
+
+class FiniteSaver(_FinitenessCheck, tf.compat.v1.train.Saver):
     """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
 
     Before each save it runs one fused finiteness test over the variables it saves (one
@@ -211,17 +247,7 @@ class FiniteSaver(tf.compat.v1.train.Saver):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        with tf.name_scope("nanguard_finite_saver"):
-            self._finite_flags, self._checked_names = finite_flags(self._var_list_for_check())
-        self.refused_saves = 0
-
-    def _var_list_for_check(self):
-        return _saved_variables(self._var_list)
-
-    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
-        """Names of the saved variables that hold NaN or Inf now."""
-        flags = sess.run(self._finite_flags)
-        return [name for name, ok in zip(self._checked_names, flags) if not ok]
+        self._build_check(_saved_variables(self._var_list))
 
     def save(
         self,
@@ -231,7 +257,7 @@ class FiniteSaver(tf.compat.v1.train.Saver):
         *args,
         **kwargs,
     ) -> Optional[str]:
-        if _refuse(self, sess, save_path, global_step):
+        if self._refuse(sess, save_path, global_step):
             return None
         return super().save(sess, save_path, global_step, *args, **kwargs)
 
@@ -245,28 +271,7 @@ def _saved_variables(var_list: Union[Sequence, Dict[str, Any], None]) -> List[tf
     return [v for v in var_list if isinstance(v, tf.Variable)]
 
 
-def _refuse(
-    saver: Union[FiniteSaver, "_FiniteSaving"],
-    sess: tf.compat.v1.Session,
-    save_path: str,
-    global_step: Union[int, tf.Tensor, None],
-) -> bool:
-    """True (after counting and logging it) if `saver` must not save now: a value is not finite."""
-    bad = saver.non_finite(sess)
-    if not bad:
-        return False
-    saver.refused_saves += 1
-    logging.error(
-        "slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
-        "latest checkpoint stays the last good one.",
-        save_path,
-        global_step if not hasattr(global_step, "dtype") else "current",
-        ", ".join(bad[:5]),
-    )
-    return True
-
-
-class _FiniteSaving:
+class _FiniteSaving(_FinitenessCheck):
     """A user's `Saver` with `FiniteSaver`'s check in front of `save`.
 
     Everything else (``restore``, ``saver_def``, ``last_checkpoints``, ``build``, ...) is the
@@ -280,19 +285,10 @@ class _FiniteSaving:
 
     def __init__(self, saver: tf.compat.v1.train.Saver):
         self.saver = saver
-        with tf.name_scope("nanguard_finite_saver"):
-            self._finite_flags, self._checked_names = finite_flags(
-                _saved_variables(saver._var_list)
-            )  # pylint: disable=protected-access
-        self.refused_saves = 0
+        self._build_check(_saved_variables(saver._var_list))  # pylint: disable=protected-access
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.saver, name)
-
-    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
-        """Names of the saved variables that hold NaN or Inf now."""
-        flags = sess.run(self._finite_flags)
-        return [name for name, ok in zip(self._checked_names, flags) if not ok]
 
     def save(
         self,
@@ -303,7 +299,7 @@ class _FiniteSaving:
         **kwargs,
     ) -> Optional[str]:
         """As the user's saver's ``save``, except that it refuses a non-finite value."""
-        if _refuse(self, sess, save_path, global_step):
+        if self._refuse(sess, save_path, global_step):
             return None
         return self.saver.save(sess, save_path, global_step, *args, **kwargs)
 
