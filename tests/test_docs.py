@@ -61,7 +61,7 @@ def test_the_model_garden_page_passes_only_arguments_the_functions_take():
     assert _call_keywords(code, "slim_nanguard.create_train_op") <= set(create)
     # The lines added to the script's slim.learning.train(...) call.
     loop = set(re.findall(r"^\s+(\w+)=", code, flags=re.M)) - set(create)
-    assert loop == {"train_step_fn", "saver"}
+    assert loop >= {"train_step_fn", "saver"}
     assert loop <= set(inspect.signature(slim.learning.train).parameters)
 
 
