@@ -101,27 +101,28 @@ class Verdict:
           kinds_variable: An int32 variable of ``len(tensors)`` elements, or None. On a step
             whose fast test fails it is assigned `kinds` before `checked` has a value.
         """
-        self.total = tf.reduce_sum(sums)
-        self.fast = tf.math.is_finite(self.total, name="fast_all_finite")
-        # switch returns (output_false, output_true): the first has a value, so what is built
-        # on it runs, only when the fast test failed.
-        failed, passed = control_flow_ops.switch(self.total, self.fast)
-        # A control edge from the Identity of a dead output carries deadness: nothing built
-        # under it runs on a step the fast test passed.
-        with tf.control_dependencies([tf.identity(failed, name="confirm")]):
-            self.kinds = tf.stack([kind_code(t) for t in tensors], name="kinds")
-            stored = (
-                []
-                if kinds_variable is None
-                else [kinds_variable.assign(self.kinds, read_value=False)]
-            )
-            with tf.control_dependencies(stored):
-                nan = tf.reduce_any(tf.equal(tf.bitwise.bitwise_and(self.kinds, 1), 1))
-                inf = tf.reduce_any(tf.greater_equal(self.kinds, 2))
-                code = tf.cast(nan, tf.int32) + 2 * tf.cast(inf, tf.int32)
-                # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
-                confirmed = tf.gather(
-                    tf.constant([0.0, np.nan, np.inf, np.nan], self.total.dtype), code
+        with tf.name_scope("verdict"):
+            self.total = tf.reduce_sum(sums)
+            self.fast = tf.math.is_finite(self.total, name="fast_all_finite")
+            # switch returns (output_false, output_true): the first has a value, so what is built
+            # on it runs, only when the fast test failed.
+            failed, passed = control_flow_ops.switch(self.total, self.fast)
+            # A control edge from the Identity of a dead output carries deadness: nothing built
+            # under it runs on a step the fast test passed.
+            with tf.control_dependencies([tf.identity(failed, name="confirm")]):
+                self.kinds = tf.stack([kind_code(t) for t in tensors], name="kinds")
+                stored = (
+                    []
+                    if kinds_variable is None
+                    else [kinds_variable.assign(self.kinds, read_value=False)]
                 )
-        self.checked = control_flow_ops.merge([passed, confirmed], name="exact_total")[0]
-        self.ok = tf.math.is_finite(self.checked, name="all_finite")
+                with tf.control_dependencies(stored):
+                    nan = tf.reduce_any(tf.equal(tf.bitwise.bitwise_and(self.kinds, 1), 1))
+                    inf = tf.reduce_any(tf.greater_equal(self.kinds, 2))
+                    code = tf.cast(nan, tf.int32) + 2 * tf.cast(inf, tf.int32)
+                    # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
+                    confirmed = tf.gather(
+                        tf.constant([0.0, np.nan, np.inf, np.nan], self.total.dtype), code
+                    )
+            self.checked = control_flow_ops.merge([passed, confirmed], name="exact_total")[0]
+            self.ok = tf.math.is_finite(self.checked, name="all_finite")

@@ -9,6 +9,7 @@ writes huge finite weights and refuses NaN and Inf with the step it was asked to
 """
 
 import os
+import time
 from typing import Dict, Optional
 
 import numpy as np
@@ -289,3 +290,41 @@ def test_stop_closes_with_a_checkpoint_of_huge_last_good_weights(tmp_path):
     values = lib.checkpoint_values(checkpoint)
     np.testing.assert_allclose(values["big"], 5e36, rtol=1e-6)
     assert slim_nanguard.non_finite_variables(checkpoint) == ()
+
+
+# ------------------------------------------------------------------ a sync-replicas chief
+
+
+def test_a_chief_applies_an_aggregated_gradient_of_1e36_in_each_of_1000_elements():
+    """Two replicas' gradients of 1e36 (each element, 1,000 of them) average to 1e36: finite,
+    though its float32 sum is not. The chief's check of the aggregate lets it through."""
+    graph = tf.Graph()
+    with graph.as_default():
+        huge = tf.compat.v1.get_variable("huge", initializer=tf.zeros([HUGE]), use_resource=True)
+        optimizer = tf.compat.v1.train.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(1e-36),
+            replicas_to_aggregate=2,
+            total_num_replicas=2,
+        )
+        loss = tf.reduce_sum(_scaled(huge, tf.constant(1e36)))
+        train_op = slim_nanguard.create_train_op(loss, optimizer, nan_policy="skip")
+        global_step = tf.compat.v1.train.get_global_step()
+        session = tf.compat.v1.train.MonitoredTrainingSession(
+            is_chief=True,
+            hooks=[optimizer.make_session_run_hook(is_chief=True)],
+            save_checkpoint_secs=None,
+            save_summaries_steps=None,
+            save_summaries_secs=None,
+            log_step_count_steps=None,
+            stop_grace_period_secs=1,
+        )
+        with session as sess:
+            sess.run(train_op)
+            sess.run(train_op)  # the second replica's gradient completes the round
+            raw = sess._tf_sess()  # pylint: disable=protected-access
+            for _ in range(50):  # the chief's queue runner applies the round
+                if raw.run(global_step) == 1:
+                    break
+                time.sleep(0.1)
+            assert raw.run(global_step) == 1
+            np.testing.assert_allclose(raw.run(huge), -1.0, rtol=1e-5)
