@@ -114,7 +114,10 @@ def create_train_op(
     `tf_slim.training.create_train_op`; it runs after the multipliers and the clipping.
 
     What runs on a step whose loss or any gradient is NaN or Inf: the forward and backward pass,
-    one reduction per gradient and the test. What does not: every variable update. The
+    one reduction per gradient and the test, then (the sums being non-finite) an element-wise
+    test that confirms it and says what each value held. A step whose values are all finite
+    trains, even when its sums overflow (a huge gradient). What does not run: every variable
+    update. The
     trainable variables, the optimizer's slots and accumulators, ``global_step`` and every
     variable the ``update_ops`` assign (batch-norm moving mean and variance) keep their values,
     so any checkpoint saved afterwards holds the last good state. A finite step computes what
