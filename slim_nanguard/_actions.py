@@ -252,12 +252,13 @@ def judge(
 
     def record(raw: tf.compat.v1.Session):
         step, sums = stored or guard.read_bad_step(raw)
+        kinds = guard.read_value_kinds(raw)  # Exact, unlike a sum that may overflow.
         if guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
-            return guard.on_loss_scale_overflow(step=step, sums=sums), None
+            return guard.on_loss_scale_overflow(step=step, sums=sums, kinds=kinds), None
         autopsy = guard.autopsy(raw, step)  # Before any rollback.
         return guard.record_bad_step(
-            step=step, loss=sums[0], sums=sums, policy=policy, autopsy=autopsy
+            step=step, loss=sums[0], sums=sums, policy=policy, autopsy=autopsy, kinds=kinds
         )
 
     event, decision = raw_call(session, record)

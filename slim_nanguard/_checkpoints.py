@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from slim_nanguard import _errors
+from slim_nanguard import _verdict
 
 # The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
 # its non-finite tensors). A rollback walks back over the same few checkpoints again and again;
@@ -180,19 +181,43 @@ def _short(err: BaseException) -> str:
     return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
 
 
-def finite_flags(variables: Sequence[tf.Variable]) -> Tuple[tf.Tensor, List[str]]:
-    """One op that tells, for each floating-point variable, whether all its values are finite.
+class FinitenessTest:
+    """Which of some variables hold NaN or Inf, and which of the two: exact, cheap when all is
+    finite.
 
-    Returns:
-      A bool vector (one reduction per variable, no element-wise temporaries) and the
-      variable names in the same order.
+    One sum per variable is the fast test (a finite sum proves a variable finite); a variable
+    whose sum is not finite (the sum may have overflowed over finite weights: LeNet at a
+    learning rate of 1e36 leaves weights of 5e36) is then tested element by element, alone.
+    Build it before the graph is finalized; `non_finite` runs it.
+
+    Attributes:
+      names: The op names of the floating-point variables tested, in order.
     """
-    variables = [v for v in variables if v.dtype.base_dtype.is_floating]
-    names = [v.op.name for v in variables]
-    if not variables:
-        return tf.constant([], tf.bool), names
-    sums = tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
-    return tf.math.is_finite(sums), names
+
+    def __init__(self, variables: Sequence[tf.Variable]):
+        variables = [v for v in variables if v.dtype.base_dtype.is_floating]
+        self.names = [v.op.name for v in variables]
+        if not variables:
+            self._fast, self._kinds = None, []
+            return
+        # One reduction per variable; the element-wise tests are built now and run only for
+        # the variables whose sum is not finite.
+        self._fast = tf.math.is_finite(
+            tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
+        )
+        self._kinds = [_verdict.kind_code(v) for v in variables]
+
+    def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
+        """``(name, kind)`` of each variable that holds NaN or Inf now (kinds as
+        `_verdict.kind_name` gives them: ``"nan"``, ``"inf"`` or ``"nan_and_inf"``)."""
+        if self._fast is None:
+            return []
+        flagged = [i for i, ok in enumerate(sess.run(self._fast)) if not ok]
+        if not flagged:
+            return []
+        codes = sess.run([self._kinds[i] for i in flagged])
+        kinds = [(self.names[i], _verdict.kind_name(c)) for i, c in zip(flagged, codes)]
+        return [(name, kind) for name, kind in kinds if kind != _verdict.FINITE]
 
 
 class _FinitenessCheck:
@@ -204,31 +229,42 @@ class _FinitenessCheck:
 
     def _build_check(self, variables: Sequence[tf.Variable]) -> None:
         with tf.name_scope("nanguard_finite_saver"):
-            self._finite_flags, self._checked_names = finite_flags(variables)
+            self._test = FinitenessTest(variables)
         self.refused_saves = 0
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
         """Names of the saved variables that hold NaN or Inf now."""
-        flags = sess.run(self._finite_flags)
-        return [name for name, ok in zip(self._checked_names, flags) if not ok]
+        return [name for name, _ in self._test.non_finite(sess)]
 
     def _refuse(
         self, sess: tf.compat.v1.Session, save_path: str, global_step: Union[int, tf.Tensor, None]
     ) -> bool:
         """True (after counting and logging it) if no save may happen now: a value is not
         finite."""
-        bad = self.non_finite(sess)
+        bad = self._test.non_finite(sess)
         if not bad:
             return False
         self.refused_saves += 1
         logging.error(
-            "slim_nanguard: not saving checkpoint %s (step %s): %s hold NaN or Inf. The "
-            "latest checkpoint stays the last good one.",
+            "slim_nanguard: not saving checkpoint %s (%s): %s. The latest checkpoint stays the "
+            "last good one.",
             save_path,
-            global_step if not hasattr(global_step, "dtype") else "current",
-            ", ".join(bad[:5]),
+            _step_text(sess, global_step),
+            _verdict.describe(bad),
         )
         return True
+
+
+def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, None]) -> str:
+    """``"step 1200"``: the step a save was asked for (a tensor or variable is read)."""
+    if global_step is None:
+        return "no global step given"
+    if hasattr(global_step, "dtype"):
+        try:
+            global_step = tf.compat.v1.train.global_step(sess, global_step)
+        except (tf.errors.OpError, TypeError, ValueError) as err:
+            return f"step unknown: {_short(err)}"
+    return f"step {global_step}"
 
 
 class FiniteSaver(_FinitenessCheck, tf.compat.v1.train.Saver):

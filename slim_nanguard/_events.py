@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from tensorflow.compat.v1 import logging as tf_logging
 
+from slim_nanguard import _verdict
+
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._autopsy import Autopsy
 
@@ -57,6 +59,9 @@ class NanEvent:
       autopsy: The replay of the step (an `Autopsy`: the first op that made a non-finite
         value and the examples behind it), or None (autopsies off, or past
         ``autopsy_max_steps``).
+      culprit_kinds: What each culprit's gradient held, in the order of ``culprits``:
+        ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` (tested element by element). Empty when
+        not known.
     """
 
     step: int
@@ -70,6 +75,7 @@ class NanEvent:
     time: float = dataclasses.field(default_factory=time.time)
     loss_scale: Optional[float] = None
     autopsy: Optional["Autopsy"] = None
+    culprit_kinds: Tuple[str, ...] = ()
 
     @property
     def loss_is_nan(self) -> bool:
@@ -86,7 +92,7 @@ class NanEvent:
         if self.culprits:
             shown = ", ".join(self.culprits[:5])
             more = f" and {len(self.culprits) - 5} more" if len(self.culprits) > 5 else ""
-            culprits = f"non-finite gradients of {shown}{more}"
+            culprits = f"non-finite gradients of {shown}{more}{self._holding()}"
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
@@ -101,12 +107,21 @@ class NanEvent:
             f"{scale}, bad step {self.consecutive} in a row ({self.total} in all)"
         )
 
+    def _holding(self) -> str:
+        """``", holding NaN"``, or per kind when they differ; empty when unknown."""
+        if len(self.culprit_kinds) != len(self.culprits) or not self.culprits:
+            return ""
+        if len(set(self.culprit_kinds)) == 1:
+            return f", holding {_verdict.kind_word(self.culprit_kinds[0])}"
+        return f", {_verdict.describe(list(zip(self.culprits, self.culprit_kinds)))}"
+
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
         d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
         # Plain strings, not enum members: a record reads the same to any JSON consumer.
         d["mode"], d["action"] = str(self.mode), str(self.action)
         d["culprits"] = list(self.culprits)
+        d["culprit_kinds"] = list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)
         if self.loss_scale is None:
             del d["loss_scale"]

@@ -25,6 +25,7 @@ from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
+from slim_nanguard import _verdict
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._types import Action
 from slim_nanguard._types import Listener
@@ -181,6 +182,7 @@ class Guard:
     pivot = _handle("pivot")
     capture = _handle("capture")
     input_ops = _handle("input_ops")
+    value_kinds = _handle("value_kinds")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -257,7 +259,9 @@ class Guard:
             and scale > self.loss_scale_floor
         )
 
-    def on_loss_scale_overflow(self, *, step: int, sums: Sequence[float]) -> _events.NanEvent:
+    def on_loss_scale_overflow(
+        self, *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
+    ) -> _events.NanEvent:
         """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
 
         The optimizer skipped the update and lowered its scale; nothing else was written. The
@@ -266,6 +270,7 @@ class Guard:
         Args:
           step: The global step the overflow happened at (-1 if unknown).
           sums: What the step stored: the loss, the gradient sums, the loss scale.
+          kinds: What the loss and each gradient held (`read_value_kinds`), or None.
 
         Returns:
           The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
@@ -274,11 +279,13 @@ class Guard:
         state = self._state
         state.loss_scale_overflows += 1
         sums = list(sums)
+        culprits, culprit_kinds = self._culprits_and_kinds(sums, kinds)
         event = _events.NanEvent(
             step=int(step),
             loss=float(sums[0]),
             loss_kind=_events.classify(float(sums[0])),
-            culprits=self.culprits(sums),
+            culprits=culprits,
+            culprit_kinds=culprit_kinds,
             consecutive=state.consecutive_bad_steps,
             total=state.total_bad_steps,
             mode=self.mode,
@@ -293,13 +300,53 @@ class Guard:
         """Tells the guard a step went through; resets the consecutive count."""
         self.state.consecutive_bad_steps = 0
 
-    def culprits(self, sums: Sequence[float]) -> Tuple[str, ...]:
-        """Names of the variables whose gradient sums in `sums` (loss first) are non-finite."""
-        return tuple(
+    def culprits(
+        self, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
+    ) -> Tuple[str, ...]:
+        """Names of the variables whose gradients held NaN or Inf.
+
+        Args:
+          sums: The loss, then the sum of each gradient.
+          kinds: What the loss and each gradient held (`read_value_kinds`): exact, and used
+            when given. Without it a non-finite sum names its variable, which a sum that
+            overflowed over finite values does too.
+        """
+        return self._culprits_and_kinds(sums, kinds)[0]
+
+    def _culprits_and_kinds(
+        self, sums: Sequence[float], kinds: Optional[Sequence[str]]
+    ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """The culprits and what each held (empty kinds when `kinds` is not given)."""
+        if kinds is not None and len(kinds) == len(self.variable_names) + 1:
+            bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
+            return tuple(n for n, _ in bad), tuple(k for _, k in bad)
+        names = tuple(
             name
             for name, s in zip(self.variable_names, list(sums)[1:])
             if not math.isfinite(float(s))
         )
+        return names, ()
+
+    def read_value_kinds(self, session: tf.compat.v1.Session) -> Optional[Tuple[str, ...]]:
+        """What the loss and each gradient of the last step whose sums were not all finite
+        held: ``"finite"``, ``"nan"``, ``"inf"`` or ``"nan_and_inf"``, the loss first.
+
+        Tested element by element on that step (a sum may overflow over finite values; this
+        may not). Read it right after a bad step, as `read_bad_step`.
+
+        Args:
+          session: A raw `tf.compat.v1.Session`.
+
+        Returns:
+          The kinds, or None when the train op keeps none (or none was stored yet).
+        """
+        if self.value_kinds is None:
+            return None
+        try:
+            codes = session.run(self.value_kinds)
+        except tf.errors.FailedPreconditionError:  # never written in this session
+            return None
+        return tuple(_verdict.kind_name(c) for c in np.asarray(codes))
 
     def autopsy(self, session: tf.compat.v1.Session, step: int):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
@@ -341,6 +388,7 @@ class Guard:
         sums: Optional[Sequence[float]],
         policy: Optional[str] = None,
         autopsy=None,
+        kinds: Optional[Sequence[str]] = None,
     ) -> Tuple[_events.NanEvent, _policy.Decision]:
         """Counts a bad step and decides what to do about it; carries nothing out.
 
@@ -355,6 +403,8 @@ class Guard:
           sums: The per-gradient sums (the loss first), or None if unknown.
           policy: The policy to apply instead of the configured one (a hook may say so).
           autopsy: The step's `Autopsy` (see `autopsy`), put in the event, or None.
+          kinds: What the loss and each gradient held (`read_value_kinds`), or None: the
+            culprits then come from the sums.
 
         Returns:
           ``(event, decision)``: the event's ``action`` is the decision's, escalation
@@ -367,11 +417,15 @@ class Guard:
         state.total_bad_steps += 1
         state.consecutive_bad_steps += 1
         state.last_bad_step = step
+        culprits, culprit_kinds = (
+            self._culprits_and_kinds(sums, kinds) if sums is not None else ((), ())
+        )
         event = _events.NanEvent(
             step=int(step),
             loss=float(loss),
             loss_kind=_events.classify(float(loss)),
-            culprits=self.culprits(sums) if sums is not None else (),
+            culprits=culprits,
+            culprit_kinds=culprit_kinds,
             consecutive=state.consecutive_bad_steps,
             total=state.total_bad_steps,
             mode=self.mode,
@@ -464,8 +518,11 @@ class Guard:
             ``cause`` says which), chained to `error`.
         """
         step, sums = self.read_bad_step(session)
+        kinds = self.read_value_kinds(session)
         autopsy = self.autopsy(session, step)
-        event, decision = self.record_bad_step(step=step, loss=sums[0], sums=sums, autopsy=autopsy)
+        event, decision = self.record_bad_step(
+            step=step, loss=sums[0], sums=sums, autopsy=autopsy, kinds=kinds
+        )
         if decision.action == Action.RAISE:
             _actions.give_up(event, decision, error)
         return event

@@ -52,6 +52,9 @@ class GraphHandles:
         optimizer, the gate of every write but the scale's. None otherwise.
       capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
+      value_kinds: The int32 variable a step whose sums were not all finite leaves the exact
+        kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
+        `_verdict.kind_name`), or None.
     """
 
     mode: Mode
@@ -72,6 +75,7 @@ class GraphHandles:
     pivot: Optional[tf.Tensor] = None
     capture: Optional["Capture"] = None
     input_ops: Tuple[tf.Operation, ...] = ()
+    value_kinds: Optional[tf.Variable] = None
 
 
 def lr_scale_setter(

@@ -39,6 +39,7 @@ from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
 from slim_nanguard import _record
+from slim_nanguard import _verdict
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
@@ -136,22 +137,23 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
 
     def __init__(self, source: str):
         self._source = source
-        self._flags = None
-        self._names: List[str] = []
+        self._test: Optional[_checkpoints.FinitenessTest] = None
 
     def begin(self):
         with tf.name_scope("nanguard_finite_model"):
-            self._flags, self._names = _checkpoints.finite_flags(tf.compat.v1.global_variables())
+            self._test = _checkpoints.FinitenessTest(tf.compat.v1.global_variables())
 
     def after_create_session(
         self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
     ) -> None:
-        bad = [n for n, ok in zip(self._names, session.run(self._flags)) if not ok]
+        bad = self._test.non_finite(session)
         if bad:
+            names = [name for name, _ in bad]
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
-                f"{', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}; refusing to train "
-                "from it. Start from another checkpoint."
+                f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''} "
+                f"({_verdict.describe(bad)}); refusing to train from it. Start from another "
+                "checkpoint."
             )
 
 

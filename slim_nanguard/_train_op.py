@@ -4,7 +4,11 @@ Contract of a guarded train op (both modes)::
 
     loss, grads = forward_and_backward(batch)        # always runs
     sums = [loss] + [reduce_sum(g) for g in grads]   # one reduction per gradient
-    if all(isfinite(sums)):                          # one scalar test, in-graph
+    ok = isfinite(sum(sums))                         # one scalar test, in-graph
+    if not ok:                                       # a sum may overflow: confirm exactly
+        kinds = [nan?, inf? of each of loss, grads]  # element-wise, on this branch only
+        ok = all(kind == finite for kind in kinds)
+    if ok:
         apply_gradients(grads); global_step += 1; run(update_ops)
     else:                                            # the bad step
         nothing is written: weights, optimizer slots and accumulators,
@@ -31,9 +35,11 @@ business, not a bad step: the scale's own update still runs (the scale drops, as
 intends), no other variable is written, the run returns normally in both modes, and the
 `NanLossHook` records it as a ``loss_scale_overflow``. At the minimum scale it is a bad step.
 
-A sum of a gradient is NaN or Inf exactly when an element is (or when finite elements add up
-past the float range, which a healthy step never does), so one reduction per gradient replaces
-an element-wise `is_finite` and its boolean tensor.
+A sum of a gradient is NaN or Inf when an element is, so a finite sum proves a gradient finite
+and a good step pays one reduction per gradient instead of an element-wise `is_finite` and its
+boolean tensor. Finite elements can also add up past the float range (1,000 elements of 1e36 in
+float32), so a non-finite sum is confirmed element by element before the step is called bad
+(`_verdict.Verdict`); that test also says what each value held (NaN, Inf), for the record.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from slim_nanguard import _cluster
 from slim_nanguard import _guard
 from slim_nanguard import _handles
 from slim_nanguard import _policy
+from slim_nanguard import _verdict
 from slim_nanguard._types import Mode
 
 # Same value (and, for small ints, the same object) as tf_slim's sentinel, so a caller that
@@ -107,7 +114,10 @@ def create_train_op(
     `tf_slim.training.create_train_op`; it runs after the multipliers and the clipping.
 
     What runs on a step whose loss or any gradient is NaN or Inf: the forward and backward pass,
-    one reduction per gradient and the test. What does not: every variable update. The
+    one reduction per gradient and the test, then (the sums being non-finite) an element-wise
+    test that confirms it and says what each value held. A step whose values are all finite
+    trains, even when its sums overflow (a huge gradient). What does not run: every variable
+    update. The
     trainable variables, the optimizer's slots and accumulators, ``global_step`` and every
     variable the ``update_ops`` assign (batch-norm moving mean and variance) keep their values,
     so any checkpoint saved afterwards holds the last good state. A finite step computes what
@@ -238,9 +248,21 @@ def create_train_op(
         with tf.name_scope("nanguard"):
             present = [(g, v) for g, v in grads if g is not None]
             grad_sums = _gradient_sums(total_loss, [g for g, _ in present])
+            # What each of the loss and the gradients held, stored when the sums' fast test
+            # fails (exact: a finite value is never called NaN or Inf). Like the variable of
+            # the sums below: in no collection, only read after a write.
+            with _capture.guard_variable_scope(graph, grad_sums):
+                kinds = tf.compat.v1.Variable(
+                    tf.zeros([len(present) + 1], tf.int32),
+                    trainable=False,
+                    collections=[],
+                    use_resource=True,
+                    name="value_kinds",
+                )
+            verdict = _verdict.Verdict([total_loss] + [g for g, _ in present], grad_sums, kinds)
             kept, scaler = grad_sums, None
             if loss_scale is not None:
-                scaler = _OverflowTest(grad_sums, loss_scale)
+                scaler = _OverflowTest(grad_sums, loss_scale, verdict)
                 kept = scaler.sums_and_scale
             # The sums are kept for the step that needs them, so that the culprits can be
             # named afterwards. The variable is in no collection: it is neither saved in
@@ -265,28 +287,24 @@ def create_train_op(
                 store = diagnostics.assign(kept, read_value=False)
                 ready = [store]
                 if snapshots:  # Put back before the check raises.
-                    ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
+                    ok = verdict.ok
                     untaken, taken = control_flow_ops.switch(ok, ok)
                     with tf.control_dependencies(_restore(snapshots, ok)):
                         restored_done = tf.identity(untaken)
                     ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
                 # The batch, kept on a bad step only (for the autopsy): the check waits on a
                 # merge of a good-step no-op and the bad step's stores.
-                capture = _capture.keep_batch(
-                    total_loss,
-                    lambda: tf.math.is_finite(tf.reduce_sum(grad_sums)),
-                    enabled=autopsy,
-                )
+                capture = _capture.keep_batch(total_loss, verdict.ok, enabled=autopsy)
                 with tf.control_dependencies(ready + capture.control_inputs):
                     gate = tf.debugging.check_numerics(
-                        tf.reduce_sum(grad_sums) if scaler is None else scaler.unless_overflow,
+                        verdict.checked if scaler is None else scaler.unless_overflow,
                         _unhandled_message(config, hook_mode=False),
                     )
                 check_op_name, ok, bad_done, judged = gate.op.name, None, None, None
             else:
                 mode = Mode.HOOK
                 check_op_name = None
-                ok = tf.math.is_finite(tf.reduce_sum(grad_sums), name="all_finite")
+                ok = verdict.ok
                 untaken, taken = control_flow_ops.switch(ok, ok)
                 # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A
                 # control edge straight from a Switch does not carry deadness; from an
@@ -378,6 +396,7 @@ def create_train_op(
             loss=total_loss,
             global_step=global_step,
             grad_sums=grad_sums,
+            value_kinds=kinds,
             ok=None if in_loop else ok,
             diagnostics=diagnostics,
             check_op_name=check_op_name,
@@ -499,20 +518,20 @@ class _OverflowTest:
 
     floor = 1.0
 
-    def __init__(self, grad_sums: tf.Tensor, loss_scale):
-        total = tf.reduce_sum(grad_sums)
+    def __init__(self, grad_sums: tf.Tensor, loss_scale, verdict: _verdict.Verdict):
         # The scale this step multiplied the loss by. The scale's writes wait on this test.
         scale = tf.cast(loss_scale(), grad_sums.dtype)
         self.sums_and_scale = tf.concat(
             [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
         )
-        self.finite = tf.math.is_finite(total, name="all_finite")
+        self.finite = verdict.ok
         self.overflow = tf.logical_and(
             tf.logical_not(self.finite),
             tf.logical_and(tf.math.is_finite(grad_sums[0]), scale > self.floor),
             name="loss_scale_overflow",
         )
-        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(total), total)
+        checked = verdict.checked
+        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(checked), checked)
 
     def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
         """Returns ``(gate, finite_gate, ok, bad_done)`` for a loss-scaled train op.

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard import _autopsy
 from slim_nanguard import _record
+from slim_nanguard import _verdict
 
 
 def bad_steps(train_dir: str) -> List[Dict[str, Any]]:
@@ -66,7 +67,9 @@ def format_report(record: Mapping[str, Any]) -> str:
         f"{record.get('loss')} ({record.get('loss_kind')}), action {record.get('action')}"
     ]
     if record.get("culprits"):
-        lines.append(f"  culprits    non-finite gradients of {', '.join(record['culprits'])}")
+        culprits, kinds = record["culprits"], record.get("culprit_kinds") or []
+        held = f" ({_verdict.describe(list(zip(culprits, kinds)))})" if kinds else ""
+        lines.append(f"  culprits    non-finite gradients of {', '.join(culprits)}{held}")
     autopsy = record.get("autopsy")
     if not autopsy:
         lines.append("  autopsy     none (autopsies off, or past autopsy_max_steps)")
