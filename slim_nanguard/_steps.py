@@ -176,6 +176,7 @@ def train_step(
     else:
         if judging is None or judging.ok:
             guard.note_good_step()
+            guard.note_loss(loss)
             return loss, should_stop
         outcome = judge()
     if outcome.overflow:  # The optimizer skipped the update and lowered its scale.
