@@ -347,7 +347,8 @@ def nan_hook(
     Args:
       train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
       checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``, and by
-        ``persistent_nan_policy="rollback"``).
+        ``persistent_nan_policy="rollback"``). The record of bad steps
+        (``nanguard_events.jsonl``) and the autopsy dumps go there too.
       event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:
