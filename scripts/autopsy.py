@@ -109,6 +109,14 @@ def main(argv):
                     "dump to replay (no autopsy, or no training directory when "
                     "it ran)."
                 )
+            if record.get("dump_removed"):
+                raise ValueError(
+                    f"the dump of the bad step at global step {record.get('step')} was "
+                    "removed to bound the dumps' disk use (a directory keeps the first "
+                    f"{record['dump_removed'].get('keep_first')} and the latest "
+                    f"{record['dump_removed'].get('keep_last')}); replay one of those "
+                    "with --step."
+                )
             dump = _relocated(dump, train_dir)
             result = autopsy.replay_dump(dump, train_dir, timeout_secs=FLAGS.timeout_secs)
             print(f"replay: {result.describe()}")

@@ -798,6 +798,7 @@ def write_dump(
         weights=read,
         targets=[_name(t) for t in targets],
         arrays=os.path.basename(base) + ".npz",
+        written=time.time(),  # The order `remove_old_dumps` keeps them by.
     )
     with open(base + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1, sort_keys=True)
@@ -806,6 +807,48 @@ def write_dump(
 
 def _name(t) -> str:
     return t if isinstance(t, str) else t.name
+
+
+def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
+    """Bounds the dumps' disk use: keeps the first `keep_first` and the last `keep_last`.
+
+    The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by when they were written
+    (a dump older than that field: first, by name); each one removed loses its report and
+    its arrays. Through `tf.io.gfile`, so any file system TensorFlow knows.
+
+    Args:
+      dump_dir: The training directory (as given to `write_dump`).
+      keep_first: How many of the oldest dumps stay.
+      keep_last: How many of the newest dumps stay.
+
+    Returns:
+      One ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
+    """
+    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
+
+    directory = tf.io.gfile.join(dump_dir, DUMP_DIRNAME)
+    reports = tf.io.gfile.glob(tf.io.gfile.join(directory, "step*.json"))
+    if len(reports) <= keep_first + keep_last:
+        return []
+    dumps = []
+    for path in reports:
+        try:
+            with tf.io.gfile.GFile(path, "r") as f:
+                report = json.load(f)
+        except (ValueError, tf.errors.OpError):  # Half written, or gone: not ours to judge.
+            continue
+        dumps.append((report.get("written", 0.0), path, report))
+    dumps.sort(key=lambda d: d[:2])
+    removed = []
+    for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
+        arrays = tf.io.gfile.join(directory, report.get("arrays") or "")
+        for doomed in (arrays, path) if report.get("arrays") else (path,):
+            try:
+                tf.io.gfile.remove(doomed)
+            except tf.errors.NotFoundError:  # Removed already (another task of a cluster).
+                pass
+        removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
+    return removed
 
 
 def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:

@@ -23,7 +23,9 @@ from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _events
+from slim_nanguard import _history
 from slim_nanguard import _policy
+from slim_nanguard import _record
 from slim_nanguard import _rollback
 from slim_nanguard import _verdict
 from slim_nanguard._handles import GraphHandles
@@ -118,6 +120,11 @@ class Guard:
         # Autopsy: the directory dumps go to (set by the loop or the hook) and the count done.
         self._autopsy_dir: Optional[str] = None
         self._autopsies = 0
+        # The record in that directory, when no listener keeps one (`_own_recorder`).
+        self._recorder: Optional[_record.EventRecorder] = None
+        self._recorder_dir: Optional[str] = None
+        # The losses of the last good steps, for the record of the next bad step.
+        self._history = _history.LossHistory(config.losses_before)
 
     # ----------------------------------------------------------------- read-only surface
     @property
@@ -157,7 +164,12 @@ class Guard:
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
         """Sends autopsy dumps to `path` (the checkpoint directory); the first one given
-        stays unless `replace`."""
+        stays unless `replace`.
+
+        The record of bad steps goes there too (``nanguard_events.jsonl``), unless a listener
+        keeps one already (an `EventRecorder`: `train`'s own, or the caller's), so that every
+        loop that knows a directory leaves a record there, and each bad step is recorded once.
+        """
         if path and (replace or self._autopsy_dir is None):
             self._autopsy_dir = path
 
@@ -210,8 +222,26 @@ class Guard:
         record = {"kind": kind, **event.to_json(), **extra}
         if kind != "bad_step":
             record.pop("autopsy", None)  # Once, in the bad step's own record.
+        self._send(record)
+
+    def _send(self, record: Dict[str, Any]) -> None:
         for listener in list(self._listeners):
             listener(record)
+        recorder = self._own_recorder()
+        if recorder is not None:
+            recorder(record)
+
+    def _own_recorder(self) -> Optional[_record.EventRecorder]:
+        """The record in the autopsy directory, or None: no directory, or a listener that is
+        an `EventRecorder` keeps the record (each bad step is recorded once)."""
+        if self._autopsy_dir is None or any(
+            isinstance(listener, _record.EventRecorder) for listener in self._listeners
+        ):
+            return None
+        if self._recorder is None or self._recorder_dir != self._autopsy_dir:
+            self._recorder = _record.EventRecorder(self._autopsy_dir)
+            self._recorder_dir = self._autopsy_dir
+        return self._recorder
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
         """Says that the caller applies the policy to this guard's bad steps in `session`.
@@ -278,6 +308,7 @@ class Guard:
         """
         state = self._state
         state.loss_scale_overflows += 1
+        self._history.anchor(int(step))  # The good steps before it end one step before.
         sums = list(sums)
         culprits, culprit_kinds = self._culprits_and_kinds(sums, kinds)
         event = _events.NanEvent(
@@ -299,6 +330,11 @@ class Guard:
     def note_good_step(self) -> None:
         """Tells the guard a step went through; resets the consecutive count."""
         self.state.consecutive_bad_steps = 0
+
+    def note_loss(self, loss: float) -> None:
+        """Keeps the loss of a good step for the record of the next bad step (the last
+        ``losses_before`` of them). The loop that fetched the loss calls it once a step."""
+        self._history.add(float(loss))
 
     def culprits(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
@@ -371,7 +407,7 @@ class Guard:
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
         self._autopsies += 1
-        return _autopsy.autopsy_bad_step(
+        result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
             [self.grad_sums],
@@ -379,6 +415,40 @@ class Guard:
             dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
         )
+        if result.dump:
+            self._remove_old_dumps()
+        return result
+
+    def _remove_old_dumps(self) -> None:
+        """Keeps the first ``autopsy_keep_first`` and the last ``autopsy_keep_last`` dumps of
+        the autopsy directory; records each one removed (kind ``autopsy_dump_removed``)."""
+        from slim_nanguard import _autopsy  # Local, as in `autopsy`.
+
+        first, last = self.config.autopsy_keep_first, self.config.autopsy_keep_last
+        try:
+            gone = _autopsy.remove_old_dumps(self._autopsy_dir, first, last)
+        except Exception as err:  # pylint: disable=broad-except  (never into training)
+            logging.warning("slim_nanguard: could not remove old autopsy dumps: %s", err)
+            return
+        for removed in gone:
+            logging.warning(
+                "slim_nanguard: removed the autopsy dump of global step %s (%s): a "
+                "directory keeps the first %d and the latest %d dumps "
+                "(GuardConfig.autopsy_keep_first, autopsy_keep_last).",
+                removed["step"],
+                removed["dump"],
+                first,
+                last,
+            )
+            self._send(
+                {
+                    "kind": "autopsy_dump_removed",
+                    "dump": removed["dump"],
+                    "dump_step": removed["step"],
+                    "keep_first": first,
+                    "keep_last": last,
+                }
+            )
 
     def record_bad_step(
         self,
@@ -420,6 +490,7 @@ class Guard:
         culprits, culprit_kinds = (
             self._culprits_and_kinds(sums, kinds) if sums is not None else ((), ())
         )
+        losses_before = self._history.anchor(int(step))
         event = _events.NanEvent(
             step=int(step),
             loss=float(loss),
@@ -462,7 +533,10 @@ class Guard:
                 # Start the count over, or the first bad step after the rollback would
                 # escalate again (global_step may come back to the value of this bad step).
                 state.consecutive_bad_steps = 0
-        self._notify("bad_step", event, **({"escalation": escalation} if escalation else {}))
+        extra = {"escalation": escalation} if escalation else {}
+        if losses_before:
+            extra["losses_before"] = [[s, value] for s, value in losses_before]
+        self._notify("bad_step", event, **extra)
         self._last_event = event
         return event, decision
 
@@ -561,6 +635,7 @@ class Guard:
           CheckpointNotFoundError: No good checkpoint to roll back to.
         """
         del saver  # One rule: the guard's own saver.
+        self._history.clear()  # The global step goes back: the next losses are from there.
         if self.rollback_request is not None and event is None:
             # A cluster's non-chief: the model lives on the ps and the chief restores it.
             fields = self.rollback_request(session, self)

@@ -107,6 +107,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._event_listener = event_listener
         self._guard: Optional[_guard.Guard] = None
         self._run_args = None
+        self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
         self._session_bad_steps = 0
         # Several guarded train ops in the graph: judge only the runs that reach ours.
@@ -157,6 +158,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # guard's diagnostics variable, read with the global step on bad steps only.
         if guard.ok is not None:
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+            if not guard.in_loop:  # The train op's value is the loss of the step.
+                self._loss_args = tf.compat.v1.train.SessionRunArgs(
+                    {"ok": guard.ok, "loss": guard.train_op}
+                )
         # Writes built after the train op that wait on it (an EMA chained after it).
         _train_op.gate_writes_after(guard)
         self._judge_every_run = (
@@ -198,7 +203,19 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._judging = self._judge_every_run or self._fetches_reach_train_op(
             run_context.original_args.fetches
         )
+        if self._judging and self._loss_args is not None:
+            if self._fetches_train_op(run_context.original_args.fetches):
+                return self._loss_args
         return self._run_args if self._judging else None
+
+    def _fetches_train_op(self, fetches) -> bool:
+        """Whether a run fetches the train op itself, whose value is the loss: asking for it
+        too costs nothing (the session fetches a tensor once), and the guard keeps it for the
+        record of the next bad step."""
+        try:
+            return any(f is self._guard.train_op for f in tf.nest.flatten(fetches))
+        except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
+            return False
 
     def _fetches_reach_train_op(self, fetches) -> bool:
         """Whether a run of `fetches` runs this hook's train op (cached per fetch list)."""
@@ -238,6 +255,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._unguarded_bad_step(run_context, loss)
             self._last_outcome = _actions.GOOD
             return
+        loss = None
+        if isinstance(results, dict):  # `_loss_args`: the verdict and the loss.
+            results, loss = results["ok"], results["loss"]
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
             stored = guard.read_bad_step(run_context.session)
@@ -246,6 +266,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 run_context.session.run(guard.diagnostics.initializer)
         if results is None or results:  # A finite step (or a check_numerics-mode op).
             guard.note_good_step()
+            if loss is not None:
+                guard.note_loss(loss)
             self._last_outcome = _actions.GOOD
             return
         try:
@@ -325,7 +347,8 @@ def nan_hook(
     Args:
       train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
       checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``, and by
-        ``persistent_nan_policy="rollback"``).
+        ``persistent_nan_policy="rollback"``). The record of bad steps
+        (``nanguard_events.jsonl``) and the autopsy dumps go there too.
       event_listener: Optional ``fn(record)`` for each bad step and rollback.
 
     Raises:

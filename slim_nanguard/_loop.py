@@ -695,6 +695,7 @@ def _run(
                 outcome = judge_hook.last_outcome if judge_hook is not None else None
                 if outcome is None:  # No hook judged this run: the check let it through.
                     guard.note_good_step()
+                    guard.note_loss(loss)  # (A hook that judged kept the loss itself.)
                     outcome = _actions.GOOD
             counts.add(outcome)
             if outcome.stop:

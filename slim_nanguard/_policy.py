@@ -96,6 +96,15 @@ class GuardConfig:
         it kept, to find the first op that made a non-finite value): the first ones the guard
         sees in this process. 0 turns autopsies off, and then the train op keeps no batch.
       autopsy_timeout_secs: The longest one autopsy may take.
+      autopsy_keep_first: How many of the oldest autopsy dumps of the training directory are
+        kept (each holds a batch and the weights the step read: megabytes). With
+        ``autopsy_keep_last``, a bound on their disk use: a new dump past the bound removes
+        the oldest dump after the first ``autopsy_keep_first``, and the record says so.
+      autopsy_keep_last: How many of the newest autopsy dumps are kept (at least 1: the dump
+        just written).
+      losses_before: How many losses of the good steps before a bad step its record keeps
+        (``losses_before``, ``[step, loss]`` pairs, oldest first), so that a plot shows the
+        climb to the bad step between TensorBoard summaries; 0 keeps none.
     """
 
     nan_policy: str = RAISE
@@ -107,6 +116,9 @@ class GuardConfig:
     max_rollbacks: int = 3
     autopsy_max_steps: int = 3
     autopsy_timeout_secs: float = 60.0
+    autopsy_keep_first: int = 3
+    autopsy_keep_last: int = 3
+    losses_before: int = 50
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -144,6 +156,9 @@ class GuardConfig:
             raise ValueError(
                 f"autopsy_timeout_secs must be a number of seconds > 0; got {timeout!r}."
             )
+        _check_int("autopsy_keep_first", self.autopsy_keep_first, minimum=0)
+        _check_int("autopsy_keep_last", self.autopsy_keep_last, minimum=1)
+        _check_int("losses_before", self.losses_before, minimum=0)
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(
                 f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."

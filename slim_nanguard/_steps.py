@@ -132,7 +132,8 @@ def train_step(
       global_step: The global step tensor.
       train_step_kwargs: The dict `tf_slim.learning.train` passes.
       checkpoint_dir: Where checkpoints are saved (rollback only, escalated or not); default:
-        the ``logdir`` of `train_step_kwargs` when present.
+        the ``logdir`` of `train_step_kwargs` when present. The record of bad steps
+        (``nanguard_events.jsonl``) and the autopsy dumps go there too.
 
     Returns:
       ``(total_loss, should_stop)`` as tf-slim's `train_step`.
@@ -176,6 +177,7 @@ def train_step(
     else:
         if judging is None or judging.ok:
             guard.note_good_step()
+            guard.note_loss(loss)
             return loss, should_stop
         outcome = judge()
     if outcome.overflow:  # The optimizer skipped the update and lowered its scale.

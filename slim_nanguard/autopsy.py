@@ -7,15 +7,18 @@ only parses flags and calls these):
 * `format_report` turns it into a few lines for a terminal;
 * `replay_dump` rebuilds the graph from the checkpoint's meta graph and replays the step from
   the dump alone (the batch and the weights it read), on any machine;
-* `plot_run` draws the loss over steps from the TensorBoard events, with every bad step, skip
-  and rollback of the record marked on it (needs matplotlib: the ``plot`` extra).
+* `plot_run` draws the loss over steps (`loss_pieces`: the TensorBoard events, and the losses
+  of the steps before each bad step that its record keeps), with every bad step, skip and
+  rollback of the record marked on it (needs matplotlib: the ``plot`` extra).
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import math
 import os
+import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard import _autopsy
@@ -37,27 +40,37 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
         latest bad step).
 
     Returns:
-      The record (the last one of that step: a rollback can bring a step back).
+      The record (the last one of that step: a rollback can bring a step back). When its
+      autopsy dump was removed since (`GuardConfig.autopsy_keep_first` and
+      ``autopsy_keep_last`` bound the dumps' disk use), ``dump_removed`` holds the record
+      that says so.
 
     Raises:
       ValueError: The directory has no event record, no bad step, or none at `step`; the
         message lists the bad steps there are.
     """
-    records = bad_steps(train_dir)
+    events = _record.read_events(train_dir)
+    records = [r for r in events if r.get("kind") == "bad_step"]
     path = os.path.join(train_dir, _record.EVENTS_FILENAME)
     if not records:
         where = path if os.path.exists(path) else f"{train_dir} (no {_record.EVENTS_FILENAME})"
         raise ValueError(f"no bad step recorded in {where}: nothing to show.")
     if step is None:
         autopsied = [r for r in records if r.get("autopsy")]
-        return (autopsied or records)[-1]
-    matching = [r for r in records if r.get("step") == step]
-    if not matching:
-        known = ", ".join(str(s) for s in sorted({r.get("step") for r in records}))
-        raise ValueError(
-            f"no bad step {step} in {path}; the bad steps recorded are at global step {known}."
-        )
-    return matching[-1]
+        record = (autopsied or records)[-1]
+    else:
+        matching = [r for r in records if r.get("step") == step]
+        if not matching:
+            known = ", ".join(str(s) for s in sorted({r.get("step") for r in records}))
+            raise ValueError(
+                f"no bad step {step} in {path}; the bad steps recorded are at global step {known}."
+            )
+        record = matching[-1]
+    dump = (record.get("autopsy") or {}).get("dump")
+    removed = [
+        r for r in events if r.get("kind") == "autopsy_dump_removed" and r.get("dump") == dump
+    ]
+    return dict(record, dump_removed=removed[-1]) if dump and removed else record
 
 
 def format_report(record: Mapping[str, Any]) -> str:
@@ -95,7 +108,13 @@ def format_report(record: Mapping[str, Any]) -> str:
         )
         at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
         lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
-    if result.dump:
+    removed = record.get("dump_removed")
+    if result.dump and removed:
+        lines.append(
+            f"  dump        {result.dump}, removed later: a directory keeps the first "
+            f"{removed.get('keep_first')} and the latest {removed.get('keep_last')} dumps"
+        )
+    elif result.dump:
         lines.append(f"  dump        {result.dump}")
     cost = result.cost or {}
     if cost:
@@ -212,11 +231,13 @@ def _replace(result: _autopsy.Autopsy, **changes) -> _autopsy.Autopsy:
 
 # ---------------------------------------------------------------------- the plot
 LOSS_TAGS = ("nanguard/loss", "total_loss", "losses/total_loss", "loss")
+# The name of the loss drawn when the run wrote no TensorBoard loss, only its record.
+RECORD_TAG = "loss"
+
+Point = Tuple[int, float]
 
 
-def read_scalars(
-    train_dir: str, tags: Sequence[str] = LOSS_TAGS
-) -> Tuple[str, List[Tuple[int, float]]]:
+def read_scalars(train_dir: str, tags: Sequence[str] = LOSS_TAGS) -> Tuple[str, List[Point]]:
     """The loss series of the TensorBoard event files of `train_dir`.
 
     Of `tags`, the one with the most points (the first in `tags` on a tie).
@@ -228,6 +249,14 @@ def read_scalars(
     Raises:
       ValueError: No event file, or none of the tags in it.
     """
+    tag, written = _scalar_events(train_dir, tags)
+    return tag, [(step, value) for _, step, value in written]
+
+
+def _scalar_events(
+    train_dir: str, tags: Sequence[str]
+) -> Tuple[str, List[Tuple[float, int, float]]]:
+    """`read_scalars`, each point with its wall time first."""
     import tensorflow as tf  # Local: only the plot needs it.
 
     files = sorted(glob.glob(os.path.join(train_dir, "events.out.tfevents.*")))
@@ -247,7 +276,7 @@ def read_scalars(
     found = [tag for tag in tags if series.get(tag)]
     if found:
         tag = max(found, key=lambda t: (len(series[t]), -found.index(t)))
-        return tag, [(step, value) for _, step, value in sorted(series[tag])]
+        return tag, sorted(series[tag])
     raise ValueError(
         f"the event files of {train_dir} hold none of the scalars "
         f"{', '.join(tags)}; train with summaries on (save_summaries_steps) to "
@@ -255,27 +284,135 @@ def read_scalars(
     )
 
 
-def split_at_rollbacks(points: Sequence[Tuple[int, float]]) -> List[Tuple[List, List]]:
+def split_at_rollbacks(points: Sequence[Point]) -> List[Tuple[List[Point], List[Point]]]:
     """Splits a series written in order into ``(kept, dropped)`` runs.
 
     A step that does not exceed the one before starts a new run (a rollback went back). In
     each run, the points from that restart's step on were undone: ``dropped``. The point
     before them is in both, so that the lines join.
     """
-    runs: List[List[Tuple[int, float]]] = []
-    for point in points:
-        if not runs or point[0] <= runs[-1][-1][0]:
-            runs.append([])
-        runs[-1].append(point)
+    return _split(_runs([(None, point) for point in points]))
+
+
+def _runs(points: Sequence[Tuple[Optional[int], Point]]) -> List[Tuple[Optional[int], List]]:
+    """Cuts ``(restart, point)`` items written in order into ``(restart, points)`` runs.
+
+    An item whose ``restart`` is not None (the first point after a rollback to that step)
+    starts a new run; so does a step that does not exceed the one before.
+    """
+    runs: List[Tuple[Optional[int], List[Point]]] = []
+    for restart, point in points:
+        if runs and restart is None and point[0] > runs[-1][1][-1][0]:
+            runs[-1][1].append(point)
+        else:
+            runs.append((restart, [point]))
+    return runs
+
+
+def _split(runs: Sequence[Tuple[Optional[int], List[Point]]]) -> List[Tuple[List, List]]:
+    """``(kept, dropped)`` for each run: the points from the next run's restart on (its
+    ``restart`` step, else its first step) were undone."""
     pieces = []
-    for number, run in enumerate(runs):
-        restart = runs[number + 1][0][0] if number + 1 < len(runs) else math.inf
+    for number, (_, run) in enumerate(runs):
+        restart = math.inf
+        if number + 1 < len(runs):
+            step, after = runs[number + 1]
+            restart = after[0][0] if step is None else step
         kept = [p for p in run if p[0] < restart]
         dropped = [p for p in run if p[0] >= restart]
         if kept and dropped:
             dropped = [kept[-1]] + dropped
         pieces.append((kept, dropped))
     return pieces
+
+
+def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point]]]]:
+    """The loss over steps as `plot_run` draws it, cut where the run went back.
+
+    Two sources: the TensorBoard scalars (`read_scalars`), and the losses of the steps before
+    each bad step that its record keeps (``losses_before``: every step, so a divergence
+    between two summaries shows). Where a record's losses cover a stretch of steps, they
+    stand for the summaries there. The run goes back at each rollback, to the step of the
+    checkpoint it restored (the points from there on were undone), and wherever a summary's
+    step does not exceed the one before (a resumed run). NaN and Inf are left out: the bad
+    steps are marked on the plot instead.
+
+    Args:
+      train_dir: The training directory.
+
+    Returns:
+      ``(tag, pieces)``: the TensorBoard tag drawn (`RECORD_TAG` when the record alone has
+      losses), and one ``(kept, dropped)`` pair per run, as `split_at_rollbacks` makes.
+
+    Raises:
+      ValueError: No TensorBoard loss and no record of losses.
+    """
+    records = _record.read_events(train_dir)
+    kept_losses = [r for r in records if r.get("kind") == "bad_step" and r.get("losses_before")]
+    try:
+        tag, written = _scalar_events(train_dir, LOSS_TAGS)
+    except ValueError:
+        if not kept_losses:
+            raise
+        tag, written = RECORD_TAG, []
+    # Each rollback starts a stretch: the time it was decided, the step it went back to.
+    rollbacks = sorted(
+        (float(r["time"]), _restored_step(r))
+        for r in records
+        if r.get("kind") == "rollback" and "time" in r
+    )
+    times = [t for t, _ in rollbacks]
+
+    def stretch(time: float) -> int:  # The rollbacks decided before `time`.
+        return bisect.bisect_left(times, time)
+
+    items, covered, seen = [], {}, set()
+    for record in kept_losses:
+        time, pairs = float(record.get("time", 0.0)), record["losses_before"]
+        number = stretch(time)
+        # Up to the bad step: a summary there holds the last good loss, or the bad one.
+        covered.setdefault(number, []).append((pairs[0][0], record.get("step", pairs[-1][0])))
+        for back, (step, value) in enumerate(reversed(pairs), start=1):
+            # Seen before the record was written, in this order; a step that an earlier
+            # record of the stretch holds (bad steps close together) is drawn once.
+            if (number, step) not in seen and math.isfinite(value):
+                seen.add((number, step))
+                items.append((time - back * 1e-6, number, int(step), value))
+    for time, step, value in written:
+        number = stretch(time)
+        spans = covered.get(number, ())
+        if math.isfinite(value) and not any(low <= step <= high for low, high in spans):
+            items.append((time, number, step, value))
+    items.sort()
+    marked, last = [], 0
+    for _, number, step, value in items:
+        restart = None
+        if number != last:  # The first point after one rollback or more: the lowest step.
+            steps = [s for _, s in rollbacks[last:number] if s is not None]
+            restart, last = (min(steps) if steps else step), number
+        marked.append((restart, (step, value)))
+    return tag, _split(_runs(marked))
+
+
+def _restored_step(record: Mapping[str, Any]) -> Optional[int]:
+    """The global step of the checkpoint a rollback record restored (``model.ckpt-40``)."""
+    match = re.search(r"-(\d+)$", str(record.get("checkpoint") or ""))
+    return int(match.group(1)) if match else None
+
+
+def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, float]:
+    """The steps a close look at one bad step shows: from the first loss its record kept
+    before it (`margin` steps before it when none), and a quarter of that span past it.
+
+    Args:
+      record: The bad step's record.
+      margin: The steps shown before a bad step whose record kept no loss.
+    """
+    step = int(record.get("step", 0))
+    before = [s for s, _ in record.get("losses_before") or ()]
+    first = min(before) if before else step - margin
+    span = max(step - first, 1)
+    return first - max(span / 20, 0.5), step + max(span / 4, 2)
 
 
 def plot_run(train_dir: str, out_path: str) -> str:
@@ -302,9 +439,9 @@ def plot_run(train_dir: str, out_path: str) -> str:
             "--plot needs matplotlib, which is not installed; install it with "
             "pip install 'slim_nanguard[plot]' (or pip install matplotlib)."
         ) from err
-    tag, points = read_scalars(train_dir)
+    tag, pieces = loss_pieces(train_dir)
     records = _record.read_events(train_dir)
-    bad = [r.get("step", 0) for r in records if r.get("kind") == "bad_step"]
+    bad = [r for r in records if r.get("kind") == "bad_step"]
     if bad:  # The whole run, and a close look at the first bad step.
         figure, (whole, close) = plt.subplots(
             1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}
@@ -314,21 +451,35 @@ def plot_run(train_dir: str, out_path: str) -> str:
         figure, whole = plt.subplots(figsize=(9, 4.5))
         panels = [whole]
     for axes in panels:
-        _draw(axes, tag, points, records)
+        _draw(axes, tag, pieces, records)
     whole.set_title(
         f"{os.path.basename(os.path.abspath(train_dir))}: the loss and the guard's events"
     )
     whole.legend(loc="best", fontsize="small")
     if bad:
-        close.set_xlim(max(bad[0] - 20, min(s for s, _ in points) - 1), bad[0] + 40)
-        close.set_title(f"around the first bad step (global step {bad[0]})")
+        low, high = zoom_window(bad[0])
+        close.set_xlim(low, high)
+        shown = [v for run in pieces for part in run for s, v in part if low <= s <= high]
+        if shown:  # The loss in the window and the marks (at the top), not the whole run.
+            top = max(v for run in pieces for part in run for _, v in part)
+            close.set_ylim(*_padded(close, min(shown), max(shown + [top])))
+        close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
     figure.savefig(out_path, dpi=100)
     plt.close(figure)
     return out_path
 
 
-def _draw(axes, tag: str, points, records) -> None:
+def _padded(axes, low: float, high: float) -> Tuple[float, float]:
+    """`low` and `high` with a margin, on the scale of `axes`."""
+    if axes.get_yscale() == "log" and low > 0:
+        ratio = (high / low) ** 0.05 if high > low else 2.0
+        return low / ratio, high * ratio
+    pad = (high - low) * 0.05 or abs(high) * 0.05 or 1.0
+    return low - pad, high + pad
+
+
+def _draw(axes, tag: str, pieces, records) -> None:
     """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
     labels = set()
 
@@ -338,7 +489,7 @@ def _draw(axes, tag: str, points, records) -> None:
         labels.add(label)
         return label
 
-    for kept, dropped in split_at_rollbacks(points):
+    for kept, dropped in pieces:
         if dropped:
             axes.plot(
                 [s for s, _ in dropped],
@@ -351,7 +502,7 @@ def _draw(axes, tag: str, points, records) -> None:
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
-    finite = [v for _, v in points if math.isfinite(v)]
+    finite = [v for run in pieces for part in run for _, v in part if math.isfinite(v)]
     top = max(finite) if finite else 1.0
     if finite and min(finite) > 0 and top / min(finite) > 1e3:
         axes.set_yscale("log")  # a divergence spans orders of magnitude
