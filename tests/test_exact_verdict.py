@@ -221,7 +221,10 @@ def _weights_graph():
             "half", initializer=tf.fill([4], tf.constant(F16_MAX, tf.float16)), use_resource=True
         )
         step = tf.compat.v1.train.get_or_create_global_step()
-        setup = [tf.compat.v1.global_variables_initializer(), step.assign(7)]
+        init = tf.compat.v1.global_variables_initializer()
+        # The assign waits for the initializer: in one run without the edge, either may win.
+        with tf.control_dependencies([init]):
+            setup = step.assign(7)
         poison = tf.group(
             big.assign(tf.tensor_scatter_nd_update(big, [[0]], [np.nan])),
             half.assign(
