@@ -70,7 +70,7 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     if cached is not None and cached[0] == key:
         _VERIFIED.move_to_end(checkpoint_path)
         return cached[1]
-    reader = tf.train.load_checkpoint(checkpoint_path)
+    reader = checkpoint_reader(checkpoint_path)
     bad = []
     for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
         if not dtype.is_floating:
@@ -83,6 +83,18 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
     return tuple(bad)
+
+
+def checkpoint_reader(path: str) -> tf.compat.v1.train.NewCheckpointReader:
+    """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one.
+
+    TensorFlow's takes a path that is a directory for a training directory and reads its
+    latest checkpoint; some file systems (the in-process ``ram://``) call any prefix of a file
+    name a directory, which would send a checkpoint prefix down that road.
+    """
+    if tf.io.gfile.exists(path + ".index"):
+        return tf.compat.v1.train.NewCheckpointReader(path)
+    return tf.train.load_checkpoint(path)
 
 
 def checkpoint_step(checkpoint_path: str) -> Optional[int]:

@@ -564,7 +564,7 @@ def _resume_saver(saver: tf.compat.v1.train.Saver, checkpoint: str) -> tf.compat
     lower the learning rate, so a run resumed with other guard options may find it missing;
     it then keeps its initial value. Any other missing variable fails the restore as usual.
     """
-    in_checkpoint = set(tf.train.load_checkpoint(checkpoint).get_variable_to_shape_map())
+    in_checkpoint = set(_checkpoints.checkpoint_reader(checkpoint).get_variable_to_shape_map())
     variables = tf.compat.v1.global_variables()
     missing = [v for v in variables if v.op.name not in in_checkpoint]
     if not missing or any(not v.op.name.startswith("nanguard/") for v in missing):
