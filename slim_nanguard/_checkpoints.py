@@ -125,7 +125,7 @@ def latest_good_checkpoint(
       NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
       CheckpointNotFoundError: Checkpoints exist but none of them can be read.
     """
-    candidates, damage = _candidates(checkpoint_dir)
+    candidates, damaged = _candidates(checkpoint_dir)
     if before_step is not None:
         steps = {path: checkpoint_step(path) for path in candidates}
         candidates = [
@@ -154,8 +154,8 @@ def latest_good_checkpoint(
                 ", ".join(failures),
                 path,
             )
-        if damage and before_step is None:
-            _repair_state(checkpoint_dir, damage, candidates[candidates.index(path) :])
+        if damaged and before_step is None:
+            _repair_state(checkpoint_dir, candidates[candidates.index(path) :])
         return path
     raise _errors.CheckpointNotFoundError(
         f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
@@ -163,7 +163,7 @@ def latest_good_checkpoint(
     )
 
 
-def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], Optional[str]]:
+def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     """Checkpoint prefixes of a directory, newest first, all inside that directory.
 
     The ``checkpoint`` state file may hold absolute paths (any `Saver` without
@@ -176,24 +176,23 @@ def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], Optional[str]
     ``*.index`` files, the highest global step first.
 
     Returns:
-      The prefixes, and why the state file could not be parsed (None if it could, or if
-      there is none).
+      The prefixes, and whether the state file is there but could not be parsed.
     """
     if not checkpoint_dir or not tf.io.gfile.isdir(checkpoint_dir):
-        return [], None
+        return [], False
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
-    except ValueError:  # It parses but names no checkpoint: an empty file.
-        return _listed(checkpoint_dir), "it names no checkpoint"
+    except ValueError:  # Empty (it names no checkpoint), or not even text.
+        state = None
     if state is None:
         if tf.io.gfile.exists(state_file(checkpoint_dir)):
-            return _listed(checkpoint_dir), "it cannot be parsed"
-        return [], None
+            return _listed(checkpoint_dir), True
+        return [], False
     paths = list(state.all_model_checkpoint_paths or [])
     if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)
     paths = [_paths.join(checkpoint_dir, _paths.basename(p)) for p in paths]
-    return list(reversed(paths)), None
+    return list(reversed(paths)), False
 
 
 def state_file(checkpoint_dir: str) -> str:
@@ -202,8 +201,8 @@ def state_file(checkpoint_dir: str) -> str:
 
 
 def _listed(checkpoint_dir: str) -> List[str]:
-    """The checkpoints of a directory by its ``*.index`` files, the highest global step first
-    (a name without a step last)."""
+    """The checkpoints of a directory, by its ``*.index`` files: the highest global step
+    first, a name without a step last."""
     prefixes = [
         _paths.join(checkpoint_dir, name[: -len(".index")])
         for name in tf.io.gfile.listdir(checkpoint_dir)
@@ -217,7 +216,7 @@ def _listed(checkpoint_dir: str) -> List[str]:
     return sorted(prefixes, key=newest_first, reverse=True)
 
 
-def _repair_state(checkpoint_dir: str, damage: str, found: List[str]) -> None:
+def _repair_state(checkpoint_dir: str, found: List[str]) -> None:
     """Rewrites a damaged state file to name `found` (newest first), the first of them as
     the latest; says so in one warning line.
 
@@ -235,14 +234,13 @@ def _repair_state(checkpoint_dir: str, damage: str, found: List[str]) -> None:
         tf.compat.v1.train.update_checkpoint_state(
             checkpoint_dir, names[-1], all_model_checkpoint_paths=names
         )
-        done = "rewrote it"
+        done = "and rewrote the state file to name it"
     except (OSError, tf.errors.OpError) as err:
-        done = f"could not rewrite it ({_short(err)})"
+        done = f"but could not rewrite the state file ({_short(err)})"
     logging.warning(
-        "slim_nanguard: the checkpoint state file %s is damaged (%s); found the checkpoints "
-        "by listing the directory: using %s, the newest; %s.",
+        "slim_nanguard: the checkpoint state file %s cannot be parsed (garbled, cut short or "
+        "empty); found the checkpoints by listing the directory: using %s, %s.",
         path,
-        damage,
         found[0],
         done,
     )
@@ -256,11 +254,11 @@ def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
     names the source, which must not be read), and of one whose state file is damaged (by
     listing the directory; the state file is then rewritten). Returns None when there is none.
     """
-    candidates, damage = _candidates(checkpoint_dir)
+    candidates, damaged = _candidates(checkpoint_dir)
     for number, path in enumerate(candidates):
         if tf.io.gfile.exists(path + ".index") or tf.io.gfile.exists(path):
-            if damage:
-                _repair_state(checkpoint_dir, damage, candidates[number:])
+            if damaged:
+                _repair_state(checkpoint_dir, candidates[number:])
             return path
     return None
 
