@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 import tensorflow as tf
+from test_autopsy import _train as train_saving_every_step
+from test_faults import _config
 from test_launcher import EVAL
 from test_launcher import TRAIN
 from test_launcher import _run
@@ -54,15 +56,8 @@ def _warnings(caplog):
 
 
 def _train(logdir, steps):
-    model = lib.build_model(check_numerics=True)
-    return slim_nanguard.train(
-        model.train_op,
-        str(logdir),
-        number_of_steps=steps,
-        save_checkpoint_steps=1,
-        save_summaries_steps=None,
-        log_every_n_steps=0,
-    )
+    """A run to global step `steps` saving every step (`test_autopsy`'s loop)."""
+    return train_saving_every_step(logdir, lib.build_model(check_numerics=True), steps)
 
 
 @pytest.mark.parametrize("how", DAMAGES)
@@ -121,19 +116,6 @@ def test_a_damaged_state_file_and_an_unreadable_newest_checkpoint(tmp_path, capl
 
 # ---------------------------------------------------------------------------------------------
 # The launcher: its library entry, and its commands.
-
-
-def _config(train_dir, **kwargs):
-    values = dict(
-        train_dir=str(train_dir),
-        dataset_name="synthetic",
-        batch_size=16,
-        log_every_n_steps=0,
-        save_summaries_steps=0,
-        save_summaries_secs=0,
-    )
-    values.update(kwargs)
-    return app.TrainConfig(**values)
 
 
 @pytest.mark.parametrize("how", DAMAGES)

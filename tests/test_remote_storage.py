@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 import pytest
 import tensorflow as tf
+from test_faults import _config
 
 import slim_nanguard
 from slim_nanguard import _autopsy
@@ -149,16 +150,7 @@ def test_the_launchers_run_trains_and_evaluates_on_remote_storage(remote):
     """`app.train_and_evaluate`, what ``slim-nanguard-train`` runs, with ``--train_dir`` on
     remote storage: trained past an injected NaN batch, and the final checkpoint evaluated."""
     lines = []
-    config = app.TrainConfig(
-        train_dir=remote,
-        dataset_name="synthetic",
-        batch_size=16,
-        max_number_of_steps=8,
-        log_every_n_steps=0,
-        save_summaries_steps=0,
-        save_summaries_secs=0,
-        inject_faults="nan_input:4",
-    )
+    config = _config(remote, max_number_of_steps=8, inject_faults="nan_input:4")
     assert app.train_and_evaluate(config, echo=lines.append) == 0
     text = "\n".join(lines)
     assert f"checkpoint    {remote}/model.ckpt-8" in text
