@@ -85,14 +85,17 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     return tuple(bad)
 
 
-def checkpoint_reader(path: str) -> tf.compat.v1.train.NewCheckpointReader:
+def checkpoint_reader(path: str) -> Any:
     """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one.
 
     TensorFlow's takes a path that is a directory for a training directory and reads its
     latest checkpoint; some file systems (the in-process ``ram://``) call any prefix of a file
     name a directory, which would send a checkpoint prefix down that road.
+
+    Returns:
+      TensorFlow's checkpoint reader (``get_tensor``, ``get_variable_to_shape_map``, ...).
     """
-    if tf.io.gfile.exists(path + ".index"):
+    if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
         return tf.compat.v1.train.NewCheckpointReader(path)
     return tf.train.load_checkpoint(path)
 
@@ -185,7 +188,7 @@ def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     except ValueError:  # Empty (it names no checkpoint), or not even text.
         state = None
     if state is None:
-        if tf.io.gfile.exists(state_file(checkpoint_dir)):
+        if tf.io.gfile.exists(_state_file(checkpoint_dir)):
             return _listed(checkpoint_dir), True
         return [], False
     paths = list(state.all_model_checkpoint_paths or [])
@@ -195,7 +198,7 @@ def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     return list(reversed(paths)), False
 
 
-def state_file(checkpoint_dir: str) -> str:
+def _state_file(checkpoint_dir: str) -> str:
     """The path of the ``checkpoint`` state file of `checkpoint_dir`."""
     return _paths.join(checkpoint_dir, STATE_FILENAME)
 
@@ -224,7 +227,7 @@ def _repair_state(checkpoint_dir: str, found: List[str]) -> None:
     that cannot be rewritten (a read-only directory) is left as it is: the next call lists
     the directory again.
     """
-    path = state_file(checkpoint_dir)
+    path = _state_file(checkpoint_dir)
     # update_checkpoint_state keeps the paths it is given when the directory is an absolute
     # local one, and makes them relative to any other (a URL too): names in the one case,
     # paths in the other, so that either way the file holds names only.
