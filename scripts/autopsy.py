@@ -34,6 +34,7 @@ with _quiet_start.quiet_imports(sys.argv):
     from absl import logging  # noqa: E402
 
     import slim_nanguard  # noqa: E402
+    from slim_nanguard import _paths  # noqa: E402
     from slim_nanguard import autopsy  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -92,7 +93,7 @@ def main(argv):
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
     tf.compat.v1.disable_v2_behavior()
-    if not os.path.isdir(train_dir):
+    if not tf.io.gfile.isdir(train_dir):
         return fail(ValueError(f"{train_dir} is not a directory; give the --train_dir of a run."))
     try:
         if FLAGS.plot:
@@ -133,10 +134,10 @@ def main(argv):
 
 def _relocated(dump: str, train_dir: str) -> str:
     """The dump's path, in `train_dir` if the directory was moved since the run."""
-    if os.path.exists(dump):
+    if tf.io.gfile.exists(dump):
         return dump
-    moved = os.path.join(train_dir, os.path.basename(os.path.dirname(dump)), os.path.basename(dump))
-    return moved if os.path.exists(moved) else dump
+    moved = _paths.join(train_dir, _paths.basename(_paths.dirname(dump)), _paths.basename(dump))
+    return moved if tf.io.gfile.exists(moved) else dump
 
 
 def run():

@@ -166,10 +166,10 @@ def main(argv):
     print(header)
     print(tables)
     if FLAGS.out:
-        with open(FLAGS.out, "w", encoding="utf-8") as f:
+        with tf.io.gfile.GFile(FLAGS.out, "w") as f:
             json.dump(report, f, indent=1)
     if FLAGS.markdown:
-        with open(FLAGS.markdown, "w", encoding="utf-8") as f:
+        with tf.io.gfile.GFile(FLAGS.markdown, "w") as f:
             f.write(header + "\n\n" + tables + "\n")
 
 

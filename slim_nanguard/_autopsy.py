@@ -23,6 +23,7 @@ tested without a graph.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import linecache
 import math
@@ -35,6 +36,7 @@ import numpy as np
 from absl import logging
 
 from slim_nanguard import _ops
+from slim_nanguard import _paths
 
 if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
     import tensorflow as tf
@@ -776,11 +778,13 @@ def write_dump(
       The path of the JSON report. An existing dump of the same step (a rollback can bring a
       step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
     """
-    directory = os.path.join(dump_dir, DUMP_DIRNAME)
-    os.makedirs(directory, exist_ok=True)
-    base = os.path.join(directory, f"step{result.step}")
+    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
+
+    directory = _paths.join(dump_dir, DUMP_DIRNAME)
+    tf.io.gfile.makedirs(directory)
+    base = _paths.join(directory, f"step{result.step}")
     suffix = 1
-    while os.path.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
+    while tf.io.gfile.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
         suffix += 1
     base = f"{base}-{suffix}" if suffix > 1 else base
     arrays, batch, read = {}, [], []
@@ -790,17 +794,20 @@ def write_dump(
     for i, (tensor, value) in enumerate(weights.items()):
         arrays[f"weight_{i}"] = np.asarray(value)
         read.append({"key": f"weight_{i}", "tensor": _name(tensor)})
-    np.savez(base + ".npz", **arrays)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with tf.io.gfile.GFile(base + ".npz", "wb") as f:
+        f.write(buffer.getvalue())
     report = dict(
         result.to_json(),
         dump=base + ".json",
         batch=batch,
         weights=read,
         targets=[_name(t) for t in targets],
-        arrays=os.path.basename(base) + ".npz",
+        arrays=_paths.basename(base) + ".npz",
         written=time.time(),  # The order `remove_old_dumps` keeps them by.
     )
-    with open(base + ".json", "w", encoding="utf-8") as f:
+    with tf.io.gfile.GFile(base + ".json", "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)
     return base + ".json"
 
@@ -826,8 +833,8 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
-    directory = tf.io.gfile.join(dump_dir, DUMP_DIRNAME)
-    reports = tf.io.gfile.glob(tf.io.gfile.join(directory, "step*.json"))
+    directory = _paths.join(dump_dir, DUMP_DIRNAME)
+    reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
     if len(reports) <= keep_first + keep_last:
         return []
     dumps = []
@@ -841,7 +848,7 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     dumps.sort(key=lambda d: d[:2])
     removed = []
     for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
-        arrays = tf.io.gfile.join(directory, report.get("arrays") or "")
+        arrays = _paths.join(directory, report.get("arrays") or "")
         for doomed in (arrays, path) if report.get("arrays") else (path,):
             try:
                 tf.io.gfile.remove(doomed)
@@ -861,11 +868,15 @@ def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[st
       ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
       and for the weights the step read (empty if they were too big to keep).
     """
+    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
+
     if path.endswith(".npz"):
         path = path[: -len(".npz")] + ".json"
-    with open(path, encoding="utf-8") as f:
+    with tf.io.gfile.GFile(path, "r") as f:
         report = json.load(f)
-    arrays = os.path.join(os.path.dirname(path), report["arrays"])
+    arrays = _paths.join(_paths.dirname(path), report["arrays"])
+    with tf.io.gfile.GFile(arrays, "rb") as f:
+        arrays = io.BytesIO(f.read())
     with np.load(arrays) as data:
         batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
         weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}

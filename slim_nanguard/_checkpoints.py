@@ -3,7 +3,8 @@
 `FiniteSaver` refuses to write a checkpoint that holds NaN or Inf (`finite_saver` puts the same
 check in front of a user's own `Saver`); `latest_good_checkpoint`
 finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
-with a warning; `non_finite_variables` says which values of a checkpoint are not finite.
+(or past a damaged ``checkpoint`` state file, by listing the directory) with a warning;
+`non_finite_variables` says which values of a checkpoint are not finite.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import tensorflow as tf
 from absl import logging
 
 from slim_nanguard import _errors
+from slim_nanguard import _paths
 from slim_nanguard import _verdict
+
+# The state file a `Saver` writes next to its checkpoints: the latest one, and those kept.
+STATE_FILENAME = "checkpoint"
 
 # The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
 # its non-finite tensors). A rollback walks back over the same few checkpoints again and again;
@@ -66,7 +71,7 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     if cached is not None and cached[0] == key:
         _VERIFIED.move_to_end(checkpoint_path)
         return cached[1]
-    reader = tf.train.load_checkpoint(checkpoint_path)
+    reader = checkpoint_reader(checkpoint_path)
     bad = []
     for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
         if not dtype.is_floating:
@@ -81,6 +86,21 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     return tuple(bad)
 
 
+def checkpoint_reader(path: str) -> Any:
+    """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one.
+
+    TensorFlow's takes a path that is a directory for a training directory and reads its
+    latest checkpoint; some file systems (the in-process ``ram://``) call any prefix of a file
+    name a directory, which would send a checkpoint prefix down that road.
+
+    Returns:
+      TensorFlow's checkpoint reader (``get_tensor``, ``get_variable_to_shape_map``, ...).
+    """
+    if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
+        return tf.compat.v1.train.NewCheckpointReader(path)
+    return tf.train.load_checkpoint(path)
+
+
 def checkpoint_step(checkpoint_path: str) -> Optional[int]:
     """The global step a checkpoint was saved at, from its name (``model.ckpt-1200``)."""
     match = re.search(r"-(\d+)$", checkpoint_path)
@@ -93,7 +113,9 @@ def latest_good_checkpoint(
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
     A newer checkpoint that cannot be read is passed over with a warning naming it and the one
-    used instead.
+    used instead. A ``checkpoint`` state file that cannot be parsed is passed over too: the
+    checkpoints are found by listing the directory, and the state file is rewritten to name
+    the one found (with a warning saying so).
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
@@ -107,7 +129,7 @@ def latest_good_checkpoint(
       NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
       CheckpointNotFoundError: Checkpoints exist but none of them can be read.
     """
-    candidates = _candidates(checkpoint_dir)
+    candidates, damaged = _candidates(checkpoint_dir)
     if before_step is not None:
         steps = {path: checkpoint_step(path) for path in candidates}
         candidates = [
@@ -136,6 +158,8 @@ def latest_good_checkpoint(
                 ", ".join(failures),
                 path,
             )
+        if damaged and before_step is None:
+            _repair_state(checkpoint_dir, candidates[candidates.index(path) :])
         return path
     raise _errors.CheckpointNotFoundError(
         f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
@@ -143,24 +167,87 @@ def latest_good_checkpoint(
     )
 
 
-def _candidates(checkpoint_dir: Optional[str]) -> List[str]:
+def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     """Checkpoint prefixes of a directory, newest first, all inside that directory.
 
     The ``checkpoint`` state file may hold absolute paths (any `Saver` without
     ``save_relative_paths``), which point into the directory where the run was trained. Each
     is re-rooted into `checkpoint_dir` by its file name, so a training directory that was
     moved or copied reads its own checkpoints, never the ones of the place it came from.
+
+    A state file that cannot be parsed (a crash while it was rewritten garbles, truncates or
+    empties it) names nothing: the checkpoints are then found by listing the directory's
+    ``*.index`` files, the highest global step first.
+
+    Returns:
+      The prefixes, and whether the state file is there but could not be parsed.
     """
-    if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
-        return []
-    state = tf.train.get_checkpoint_state(checkpoint_dir)
-    paths: List[str] = []
-    if state is not None:
-        paths = list(state.all_model_checkpoint_paths or [])
-        if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
-            paths.append(state.model_checkpoint_path)
-        paths = [os.path.join(checkpoint_dir, os.path.basename(p)) for p in paths]
-    return list(reversed(paths))
+    if not checkpoint_dir or not tf.io.gfile.isdir(checkpoint_dir):
+        return [], False
+    try:
+        state = tf.train.get_checkpoint_state(checkpoint_dir)
+    except ValueError:  # Empty (it names no checkpoint), or not even text.
+        state = None
+    if state is None:
+        if tf.io.gfile.exists(_state_file(checkpoint_dir)):
+            return _listed(checkpoint_dir), True
+        return [], False
+    paths = list(state.all_model_checkpoint_paths or [])
+    if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+        paths.append(state.model_checkpoint_path)
+    paths = [_paths.join(checkpoint_dir, _paths.basename(p)) for p in paths]
+    return list(reversed(paths)), False
+
+
+def _state_file(checkpoint_dir: str) -> str:
+    """The path of the ``checkpoint`` state file of `checkpoint_dir`."""
+    return _paths.join(checkpoint_dir, STATE_FILENAME)
+
+
+def _listed(checkpoint_dir: str) -> List[str]:
+    """The checkpoints of a directory, by its ``*.index`` files: the highest global step
+    first, a name without a step last."""
+    prefixes = [
+        _paths.join(checkpoint_dir, name[: -len(".index")])
+        for name in tf.io.gfile.listdir(checkpoint_dir)
+        if name.endswith(".index")
+    ]
+
+    def newest_first(path: str) -> Tuple[bool, int, str]:
+        step = checkpoint_step(path)
+        return step is not None, step or 0, path
+
+    return sorted(prefixes, key=newest_first, reverse=True)
+
+
+def _repair_state(checkpoint_dir: str, found: List[str]) -> None:
+    """Rewrites a damaged state file to name `found` (newest first), the first of them as
+    the latest; says so in one warning line.
+
+    The file holds names relative to the directory, as `FiniteSaver` writes it. A state file
+    that cannot be rewritten (a read-only directory) is left as it is: the next call lists
+    the directory again.
+    """
+    path = _state_file(checkpoint_dir)
+    # update_checkpoint_state keeps the paths it is given when the directory is an absolute
+    # local one, and makes them relative to any other (a URL too): names in the one case,
+    # paths in the other, so that either way the file holds names only.
+    local = not _paths.is_url(checkpoint_dir) and os.path.isabs(checkpoint_dir)
+    names = [_paths.basename(p) if local else p for p in reversed(found)]
+    try:
+        tf.compat.v1.train.update_checkpoint_state(
+            checkpoint_dir, names[-1], all_model_checkpoint_paths=names
+        )
+        done = "and rewrote the state file to name it"
+    except (OSError, tf.errors.OpError) as err:
+        done = f"but could not rewrite the state file ({_short(err)})"
+    logging.warning(
+        "slim_nanguard: the checkpoint state file %s cannot be parsed (garbled, cut short or "
+        "empty); found the checkpoints by listing the directory: using %s, %s.",
+        path,
+        found[0],
+        done,
+    )
 
 
 def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
@@ -168,10 +255,14 @@ def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
 
     Unlike TensorFlow's, it finds the checkpoint of a training directory that was moved
     (whose ``checkpoint`` file names the old place) and of one that was copied (whose file
-    names the source, which must not be read). Returns None when there is none.
+    names the source, which must not be read), and of one whose state file is damaged (by
+    listing the directory; the state file is then rewritten). Returns None when there is none.
     """
-    for path in _candidates(checkpoint_dir):
+    candidates, damaged = _candidates(checkpoint_dir)
+    for number, path in enumerate(candidates):
         if tf.io.gfile.exists(path + ".index") or tf.io.gfile.exists(path):
+            if damaged:
+                _repair_state(checkpoint_dir, candidates[number:])
             return path
     return None
 

@@ -23,9 +23,9 @@ import dataclasses
 import math
 import os
 import signal
-import tempfile
 import threading
 import time
+import uuid
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -38,6 +38,7 @@ from slim_nanguard import _cluster
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
+from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
 from slim_nanguard._types import Action
@@ -112,22 +113,26 @@ class TrainResult:
 def check_logdir(logdir: str) -> str:
     """Creates `logdir` if missing and checks it is writable; returns its absolute path.
 
+    A URL (``gs://bucket/run``) is returned as it is; both go through `tf.io.gfile`.
+
     Raises:
       ValueError: `logdir` is empty, is a file, or cannot be created or written to.
     """
     if not logdir or not isinstance(logdir, (str, os.PathLike)):
         raise ValueError(f"logdir must name a directory; got {logdir!r}.")
-    logdir = os.path.abspath(os.fspath(logdir))
-    if os.path.exists(logdir) and not os.path.isdir(logdir):
+    logdir = _paths.absolute(logdir)
+    if tf.io.gfile.exists(logdir) and not tf.io.gfile.isdir(logdir):
         raise ValueError(f"logdir {logdir} is a file, not a directory.")
+    probe = _paths.join(logdir, f".nanguard_write_test.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        os.makedirs(logdir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".nanguard_write_test"):
-            pass
-    except OSError as err:
+        tf.io.gfile.makedirs(logdir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("")
+        tf.io.gfile.remove(probe)
+    except (OSError, tf.errors.OpError) as err:
+        reason = getattr(err, "message", None) or err.strerror
         raise ValueError(
-            f"logdir {logdir} cannot be written to ({err.strerror}); choose a "
-            "directory you can write to."
+            f"logdir {logdir} cannot be written to ({reason}); choose a directory you can write to."
         ) from None
     return logdir
 
@@ -561,7 +566,7 @@ def _resume_saver(saver: tf.compat.v1.train.Saver, checkpoint: str) -> tf.compat
     lower the learning rate, so a run resumed with other guard options may find it missing;
     it then keeps its initial value. Any other missing variable fails the restore as usual.
     """
-    in_checkpoint = set(tf.train.load_checkpoint(checkpoint).get_variable_to_shape_map())
+    in_checkpoint = set(_checkpoints.checkpoint_reader(checkpoint).get_variable_to_shape_map())
     variables = tf.compat.v1.global_variables()
     missing = [v for v in variables if v.op.name not in in_checkpoint]
     if not missing or any(not v.op.name.startswith("nanguard/") for v in missing):
@@ -744,7 +749,7 @@ def _save_good_state(
                 else None
             )
             return scaffold.saver.save(
-                step_context.session, os.path.join(logdir, "model.ckpt"), global_step=step
+                step_context.session, _paths.join(logdir, "model.ckpt"), global_step=step
             )
 
         try:

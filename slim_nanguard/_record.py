@@ -7,7 +7,6 @@ can at worst leave a partial last line; `read_events` skips it, so earlier lines
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import time
@@ -15,6 +14,8 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 from absl import logging
+
+from slim_nanguard import _paths
 
 EVENTS_FILENAME = "nanguard_events.jsonl"
 
@@ -46,7 +47,7 @@ class EventRecorder:
         write_summaries: bool = True,
         task: Optional[int] = None,
     ):
-        self.path = os.path.join(logdir, events_filename(task))
+        self.path = _paths.join(logdir, events_filename(task))
         self.task = task
         self._logdir = logdir
         self._writer = summary_writer
@@ -82,7 +83,11 @@ class EventRecorder:
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
         if _ends_mid_line(self.path):
             line = "\n" + line
-        with open(self.path, "a", encoding="utf-8") as f:
+        if _paths.is_url(self.path):  # Remote storage: written when the file is closed.
+            with tf.io.gfile.GFile(self.path, "a") as f:
+                f.write(line)
+            return
+        with open(self.path, "a", encoding="utf-8") as f:  # Local: synced (gfile cannot fsync).
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
@@ -105,15 +110,14 @@ class EventRecorder:
 
 
 def _ends_mid_line(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return False
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) != b"\n"
-    except FileNotFoundError:
+    if not tf.io.gfile.exists(path):
         return False
+    size = tf.io.gfile.stat(path).length
+    if size == 0:
+        return False
+    with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"
 
 
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
@@ -129,18 +133,18 @@ def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
       The records, oldest first; empty if there is no file yet.
     """
     path = logdir_or_path
-    if os.path.isdir(path):
-        tasks = sorted(glob.glob(os.path.join(path, "nanguard_events.task*.jsonl")))
+    if tf.io.gfile.isdir(path):
+        tasks = sorted(tf.io.gfile.glob(_paths.join(path, "nanguard_events.task*.jsonl")))
         if tasks:
             merged = [
-                r for p in [os.path.join(path, EVENTS_FILENAME)] + tasks for r in read_events(p)
+                r for p in [_paths.join(path, EVENTS_FILENAME)] + tasks for r in read_events(p)
             ]
             return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
-        path = os.path.join(path, EVENTS_FILENAME)
-    if not os.path.exists(path):
+        path = _paths.join(path, EVENTS_FILENAME)
+    if not tf.io.gfile.exists(path):
         return []
     records = []
-    with open(path, encoding="utf-8") as f:
+    with tf.io.gfile.GFile(path, "r") as f:
         lines = f.read().split("\n")
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -15,13 +15,13 @@ only parses flags and calls these):
 from __future__ import annotations
 
 import bisect
-import glob
 import math
 import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard import _autopsy
+from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
 
@@ -49,11 +49,13 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
       ValueError: The directory has no event record, no bad step, or none at `step`; the
         message lists the bad steps there are.
     """
+    import tensorflow as tf  # Local, as elsewhere here.
+
     events = _record.read_events(train_dir)
     records = [r for r in events if r.get("kind") == "bad_step"]
-    path = os.path.join(train_dir, _record.EVENTS_FILENAME)
+    path = _paths.join(train_dir, _record.EVENTS_FILENAME)
     if not records:
-        where = path if os.path.exists(path) else f"{train_dir} (no {_record.EVENTS_FILENAME})"
+        where = path if tf.io.gfile.exists(path) else f"{train_dir} (no {_record.EVENTS_FILENAME})"
         raise ValueError(f"no bad step recorded in {where}: nothing to show.")
     if step is None:
         autopsied = [r for r in records if r.get("autopsy")]
@@ -167,7 +169,7 @@ def replay_dump(
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
-    if not os.path.exists(dump_path):
+    if not tf.io.gfile.exists(dump_path):
         raise ValueError(
             f"the dump {dump_path} does not exist (was the run's directory "
             "moved? pass the directory the dump sits in)."
@@ -175,8 +177,8 @@ def replay_dump(
     report, batch, weights = _autopsy.read_dump(dump_path)
     checkpoint = tf.train.latest_checkpoint(train_dir)
     meta = checkpoint + ".meta" if checkpoint else None
-    if meta is None or not os.path.exists(meta):
-        metas = sorted(glob.glob(os.path.join(train_dir, "*.meta")))
+    if meta is None or not tf.io.gfile.exists(meta):
+        metas = sorted(tf.io.gfile.glob(_paths.join(train_dir, "*.meta")))
         if not metas:
             raise ValueError(
                 f"{train_dir} has no checkpoint meta graph (*.meta) to rebuild "
@@ -259,7 +261,7 @@ def _scalar_events(
     """`read_scalars`, each point with its wall time first."""
     import tensorflow as tf  # Local: only the plot needs it.
 
-    files = sorted(glob.glob(os.path.join(train_dir, "events.out.tfevents.*")))
+    files = sorted(tf.io.gfile.glob(_paths.join(train_dir, "events.out.tfevents.*")))
     if not files:
         raise ValueError(
             f"{train_dir} has no TensorBoard event files (events.out.tfevents.*) "
@@ -439,6 +441,8 @@ def plot_run(train_dir: str, out_path: str) -> str:
             "--plot needs matplotlib, which is not installed; install it with "
             "pip install 'slim_nanguard[plot]' (or pip install matplotlib)."
         ) from err
+    import tensorflow as tf  # Local, as elsewhere here.
+
     tag, pieces = loss_pieces(train_dir)
     records = _record.read_events(train_dir)
     bad = [r for r in records if r.get("kind") == "bad_step"]
@@ -452,9 +456,8 @@ def plot_run(train_dir: str, out_path: str) -> str:
         panels = [whole]
     for axes in panels:
         _draw(axes, tag, pieces, records)
-    whole.set_title(
-        f"{os.path.basename(os.path.abspath(train_dir))}: the loss and the guard's events"
-    )
+    name = _paths.basename(_paths.absolute(train_dir).rstrip("/"))
+    whole.set_title(f"{name}: the loss and the guard's events")
     whole.legend(loc="best", fontsize="small")
     if bad:
         low, high = zoom_window(bad[0])
@@ -465,7 +468,8 @@ def plot_run(train_dir: str, out_path: str) -> str:
             close.set_ylim(*_padded(close, min(shown), max(shown + [top])))
         close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
-    figure.savefig(out_path, dpi=100)
+    with tf.io.gfile.GFile(out_path, "wb") as f:  # A URL too (gs://...).
+        figure.savefig(f, dpi=100, format=os.path.splitext(out_path)[1][1:] or None)
     plt.close(figure)
     return out_path
 

@@ -40,6 +40,8 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
       LaunchError: Nothing is there, or the directory holds no checkpoint.
     """
     path = os.fspath(path)
+    if tf.io.gfile.exists(path + ".index"):  # First: ram:// calls a prefix a directory too.
+        return path
     if tf.io.gfile.isdir(path):
         latest = _checkpoints.latest_checkpoint(path)
         config_lib.check(
@@ -48,8 +50,6 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
             "directory that has saved one, or at a checkpoint file prefix (model.ckpt-N).",
         )
         return latest
-    if tf.io.gfile.exists(path + ".index"):
-        return path
     if path.endswith((".index", ".meta")) or ".data-" in path:
         prefix = path.split(".data-")[0] if ".data-" in path else path.rsplit(".", 1)[0]
         if tf.io.gfile.exists(prefix + ".index"):
@@ -74,7 +74,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
 def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
     """The shape of each variable in checkpoint `path`; LaunchError naming `flag` if unreadable."""
     try:
-        return tf.train.load_checkpoint(path).get_variable_to_shape_map()
+        return _checkpoints.checkpoint_reader(path).get_variable_to_shape_map()
     except (tf.errors.OpError, ValueError) as err:
         raise config_lib.LaunchError(
             f"{flag}: checkpoint {path} cannot be read "

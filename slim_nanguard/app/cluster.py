@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 import time
 from typing import List, Optional, Tuple
@@ -34,6 +33,7 @@ from absl import logging
 
 from slim_nanguard import _cluster
 from slim_nanguard import _loop
+from slim_nanguard import _paths
 from slim_nanguard.app.config import LaunchError
 
 JOBS = ("ps", "worker")
@@ -179,7 +179,7 @@ class Cluster:
         if self.is_chief:
             # With sync replicas, a restore resets the accumulators' step too.
             reset = optimizer.chief_init_op if self.sync_replicas else None
-            hooks.append(_cluster.ChiefRollbackHook(os.path.abspath(train_dir), reset))
+            hooks.append(_cluster.ChiefRollbackHook(_paths.absolute(train_dir), reset))
         else:
             hooks.append(_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:

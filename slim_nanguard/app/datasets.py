@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from slim_nanguard import _paths
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import op_error_cause
 
@@ -414,7 +415,7 @@ def _tfrecord(
     )
 
     class_names = None
-    labels_path = os.path.join(dataset_dir, LABELS_FILENAME)
+    labels_path = _paths.join(dataset_dir, LABELS_FILENAME)
     if tf.io.gfile.exists(labels_path):
         names = read_label_file(dataset_dir)
         class_names = tuple(names.get(i, str(i)) for i in range(max(names) + 1))
@@ -546,7 +547,7 @@ def _split_files(dataset_dir, split, file_pattern):
     for pattern in patterns:
         files.update(
             f
-            for f in tf.io.gfile.glob(os.path.join(dataset_dir, pattern))
+            for f in tf.io.gfile.glob(_paths.join(dataset_dir, pattern))
             if not tf.io.gfile.isdir(f)
         )
     if not files:
@@ -852,7 +853,7 @@ def read_label_file(dataset_dir: str, filename: str = LABELS_FILENAME) -> dict[i
     Raises:
       DatasetError: If a line is not ``<int>:<name>`` or the file lists no class.
     """
-    path = os.path.join(dataset_dir, filename)
+    path = _paths.join(dataset_dir, filename)
     with tf.io.gfile.GFile(path, "r") as f:
         lines = f.read().splitlines()
     names = {}
@@ -893,7 +894,7 @@ def write_label_file(
       The path written.
     """
     tf.io.gfile.makedirs(dataset_dir)
-    path = os.path.join(dataset_dir, filename)
+    path = _paths.join(dataset_dir, filename)
     with tf.io.gfile.GFile(path, "w") as f:
         for label, class_name in enumerate(class_names):
             f.write(f"{label}:{class_name}\n")
@@ -958,7 +959,7 @@ def write_tfrecord(
                 f"with C in {(1, 3) if fmt == 'jpeg' else (1, 3, 4)} for {fmt}."
             )
         arrays.append(image)
-    parent = os.path.dirname(path)
+    parent = _paths.dirname(path)
     if parent:
         tf.io.gfile.makedirs(parent)
     with _scratch_session() as session:

@@ -15,15 +15,13 @@ under `NanGuardError`) whose message names the setting (and its flag) and says w
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import tensorflow as tf
 from absl import logging
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
 from slim_nanguard import _loop
+from slim_nanguard import _paths
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -60,9 +58,9 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
         raise config_lib.LaunchError(
             f"run_training takes a TrainConfig; got {type(config).__name__}."
         )
-    train_dir = os.path.abspath(os.fspath(config.train_dir))
+    train_dir = _paths.absolute(config.train_dir)
     config_lib.check(
-        not os.path.exists(train_dir) or os.path.isdir(train_dir),
+        not tf.io.gfile.exists(train_dir) or tf.io.gfile.isdir(train_dir),
         f"--train_dir={train_dir} is a file, not a directory: choose a directory.",
     )
     existing = _checkpoints.latest_good_checkpoint(train_dir) if config.is_chief else None
@@ -76,7 +74,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
     if existing:
         checkpoints.check_resume(config, built.graph, existing)
 
-    created = not os.path.exists(train_dir)
+    created = not tf.io.gfile.exists(train_dir)
     try:
         cluster_kwargs = cluster.start(built.graph) if cluster is not None else {}
         with built.graph.as_default():
@@ -124,10 +122,13 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
 
 def _remove_if_unused(train_dir: str) -> None:
     """Removes a train_dir this run created if it holds no checkpoint past step 0."""
-    if not os.path.isdir(train_dir):
+    if not tf.io.gfile.isdir(train_dir):
         return
     latest = _checkpoints.latest_checkpoint(train_dir)
     if latest is not None and not latest.endswith("-0"):
         return
     logging.info("Removing %s: the run failed before it saved any progress.", train_dir)
-    shutil.rmtree(train_dir, ignore_errors=True)
+    try:
+        tf.io.gfile.rmtree(train_dir)
+    except tf.errors.OpError as err:  # Left behind: the run's own error is what matters.
+        logging.warning("Could not remove %s: %s", train_dir, err.message)
