@@ -96,6 +96,19 @@ def build(
     return Replica(graph, train_op, loss, index, placeholders, optimizer, global_step, hooks)
 
 
+def in_process_servers():
+    """A ps and one worker server in this process: (cluster spec dict, ps server, worker server).
+
+    TensorFlow cannot stop them; they end with the process (use one pair per test module).
+    """
+    ps, worker = free_ports(2)
+    spec = {"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]}
+    cluster = tf.train.ClusterSpec(spec)
+    ps_server = tf.distribute.Server(cluster, job_name="ps", task_index=0, start=True)
+    worker_server = tf.distribute.Server(cluster, job_name="worker", task_index=0, start=True)
+    return spec, ps_server, worker_server
+
+
 def free_ports(count: int) -> List[int]:
     """`count` distinct ports free on 127.0.0.1 now (bound, read, released)."""
     sockets, ports = [], []

@@ -216,12 +216,7 @@ def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
 @pytest.fixture(scope="module")
 def servers():
     """A ps and one worker in this process (TensorFlow cannot stop them; they end with it)."""
-    ps, worker = cluster_lib.free_ports(2)
-    spec = {"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]}
-    cluster = tf.train.ClusterSpec(spec)
-    ps_server = tf.distribute.Server(cluster, job_name="ps", task_index=0, start=True)
-    worker_server = tf.distribute.Server(cluster, job_name="worker", task_index=0, start=True)
-    return spec, ps_server, worker_server
+    return cluster_lib.in_process_servers()
 
 
 def _run_on(target, build):

@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
+from slim_nanguard import _cluster
 
 import cluster_lib
 
@@ -223,3 +224,54 @@ def test_sync_replicas_session_and_reads_take_no_batch(mode):
     bad = "raised" if check_numerics else "bad 3"
     assert seen == [0, 1, 2, bad, 4, 5, 6]
     assert guard.state.skips == 1
+
+
+# ------------------------------------------------------------------------------------------
+# The cluster's hooks, on a real in-process ps and worker: a stop or a rollback request from
+# another worker is seen at this worker's next training step, not in a read.
+
+
+@pytest.fixture(scope="module")
+def servers():
+    return cluster_lib.in_process_servers()
+
+
+def test_the_chiefs_cluster_hooks_answer_at_training_steps_not_at_reads(servers, tmp_path):
+    """Worker 1 asks the chief for a rollback: a read of the weights on the chief neither
+    answers it nor restores anything; the chief's next step does. Then worker 1 stops the
+    cluster: a read does not stop the chief, its next step does."""
+    spec, _, worker_server = servers
+    replica = cluster_lib.build(cluster=spec, task=0, nan_policy="skip")
+    stop_hook = _cluster.ClusterStopHook(task=0, num_workers=1)
+    rollback_hook = _cluster.ChiefRollbackHook(str(tmp_path))
+    with replica.graph.as_default():
+        weights = tf.compat.v1.trainable_variables()
+        ask_rollback = _cluster._rollback_queue().enqueue(
+            (1, tf.constant(2, tf.int64), float("nan"))
+        )
+        ask_stop = _cluster._stop_queue().enqueue(1)
+        session = tf.compat.v1.train.MonitoredTrainingSession(
+            master=worker_server.target,
+            is_chief=True,
+            checkpoint_dir=str(tmp_path),  # saves model.ckpt-0 at the start
+            hooks=[stop_hook, rollback_hook],
+            save_checkpoint_secs=3600,
+            save_summaries_steps=None,
+            save_summaries_secs=None,
+            log_step_count_steps=None,
+        )
+    with session as sess:
+        for _ in range(2):
+            sess.run(replica.train_op)
+        _raw(sess, ask_rollback)
+        trained = sess.run(weights)
+        assert rollback_hook.rollbacks == 0 and _raw(sess, replica.global_step) == 2
+        sess.run(replica.train_op)  # the hook answers after this step: back to step 0
+        assert rollback_hook.rollbacks == 1 and _raw(sess, replica.global_step) == 0
+        assert not all(np.array_equal(a, b) for a, b in zip(trained, _raw(sess, weights)))
+
+        _raw(sess, ask_stop)
+        sess.run(weights)
+        assert not sess.should_stop() and not stop_hook.stopped_by_peer
+        sess.run(replica.train_op)
+        assert sess.should_stop() and stop_hook.stopped_by_peer
