@@ -23,22 +23,8 @@ from slim_nanguard import _cluster
 
 import cluster_lib
 
-
-def _session(hooks):
-    return tf.compat.v1.train.MonitoredTrainingSession(
-        hooks=hooks,
-        save_checkpoint_secs=None,
-        save_summaries_steps=None,
-        save_summaries_secs=None,
-        log_step_count_steps=None,
-        # A sync-replicas chief's queue runner blocks in take_grad at the end; don't wait on it.
-        stop_grace_period_secs=1,
-    )
-
-
-def _raw(sess, fetches):
-    """Runs `fetches` in the raw session: no hook sees the run."""
-    return sess.run_step_fn(lambda step_context: step_context.session.run(fetches))
+_session = cluster_lib.monitored_session
+_raw = cluster_lib.raw_run  # no hook sees the run
 
 
 Step = collections.namedtuple("Step", ["loss", "index"])
@@ -250,15 +236,11 @@ def test_the_chiefs_cluster_hooks_answer_at_training_steps_not_at_reads(servers,
             (1, tf.constant(2, tf.int64), float("nan"))
         )
         ask_stop = _cluster._stop_queue().enqueue(1)
-        session = tf.compat.v1.train.MonitoredTrainingSession(
+        session = _session(
+            [stop_hook, rollback_hook],
             master=worker_server.target,
-            is_chief=True,
             checkpoint_dir=str(tmp_path),  # saves model.ckpt-0 at the start
-            hooks=[stop_hook, rollback_hook],
             save_checkpoint_secs=3600,
-            save_summaries_steps=None,
-            save_summaries_secs=None,
-            log_step_count_steps=None,
         )
     with session as sess:
         for _ in range(2):

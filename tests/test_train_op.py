@@ -202,8 +202,14 @@ def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sum
     guard = slim_nanguard.get_guard(model.train_op)
     hook = slim_nanguard.nan_hook(model.train_op)
     with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
-        request = hook.before_run(None)
+
+        def run_of(fetches):
+            args = tf.compat.v1.train.SessionRunArgs(fetches)
+            return tf.compat.v1.train.SessionRunContext(args, None)
+
+        request = hook.before_run(run_of(model.train_op))
         assert request.fetches is guard.ok
+        assert hook.before_run(run_of(model.moving_mean)) is None  # a read: nothing added
         assert guard.ok.dtype == tf.bool and guard.ok.shape.rank == 0
         sess.run(model.train_op, model.feed(0))
         sess.run(model.train_op, model.feed(1, "nan_gradient"))
