@@ -48,6 +48,7 @@ from absl import logging
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _types
 from slim_nanguard import _verdict
@@ -218,7 +219,8 @@ def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     """Stops this worker's loop once any worker of the cluster asked for a stop.
 
-    Each step fetches, with the train op, the size of the stop queue on ps task 0. When this
+    Each step fetches, with the train op, the size of the stop queue on ps task 0 (a run of
+    no guarded train op, such as a read of the weights, is left alone). When this
     worker's guard stopped it, `end` asks the others to stop before the session closes (a
     sync-replicas chief's close ends the token queue, and the workers waiting on it with it).
     When another worker stopped it (seen in a step, or at `end`: a sync-replicas worker the
@@ -238,6 +240,7 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
         self._num_workers = num_workers
         self._size = self._ask = self._take = None
         self._stops_before = {}
+        self._runs_training: Optional[_ops.RunsOp] = None
 
     def begin(self):
         queue = _stop_queue()
@@ -245,7 +248,9 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
         # One id per worker: each worker a stop reaches takes one, and the queue never empties.
         self._ask = queue.enqueue_many([[self._task] * self._num_workers])
         self._take = queue.dequeue()
-        self._stops_before = {g: g.state.stops for g in _guard.guards()}
+        guards = _guard.guards()
+        self._stops_before = {g: g.state.stops for g in guards}
+        self._runs_training = _ops.RunsOp(*(g.train_op.op for g in guards))
 
     def end(self, session):
         if any(g.state.stops > n for g, n in self._stops_before.items()):
@@ -267,10 +272,12 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
             )
 
     def before_run(self, run_context):
+        if not self._runs_training(run_context.original_args.fetches):
+            return None  # Not a training step: nothing added to the run.
         return tf.compat.v1.train.SessionRunArgs(self._size)
 
     def after_run(self, run_context, run_values):
-        if run_values.results:
+        if run_values.results:  # None after a run that was not a training step.
             self.stopped_by_peer = True
             run_context.request_stop()
 
@@ -331,14 +338,15 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
 class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     """The chief's side of a rollback: answers the other workers' requests.
 
-    Each step fetches, with the train op, the size of the rollback queue on ps task 0. When
-    requests wait, it takes them all and carries out one rollback for all of them (requests
-    queued before a restore are answered by it: coalesced) with the chief's guard: walk back
-    to the last good checkpoint (further when the requested step is the one the previous
-    rollback restored), restore it on the ps, scale the learning rate by
-    ``rollback_lr_factor``. The chief skips no input of its own (its batches were fine). The
-    ``rollback`` record (the chief's) names the requesting tasks in ``requested_by``, and
-    ``requests`` says how many requests it answered.
+    Each step fetches, with the train op, the size of the rollback queue on ps task 0 (a run
+    of no guarded train op, such as a read of the weights, is left alone). When requests
+    wait, it takes them all and carries out one rollback for all of them (requests queued
+    before a restore are answered by it: coalesced) with the chief's guard: walk back to the
+    last good checkpoint (further when the requested step is the one the previous rollback
+    restored), restore it on the ps, scale the learning rate by ``rollback_lr_factor``. The
+    chief skips no input of its own (its batches were fine). The ``rollback`` record (the
+    chief's) names the requesting tasks in ``requested_by``, and ``requests`` says how many
+    requests it answered.
 
     The chief counts the rollbacks it carries out, its own and requested ones, against
     ``max_rollbacks``; a request past it makes the chief give up as ``raise`` does (it raises
@@ -362,6 +370,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._guard: Optional[_guard.Guard] = None
         self._size = self._take = self._count = None
         self._restores_seen = 0
+        self._runs_training: Optional[_ops.RunsOp] = None
 
     def begin(self):
         queue = _rollback_queue()
@@ -370,12 +379,15 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._take = queue.dequeue_many(self._count)
         guards = _guard.guards()
         self._guard = guards[0] if guards else None
+        self._runs_training = _ops.RunsOp(*(g.train_op.op for g in guards))
         if self._guard is not None:
             # Built now: after begin() the graph is finalized.
             self._guard.ensure_saver()  # The guard's one rollback saver.
             self._restores_seen = self._guard.state.rollbacks
 
     def before_run(self, run_context):
+        if not self._runs_training(run_context.original_args.fetches):
+            return None  # Not a training step: no request is answered in it.
         if self._guard is not None and self._guard.state.rollbacks != self._restores_seen:
             self._restored(run_context.session)  # The chief's own rollback, since last step.
         return tf.compat.v1.train.SessionRunArgs(self._size)

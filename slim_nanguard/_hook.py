@@ -23,14 +23,18 @@ Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook
                              # rollback: the action is persistent_nan_policy's)
     end()                    # nothing of the hook's own
 
-Which runs a hook judges: with one guarded train op in the graph, every run (a run that
-fetches only the loss still reports a bad batch, and trains nothing). With several (a GAN's
-generator and discriminator), each hook judges only the runs whose fetches reach its own
-train op, and asks for nothing on the others: running the discriminator's op does not run the
-generator's forward and backward pass, nor fire the generator's policy. A train op built in a
+Which runs a hook judges: a hook of a guarded train op judges only the runs that run that
+train op (their fetches hold it, its op or its name, or something that waits on it), and adds
+nothing to any other run: ``before_run`` returns None and ``after_run`` does nothing. So a
+weight read for logging between steps (``sess.run(w)``) pulls no batch from the input
+pipeline, runs no backward pass, and is never judged as a step; nor is a run of the loss
+alone, or of another guarded train op (a GAN's generator and discriminator each have their
+own hook). The loss-only form, ``NanLossHook(loss)`` with a loss no guarded train op made,
+fetches its loss on every run, as `NanTensorHook` does. A train op built in a
 `tf.while_loop` cannot be fetched from: the hook then reads the sums a bad iteration stored
-after each run (one extra small run per step) and reports one event per run, whatever the
-number of bad iterations in it; the bad iterations wrote nothing, the others trained.
+after each run of the loop (one extra small run per step) and reports one event per run,
+whatever the number of bad iterations in it; the bad iterations wrote nothing, the others
+trained.
 
 After a bad step the weights, the optimizer slots, ``global_step`` and the batch-norm moving
 statistics are as they were before it, because the train op gated every write (see
@@ -53,6 +57,7 @@ from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
 from slim_nanguard._types import Action
@@ -110,9 +115,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
         self._session_bad_steps = 0
-        # Several guarded train ops in the graph: judge only the runs that reach ours.
-        self._judge_every_run = True
-        self._reaches_train_op = {}
+        # A guarded train op's hook judges only the runs that run it (set in begin()).
+        self._runs_train_op: Optional[_ops.RunsOp] = None
         self._judging = False
 
     @property
@@ -164,9 +168,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 )
         # Writes built after the train op that wait on it (an EMA chained after it).
         _train_op.gate_writes_after(guard)
-        self._judge_every_run = (
-            sum(g.mode == Mode.HOOK for g in _guard.guards(guard.train_op.graph)) <= 1
-        )
+        self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
         guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
@@ -200,7 +202,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
         self._last_outcome = None
-        self._judging = self._judge_every_run or self._fetches_reach_train_op(
+        # The loss-only form judges every run (NanTensorHook's contract); a guarded train
+        # op's hook only the runs of that train op, and asks nothing of the others.
+        self._judging = self._runs_train_op is None or self._runs_train_op(
             run_context.original_args.fetches
         )
         if self._judging and self._loss_args is not None:
@@ -217,35 +221,13 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
             return False
 
-    def _fetches_reach_train_op(self, fetches) -> bool:
-        """Whether a run of `fetches` runs this hook's train op (cached per fetch list)."""
-        graph = self._guard.train_op.graph
-        ops = []
-        for item in tf.nest.flatten(fetches):
-            if isinstance(item, str):
-                item = graph.as_graph_element(item)
-            op = item if isinstance(item, tf.Operation) else getattr(item, "op", None)
-            if isinstance(op, tf.Operation):
-                ops.append(op)
-        key = tuple(op.name for op in ops)
-        if key not in self._reaches_train_op:
-            target, seen, stack = self._guard.train_op.op, set(), list(ops)
-            while stack and target not in seen:
-                op = stack.pop()
-                if op not in seen:
-                    seen.add(op)
-                    stack.extend(t.op for t in op.inputs)
-                    stack.extend(op.control_inputs)
-            self._reaches_train_op[key] = target in seen
-        return self._reaches_train_op[key]
-
     def after_run(
         self,
         run_context: tf.compat.v1.train.SessionRunContext,
         run_values: tf.compat.v1.train.SessionRunValues,
     ) -> None:
         results = run_values.results
-        if not self._judging:  # A run of another guarded train op: not ours to judge.
+        if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
         guard = self._guard
         if guard is None:

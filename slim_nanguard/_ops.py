@@ -2,12 +2,13 @@
 
 `Guard` runs the input ops to skip batches after a rollback, `_capture` keeps the outputs of
 placeholders and input ops on a bad step, and the autopsy calls a non-finite value made there
-"the batch itself" and does not replay past them.
+"the batch itself" and does not replay past them. `RunsOp` tells the runs of a train op from
+the session's other runs (a hook adds nothing to those).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -64,3 +65,96 @@ def sources(
         if control_inputs:
             stack.extend(op.control_inputs)
     return found
+
+
+class RunsOp:
+    """Tells whether a ``session.run(fetches)`` runs one of some ops (a guarded train op).
+
+    A run runs an op when its fetches depend on it, through data or control edges: the train
+    op itself, its op or either's name, a structure (list, tuple, dict, namedtuple, attrs
+    class) holding one of those, an op built under ``tf.control_dependencies([train_op])``,
+    or the output of a while loop whose body holds the train op. A run of anything else (a
+    weight read for logging, the loss alone, an evaluation) does not. An op inside a function
+    body (a control flow v2 loop) is stood for by the op of the session's graph that calls
+    the function. The answer is cached per list of fetched ops.
+
+    Args:
+      *ops: The ops; a run that runs any of them counts.
+    """
+
+    def __init__(self, *ops: tf.Operation):
+        callers = [_caller_in_outermost_graph(op) for op in ops]
+        self._targets = {op for op in callers if op is not None}
+        # A function body that no op calls: count every run rather than miss the op's.
+        self._every_run = not self._targets or None in callers
+        # The session's graph, where a fetched name is looked up.
+        self._graph = next(iter(self._targets)).graph if self._targets else None
+        self._answers = {}
+
+    def __call__(self, fetches) -> bool:
+        """Whether a run of `fetches` (as given to ``session.run``) runs one of the ops."""
+        if self._every_run:
+            return True
+        roots = []
+        for item in _flatten_fetches(fetches):
+            if isinstance(item, str):
+                try:
+                    item = self._graph.as_graph_element(item)
+                except (KeyError, TypeError, ValueError):
+                    continue  # Not in the graph: session.run raises its own error.
+            op = item if isinstance(item, tf.Operation) else getattr(item, "op", None)
+            if isinstance(op, tf.Operation):
+                roots.append(op)
+        key = tuple(op.name for op in roots)
+        if key not in self._answers:
+            found, seen, stack = False, set(), roots
+            while stack and not found:
+                op = stack.pop()
+                if op in seen:
+                    continue
+                seen.add(op)
+                found = op in self._targets
+                stack.extend(t.op for t in op.inputs)
+                stack.extend(op.control_inputs)
+            self._answers[key] = found
+        return self._answers[key]
+
+
+def _flatten_fetches(fetches) -> Iterator:
+    """The leaves of a ``session.run`` fetch structure, as `Session` reads it."""
+    if isinstance(fetches, dict):
+        values = fetches.values()
+    elif isinstance(fetches, (list, tuple)):
+        values = fetches
+    elif hasattr(type(fetches), "__attrs_attrs__"):
+        values = [getattr(fetches, a.name) for a in type(fetches).__attrs_attrs__]
+    else:
+        yield fetches
+        return
+    for value in values:
+        yield from _flatten_fetches(value)
+
+
+def _caller_in_outermost_graph(op: tf.Operation) -> Optional[tf.Operation]:
+    """`op`, or the op of the outermost graph whose function attribute runs the body of `op`.
+
+    None when no op of an outer graph names that function.
+    """
+    while getattr(op.graph, "outer_graph", None) is not None:
+        body = op.graph
+        op = next(
+            (o for o in body.outer_graph.get_operations() if body.name in _functions_called(o)),
+            None,
+        )
+        if op is None:
+            return None
+    return op
+
+
+def _functions_called(op: tf.Operation) -> set:
+    names = set()
+    for attr in op.node_def.attr.values():
+        if attr.HasField("func"):
+            names.add(attr.func.name)
+        names.update(f.name for f in attr.list.func)
+    return names

@@ -96,6 +96,40 @@ def build(
     return Replica(graph, train_op, loss, index, placeholders, optimizer, global_step, hooks)
 
 
+def monitored_session(hooks, **kwargs) -> tf.compat.v1.train.MonitoredTrainingSession:
+    """A chief's `MonitoredTrainingSession` that saves nothing (`kwargs` override)."""
+    settings = dict(
+        is_chief=True,
+        hooks=hooks,
+        save_checkpoint_secs=None,
+        save_summaries_steps=None,
+        save_summaries_secs=None,
+        log_step_count_steps=None,
+        # The chief's queue runner blocks in take_grad when the session ends; don't wait on it.
+        stop_grace_period_secs=1,
+    )
+    settings.update(kwargs)
+    return tf.compat.v1.train.MonitoredTrainingSession(**settings)
+
+
+def raw_run(sess, fetches):
+    """Runs `fetches` in the raw session of `sess`, so that no hook sees the run."""
+    return sess.run_step_fn(lambda step_context: step_context.session.run(fetches))
+
+
+def in_process_servers():
+    """A ps and one worker server in this process: (cluster spec dict, ps server, worker server).
+
+    TensorFlow cannot stop them; they end with the process (use one pair per test module).
+    """
+    ps, worker = free_ports(2)
+    spec = {"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]}
+    cluster = tf.train.ClusterSpec(spec)
+    ps_server = tf.distribute.Server(cluster, job_name="ps", task_index=0, start=True)
+    worker_server = tf.distribute.Server(cluster, job_name="worker", task_index=0, start=True)
+    return spec, ps_server, worker_server
+
+
 def free_ports(count: int) -> List[int]:
     """`count` distinct ports free on 127.0.0.1 now (bound, read, released)."""
     sockets, ports = [], []

@@ -26,21 +26,10 @@ def _session(replica, check_numerics):
     hooks = list(replica.hooks)
     if not check_numerics:
         hooks.append(slim_nanguard.nan_hook(replica.train_op))
-    return tf.compat.v1.train.MonitoredTrainingSession(
-        is_chief=True,
-        hooks=hooks,
-        save_checkpoint_secs=None,
-        save_summaries_steps=None,
-        save_summaries_secs=None,
-        log_step_count_steps=None,
-        # The chief's queue runner blocks in take_grad when the session ends; don't wait on it.
-        stop_grace_period_secs=1,
-    )
+    return cluster_lib.monitored_session(hooks)
 
 
-def _raw(sess, fetches):
-    """Runs `fetches` in the raw session, so that no hook adds its own fetches."""
-    return sess.run_step_fn(lambda step_context: step_context.session.run(fetches))
+_raw = cluster_lib.raw_run  # no hook adds its own fetches
 
 
 def _step(sess, replica, feed=None):
@@ -216,12 +205,7 @@ def test_an_aggregate_that_overflows_writes_nothing_and_stops_the_chief():
 @pytest.fixture(scope="module")
 def servers():
     """A ps and one worker in this process (TensorFlow cannot stop them; they end with it)."""
-    ps, worker = cluster_lib.free_ports(2)
-    spec = {"ps": [f"127.0.0.1:{ps}"], "worker": [f"127.0.0.1:{worker}"]}
-    cluster = tf.train.ClusterSpec(spec)
-    ps_server = tf.distribute.Server(cluster, job_name="ps", task_index=0, start=True)
-    worker_server = tf.distribute.Server(cluster, job_name="worker", task_index=0, start=True)
-    return spec, ps_server, worker_server
+    return cluster_lib.in_process_servers()
 
 
 def _run_on(target, build):

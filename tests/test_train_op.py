@@ -202,8 +202,14 @@ def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sum
     guard = slim_nanguard.get_guard(model.train_op)
     hook = slim_nanguard.nan_hook(model.train_op)
     with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
-        request = hook.before_run(None)
+
+        def run_of(fetches):
+            args = tf.compat.v1.train.SessionRunArgs(fetches)
+            return tf.compat.v1.train.SessionRunContext(args, None)
+
+        request = hook.before_run(run_of(model.train_op))
         assert request.fetches is guard.ok
+        assert hook.before_run(run_of(model.moving_mean)) is None  # a read: nothing added
         assert guard.ok.dtype == tf.bool and guard.ok.shape.rank == 0
         sess.run(model.train_op, model.feed(0))
         sess.run(model.train_op, model.feed(1, "nan_gradient"))
@@ -216,17 +222,20 @@ def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sum
     assert (first.step, second.step) == (1, 2)
 
 
-def test_in_hook_mode_a_run_without_the_train_op_still_reports_its_bad_step():
-    """A run through the hooked session that fetches only the loss: nothing is trained, and a
-    bad batch is still reported with its culprits."""
+def test_in_hook_mode_a_run_of_the_loss_alone_is_not_a_step():
+    """A run through the hooked session that fetches only the loss trains nothing and is no
+    step: the hook adds nothing to it (no backward pass) and judges nothing, even on a bad
+    batch. The train op's run on that batch is the bad step, reported with its culprits."""
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     guard = slim_nanguard.get_guard(model.train_op)
     hook = slim_nanguard.nan_hook(model.train_op)
     with model.graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
         before = lib.state(sess._tf_sess(), model.graph)  # pylint: disable=protected-access
         sess.run(model.loss, model.feed(0, "nan_gradient"))
+        assert guard.last_event is None and hook.last_outcome is None
+        sess.run(model.train_op, model.feed(0, "nan_gradient"))
         after = lib.state(sess._tf_sess(), model.graph)  # pylint: disable=protected-access
-    assert guard.last_event is not None
+    assert guard.last_event is not None and guard.state.total_bad_steps == 1
     assert guard.last_event.culprits == ("logits/weights",)
     lib.assert_state_equal(before, after)
 
