@@ -1,0 +1,120 @@
+"""What the package logs and says: true to what happened, and nothing it was not asked for.
+
+Each test is a small run (or a fresh process, for what an import does) and reads the lines a
+user would read: the log lines of a bad step, the error raised when training gives up and its
+chained cause, a hook refusing what it cannot do.
+"""
+
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import traceback
+
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+from tensorflow.python.platform import tf_logging
+
+import slim_nanguard
+
+import nanguard_testlib as lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BAD_BATCH = 3
+STEPS = 6
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh Python, with this checkout's slim_nanguard first on the path."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Importing the package configures no logging.
+
+
+def test_importing_the_package_leaves_pythons_logging_to_the_user():
+    """A user's script imports slim_nanguard, logs through TensorFlow, then sets up its own
+    logging: the TensorFlow line prints once, and the user's basicConfig takes effect."""
+    proc = _python(
+        "import logging, sys\n"
+        "import slim_nanguard, tensorflow as tf\n"
+        "print('root handlers:', len(logging.root.handlers), file=sys.stderr)\n"
+        "tf.compat.v1.logging.warning('a line of the user script')\n"
+        "logging.basicConfig(format='USER %(levelname)s %(message)s')\n"
+        "logging.getLogger('user').warning('set up by the user')\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "root handlers: 0" in proc.stderr
+    assert proc.stderr.count("a line of the user script") == 1, proc.stderr
+    assert "USER WARNING set up by the user" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Giving up after the policy was applied: the chained cause says that it was.
+
+
+def _assert_told_the_policy_was_applied(error: BaseException) -> None:
+    cause = error.__cause__
+    assert slim_nanguard.is_numerics_error(cause), repr(cause)
+    assert "caught this error and applied the policy" in cause.message
+    told = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    assert "nothing applied" not in told, told
+    assert "If this error reached you" not in told
+
+
+def test_tf_slim_learning_train_with_train_step_that_raises_says_the_policy_was_applied(
+    tmp_path,
+):
+    """The migrated loop of the README (train_step_fn=slim_nanguard.train_step) applies
+    nan_policy='raise' at batch 3; the error it raises does not say that nothing applied it."""
+    model = lib.build_model(nan_policy="raise", faults={BAD_BATCH: "nan_loss"})
+    with model.graph.as_default(), pytest.raises(slim_nanguard.NanLossError) as raised:
+        slim.learning.train(
+            model.train_op,
+            str(tmp_path),
+            train_step_fn=slim_nanguard.train_step,
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+        )
+    _assert_told_the_policy_was_applied(raised.value)
+
+
+def test_train_giving_up_after_max_rollbacks_says_the_policy_was_applied(tmp_path):
+    """Every batch from 2 on is bad; slim_nanguard.train rolls back once, then gives up."""
+    model = lib.build_model(
+        nan_policy="rollback",
+        max_rollbacks=1,
+        rollback_skip_batches=0,
+        faults={i: "nan_loss" for i in range(2, 40)},
+    )
+    with model.graph.as_default(), pytest.raises(slim_nanguard.NanLossError) as raised:
+        slim_nanguard.train(
+            model.train_op,
+            str(tmp_path),
+            number_of_steps=STEPS,
+            save_checkpoint_steps=1,
+            log_every_n_steps=0,
+        )
+    assert raised.value.cause is slim_nanguard.Cause.MAX_ROLLBACKS
+    _assert_told_the_policy_was_applied(raised.value)
+
+
+def test_an_uncaught_check_still_names_what_to_add():
+    """No loop applies the policy: the check's own error says so, and what to add."""
+    model = lib.build_model(nan_policy="skip")
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+            sess.run(model.train_op, model.feed(0, "nan_loss"))
+    message = raised.value.message
+    assert "If this error reached you uncaught, nothing applied nan_policy='skip'" in message
+    assert "train_step_fn=slim_nanguard.train_step" in message
+    assert slim_nanguard.is_numerics_error(raised.value)
