@@ -118,3 +118,37 @@ def test_an_uncaught_check_still_names_what_to_add():
     assert "If this error reached you uncaught, nothing applied nan_policy='skip'" in message
     assert "train_step_fn=slim_nanguard.train_step" in message
     assert slim_nanguard.is_numerics_error(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# A loss-only NanLossHook refuses at once what it cannot do.
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_a_loss_only_hook_refuses_a_policy_it_cannot_carry_out(tmp_path, policy):
+    """tf-slim's own train op updates before any hook sees the loss: nothing to skip or undo."""
+    model = lib.build_model(train_op_fn=slim.learning.create_train_op, check_numerics=False)
+    with pytest.raises(ValueError) as refused:
+        slim_nanguard.NanLossHook(model.loss, nan_policy=policy, checkpoint_dir=str(tmp_path))
+    message = str(refused.value)
+    assert f"nan_policy={policy!r}" in message and "no guarded train op" in message
+    assert "slim_nanguard.create_train_op" in message
+    assert "hooks=[slim_nanguard.nan_hook(train_op)]" in message
+
+
+def test_the_loss_only_forms_of_nan_tensor_hook_still_work():
+    """The upstream forms (fail_on_nan_loss, raise, stop) on an unguarded loss, and skip on a
+    guarded one, are built as before."""
+    unguarded = lib.build_model(train_op_fn=slim.learning.create_train_op, check_numerics=False)
+    for kwargs in (
+        {},
+        {"fail_on_nan_loss": False},
+        {"nan_policy": "raise"},
+        {"nan_policy": "stop"},
+    ):
+        slim_nanguard.NanLossHook(unguarded.loss, **kwargs)
+    guarded = lib.build_model(check_numerics=False, nan_policy="raise")
+    hook = slim_nanguard.NanLossHook(guarded.loss, nan_policy="skip")
+    with guarded.graph.as_default():
+        hook.begin()
+    assert hook.guard is slim_nanguard.get_guard(guarded.train_op)
