@@ -5,12 +5,12 @@ user would read: the log lines of a bad step, the error raised when training giv
 chained cause, a hook refusing what it cannot do.
 """
 
-import logging
 import os
 import pathlib
 import subprocess
 import sys
 import traceback
+from unittest import mock
 
 import pytest
 import tensorflow as tf
@@ -152,3 +152,42 @@ def test_the_loss_only_forms_of_nan_tensor_hook_still_work():
     with guarded.graph.as_default():
         hook.begin()
     assert hook.guard is slim_nanguard.get_guard(guarded.train_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# A bad step's line says which value was bad.
+
+
+@pytest.mark.parametrize(
+    "fault, policy, opening",
+    [
+        ("nan_loss", "skip", "Model diverged with loss = NaN."),
+        ("inf_loss", "skip", "Model diverged with loss = Inf."),
+        ("nan_gradient", "skip", "Model diverged with non-finite gradients; the loss is finite."),
+        ("nan_gradient", "raise", "Model diverged with non-finite gradients; the loss is finite."),
+    ],
+)
+@lib.each_mode
+def test_a_bad_steps_line_says_which_value_was_bad(mode, fault, policy, opening):
+    """Batch 3 is bad. Its one line goes through tf_logging.warning (skip) or .error (raise),
+    the names NanTensorHook calls and alerting patches, and opens with what was bad: "loss =
+    NaN" only for a NaN loss; a finite loss is called finite, the gradients named."""
+    model = lib.build_model(
+        check_numerics=lib.MODES[mode], nan_policy=policy, faults={BAD_BATCH: fault}
+    )
+    hooks = [slim_nanguard.nan_hook(model.train_op)] if mode == "hook" else []
+    called = "error" if policy == "raise" else "warning"
+    with mock.patch.object(tf_logging, called, autospec=True) as log:
+        lib.run_monitored(
+            model.train_op,
+            hooks=hooks,
+            last_step=STEPS,
+            handle_numerics_errors=True,
+            catch_nan_error=True,
+        )
+    lines = [call.args[0] % call.args[1:] for call in log.call_args_list]
+    (line,) = [line for line in lines if "slim_nanguard: bad step" in line]
+    assert line.startswith(opening), line
+    assert ("loss = NaN" in line) == (fault == "nan_loss"), line
+    if fault == "nan_gradient":
+        assert "non-finite gradients of logits/weights" in line
