@@ -392,6 +392,19 @@ def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
     assert not train_dir.exists()
 
 
+def test_rollback_lr_factor_out_of_range_either_way_gets_the_librarys_one_rule(tmp_path):
+    """Above 1 or at 0, the same rule and the same words as GuardConfig's."""
+    with pytest.raises(ValueError) as library:
+        slim_nanguard.GuardConfig(rollback_lr_factor=2.0)
+    rule = str(library.value).split(";")[0]  # "rollback_lr_factor must be a number in (0, 1] ..."
+    train_dir = tmp_path / "run"
+    for value in ("2", "0"):
+        proc = _run(TRAIN, f"--train_dir={train_dir}", f"--rollback_lr_factor={value}")
+        _assert_clean_failure(proc, f"--rollback_lr_factor={float(value)}", rule)
+        assert "range" not in proc.stderr
+    assert not train_dir.exists()
+
+
 def test_tfrecord_without_the_expected_keys(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
