@@ -482,6 +482,23 @@ def test_help_lists_the_flags_of_both_launchers():
 
 
 @pytest.mark.parametrize(
+    "command, flags_shown",
+    [
+        ("autopsy", ["--step", "--replay", "--plot", "--timeout_secs"]),
+        ("benchmark", ["--out", "--quick", "--models", "--variants"]),
+        ("train", ["--train_dir", "--nan_policy"]),
+        ("eval", ["--checkpoint_path"]),
+    ],
+)
+def test_help_of_each_console_command_lists_its_own_flags_and_exits_0(command, flags_shown):
+    proc = _as_command(command, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for flag in flags_shown:
+        assert re.search(rf"^  --(\[no\])?{flag[2:]}:", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
     "args, words",
     [
         (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
