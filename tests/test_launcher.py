@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -652,6 +653,50 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
     stop = _events(train_dir, "stop")[-1]
     assert stop["reason"] == "terminated" and stop["step"] > 0
     assert latest.endswith(f"model.ckpt-{stop['step']}")
+
+
+def test_ctrl_c_skips_the_evaluation_and_says_how_to_run_it(tmp_path):
+    """Ctrl-C a run that would evaluate on the test split: it stops cleanly (exit 130) and,
+    instead of an evaluation of the whole split, prints one line with the command that
+    evaluates its final checkpoint; that command works."""
+    train_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(TRAIN),
+            f"--train_dir={train_dir}",
+            "--dataset_name=synthetic",
+            "--max_number_of_steps=10000000",
+            "--log_every_n_steps=0",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (train_dir / "model.ckpt-0.index").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1.5)  # some steps in
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Training interrupted (Ctrl-C), stopped cleanly at global step" in out
+    latest = tf.train.latest_checkpoint(str(train_dir))
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("evaluation")]
+    skipped = "evaluation    skipped (interrupted); to evaluate the checkpoint: "
+    assert line.strip().startswith(skipped), out
+    command = shlex.split(line.split(skipped, 1)[1])
+    assert command[:2] == ["slim-nanguard-eval", f"--checkpoint_path={latest}"], command
+    evaluated = _as_command("eval", *command[1:])
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "test accuracy" in evaluated.stdout and latest in evaluated.stdout
 
 
 def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(tmp_path):
