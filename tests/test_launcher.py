@@ -616,8 +616,8 @@ def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
     assert (stop["reason"], stop["checkpoint"]) == ("nan_error", latest)
 
 
-def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
-    train_dir = tmp_path / "run"
+def _signal_a_long_run(train_dir, signum, *args):
+    """Starts a long run on synthetic data, sends `signum` some steps in; ``(proc, out, err)``."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -626,7 +626,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
             "--dataset_name=synthetic",
             "--max_number_of_steps=10000000",
             "--log_every_n_steps=0",
-            "--eval_split_name=",
+            *args,
         ],
         cwd=REPO,
         env=_env(),
@@ -640,11 +640,17 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         time.sleep(1.5)  # some steps in
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, out, err
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
+    train_dir = tmp_path / "run"
+    proc, out, err = _signal_a_long_run(train_dir, signal.SIGTERM, "--eval_split_name=")
     assert proc.returncode == 143, err
     assert "Traceback" not in err
     assert "Training terminated (SIGTERM), stopped cleanly at global step" in out
@@ -660,32 +666,7 @@ def test_ctrl_c_skips_the_evaluation_and_says_how_to_run_it(tmp_path):
     instead of an evaluation of the whole split, prints one line with the command that
     evaluates its final checkpoint; that command works."""
     train_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(TRAIN),
-            f"--train_dir={train_dir}",
-            "--dataset_name=synthetic",
-            "--max_number_of_steps=10000000",
-            "--log_every_n_steps=0",
-        ],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (train_dir / "model.ckpt-0.index").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
-        time.sleep(1.5)  # some steps in
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = _signal_a_long_run(train_dir, signal.SIGINT)
     assert proc.returncode == 130, err
     assert "Training interrupted (Ctrl-C), stopped cleanly at global step" in out
     latest = tf.train.latest_checkpoint(str(train_dir))
