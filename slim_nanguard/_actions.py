@@ -28,10 +28,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
 from slim_nanguard._types import RequestStop

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 
 # The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
 # its non-finite tensors). A rollback walks back over the same few checkpoints again and again;

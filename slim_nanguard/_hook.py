@@ -47,12 +47,12 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
 from slim_nanguard._types import Action

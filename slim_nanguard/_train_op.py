@@ -43,7 +43,6 @@ import inspect
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
@@ -51,6 +50,7 @@ from slim_nanguard import _cluster
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _handles
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard._types import Mode
 

@@ -70,16 +70,9 @@ import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from absl import logging as absl_logging
+from slim_nanguard import _log as logging
 
 __all__ = ["install", "is_installed", "patched"]
-
-# absl's logger itself, not absl.logging's functions: `install` runs at `import slim_nanguard`,
-# and a call of absl.logging.info() or .warning() before absl's handler is set up calls
-# logging.basicConfig(), which puts a handler on Python's root logger. Then every TensorFlow
-# log line prints twice (TensorFlow's handler and the root's) and the user's own
-# basicConfig() does nothing. Importing the package configures no logging.
-_LOG = absl_logging.get_absl_logger()
 
 _LOCK = threading.Lock()
 _INSTALLED = False
@@ -161,7 +154,7 @@ def _warn_on_tf_keras_mismatch() -> None:
     except Exception:  # pylint: disable=broad-except
         return
     if tf_version != keras_version:
-        _LOG.warning(
+        logging.warning(
             "slim_nanguard.compat: tf-keras %s does not match TensorFlow %s; "
             "slim.batch_norm needs the tf-keras release matching TensorFlow.",
             tf_keras.__version__,
@@ -329,7 +322,7 @@ def _apply() -> Tuple[str, ...]:
             continue  # The original works on this TensorFlow: leave it alone.
         replacements = restore.loader()
         if replacements is None:
-            _LOG.warning(
+            logging.warning(
                 "slim_nanguard.compat: %s.%s is missing and no replacement was found "
                 "(is a tf-keras matching TensorFlow installed?); not patched.",
                 restore.tf_module,
@@ -351,7 +344,7 @@ def _apply() -> Tuple[str, ...]:
         if isinstance(current, _ModuleProxy):
             continue
         if current is not importlib.import_module(tf_module_name):
-            _LOG.warning(
+            logging.warning(
                 "slim_nanguard.compat: %s.%s is %r, not %s; left unpatched.",
                 slim_module_name,
                 alias,
@@ -380,9 +373,9 @@ def install() -> None:
         _PATCHED = _apply()
         _INSTALLED = True
     if _PATCHED:
-        _LOG.info("slim_nanguard.compat: patched tf-slim for %s", ", ".join(_PATCHED))
+        logging.info("slim_nanguard.compat: patched tf-slim for %s", ", ".join(_PATCHED))
     else:
-        _LOG.info("slim_nanguard.compat: tf-slim needs no patches on this TensorFlow.")
+        logging.info("slim_nanguard.compat: tf-slim needs no patches on this TensorFlow.")
 
 
 def is_installed() -> bool:

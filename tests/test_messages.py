@@ -40,18 +40,23 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_the_package_leaves_pythons_logging_to_the_user():
-    """A user's script imports slim_nanguard, logs through TensorFlow, then sets up its own
-    logging: the TensorFlow line prints once, and the user's basicConfig takes effect."""
+    """A user's script imports slim_nanguard and builds a guarded train op (the library logs
+    while it does), logs through TensorFlow, then sets up its own logging: the TensorFlow
+    line prints once, and the user's basicConfig takes effect."""
     proc = _python(
         "import logging, sys\n"
         "import slim_nanguard, tensorflow as tf\n"
+        "print('root handlers:', len(logging.root.handlers), file=sys.stderr)\n"
+        "tf.compat.v1.disable_eager_execution()\n"
+        "w = tf.compat.v1.get_variable('w', [], initializer=tf.compat.v1.ones_initializer())\n"
+        "slim_nanguard.create_train_op(w * w, tf.compat.v1.train.GradientDescentOptimizer(0.1))\n"
         "print('root handlers:', len(logging.root.handlers), file=sys.stderr)\n"
         "tf.compat.v1.logging.warning('a line of the user script')\n"
         "logging.basicConfig(format='USER %(levelname)s %(message)s')\n"
         "logging.getLogger('user').warning('set up by the user')\n"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "root handlers: 0" in proc.stderr
+    assert proc.stderr.count("root handlers: 0") == 2, proc.stderr
     assert proc.stderr.count("a line of the user script") == 1, proc.stderr
     assert "USER WARNING set up by the user" in proc.stderr
 

@@ -19,10 +19,10 @@ import os
 import shutil
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 from slim_nanguard import _loop
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
