@@ -10,6 +10,7 @@ and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 3 (an explicit setting in the environme
 """
 
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -17,6 +18,9 @@ import warnings
 from typing import Iterator, Sequence
 
 _VERBOSITY = re.compile(r"^--?(?:verbosity|v)(?:=(.*))?$")
+
+# absl's help flags: each shows the help and exits with status 1.
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml")
 
 
 def verbosity_asked(argv: Sequence[str]) -> bool:
@@ -85,9 +89,19 @@ def show_flags_in_help(module_name: str, doc: str) -> None:
     (``python scripts/train.py``) those are the script's flags; run as a console command
     (``slim-nanguard-train``) the main module is the generated wrapper, which has none, and
     no docstring either. This registers the launcher's flags for it, and its docstring.
+
+    absl's help flags (``--help``, ``--helpshort``, ``--helpfull``, ``--helpxml``) also exit
+    with status 1 once the help is shown; help that was asked for is no error, so here they
+    exit with 0. Call it in the launcher's ``run()``, before ``app.run``.
     """
+    from absl import app  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel
 
+    app.define_help_flags()  # Idempotent: app.run calls it too.
+    for name in _HELP_FLAGS:
+        flag = flags.FLAGS[name]
+        if not isinstance(flag.parse, functools.partial):  # once per flag
+            flag.parse = functools.partial(_help_exits_zero, flag.parse)
     main = sys.modules.get("__main__")
     if main is not None and not getattr(main, "__doc__", None):
         main.__doc__ = doc
@@ -95,3 +109,13 @@ def show_flags_in_help(module_name: str, doc: str) -> None:
         return
     for flag in flags.FLAGS.flags_by_module_dict().get(module_name, ()):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+def _help_exits_zero(parse, argument: str) -> None:
+    """Parses a help flag; the exit after the help it shows is a success (status 0)."""
+    try:
+        parse(argument)
+    except SystemExit as exit_:
+        if exit_.code == 1:
+            raise SystemExit(0) from None
+        raise

@@ -142,6 +142,7 @@ def _relocated(dump: str, train_dir: str) -> str:
 
 def run():
     """Entry point of the ``slim-nanguard-autopsy`` command."""
+    _quiet_start.show_flags_in_help(__name__, __doc__)
     app.run(main)
 
 

@@ -174,6 +174,8 @@ def main(argv):
 
 
 def run():
+    """Entry point of the ``slim-nanguard-benchmark`` command."""
+    _quiet_start.show_flags_in_help(__name__, __doc__)
     app.run(main)
 
 

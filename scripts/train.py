@@ -276,8 +276,6 @@ flags.DEFINE_float(
     "rollback_lr_factor",
     DEFAULT.rollback_lr_factor,
     "Multiply the learning rate by this at each rollback, in (0, 1].",
-    lower_bound=0.0,
-    upper_bound=1.0,
 )
 flags.DEFINE_integer(
     "max_rollbacks",
@@ -307,11 +305,18 @@ flags.register_validator(
     lambda value: value is None or value >= 0,
     message="must be >= 0: the global step at which training stops.",
 )
-flags.register_validator(
-    "rollback_lr_factor",
-    lambda value: value > 0,
-    message="must be in (0, 1]: the learning-rate factor applied at each rollback.",
-)
+
+
+def _check_rollback_lr_factor(value):
+    """The library's rule, and its message, for every value out of range (one rule)."""
+    try:
+        slim_nanguard.GuardConfig(rollback_lr_factor=value)
+    except ValueError as err:
+        raise flags.ValidationError(str(err)) from None
+    return True
+
+
+flags.register_validator("rollback_lr_factor", _check_rollback_lr_factor)
 
 
 def _check_faults(values):

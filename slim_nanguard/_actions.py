@@ -5,6 +5,7 @@ Every caller goes through it: `NanLossHook.after_run` (hook mode), `train_step` 
 `handle_numerics_error` (any loop), and `slim_nanguard.train`. What each action does::
 
     raise    -> NanLossError(event, reason, cause, limit), chained to the numerics error
+                (its message now saying that the policy was applied)
     stop     -> request_stop() (the hook's run_context, a MonitoredSession's coordinator,
                 or nothing: the caller reads Outcome.stop)
     skip     -> nothing: the bad step wrote nothing, the next run takes the next batch
@@ -27,10 +28,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
 from slim_nanguard._types import RequestStop
@@ -157,12 +158,16 @@ def stop_session(session: SessionLike) -> None:
 def give_up(
     event: _events.NanEvent, decision: _policy.Decision, error: Optional[BaseException] = None
 ) -> NoReturn:
-    """Raises the `NanLossError` of a decision to raise, chained to `error` if given."""
+    """Raises the `NanLossError` of a decision to raise, chained to `error` if given.
+
+    The policy was applied, so a numerics error is chained as `_errors.caught_numerics_error`
+    tells it: its advice for an error nothing caught does not hold here.
+    """
     nan_error = _errors.NanLossError(
         event, decision.reason, cause=decision.cause, limit=decision.limit
     )
     if error is not None:
-        raise nan_error from error
+        raise nan_error from _errors.caught_numerics_error(error)
     raise nan_error
 
 

@@ -33,8 +33,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-from absl import logging
 
+from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
 

@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _verdict
 

@@ -43,11 +43,11 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _types

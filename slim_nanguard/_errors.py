@@ -8,6 +8,7 @@ for `tf.compat.v1.train.NanTensorHook` keep working.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
@@ -16,6 +17,17 @@ from slim_nanguard._types import Cause
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
+
+
+# How the advice in the message of a check_numerics-mode check opens (`create_train_op`): it
+# holds for an error no loop caught, and is followed by what to add to the loop.
+UNCAUGHT = "If this error reached you uncaught, nothing applied"
+# That advice, up to what CheckNumerics appends (" : Tensor had NaN values") or the line's end.
+_UNCAUGHT_ADVICE = re.compile(re.escape(UNCAUGHT) + r"[^\n]*?(?= : Tensor had|\n|$)")
+_CAUGHT = (
+    "slim_nanguard caught this error and applied the policy; the NanLossError raised from it "
+    "says what was done and why training gave up"
+)
 
 
 class NanGuardError(Exception):
@@ -110,3 +122,29 @@ def op_error_cause(error: BaseException) -> str:
         if rest:
             return rest[0]
     return lines[0] if lines else type(error).__name__
+
+
+def caught_numerics_error(error: BaseException) -> BaseException:
+    """`error`, the numerics error of a bad step, as it reads once the policy was applied.
+
+    The message of a check_numerics-mode check says what to add when no loop caught the
+    error. A `NanLossError` raised after a loop caught it and applied the policy is chained
+    to this copy instead, whose message says so: same op, same node, same traceback, so
+    `is_numerics_error` still recognises it. Any other error is returned as it is.
+
+    Args:
+      error: The error ``session.run(train_op)`` raised.
+
+    Returns:
+      A new `InvalidArgumentError`, or `error` itself.
+    """
+    message = getattr(error, "message", None)
+    if not isinstance(error, tf.errors.InvalidArgumentError) or UNCAUGHT not in (message or ""):
+        return error
+    caught = tf.errors.InvalidArgumentError(
+        error.node_def,
+        error.op,
+        _UNCAUGHT_ADVICE.sub(_CAUGHT, message),
+        error.experimental_payloads,
+    )
+    return caught.with_traceback(error.__traceback__)

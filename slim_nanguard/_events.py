@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from tensorflow.compat.v1 import logging as tf_logging
+# TensorFlow's own logging module, the one NanTensorHook calls: its functions are looked up at
+# each call, so whoever patches tf_logging.error or .warning sees the guard's lines.
+from tensorflow.python.platform import tf_logging
 
 from slim_nanguard import _verdict
 
@@ -138,18 +141,39 @@ def _json_float(value: float) -> Any:
 
 
 # The sentence of `tf.compat.v1.train.NanTensorHook`, which scripts and alerting grep
-# TensorFlow's logs for; every bad step's line starts with it (an Inf loss or a NaN gradient
-# included: the rest of the line says which).
+# TensorFlow's logs for. A bad step's line starts with it when the loss is NaN; otherwise with
+# the same opening naming what was bad (`diverged`), so a grep for "Model diverged" finds every
+# bad step, and "loss = NaN" is never said of a loss that was not NaN.
 DIVERGED = "Model diverged with loss = NaN."
+
+
+def diverged(event: NanEvent) -> str:
+    """The opening sentence of a bad step's log line: which value was bad.
+
+    Args:
+      event: The bad step's event.
+
+    Returns:
+      `DIVERGED` for a NaN loss, ``Model diverged with loss = Inf.`` (or ``-Inf``) for an
+      infinite one, and for a finite loss ``Model diverged with non-finite gradients; the
+      loss is finite.``
+    """
+    if event.loss_kind == LOSS_NAN:
+        return DIVERGED
+    if event.loss_kind == LOSS_INF:
+        return f"Model diverged with loss = {'-' if event.loss < 0 else ''}Inf."
+    return "Model diverged with non-finite gradients; the loss is finite."
 
 
 def log_event(event: NanEvent, level: Optional[int] = None) -> None:
     """Logs `event` as one line on TensorFlow's logger, where `NanTensorHook` logs.
 
-    A bad step's line starts with `NanTensorHook`'s ``Model diverged with loss = NaN.``, at
-    error level when training gives up (action ``raise``) and warning otherwise, as
-    `NanTensorHook` does when it raises or stops. An overflow step of a dynamic loss-scale
-    optimizer is no divergence: it is logged at info level, without that sentence.
+    A bad step's line starts with `diverged` (`NanTensorHook`'s ``Model diverged with loss =
+    NaN.`` when the loss is NaN), through ``tf_logging.error`` when training gives up (action
+    ``raise``) and ``tf_logging.warning`` otherwise, the calls `NanTensorHook` makes when it
+    raises or stops (so a test or an alert that patches them sees the guard's lines too). An
+    overflow step of a dynamic loss-scale optimizer is no divergence: it is logged at info
+    level, without that sentence.
 
     Args:
       event: The event.
@@ -163,17 +187,20 @@ def log_event(event: NanEvent, level: Optional[int] = None) -> None:
             event.describe(),
         )
         return
-    if level is None:
-        level = tf_logging.ERROR if event.action == "raise" else tf_logging.WARN
-    tf_logging.log(
-        level,
+    gives_up = event.action == "raise"
+    if level is not None:
+        log = functools.partial(tf_logging.log, level)
+    else:
+        log = tf_logging.error if gives_up else tf_logging.warning
+        level = tf_logging.ERROR if gives_up else tf_logging.WARN
+    log(
         "%s slim_nanguard: bad step (%s mode), action %s: %s",
-        DIVERGED,
+        diverged(event),
         event.mode,
         event.action,
         event.describe(),
     )
-    if event.autopsy is not None:
+    if event.autopsy is not None:  # One error or warning call per bad step, as NanTensorHook.
         dump = f" (dump: {event.autopsy.dump})" if event.autopsy.dump else ""
         tf_logging.log(
             level,

@@ -19,11 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _history
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _record
 from slim_nanguard import _rollback

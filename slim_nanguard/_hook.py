@@ -51,12 +51,12 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _train_op
@@ -82,11 +82,16 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.
       fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
-      nan_policy: Optional policy name that overrides the above.
+      nan_policy: Optional policy name that overrides the above. ``skip`` and ``rollback``
+        need a guarded train op (nothing else can undo the step's update).
       checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy and
         by ``persistent_nan_policy="rollback"``.
       event_listener: Optional ``fn(record)`` called for each bad step and rollback (see
         `Guard.add_listener`).
+
+    Raises:
+      ValueError: `nan_policy` is no policy, or is ``skip`` or ``rollback`` for a loss that
+        no guarded train op made (yet: build the train op first).
 
     Subclasses (a cluster worker's hook, say) may override `request_rollback` to roll back
     another way; every other action is carried out by `_actions.carry_out`.
@@ -106,6 +111,16 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             raise ValueError(
                 f"nan_policy must be one of {', '.join(_policy.POLICIES)} or None; "
                 f"got {nan_policy!r}."
+            )
+        if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
+            # Refused now: at the bad step the update has happened, and skip would do nothing.
+            name = getattr(loss_tensor, "name", loss_tensor)
+            raise ValueError(
+                f"NanLossHook got nan_policy={nan_policy!r} for {name!r}, which comes from "
+                "no guarded train op: by the time the hook sees the loss, the update has "
+                "happened, so it can only raise or stop. Build the train op with "
+                "slim_nanguard.create_train_op and pass hooks=[slim_nanguard.nan_hook(train_op)] "
+                "(or nan_policy='raise' or 'stop' for a loss-only check)."
             )
         self._nan_policy = nan_policy
         self._checkpoint_dir = checkpoint_dir
@@ -314,7 +329,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 "update of this step may already have happened",
                 cause=Cause.UNGUARDED_LOSS,
             )
-        if policy in (Action.STOP, Action.ROLLBACK):
+        if policy == Action.STOP:  # (skip and rollback were refused at construction)
             run_context.request_stop()
 
 

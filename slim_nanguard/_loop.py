@@ -30,7 +30,6 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
@@ -38,6 +37,7 @@ from slim_nanguard import _cluster
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
+from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict

@@ -13,8 +13,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
-from absl import logging
 
+from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 
 EVENTS_FILENAME = "nanguard_events.jsonl"

@@ -12,9 +12,9 @@ import dataclasses
 from typing import Optional
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardConfig
 

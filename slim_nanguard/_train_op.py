@@ -49,13 +49,14 @@ import inspect
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
 from slim_nanguard import _cluster
+from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _handles
+from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _verdict
 from slim_nanguard._types import Mode
@@ -595,7 +596,13 @@ def _in_loop(graph: tf.Graph) -> bool:
 
 
 def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
-    """The error a bad step raises when no loop applies the policy (it names what to add)."""
+    """The error a bad step raises when no loop applies the policy (it names what to add).
+
+    In check_numerics mode every bad step raises it, caught or not, and TensorFlow's runtime
+    logs it too ("Local rendezvous is aborting with status: ..."), so the advice says that it
+    holds for an error nothing caught; `_errors.caught_numerics_error` rewrites it for the
+    cause of a `NanLossError` raised after the policy was applied.
+    """
     rollback = config.needs_checkpoint_dir
     step_fn = "slim_nanguard.make_train_step(logdir)" if rollback else "slim_nanguard.train_step"
     hook = (
@@ -611,8 +618,8 @@ def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
             f"with tf_slim.learning.train pass train_step_fn={step_fn}"
         )
     return (
-        f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). If "
-        f"this error reached you, nothing applied nan_policy={config.nan_policy!r}: with "
+        f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). "
+        f"{_errors.UNCAUGHT} nan_policy={config.nan_policy!r}: with "
         f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
         "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
         f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "

@@ -70,7 +70,7 @@ import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from absl import logging
+from slim_nanguard import _log as logging
 
 __all__ = ["install", "is_installed", "patched"]
 

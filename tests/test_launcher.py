@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -392,6 +393,19 @@ def test_bad_flags_fail_at_parse_time(tmp_path, args, words):
     assert not train_dir.exists()
 
 
+def test_rollback_lr_factor_out_of_range_either_way_gets_the_librarys_one_rule(tmp_path):
+    """Above 1 or at 0, the same rule and the same words as GuardConfig's."""
+    with pytest.raises(ValueError) as library:
+        slim_nanguard.GuardConfig(rollback_lr_factor=2.0)
+    rule = str(library.value).split(";")[0]  # "rollback_lr_factor must be a number in (0, 1] ..."
+    train_dir = tmp_path / "run"
+    for value in ("2", "0"):
+        proc = _run(TRAIN, f"--train_dir={train_dir}", f"--rollback_lr_factor={value}")
+        _assert_clean_failure(proc, f"--rollback_lr_factor={float(value)}", rule)
+        assert "range" not in proc.stderr
+    assert not train_dir.exists()
+
+
 def test_tfrecord_without_the_expected_keys(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -466,6 +480,23 @@ def test_help_lists_the_flags_of_both_launchers():
         assert "Traceback" not in proc.stderr, proc.stderr  # absl's help exits with 1
         for flag in flags_shown:
             assert f"  {flag}:" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    "command, flags_shown",
+    [
+        ("autopsy", ["--step", "--replay", "--plot", "--timeout_secs"]),
+        ("benchmark", ["--out", "--quick", "--models", "--variants"]),
+        ("train", ["--train_dir", "--nan_policy"]),
+        ("eval", ["--checkpoint_path"]),
+    ],
+)
+def test_help_of_each_console_command_lists_its_own_flags_and_exits_0(command, flags_shown):
+    proc = _as_command(command, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for flag in flags_shown:
+        assert re.search(rf"^  --(\[no\])?{flag[2:]}:", proc.stdout, re.M), proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -585,8 +616,8 @@ def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
     assert (stop["reason"], stop["checkpoint"]) == ("nan_error", latest)
 
 
-def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
-    train_dir = tmp_path / "run"
+def _signal_a_long_run(train_dir, signum, *args):
+    """Starts a long run on synthetic data, sends `signum` some steps in; ``(proc, out, err)``."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -595,7 +626,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
             "--dataset_name=synthetic",
             "--max_number_of_steps=10000000",
             "--log_every_n_steps=0",
-            "--eval_split_name=",
+            *args,
         ],
         cwd=REPO,
         env=_env(),
@@ -609,11 +640,17 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         time.sleep(1.5)  # some steps in
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, out, err
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
+    train_dir = tmp_path / "run"
+    proc, out, err = _signal_a_long_run(train_dir, signal.SIGTERM, "--eval_split_name=")
     assert proc.returncode == 143, err
     assert "Traceback" not in err
     assert "Training terminated (SIGTERM), stopped cleanly at global step" in out
@@ -622,6 +659,25 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
     stop = _events(train_dir, "stop")[-1]
     assert stop["reason"] == "terminated" and stop["step"] > 0
     assert latest.endswith(f"model.ckpt-{stop['step']}")
+
+
+def test_ctrl_c_skips_the_evaluation_and_says_how_to_run_it(tmp_path):
+    """Ctrl-C a run that would evaluate on the test split: it stops cleanly (exit 130) and,
+    instead of an evaluation of the whole split, prints one line with the command that
+    evaluates its final checkpoint; that command works."""
+    train_dir = tmp_path / "run"
+    proc, out, err = _signal_a_long_run(train_dir, signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert "Training interrupted (Ctrl-C), stopped cleanly at global step" in out
+    latest = tf.train.latest_checkpoint(str(train_dir))
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("evaluation")]
+    skipped = "evaluation    skipped (interrupted); to evaluate the checkpoint: "
+    assert line.strip().startswith(skipped), out
+    command = shlex.split(line.split(skipped, 1)[1])
+    assert command[:2] == ["slim-nanguard-eval", f"--checkpoint_path={latest}"], command
+    evaluated = _as_command("eval", *command[1:])
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "test accuracy" in evaluated.stdout and latest in evaluated.stdout
 
 
 def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_the_cause(tmp_path):

@@ -12,10 +12,10 @@ from typing import Dict, List, Sequence
 
 import tensorflow as tf
 import tf_slim as slim
-from absl import logging
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 from slim_nanguard.app import config as config_lib
 
 __all__ = [

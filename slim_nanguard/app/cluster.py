@@ -29,9 +29,9 @@ import time
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _cluster
+from slim_nanguard import _log as logging
 from slim_nanguard import _loop
 from slim_nanguard import _paths
 from slim_nanguard.app.config import LaunchError

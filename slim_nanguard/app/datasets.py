@@ -39,8 +39,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
+from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import op_error_cause

@@ -9,6 +9,7 @@ cluster, a `cluster.Cluster`) and calls `train_and_evaluate`, which returns the 
         run_training(config, cluster)                                     # errors raise
         print the summary of the run
         the chief: evaluate the final checkpoint on the evaluation split, print the result
+                   (not after Ctrl-C or SIGTERM: one line with the command that does it)
         -> 0 finished; 3 stopped by a policy (or by another worker); 130 Ctrl-C; 143 SIGTERM
 """
 
@@ -47,6 +48,12 @@ _EXIT_STATUS = {
     _loop.STOP_TERMINATED: EXIT_TERMINATED,
 }
 
+# Runs the user ended (Ctrl-C, SIGTERM): no evaluation after them, and the word for each.
+_SKIPS_EVALUATION = {
+    _loop.STOP_INTERRUPTED: "interrupted",
+    _loop.STOP_TERMINATED: "terminated",
+}
+
 
 def _echo(line: str) -> None:
     print(line, flush=True)
@@ -65,7 +72,8 @@ def train_and_evaluate(
       config: The run's `TrainConfig`.
       cluster: This task's `cluster.Cluster` in a ps/worker cluster; None: one process.
       eval_split_name: After training, evaluate the final checkpoint on this split (the
-        launcher's ``--eval_split_name``); empty: no evaluation.
+        launcher's ``--eval_split_name``); empty: no evaluation. Not after Ctrl-C or SIGTERM:
+        then one line says so and gives the ``slim-nanguard-eval`` command that evaluates it.
       echo: Prints one line of the summary (to stdout, by default).
 
     Returns:
@@ -108,10 +116,16 @@ def train_and_evaluate(
     result = train.run_training(config, cluster)
     echo(report.describe_training(result, config))
     if eval_config is not None and result.checkpoint and config.is_chief:
-        try:
-            evaluation = evaluate.run_eval(
-                dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)
+        eval_config = dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)
+        if result.stop_reason in _SKIPS_EVALUATION:
+            # The user asked the run to end: an evaluation of the whole split is not theirs.
+            echo(
+                f"  evaluation    skipped ({_SKIPS_EVALUATION[result.stop_reason]}); to "
+                f"evaluate the checkpoint: {report.eval_command(eval_config)}"
             )
+            return _EXIT_STATUS[result.stop_reason]
+        try:
+            evaluation = evaluate.run_eval(eval_config)
             echo(f"  evaluation    {evaluation.describe()}")
         except (_errors.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
             echo(f"  evaluation    not possible: {report.error_message(err)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from typing import Optional
 
 import tensorflow as tf
@@ -14,7 +16,7 @@ from slim_nanguard._types import Cause
 from slim_nanguard._types import StopReason
 from slim_nanguard.app import config as config_lib
 
-__all__ = ["describe_training", "error_message"]
+__all__ = ["describe_training", "error_message", "eval_command"]
 
 
 def describe_training(
@@ -68,6 +70,24 @@ def describe_training(
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
     lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
     return "\n".join(lines)
+
+
+def eval_command(config: config_lib.EvalConfig) -> str:
+    """The ``slim-nanguard-eval`` command line that runs the evaluation `config` describes.
+
+    Args:
+      config: The evaluation; its ``checkpoint_path`` is always given, every other setting
+        only where it differs from the default.
+
+    Returns:
+      The command, its values quoted for a POSIX shell.
+    """
+    words = ["slim-nanguard-eval"]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name == "checkpoint_path" or (value is not None and value != field.default):
+            words.append(f"--{field.name}={value}")
+    return " ".join(shlex.quote(word) for word in words)
 
 
 # What to do, by why training gave up (`NanLossError.cause`).

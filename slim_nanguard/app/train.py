@@ -16,10 +16,10 @@ under `NanGuardError`) whose message names the setting (and its flag) and says w
 from __future__ import annotations
 
 import tensorflow as tf
-from absl import logging
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
+from slim_nanguard import _log as logging
 from slim_nanguard import _loop
 from slim_nanguard import _paths
 from slim_nanguard.app import build

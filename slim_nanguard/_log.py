@@ -1,0 +1,57 @@
+"""absl logging that leaves Python's logging as the user set it up.
+
+absl.logging's functions (``info``, ``vlog``, ...) call ``logging.basicConfig()`` whenever
+Python's root logger has no handler yet, whatever the level and whether or not the line is
+shown: in a plain script, where no ``app.run`` installed absl's handler, the first call puts a
+handler on the root logger. Each TensorFlow log line then prints twice (TensorFlow's own
+handler and the root's) and the user's own ``basicConfig()`` does nothing.
+
+The package logs through absl's logger itself instead: the same logger and levels
+(``absl.logging.set_verbosity`` applies) and the same output where a handler is installed (the
+launchers, or the user's). With no handler at all, warnings and errors reach stderr through
+Python's last-resort handler and nothing is configured; only a line below warning that the
+user asked absl for (``set_verbosity(INFO)`` or more) goes through absl's own call, which sets
+up the handler that shows it, as absl always did.
+
+Modules import it as ``from slim_nanguard import _log as logging`` and call it as absl.logging.
+"""
+
+import logging as _logging
+
+from absl import logging as _absl_logging
+
+__all__ = ["error", "info", "vlog", "warning"]
+
+_LOGGER = _absl_logging.get_absl_logger()
+
+
+def _log(level: int, msg: str, *args) -> None:
+    if level < _logging.WARNING and _LOGGER.isEnabledFor(level) and not _LOGGER.hasHandlers():
+        _absl_logging.log(_absl_logging.converter.standard_to_absl(level), msg, *args)
+    else:
+        _LOGGER.log(level, msg, *args)
+
+
+def error(msg: str, *args) -> None:
+    """absl.logging.error, configuring nothing."""
+    _log(_logging.ERROR, msg, *args)
+
+
+def warning(msg: str, *args) -> None:
+    """absl.logging.warning, configuring nothing."""
+    _log(_logging.WARNING, msg, *args)
+
+
+def info(msg: str, *args) -> None:
+    """absl.logging.info: configures nothing unless the user asked absl for INFO lines."""
+    _log(_logging.INFO, msg, *args)
+
+
+def vlog(level: int, msg: str, *args) -> None:
+    """absl.logging.vlog: verbosity `level` 1 is Python's DEBUG, each level above one lower."""
+    _log(_logging.DEBUG - (level - 1), msg, *args)
+
+
+# A line's caller is the module that called these, not this file.
+for _name in ("_log", "error", "warning", "info", "vlog"):
+    _absl_logging.ABSLLogger.register_frame_to_skip(__file__, _name)
