@@ -4,7 +4,8 @@ docs/model_garden.md tells a user of the TF model garden's ``train_image_classif
 which lines to change. Those lines must name what slim_nanguard and tf_slim really take, and the
 loop they build (``tf_slim.learning.train`` with ``train_step_fn`` and ``saver=FiniteSaver()``)
 must work in both modes, as the page says. The README says CI tests the oldest TensorFlow that
-setup.cfg allows; .ci/oldest_tf must test that version.
+setup.cfg allows; .ci/oldest_tf must test that version. docs/design.md holds the project's one
+module map, and it must name every module the package has.
 """
 
 import ast
@@ -103,6 +104,28 @@ def test_learning_train_with_the_pages_arguments_stops_with_a_finite_checkpoint(
     values = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
     assert int(values["global_step"]) == BAD_BATCH
     lib.assert_all_finite(values)
+
+
+def _module_map_rows(prefix: str) -> str:
+    """The rows of docs/design.md's module map whose first cell starts with `prefix`."""
+    text = (REPO / "docs" / "design.md").read_text()
+    section = text.split("## Where each piece lives", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if line.startswith(f"| `{prefix}"))
+
+
+@pytest.mark.parametrize("package", ["slim_nanguard", "slim_nanguard/app"])
+def test_the_module_map_names_every_module(package):
+    rows = _module_map_rows(package + "/")
+    if package == "slim_nanguard":
+        rows = "\n".join(row for row in rows.splitlines() if "slim_nanguard/app" not in row)
+    modules = sorted(p.name for p in (REPO / package).glob("*.py") if p.name != "__init__.py")
+    assert modules
+    missing = [name for name in modules if not re.search(rf"[`/]{re.escape(name)}`", rows)]
+    assert not missing, f"docs/design.md's module map names no {missing} of {package}/"
+
+
+def test_the_readme_has_no_module_map_of_its_own():
+    assert "slim_nanguard/_" not in (REPO / "README.md").read_text()
 
 
 def _oldest_tf_script_value(name: str) -> str:
