@@ -720,3 +720,78 @@ def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_t
     )
     assert "Graph execution error" not in proc.stderr
     assert not train_dir.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The installed console commands themselves (what `pip install .` puts on PATH), not the scripts
+# run by path: their entry points, flag registration and start-up are what a user runs.
+
+
+def _installed(command):
+    """The console command `pip install .` installed beside this Python, or a failure saying
+    how to install it (the README's test command installs the package first)."""
+    beside = pathlib.Path(sys.executable).parent / command
+    path = str(beside) if beside.exists() else shutil.which(command)
+    assert path, f"{command} is not installed: run python3 -m pip install '.[test]' first"
+    return path
+
+
+def _run_installed(command, *args, cwd):
+    return subprocess.run(
+        [_installed(command), *map(str, args)],
+        cwd=cwd,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    "command, flags_shown",
+    [
+        ("slim-nanguard-autopsy", ["step", "replay", "plot"]),
+        ("slim-nanguard-benchmark", ["out", "models", "variants"]),
+    ],
+)
+def test_the_installed_autopsy_and_benchmark_commands_list_their_own_flags(
+    tmp_path, command, flags_shown
+):
+    proc = _run_installed(command, "--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for flag in flags_shown:
+        assert re.search(rf"^  --(\[no\])?{flag}:", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+def test_the_installed_train_command_gives_one_rule_for_rollback_lr_factor(tmp_path):
+    with pytest.raises(ValueError) as library:
+        slim_nanguard.GuardConfig(rollback_lr_factor=0.0)
+    rule = str(library.value).split(";")[0]
+    for value in ("2", "0"):
+        proc = _run_installed(
+            "slim-nanguard-train",
+            f"--train_dir={tmp_path / 'run'}",
+            f"--rollback_lr_factor={value}",
+            cwd=tmp_path,
+        )
+        _assert_clean_failure(proc, f"--rollback_lr_factor={float(value)}", rule)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_installed_train_command_resumes_past_a_damaged_state_file(tmp_path):
+    """A crash left `checkpoint` garbled next to an intact checkpoint: the next run resumes
+    from it, says so in one warning, and rewrites the state file."""
+    train_dir = tmp_path / "run"
+    flags = [f"--train_dir={train_dir}", "--eval_split_name="]
+    proc = _run_installed("slim-nanguard-train", *flags, "--max_number_of_steps=20", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (train_dir / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-2')  # cut short
+    proc = _run_installed("slim-nanguard-train", *flags, "--max_number_of_steps=30", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "10 good steps" in proc.stdout, proc.stdout[-2000:]
+    (warning,) = [line for line in proc.stderr.splitlines() if "cannot be parsed" in line]
+    assert f"{train_dir}/checkpoint" in warning and f"{train_dir}/model.ckpt-20" in warning
+    assert f"resuming from {train_dir}/model.ckpt-20" in proc.stderr
+    state = tf.train.get_checkpoint_state(str(train_dir))
+    assert state is not None and state.model_checkpoint_path.endswith("model.ckpt-30")
