@@ -44,7 +44,9 @@ flags.DEFINE_bool(
     "Every model and variant, SGD only, one session each, a few "
     "short rounds: a look in under two minutes. Flags given explicitly still win.",
 )
-flags.DEFINE_list("models", None, "Models to time (default: all): mlp, lenet, deep, wide.")
+flags.DEFINE_list(
+    "models", None, "Models to time (default: all): mlp, lenet, deep, wide, cifarnet, mobilenet."
+)
 flags.DEFINE_list("optimizers", None, "Optimizers (default: all; quick: sgd): sgd, adam.")
 flags.DEFINE_list(
     "variants",
