@@ -3,6 +3,7 @@ r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's 
     slim-nanguard-benchmark --out=benchmark.json            # full run, under ten minutes
     slim-nanguard-benchmark --quick --out=quick.json        # a look, under two minutes
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
+    slim-nanguard-benchmark --profile --models=deep,lenet   # where a step's time goes
 
 All the variants of a model live in this one process, each in sessions of its own, and are
 timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
@@ -10,6 +11,10 @@ anything, glibc malloc is told to keep freed memory (``--keep_freed_memory``), s
 session pays page faults for its step's tensors every step. The tables go to stdout
 (Markdown; ``--markdown`` also writes them to a file) and, with ``--out``, the same figures
 and more (per-round times, per-session medians, page faults, memory) to a JSON file.
+
+``--profile`` times nothing: it traces steps of each variant (TensorFlow's ``RunMetadata``
+step stats) and prints, against the unguarded op, the nodes executed, their summed time and
+the nodes the guard adds, grouped by op type and by name scope.
 """
 
 import ctypes
@@ -76,6 +81,16 @@ flags.DEFINE_integer("seed", None, "Seed of the data, weights and variant order.
 flags.DEFINE_bool(
     "memory", True, "Trace a few steps of each variant for the most bytes its step holds at once."
 )
+flags.DEFINE_bool(
+    "profile",
+    False,
+    "Instead of timing, profile traced steps of each variant against the unguarded op "
+    "(RunMetadata step stats): nodes executed, op time, and what the guard adds by op type "
+    "and name scope. Defaults: --models=deep --optimizers=sgd and our two modes (raise); "
+    "flags given explicitly still win.",
+)
+flags.DEFINE_integer("profile_steps", 10, "Traced steps per variant for --profile (averaged).")
+flags.DEFINE_integer("profile_top", 8, "Largest groups shown per variant for --profile.")
 
 _SETTING_FLAGS = (
     "rounds",
@@ -97,6 +112,8 @@ def settings_from_flags():
     from slim_nanguard.app import benchmarking  # pylint: disable=import-outside-toplevel
 
     values = dict(benchmarking.QUICK) if FLAGS.quick else {}
+    if FLAGS.profile:
+        values.update(benchmarking.PROFILE)
     for name in ("models", "optimizers", "variants"):
         if FLAGS[name].value:
             values[name] = tuple(FLAGS[name].value)
@@ -155,15 +172,26 @@ def main(argv):
     settings = settings_from_flags()
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.
     logging.set_verbosity(logging.ERROR)
-    report = benchmarking.run_benchmark(
-        settings, memory=FLAGS.memory, log=lambda line: print(line, flush=True)
-    )
-    tables = benchmarking.format_tables(report)
+    if FLAGS.profile:
+        if FLAGS.profile_steps < 1:
+            raise app.UsageError(f"--profile_steps must be >= 1; got {FLAGS.profile_steps}.")
+        report = benchmarking.run_profile(
+            settings, steps=FLAGS.profile_steps, top=FLAGS.profile_top
+        )
+        tables = "\n\n".join(benchmarking.format_profile(p) for p in report["profiles"])
+        method = f"{FLAGS.profile_steps} traced steps per variant"
+    else:
+        report = benchmarking.run_benchmark(
+            settings, memory=FLAGS.memory, log=lambda line: print(line, flush=True)
+        )
+        tables = benchmarking.format_tables(report)
+        method = (
+            f"{settings.rounds} rounds x {settings.replicas} sessions x {settings.chunks} chunks"
+        )
     machine = report["machine"]
     header = (
         f"{machine['cores']} cores, {machine['cpu']}, TensorFlow {machine['tensorflow']}, "
-        f"Python {machine['python']}; {settings.rounds} rounds x {settings.replicas} "
-        f"sessions x {settings.chunks} chunks; {report['seconds']:.0f} s"
+        f"Python {machine['python']}; {method}; {report['seconds']:.0f} s"
     )
     print(header)
     print(tables)

@@ -49,7 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -701,6 +701,14 @@ class Trainer:
 # ---------------------------------------------------------------------------- memory
 
 
+def _traced_step(session, train_op: tf.Tensor) -> tf.compat.v1.RunMetadata:
+    """Runs `train_op` once with ``FULL_TRACE``; returns the run's metadata (step stats)."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(train_op, options=options, run_metadata=metadata)
+    return metadata
+
+
 def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
     """The most bytes a step's tensors hold at once, over `steps` traced steps.
 
@@ -712,9 +720,7 @@ def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
     """
     peak = 0
     for _ in range(steps):
-        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-        metadata = tf.compat.v1.RunMetadata()
-        trainer.raw_session().run(trainer.train_op, options=options, run_metadata=metadata)
+        metadata = _traced_step(trainer.raw_session(), trainer.train_op)
         events = sorted(
             (
                 (r.alloc_micros, -r.alloc_bytes)
@@ -784,12 +790,7 @@ def _measure_one(
     trainers: Dict[str, List[Trainer]] = {}
     try:
         start = time.perf_counter()
-        for name in names:
-            variant = VARIANTS[name]
-            if variant.graph_of in trainers:
-                first = trainers[variant.graph_of][0].replica(_directory(workdir, name, 0), variant)
-            else:
-                first = Trainer(model, optimizer, variant, settings, _directory(workdir, name, 0))
+        for name, first in _first_trainers(model, optimizer, names, settings, workdir):
             trainers[name] = [first]
         # The other sessions in later passes, not right after the first: two sessions made
         # one after the other get the same relative placement of their buffers, so share
@@ -885,6 +886,22 @@ def _measure_one(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _first_trainers(
+    model: ModelSpec, optimizer: str, names: Sequence[str], settings: Settings, workdir: str
+) -> Iterator[Tuple[str, Trainer]]:
+    """Yields one `Trainer` per variant, as it is made (so that the caller can close those
+    made before an error); a variant with `Variant.graph_of` gets a session of that graph."""
+    made: Dict[str, Trainer] = {}
+    for name in names:
+        variant = VARIANTS[name]
+        directory = _directory(workdir, name, 0)
+        if variant.graph_of in made:
+            made[name] = made[variant.graph_of].replica(directory, variant)
+        else:
+            made[name] = Trainer(model, optimizer, variant, settings, directory)
+        yield name, made[name]
+
+
 def _directory(workdir: str, name: str, replica: int) -> str:
     path = os.path.join(workdir, f"{name}_{replica}")
     os.makedirs(path, exist_ok=True)
@@ -912,6 +929,34 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
+def model_description(name: str, settings: Settings) -> str:
+    """The model's one-line description for the tables (the deep net's depth filled in)."""
+    depth = settings.deep_layers
+    return MODELS[name].description.format(depth=depth, variables=2 * (depth + 1))
+
+
+def run_profile(settings: Settings, *, steps: int = 10, top: int = 8) -> Dict[str, Any]:
+    """`profile_step` of every model and optimizer of `settings`, one model at a time.
+
+    Returns:
+      A JSON-ready dict: ``machine``, ``settings``, ``profiles`` (one per model and optimizer,
+      each with its ``description``) and ``seconds``.
+    """
+    start = time.perf_counter()
+    profiles = []
+    for model_name in settings.models:
+        for optimizer in settings.optimizers:
+            profile = profile_step(model_name, optimizer, settings, steps=steps, top=top)
+            profile["description"] = model_description(model_name, settings)
+            profiles.append(profile)
+    return {
+        "machine": machine_info(),
+        "settings": dataclasses.asdict(settings),
+        "profiles": profiles,
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def run_benchmark(
     settings: Settings, *, memory: bool = True, log: Callable[[str], None] = print
 ) -> Dict[str, Any]:
@@ -933,10 +978,9 @@ def run_benchmark(
             r, b = _measure_one(model_name, optimizer, settings, memory, log)
             results += r
             bad_steps += b
-    depth = settings.deep_layers
     models_used = {
         name: {
-            "description": MODELS[name].description.format(depth=depth, variables=2 * (depth + 1)),
+            "description": model_description(name, settings),
             "input_shape": list(MODELS[name].input_shape),
             "batch_size": max(1, int(round(MODELS[name].batch_size * settings.batch_scale))),
         }
@@ -952,6 +996,195 @@ def run_benchmark(
         "seconds": time.perf_counter() - start,
     }
     return report
+
+
+# ---------------------------------------------------------------------------- profile
+
+# What ``--profile`` looks at unless told otherwise: our two modes (their references, the
+# unguarded op in a plain loop and in MonitoredTrainingSession, are added), SGD, the net with
+# the most small variables.
+PROFILE_VARIANTS = OUR_MODES
+PROFILE = dict(models=("deep",), optimizers=("sgd",), variants=PROFILE_VARIANTS)
+
+
+def _op_type(node) -> str:
+    """The kernel a traced node ran, from its timeline label ``name = Type(inputs)``.
+
+    The label names the op after graph rewrites (e.g. ``_MklNativeFusedMatMul``), which the
+    graph does not.
+    """
+    _, _, call = node.timeline_label.partition(" = ")
+    return call.partition("(")[0] or node.node_name
+
+
+def _scope(name: str) -> str:
+    """The name scope of a node, at most two levels deep (``nanguard/verdict``)."""
+    parts = name.split("/")[:-1]
+    return "/".join(parts[:2]) or "(root)"
+
+
+def _group(nodes: Sequence[Tuple[str, str, int]], key: Callable, steps: int) -> Dict[str, Dict]:
+    """Nodes per step and microseconds per step, by `key(name, op_type)`."""
+    groups: Dict[str, Dict[str, float]] = {}
+    for name, op_type, micros in nodes:
+        group = groups.setdefault(key(name, op_type), {"nodes": 0.0, "micros": 0.0})
+        group["nodes"] += 1 / steps
+        group["micros"] += micros / steps
+    return dict(sorted(groups.items(), key=lambda item: -item[1]["micros"]))
+
+
+@dataclasses.dataclass
+class _Trace:
+    """The traced steps of one variant: which nodes ran and for how long.
+
+    Attributes:
+      nodes: ``(name, op type, microseconds)`` of every node run, over all traced steps.
+      walls: The wall time of each traced step (first node's start to last node's end), µs.
+    """
+
+    nodes: List[Tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    walls: List[int] = dataclasses.field(default_factory=list)
+
+    def add(self, metadata: tf.compat.v1.RunMetadata) -> None:
+        starts, ends = [], []
+        for device in metadata.step_stats.dev_stats:
+            for node in device.node_stats:
+                self.nodes.append((node.node_name, _op_type(node), node.all_end_rel_micros))
+                starts.append(node.all_start_micros)
+                ends.append(node.all_start_micros + node.all_end_rel_micros)
+        self.walls.append(max(ends) - min(starts))
+
+    def names(self) -> set:
+        return {name for name, _, _ in self.nodes}
+
+
+def profile_step(
+    model_name: str,
+    optimizer: str,
+    settings: Settings,
+    *,
+    steps: int = 10,
+    top: int = 8,
+) -> Dict[str, Any]:
+    """A per-op profile of one step of each variant, against its unguarded reference.
+
+    Builds every variant of ``settings.all_variants()`` (one session each), warms each up
+    with ``settings.warmup_steps`` steps and one traced step, then traces `steps` steps of
+    each (``RunOptions(trace_level=FULL_TRACE)``, run as the variant's loop runs it, hooks
+    included), the variants taking turns so that they share the machine's moments. Per
+    variant and step, averaged over the steps: the nodes executed, the sum of their times
+    (op time: CPU time across threads, not wall time) and the step's wall time. The nodes
+    a variant executes that its reference does not ("added") are grouped by op type and by
+    name scope; their time, and the change in the time of the nodes both run, split the
+    difference in op time between what the guard adds and what it slows down.
+
+    Args:
+      model_name: A key of `MODELS`.
+      optimizer: A key of `OPTIMIZERS`.
+      settings: The variants, warm-up, batch scale, threads and seed.
+      steps: Traced steps per variant.
+      top: Groups kept per variant in ``by_type`` and ``by_scope`` (the largest by time).
+
+    Returns:
+      A JSON-ready dict: ``model``, ``optimizer``, ``steps`` and ``variants``, one dict per
+      variant with ``variant``, ``loop``, ``reference``, ``nodes``, ``op_ms``, ``wall_ms``,
+      ``added_nodes``, ``added_ms``, ``shared_ms_change`` (op time of the nodes the reference
+      runs too, minus the reference's own op time), ``by_type`` and ``by_scope`` (name to
+      ``{"nodes", "micros"}`` per step, of the added nodes).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}.")
+    names = settings.all_variants()
+    workdir = tempfile.mkdtemp(prefix="nanguard_profile_")
+    trainers: Dict[str, Trainer] = {}
+    try:
+        for name, trainer in _first_trainers(
+            MODELS[model_name], optimizer, names, settings, workdir
+        ):
+            trainers[name] = trainer
+        for trainer in trainers.values():
+            for _ in range(settings.warmup_steps):
+                trainer.step()
+            _traced_step(trainer.session, trainer.train_op)  # Tracing's own first-run costs.
+        traces = {name: _Trace() for name in names}
+        order = list(names)
+        rng = random.Random(settings.seed)
+        for _ in range(steps):
+            rng.shuffle(order)
+            for name in order:
+                traces[name].add(_traced_step(trainers[name].session, trainers[name].train_op))
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def op_ms(nodes):
+        return sum(micros for _, _, micros in nodes) / steps / 1e3
+
+    variants = []
+    for name in names:
+        variant, trace = VARIANTS[name], traces[name]
+        ref = variant.reference or name
+        known = traces[ref].names()
+        added = [node for node in trace.nodes if node[0] not in known]
+        shared = [node for node in trace.nodes if node[0] in known]
+        variants.append(
+            {
+                "variant": name,
+                "label": variant.label,
+                "loop": variant.loop,
+                "reference": ref,
+                "nodes": len(trace.nodes) / steps,
+                "op_ms": op_ms(trace.nodes),
+                "wall_ms": statistics.mean(trace.walls) / 1e3,
+                "added_nodes": len(added) / steps,
+                "added_ms": op_ms(added),
+                "shared_ms_change": op_ms(shared) - op_ms(traces[ref].nodes),
+                "by_type": dict(
+                    list(_group(added, lambda _, op_type: op_type, steps).items())[:top]
+                ),
+                "by_scope": dict(
+                    list(_group(added, lambda name, _: _scope(name), steps).items())[:top]
+                ),
+            }
+        )
+    return {"model": model_name, "optimizer": optimizer, "steps": steps, "variants": variants}
+
+
+def format_profile(profile: Dict[str, Any]) -> str:
+    """A profile of `profile_step` as Markdown: the totals, then what the guard adds."""
+    title = profile.get("description", profile["model"])
+    lines = [
+        f"Per-op profile, {title}, {profile['optimizer']}: mean of {profile['steps']} traced "
+        "steps. Op time is the sum of the nodes' times (over both threads), not wall time.",
+        "",
+        "| variant | loop | nodes/step | added nodes | op ms/step | added nodes' ms | "
+        "shared nodes' change, ms | step wall ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for v in profile["variants"]:
+        own = v["reference"] == v["variant"]
+        loop = "MTS" if v["loop"] == MTS else "session"
+        added = "–" if own else f"{v['added_nodes']:.0f}"
+        added_ms = "–" if own else f"{v['added_ms']:.3f}"
+        change = "–" if own else f"{v['shared_ms_change']:+.3f}"
+        lines.append(
+            f"| {v['label']} | {loop} | {v['nodes']:.0f} | {added} | {v['op_ms']:.3f} | "
+            f"{added_ms} | {change} | {v['wall_ms']:.3f} |"
+        )
+    for kind, heading in (("by_type", "op type"), ("by_scope", "name scope")):
+        lines += [
+            "",
+            f"| variant | added nodes, by {heading} | nodes/step | µs/step |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for v in profile["variants"]:
+            for group, figures in v[kind].items():
+                lines.append(
+                    f"| {v['label']} | `{group}` | {figures['nodes']:.0f} | "
+                    f"{figures['micros']:.0f} |"
+                )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- targets
