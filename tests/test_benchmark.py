@@ -33,21 +33,16 @@ def _env():
     return dict(os.environ, PYTHONPATH=path)
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("benchmark") / "quick.json"
+def _run(out, *flags):
+    """Runs the launcher in a tiny setting with `flags`; returns its JSON output and stdout."""
     proc = subprocess.run(
         [
             sys.executable,
             SCRIPT,
-            "--quick",
-            f"--models={','.join(QUICK_MODELS)}",
+            *flags,
             f"--out={out}",
             "--batch_scale=0.1",
             "--deep_layers=3",
-            "--rounds=1",
-            "--chunks=1",
-            "--round_seconds=0.001",
             "--warmup_steps=1",
         ],
         env=_env(),
@@ -59,6 +54,19 @@ def report(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out, encoding="utf-8") as f:
         return json.load(f), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark") / "quick.json"
+    return _run(
+        out,
+        "--quick",
+        f"--models={','.join(QUICK_MODELS)}",
+        "--rounds=1",
+        "--chunks=1",
+        "--round_seconds=0.001",
+    )
 
 
 def test_every_model_and_variant_is_timed(report):
@@ -142,28 +150,10 @@ def test_the_real_slim_nets_build_and_train():
 def profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     markdown = out.with_suffix(".md")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--profile",
-            "--models=deep,mobilenet",
-            f"--out={out}",
-            f"--markdown={markdown}",
-            "--batch_scale=0.1",
-            "--deep_layers=3",
-            "--warmup_steps=1",
-            "--profile_steps=2",
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    data, stdout = _run(
+        out, "--profile", "--models=deep,mobilenet", f"--markdown={markdown}", "--profile_steps=2"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out, encoding="utf-8") as f:
-        return json.load(f), proc.stdout, markdown.read_text(encoding="utf-8")
+    return data, stdout, markdown.read_text(encoding="utf-8")
 
 
 def test_profile_counts_the_nodes_the_guard_adds(profile):
