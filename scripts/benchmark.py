@@ -1,7 +1,8 @@
 r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's alternatives.
 
-    slim-nanguard-benchmark --out=benchmark.json            # full run, under ten minutes
-    slim-nanguard-benchmark --quick --out=quick.json        # a look, under two minutes
+    slim-nanguard-benchmark --out=benchmark.json            # full run
+    slim-nanguard-benchmark --quick --out=quick.json        # a look
+    slim-nanguard-benchmark --models=mlp,lenet,deep,wide    # without the slow CNNs
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
     slim-nanguard-benchmark --profile --models=deep,lenet   # where a step's time goes
 
@@ -11,6 +12,10 @@ anything, glibc malloc is told to keep freed memory (``--keep_freed_memory``), s
 session pays page faults for its step's tensors every step. The tables go to stdout
 (Markdown; ``--markdown`` also writes them to a file) and, with ``--out``, the same figures
 and more (per-round times, per-session medians, page faults, memory) to a JSON file.
+
+On 2 cores the four small models took 5 minutes (full run) and 1.5 (--quick); CifarNet and
+MobileNet, whose steps take 40-80 ms there, add roughly as much again each (an estimate: their
+20 variants' graphs take 20-35 s to build, and every variant runs at least 3 steps per chunk).
 
 ``--profile`` times nothing: it traces steps of each variant (TensorFlow's ``RunMetadata``
 step stats) and prints, against the unguarded op, the nodes executed, their summed time and
