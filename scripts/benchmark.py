@@ -1,8 +1,10 @@
 r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's alternatives.
 
-    slim-nanguard-benchmark --out=benchmark.json            # full run, under ten minutes
-    slim-nanguard-benchmark --quick --out=quick.json        # a look, under two minutes
+    slim-nanguard-benchmark --out=benchmark.json            # full run
+    slim-nanguard-benchmark --quick --out=quick.json        # a look
+    slim-nanguard-benchmark --models=mlp,lenet,deep,wide    # without the slow CNNs
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
+    slim-nanguard-benchmark --profile --models=deep,lenet   # where a step's time goes
 
 All the variants of a model live in this one process, each in sessions of its own, and are
 timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
@@ -10,6 +12,14 @@ anything, glibc malloc is told to keep freed memory (``--keep_freed_memory``), s
 session pays page faults for its step's tensors every step. The tables go to stdout
 (Markdown; ``--markdown`` also writes them to a file) and, with ``--out``, the same figures
 and more (per-round times, per-session medians, page faults, memory) to a JSON file.
+
+On 2 cores the four small models took 5 minutes (full run) and 1.5 (--quick); CifarNet and
+MobileNet, whose steps take 40-80 ms there, add roughly as much again each (an estimate: their
+20 variants' graphs take 20-35 s to build, and every variant runs at least 3 steps per chunk).
+
+``--profile`` times nothing: it traces steps of each variant (TensorFlow's ``RunMetadata``
+step stats) and prints, against the unguarded op, the nodes executed, their summed time and
+the nodes the guard adds, grouped by op type and by name scope.
 """
 
 import ctypes
@@ -44,7 +54,9 @@ flags.DEFINE_bool(
     "Every model and variant, SGD only, one session each, a few "
     "short rounds: a look in under two minutes. Flags given explicitly still win.",
 )
-flags.DEFINE_list("models", None, "Models to time (default: all): mlp, lenet, deep, wide.")
+flags.DEFINE_list(
+    "models", None, "Models to time (default: all): mlp, lenet, deep, wide, cifarnet, mobilenet."
+)
 flags.DEFINE_list("optimizers", None, "Optimizers (default: all; quick: sgd): sgd, adam.")
 flags.DEFINE_list(
     "variants",
@@ -74,6 +86,16 @@ flags.DEFINE_integer("seed", None, "Seed of the data, weights and variant order.
 flags.DEFINE_bool(
     "memory", True, "Trace a few steps of each variant for the most bytes its step holds at once."
 )
+flags.DEFINE_bool(
+    "profile",
+    False,
+    "Instead of timing, profile traced steps of each variant against the unguarded op "
+    "(RunMetadata step stats): nodes executed, op time, and what the guard adds by op type "
+    "and name scope. Defaults: --models=deep --optimizers=sgd and our two modes (raise); "
+    "flags given explicitly still win.",
+)
+flags.DEFINE_integer("profile_steps", 10, "Traced steps per variant for --profile (averaged).")
+flags.DEFINE_integer("profile_top", 8, "Largest groups shown per variant for --profile.")
 
 _SETTING_FLAGS = (
     "rounds",
@@ -95,6 +117,8 @@ def settings_from_flags():
     from slim_nanguard.app import benchmarking  # pylint: disable=import-outside-toplevel
 
     values = dict(benchmarking.QUICK) if FLAGS.quick else {}
+    if FLAGS.profile:
+        values.update(benchmarking.PROFILE)
     for name in ("models", "optimizers", "variants"):
         if FLAGS[name].value:
             values[name] = tuple(FLAGS[name].value)
@@ -153,15 +177,26 @@ def main(argv):
     settings = settings_from_flags()
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.
     logging.set_verbosity(logging.ERROR)
-    report = benchmarking.run_benchmark(
-        settings, memory=FLAGS.memory, log=lambda line: print(line, flush=True)
-    )
-    tables = benchmarking.format_tables(report)
+    if FLAGS.profile:
+        if FLAGS.profile_steps < 1:
+            raise app.UsageError(f"--profile_steps must be >= 1; got {FLAGS.profile_steps}.")
+        report = benchmarking.run_profile(
+            settings, steps=FLAGS.profile_steps, top=FLAGS.profile_top
+        )
+        tables = "\n\n".join(benchmarking.format_profile(p) for p in report["profiles"])
+        method = f"{FLAGS.profile_steps} traced steps per variant"
+    else:
+        report = benchmarking.run_benchmark(
+            settings, memory=FLAGS.memory, log=lambda line: print(line, flush=True)
+        )
+        tables = benchmarking.format_tables(report)
+        method = (
+            f"{settings.rounds} rounds x {settings.replicas} sessions x {settings.chunks} chunks"
+        )
     machine = report["machine"]
     header = (
         f"{machine['cores']} cores, {machine['cpu']}, TensorFlow {machine['tensorflow']}, "
-        f"Python {machine['python']}; {settings.rounds} rounds x {settings.replicas} "
-        f"sessions x {settings.chunks} chunks; {report['seconds']:.0f} s"
+        f"Python {machine['python']}; {method}; {report['seconds']:.0f} s"
     )
     print(header)
     print(tables)

@@ -1,7 +1,8 @@
 """The benchmark launcher runs end to end and reports every variant of every model.
 
 It is a smoke test: a tiny setting (small batches, a shallow deep net, one short round) and no
-assertion on any timing, which would only measure the machine the tests run on.
+assertion on any timing, which would only measure the machine the tests run on. The profile
+(``--profile``) is checked on what does not depend on the machine: which nodes a step runs.
 """
 
 import json
@@ -9,7 +10,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from slim_nanguard.app import benchmarking
 
@@ -19,26 +22,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")
 
 
+# Every model but MobileNet: its 20 graphs (28 layers with batch norm, each guarded) take
+# about 35 s to build on 2 cores. The profile and the model test below build and step it.
+QUICK_MODELS = tuple(name for name in benchmarking.MODELS if name != "mobilenet")
+
+
 def _env():
     # The checkout first, so the script times the code under test, not an installed copy.
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path)
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("benchmark") / "quick.json"
+def _run(out, *flags):
+    """Runs the launcher in a tiny setting with `flags`; returns its JSON output and stdout."""
     proc = subprocess.run(
         [
             sys.executable,
             SCRIPT,
-            "--quick",
+            *flags,
             f"--out={out}",
             "--batch_scale=0.1",
             "--deep_layers=3",
-            "--rounds=1",
-            "--chunks=1",
-            "--round_seconds=0.001",
             "--warmup_steps=1",
         ],
         env=_env(),
@@ -52,10 +56,23 @@ def report(tmp_path_factory):
         return json.load(f), proc.stdout
 
 
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark") / "quick.json"
+    return _run(
+        out,
+        "--quick",
+        f"--models={','.join(QUICK_MODELS)}",
+        "--rounds=1",
+        "--chunks=1",
+        "--round_seconds=0.001",
+    )
+
+
 def test_every_model_and_variant_is_timed(report):
     data, _ = report
     timed = {(r["model"], r["variant"]) for r in data["results"]}
-    expected = {(m, v) for m in benchmarking.MODELS for v in benchmarking.VARIANTS}
+    expected = {(m, v) for m in QUICK_MODELS for v in benchmarking.VARIANTS}
     assert timed == expected
     for r in data["results"]:
         assert r["optimizer"] == "sgd"  # --quick times SGD only
@@ -69,7 +86,7 @@ def test_bad_steps_are_recovered_without_losing_progress_on_skip(report):
     kinds = {(b["model"], b["variant"]) for b in data["bad_steps"]}
     expected = {
         (m, f"nanguard_{mode}_{policy}")
-        for m in benchmarking.MODELS
+        for m in QUICK_MODELS
         for mode in lib.MODES
         for policy in ("skip", "rollback")
     }
@@ -87,3 +104,80 @@ def test_targets_and_tables_are_reported(report):
     assert {t["variant"] for t in data["targets"]} == set(benchmarking.OUR_MODES)
     assert data["machine"]["tensorflow"]
     assert "| model | opt | variant |" in stdout
+
+
+def test_each_model_shows_both_modes_side_by_side(report):
+    data, stdout = report
+    headings = " | ".join(heading for heading, _ in benchmarking.SIDE_BY_SIDE)
+    assert f"| model | opt | unguarded ms/step | {headings} |" in stdout
+    for name in QUICK_MODELS:
+        row = next(
+            line
+            for line in stdout.splitlines()
+            if line.startswith(f"| {data['models'][name]['description']} | sgd |")
+        )
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 3 + len(benchmarking.SIDE_BY_SIDE)
+        assert "–" not in cells[2:], row  # every column timed: the ms and each ratio
+
+
+def test_the_real_slim_nets_build_and_train():
+    # CifarNet and MobileNet v1 are written in app/models.py for the benchmark: each builds,
+    # steps, and its loss falls on one repeated batch (MobileNet with its batch norm's
+    # statistics updated).
+    for name in ("cifarnet", "mobilenet"):
+        spec = benchmarking.MODELS[name]
+        settings = benchmarking.Settings(models=(name,), batch_scale=0.25)
+        trainer = benchmarking.Trainer(
+            spec, "adam", benchmarking.VARIANTS["baseline"], settings, "unused"
+        )
+        try:
+            with trainer.graph.as_default():
+                loss = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.LOSSES)[0]
+                moving = [v for v in tf.compat.v1.global_variables() if "moving_mean" in v.name]
+            first, moving_before = trainer.session.run([loss, moving])
+            for _ in range(8):
+                trainer.step()
+            last, moving_after = trainer.session.run([loss, moving])
+        finally:
+            trainer.close()
+        assert last < first, (name, first, last)
+        assert bool(moving) == (name == "mobilenet")
+        assert all(not np.array_equal(b, a) for b, a in zip(moving_before, moving_after))
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    markdown = out.with_suffix(".md")
+    data, stdout = _run(
+        out, "--profile", "--models=deep,mobilenet", f"--markdown={markdown}", "--profile_steps=2"
+    )
+    return data, stdout, markdown.read_text(encoding="utf-8")
+
+
+def test_profile_counts_the_nodes_the_guard_adds(profile):
+    data, stdout, markdown = profile
+    assert [(p["model"], p["optimizer"]) for p in data["profiles"]] == [
+        ("deep", "sgd"),
+        ("mobilenet", "sgd"),
+    ]
+    for p in data["profiles"]:
+        by_name = {v["variant"]: v for v in p["variants"]}
+        assert set(by_name) == {"baseline", "baseline_mts", *benchmarking.OUR_MODES}
+        for name in benchmarking.OUR_MODES:
+            guarded = by_name[name]
+            unguarded = by_name[guarded["reference"]]
+            assert unguarded["nodes"] > 0 and unguarded["op_ms"] > 0
+            # One reduction per gradient at least: more nodes than there are variables.
+            variables = 2 * (3 + 1) if p["model"] == "deep" else 83
+            assert guarded["nodes"] - unguarded["nodes"] >= variables, (name, guarded)
+            assert guarded["added_nodes"] >= variables
+            assert "Sum" in guarded["by_type"] and "nanguard" in guarded["by_scope"]
+            assert 0 < guarded["added_ms"] < guarded["op_ms"]
+        # The same graph in another loop runs the same nodes.
+        assert by_name["baseline_mts"]["added_nodes"] == 0
+    for text in (stdout, markdown):
+        assert "| variant | loop | nodes/step | added nodes |" in text
+        assert "| variant | added nodes, by op type | nodes/step | µs/step |" in text
+        assert "| ours: check_numerics mode, raise | `nanguard` |" in text

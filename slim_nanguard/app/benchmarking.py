@@ -49,7 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -122,6 +122,16 @@ def _wide(images: tf.Tensor, depth: int) -> tf.Tensor:
     return models.mlp(images, NUM_CLASSES, True, hidden_units=(2048, 2048), scope="Wide")
 
 
+def _cifarnet(images: tf.Tensor, depth: int) -> tf.Tensor:
+    del depth
+    return models.cifarnet(images, NUM_CLASSES, True)
+
+
+def _mobilenet(images: tf.Tensor, depth: int) -> tf.Tensor:
+    del depth
+    return models.mobilenet_v1(images, NUM_CLASSES, True, depth_multiplier=0.5)
+
+
 MODELS: Dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -131,6 +141,16 @@ MODELS: Dict[str, ModelSpec] = {
             "deep", "{depth} x FC(64) + logits, {variables} variables, batch 128", (64,), 128, _deep
         ),
         ModelSpec("wide", "784-2048-2048-10, 5.8M parameters, batch 32", (784,), 32, _wide),
+        ModelSpec(
+            "cifarnet", "CifarNet on 32x32x3, 1.8M parameters, batch 32", (32, 32, 3), 32, _cifarnet
+        ),
+        ModelSpec(
+            "mobilenet",
+            "MobileNet v1 x0.5 on 32x32x3, batch norm, 83 variables, batch 32",
+            (32, 32, 3),
+            32,
+            _mobilenet,
+        ),
     )
 }
 
@@ -377,15 +397,46 @@ def _make_variants() -> Dict[str, Variant]:
             graph_of="nanguard_hook_raise",
         )
     )
+    variants += _spike_guard_variants()
     return {v.name: v for v in variants}
+
+
+def _spike_guard_variants() -> List[Variant]:
+    """The spike guard's variants (issue 20): none yet, the place where they go.
+
+    Once ``create_train_op`` takes ``spike_policy``, return here one variant per mode with the
+    spike guard on (say ``nanguard_check_numerics_spike`` against "baseline" and
+    ``nanguard_hook_spike`` against "baseline_mts", built like `_ours` with
+    ``spike_policy="skip"``); the raise variants above are the same guard with it off. Then
+    add them to `OUR_MODES` (their targets) and `SIDE_BY_SIDE` (the first table's columns).
+    """
+    return []
 
 
 VARIANTS: Dict[str, Variant] = _make_variants()
 
-# Our two modes with the atomic step, as the targets name them.
+# Our two modes with the atomic step, as the targets name them (the spike guard's variants
+# join them here).
 OUR_MODES = ("nanguard_check_numerics_raise", "nanguard_hook_raise")
-# Target: median ratio at most this, per model.
-TARGETS = {"mlp": 1.05, "lenet": 1.05, "wide": 1.05, "deep": 1.10}
+# Target (issue 20): median ratio at most this, per model: 1.02 on the real slim nets, 1.05
+# on the small MLP, the 102-variable deep net and the wide layer.
+TARGETS = {
+    "mlp": 1.05,
+    "deep": 1.05,
+    "wide": 1.05,
+    "lenet": 1.02,
+    "cifarnet": 1.02,
+    "mobilenet": 1.02,
+}
+# The columns of the first table, (heading, variant): each model's ratio to the unguarded
+# op, side by side for both modes in one run (the spike guard's on/off variants go here).
+SIDE_BY_SIDE: Tuple[Tuple[str, str], ...] = (
+    ("noise floor", "baseline_again"),
+    ("slim check_numerics=True", "slim_check_numerics"),
+    ("loss-scale skip", "loss_scale_skip"),
+    ("ours, check_numerics mode", "nanguard_check_numerics_raise"),
+    ("ours, hook mode (MTS)", "nanguard_hook_raise"),
+)
 
 # ---------------------------------------------------------------------------- settings
 
@@ -650,6 +701,14 @@ class Trainer:
 # ---------------------------------------------------------------------------- memory
 
 
+def _traced_step(session, train_op: tf.Tensor) -> tf.compat.v1.RunMetadata:
+    """Runs `train_op` once with ``FULL_TRACE``; returns the run's metadata (step stats)."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(train_op, options=options, run_metadata=metadata)
+    return metadata
+
+
 def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
     """The most bytes a step's tensors hold at once, over `steps` traced steps.
 
@@ -661,9 +720,7 @@ def transient_peak_bytes(trainer: Trainer, steps: int = 3) -> int:
     """
     peak = 0
     for _ in range(steps):
-        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-        metadata = tf.compat.v1.RunMetadata()
-        trainer.raw_session().run(trainer.train_op, options=options, run_metadata=metadata)
+        metadata = _traced_step(trainer.raw_session(), trainer.train_op)
         events = sorted(
             (
                 (r.alloc_micros, -r.alloc_bytes)
@@ -733,12 +790,7 @@ def _measure_one(
     trainers: Dict[str, List[Trainer]] = {}
     try:
         start = time.perf_counter()
-        for name in names:
-            variant = VARIANTS[name]
-            if variant.graph_of in trainers:
-                first = trainers[variant.graph_of][0].replica(_directory(workdir, name, 0), variant)
-            else:
-                first = Trainer(model, optimizer, variant, settings, _directory(workdir, name, 0))
+        for name, first in _first_trainers(model, optimizer, names, settings, workdir):
             trainers[name] = [first]
         # The other sessions in later passes, not right after the first: two sessions made
         # one after the other get the same relative placement of their buffers, so share
@@ -834,6 +886,22 @@ def _measure_one(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _first_trainers(
+    model: ModelSpec, optimizer: str, names: Sequence[str], settings: Settings, workdir: str
+) -> Iterator[Tuple[str, Trainer]]:
+    """Yields one `Trainer` per variant, as it is made (so that the caller can close those
+    made before an error); a variant with `Variant.graph_of` gets a session of that graph."""
+    made: Dict[str, Trainer] = {}
+    for name in names:
+        variant = VARIANTS[name]
+        directory = _directory(workdir, name, 0)
+        if variant.graph_of in made:
+            made[name] = made[variant.graph_of].replica(directory, variant)
+        else:
+            made[name] = Trainer(model, optimizer, variant, settings, directory)
+        yield name, made[name]
+
+
 def _directory(workdir: str, name: str, replica: int) -> str:
     path = os.path.join(workdir, f"{name}_{replica}")
     os.makedirs(path, exist_ok=True)
@@ -861,6 +929,34 @@ def machine_info() -> Dict[str, Any]:
     }
 
 
+def model_description(name: str, settings: Settings) -> str:
+    """The model's one-line description for the tables (the deep net's depth filled in)."""
+    depth = settings.deep_layers
+    return MODELS[name].description.format(depth=depth, variables=2 * (depth + 1))
+
+
+def run_profile(settings: Settings, *, steps: int = 10, top: int = 8) -> Dict[str, Any]:
+    """`profile_step` of every model and optimizer of `settings`, one model at a time.
+
+    Returns:
+      A JSON-ready dict: ``machine``, ``settings``, ``profiles`` (one per model and optimizer,
+      each with its ``description``) and ``seconds``.
+    """
+    start = time.perf_counter()
+    profiles = []
+    for model_name in settings.models:
+        for optimizer in settings.optimizers:
+            profile = profile_step(model_name, optimizer, settings, steps=steps, top=top)
+            profile["description"] = model_description(model_name, settings)
+            profiles.append(profile)
+    return {
+        "machine": machine_info(),
+        "settings": dataclasses.asdict(settings),
+        "profiles": profiles,
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def run_benchmark(
     settings: Settings, *, memory: bool = True, log: Callable[[str], None] = print
 ) -> Dict[str, Any]:
@@ -882,10 +978,9 @@ def run_benchmark(
             r, b = _measure_one(model_name, optimizer, settings, memory, log)
             results += r
             bad_steps += b
-    depth = settings.deep_layers
     models_used = {
         name: {
-            "description": MODELS[name].description.format(depth=depth, variables=2 * (depth + 1)),
+            "description": model_description(name, settings),
             "input_shape": list(MODELS[name].input_shape),
             "batch_size": max(1, int(round(MODELS[name].batch_size * settings.batch_scale))),
         }
@@ -901,6 +996,195 @@ def run_benchmark(
         "seconds": time.perf_counter() - start,
     }
     return report
+
+
+# ---------------------------------------------------------------------------- profile
+
+# What ``--profile`` looks at unless told otherwise: our two modes (their references, the
+# unguarded op in a plain loop and in MonitoredTrainingSession, are added), SGD, the net with
+# the most small variables.
+PROFILE_VARIANTS = OUR_MODES
+PROFILE = dict(models=("deep",), optimizers=("sgd",), variants=PROFILE_VARIANTS)
+
+
+def _op_type(node) -> str:
+    """The kernel a traced node ran, from its timeline label ``name = Type(inputs)``.
+
+    The label names the op after graph rewrites (e.g. ``_MklNativeFusedMatMul``), which the
+    graph does not.
+    """
+    _, _, call = node.timeline_label.partition(" = ")
+    return call.partition("(")[0] or node.node_name
+
+
+def _scope(name: str) -> str:
+    """The name scope of a node, at most two levels deep (``nanguard/verdict``)."""
+    parts = name.split("/")[:-1]
+    return "/".join(parts[:2]) or "(root)"
+
+
+def _group(nodes: Sequence[Tuple[str, str, int]], key: Callable, steps: int) -> Dict[str, Dict]:
+    """Nodes per step and microseconds per step, by `key(name, op_type)`."""
+    groups: Dict[str, Dict[str, float]] = {}
+    for name, op_type, micros in nodes:
+        group = groups.setdefault(key(name, op_type), {"nodes": 0.0, "micros": 0.0})
+        group["nodes"] += 1 / steps
+        group["micros"] += micros / steps
+    return dict(sorted(groups.items(), key=lambda item: -item[1]["micros"]))
+
+
+@dataclasses.dataclass
+class _Trace:
+    """The traced steps of one variant: which nodes ran and for how long.
+
+    Attributes:
+      nodes: ``(name, op type, microseconds)`` of every node run, over all traced steps.
+      walls: The wall time of each traced step (first node's start to last node's end), µs.
+    """
+
+    nodes: List[Tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    walls: List[int] = dataclasses.field(default_factory=list)
+
+    def add(self, metadata: tf.compat.v1.RunMetadata) -> None:
+        starts, ends = [], []
+        for device in metadata.step_stats.dev_stats:
+            for node in device.node_stats:
+                self.nodes.append((node.node_name, _op_type(node), node.all_end_rel_micros))
+                starts.append(node.all_start_micros)
+                ends.append(node.all_start_micros + node.all_end_rel_micros)
+        self.walls.append(max(ends) - min(starts))
+
+    def names(self) -> set:
+        return {name for name, _, _ in self.nodes}
+
+
+def profile_step(
+    model_name: str,
+    optimizer: str,
+    settings: Settings,
+    *,
+    steps: int = 10,
+    top: int = 8,
+) -> Dict[str, Any]:
+    """A per-op profile of one step of each variant, against its unguarded reference.
+
+    Builds every variant of ``settings.all_variants()`` (one session each), warms each up
+    with ``settings.warmup_steps`` steps and one traced step, then traces `steps` steps of
+    each (``RunOptions(trace_level=FULL_TRACE)``, run as the variant's loop runs it, hooks
+    included), the variants taking turns so that they share the machine's moments. Per
+    variant and step, averaged over the steps: the nodes executed, the sum of their times
+    (op time: CPU time across threads, not wall time) and the step's wall time. The nodes
+    a variant executes that its reference does not ("added") are grouped by op type and by
+    name scope; their time, and the change in the time of the nodes both run, split the
+    difference in op time between what the guard adds and what it slows down.
+
+    Args:
+      model_name: A key of `MODELS`.
+      optimizer: A key of `OPTIMIZERS`.
+      settings: The variants, warm-up, batch scale, threads and seed.
+      steps: Traced steps per variant.
+      top: Groups kept per variant in ``by_type`` and ``by_scope`` (the largest by time).
+
+    Returns:
+      A JSON-ready dict: ``model``, ``optimizer``, ``steps`` and ``variants``, one dict per
+      variant with ``variant``, ``loop``, ``reference``, ``nodes``, ``op_ms``, ``wall_ms``,
+      ``added_nodes``, ``added_ms``, ``shared_ms_change`` (op time of the nodes the reference
+      runs too, minus the reference's own op time), ``by_type`` and ``by_scope`` (name to
+      ``{"nodes", "micros"}`` per step, of the added nodes).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}.")
+    names = settings.all_variants()
+    workdir = tempfile.mkdtemp(prefix="nanguard_profile_")
+    trainers: Dict[str, Trainer] = {}
+    try:
+        for name, trainer in _first_trainers(
+            MODELS[model_name], optimizer, names, settings, workdir
+        ):
+            trainers[name] = trainer
+        for trainer in trainers.values():
+            for _ in range(settings.warmup_steps):
+                trainer.step()
+            _traced_step(trainer.session, trainer.train_op)  # Tracing's own first-run costs.
+        traces = {name: _Trace() for name in names}
+        order = list(names)
+        rng = random.Random(settings.seed)
+        for _ in range(steps):
+            rng.shuffle(order)
+            for name in order:
+                traces[name].add(_traced_step(trainers[name].session, trainers[name].train_op))
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def op_ms(nodes):
+        return sum(micros for _, _, micros in nodes) / steps / 1e3
+
+    variants = []
+    for name in names:
+        variant, trace = VARIANTS[name], traces[name]
+        ref = variant.reference or name
+        known = traces[ref].names()
+        added = [node for node in trace.nodes if node[0] not in known]
+        shared = [node for node in trace.nodes if node[0] in known]
+        variants.append(
+            {
+                "variant": name,
+                "label": variant.label,
+                "loop": variant.loop,
+                "reference": ref,
+                "nodes": len(trace.nodes) / steps,
+                "op_ms": op_ms(trace.nodes),
+                "wall_ms": statistics.mean(trace.walls) / 1e3,
+                "added_nodes": len(added) / steps,
+                "added_ms": op_ms(added),
+                "shared_ms_change": op_ms(shared) - op_ms(traces[ref].nodes),
+                "by_type": dict(
+                    list(_group(added, lambda _, op_type: op_type, steps).items())[:top]
+                ),
+                "by_scope": dict(
+                    list(_group(added, lambda name, _: _scope(name), steps).items())[:top]
+                ),
+            }
+        )
+    return {"model": model_name, "optimizer": optimizer, "steps": steps, "variants": variants}
+
+
+def format_profile(profile: Dict[str, Any]) -> str:
+    """A profile of `profile_step` as Markdown: the totals, then what the guard adds."""
+    title = profile.get("description", profile["model"])
+    lines = [
+        f"Per-op profile, {title}, {profile['optimizer']}: mean of {profile['steps']} traced "
+        "steps. Op time is the sum of the nodes' times (over both threads), not wall time.",
+        "",
+        "| variant | loop | nodes/step | added nodes | op ms/step | added nodes' ms | "
+        "shared nodes' change, ms | step wall ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for v in profile["variants"]:
+        own = v["reference"] == v["variant"]
+        loop = "MTS" if v["loop"] == MTS else "session"
+        added = "–" if own else f"{v['added_nodes']:.0f}"
+        added_ms = "–" if own else f"{v['added_ms']:.3f}"
+        change = "–" if own else f"{v['shared_ms_change']:+.3f}"
+        lines.append(
+            f"| {v['label']} | {loop} | {v['nodes']:.0f} | {added} | {v['op_ms']:.3f} | "
+            f"{added_ms} | {change} | {v['wall_ms']:.3f} |"
+        )
+    for kind, heading in (("by_type", "op type"), ("by_scope", "name scope")):
+        lines += [
+            "",
+            f"| variant | added nodes, by {heading} | nodes/step | µs/step |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for v in profile["variants"]:
+            for group, figures in v[kind].items():
+                lines.append(
+                    f"| {v['label']} | `{group}` | {figures['nodes']:.0f} | "
+                    f"{figures['micros']:.0f} |"
+                )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- targets
@@ -959,19 +1243,53 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def format_tables(report: Dict[str, Any]) -> str:
-    """The report as Markdown: step times, bad steps, targets."""
+def _ratio_cell(r: Optional[Dict[str, Any]]) -> str:
+    if r is None:
+        return "–"
+    ratio = r["ratio"]
+    return f"{ratio['median']:.3f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+
+
+def format_side_by_side(report: Dict[str, Any]) -> str:
+    """One row per model and optimizer: the `SIDE_BY_SIDE` variants' ratios, as Markdown.
+
+    A variant that was not timed shows "–".
+    """
+    by_key = {(r["model"], r["optimizer"], r["variant"]): r for r in report["results"]}
+    rows = sorted(
+        {(r["model"], r["optimizer"]) for r in report["results"]},
+        key=lambda key: (list(MODELS).index(key[0]), list(OPTIMIZERS).index(key[1])),
+    )
     lines = [
+        "| model | opt | unguarded ms/step | "
+        + " | ".join(heading for heading, _ in SIDE_BY_SIDE)
+        + " |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in SIDE_BY_SIDE) + " |",
+    ]
+    for model, optimizer in rows:
+        base = by_key.get((model, optimizer, "baseline"))
+        ms = f"{base['ms_per_step']['median']:.2f}" if base else "–"
+        description = report["models"][model]["description"]
+        cells = [_ratio_cell(by_key.get((model, optimizer, name))) for _, name in SIDE_BY_SIDE]
+        lines.append(f"| {description} | {optimizer} | {ms} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_tables(report: Dict[str, Any]) -> str:
+    """The report as Markdown: the side-by-side ratios, step times, bad steps, targets."""
+    lines = [
+        format_side_by_side(report),
+        "",
         "| model | opt | variant | loop | ms/step | ratio (min–max) | ops added | "
         "extra peak MiB (× gradients) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"]:
-        ms, ratio = r["ms_per_step"], r["ratio"]
+        ms = r["ms_per_step"]
         if r["reference"] == r["variant"]:
             shown = "1 (reference)"
         else:
-            shown = f"{ratio['median']:.3f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+            shown = _ratio_cell(r)
         memory = "–"
         if "extra_peak_bytes" in r:
             memory = f"{_mib(r['extra_peak_bytes'])} ({r['extra_gradient_copies']:.2f})"

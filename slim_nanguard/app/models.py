@@ -21,6 +21,9 @@ The models, by name (the launcher's ``--model_name``):
   variables and the graph are those of tf_slim.nets (so slim checkpoints fit); at larger
   sizes the final spatial logits are averaged to ``[B, num_classes]``.
 
+Two more builders, ``cifarnet`` and ``mobilenet_v1``, are written here from their
+architectures for the benchmark (``slim-nanguard-benchmark``); they are not in `MODELS`.
+
 To build a second copy sharing the variables (e.g. an evaluation tower), call the model
 function under ``tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True)``.
 """
@@ -48,9 +51,11 @@ __all__ = [
     "ModelFn",
     "ModelSpec",
     "SlimNet",
+    "cifarnet",
     "get_model",
     "lenet",
     "mlp",
+    "mobilenet_v1",
 ]
 
 
@@ -158,6 +163,178 @@ def lenet(
                     net, dropout_keep_prob, is_training=is_training, scope="dropout3"
                 )
                 return slim.fully_connected(net, num_classes, activation_fn=None, scope="fc4")
+
+
+def cifarnet(
+    images: tf.Tensor,
+    num_classes: int,
+    is_training: bool,
+    *,
+    dropout_keep_prob: float = 0.5,
+    weight_decay: float = 0.004,
+    scope: str = "CifarNet",
+) -> tf.Tensor:
+    """CifarNet, the CIFAR-10 net of tensorflow/models ``research/slim/nets/cifarnet.py``.
+
+    Two 5x5 convolutions of 64 filters, each followed by 2x2 max pooling and local response
+    normalization, then fully connected layers of 384 and 192 units and linear logits.
+    Written here from that architecture (tf_slim.nets has no CifarNet); not registered in
+    `MODELS`, the benchmark builds it.
+
+    Args:
+      images: Float32 ``[batch, height, width, channels]``; 32x32x3 is its size.
+      num_classes: The number of classes.
+      is_training: Dropout (after the 384-unit layer) is applied only in training.
+      dropout_keep_prob: The fraction of those activations kept by dropout.
+      weight_decay: The L2 regularization coefficient of the fully connected weights.
+      scope: The variable scope.
+
+    Returns:
+      Float32 logits ``[batch, num_classes]``.
+    """
+
+    def normalize(net, name):
+        return tf.nn.local_response_normalization(
+            net, depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name=name
+        )
+
+    with tf.compat.v1.variable_scope(scope, "CifarNet", [images]):
+        with (
+            slim.arg_scope(
+                [slim.conv2d],
+                activation_fn=tf.nn.relu,
+                weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=0.05),
+            ),
+            slim.arg_scope(
+                [slim.fully_connected],
+                activation_fn=tf.nn.relu,
+                weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=0.04),
+                weights_regularizer=slim.l2_regularizer(weight_decay),
+                biases_initializer=tf.compat.v1.constant_initializer(0.1),
+            ),
+        ):
+            net = slim.conv2d(images, 64, [5, 5], scope="conv1")
+            net = normalize(slim.max_pool2d(net, [2, 2], 2, scope="pool1"), "norm1")
+            net = slim.conv2d(net, 64, [5, 5], scope="conv2")
+            net = slim.max_pool2d(normalize(net, "norm2"), [2, 2], 2, scope="pool2")
+            net = slim.fully_connected(slim.flatten(net), 384, scope="fc3")
+            net = slim.dropout(net, dropout_keep_prob, is_training=is_training, scope="dropout3")
+            net = slim.fully_connected(net, 192, scope="fc4")
+            return slim.fully_connected(
+                net,
+                num_classes,
+                activation_fn=None,
+                weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=1 / 192),
+                biases_initializer=tf.compat.v1.zeros_initializer(),
+                weights_regularizer=None,
+                scope="logits",
+            )
+
+
+# MobileNet v1's 13 depthwise-separable blocks: (pointwise filters, stride) before the depth
+# multiplier.
+_MOBILENET_V1_BLOCKS = (
+    (64, 1),
+    (128, 2),
+    (128, 1),
+    (256, 2),
+    (256, 1),
+    (512, 2),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (1024, 2),
+    (1024, 1),
+)
+
+
+def mobilenet_v1(
+    images: tf.Tensor,
+    num_classes: int,
+    is_training: bool,
+    *,
+    depth_multiplier: float = 1.0,
+    min_depth: int = 8,
+    dropout_keep_prob: float = 0.999,
+    weight_decay: float = 4e-5,
+    scope: str = "MobilenetV1",
+) -> tf.Tensor:
+    """MobileNet v1 (Howard et al. 2017) in TF-Slim layers, with batch norm and ReLU6.
+
+    A 3x3 convolution of stride 2, then 13 blocks of a 3x3 depthwise convolution and a 1x1
+    pointwise one, each followed by batch norm and ReLU6, then global average pooling,
+    dropout and 1x1 logits. Written here from the paper (tf_slim.nets has no MobileNet);
+    not registered in `MODELS`, the benchmark builds it. Needs
+    ``slim_nanguard.compat.install()`` (slim.batch_norm), which it calls itself.
+
+    Args:
+      images: Float32 ``[batch, height, width, channels]``, any size (224x224x3 is the
+        paper's; the benchmark uses 32x32).
+      num_classes: The number of classes.
+      is_training: Batch norm in training mode (statistics updates in ``UPDATE_OPS``) and
+        dropout on.
+      depth_multiplier: Multiplies every layer's filters (the paper's width multiplier).
+      min_depth: The fewest filters a layer gets.
+      dropout_keep_prob: The fraction of the pooled features kept by dropout.
+      weight_decay: The L2 regularization coefficient of the convolution weights.
+      scope: The variable scope.
+
+    Returns:
+      Float32 logits ``[batch, num_classes]``.
+    """
+    from slim_nanguard import compat  # pylint: disable=import-outside-toplevel
+
+    compat.install()
+
+    def depth(filters):
+        return max(int(filters * depth_multiplier), min_depth)
+
+    with tf.compat.v1.variable_scope(scope, "MobilenetV1", [images]):
+        with (
+            slim.arg_scope(
+                [slim.conv2d, slim.separable_conv2d],
+                activation_fn=tf.nn.relu6,
+                normalizer_fn=slim.batch_norm,
+                weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=0.09),
+                padding="SAME",
+            ),
+            slim.arg_scope(
+                [slim.batch_norm],
+                is_training=is_training,
+                decay=0.9997,
+                epsilon=0.001,
+                center=True,
+                scale=True,
+            ),
+            slim.arg_scope([slim.conv2d], weights_regularizer=slim.l2_regularizer(weight_decay)),
+        ):
+            net = slim.conv2d(images, depth(32), [3, 3], stride=2, scope="Conv2d_0")
+            for index, (filters, stride) in enumerate(_MOBILENET_V1_BLOCKS):
+                net = slim.separable_conv2d(
+                    net,
+                    None,
+                    [3, 3],
+                    depth_multiplier=1,
+                    stride=stride,
+                    scope=f"Conv2d_{index + 1}_depthwise",
+                )
+                net = slim.conv2d(
+                    net, depth(filters), [1, 1], scope=f"Conv2d_{index + 1}_pointwise"
+                )
+            net = tf.reduce_mean(net, [1, 2], keepdims=True, name="AvgPool")
+            net = slim.dropout(net, dropout_keep_prob, is_training=is_training, scope="Dropout")
+            net = slim.conv2d(
+                net,
+                num_classes,
+                [1, 1],
+                activation_fn=None,
+                normalizer_fn=None,
+                biases_initializer=tf.compat.v1.zeros_initializer(),
+                scope="Logits",
+            )
+            return tf.squeeze(net, [1, 2], name="logits")
 
 
 @dataclasses.dataclass(frozen=True)
