@@ -108,19 +108,25 @@ def checkpoint_step(checkpoint_path: str) -> Optional[int]:
 
 
 def latest_good_checkpoint(
-    checkpoint_dir: Optional[str], *, before_step: Optional[int] = None
+    checkpoint_dir: Optional[str],
+    *,
+    before_step: Optional[int] = None,
+    repair_state: bool = False,
 ) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
     A newer checkpoint that cannot be read is passed over with a warning naming it and the one
     used instead. A ``checkpoint`` state file that cannot be parsed is passed over too: the
-    checkpoints are found by listing the directory, and the state file is rewritten to name
-    the one found (with a warning saying so).
+    checkpoints (``<name>-<step>`` of the newest name) are found by listing the directory, with
+    a warning saying so.
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
       before_step: Only consider checkpoints saved at a global step below this one (their
         names end in ``-<step>``).
+      repair_state: Rewrite a damaged state file to name the checkpoints found. Only the run
+        that trains in `checkpoint_dir` should (`train` does): its `Saver` is the file's
+        writer, and a reader beside it (an evaluation) must not race it.
 
     Returns:
       The checkpoint prefix, or None when the directory holds no checkpoint at all.
@@ -159,7 +165,9 @@ def latest_good_checkpoint(
                 path,
             )
         if damaged and before_step is None:
-            _repair_state(checkpoint_dir, candidates[candidates.index(path) :])
+            _report_damaged_state(
+                checkpoint_dir, candidates[candidates.index(path) :], repair=repair_state
+            )
         return path
     raise _errors.CheckpointNotFoundError(
         f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
@@ -205,28 +213,40 @@ def _state_file(checkpoint_dir: str) -> str:
 
 
 def _listed(checkpoint_dir: str) -> List[str]:
-    """The checkpoints of a directory, by its ``*.index`` files: the highest global step
-    first, a name without a step last."""
+    """The checkpoints of a directory that a `Saver` wrote, by its ``*.index`` files: those
+    named ``<name>-<step>`` for the name of the highest global step, highest step first.
+
+    Other checkpoints in the directory (a ``pretrained.ckpt`` kept beside the run) are not the
+    run's: a state file that named them would hand them to the run's `Saver`, which deletes
+    the oldest it manages past ``max_to_keep``. Only when no checkpoint has a step are the
+    others listed (by name), so that such a directory still has something to read.
+    """
     prefixes = [
         _paths.join(checkpoint_dir, name[: -len(".index")])
         for name in tf.io.gfile.listdir(checkpoint_dir)
         if name.endswith(".index")
     ]
+    stepped = [p for p in prefixes if checkpoint_step(p) is not None]
+    if not stepped:
+        return sorted(prefixes, reverse=True)
+    stepped.sort(key=lambda p: (checkpoint_step(p), p), reverse=True)
+    stem = _stem(stepped[0])
+    return [p for p in stepped if _stem(p) == stem]
 
-    def newest_first(path: str) -> Tuple[bool, int, str]:
-        step = checkpoint_step(path)
-        return step is not None, step or 0, path
 
-    return sorted(prefixes, key=newest_first, reverse=True)
+def _stem(path: str) -> str:
+    """``model.ckpt`` of ``.../model.ckpt-1200``."""
+    return re.sub(r"-\d+$", "", _paths.basename(path))
 
 
-def _repair_state(checkpoint_dir: str, found: List[str]) -> None:
-    """Rewrites a damaged state file to name `found` (newest first), the first of them as
-    the latest; says so in one warning line.
+def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool) -> None:
+    """Says in one warning line that the state file cannot be parsed and which checkpoint was
+    found instead; with `repair`, rewrites it to name `found` (newest first).
 
     The file holds names relative to the directory, as `FiniteSaver` writes it. A state file
     that cannot be rewritten (a read-only directory) is left as it is: the next call lists
-    the directory again.
+    the directory again. Neither is one whose newest checkpoint has no step (its `Saver`
+    would manage, and delete, a checkpoint that is not its own).
     """
     path = _state_file(checkpoint_dir)
     # update_checkpoint_state keeps the paths it is given when the directory is an absolute
@@ -234,13 +254,16 @@ def _repair_state(checkpoint_dir: str, found: List[str]) -> None:
     # paths in the other, so that either way the file holds names only.
     local = not _paths.is_url(checkpoint_dir) and os.path.isabs(checkpoint_dir)
     names = [_paths.basename(p) if local else p for p in reversed(found)]
-    try:
-        tf.compat.v1.train.update_checkpoint_state(
-            checkpoint_dir, names[-1], all_model_checkpoint_paths=names
-        )
-        done = "and rewrote the state file to name it"
-    except (OSError, tf.errors.OpError) as err:
-        done = f"but could not rewrite the state file ({_short(err)})"
+    if not repair or checkpoint_step(found[0]) is None:
+        done = "left the state file as it is"
+    else:
+        try:
+            tf.compat.v1.train.update_checkpoint_state(
+                checkpoint_dir, names[-1], all_model_checkpoint_paths=names
+            )
+            done = "and rewrote the state file to name it"
+        except (OSError, tf.errors.OpError) as err:
+            done = f"but could not rewrite the state file ({_short(err)})"
     logging.warning(
         "slim_nanguard: the checkpoint state file %s cannot be parsed (garbled, cut short or "
         "empty); found the checkpoints by listing the directory: using %s, %s.",
@@ -256,13 +279,14 @@ def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
     Unlike TensorFlow's, it finds the checkpoint of a training directory that was moved
     (whose ``checkpoint`` file names the old place) and of one that was copied (whose file
     names the source, which must not be read), and of one whose state file is damaged (by
-    listing the directory; the state file is then rewritten). Returns None when there is none.
+    listing the directory, with a warning; a reader leaves the file to the run that trains
+    there). Returns None when there is none.
     """
     candidates, damaged = _candidates(checkpoint_dir)
     for number, path in enumerate(candidates):
         if tf.io.gfile.exists(path + ".index") or tf.io.gfile.exists(path):
             if damaged:
-                _repair_state(checkpoint_dir, candidates[number:])
+                _report_damaged_state(checkpoint_dir, candidates[number:], repair=False)
             return path
     return None
 
@@ -293,9 +317,7 @@ class FinitenessTest:
             return
         # One reduction per variable; the element-wise tests are built now and run only for
         # the variables whose sum is not finite.
-        self._fast = tf.math.is_finite(
-            tf.stack([tf.cast(tf.reduce_sum(v), tf.float64) for v in variables])
-        )
+        self._fast = tf.math.is_finite(tf.stack([_wide_sum(v) for v in variables]))
         self._kinds = [_verdict.kind_code(v) for v in variables]
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
@@ -309,6 +331,15 @@ class FinitenessTest:
         codes = sess.run([self._kinds[i] for i in flagged])
         kinds = [(self.names[i], _verdict.kind_name(c)) for i, c in zip(flagged, codes)]
         return [(name, kind) for name, kind in kinds if kind != _verdict.FINITE]
+
+
+def _wide_sum(variable: tf.Variable) -> tf.Tensor:
+    """The sum of a variable as float64; a half-precision one is summed in float32, so that
+    finite float16 weights (max 65504) rarely overflow their own sum and send the test to
+    the element-wise branch."""
+    if variable.dtype.base_dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.reduce_sum(tf.cast(variable, tf.float32)), tf.float64)
+    return tf.cast(tf.reduce_sum(variable), tf.float64)
 
 
 class _FinitenessCheck:

@@ -382,7 +382,9 @@ def train(
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
     logdir = check_logdir(logdir)
     graph = train_op.graph
-    resume_from = _checkpoints.latest_good_checkpoint(logdir) if is_chief else None
+    resume_from = (
+        _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
+    )
 
     recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
@@ -547,7 +549,7 @@ def _make_scaffold(
         def init_fn(
             unused_scaffold: tf.compat.v1.train.Scaffold, session: tf.compat.v1.Session
         ) -> None:
-            latest = _checkpoints.latest_good_checkpoint(logdir)
+            latest = _checkpoints.latest_good_checkpoint(logdir, repair_state=True)
             if latest is not None:
                 (restorer if latest == resume_from else saver).restore(session, latest)
             elif given_init_fn is not None:

@@ -63,7 +63,11 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
         not tf.io.gfile.exists(train_dir) or tf.io.gfile.isdir(train_dir),
         f"--train_dir={train_dir} is a file, not a directory: choose a directory.",
     )
-    existing = _checkpoints.latest_good_checkpoint(train_dir) if config.is_chief else None
+    existing = (
+        _checkpoints.latest_good_checkpoint(train_dir, repair_state=True)
+        if config.is_chief
+        else None
+    )
     if existing and config.checkpoint_path:
         logging.info(
             "Ignoring --checkpoint_path because %s already holds a checkpoint: resuming from %s.",
