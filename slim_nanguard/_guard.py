@@ -229,7 +229,14 @@ class Guard:
             listener(record)
         recorder = self._own_recorder()
         if recorder is not None:
-            recorder(record)
+            try:
+                recorder(record)
+            except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
+                logging.warning(
+                    "slim_nanguard: could not append to %s (%s); training goes on without it",
+                    recorder.path,
+                    err,
+                )
 
     def _own_recorder(self) -> Optional[_record.EventRecorder]:
         """The record in the autopsy directory, or None: no directory, or a listener that is
@@ -239,7 +246,10 @@ class Guard:
         ):
             return None
         if self._recorder is None or self._recorder_dir != self._autopsy_dir:
-            self._recorder = _record.EventRecorder(self._autopsy_dir)
+            # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
+            # second FileWriter on the same directory can open the same events file in the
+            # same second and corrupt it. The TensorBoard counters are `train`'s.
+            self._recorder = _record.EventRecorder(self._autopsy_dir, write_summaries=False)
             self._recorder_dir = self._autopsy_dir
         return self._recorder
 

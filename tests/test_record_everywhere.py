@@ -63,6 +63,33 @@ def test_the_model_gardens_loop_leaves_the_record_the_autopsy_reads(tmp_path, mo
     assert os.path.exists(record["autopsy"]["dump"])
 
 
+@lib.each_mode
+def test_the_model_gardens_tensorboard_files_stay_readable(tmp_path, mode):
+    """tf-slim's Supervisor writes its summaries (the graph, the session log) to the
+    directory the guard records in; the guard's record writes no second events file there (two
+    writers opened in one second would share one file name and interleave their records)."""
+    logdir = str(tmp_path)
+    model = lib.build_model(
+        faults={1: "nan_loss"}, nan_policy="skip", check_numerics=lib.MODES[mode]
+    )
+    with model.graph.as_default():
+        tf.compat.v1.summary.scalar("loss", model.loss)
+        slim.learning.train(
+            model.train_op,
+            logdir,
+            train_step_fn=slim_nanguard.make_train_step(logdir),
+            number_of_steps=4,
+            save_summaries_secs=1,
+            save_interval_secs=None,
+        )
+    (record,) = _bad_steps(logdir)
+    files = tf.io.gfile.glob(f"{logdir}/events.out.tfevents.*")
+    assert files
+    for path in files:  # each reads to its end: no DataLossError
+        events = list(tf.compat.v1.train.summary_iterator(path))
+        assert events[0].HasField("file_version")
+
+
 def test_a_hand_written_monitored_session_leaves_the_record_the_autopsy_reads(tmp_path):
     logdir = str(tmp_path)
     model = lib.build_model(faults={2: "nan_loss"}, nan_policy="skip", check_numerics=False)
