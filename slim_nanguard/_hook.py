@@ -117,10 +117,11 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             name = getattr(loss_tensor, "name", loss_tensor)
             raise ValueError(
                 f"NanLossHook got nan_policy={nan_policy!r} for {name!r}, which comes from "
-                "no guarded train op: by the time the hook sees the loss, the update has "
-                "happened, so it can only raise or stop. Build the train op with "
-                "slim_nanguard.create_train_op and pass hooks=[slim_nanguard.nan_hook(train_op)] "
-                "(or nan_policy='raise' or 'stop' for a loss-only check)."
+                "no guarded train op (or whose train op is not built yet: build it first): "
+                "by the time the hook sees the loss, the update has happened, so it can only "
+                "raise or stop. Build the train op with slim_nanguard.create_train_op and pass "
+                "hooks=[slim_nanguard.nan_hook(train_op)] (or nan_policy='raise' or 'stop' for "
+                "a loss-only check)."
             )
         self._nan_policy = nan_policy
         self._checkpoint_dir = checkpoint_dir

@@ -174,8 +174,10 @@ def replay_dump(
             f"the dump {dump_path} does not exist (was the run's directory "
             "moved? pass the directory the dump sits in)."
         )
+    from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
+
     report, batch, weights = _autopsy.read_dump(dump_path)
-    checkpoint = tf.train.latest_checkpoint(train_dir)
+    checkpoint = _checkpoints.latest_checkpoint(train_dir)
     meta = checkpoint + ".meta" if checkpoint else None
     if meta is None or not tf.io.gfile.exists(meta):
         metas = sorted(tf.io.gfile.glob(_paths.join(train_dir, "*.meta")))

@@ -52,6 +52,26 @@ def _run(script, *args):
     )
 
 
+def _installed(command):
+    """The console command `pip install .` installed beside this Python, or a failure saying
+    how to install it (the README's test command installs the package first)."""
+    beside = pathlib.Path(sys.executable).parent / command
+    path = str(beside) if beside.exists() else shutil.which(command)
+    assert path, f"{command} is not installed: run python3 -m pip install '.[test]' first"
+    return path
+
+
+def _run_installed(command, *args, cwd):
+    return subprocess.run(
+        [_installed(command), *map(str, args)],
+        cwd=cwd,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def _plain_stderr(proc):
     """The stderr lines that are neither TensorFlow's start-up noise nor absl log lines."""
     return [line for line in proc.stderr.splitlines() if line.strip() and not _LOG_LINE.match(line)]
@@ -616,12 +636,14 @@ def test_raise_saves_the_good_state_of_the_bad_step(tmp_path):
     assert (stop["reason"], stop["checkpoint"]) == ("nan_error", latest)
 
 
-def _signal_a_long_run(train_dir, signum, *args):
-    """Starts a long run on synthetic data, sends `signum` some steps in; ``(proc, out, err)``."""
+def _signal_a_long_run(train_dir, signum, *args, installed=False):
+    """Starts a long run on synthetic data, sends `signum` some steps in; ``(proc, out, err)``.
+
+    With `installed`, the run is the installed ``slim-nanguard-train`` command."""
+    command = [_installed("slim-nanguard-train")] if installed else [sys.executable, str(TRAIN)]
     proc = subprocess.Popen(
         [
-            sys.executable,
-            str(TRAIN),
+            *command,
             f"--train_dir={train_dir}",
             "--dataset_name=synthetic",
             "--max_number_of_steps=10000000",
@@ -662,11 +684,11 @@ def test_sigterm_stops_like_ctrl_c_with_a_final_checkpoint(tmp_path):
 
 
 def test_ctrl_c_skips_the_evaluation_and_says_how_to_run_it(tmp_path):
-    """Ctrl-C a run that would evaluate on the test split: it stops cleanly (exit 130) and,
-    instead of an evaluation of the whole split, prints one line with the command that
-    evaluates its final checkpoint; that command works."""
+    """Ctrl-C the installed ``slim-nanguard-train`` in a run that would evaluate on the test
+    split: it stops cleanly (exit 130) and, instead of an evaluation of the whole split, prints
+    one line with the command that evaluates its final checkpoint; that command works."""
     train_dir = tmp_path / "run"
-    proc, out, err = _signal_a_long_run(train_dir, signal.SIGINT)
+    proc, out, err = _signal_a_long_run(train_dir, signal.SIGINT, installed=True)
     assert proc.returncode == 130, err
     assert "Training interrupted (Ctrl-C), stopped cleanly at global step" in out
     latest = tf.train.latest_checkpoint(str(train_dir))
@@ -675,7 +697,7 @@ def test_ctrl_c_skips_the_evaluation_and_says_how_to_run_it(tmp_path):
     assert line.strip().startswith(skipped), out
     command = shlex.split(line.split(skipped, 1)[1])
     assert command[:2] == ["slim-nanguard-eval", f"--checkpoint_path={latest}"], command
-    evaluated = _as_command("eval", *command[1:])
+    evaluated = _run_installed(*command, cwd=REPO)  # the printed command, as a user runs it
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "test accuracy" in evaluated.stdout and latest in evaluated.stdout
 
@@ -725,26 +747,6 @@ def test_a_tfrecord_image_that_fails_in_training_names_the_file_the_record_and_t
 # ---------------------------------------------------------------------------------------------
 # The installed console commands themselves (what `pip install .` puts on PATH), not the scripts
 # run by path: their entry points, flag registration and start-up are what a user runs.
-
-
-def _installed(command):
-    """The console command `pip install .` installed beside this Python, or a failure saying
-    how to install it (the README's test command installs the package first)."""
-    beside = pathlib.Path(sys.executable).parent / command
-    path = str(beside) if beside.exists() else shutil.which(command)
-    assert path, f"{command} is not installed: run python3 -m pip install '.[test]' first"
-    return path
-
-
-def _run_installed(command, *args, cwd):
-    return subprocess.run(
-        [_installed(command), *map(str, args)],
-        cwd=cwd,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.parametrize(
