@@ -24,6 +24,9 @@ from slim_nanguard._hook import NanLossHook
 from slim_nanguard._hook import nan_hook
 from slim_nanguard._loop import TrainResult
 from slim_nanguard._loop import train
+from slim_nanguard._parity import add_gradients_summaries
+from slim_nanguard._parity import clip_gradient_norms
+from slim_nanguard._parity import multiply_gradients
 from slim_nanguard._policy import PERSISTENT_POLICIES
 from slim_nanguard._policy import POLICIES
 from slim_nanguard._policy import GuardConfig
@@ -34,10 +37,7 @@ from slim_nanguard._record import read_events
 from slim_nanguard._steps import handle_numerics_error
 from slim_nanguard._steps import make_train_step
 from slim_nanguard._steps import train_step
-from slim_nanguard._train_op import add_gradients_summaries
-from slim_nanguard._train_op import clip_gradient_norms
 from slim_nanguard._train_op import create_train_op
-from slim_nanguard._train_op import multiply_gradients
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Mode

@@ -49,10 +49,6 @@ DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
 
-# Ops that are the batch itself: a non-finite value there was in the data.
-_INPUT_TYPES = _ops.BATCH_OP_TYPES
-# Ops whose output a fed input cannot stand in for: replaying past them would need them to run.
-_UNREPLAYABLE_TYPES = _ops.BATCH_OP_TYPES
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.
@@ -292,7 +288,8 @@ def _cause(op: Mapping[str, Any]) -> str:
     outputs = op.get("output") or []
     if not inputs:
         kinds = _kinds(outputs[0]) if outputs else ""
-        if op["type"] in _INPUT_TYPES:
+        # An op of the batch itself: a non-finite value there was in the data.
+        if op["type"] in _ops.BATCH_OP_TYPES:
             return f"the batch itself holds {kinds}" if kinds else "the batch itself"
         return f"which makes {kinds} from no float input" if kinds else ""
     for h in inputs:
@@ -484,21 +481,18 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
       AutopsyError: The targets depend on an input op or a placeholder that is not fed.
     """
     fed_ops = {t.op for t in feeds}
-    seen, stack, found = set(), [t.op for t in targets], []
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
+    seen, found = [], []
+    for op in _ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__):
+        seen.append(op)
         if op in fed_ops:
             found.append(op)
             continue
-        if op.type in _UNREPLAYABLE_TYPES and op.type != "PlaceholderWithDefault":
+        # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
+        if op.type in _ops.BATCH_OP_TYPES and op.type != "PlaceholderWithDefault":
             raise AutopsyError(
                 f"the step reads {op.name} ({op.type}), which was not kept, so "
                 "it cannot be replayed without taking a new batch"
             )
-        stack.extend(t.op for t in op.inputs)
         if op._control_flow_context is None and any(  # pylint: disable=protected-access
             _is_float(t) for t in op.outputs
         ):
@@ -682,22 +676,24 @@ def autopsy_bad_step(
 def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
     """The tensors through which the targets read variables (what the step's weights are)."""
     fed_ops = {t.op for t in feeds}
-    seen, stack, reads = set(), [t.op for t in targets], []
-    while stack:
-        op = stack.pop()
-        if op in seen or op in fed_ops:
-            continue
-        seen.add(op)
-        if op._control_flow_context is None and (  # pylint: disable=protected-access
-            op.type in _VARIABLE_READ_TYPES
-            or (op.type == "Identity" and op.inputs and op.inputs[0].dtype._is_ref_dtype)
-        ):
-            # A resource variable's read, or a reference variable's "read" Identity (a
-            # reference tensor cannot be fed).
+
+    def stop(op) -> bool:
+        return op in fed_ops or _is_variable_read(op)
+
+    reads = []
+    for op in _ops.walk([t.op for t in targets], control=False, stop=stop):
+        if op not in fed_ops and _is_variable_read(op):
             reads += [t for t in op.outputs if _is_float(t)]
-            continue
-        stack.extend(t.op for t in op.inputs)
     return sorted(reads, key=lambda t: t.name)
+
+
+def _is_variable_read(op) -> bool:
+    """A resource variable's read, or a reference variable's "read" Identity (a reference
+    tensor cannot be fed), outside any control-flow context."""
+    return op._control_flow_context is None and (  # pylint: disable=protected-access
+        op.type in _VARIABLE_READ_TYPES
+        or (op.type == "Identity" and bool(op.inputs) and op.inputs[0].dtype._is_ref_dtype)
+    )
 
 
 def run_autopsy(

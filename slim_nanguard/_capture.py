@@ -23,9 +23,6 @@ from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _ops
 
-# Ops whose outputs are a batch: fed placeholders and the ops that fetch the next batch.
-PLACEHOLDER_TYPES = _ops.PLACEHOLDER_TYPES
-INPUT_OP_TYPES = _ops.INPUT_OP_TYPES
 _UNKEPT_DTYPES = (tf.resource, tf.variant)
 
 

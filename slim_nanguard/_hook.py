@@ -55,11 +55,11 @@ import tensorflow as tf
 from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _gating
 from slim_nanguard import _guard
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _policy
-from slim_nanguard import _train_op
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Listener
@@ -183,7 +183,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                     {"ok": guard.ok, "loss": guard.train_op}
                 )
         # Writes built after the train op that wait on it (an EMA chained after it).
-        _train_op.gate_writes_after(guard)
+        _gating.gate_writes_after(guard)
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)

@@ -1,14 +1,18 @@
-"""The op types the guard recognises in a graph: one definition for every module.
+"""The graph vocabulary of the guard: which op types mean what, and the one walk over a graph.
 
 `Guard` runs the input ops to skip batches after a rollback, `_capture` keeps the outputs of
 placeholders and input ops on a bad step, and the autopsy calls a non-finite value made there
-"the batch itself" and does not replay past them. `RunsOp` tells the runs of a train op from
-the session's other runs (a hook adds nothing to those).
+"the batch itself" and does not replay past them. `is_write` names the ops that write a
+variable (what the gate holds back), `source` sees through the ops a cond, a while loop or a
+function body pass a tensor through, and `walk` is the one traversal every module uses (the
+ancestors of a test, the writes after a train op, the batch of a loss, the ops a replay
+checks). `RunsOp` tells the runs of a train op from the session's other runs (a hook adds
+nothing to those).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -36,6 +40,75 @@ PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithD
 BATCH_OP_TYPES = PLACEHOLDER_TYPES | INPUT_OP_TYPES
 
 
+# Prefixes of the op types that write to a variable.
+_WRITE_OP_PREFIXES = (
+    "Assign",
+    "Apply",
+    "ResourceApply",
+    "SparseApply",
+    "ResourceSparseApply",
+    "Scatter",
+    "ResourceScatter",
+    "StridedSliceAssign",
+    "ResourceStridedSliceAssign",
+)
+
+# Ops that pass a tensor through unchanged: into a TF1 tf.cond (Switch) or while loop (Enter).
+_PASS_THROUGH_TYPES = ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter", "RefEnter")
+
+
+def is_write(op: tf.Operation) -> bool:
+    """Whether `op` writes a variable (an assignment, an optimizer's apply, a scatter)."""
+    return op.type.startswith(_WRITE_OP_PREFIXES)
+
+
+def walk(
+    roots: Iterable[tf.Operation],
+    *,
+    forward: bool = False,
+    control: bool = True,
+    stop: Optional[Callable[[tf.Operation], bool]] = None,
+) -> Iterator[tf.Operation]:
+    """Each op reachable from `roots`, once, depth first (`roots` included).
+
+    Backward (the default), an op leads to the ops of its inputs and, when `control`, to its
+    control inputs; forward, to the consumers of its outputs and, when `control`, to the ops
+    that wait on it. An op is yielded before the walk looks past it, so the caller may raise
+    on it; the walk does not look past an op for which `stop` is true.
+
+    Args:
+      roots: The ops to start from.
+      forward: Whether to walk towards the ops that use an op instead of those it uses.
+      control: Whether control edges count as edges.
+      stop: The ops not to look past (a placeholder, an input op, a fed op).
+
+    Yields:
+      The ops, in the order the walk meets them.
+    """
+    seen, stack = set(), list(roots)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        yield op
+        if stop is not None and stop(op):
+            continue
+        if forward:
+            stack.extend(c for t in op.outputs for c in t.consumers())
+            if control:
+                stack.extend(op._control_outputs)  # pylint: disable=protected-access
+        else:
+            stack.extend(t.op for t in op.inputs)
+            if control:
+                stack.extend(op.control_inputs)
+
+
+def ancestors(roots: Iterable[tf.Operation]) -> set:
+    """`roots` and every op they depend on, through data and control edges."""
+    return set(walk(roots))
+
+
 def sources(
     roots: Iterable[tf.Operation], types: frozenset, *, control_inputs: bool = True
 ) -> List[tf.Operation]:
@@ -52,19 +125,40 @@ def sources(
     Returns:
       The ops found, in the order the walk met them.
     """
-    found, seen, stack = [], set(), list(roots)
-    while stack:
-        op = stack.pop()
-        if op in seen:
+
+    def of_types(op: tf.Operation) -> bool:
+        return op.type in types
+
+    return list(filter(of_types, walk(roots, control=control_inputs, stop=of_types)))
+
+
+def source(tensor: tf.Tensor) -> tf.Tensor:
+    """What `tensor` passes on: through the ``Switch`` or ``Enter`` of a TF1 tf.cond or while
+    loop and through ``Identity`` ops, and out of a function body (control flow v2) to the
+    tensor it captured; `tensor` itself when it is none of those."""
+    while True:
+        if tensor.op.type in _PASS_THROUGH_TYPES:
+            tensor = tensor.op.inputs[0]
             continue
-        seen.add(op)
-        if op.type in types:
-            found.append(op)
-            continue
-        stack.extend(t.op for t in op.inputs)
-        if control_inputs:
-            stack.extend(op.control_inputs)
-    return found
+        captured = {id(inner): outer for outer, inner in getattr(tensor.graph, "captures", ())}
+        if id(tensor) not in captured:
+            return tensor
+        tensor = captured[id(tensor)]
+
+
+def as_op(item) -> Optional[tf.Operation]:
+    """The op of `item` (an op, a tensor, a variable), or None for anything else."""
+    if isinstance(item, tf.Operation):
+        return item
+    op = getattr(item, "op", None)
+    return op if isinstance(op, tf.Operation) else None
+
+
+def control_flow_contexts(context) -> Iterator:
+    """`context` (a TF1 control-flow context, or None) and each one it sits in."""
+    while context is not None:
+        yield context
+        context = context.outer_context
 
 
 class RunsOp:
@@ -102,21 +196,12 @@ class RunsOp:
                     item = self._graph.as_graph_element(item)
                 except (KeyError, TypeError, ValueError):
                     continue  # Not in the graph: session.run raises its own error.
-            op = item if isinstance(item, tf.Operation) else getattr(item, "op", None)
-            if isinstance(op, tf.Operation):
+            op = as_op(item)
+            if op is not None:
                 roots.append(op)
         key = tuple(op.name for op in roots)
         if key not in self._answers:
-            found, seen, stack = False, set(), roots
-            while stack and not found:
-                op = stack.pop()
-                if op in seen:
-                    continue
-                seen.add(op)
-                found = op in self._targets
-                stack.extend(t.op for t in op.inputs)
-                stack.extend(op.control_inputs)
-            self._answers[key] = found
+            self._answers[key] = any(op in self._targets for op in walk(roots))
         return self._answers[key]
 
 

@@ -1,0 +1,368 @@
+"""The per-step test: whether a step's loss and gradients are all finite, built once.
+
+Both modes build the same test (`StepTest`): one vector of the loss and the sum of each
+gradient, the exact verdict of `_verdict` on it (element-wise only when a sum is not
+finite), and, with a dynamic loss-scale optimizer, the overflow test. Then each mode puts it
+in front of the writes its own way (`build_gate`):
+
+* check_numerics mode: a `tf.debugging.check_numerics` op on the verdict, which the writes
+  wait on; a bad step raises before any of them runs. The sums are stored on every step
+  before the check raises; the forward pass's writes are put back, and the batch kept for
+  the autopsy, before it raises too.
+* hook mode: a ``Switch`` on the verdict; the writes wait on its taken side (the pivot), and
+  only the untaken side, live on a bad step, stores the sums, puts the forward pass's writes
+  back, keeps the batch and checks that something judges the step (`Guard.mark_judged`).
+  The hook fetches one boolean (``ok``) per step.
+
+The result is a `Gate`: what the writes wait on (`_gating`), what the hook fetches, and the
+branch that yields the loss on a bad step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_ops
+
+from slim_nanguard import _capture
+from slim_nanguard import _errors
+from slim_nanguard import _policy
+from slim_nanguard import _verdict
+from slim_nanguard._gating import ForwardWrites
+from slim_nanguard._types import Mode
+
+
+class StepTest:
+    """The finiteness test of one train op, the same for both modes.
+
+    Attributes:
+      present: The (gradient, variable) pairs that have a gradient, in order.
+      grad_sums: Vector: the loss, then the sum of each gradient of `present`.
+      kinds: Int32 variable: what each of the loss and the gradients held (`_verdict` kind
+        codes), stored on a step whose fast test failed.
+      verdict: The exact `_verdict.Verdict` over the loss and the gradients.
+      scaler: The `_OverflowTest` of a dynamic loss-scale optimizer, or None.
+      kept: What a bad step stores for the hook to read: `grad_sums`, and with a loss scale
+        the scale of the step after them.
+      diagnostics: The variable `kept` is stored in.
+    """
+
+    def __init__(self, loss: tf.Tensor, grads_and_vars, loss_scale=None):
+        """Builds the test in the current name scope.
+
+        Args:
+          loss: The total loss.
+          grads_and_vars: The (gradient, variable) pairs the train op applies.
+          loss_scale: The `DynamicLossScale` of a loss-scale optimizer (`dynamic_loss_scale`),
+            or None.
+        """
+        graph = loss.graph
+        self.present = [(g, v) for g, v in grads_and_vars if g is not None]
+        self.grad_sums = _gradient_sums(loss, [g for g, _ in self.present])
+        # What each of the loss and the gradients held, stored when the sums' fast test
+        # fails (exact: a finite value is never called NaN or Inf). Like the variable of
+        # the sums below: in no collection, only read after a write.
+        with _capture.guard_variable_scope(graph, self.grad_sums):
+            self.kinds = tf.compat.v1.Variable(
+                tf.zeros([len(self.present) + 1], tf.int32),
+                trainable=False,
+                collections=[],
+                use_resource=True,
+                name="value_kinds",
+            )
+        self.verdict = _verdict.Verdict(
+            [loss] + [g for g, _ in self.present], self.grad_sums, self.kinds
+        )
+        self.kept, self.scaler = self.grad_sums, None
+        if loss_scale is not None:
+            self.scaler = _OverflowTest(self.grad_sums, loss_scale, self.verdict)
+            self.kept = self.scaler.sums_and_scale
+        # The sums are kept for the step that needs them, so that the culprits can be
+        # named afterwards. The variable is in no collection: it is neither saved in
+        # checkpoints nor initialised (it is only read after a write).
+        # Made outside any loop the train op is built in, and on this worker: a
+        # replica_device_setter would put it on the ps, shared by all workers.
+        with _capture.guard_variable_scope(graph, self.grad_sums):
+            self.diagnostics = tf.compat.v1.Variable(
+                tf.zeros(self.kept.shape, self.kept.dtype),
+                trainable=False,
+                collections=[],
+                use_resource=True,
+                name="gradient_sums",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """The test, put in front of the writes of one mode.
+
+    Attributes:
+      mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
+      gate: What every write waits on: the check op's output (check_numerics mode) or the
+        pivot, live on a good step only (hook mode). With a loss-scale optimizer, open on an
+        overflow step too: the scale's writes wait on it alone.
+      finite_gate: With a loss-scale optimizer, open on a finite step only: every write but
+        the scale's waits on it too. Else None.
+      ok: The boolean the hook fetches (True on a finite step), or None.
+      bad_done: Live on a step that is not finite (after the bad branch's work), or None: the
+        train op yields the loss through it.
+      check_op_name: The name of the check op (check_numerics mode), or None.
+      judged: Hook mode's variable that the loop judging the session initialises, or None.
+      capture: The batch a bad step keeps, for the autopsy.
+    """
+
+    mode: Mode
+    gate: tf.Tensor
+    capture: _capture.Capture
+    finite_gate: Optional[tf.Tensor] = None
+    ok: Optional[tf.Tensor] = None
+    bad_done: Optional[tf.Tensor] = None
+    check_op_name: Optional[str] = None
+    judged: Optional[tf.Variable] = None
+
+    @property
+    def pivot(self) -> Optional[tf.Tensor]:
+        """What a write built after the train op must wait on (`_gating.gate_writes_after`).
+
+        Hook mode's pivot; with a loss-scale optimizer, the finite gate (in both modes: an
+        overflow step does not raise). None in check_numerics mode otherwise.
+        """
+        if self.finite_gate is not None:
+            return self.finite_gate
+        return self.gate if self.mode == Mode.HOOK else None
+
+    def loss_after(self, loss: tf.Tensor, writes: Sequence) -> tf.Tensor:
+        """The train op: `loss`, once `writes` ran (a good step) or the bad branch did."""
+        with tf.name_scope("train_op"):
+            extra = [self.finite_gate] if self.finite_gate is not None else []
+            with tf.control_dependencies(list(writes) + extra):
+                done = tf.identity(self.gate)
+            if self.bad_done is not None:
+                done, _ = control_flow_ops.merge([done, self.bad_done])
+            with tf.control_dependencies([done]):
+                return tf.identity(loss, name="total_loss")
+
+
+def build_gate(
+    test: StepTest,
+    config: _policy.GuardConfig,
+    *,
+    check_numerics: bool,
+    forward: ForwardWrites,
+    loss: tf.Tensor,
+    autopsy: bool,
+) -> Gate:
+    """Puts `test` in front of the writes, in the mode `check_numerics` picks.
+
+    Args:
+      test: The step's test.
+      config: The guard's config (its policy names what to add in the error of a bad step
+        nothing judges).
+      check_numerics: True for check_numerics mode, False for hook mode.
+      forward: The forward pass's writes, put back on a bad step.
+      loss: The total loss (its batch is kept for the autopsy).
+      autopsy: Whether to keep a bad step's batch.
+    """
+    build = _check_numerics_gate if check_numerics else _hook_gate
+    gate = build(test, config, forward, loss, autopsy)
+    if test.scaler is None:
+        return gate
+    pivot, finite_gate, ok, bad_done = test.scaler.gates(gate.gate, gate.ok, gate.bad_done)
+    return dataclasses.replace(gate, gate=pivot, finite_gate=finite_gate, ok=ok, bad_done=bad_done)
+
+
+def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
+    """Check_numerics mode: a check op the writes wait on; a bad step raises there."""
+    # Stored on every step, before the check raises.
+    ready = [test.diagnostics.assign(test.kept, read_value=False)]
+    if forward.snapshots:  # Put back before the check raises.
+        ok = test.verdict.ok
+        untaken, taken = control_flow_ops.switch(ok, ok)
+        with tf.control_dependencies(forward.put_back(ok)):
+            restored_done = tf.identity(untaken)
+        ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
+    # The batch, kept on a bad step only (for the autopsy): the check waits on a merge of a
+    # good-step no-op and the bad step's stores.
+    capture = _capture.keep_batch(loss, test.verdict.ok, enabled=autopsy)
+    with tf.control_dependencies(ready + capture.control_inputs):
+        check = tf.debugging.check_numerics(
+            test.verdict.checked if test.scaler is None else test.scaler.unless_overflow,
+            _unhandled_message(config, hook_mode=False),
+        )
+    return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
+
+
+def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
+    """Hook mode: a switch whose taken side the writes wait on; the other is the bad step's."""
+    ok = test.verdict.ok
+    untaken, taken = control_flow_ops.switch(ok, ok)
+    # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A control edge
+    # straight from a Switch does not carry deadness; from an Identity of its output it does,
+    # which is how tf.cond gates its branches.)
+    pivot = tf.identity(taken, name="pivot")
+    # The other side runs on a bad step only: it stores the sums there, so that a good step
+    # costs the hook one boolean fetch.
+    bad_sums, _ = control_flow_ops.switch(test.kept, ok)
+    store = test.diagnostics.assign(bad_sums, read_value=False)
+    # Whatever applies the policy initialises `judged` in its session, once
+    # (Guard.mark_judged: nothing to feed, no cost per step). A bad step in a session where it
+    # is not (no hook: tf_slim.learning.train, a plain session.run loop) fails here, naming
+    # what to add, instead of being skipped unseen. The variable is in no collection: no
+    # initializer, Saver or readiness check touches it. Both tests wait on the bad branch, so
+    # they run on bad steps only.
+    with _capture.guard_variable_scope(loss.graph, test.grad_sums):
+        judged = tf.compat.v1.Variable(
+            True, trainable=False, collections=[], use_resource=True, name="judged"
+        )
+    bad_pivot = tf.identity(untaken)
+    with tf.control_dependencies([bad_pivot]):
+        is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
+    passes = tf.logical_or(is_judged, bad_pivot)
+    if test.scaler is not None:  # An overflow is the loss scale's business: it passes.
+        passes = tf.logical_or(passes, test.scaler.overflow)
+    unjudged = tf.debugging.Assert(
+        passes, [_unhandled_message(config, hook_mode=True)], name="unjudged"
+    )
+    # The batch too, for the autopsy, on the same bad branch.
+    capture = _capture.keep_batch(loss, ok, merge=False, enabled=autopsy)
+    with tf.control_dependencies([store, unjudged] + list(capture.stores) + forward.put_back(ok)):
+        bad_done = tf.identity(untaken)
+    # What the hook fetches: `ok`, through the store on a bad step, so the sums are there to
+    # read even after a run that did not fetch the train op.
+    ok, _ = control_flow_ops.merge([pivot, bad_done], name="all_finite_checked")
+    return Gate(Mode.HOOK, pivot, capture, ok=ok, bad_done=bad_done, judged=judged)
+
+
+def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.DynamicLossScale]:
+    """The `DynamicLossScale` of a loss-scale optimizer, or None.
+
+    A loss-scale optimizer (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`)
+    wraps an inner optimizer and has a loss scale. Only a dynamic one skips the update of an
+    overflow step and lowers the scale; a fixed scale is a constant factor, and an overflow
+    under it is a bad step like any other.
+    """
+    loss_scale = getattr(optimizer, "_loss_scale", None)
+    if hasattr(optimizer, "_optimizer") and isinstance(
+        loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale
+    ):
+        return loss_scale
+    return None
+
+
+def loss_scale_variables(loss_scale) -> list:
+    """The variables a loss scale updates (the current scale and its count of good steps)."""
+    return list(getattr(loss_scale, "_weights", {}).values())
+
+
+def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
+    """One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is)."""
+    wide = any(g.dtype.base_dtype == tf.float64 for g in grads) or loss.dtype == tf.float64
+    dtype = tf.float64 if wide else tf.float32
+    parts = [tf.cast(loss, dtype)]
+    for g in grads:
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        if values.dtype.base_dtype != dtype:
+            # Half-precision sums overflow long before the gradient does: widen first.
+            values = tf.cast(values, dtype)
+        parts.append(tf.reduce_sum(values))
+    return tf.stack(parts, name="gradient_sums")
+
+
+class _OverflowTest:
+    """The finiteness test of a train op whose optimizer scales the loss dynamically.
+
+    A step is one of three kinds:
+
+    * finite (loss and every gradient): every write runs;
+    * an overflow: the loss (the user's, unscaled) is finite, a gradient is not, and the loss
+      scale is above its floor. The optimizer skips the update and lowers the scale, so the
+      scale's writes run and no other;
+    * bad: any other non-finite step (a non-finite loss, or an overflow at the floor, where
+      lowering the scale cannot help). No write runs.
+
+    Attributes:
+      floor: The smallest loss scale (`DynamicLossScale` never goes below 1).
+      sums_and_scale: The loss, the sum of each gradient, then the loss scale of the step:
+        what the guard keeps for the hook to read.
+      finite: Scalar bool, the loss and all gradients finite.
+      overflow: Scalar bool, an overflow step.
+      unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
+    """
+
+    floor = 1.0
+
+    def __init__(self, grad_sums: tf.Tensor, loss_scale, verdict: _verdict.Verdict):
+        # The scale this step multiplied the loss by. The scale's writes wait on this test.
+        scale = tf.cast(loss_scale(), grad_sums.dtype)
+        self.sums_and_scale = tf.concat(
+            [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
+        )
+        self.finite = verdict.ok
+        self.overflow = tf.logical_and(
+            tf.logical_not(self.finite),
+            tf.logical_and(tf.math.is_finite(grad_sums[0]), scale > self.floor),
+            name="loss_scale_overflow",
+        )
+        checked = verdict.checked
+        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(checked), checked)
+
+    def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
+        """Returns ``(gate, finite_gate, ok, bad_done)`` for a loss-scaled train op.
+
+        ``gate`` is open unless the step is bad (the scale's writes wait on it), and
+        ``finite_gate`` only on a finite step (every other write waits on it too). ``ok`` is
+        what the hook fetches (False on an overflow step as on a bad one), and ``bad_done`` is
+        live when the step is not finite, so the train op yields the loss on an overflow step.
+
+        Args:
+          gate: The mode's gate: the check op (check_numerics mode, which lets an overflow
+            step through, see `unless_overflow`), or hook mode's pivot, open on finite steps.
+          ok: Hook mode's fetched boolean, or None in check_numerics mode.
+          bad_done: Hook mode's bad-branch marker, or None.
+        """
+        if ok is None:  # check_numerics mode
+            untaken, taken = control_flow_ops.switch(self.finite, self.finite)
+            finite_gate = tf.identity(taken, name="finite_pivot")
+            ok, _ = control_flow_ops.merge(
+                [finite_gate, tf.identity(untaken)], name="all_finite_checked"
+            )
+            # The check's output, live past the check on a step that is not finite.
+            overflow_done, _ = control_flow_ops.switch(gate, self.finite, name="overflow_done")
+            return gate, finite_gate, ok, overflow_done
+        writable = tf.logical_or(self.finite, self.overflow)
+        _, taken = control_flow_ops.switch(writable, writable)
+        return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
+
+
+def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
+    """The error a bad step raises when no loop applies the policy (it names what to add).
+
+    In check_numerics mode every bad step raises it, caught or not, and TensorFlow's runtime
+    logs it too ("Local rendezvous is aborting with status: ..."), so the advice says that it
+    holds for an error nothing caught; `_errors.caught_numerics_error` rewrites it for the
+    cause of a `NanLossError` raised after the policy was applied.
+    """
+    rollback = config.needs_checkpoint_dir
+    step_fn = "slim_nanguard.make_train_step(logdir)" if rollback else "slim_nanguard.train_step"
+    hook = (
+        "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)"
+        if rollback
+        else "slim_nanguard.nan_hook(train_op)"
+    )
+    if hook_mode:
+        return (
+            f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
+            f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
+            f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
+            f"with tf_slim.learning.train pass train_step_fn={step_fn}"
+        )
+    return (
+        f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). "
+        f"{_errors.UNCAUGHT} nan_policy={config.nan_policy!r}: with "
+        f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
+        "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
+        f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
+        "with slim_nanguard.train"
+    )

@@ -1,0 +1,488 @@
+"""The gating of writes: every variable write a train op makes waits on the step's test.
+
+What a bad step must not change, and how each kind of write is held back:
+
+* the optimizer's update (weights, slots and accumulators, ``global_step``): every write op
+  ``apply_gradients`` builds gets the gate as a control input (`apply_gradients`);
+* the writes the ``update_ops`` run (batch-norm moving statistics): the same edge, added to
+  the user's ops already built, leaving out what the test itself needs (`apply_gradients`);
+* with a dynamic loss-scale optimizer: the scale's own update waits on the gate, which an
+  overflow step opens; every other write also waits on the finite gate, which it does not;
+* writes the forward pass makes before the test (``slim.batch_norm`` with
+  ``updates_collections=None``) cannot wait on it: each waits on a copy of its variable's
+  value, which a bad step writes back (`snapshot_forward_writes`, `ForwardWrites.put_back`);
+* hook mode: writes built later under ``tf.control_dependencies([train_op])`` (an EMA of the
+  weights), gated when the hook begins (`gate_writes_after`);
+* `SyncReplicasOptimizer` (a ps/worker cluster, see `_cluster`): only the worker's
+  accumulator applies wait on the test, and the chief's write of the aggregated gradient
+  waits on a check of its own (`apply_sync_replicas`).
+
+The edges are added with TensorFlow's private ``Operation._add_control_input``: the ops are
+already built (by the optimizer, or by the user), and no public API adds an input to one.
+
+`SyncReplicasOptimizer` splits a step in two, and only the first half is a worker's::
+
+    worker (the train op):   accumulate(grad, local_step) for each variable   # gated
+                             token = token_queue.dequeue()                     # after them
+                             local_step = token
+    chief (a queue runner):  aggregated = take_grad(replicas_to_aggregate)     # blocks
+                             check(aggregated) -> apply(aggregated); global_step += 1
+                             token_queue.enqueue_many(global_step x tokens_per_step)
+
+`apply_sync_replicas` builds it with no control dependency on the guard's test: the
+optimizer's init ops, its ready check and the chief's queue runner do not depend on the test
+or on the input, so no run but the train op takes a batch. Only the accumulators' apply ops
+wait on the test; the token dequeue waits on them, so on a bad step the worker accumulates
+nothing and takes no token. The aggregated update waits on a check of its own (placed with
+the global step): the mean of finite gradients is non-finite only when it overflows, and then
+the chief's queue runner stops with that check's error and nothing is written. What a skip
+means for the token queue and for stale gradients: see `_cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_ops
+
+from slim_nanguard import _log as logging
+from slim_nanguard import _ops
+from slim_nanguard import _verdict
+
+if TYPE_CHECKING:
+    from slim_nanguard import _guard
+
+
+def apply_gradients(
+    optimizer: tf.compat.v1.train.Optimizer,
+    grads_and_vars,
+    global_step,
+    gate: tf.Tensor,
+    *,
+    update_ops: Sequence = (),
+    restored: frozenset = frozenset(),
+    finite_gate: Optional[tf.Tensor] = None,
+    unless_bad: Iterable[tf.Variable] = (),
+) -> tf.Operation:
+    """``optimizer.apply_gradients``, with every write it and the `update_ops` make gated.
+
+    Args:
+      optimizer: The optimizer (a `SyncReplicasOptimizer` too, see `apply_sync_replicas`).
+      grads_and_vars: The (gradient, variable) pairs.
+      global_step: The global step variable, or None.
+      gate: The test every write waits on: its op must run (hook mode: be live).
+      update_ops: The update ops; the writes they run wait on `gate` (`_gate_update_ops`).
+      restored: The forward-pass writes a bad step puts back (`ForwardWrites.restored`).
+      finite_gate: With a dynamic loss-scale optimizer, the gate open on finite steps only:
+        every write but those of `unless_bad` waits on it too.
+      unless_bad: The loss scale's variables, whose writes run on an overflow step.
+
+    Returns:
+      The optimizer's update op.
+    """
+    graph = gate.graph
+    if is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
+        grad_updates, gated = apply_sync_replicas(optimizer, grads_and_vars, global_step, gate)
+        new_ops = []
+    else:
+        first_new_op = len(graph.get_operations())
+        with tf.control_dependencies([gate]):
+            grad_updates = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+        new_ops = graph.get_operations()[first_new_op:]
+        gated = _gate_writes(graph, new_ops, gate)
+    gated_updates = _gate_update_ops(update_ops, gate, restored)
+    gated += gated_updates
+    if finite_gate is not None:
+        # The loss scale's own update runs on an overflow step; every other write does not.
+        scale_ops = {v.op for v in unless_bad}
+        _gate_writes(
+            graph, [op for op in new_ops if _written_variable(op) not in scale_ops], finite_gate
+        )
+        for op in gated_updates:
+            op._add_control_input(finite_gate.op)  # pylint: disable=protected-access
+    logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test", len(gated))
+    return grad_updates
+
+
+def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tensor) -> list:
+    """Makes every variable write among `new_ops` wait on `gate`.
+
+    `apply_gradients` runs under ``control_dependencies([gate])``, but TensorFlow drops that
+    edge from ops that already consume an op made in the block, and graph rewrites may fold
+    such producers away. An explicit edge on each write keeps the gate whatever the optimizer.
+    Variable initialisers (of slots made on the fly) are left alone.
+    """
+    initializers = {v.initializer for v in _variables(graph)}
+    gated = []
+    for op in new_ops:
+        if _ops.is_write(op) and op not in initializers and gate.op not in op.control_inputs:
+            op._add_control_input(gate.op)  # pylint: disable=protected-access
+            gated.append(op)
+    return gated
+
+
+def _gate_update_ops(
+    update_ops: Sequence, gate: tf.Tensor, restored: frozenset = frozenset()
+) -> list:
+    """Makes the variable writes that `update_ops` run wait on `gate`.
+
+    The writes are found by walking back from each update op, leaving out everything the
+    finiteness test itself needs (the forward pass), which must run before it; those are
+    put back on a bad step when they are among `restored`.
+
+    What it changes for the caller: a write an update op runs now waits on the finiteness
+    test, so fetching that update op alone (outside the train op) also runs the forward and
+    backward pass.
+    """
+    roots = [op for op in (_ops.as_op(u) for u in update_ops) if op is not None]
+    if not roots:
+        return []
+    needed_by_gate = _ops.ancestors([gate.op])
+    gated = []
+    for op in _ops.ancestors(roots) - needed_by_gate:
+        if _ops.is_write(op) and gate.op not in op.control_inputs:
+            op._add_control_input(gate.op)  # pylint: disable=protected-access
+            gated.append(op)
+    for op in roots:
+        if op in needed_by_gate and any(
+            _ops.is_write(w) and w not in restored for w in _ops.walk([op])
+        ):
+            logging.warning(
+                "slim_nanguard: update op %s feeds the loss, so it runs before the "
+                "finiteness test and cannot be rolled back on a bad step.",
+                op.name,
+            )
+    return gated
+
+
+def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
+    """The variable op (or handle op) a write op writes to, through cond's Switch ops."""
+    return _ops.source(op.inputs[0]).op if op.inputs else None
+
+
+def _variables(graph: tf.Graph) -> List[tf.Variable]:
+    """The graph's global and local variables."""
+    return graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
+        tf.compat.v1.GraphKeys.LOCAL_VARIABLES
+    )
+
+
+# ------------------------------------------------------------------------- after the train op
+
+
+def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
+    """Hook mode: gates the variable writes built after the train op that wait on it.
+
+    The train op yields the loss on a bad step too (the hook and the caller see it), so an op
+    made under ``tf.control_dependencies([train_op])``, such as an `ExponentialMovingAverage`
+    of the weights in the pattern of its docstring, would still run. Each variable write
+    downstream of the train op gets the pivot of the finiteness test as a control input, so
+    it is skipped on a bad step, as the train op's own writes are. So is whatever waits on
+    such a write: on a bad step, fetch the train op (or run the op as a target); a tensor
+    computed after the write has no value then. `NanLossHook.begin` calls this, before the
+    graph is finalized; calling it again gates only what was built since.
+
+    This edits ops already built with TensorFlow's private ``Operation._add_control_input``
+    (there is no public way to add an input to an existing op): each write gains a control
+    input on the pivot, so a run that fetches that write alone now also runs the forward and
+    backward pass and the finiteness test.
+
+    Args:
+      guard: The guard of a train op made by `create_train_op`.
+
+    Returns:
+      The write ops gated by this call. In hook mode they wait on the hook-mode pivot. In
+      check_numerics mode a bad step raises before anything after the train op can run, so
+      there is nothing to gate, except with a dynamic loss-scale optimizer: an overflow step
+      does not raise, and the writes wait on the gate that lets only the loss scale's own
+      update run on it.
+    """
+    pivot = guard.pivot
+    if pivot is None:
+        return []
+    writes = [
+        op
+        for op in _ops.walk([guard.train_op.op], forward=True)
+        if _ops.is_write(op) and pivot.op not in op.control_inputs
+    ]
+    if writes and guard.train_op.graph.finalized:
+        logging.warning(
+            "slim_nanguard: %s write variables after %s, but the graph is "
+            "finalized, so they also run on a bad step; do not finalize the graph "
+            "before the session whose NanLossHook begins on it is made.",
+            ", ".join(op.name for op in writes),
+            guard.train_op.name,
+        )
+        return []
+    gated = []
+    for op in writes:
+        op._add_control_input(pivot.op)  # pylint: disable=protected-access
+        gated.append(op)
+    if gated:
+        logging.vlog(
+            1,
+            "slim_nanguard: %d variable writes after %s wait on its finiteness test",
+            len(gated),
+            guard.train_op.name,
+        )
+    return gated
+
+
+# ---------------------------------------------------------------------- in the forward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardWrites:
+    """The writes the loss or the gradients wait on, and the copies that undo them.
+
+    Attributes:
+      snapshots: (variable, its value before the step's writes) pairs.
+      restored: The write ops whose variable a bad step puts back.
+    """
+
+    snapshots: Tuple[Tuple[tf.Variable, tf.Tensor], ...] = ()
+    restored: frozenset = frozenset()
+
+    def put_back(self, ok: tf.Tensor) -> List[tf.Operation]:
+        """The writes that put each snapshot back; they run only when `ok` is False.
+
+        Built on the TF1 ``Switch`` of the private ``control_flow_ops`` module, as the train
+        op's gate is: an op fed by the untaken side of a ``Switch`` is dead, so skipped, in
+        the same run; `tf.cond` would build functions (control flow v2) that no control edge
+        from outside can gate this way.
+        """
+        restores = []
+        for variable, value in self.snapshots:
+            bad_value, _ = control_flow_ops.switch(value, ok)
+            restores.append(variable.assign(bad_value, read_value=False))
+        return restores
+
+
+def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
+    """Takes each variable's value before the writes the loss or the gradients wait on.
+
+    Such a write (a moving average that slim.batch_norm with ``updates_collections=None``
+    updates inside the forward pass) runs before the finiteness test, so it cannot be gated;
+    instead it is made to wait on a copy of its variable's value, which a bad step puts back.
+    The wait is a control input added with TensorFlow's private
+    ``Operation._add_control_input`` (the write is the user's, already built): the write
+    then also runs the copy, which is all it changes.
+
+    Returns:
+      The snapshots and the write ops they cover. A write whose variable is not in the
+      graph's variable collections (or that sits in a loop body of its own) is logged as one
+      that cannot be undone.
+    """
+    variables = {}
+    for v in _variables(graph):
+        variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
+    by_variable = _forward_writes(graph, grad_sums, variables)
+    if by_variable is None:
+        return ForwardWrites()
+    snapshots, restored = [], set()
+    with tf.name_scope("snapshots"):
+        for variable_op, ops in by_variable.items():
+            variable = variables[variable_op]
+            # A copy: a write in place (a ref variable) must not change it.
+            value = tf.raw_ops.DeepCopy(x=variable.value())
+            for op in ops:
+                op._add_control_input(value.op)  # pylint: disable=protected-access
+            snapshots.append((variable, value))
+            restored.update(ops)
+    return ForwardWrites(tuple(snapshots), frozenset(restored))
+
+
+def _forward_writes(
+    graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
+) -> Optional[Dict[tf.Operation, List[tf.Operation]]]:
+    """The writes `grad_sums` waits on that a snapshot can undo, by variable op.
+
+    None when it waits on no write at all. A functional tf.cond or while loop (control flow
+    v2: slim.batch_norm with a tensor is_training) writes in a body of its own: the op that
+    calls the body stands for its writes.
+    """
+    initializers = {v.initializer for v in _variables(graph)}
+    ancestors = _ops.ancestors([grad_sums.op])
+    writes = sorted(
+        (op for op in ancestors if _ops.is_write(op) and op not in initializers),
+        key=lambda op: op.name,
+    )
+    calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
+    calls = {op: handles for op, handles in calls.items() if handles}
+    if not writes and not calls:
+        return None
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
+    for op in writes:
+        variable = variables.get(_ops.source(op.inputs[0]).op) if op.inputs else None
+        why = _why_not_undone(op, variable, context)
+        if why:
+            logging.warning(
+                "slim_nanguard: %s writes %s in the forward pass, before the "
+                "finiteness test, and cannot be undone on a bad step (%s), or "
+                "make it an update op the loss does not wait on.",
+                op.name,
+                op.inputs[0].op.name if op.inputs else "a variable",
+                why,
+            )
+            continue
+        by_variable.setdefault(variable.op, []).append(op)
+    for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
+        for handle in handles:
+            variable = variables.get(handle.op)
+            if variable is None:
+                logging.warning(
+                    "slim_nanguard: %s writes %s in the forward pass, before the "
+                    "finiteness test, and cannot be undone on a bad step (the "
+                    "variable is in no variable collection).",
+                    op.name,
+                    handle.op.name,
+                )
+            elif op not in by_variable.setdefault(variable.op, []):
+                by_variable[variable.op].append(op)
+    return by_variable
+
+
+def _why_not_undone(op: tf.Operation, variable: Optional[tf.Variable], context) -> str:
+    """Why a snapshot cannot undo the forward-pass write `op` ("" when it can)."""
+    write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+    if write_context is not context and any(
+        c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
+    ):
+        return "it sits in a loop body of its own"
+    if variable is None:
+        return (
+            "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+            "LOCAL_VARIABLES"
+        )
+    return ""
+
+
+def _body_graphs(op: tf.Operation) -> list:
+    """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
+    return [
+        g
+        for g in (
+            getattr(op, attr, None)
+            for attr in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
+        )
+        if g is not None
+    ]
+
+
+def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
+    """The resource handles (inputs of `op`) that a write in one of its bodies writes."""
+    offset = 1 if op.type in ("If", "StatelessIf") else 0  # an If's first input is the test
+    handles = []
+    for body in _body_graphs(op):
+        inner_inputs = list(body.inputs)
+        for inner in body.get_operations():
+            targets = [inner.inputs[0]] if _ops.is_write(inner) and inner.inputs else []
+            if _body_graphs(inner):
+                targets += _handles_written_by(inner)
+            for target in targets:
+                if target in inner_inputs:
+                    handle = op.inputs[inner_inputs.index(target) + offset]
+                    if handle not in handles:
+                        handles.append(handle)
+    return handles
+
+
+# ------------------------------------------------------------------ SyncReplicasOptimizer
+
+# The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
+_ACCUMULATE_OP_TYPES = frozenset(
+    {
+        "AccumulatorApplyGradient",
+        "ResourceAccumulatorApplyGradient",
+        "SparseAccumulatorApplyGradient",
+    }
+)
+
+# The ops that take the aggregated gradient, and which output holds its values.
+_TAKE_OP_OUTPUTS = {
+    "AccumulatorTakeGradient": 0,
+    "ResourceAccumulatorTakeGradient": 0,
+    "SparseAccumulatorTakeGradient": 1,
+}
+
+AGGREGATE_CHECK_MESSAGE = (
+    "slim_nanguard: the replicas' aggregated gradient is NaN or Inf "
+    "(an overflow of finite gradients); no variable was updated"
+)
+
+
+def is_sync_replicas(optimizer) -> bool:
+    """Whether `optimizer` is a `tf.compat.v1.train.SyncReplicasOptimizer`."""
+    return isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)
+
+
+def apply_sync_replicas(
+    optimizer, grads_and_vars, global_step, gate: tf.Tensor
+) -> Tuple[tf.Operation, List[tf.Operation]]:
+    """Builds ``optimizer.apply_gradients`` with its worker-side writes behind `gate`.
+
+    Args:
+      optimizer: A `SyncReplicasOptimizer`.
+      grads_and_vars: The (gradient, variable) pairs of this worker.
+      global_step: The global step variable (the optimizer needs one).
+      gate: The guard's test: its op must run (hook mode: be live) for a write to happen.
+
+    Returns:
+      ``(train_op, gated)``: the optimizer's train op (token dequeue) and the ops made to wait
+      on `gate` or on the aggregate's check.
+
+    Raises:
+      ValueError: No global step, or no gradient reaches an accumulator.
+    """
+    if global_step is None:
+        raise ValueError(
+            "SyncReplicasOptimizer needs a global step: pass global_step (or "
+            "leave the default) to create_train_op."
+        )
+    graph = gate.graph
+    first_new_op = len(graph.get_operations())
+    train_op = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+    new_ops = graph.get_operations()[first_new_op:]
+    gated = []
+    for op in new_ops:
+        if op.type in _ACCUMULATE_OP_TYPES and gate.op not in op.control_inputs:
+            op._add_control_input(gate.op)  # pylint: disable=protected-access
+            gated.append(op)
+    if not gated:
+        raise ValueError(
+            "SyncReplicasOptimizer.apply_gradients made no accumulator op to "
+            "gate; this TensorFlow version builds it differently."
+        )
+    return train_op, gated + _check_aggregate(optimizer, new_ops, global_step)
+
+
+def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation], global_step) -> List[tf.Operation]:
+    """Makes the chief's writes of the aggregated gradient wait on its finiteness check."""
+    taken = [op.outputs[_TAKE_OP_OUTPUTS[op.type]] for op in new_ops if op.type in _TAKE_OP_OUTPUTS]
+    runner = optimizer.get_chief_queue_runner()
+    if not taken or runner is None:
+        return []
+    with tf.device(global_step.device), tf.name_scope("nanguard_aggregate"):
+        sums = [
+            tf.reduce_sum(tf.cast(t, tf.float64 if t.dtype == tf.float64 else tf.float32))
+            for t in taken
+        ]
+        # A sum may overflow over finite values: the verdict confirms a non-finite one exactly.
+        verdict = _verdict.Verdict(taken, tf.stack(sums))
+        check = tf.debugging.check_numerics(verdict.checked, AGGREGATE_CHECK_MESSAGE)
+    writes = _writes_before(list(runner.enqueue_ops), stop_at=set(t.op for t in taken))
+    for op in writes:
+        op._add_control_input(check.op)  # pylint: disable=protected-access
+    return writes
+
+
+def _writes_before(roots: Sequence[tf.Operation], stop_at: set) -> List[tf.Operation]:
+    """The variable writes `roots` wait on, not looking past the ops in `stop_at`."""
+    return [
+        op
+        for op in _ops.walk(roots, stop=stop_at.__contains__)
+        if op not in stop_at and _ops.is_write(op)
+    ]

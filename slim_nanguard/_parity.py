@@ -1,0 +1,266 @@
+"""What `create_train_op` does as tf-slim's does: its arguments, checks and gradient steps.
+
+tf-slim 1.1.0's ``create_train_op`` resolves its update ops and variables, computes the
+gradients, multiplies them (``gradient_multipliers``), clips them (``clip_gradient_norm``),
+hands them to ``transform_grads_fn`` (`tf_slim.training.create_train_op`'s argument) and
+adds their summaries. This module does the same, in the same order, on current TensorFlow
+(where tf-slim's own helpers fail on names TensorFlow removed), and refuses what tf-slim
+would fail on late (a Keras optimizer, a loss that is no scalar) with a message that says
+what to pass instead. Nothing here knows of the guard.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from slim_nanguard import _log as logging
+
+# Same value (and, for small ints, the same object) as tf_slim's sentinel, so a caller that
+# passes `slim.learning._USE_GLOBAL_STEP` gets the same meaning.
+USE_GLOBAL_STEP = 0
+
+GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
+
+GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
+
+
+def check_arguments(total_loss, optimizer, clip_gradient_norm) -> None:
+    """Refuses a loss, an optimizer or a clipping norm tf-slim's train op cannot use.
+
+    Raises:
+      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
+        `tf.compat.v1.train.Optimizer`, or a negative (or None) ``clip_gradient_norm``.
+    """
+    _check_loss(total_loss)
+    _check_optimizer(optimizer)
+    if clip_gradient_norm is None or clip_gradient_norm < 0:
+        raise ValueError(
+            f"clip_gradient_norm must be >= 0 (0 turns clipping off); got {clip_gradient_norm!r}."
+        )
+
+
+def compute_gradients(
+    total_loss: tf.Tensor,
+    optimizer: tf.compat.v1.train.Optimizer,
+    variables_to_train: Sequence[tf.Variable],
+    *,
+    gate_gradients: int,
+    aggregation_method,
+    colocate_gradients_with_ops: bool,
+    gradient_multipliers: Optional[Dict],
+    clip_gradient_norm: float,
+    transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]],
+    summarize_gradients: bool,
+) -> GradsAndVars:
+    """The (gradient, variable) pairs tf-slim's train op applies, built as it builds them.
+
+    The arguments are `create_train_op`'s (tf-slim's). The multipliers, the clipping, the
+    transform and the summaries come in tf-slim's order.
+
+    Raises:
+      ValueError: The loss has no gradient with respect to any of `variables_to_train`.
+    """
+    grads = optimizer.compute_gradients(
+        total_loss,
+        variables_to_train,
+        gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+    )
+    if gradient_multipliers:
+        with tf.name_scope("multiply_grads"):
+            grads = multiply_gradients(grads, gradient_multipliers)
+    if clip_gradient_norm > 0:
+        with tf.name_scope("clip_grads"):
+            grads = clip_gradient_norms(grads, clip_gradient_norm)
+    if transform_grads_fn is not None:
+        grads = transform_grads_fn(grads)
+    if summarize_gradients:
+        with tf.name_scope("summarize_grads"):
+            add_gradients_summaries(grads)
+    if all(g is None for g, _ in grads):
+        raise ValueError(
+            f"total_loss {total_loss.name!r} has no gradient with respect to "
+            "any of variables_to_train; check that the loss depends on them."
+        )
+    return grads
+
+
+def _check_loss(total_loss) -> None:
+    """Refuses a loss that is not a scalar floating-point graph tensor."""
+    if not isinstance(total_loss, tf.Tensor):
+        raise ValueError(
+            f"total_loss must be a graph-mode tf.Tensor; got "
+            f"{type(total_loss).__name__} {total_loss!r}."
+        )
+    if not total_loss.dtype.is_floating:
+        raise ValueError(
+            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
+            f"dtype {total_loss.dtype.name}."
+        )
+    if total_loss.shape.rank not in (None, 0):
+        raise ValueError(
+            f"total_loss must be a scalar; {total_loss.name!r} has shape "
+            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
+        )
+
+
+def _check_optimizer(optimizer) -> None:
+    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` (nor works like one).
+
+    Keras optimizers (Keras 3, tf-keras and its ``legacy`` ones) have other signatures and fail
+    deep inside graph construction; one message names them all.
+    """
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return
+    compute = getattr(optimizer, "compute_gradients", None)
+    works_like_one = False
+    if callable(compute) and callable(getattr(optimizer, "apply_gradients", None)):
+        try:
+            params = inspect.signature(compute).parameters
+        except (TypeError, ValueError):
+            params = {}
+        works_like_one = "gate_gradients" in params or any(
+            p.kind == p.VAR_KEYWORD for p in params.values()
+        )
+    if not works_like_one:
+        kind = type(optimizer)
+        keras = (
+            " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+            "in a graph-mode TF-Slim train op."
+            if "keras" in kind.__module__
+            else ""
+        )
+        shown = (
+            repr(optimizer)
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
+        raise ValueError(
+            f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
+            "tf.compat.v1.train optimizer of the same algorithm, for example "
+            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
+        )
+
+
+def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
+    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, in a stable order (by name).
+
+    As tf-slim, warns when given ops leave out some of the ``UPDATE_OPS`` collection.
+    """
+    global_update_ops = set(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+    resolved = global_update_ops if update_ops is None else set(update_ops)
+    if not global_update_ops.issubset(resolved):
+        logging.warning(
+            "update_ops in create_train_op does not contain all the update_ops in "
+            "GraphKeys.UPDATE_OPS"
+        )
+    # A stable order, so that two builds of the same graph are the same.
+    return sorted(resolved, key=lambda u: getattr(u, "name", str(u)))
+
+
+def resolve_variables(variables_to_train) -> list:
+    """`variables_to_train`, or every trainable variable when None.
+
+    Raises:
+      ValueError: An empty list, a variable that is not trainable, or no trainable variable.
+    """
+    trainable = tf.compat.v1.trainable_variables()
+    if variables_to_train is None:
+        variables_to_train = trainable
+    else:
+        variables_to_train = list(variables_to_train)
+        for v in variables_to_train:
+            if not (getattr(v, "trainable", False) or v in trainable):
+                raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
+        if not variables_to_train:
+            raise ValueError(
+                "variables_to_train is empty: pass the variables to train, or "
+                "None to train all trainable variables."
+            )
+    if not variables_to_train:
+        raise ValueError(
+            "the graph has no trainable variables: variables_to_train is None, "
+            "so every trainable variable would be trained, and there is none."
+        )
+    return variables_to_train
+
+
+def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict) -> GradsAndVars:
+    """Multiplies the gradients of the variables named in `gradient_multipliers`.
+
+    Same contract as `tf_slim.learning.multiply_gradients`, on current TensorFlow.
+
+    Args:
+      grads_and_vars: A list of (gradient, variable).
+      gradient_multipliers: Dict from `Variable` or variable op name to a number or tensor.
+
+    Returns:
+      The list with the named gradients scaled.
+
+    Raises:
+      ValueError: If the arguments have the wrong type, or a named variable has no gradient.
+    """
+    if not isinstance(grads_and_vars, list):
+        raise ValueError("grads_and_vars must be a list of (gradient, variable).")
+    if not isinstance(gradient_multipliers, dict) or not gradient_multipliers:
+        raise ValueError(
+            f"gradient_multipliers must be a non-empty dict; got {gradient_multipliers!r}."
+        )
+    result = []
+    for grad, var in grads_and_vars:
+        key = var if var in gradient_multipliers else var.op.name
+        if key in gradient_multipliers:
+            if grad is None:
+                raise ValueError(
+                    f"gradient_multipliers names {var.op.name!r}, which has no gradient."
+                )
+            multiplier = gradient_multipliers[key]
+            if not isinstance(multiplier, tf.Tensor):
+                multiplier = tf.constant(multiplier, dtype=grad.dtype)
+            if isinstance(grad, tf.IndexedSlices):
+                grad = tf.IndexedSlices(grad.values * multiplier, grad.indices, grad.dense_shape)
+            else:
+                grad = grad * multiplier
+        result.append((grad, var))
+    return result
+
+
+def clip_gradient_norms(grads_and_vars: GradsAndVars, max_norm: float) -> GradsAndVars:
+    """Clips each gradient to `max_norm` (as `tf_slim.learning.clip_gradient_norms`)."""
+    result = []
+    for grad, var in grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.IndexedSlices(
+                tf.clip_by_norm(grad.values, max_norm), grad.indices, grad.dense_shape
+            )
+        elif grad is not None:
+            grad = tf.clip_by_norm(grad, max_norm)
+        result.append((grad, var))
+    return result
+
+
+def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
+    """Adds a histogram and a norm summary of each gradient.
+
+    As `tf_slim.learning.add_gradients_summaries`, except that the histogram shows only the
+    finite values: TensorFlow's histogram op raises on NaN, which would turn a skipped step
+    into a crash.
+    """
+    summaries = []
+    for grad, var in grads_and_vars:
+        if grad is None:
+            logging.info("Var %s has no gradient", var.op.name)
+            continue
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        finite = tf.boolean_mask(values, tf.math.is_finite(values))
+        summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
+        summaries.append(
+            tf.compat.v1.summary.scalar(
+                var.op.name + "/gradient_norm", tf.linalg.global_norm([values])
+            )
+        )
+    return summaries
