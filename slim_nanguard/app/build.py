@@ -223,7 +223,7 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
             variables_to_train=variables_to_train,
             clip_gradient_norm=config.clip_gradient_norm,
             check_numerics=config.check_numerics,
-            config=config.guard_config(),
+            config=config.guard,
         )
         lr_scale = _guard.get_guard(train_op).lr_scale
         if lr_scale is not None:

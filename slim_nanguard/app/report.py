@@ -8,10 +8,10 @@ from typing import Optional
 
 import tensorflow as tf
 
+import slim_nanguard
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
 from slim_nanguard import _loop
-from slim_nanguard import _policy
 from slim_nanguard._types import Cause
 from slim_nanguard._types import StopReason
 from slim_nanguard.app import config as config_lib
@@ -35,11 +35,11 @@ def describe_training(
     if config is not None and config.max_number_of_steps is not None:
         total = f"/{config.max_number_of_steps}"
     stopped_by = "--nan_policy=stop at a bad step"
-    if config is not None and config.nan_policy != _policy.STOP:
+    if config is not None and config.guard.nan_policy != slim_nanguard.Action.STOP:
         # The launcher has no on_nan: only an escalation stops a run under another policy.
         stopped_by = (
             f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
-            f"{config.max_consecutive_bad_steps} bad steps in a row"
+            f"{config.guard.max_consecutive_bad_steps} bad steps in a row"
         )
     reasons = {
         _loop.STOP_STEP_LIMIT: "reached the step limit",
