@@ -35,7 +35,7 @@ with _quiet_start.quiet_imports(sys.argv):
 
     import slim_nanguard  # noqa: E402
     from slim_nanguard import autopsy  # noqa: E402
-    from slim_nanguard import files  # noqa: E402
+    from slim_nanguard import storage  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_ERROR = 1
@@ -136,7 +136,7 @@ def _relocated(dump: str, train_dir: str) -> str:
     """The dump's path, in `train_dir` if the directory was moved since the run."""
     if tf.io.gfile.exists(dump):
         return dump
-    moved = files.join(train_dir, files.basename(files.dirname(dump)), files.basename(dump))
+    moved = storage.join(train_dir, storage.basename(storage.dirname(dump)), storage.basename(dump))
     return moved if tf.io.gfile.exists(moved) else dump
 
 

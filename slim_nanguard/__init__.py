@@ -7,14 +7,14 @@ chose (raise, stop, skip, rollback) decides what happens next.
 `__all__` is the public API (docs/api.md says what each name is for), with four public
 modules: `autopsy` (reading a bad step's autopsy after the fact), `cluster` (the guard on a
 ps/worker cluster), `compat` (tf-slim 1.1.0 on current TensorFlow, and tf-slim's gradient
-helpers) and `files` (a run's paths and checkpoints, local or remote). Modules whose names
+helpers) and `storage` (a run's paths and checkpoints, local or remote). Modules whose names
 begin with an underscore are private.
 """
 
 from slim_nanguard import autopsy
 from slim_nanguard import cluster
 from slim_nanguard import compat
-from slim_nanguard import files
+from slim_nanguard import storage
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
@@ -80,5 +80,5 @@ __all__ = [
     "autopsy",
     "cluster",
     "compat",
-    "files",
+    "storage",
 ]

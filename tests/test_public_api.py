@@ -16,7 +16,7 @@ import slim_nanguard
 from slim_nanguard import app
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PUBLIC_MODULES = ("autopsy", "cluster", "compat", "files")
+PUBLIC_MODULES = ("autopsy", "cluster", "compat", "storage")
 
 
 def _sources():
@@ -54,7 +54,7 @@ def test_the_ast_scan_sees_a_private_import(tmp_path):
     """The scan below must be able to fail."""
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "import slim_nanguard\nfrom slim_nanguard import _paths, files\n"
+        "import slim_nanguard\nfrom slim_nanguard import _paths, storage\n"
         "from slim_nanguard._errors import op_error_cause\nslim_nanguard.EventRecorder\n"
     )
     assert sorted(_private_uses(probe)) == [

@@ -15,7 +15,7 @@ import tf_slim as slim
 from absl import logging
 
 import slim_nanguard
-from slim_nanguard import files
+from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
 
 __all__ = [
@@ -43,7 +43,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
     if tf.io.gfile.exists(path + ".index"):  # First: ram:// calls a prefix a directory too.
         return path
     if tf.io.gfile.isdir(path):
-        latest = files.latest_checkpoint(path)
+        latest = storage.latest_checkpoint(path)
         config_lib.check(
             latest is not None,
             f"{flag}={path} is a directory without a checkpoint: point it at a training "
@@ -74,11 +74,11 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
 def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
     """The shape of each variable in checkpoint `path`; LaunchError naming `flag` if unreadable."""
     try:
-        return files.checkpoint_reader(path).get_variable_to_shape_map()
+        return storage.checkpoint_reader(path).get_variable_to_shape_map()
     except (tf.errors.OpError, ValueError) as err:
         raise config_lib.LaunchError(
             f"{flag}: checkpoint {path} cannot be read "
-            f"({files.op_error_cause(err)}); pass another checkpoint."
+            f"({storage.op_error_cause(err)}); pass another checkpoint."
         ) from None
 
 

@@ -33,7 +33,7 @@ from absl import logging
 
 from slim_nanguard import StopReason
 from slim_nanguard import cluster as guard_cluster
-from slim_nanguard import files
+from slim_nanguard import storage
 from slim_nanguard.app.config import LaunchError
 
 JOBS = ("ps", "worker")
@@ -176,7 +176,7 @@ class Cluster:
         if self.is_chief:
             # With sync replicas, a restore resets the accumulators' step too.
             reset = optimizer.chief_init_op if self.sync_replicas else None
-            hooks.append(guard_cluster.ChiefRollbackHook(files.absolute(train_dir), reset))
+            hooks.append(guard_cluster.ChiefRollbackHook(storage.absolute(train_dir), reset))
         else:
             hooks.append(guard_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:

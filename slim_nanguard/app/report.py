@@ -11,7 +11,7 @@ import tensorflow as tf
 import slim_nanguard
 from slim_nanguard import Cause
 from slim_nanguard import StopReason
-from slim_nanguard import files
+from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
 
 __all__ = ["describe_training", "error_message", "eval_command"]
@@ -118,14 +118,14 @@ def error_message(err: BaseException) -> str:
         advice = _GIVE_UP_ADVICE.get(err.cause, _GIVE_UP_ADVICE[Cause.POLICY])
         checkpoint = getattr(err, "checkpoint", None)
         if checkpoint:
-            step = files.checkpoint_step(checkpoint)
+            step = storage.checkpoint_step(checkpoint)
             kept = f" (global step {step})" if step is not None else ""
             advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
         return f"{err}\n{advice}"
     if isinstance(err, tf.errors.NotFoundError):
-        return f"{files.op_error_cause(err)}\nCheck the file and directory flags."
+        return f"{storage.op_error_cause(err)}\nCheck the file and directory flags."
     if isinstance(err, tf.errors.OpError):
-        text = files.op_error_cause(err)
+        text = storage.op_error_cause(err)
         if "decode" in text.lower() or "image" in text.lower():
             return (
                 f"{text}\nAn image in the dataset does not decode: re-run the conversion "

@@ -19,7 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 import slim_nanguard
-from slim_nanguard import files
+from slim_nanguard import storage
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -56,7 +56,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
         raise config_lib.LaunchError(
             f"run_training takes a TrainConfig; got {type(config).__name__}."
         )
-    train_dir = files.absolute(config.train_dir)
+    train_dir = storage.absolute(config.train_dir)
     config_lib.check(
         not tf.io.gfile.exists(train_dir) or tf.io.gfile.isdir(train_dir),
         f"--train_dir={train_dir} is a file, not a directory: choose a directory.",
@@ -126,7 +126,7 @@ def _remove_if_unused(train_dir: str) -> None:
     """Removes a train_dir this run created if it holds no checkpoint past step 0."""
     if not tf.io.gfile.isdir(train_dir):
         return
-    latest = files.latest_checkpoint(train_dir)
+    latest = storage.latest_checkpoint(train_dir)
     if latest is not None and not latest.endswith("-0"):
         return
     logging.info("Removing %s: the run failed before it saved any progress.", train_dir)
