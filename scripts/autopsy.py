@@ -34,8 +34,8 @@ with _quiet_start.quiet_imports(sys.argv):
     from absl import logging  # noqa: E402
 
     import slim_nanguard  # noqa: E402
-    from slim_nanguard import _paths  # noqa: E402
     from slim_nanguard import autopsy  # noqa: E402
+    from slim_nanguard import storage  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_ERROR = 1
@@ -136,7 +136,7 @@ def _relocated(dump: str, train_dir: str) -> str:
     """The dump's path, in `train_dir` if the directory was moved since the run."""
     if tf.io.gfile.exists(dump):
         return dump
-    moved = _paths.join(train_dir, _paths.basename(_paths.dirname(dump)), _paths.basename(dump))
+    moved = storage.join(train_dir, storage.basename(storage.dirname(dump)), storage.basename(dump))
     return moved if tf.io.gfile.exists(moved) else dump
 
 

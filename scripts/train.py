@@ -48,6 +48,8 @@ with _quiet_start.quiet_imports(sys.argv):
 FLAGS = flags.FLAGS
 # Every default is the config's (the library's), so that a flag and its field cannot differ.
 DEFAULT = nanguard_app.TrainConfig
+GUARD = nanguard_app.DEFAULT_GUARD  # the guard's flags: GuardConfig's fields, checked there
+POLICIES = [action.value for action in slim_nanguard.Action]
 
 EXIT_ERROR = 1
 
@@ -247,49 +249,46 @@ flags.DEFINE_boolean(
 )
 flags.DEFINE_enum(
     "nan_policy",
-    DEFAULT.nan_policy,
-    slim_nanguard.POLICIES,
+    GUARD.nan_policy,
+    POLICIES,
     "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
     "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).",
 )
 flags.DEFINE_integer(
     "max_consecutive_bad_steps",
-    DEFAULT.max_consecutive_bad_steps,
+    GUARD.max_consecutive_bad_steps,
     "Under skip or rollback, apply --persistent_nan_policy after this many bad steps in a row.",
-    lower_bound=1,
 )
 flags.DEFINE_enum(
     "persistent_nan_policy",
-    DEFAULT.persistent_nan_policy,
-    slim_nanguard.PERSISTENT_POLICIES,
+    GUARD.persistent_nan_policy,
+    POLICIES,
     "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
     "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
-    "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks).",
+    "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks); not skip, which "
+    "would never end.",
 )
 flags.DEFINE_integer(
     "rollback_skip_batches",
-    DEFAULT.rollback_skip_batches,
+    GUARD.rollback_skip_batches,
     "Batches skipped after a rollback.",
-    lower_bound=0,
 )
 flags.DEFINE_float(
     "rollback_lr_factor",
-    DEFAULT.rollback_lr_factor,
+    GUARD.rollback_lr_factor,
     "Multiply the learning rate by this at each rollback, in (0, 1].",
 )
 flags.DEFINE_integer(
     "max_rollbacks",
-    DEFAULT.max_rollbacks,
+    GUARD.max_rollbacks,
     "Give up (exit 1) rather than roll back more often.",
-    lower_bound=1,
 )
 flags.DEFINE_integer(
     "autopsy_max_steps",
-    DEFAULT.autopsy_max_steps,
+    GUARD.autopsy_max_steps,
     "How many bad steps get an autopsy: the step replayed from its kept batch to name the "
     "first op that made a NaN or Inf (slim-nanguard-autopsy shows it); 0: none, and no "
     "batch is kept.",
-    lower_bound=0,
 )
 flags.DEFINE_list(
     "inject_fault",
@@ -307,18 +306,6 @@ flags.register_validator(
 )
 
 
-def _check_rollback_lr_factor(value):
-    """The library's rule, and its message, for every value out of range (one rule)."""
-    try:
-        slim_nanguard.GuardConfig(rollback_lr_factor=value)
-    except ValueError as err:
-        raise flags.ValidationError(str(err)) from None
-    return True
-
-
-flags.register_validator("rollback_lr_factor", _check_rollback_lr_factor)
-
-
 def _check_faults(values):
     for value in values:
         try:
@@ -332,11 +319,12 @@ flags.register_validator("inject_fault", _check_faults)
 
 
 def train_config_from_flags() -> nanguard_app.TrainConfig:
-    """The TrainConfig the flags describe."""
+    """The TrainConfig the flags describe (a bad guard setting: a LaunchError naming its flag)."""
     names = [f.name for f in dataclasses.fields(nanguard_app.TrainConfig)]
+    names += nanguard_app.GUARD_FLAGS
     values = {name: FLAGS[name].value for name in names if name in FLAGS}
     values["inject_faults"] = tuple(FLAGS.inject_fault)
-    return nanguard_app.TrainConfig(**values)
+    return nanguard_app.TrainConfig.from_flags(**values)
 
 
 def fail(err: BaseException) -> int:

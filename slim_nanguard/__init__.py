@@ -3,11 +3,18 @@
 Replace ``slim.learning.create_train_op(...)`` with ``slim_nanguard.create_train_op(...)``: a
 step whose loss or any gradient is NaN or Inf then changes no variable, and the policy you
 chose (raise, stop, skip, rollback) decides what happens next.
+
+`__all__` is the public API (docs/api.md says what each name is for), with four public
+modules: `autopsy` (reading a bad step's autopsy after the fact), `cluster` (the guard on a
+ps/worker cluster), `compat` (tf-slim 1.1.0 on current TensorFlow, and tf-slim's gradient
+helpers) and `storage` (a run's paths and checkpoints, local or remote). Modules whose names
+begin with an underscore are private.
 """
 
+from slim_nanguard import autopsy
+from slim_nanguard import cluster
 from slim_nanguard import compat
-from slim_nanguard._actions import Outcome
-from slim_nanguard._autopsy import Autopsy
+from slim_nanguard import storage
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
@@ -16,23 +23,13 @@ from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import NanLossError
 from slim_nanguard._errors import NonFiniteCheckpointError
 from slim_nanguard._events import NanEvent
-from slim_nanguard._guard import Guard
-from slim_nanguard._guard import GuardState
 from slim_nanguard._guard import get_guard
 from slim_nanguard._guard import is_numerics_error
 from slim_nanguard._hook import NanLossHook
 from slim_nanguard._hook import nan_hook
 from slim_nanguard._loop import TrainResult
 from slim_nanguard._loop import train
-from slim_nanguard._parity import add_gradients_summaries
-from slim_nanguard._parity import clip_gradient_norms
-from slim_nanguard._parity import multiply_gradients
-from slim_nanguard._policy import PERSISTENT_POLICIES
-from slim_nanguard._policy import POLICIES
 from slim_nanguard._policy import GuardConfig
-from slim_nanguard._policy import OnNanCallback
-from slim_nanguard._record import EVENTS_FILENAME
-from slim_nanguard._record import EventRecorder
 from slim_nanguard._record import read_events
 from slim_nanguard._steps import handle_numerics_error
 from slim_nanguard._steps import make_train_step
@@ -50,41 +47,38 @@ __version__ = "0.1.0"
 compat.install()
 
 __all__ = [
-    "EVENTS_FILENAME",
-    "Action",
-    "Autopsy",
-    "Cause",
-    "CheckpointNotFoundError",
-    "EventRecorder",
-    "FiniteSaver",
-    "Guard",
-    "GuardConfig",
-    "GuardState",
-    "Mode",
-    "NanEvent",
-    "NanGuardError",
-    "NanLossError",
-    "NanLossHook",
-    "NonFiniteCheckpointError",
-    "OnNanCallback",
-    "Outcome",
-    "PERSISTENT_POLICIES",
-    "POLICIES",
-    "StopReason",
-    "TrainResult",
-    "add_gradients_summaries",
-    "clip_gradient_norms",
-    "compat",
+    # Building the guarded train op, and its settings.
     "create_train_op",
-    "get_guard",
+    "GuardConfig",
+    # Applying the policy: the loop, tf-slim's loops, your own loop.
+    "train",
+    "TrainResult",
+    "train_step",
+    "make_train_step",
+    "NanLossHook",
+    "nan_hook",
     "handle_numerics_error",
     "is_numerics_error",
-    "latest_good_checkpoint",
-    "make_train_step",
-    "multiply_gradients",
-    "nan_hook",
-    "non_finite_variables",
+    "get_guard",
+    # What a bad step leaves behind.
+    "NanEvent",
     "read_events",
-    "train",
-    "train_step",
+    "FiniteSaver",
+    "latest_good_checkpoint",
+    "non_finite_variables",
+    # Errors.
+    "NanGuardError",
+    "NanLossError",
+    "NonFiniteCheckpointError",
+    "CheckpointNotFoundError",
+    # The vocabularies (str enums: each member equals its value).
+    "Action",
+    "Cause",
+    "Mode",
+    "StopReason",
+    # The public modules.
+    "autopsy",
+    "cluster",
+    "compat",
+    "storage",
 ]

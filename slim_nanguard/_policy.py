@@ -105,11 +105,16 @@ class GuardConfig:
       losses_before: How many losses of the good steps before a bad step its record keeps
         (``losses_before``, ``[step, loss]`` pairs, oldest first), so that a plot shows the
         climb to the bad step between TensorBoard summaries; 0 keeps none.
+
+    Raises:
+      ValueError: A setting is out of range. Each setting is checked here and only here (the
+        launcher's flags map onto these fields); the message begins with the setting's name,
+        which is how the launcher names the flag.
     """
 
-    nan_policy: str = RAISE
+    nan_policy: str = Action.RAISE
     max_consecutive_bad_steps: int = 10
-    persistent_nan_policy: str = RAISE
+    persistent_nan_policy: str = Action.RAISE
     on_nan: Optional[OnNanCallback] = None
     rollback_skip_batches: int = 1
     rollback_lr_factor: float = 1.0

@@ -59,6 +59,11 @@ accesses on TensorFlow modules that no longer exist):
     Moved to ``array_ops_stack``. Breaks ``legacy_fully_connected``,
     ``streaming_concat`` / curve metrics and ``tfexample_decoder``.
 
+tf-slim's gradient helpers are here too, as `create_train_op` uses them: `multiply_gradients`,
+`clip_gradient_norms` and `add_gradients_summaries` keep tf-slim's contracts on current
+TensorFlow (the summaries' histograms show the finite values only: TensorFlow's histogram op
+raises on NaN, which would turn a skipped step into a crash).
+
 Declared support: TensorFlow >=2.16,<2.22 with the tf-keras of the same
 release and tf-slim 1.1.0. Tested: TensorFlow 2.21.0 / tf-keras 2.21.0 only.
 On a TensorFlow where a name still exists the corresponding patch is skipped;
@@ -71,8 +76,18 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from slim_nanguard import _log as logging
+from slim_nanguard._parity import add_gradients_summaries
+from slim_nanguard._parity import clip_gradient_norms
+from slim_nanguard._parity import multiply_gradients
 
-__all__ = ["install", "is_installed", "patched"]
+__all__ = [
+    "add_gradients_summaries",
+    "clip_gradient_norms",
+    "install",
+    "is_installed",
+    "multiply_gradients",
+    "patched",
+]
 
 _LOCK = threading.Lock()
 _INSTALLED = False

@@ -19,6 +19,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _policy
 
 import nanguard_testlib as lib
 
@@ -69,9 +70,9 @@ def test_the_model_garden_page_passes_only_arguments_the_functions_take():
 def test_the_model_garden_flags_offer_exactly_the_policies():
     code = _added_code()
     enums = dict(re.findall(r"DEFINE_enum\(\s*'(\w+)', '\w+', (\[[^\]]*\])", code))
-    assert set(ast.literal_eval(enums["nan_policy"])) == set(slim_nanguard.POLICIES)
+    assert set(ast.literal_eval(enums["nan_policy"])) == set(_policy.POLICIES)
     persistent = ast.literal_eval(enums["persistent_nan_policy"])
-    assert set(persistent) == set(slim_nanguard.PERSISTENT_POLICIES)
+    assert set(persistent) == set(_policy.PERSISTENT_POLICIES)
     # The help text's "10 bad steps in a row" is create_train_op's default.
     assert "what 10 bad steps in a row do" in code
     default = inspect.signature(slim_nanguard.create_train_op).parameters

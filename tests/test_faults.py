@@ -149,7 +149,7 @@ def test_a_range_hits_every_batch_in_it():
 )
 def test_train_config_names_the_bad_setting(kwargs, words, tmp_path):
     with pytest.raises(app.LaunchError) as info:
-        app.TrainConfig(train_dir=str(tmp_path / "run"), **kwargs)
+        app.TrainConfig.from_flags(train_dir=str(tmp_path / "run"), **kwargs)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, slim_nanguard.NanGuardError)
     for word in words:
@@ -183,7 +183,7 @@ def _config(train_dir, **kwargs):
         save_summaries_secs=0,
     )
     values.update(kwargs)
-    return app.TrainConfig(**values)
+    return app.TrainConfig.from_flags(**values)
 
 
 @lib.each_mode

@@ -376,13 +376,15 @@ def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
 
 
 def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
-    """The launcher copies flags into TrainConfig by name, so a mismatch would be silent."""
+    """The launcher copies flags into TrainConfig (and its GuardConfig) by name, so a mismatch
+    would be silent."""
     code = (
         "import dataclasses, json, runpy; from absl import flags; "
         f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
         "from slim_nanguard import app; "
         "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
-        "['launcher']), sorted(f.name for f in dataclasses.fields(app.TrainConfig))]))"
+        "['launcher']), sorted([f.name for f in dataclasses.fields(app.TrainConfig) "
+        "if f.name != 'guard'] + list(app.GUARD_FLAGS))]))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()

@@ -117,11 +117,11 @@ def test_model_image_size_is_the_requested_or_the_models_default():
 
 def test_autopsy_max_steps_reaches_the_guard_config(tmp_path):
     default = app.TrainConfig(train_dir=str(tmp_path))
-    assert default.autopsy_max_steps == slim_nanguard.GuardConfig().autopsy_max_steps
-    off = app.TrainConfig(train_dir=str(tmp_path), autopsy_max_steps=0)
-    assert off.guard_config().autopsy_max_steps == 0
+    assert default.guard.autopsy_max_steps == slim_nanguard.GuardConfig().autopsy_max_steps
+    off = app.TrainConfig.from_flags(train_dir=str(tmp_path), autopsy_max_steps=0)
+    assert off.guard.autopsy_max_steps == 0
     with pytest.raises(app.LaunchError, match="--autopsy_max_steps"):
-        app.TrainConfig(train_dir=str(tmp_path), autopsy_max_steps=-1)
+        app.TrainConfig.from_flags(train_dir=str(tmp_path), autopsy_max_steps=-1)
 
 
 def test_a_dataset_that_reads_files_asks_for_dataset_dir(tmp_path):
@@ -176,6 +176,23 @@ def test_every_flag_default_is_the_configs(script, config):
             assert flag_default == field_default, name
     if config == "TrainConfig":
         assert flag_defaults["max_number_of_steps"] == 2000
+
+
+def test_every_guard_flag_default_is_the_launchers_guard_configs():
+    """The guard's flags set GuardConfig fields: their defaults are `app.DEFAULT_GUARD`'s."""
+    code = (
+        "import json, runpy; from absl import flags; "
+        f"runpy.run_path({str(REPO / 'scripts' / 'train.py')!r}, run_name='launcher'); "
+        "from slim_nanguard import app; "
+        "print(json.dumps({name: flags.FLAGS[name].default for name in app.GUARD_FLAGS}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    flag_defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert flag_defaults == {name: getattr(app.DEFAULT_GUARD, name) for name in app.GUARD_FLAGS}
+    assert flag_defaults["nan_policy"] == "skip"
 
 
 @pytest.mark.parametrize(

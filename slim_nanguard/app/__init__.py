@@ -18,6 +18,8 @@ hold:
 
 from slim_nanguard.app.checkpoints import resolve_checkpoint
 from slim_nanguard.app.config import DECAY_TYPES
+from slim_nanguard.app.config import DEFAULT_GUARD
+from slim_nanguard.app.config import GUARD_FLAGS
 from slim_nanguard.app.config import OPTIMIZERS
 from slim_nanguard.app.config import EvalConfig
 from slim_nanguard.app.config import LaunchError
@@ -32,6 +34,8 @@ from slim_nanguard.app.train import run_training
 
 __all__ = [
     "DECAY_TYPES",
+    "DEFAULT_GUARD",
+    "GUARD_FLAGS",
     "OPTIMIZERS",
     "EvalConfig",
     "EvalResult",

@@ -256,8 +256,8 @@ def _our_hook(train_op, checkpoint_dir):
     return [slim_nanguard.nan_hook(train_op, checkpoint_dir=checkpoint_dir)]
 
 
-POLICY_NAMES = ("raise", "stop", "skip", "rollback")
-BAD_STEP_POLICIES = ("skip", "rollback")
+POLICY_NAMES = tuple(action.value for action in slim_nanguard.Action)
+BAD_STEP_POLICIES = (slim_nanguard.Action.SKIP, slim_nanguard.Action.ROLLBACK)
 
 
 def _make_variants() -> Dict[str, Variant]:

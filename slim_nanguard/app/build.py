@@ -19,8 +19,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from slim_nanguard import _guard
-from slim_nanguard import _train_op
+import slim_nanguard
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
 from slim_nanguard.app import datasets
@@ -217,15 +216,15 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
                     f"{checkpoints.names(scopes, 6)}."
                 )
 
-        train_op = _train_op.create_train_op(
+        train_op = slim_nanguard.create_train_op(
             total_loss,
             optimizer,
             variables_to_train=variables_to_train,
             clip_gradient_norm=config.clip_gradient_norm,
             check_numerics=config.check_numerics,
-            config=config.guard_config(),
+            config=config.guard,
         )
-        lr_scale = _guard.get_guard(train_op).lr_scale
+        lr_scale = slim_nanguard.get_guard(train_op).lr_scale
         if lr_scale is not None:
             # The rate in effect: the rollbacks' scale (restored with the model) included.
             learning_rate = learning_rate * tf.cast(lr_scale, learning_rate.dtype)

@@ -12,10 +12,10 @@ from typing import Dict, List, Sequence
 
 import tensorflow as tf
 import tf_slim as slim
+from absl import logging
 
-from slim_nanguard import _checkpoints
-from slim_nanguard import _errors
-from slim_nanguard import _log as logging
+import slim_nanguard
+from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
 
 __all__ = [
@@ -43,7 +43,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
     if tf.io.gfile.exists(path + ".index"):  # First: ram:// calls a prefix a directory too.
         return path
     if tf.io.gfile.isdir(path):
-        latest = _checkpoints.latest_checkpoint(path)
+        latest = storage.latest_checkpoint(path)
         config_lib.check(
             latest is not None,
             f"{flag}={path} is a directory without a checkpoint: point it at a training "
@@ -74,11 +74,11 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
 def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
     """The shape of each variable in checkpoint `path`; LaunchError naming `flag` if unreadable."""
     try:
-        return _checkpoints.checkpoint_reader(path).get_variable_to_shape_map()
+        return storage.checkpoint_reader(path).get_variable_to_shape_map()
     except (tf.errors.OpError, ValueError) as err:
         raise config_lib.LaunchError(
             f"{flag}: checkpoint {path} cannot be read "
-            f"({_errors.op_error_cause(err)}); pass another checkpoint."
+            f"({storage.op_error_cause(err)}); pass another checkpoint."
         ) from None
 
 
@@ -165,9 +165,9 @@ def fine_tune_scaffold(config: config_lib.TrainConfig, path: str) -> tf.compat.v
     config_lib.check(
         bool(restore), f"--checkpoint_path {path} holds none of the model's variables."
     )
-    bad = _checkpoints.non_finite_variables(path)
+    bad = slim_nanguard.non_finite_variables(path)
     if bad:
-        raise _errors.NonFiniteCheckpointError(
+        raise slim_nanguard.NonFiniteCheckpointError(
             f"--checkpoint_path {path} holds NaN or Inf in {names(list(bad))}; refusing to "
             "fine-tune from it. Pick an earlier checkpoint."
         )

@@ -29,11 +29,11 @@ import time
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
+from absl import logging
 
-from slim_nanguard import _cluster
-from slim_nanguard import _log as logging
-from slim_nanguard import _loop
-from slim_nanguard import _paths
+from slim_nanguard import StopReason
+from slim_nanguard import cluster as guard_cluster
+from slim_nanguard import storage
 from slim_nanguard.app.config import LaunchError
 
 JOBS = ("ps", "worker")
@@ -47,9 +47,6 @@ CLUSTER_FLAGS = (
     "replicas_to_aggregate",
     "ps_timeout_secs",
 )
-
-# TrainResult.stop_reason of a worker that another worker's stop (or error) stopped.
-STOP_CLUSTER = _cluster.STOP_CLUSTER
 
 
 def _hosts(value, flag: str) -> Tuple[str, ...]:
@@ -141,7 +138,7 @@ class Cluster:
         )
 
     def session_config(self) -> tf.compat.v1.ConfigProto:
-        return _cluster.session_config(self.job_name, self.task, timeout_secs=0)
+        return guard_cluster.session_config(self.job_name, self.task, timeout_secs=0)
 
     def start_server(self) -> tf.distribute.Server:
         return tf.distribute.Server(
@@ -173,15 +170,15 @@ class Cluster:
         """
         hooks = [
             self._state.setdefault(
-                "stop_hook", _cluster.ClusterStopHook(self.task, len(self.worker_hosts))
+                "stop_hook", guard_cluster.ClusterStopHook(self.task, len(self.worker_hosts))
             )
         ]
         if self.is_chief:
             # With sync replicas, a restore resets the accumulators' step too.
             reset = optimizer.chief_init_op if self.sync_replicas else None
-            hooks.append(_cluster.ChiefRollbackHook(_paths.absolute(train_dir), reset))
+            hooks.append(guard_cluster.ChiefRollbackHook(storage.absolute(train_dir), reset))
         else:
-            hooks.append(_cluster.RollbackRequestHook(self.task))
+            hooks.append(guard_cluster.RollbackRequestHook(self.task))
         if self.sync_replicas:
             hooks.append(optimizer.make_session_run_hook(is_chief=self.is_chief))
         return hooks
@@ -199,7 +196,7 @@ class Cluster:
         logging.info("slim_nanguard: %s", describe(self))
         if not self.is_chief:
             try:
-                _cluster.wait_for_model(
+                guard_cluster.wait_for_model(
                     graph,
                     server.target,
                     self.session_config(),
@@ -239,8 +236,8 @@ class Cluster:
             except LaunchError:
                 return result  # no ps to tell
             target, job = f"grpc://{self.ps_hosts[0]}", "ps"
-        stopped_here = result is None or result.stop_reason == _loop.STOP_POLICY
-        stopped = _cluster.finish(
+        stopped_here = result is None or result.stop_reason == StopReason.POLICY
+        stopped = guard_cluster.finish(
             target,
             task=self.task,
             num_ps=len(self.ps_hosts),
@@ -252,9 +249,9 @@ class Cluster:
             result is not None
             and stopped
             and not stopped_here
-            and (result.stop_reason != _loop.STOP_STEP_LIMIT)
+            and (result.stop_reason != StopReason.STEP_LIMIT)
         ):
-            result = dataclasses.replace(result, stop_reason=STOP_CLUSTER)
+            result = dataclasses.replace(result, stop_reason=StopReason.CLUSTER_STOP)
         return result
 
 
@@ -345,7 +342,7 @@ def run_ps(cluster: Cluster) -> None:
         cluster.ps_hosts[cluster.task],
         len(cluster.worker_hosts),
     )
-    gone = _cluster.serve_ps(
+    gone = guard_cluster.serve_ps(
         server.target,
         task=cluster.task,
         worker_hosts=cluster.worker_hosts,
@@ -379,7 +376,6 @@ __all__ = [
     "CLUSTER_FLAGS",
     "Cluster",
     "JOBS",
-    "STOP_CLUSTER",
     "describe",
     "from_flags",
     "run_ps",

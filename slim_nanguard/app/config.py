@@ -4,6 +4,11 @@
 (``scripts/train.py`` and ``scripts/eval.py`` take their defaults from here). Each checks its
 settings when made, before anything is read or written, and raises a `LaunchError` naming the
 setting, its flag and the value, and saying what to do.
+
+The guard's settings are not repeated here: a `TrainConfig` holds a `slim_nanguard.GuardConfig`
+(``guard``), which declares and checks them; the flags of `GUARD_FLAGS` set its fields of the
+same name, and `TrainConfig.from_flags` turns its `ValueError` into a `LaunchError` that opens
+with the flag and the value (``--rollback_lr_factor=2.0: rollback_lr_factor must be ...``).
 """
 
 from __future__ import annotations
@@ -12,18 +17,19 @@ import dataclasses
 import math
 import os
 import re
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import numpy as np
 
-from slim_nanguard import _errors
-from slim_nanguard import _policy
+import slim_nanguard
 from slim_nanguard.app import datasets
 from slim_nanguard.app import faults as faults_lib
 from slim_nanguard.app import models
 
 __all__ = [
     "DECAY_TYPES",
+    "DEFAULT_GUARD",
+    "GUARD_FLAGS",
     "OPTIMIZERS",
     "EvalConfig",
     "LaunchError",
@@ -33,8 +39,22 @@ __all__ = [
 OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adam", "adagrad", "adadelta", "ftrl")
 DECAY_TYPES = ("fixed", "exponential", "polynomial")
 
+# The guard's settings that are launcher flags: each flag is named as its GuardConfig field.
+GUARD_FLAGS = (
+    "nan_policy",
+    "max_consecutive_bad_steps",
+    "persistent_nan_policy",
+    "rollback_skip_batches",
+    "rollback_lr_factor",
+    "max_rollbacks",
+    "autopsy_max_steps",
+)
 
-class LaunchError(_errors.NanGuardError, ValueError):
+# The launcher's guard: GuardConfig's defaults, except that a bad step is skipped.
+DEFAULT_GUARD = slim_nanguard.GuardConfig(nan_policy=slim_nanguard.Action.SKIP)
+
+
+class LaunchError(slim_nanguard.NanGuardError, ValueError):
     """A bad launcher setting or checkpoint; the message names it and says what to do.
 
     A ``ValueError`` as well, so that ``except ValueError`` clauses catch it.
@@ -122,17 +142,9 @@ class TrainConfig:
       task: Task id; task 0 is the chief (initialises, restores, saves).
       check_numerics: The guard's mode: True raises at a bad step (check_numerics mode),
         False lets a hook see it (hook mode).
-      nan_policy: ``raise``, ``stop``, ``skip`` or ``rollback``.
-      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
-        ``persistent_nan_policy`` after this many bad steps in a row.
-      persistent_nan_policy: ``raise`` (give up), ``stop`` (clean stop) or ``rollback``
-        (latest good checkpoint): what happens after ``max_consecutive_bad_steps`` bad steps in
-        a row, when the weights, not a batch, went bad.
-      rollback_skip_batches: Batches skipped after a rollback.
-      rollback_lr_factor: Learning-rate factor at each rollback, in (0, 1].
-      max_rollbacks: Give up rather than roll back more often than this.
-      autopsy_max_steps: How many bad steps get an autopsy (replayed to name the first op
-        that made a NaN or Inf); 0: none, and no batch is kept on a bad step.
+      guard: The guard's settings (policy, escalation, rollbacks, autopsies): a
+        `slim_nanguard.GuardConfig`, which checks them; `DEFAULT_GUARD` skips a bad step. The
+        flags of `GUARD_FLAGS` set its fields (`from_flags`).
       inject_faults: Faults to inject (`faults.FaultSpec`s or ``KIND:STEP`` strings).
       seed: Seed of the graph and of the shuffling; None: not seeded.
       max_checkpoints_to_keep: Checkpoints kept in train_dir.
@@ -179,13 +191,7 @@ class TrainConfig:
     master: str = ""
     task: int = 0
     check_numerics: bool = True
-    nan_policy: str = _policy.SKIP
-    max_consecutive_bad_steps: int = 10
-    persistent_nan_policy: str = _policy.RAISE
-    rollback_skip_batches: int = 1
-    rollback_lr_factor: float = 1.0
-    max_rollbacks: int = 3
-    autopsy_max_steps: int = _policy.GuardConfig.autopsy_max_steps
+    guard: slim_nanguard.GuardConfig = DEFAULT_GUARD
     inject_faults: Tuple[faults_lib.FaultSpec, ...] = ()
     seed: Optional[int] = 0
     max_checkpoints_to_keep: int = 5
@@ -217,23 +223,10 @@ class TrainConfig:
             f"(--learning_rate_decay_type): choose one of {', '.join(DECAY_TYPES)}.",
         )
         check(
-            self.nan_policy in _policy.POLICIES,
-            f"Unknown nan_policy {self.nan_policy!r} (--nan_policy): choose one of "
-            f"{', '.join(_policy.POLICIES)}.",
+            isinstance(self.guard, slim_nanguard.GuardConfig),
+            f"guard must be a slim_nanguard.GuardConfig; got {self.guard!r}.",
         )
-        check(
-            self.persistent_nan_policy in _policy.PERSISTENT_POLICIES,
-            f"Unknown persistent_nan_policy {self.persistent_nan_policy!r} "
-            "(--persistent_nan_policy): choose one of "
-            f"{', '.join(_policy.PERSISTENT_POLICIES)} (what happens after "
-            "--max_consecutive_bad_steps bad steps in a row).",
-        )
-        for name in (
-            "batch_size",
-            "max_consecutive_bad_steps",
-            "max_rollbacks",
-            "max_checkpoints_to_keep",
-        ):
+        for name in ("batch_size", "max_checkpoints_to_keep"):
             value = getattr(self, name)
             check(
                 _is_int(value) and value >= 1,
@@ -243,8 +236,6 @@ class TrainConfig:
             "log_every_n_steps",
             "save_interval_steps",
             "save_summaries_steps",
-            "rollback_skip_batches",
-            "autopsy_max_steps",
             "task",
         ):
             value = getattr(self, name)
@@ -292,31 +283,41 @@ class TrainConfig:
             f"{self.num_epochs_per_decay!r}.",
         )
         check(
-            _is_number(self.rollback_lr_factor) and 0 < self.rollback_lr_factor <= 1,
-            "rollback_lr_factor (--rollback_lr_factor) must be in (0, 1] (1 keeps the "
-            f"learning rate); got {self.rollback_lr_factor!r}.",
-        )
-        check(
             self.seed is None or _is_int(self.seed),
             f"seed (--seed) must be an integer; got {self.seed!r}.",
         )
         _check_dataset_dir(self.dataset_name, self.dataset_dir)
 
+    @classmethod
+    def from_flags(cls, **settings) -> TrainConfig:
+        """The config of settings named as the launcher's flags, the guard's among them.
+
+        Args:
+          **settings: `TrainConfig` fields, and `GuardConfig` fields named in `GUARD_FLAGS`,
+            which replace those of ``guard`` (default `DEFAULT_GUARD`).
+
+        Raises:
+          LaunchError: A setting is bad: the message names its flag and the value.
+        """
+        guard = {name: settings.pop(name) for name in GUARD_FLAGS if name in settings}
+        try:
+            settings["guard"] = dataclasses.replace(settings.get("guard", DEFAULT_GUARD), **guard)
+        except ValueError as err:
+            raise LaunchError(_flag_error(err, guard)) from None
+        return cls(**settings)
+
     @property
     def is_chief(self) -> bool:
         return self.task == 0
 
-    def guard_config(self) -> _policy.GuardConfig:
-        """The guard's part of the config."""
-        return _policy.GuardConfig(
-            nan_policy=self.nan_policy,
-            max_consecutive_bad_steps=self.max_consecutive_bad_steps,
-            persistent_nan_policy=self.persistent_nan_policy,
-            rollback_skip_batches=self.rollback_skip_batches,
-            rollback_lr_factor=self.rollback_lr_factor,
-            max_rollbacks=self.max_rollbacks,
-            autopsy_max_steps=self.autopsy_max_steps,
-        )
+
+def _flag_error(err: ValueError, flags: Mapping[str, object]) -> str:
+    """GuardConfig's message for a bad setting, opened by the flag that set it and its value.
+
+    GuardConfig's messages begin with the setting's name, which is the flag's.
+    """
+    name = str(err).split(" ", 1)[0]
+    return f"--{name}={flags[name]}: {err}" if name in flags else str(err)
 
 
 def _check_model_and_dataset(model_name: str, dataset_name: str) -> None:

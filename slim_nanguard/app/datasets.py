@@ -39,11 +39,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
-from slim_nanguard import _log as logging
-from slim_nanguard import _paths
-from slim_nanguard._errors import NanGuardError
-from slim_nanguard._errors import op_error_cause
+from slim_nanguard import NanGuardError
+from slim_nanguard import storage
 
 __all__ = [
     "DATASETS",
@@ -415,7 +414,7 @@ def _tfrecord(
     )
 
     class_names = None
-    labels_path = _paths.join(dataset_dir, LABELS_FILENAME)
+    labels_path = storage.join(dataset_dir, LABELS_FILENAME)
     if tf.io.gfile.exists(labels_path):
         names = read_label_file(dataset_dir)
         class_names = tuple(names.get(i, str(i)) for i in range(max(names) + 1))
@@ -547,7 +546,7 @@ def _split_files(dataset_dir, split, file_pattern):
     for pattern in patterns:
         files.update(
             f
-            for f in tf.io.gfile.glob(_paths.join(dataset_dir, pattern))
+            for f in tf.io.gfile.glob(storage.join(dataset_dir, pattern))
             if not tf.io.gfile.isdir(f)
         )
     if not files:
@@ -649,7 +648,7 @@ class _RecordReader:
             index = self.count_readable(path)
             raise DatasetError(
                 f"{path} is not a readable TFRecord file after {index} records "
-                f"({op_error_cause(err)}); it may be truncated, compressed or of "
+                f"({storage.op_error_cause(err)}); it may be truncated, compressed or of "
                 "another format: re-run the conversion, or move the file out of "
                 "--dataset_dir."
             ) from err
@@ -729,7 +728,7 @@ def _decode_first_images(session, firsts, channels) -> tuple[int, int, int]:
         except tf.errors.OpError as err:
             raise DatasetError(
                 f"The first image of {path} does not decode "
-                f"({op_error_cause(err)}): {ENCODED_KEY!r} must hold PNG, JPEG, "
+                f"({storage.op_error_cause(err)}): {ENCODED_KEY!r} must hold PNG, JPEG, "
                 "GIF, BMP or WebP bytes. Re-run the conversion that wrote the "
                 "file."
             ) from err
@@ -833,7 +832,7 @@ def find_bad_record(
                     except tf.errors.OpError as err:
                         return (
                             f"Record {index} of {path} (after {index} good records) does "
-                            f"not decode ({op_error_cause(err)})"
+                            f"not decode ({storage.op_error_cause(err)})"
                         )
             except DatasetError as err:
                 return str(err)
@@ -853,7 +852,7 @@ def read_label_file(dataset_dir: str, filename: str = LABELS_FILENAME) -> dict[i
     Raises:
       DatasetError: If a line is not ``<int>:<name>`` or the file lists no class.
     """
-    path = _paths.join(dataset_dir, filename)
+    path = storage.join(dataset_dir, filename)
     with tf.io.gfile.GFile(path, "r") as f:
         lines = f.read().splitlines()
     names = {}
@@ -894,7 +893,7 @@ def write_label_file(
       The path written.
     """
     tf.io.gfile.makedirs(dataset_dir)
-    path = _paths.join(dataset_dir, filename)
+    path = storage.join(dataset_dir, filename)
     with tf.io.gfile.GFile(path, "w") as f:
         for label, class_name in enumerate(class_names):
             f.write(f"{label}:{class_name}\n")
@@ -959,7 +958,7 @@ def write_tfrecord(
                 f"with C in {(1, 3) if fmt == 'jpeg' else (1, 3, 4)} for {fmt}."
             )
         arrays.append(image)
-    parent = _paths.dirname(path)
+    parent = storage.dirname(path)
     if parent:
         tf.io.gfile.makedirs(parent)
     with _scratch_session() as session:

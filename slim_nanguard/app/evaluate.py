@@ -8,8 +8,7 @@ from typing import Optional
 import tensorflow as tf
 import tf_slim as slim
 
-from slim_nanguard import _checkpoints
-from slim_nanguard import _errors
+import slim_nanguard
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -105,9 +104,9 @@ def run_eval(config: config_lib.EvalConfig) -> EvalResult:
         raise config_lib.LaunchError(f"run_eval takes an EvalConfig; got {type(config).__name__}.")
     path = checkpoints.resolve_checkpoint(config.checkpoint_path)
     shapes = checkpoints.checkpoint_shapes(path, "--checkpoint_path")
-    bad = _checkpoints.non_finite_variables(path)
+    bad = slim_nanguard.non_finite_variables(path)
     if bad:
-        raise _errors.NonFiniteCheckpointError(
+        raise slim_nanguard.NonFiniteCheckpointError(
             f"checkpoint {path} holds NaN or Inf in {checkpoints.names(list(bad))}; refusing to "
             "evaluate it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' "
             "file)."

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from slim_nanguard import _errors
-from slim_nanguard import _loop
+import slim_nanguard
+from slim_nanguard import StopReason
 from slim_nanguard.app import cluster as cluster_lib
 from slim_nanguard.app import config as config_lib
 from slim_nanguard.app import evaluate
@@ -42,16 +42,16 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
 
 _EXIT_STATUS = {
-    _loop.STOP_POLICY: EXIT_NAN_STOP,
-    cluster_lib.STOP_CLUSTER: EXIT_NAN_STOP,
-    _loop.STOP_INTERRUPTED: EXIT_INTERRUPTED,
-    _loop.STOP_TERMINATED: EXIT_TERMINATED,
+    StopReason.POLICY: EXIT_NAN_STOP,
+    StopReason.CLUSTER_STOP: EXIT_NAN_STOP,
+    StopReason.INTERRUPTED: EXIT_INTERRUPTED,
+    StopReason.TERMINATED: EXIT_TERMINATED,
 }
 
 # Runs the user ended (Ctrl-C, SIGTERM): no evaluation after them, and the word for each.
 _SKIPS_EVALUATION = {
-    _loop.STOP_INTERRUPTED: "interrupted",
-    _loop.STOP_TERMINATED: "terminated",
+    StopReason.INTERRUPTED: "interrupted",
+    StopReason.TERMINATED: "terminated",
 }
 
 
@@ -127,6 +127,6 @@ def train_and_evaluate(
         try:
             evaluation = evaluate.run_eval(eval_config)
             echo(f"  evaluation    {evaluation.describe()}")
-        except (_errors.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
+        except (slim_nanguard.NanGuardError, ValueError, OSError, tf.errors.OpError) as err:
             echo(f"  evaluation    not possible: {report.error_message(err)}")
     return _EXIT_STATUS.get(result.stop_reason, EXIT_OK)

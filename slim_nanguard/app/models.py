@@ -38,9 +38,9 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 import tensorflow as tf
 import tf_slim as slim
+from absl import logging
 
-from slim_nanguard import _log as logging
-from slim_nanguard._errors import NanGuardError
+from slim_nanguard import NanGuardError
 
 __all__ = [
     "DEFAULT_IMAGE_SIZE",

@@ -8,19 +8,17 @@ from typing import Optional
 
 import tensorflow as tf
 
-from slim_nanguard import _checkpoints
-from slim_nanguard import _errors
-from slim_nanguard import _loop
-from slim_nanguard import _policy
-from slim_nanguard._types import Cause
-from slim_nanguard._types import StopReason
+import slim_nanguard
+from slim_nanguard import Cause
+from slim_nanguard import StopReason
+from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
 
 __all__ = ["describe_training", "error_message", "eval_command"]
 
 
 def describe_training(
-    result: _loop.TrainResult, config: Optional[config_lib.TrainConfig] = None
+    result: slim_nanguard.TrainResult, config: Optional[config_lib.TrainConfig] = None
 ) -> str:
     """The summary printed at the end of a run: a few labelled lines.
 
@@ -35,19 +33,19 @@ def describe_training(
     if config is not None and config.max_number_of_steps is not None:
         total = f"/{config.max_number_of_steps}"
     stopped_by = "--nan_policy=stop at a bad step"
-    if config is not None and config.nan_policy != _policy.STOP:
+    if config is not None and config.guard.nan_policy != slim_nanguard.Action.STOP:
         # The launcher has no on_nan: only an escalation stops a run under another policy.
         stopped_by = (
             f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
-            f"{config.max_consecutive_bad_steps} bad steps in a row"
+            f"{config.guard.max_consecutive_bad_steps} bad steps in a row"
         )
     reasons = {
-        _loop.STOP_STEP_LIMIT: "reached the step limit",
-        _loop.STOP_POLICY: f"stopped by {stopped_by}",
-        _loop.STOP_INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
-        _loop.STOP_TERMINATED: "terminated (SIGTERM), stopped cleanly",
-        _loop.STOP_END_OF_DATA: "the input ran out",
-        _loop.STOP_REQUESTED: "a hook asked to stop",
+        StopReason.STEP_LIMIT: "reached the step limit",
+        StopReason.POLICY: f"stopped by {stopped_by}",
+        StopReason.INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
+        StopReason.TERMINATED: "terminated (SIGTERM), stopped cleanly",
+        StopReason.END_OF_DATA: "the input ran out",
+        StopReason.REQUESTED: "a hook asked to stop",
         StopReason.CLUSTER_STOP: "stopped because another worker of the cluster stopped or failed",
     }
     lines = [
@@ -116,18 +114,18 @@ def error_message(err: BaseException) -> str:
     Errors of slim_nanguard (and ValueErrors) carry their own advice; TensorFlow's errors
     are cut to their first line, which names the op and the problem.
     """
-    if isinstance(err, _errors.NanLossError):
+    if isinstance(err, slim_nanguard.NanLossError):
         advice = _GIVE_UP_ADVICE.get(err.cause, _GIVE_UP_ADVICE[Cause.POLICY])
         checkpoint = getattr(err, "checkpoint", None)
         if checkpoint:
-            step = _checkpoints.checkpoint_step(checkpoint)
+            step = storage.checkpoint_step(checkpoint)
             kept = f" (global step {step})" if step is not None else ""
             advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
         return f"{err}\n{advice}"
     if isinstance(err, tf.errors.NotFoundError):
-        return f"{_errors.op_error_cause(err)}\nCheck the file and directory flags."
+        return f"{storage.op_error_cause(err)}\nCheck the file and directory flags."
     if isinstance(err, tf.errors.OpError):
-        text = _errors.op_error_cause(err)
+        text = storage.op_error_cause(err)
         if "decode" in text.lower() or "image" in text.lower():
             return (
                 f"{text}\nAn image in the dataset does not decode: re-run the conversion "

@@ -16,12 +16,10 @@ under `NanGuardError`) whose message names the setting (and its flag) and says w
 from __future__ import annotations
 
 import tensorflow as tf
+from absl import logging
 
-from slim_nanguard import _checkpoints
-from slim_nanguard import _errors
-from slim_nanguard import _log as logging
-from slim_nanguard import _loop
-from slim_nanguard import _paths
+import slim_nanguard
+from slim_nanguard import storage
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -30,7 +28,7 @@ from slim_nanguard.app import datasets
 __all__ = ["run_training"]
 
 
-def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainResult:
+def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.TrainResult:
     """Builds the graph of `config` and trains it with `slim_nanguard.train`.
 
     Everything is checked and the graph built before ``config.train_dir`` is created; if the
@@ -58,13 +56,13 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
         raise config_lib.LaunchError(
             f"run_training takes a TrainConfig; got {type(config).__name__}."
         )
-    train_dir = _paths.absolute(config.train_dir)
+    train_dir = storage.absolute(config.train_dir)
     config_lib.check(
         not tf.io.gfile.exists(train_dir) or tf.io.gfile.isdir(train_dir),
         f"--train_dir={train_dir} is a file, not a directory: choose a directory.",
     )
     existing = (
-        _checkpoints.latest_good_checkpoint(train_dir, repair_state=True)
+        slim_nanguard.latest_good_checkpoint(train_dir, repair_state=True)
         if config.is_chief
         else None
     )
@@ -82,7 +80,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
     try:
         cluster_kwargs = cluster.start(built.graph) if cluster is not None else {}
         with built.graph.as_default():
-            result = _loop.train(
+            result = slim_nanguard.train(
                 built.train_op,
                 train_dir,
                 number_of_steps=config.max_number_of_steps,
@@ -105,7 +103,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> _loop.TrainRes
     except BaseException as err:
         if cluster is not None:
             cluster.finish(None)  # tells the others to stop, and the ps this worker is done
-        if created and config.is_chief and not isinstance(err, _errors.NanLossError):
+        if created and config.is_chief and not isinstance(err, slim_nanguard.NanLossError):
             _remove_if_unused(train_dir)
         reads_files = datasets.DATASETS[config.dataset_name].dataset_dir is not None
         if isinstance(err, tf.errors.OpError) and reads_files:
@@ -128,7 +126,7 @@ def _remove_if_unused(train_dir: str) -> None:
     """Removes a train_dir this run created if it holds no checkpoint past step 0."""
     if not tf.io.gfile.isdir(train_dir):
         return
-    latest = _checkpoints.latest_checkpoint(train_dir)
+    latest = storage.latest_checkpoint(train_dir)
     if latest is not None and not latest.endswith("-0"):
         return
     logging.info("Removing %s: the run failed before it saved any progress.", train_dir)
