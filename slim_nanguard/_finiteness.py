@@ -1,14 +1,16 @@
 """The per-step test: whether a step's loss and gradients are all finite, built once.
 
-Both modes build the same test (`StepTest`): one vector of the loss and the sum of each
-gradient, the exact verdict of `_verdict` on it (element-wise only when a sum is not
-finite), and, with a dynamic loss-scale optimizer, the overflow test. Then each mode puts it
-in front of the writes its own way (`build_gate`):
+Both modes build the same test (`StepTest`): the exact verdict of `_verdict` over the loss
+and the gradients (one reduction pass: the loss plus half the gradients' sum of squares, one
+``L2Loss`` per stack of same-shape gradients; element-wise only when that is not finite),
+the sum of each gradient for the record (summed only on a step whose fast test failed), and,
+with a dynamic loss-scale optimizer, the overflow test. Then each mode puts it in front of
+the writes its own way (`build_gate`):
 
 * check_numerics mode: a `tf.debugging.check_numerics` op on the verdict, which the writes
-  wait on; a bad step raises before any of them runs. The sums are stored on every step
-  before the check raises; the forward pass's writes are put back, and the batch kept for
-  the autopsy, before it raises too.
+  wait on; a bad step raises before any of them runs. The sums are stored on a step whose
+  fast test failed, before the check raises; the forward pass's writes are put back, and the
+  batch kept for the autopsy, before it raises too.
 * hook mode: a ``Switch`` on the verdict; the writes wait on its taken side (the pivot), and
   only the untaken side, live on a bad step, stores the sums, puts the forward pass's writes
   back, keeps the batch and checks that something judges the step (`Guard.mark_judged`).
@@ -39,13 +41,15 @@ class StepTest:
 
     Attributes:
       present: The (gradient, variable) pairs that have a gradient, in order.
-      grad_sums: Vector: the loss, then the sum of each gradient of `present`.
+      grad_sums: Vector: the loss, then the sum of each gradient of `present`. Nothing the
+        train op runs waits on it: it runs when fetched (the autopsy's replay).
       kinds: Int32 variable: what each of the loss and the gradients held (`_verdict` kind
         codes), stored on a step whose fast test failed.
       verdict: The exact `_verdict.Verdict` over the loss and the gradients.
       scaler: The `_OverflowTest` of a dynamic loss-scale optimizer, or None.
-      kept: What a bad step stores for the hook to read: `grad_sums`, and with a loss scale
-        the scale of the step after them.
+      kept: What a bad step stores for the hook to read: the sums of `grad_sums`, built on
+        the verdict's failed branch (`Verdict.when_failed`: a good step does not sum each
+        gradient), and with a loss scale the scale of the step after them.
       diagnostics: The variable `kept` is stored in.
     """
 
@@ -73,11 +77,13 @@ class StepTest:
                 name="value_kinds",
             )
         self.verdict = _verdict.Verdict(
-            [loss] + [g for g, _ in self.present], self.grad_sums, self.kinds
+            [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
-        self.kept, self.scaler = self.grad_sums, None
+        with self.verdict.when_failed():  # The sums a bad step leaves, summed on that step only.
+            self.kept = _gradient_sums(loss, [g for g, _ in self.present])
+        self.scaler = None
         if loss_scale is not None:
-            self.scaler = _OverflowTest(self.grad_sums, loss_scale, self.verdict)
+            self.scaler = _OverflowTest(self.kept, loss_scale, self.verdict)
             self.kept = self.scaler.sums_and_scale
         # The sums are kept for the step that needs them, so that the culprits can be
         # named afterwards. The variable is in no collection: it is neither saved in
@@ -175,8 +181,10 @@ def build_gate(
 
 def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     """Check_numerics mode: a check op the writes wait on; a bad step raises there."""
-    # Stored on every step, before the check raises.
-    ready = [test.diagnostics.assign(test.kept, read_value=False)]
+    # Stored on a step whose fast test failed, before the check raises.
+    store = test.diagnostics.assign(test.kept, read_value=False)
+    test.verdict.confirm_after([store])
+    ready = []
     if forward.snapshots:  # Put back before the check raises.
         ok = test.verdict.ok
         untaken, taken = control_flow_ops.switch(ok, ok)
@@ -258,16 +266,7 @@ def loss_scale_variables(loss_scale) -> list:
 
 def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
     """One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is)."""
-    wide = any(g.dtype.base_dtype == tf.float64 for g in grads) or loss.dtype == tf.float64
-    dtype = tf.float64 if wide else tf.float32
-    parts = [tf.cast(loss, dtype)]
-    for g in grads:
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        if values.dtype.base_dtype != dtype:
-            # Half-precision sums overflow long before the gradient does: widen first.
-            values = tf.cast(values, dtype)
-        parts.append(tf.reduce_sum(values))
-    return tf.stack(parts, name="gradient_sums")
+    return _verdict.tensor_sums([loss] + list(grads), name="gradient_sums")
 
 
 class _OverflowTest:
@@ -285,7 +284,8 @@ class _OverflowTest:
     Attributes:
       floor: The smallest loss scale (`DynamicLossScale` never goes below 1).
       sums_and_scale: The loss, the sum of each gradient, then the loss scale of the step:
-        what the guard keeps for the hook to read.
+        what the guard keeps for the hook to read (it has a value on a step whose fast test
+        failed only, as the sums do).
       finite: Scalar bool, the loss and all gradients finite.
       overflow: Scalar bool, an overflow step.
       unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
@@ -302,7 +302,7 @@ class _OverflowTest:
         self.finite = verdict.ok
         self.overflow = tf.logical_and(
             tf.logical_not(self.finite),
-            tf.logical_and(tf.math.is_finite(grad_sums[0]), scale > self.floor),
+            tf.logical_and(tf.math.is_finite(verdict.tensors[0]), scale > self.floor),
             name="loss_scale_overflow",
         )
         checked = verdict.checked

@@ -27,14 +27,17 @@ class GraphHandles:
       train_op: The train op tensor `create_train_op` returned.
       loss: The user's total loss tensor.
       global_step: The global step variable, or None.
-      grad_sums: The loss, then the sum of each gradient, as one vector.
+      grad_sums: The loss, then the sum of each gradient, as one vector. The train op does
+        not run it (a good step reduces stacks of gradients, `_verdict.Verdict`): it is
+        computed when fetched.
       ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
         None in check_numerics mode, whose check raises instead, unless the optimizer scales
         the loss dynamically: then it is False on an overflow step, which does not raise.
         None too when the train op was built in a loop body (``in_loop``).
-      diagnostics: The variable a bad step leaves its ``grad_sums`` in (check_numerics mode
-        stores them before every check; hook mode only on the bad branch); with a dynamic
-        loss-scale optimizer the loss scale of the step follows the sums.
+      diagnostics: The variable a bad step leaves its ``grad_sums`` in, summed and stored only
+        on a step whose fast test failed (check_numerics mode before its check raises; hook
+        mode on the bad branch); with a dynamic loss-scale optimizer the loss scale of the
+        step follows the sums.
       check_op_name: The name of the check_numerics op (check_numerics mode), else None.
       variable_names: The variables trained, in the order of ``grad_sums[1:]``.
       lr_scale: The variable the learning rate is multiplied by (a rollback lowers it), or
@@ -52,7 +55,7 @@ class GraphHandles:
         optimizer, the gate of every write but the scale's. None otherwise.
       capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      value_kinds: The int32 variable a step whose sums were not all finite leaves the exact
+      value_kinds: The int32 variable a step whose fast test failed leaves the exact
         kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
         `_verdict.kind_name`), or None.
     """

@@ -3,9 +3,9 @@
 Contract of a guarded train op (both modes)::
 
     loss, grads = forward_and_backward(batch)        # always runs
-    sums = [loss] + [reduce_sum(g) for g in grads]   # one reduction per gradient
-    ok = isfinite(sum(sums))                         # one scalar test, in-graph
-    if not ok:                                       # a sum may overflow: confirm exactly
+    total = loss + l2_loss(stack(same_shape_grads))  # one reduction per stack of grads
+    ok = isfinite(total)                             # one scalar test, in-graph
+    if not ok:                                       # squares may overflow: confirm exactly
         kinds = [nan?, inf? of each of loss, grads]  # element-wise, on this branch only
         ok = all(kind == finite for kind in kinds)
     if ok:
@@ -42,11 +42,13 @@ variable write wait on it (and puts back what the forward pass wrote); `_learnin
 the scale a rollback lowers the learning rate by. `create_train_op` calls them in that order
 and registers the `Guard` that the loops and the hook find.
 
-A sum of a gradient is NaN or Inf when an element is, so a finite sum proves a gradient finite
-and a good step pays one reduction per gradient instead of an element-wise `is_finite` and its
-boolean tensor. Finite elements can also add up past the float range (1,000 elements of 1e36 in
-float32), so a non-finite sum is confirmed element by element before the step is called bad
-(`_verdict.Verdict`); that test also says what each value held (NaN, Inf), for the record.
+A square is NaN or Inf when its element is, so a finite sum of squares proves the gradients
+finite: a good step pays one ``L2Loss`` per stack of same-shape gradients (and one ``AddN``
+with the loss) instead of an element-wise `is_finite` and its boolean tensor, and the same sum
+gives the global gradient norm (`_verdict.Verdict.global_norm`). Finite squares can also add up
+past the float range (1,000 elements of 1e36 in float32), so a non-finite sum is confirmed
+element by element before the step is called bad (`_verdict.Verdict`); that test also says what
+each value held (NaN, Inf), and only that branch sums each gradient for the record.
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ def create_train_op(
     `tf_slim.training.create_train_op`; it runs after the multipliers and the clipping.
 
     What runs on a step whose loss or any gradient is NaN or Inf: the forward and backward pass,
-    one reduction per gradient and the test, then (the sums being non-finite) an element-wise
-    test that confirms it and says what each value held. A step whose values are all finite
+    one sum-of-squares reduction per stack of same-shape gradients and the test, then (that
+    sum being non-finite) an element-wise test that confirms it and says what each value held,
+    and the sum of each gradient for the record. A step whose values are all finite
     trains, even when its sums overflow (a huge gradient). What does not run: every variable
     update. The
     trainable variables, the optimizer's slots and accumulators, ``global_step`` and every

@@ -1,11 +1,14 @@
-"""An exact finiteness verdict that costs a good step one sum per tensor and no more.
+"""An exact finiteness verdict and the global gradient norm, from one cheap reduction pass.
 
-A sum of a tensor is NaN or Inf whenever an element is, so a sum that is finite proves every
-element finite: that is the fast test, and it never misses a bad value. The converse does not
-hold: finite elements can add up past the float range (1,000 elements of 1e36 in float32), so a
-non-finite sum only says "maybe". The verdict is exact all the same: when the fast test fails,
-and only then, each tensor is tested element by element (``reduce_any(is_nan)``,
-``reduce_any(is_inf)``), which also says what it holds. A good step runs none of that.
+A square is NaN or Inf whenever its element is, so a finite sum of squares proves every
+element finite: that is the fast test, and it never misses a bad value. The same sum is the
+global gradient norm's. A good step pays one ``L2Loss`` per group of gradients (those of one
+dtype and shape are stacked into one), not one reduction per gradient. The converse does not
+hold: finite elements can square and add up past the float range (1,000 elements of 1e36 in
+float32), so a non-finite sum only says "maybe". The verdict is exact all the same: when the
+fast test fails, and only then, each tensor is tested element by element
+(``reduce_any(is_nan)``, ``reduce_any(is_inf)``), which also says what it holds, and the norm
+is summed again in float64. A good step runs none of that.
 
 Kinds are small integers, one per tensor: ``0`` finite, ``1`` NaN, ``2`` Inf, ``3`` both
 (`kind_name` turns them into the names a record carries).
@@ -13,7 +16,8 @@ Kinds are small integers, one per tensor: ``0`` finite, ``1`` NaN, ``2`` Inf, ``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import contextlib
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -65,52 +69,126 @@ def describe(bad: Sequence[Tuple[str, str]], limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-class Verdict:
-    """The finiteness test of a step: a fast sum, confirmed exactly on its failure only.
+def accumulation_dtype(tensors: Sequence) -> tf.DType:
+    """float64 if one of `tensors` is float64, else float32: what their reductions add in
+    (half-precision values are widened first, their sums overflowing long before they do)."""
+    wide = any(_values(t).dtype.base_dtype == tf.float64 for t in tensors)
+    return tf.float64 if wide else tf.float32
 
-    A good step (the fast test passes) runs the sum, two ``IsFinite``, one ``Switch`` and one
-    ``Merge``; the element-wise test runs only where the fast test failed. (A ``Switch`` of
-    the test on itself would save an ``IsFinite``, but TensorFlow's constant folding turns its
-    outputs into constants with a control edge each, which costs more.)
+
+def tensor_sums(tensors: Sequence, name: str = "sums") -> tf.Tensor:
+    """One vector: the sum of each of `tensors` (NaN or Inf when an element is), in
+    `accumulation_dtype`. `tf.IndexedSlices` are summed by their values."""
+    dtype = accumulation_dtype(tensors)
+    return tf.stack([tf.reduce_sum(_widened(_values(t), dtype)) for t in tensors], name=name)
+
+
+def _values(tensor) -> tf.Tensor:
+    return tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+
+
+def _widened(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tensor if tensor.dtype.base_dtype == dtype else tf.cast(tensor, dtype)
+
+
+# The largest stack of same-shape tensors `half_squares` makes, in bytes. A stack copies its
+# tensors; above about 128 KiB the allocator maps fresh pages for it on every step, and the
+# copy costs more than the reductions it saves (docs/performance.md has the measurements).
+_STACK_BYTES = 1 << 16
+
+
+def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
+    """Scalars in `dtype` that add up to half the sum of squares of every element of `tensors`.
+
+    Each scalar is one `tf.nn.l2_loss` (one kernel: square, add, halve) over a group of
+    tensors, so a step runs one reduction per group rather than one per tensor: tensors of
+    one dtype and one static shape are stacked, up to `_STACK_BYTES` a stack; any other is
+    reduced alone. Half-precision groups are widened to `dtype` first. A scalar is NaN or Inf
+    when an element of its group is, or when the squares add up past `dtype`'s range.
+    """
+    by_shape: Dict[object, List[tf.Tensor]] = {}
+    for i, t in enumerate(tensors):
+        v = _values(t)
+        key = (v.dtype.base_dtype, tuple(v.shape.as_list())) if v.shape.is_fully_defined() else i
+        by_shape.setdefault(key, []).append(v)
+    halves = []
+    for group in by_shape.values():
+        size = group[0].shape.num_elements() or 0
+        per_stack = max(1, _STACK_BYTES // max(1, size * group[0].dtype.size))
+        for start in range(0, len(group), per_stack):
+            chunk = group[start : start + per_stack]
+            stacked = chunk[0] if len(chunk) == 1 else tf.stack(chunk, name="same_shape")
+            halves.append(tf.nn.l2_loss(_widened(stacked, dtype)))
+    return halves
+
+
+class Verdict:
+    """The finiteness test of a step and its global gradient norm, from one reduction pass.
+
+    The fast test is one sum: the loss plus half the sum of squares of every gradient element
+    (`half_squares`: one ``L2Loss`` per group of gradients, not one reduction per gradient).
+    A square is NaN or Inf when its element is, so a finite total proves every value finite.
+    The converse does not hold: finite squares can add up past the float range (float32
+    squares overflow from 1.8e19, and 1,000 gradients of 1e36 do), so a non-finite total only
+    says "maybe". The verdict is exact all the same: when the fast test fails, and only then,
+    each tensor is tested element by element (`kind_code`), which also says what it holds.
+
+    A good step runs the group reductions, one ``AddN``, an ``IsFinite``, a ``Switch`` and
+    a ``Merge`` (and the ``IsFinite`` of `ok` where it is used). (A ``Switch`` of the test on
+    itself would save an ``IsFinite``, but TensorFlow's constant folding turns its outputs
+    into constants with a control edge each, which costs more.)
 
     Attributes:
-      total: The sum of `sums` (scalar).
+      tensors: The loss (if given), then the gradients: what `kinds` describes, in order.
+      total: The loss plus half the gradients' sum of squares, in `accumulation_dtype`.
       fast: ``is_finite(total)``: True proves every value finite; False means "maybe not".
       kinds: Int32 vector, the kind code of each of `tensors`; it has a value only on a step
         whose fast test failed.
       checked: A scalar that is non-finite exactly when a value of `tensors` is: `total`
-        itself when the fast test passes (so a check of it costs what a check of `total`
-        did), else 0.0 when every value is finite, NaN when one is NaN, else Inf.
+        itself when the fast test passes, else 0.0 when every value is finite, NaN when one is
+        NaN, else Inf.
       ok: Scalar bool, exact: ``is_finite(checked)``, True when every value of `tensors` is
         finite.
+      global_norm: Float64 scalar, the square root of the sum of squares of every gradient
+        element (`tf.IndexedSlices` by their values, as `tf.clip_by_global_norm` takes them).
+        It comes from the fast test's reductions when that passes (nothing more is reduced);
+        when it fails, it is summed again in float64 on that branch only, so it is finite
+        whenever every element is (float32 and float16 squares cannot overflow float64;
+        float64 gradients beyond about 1e154 still can), and NaN or Inf when one is.
+        Nothing runs for it on a step that does not fetch it.
     """
 
     def __init__(
         self,
-        tensors: Sequence[tf.Tensor],
-        sums: tf.Tensor,
+        gradients: Sequence,
+        *,
+        loss: Optional[tf.Tensor] = None,
         kinds_variable: Optional[tf.Variable] = None,
     ):
         """Builds the test.
 
         Args:
-          tensors: The values judged (a loss, gradients; `tf.IndexedSlices` are judged by
-            their values).
-          sums: A vector whose sum is non-finite whenever a value of `tensors` is (the sum of
-            each tensor, say).
+          gradients: The gradients judged (`tf.IndexedSlices` are judged by their values).
+          loss: The loss, judged as it is (not squared), or None.
           kinds_variable: An int32 variable of ``len(tensors)`` elements, or None. On a step
             whose fast test fails it is assigned `kinds` before `checked` has a value.
         """
-        with tf.name_scope("verdict"):
-            self.total = tf.reduce_sum(sums)
+        self.tensors = ([] if loss is None else [loss]) + list(gradients)
+        self._gradients = len(gradients)
+        dtype = accumulation_dtype(self.tensors)
+        with tf.name_scope("verdict") as self._scope:
+            halves = half_squares(gradients, dtype)
+            head = [] if loss is None else [_widened(loss, dtype)]
+            self.total = tf.math.add_n(head + halves, name="total")
             self.fast = tf.math.is_finite(self.total, name="fast_all_finite")
             # switch returns (output_false, output_true): the first has a value, so what is built
             # on it runs, only when the fast test failed.
-            failed, passed = control_flow_ops.switch(self.total, self.fast)
+            failed, self._passed = control_flow_ops.switch(self.total, self.fast)
             # A control edge from the Identity of a dead output carries deadness: nothing built
             # under it runs on a step the fast test passed.
-            with tf.control_dependencies([tf.identity(failed, name="confirm")]):
-                self.kinds = tf.stack([kind_code(t) for t in tensors], name="kinds")
+            self._failed = tf.identity(failed, name="confirm")
+            with self.when_failed():
+                self.kinds = tf.stack([kind_code(t) for t in self.tensors], name="kinds")
                 stored = (
                     []
                     if kinds_variable is None
@@ -121,8 +199,44 @@ class Verdict:
                     inf = tf.reduce_any(tf.greater_equal(self.kinds, 2))
                     code = tf.cast(nan, tf.int32) + 2 * tf.cast(inf, tf.int32)
                     # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
-                    confirmed = tf.gather(
-                        tf.constant([0.0, np.nan, np.inf, np.nan], self.total.dtype), code
+                    self._confirmed = tf.gather(
+                        tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code
                     )
-            self.checked = control_flow_ops.merge([passed, confirmed], name="exact_total")[0]
+            self.checked = control_flow_ops.merge(
+                [self._passed, self._confirmed], name="exact_total"
+            )[0]
             self.ok = tf.math.is_finite(self.checked, name="all_finite")
+        self._halves = halves
+        self._global_norm = None
+
+    @property
+    def global_norm(self) -> tf.Tensor:
+        """The global gradient norm (see the class docstring); built on first use, so a train
+        op that never asks for it has none of its ops. Ask for it in the graph and the
+        control-flow context the verdict was built in."""
+        if self._global_norm is None:
+            with tf.name_scope(self._scope), tf.name_scope("global_norm"):
+                _, cheap = control_flow_ops.switch(tf.math.add_n(list(self._halves)), self.fast)
+                gradients = self.tensors[len(self.tensors) - self._gradients :]
+                with self.when_failed():
+                    wide = tf.math.add_n(
+                        [tf.nn.l2_loss(_widened(_values(g), tf.float64)) for g in gradients]
+                    )
+                half = control_flow_ops.merge([_widened(cheap, tf.float64), wide])[0]
+                self._global_norm = tf.sqrt(2.0 * half, name="value")
+        return self._global_norm
+
+    @contextlib.contextmanager
+    def when_failed(self) -> Iterator[None]:
+        """Ops built in this block run only on a step whose fast test failed (on a step it
+        passed they are dead, so skipped)."""
+        with tf.control_dependencies([self._failed]):
+            yield
+
+    def confirm_after(self, ops: Sequence) -> None:
+        """Makes the exact test wait on `ops`, built in `when_failed`: on a step whose fast
+        test failed they run before `checked` has a value (a check of it raises only after
+        them), and on any other step they do not run. No op is added to a good step."""
+        # The confirmed value's op is already built: TensorFlow has no public API that adds
+        # an input to it.
+        self._confirmed.op._add_control_inputs([getattr(op, "op", op) for op in ops])  # pylint: disable=protected-access

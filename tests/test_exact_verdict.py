@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import _checkpoints
+from slim_nanguard import _verdict
 
 import nanguard_testlib as lib
 
@@ -100,8 +101,8 @@ def test_a_thousand_gradients_of_1e36_make_a_good_step(mode):
 
 
 def _fast_test_passes(model: _Model, **feed) -> bool:
-    """What the guard's cheap test (one float32 sum of the per-gradient sums) says of a step
-    of `model` fed `feed`, read without training."""
+    """What the guard's cheap test (the loss plus half the gradients' float32 sum of squares)
+    says of a step of `model` fed `feed`, read without training."""
     graph = model.train_op.graph
     fast = graph.get_tensor_by_name("nanguard/verdict/fast_all_finite:0")
     with tf.compat.v1.Session(graph=graph) as sess:
@@ -343,3 +344,117 @@ def test_a_chief_applies_an_aggregated_gradient_of_1e36_in_each_of_1000_elements
                 time.sleep(0.1)
             assert raw.run(global_step) == 1
             np.testing.assert_allclose(raw.run(huge), -1.0, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ one reduction pass
+
+
+def _verdict_of(arrays, loss=0.0, sparse=()):
+    """A `Verdict` over constant gradients (`tf.IndexedSlices` for the indices in `sparse`),
+    and its values: ``fast``, ``ok``, the kinds and the global norm."""
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = []
+        for i, a in enumerate(arrays):
+            value = tf.constant(a)
+            if i in sparse:
+                value = tf.IndexedSlices(value, tf.range(a.shape[0]), tf.constant([50, 2]))
+            grads.append(value)
+        verdict = _verdict.Verdict(grads, loss=tf.constant(loss, tf.float32))
+        with tf.compat.v1.Session() as sess:
+            fast, ok, norm = sess.run([verdict.fast, verdict.ok, verdict.global_norm])
+            kinds = sess.run(verdict.kinds) if not fast else None
+    return fast, ok, kinds, norm
+
+
+def _numpy_norm(arrays) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(a.astype(np.float64))) for a in arrays)))
+
+
+def _gradients(rng, dtype=np.float32):
+    """Seven gradients: four of one shape (stacked together), two more of another, a vector."""
+    return [rng.standard_normal(s).astype(dtype) for s in [(8, 8)] * 4 + [(3,)] * 2 + [(5,)]]
+
+
+def test_a_good_steps_norm_is_the_global_norm():
+    arrays = _gradients(np.random.default_rng(0))
+    fast, ok, kinds, norm = _verdict_of(arrays, loss=2.5)
+    assert fast and ok and kinds is None
+    np.testing.assert_allclose(norm, _numpy_norm(arrays), rtol=1e-6)
+    # The same as TensorFlow's own, which reduces each gradient alone.
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        expected = sess.run(tf.linalg.global_norm([tf.constant(a) for a in arrays]))
+    np.testing.assert_allclose(norm, expected, rtol=1e-6)
+
+
+def test_sparse_and_float16_gradients_count_in_the_norm():
+    rng = np.random.default_rng(1)
+    arrays = [
+        rng.standard_normal((4, 2)).astype(np.float32),  # IndexedSlices values
+        np.full((4, 2), F16_MAX, np.float16),  # a float16 sum of two would be Inf
+        np.full((4, 2), -F16_MAX, np.float16),
+    ]
+    fast, ok, _, norm = _verdict_of(arrays, sparse=(0,))
+    assert fast and ok
+    np.testing.assert_allclose(norm, _numpy_norm(arrays), rtol=1e-6)
+
+
+def test_an_overflowing_sum_of_finite_squares_has_a_finite_float64_norm():
+    """1,000 elements of 1e36: their float32 squares overflow, so the fast test fails; the
+    values are finite, and the norm is summed again in float64 on that branch."""
+    arrays = [np.full([HUGE], 1e36, np.float32), np.ones([3], np.float32)]
+    fast, ok, kinds, norm = _verdict_of(arrays)
+    assert not fast and ok and list(kinds) == [0, 0, 0]
+    np.testing.assert_allclose(norm, _numpy_norm(arrays), rtol=1e-6)
+    assert np.isfinite(norm) and norm > F32_MAX / 1e2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_bad_value_in_a_stacked_group_names_its_own_tensor_only(dtype, bad):
+    arrays = _gradients(np.random.default_rng(2), dtype)
+    arrays[2][3, 4] = bad  # the third of the four stacked (8, 8) gradients
+    fast, ok, kinds, norm = _verdict_of(arrays)
+    code = 1 if np.isnan(bad) else 2
+    assert not fast and not ok
+    assert list(kinds) == [0, 0, 0, code, 0, 0, 0, 0]  # the loss first
+    assert np.isnan(norm) if code == 1 else norm == np.inf
+
+
+@pytest.mark.parametrize(
+    "value,dtype",
+    [(F32_MAX, np.float32), (np.sqrt(F32_MAX) * 2, np.float32), (F16_MAX, np.float16)],
+    ids=["float32_max", "square_past_float32_max", "float16_max"],
+)
+def test_values_near_the_float_limits_are_finite(value, dtype):
+    arrays = _gradients(np.random.default_rng(3), dtype)
+    arrays[1][0, 0] = value
+    arrays[5][0] = -value
+    fast, ok, kinds, norm = _verdict_of(arrays)
+    assert ok and (fast or list(kinds) == [0] * 8)
+    np.testing.assert_allclose(norm, _numpy_norm(arrays), rtol=1e-6)
+
+
+def test_a_good_step_runs_fewer_reductions_than_there_are_gradients():
+    """Gradients of one shape are reduced together: 30 of them, a handful of reductions."""
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [
+            tf.compat.v1.get_variable(f"v{i}", [16, 16], use_resource=True) for i in range(30)
+        ]
+        loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in variables])
+        train_op = slim_nanguard.create_train_op(
+            loss, tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        )
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            metadata = tf.compat.v1.RunMetadata()
+            sess.run(
+                train_op,
+                options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                run_metadata=metadata,
+            )
+    ran = [n.node_name for d in metadata.step_stats.dev_stats for n in d.node_stats]
+    types = [graph.get_operation_by_name(n).type for n in ran if n.startswith("nanguard/")]
+    reductions = [t for t in types if t in ("Sum", "L2Loss", "IsNan", "IsInf")]
+    assert 0 < len(reductions) <= 5, types
