@@ -65,7 +65,7 @@ class StepTest:
         graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         self.grad_sums = _gradient_sums(loss, [g for g, _ in self.present])
-        # What each of the loss and the gradients held, stored when the sums' fast test
+        # What each of the loss and the gradients held, stored when the verdict's fast test
         # fails (exact: a finite value is never called NaN or Inf). Like the variable of
         # the sums below: in no collection, only read after a write.
         with _capture.guard_variable_scope(graph, self.grad_sums):
