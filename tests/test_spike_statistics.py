@@ -1,4 +1,5 @@
-"""The spike test's running statistics, step by step, against the same arithmetic in NumPy.
+"""The spike test's running statistics, step by step, against the same arithmetic in NumPy
+(z-scores of the logarithms of the loss and the gradient norm, over the accepted steps).
 
 A small graph is fed a loss and a gradient norm per step and told whether the step was
 accepted; the statistics must follow the accepted steps only, wake up after the warm-up,
@@ -92,9 +93,8 @@ def test_the_window_forgets_the_old_scale():
     steps = _Steps(window=8, warmup_steps=5, sigma=3.0)
     for loss in np.linspace(100.0, 10.0, 20):
         steps.step(float(loss), 1.0, accept=True)
-    np.testing.assert_allclose(
-        steps.sess.run(steps.test.mean)[0], np.mean(np.float32(np.linspace(100.0, 10.0, 20))[-8:])
-    )
+    last = np.float32(np.linspace(100.0, 10.0, 20))[-8:]
+    np.testing.assert_allclose(steps.sess.run(steps.test.mean)[0], np.mean(np.log(last)))
 
 
 def test_a_non_finite_value_is_left_to_the_finiteness_test():
@@ -114,8 +114,8 @@ def test_a_non_finite_value_is_left_to_the_finiteness_test():
 
 
 def test_a_constant_loss_does_not_make_the_first_small_change_a_spike():
-    """The deviation of a constant loss is 0; its floor (a thousandth of the mean) keeps a
-    change of a fraction of a percent ordinary, while a doubling is still a spike."""
+    """The deviation of a constant loss is 0; its floor (a factor of 1.05) keeps a change of a
+    fraction of a percent ordinary, while a doubling is still a spike."""
     steps = _Steps(window=8, warmup_steps=3)
     for _ in range(5):
         steps.step(2.0, 1.0)
@@ -136,6 +136,35 @@ def test_the_statistics_are_saved_and_restored_with_the_checkpoint(tmp_path):
     restored = steps.variables()
     np.testing.assert_array_equal(restored[0], saved[0])
     assert restored[1] == saved[1] == 3
+
+
+def test_a_heavy_tailed_loss_late_in_training_is_not_a_spike():
+    """Most batches near 0.01, one in ten near 0.1: ordinary for a small batch late in
+    training (a linear z-score would call the 0.1 batches 6-sigma spikes)."""
+    steps = _Steps(window=128, warmup_steps=20)
+    rng = np.random.default_rng(1)
+    losses = np.where(rng.random(300) < 0.1, 0.1, 0.01) * np.exp(rng.normal(0, 0.3, 300))
+    linear = []
+    for loss in losses:
+        if len(steps.kept) >= 20:
+            recent = np.array(steps.kept[-128:])[:, 0]
+            linear.append((loss - recent.mean()) / recent.std())
+        assert steps.step(float(loss), 1.0)[1] is False
+    assert max(linear) > 6  # what a linear z-score would have flagged
+    assert steps.step(30.0, 1.0)[1] is True  # a loss 1,000 times the usual still is a spike
+
+
+def test_a_loss_that_is_not_positive_is_never_a_spike_nor_counted():
+    steps = _Steps(window=8, warmup_steps=3)
+    for loss in [2.0, 2.1, 1.9, 2.0]:
+        steps.step(loss, 1.0)
+    for loss in [0.0, -5.0]:
+        z, spike = steps.step(loss, 1.0)
+        assert z[0] == 0.0 and not spike
+    np.testing.assert_allclose(
+        steps.sess.run(steps.test.mean)[0], np.mean(np.log(np.float32([2.0, 2.1, 1.9, 2.0])))
+    )
+    assert np.isnan(_spike.reference_z_scores([(2.0, 1.0)], (0.0, 1.0))[0])
 
 
 @pytest.mark.parametrize(
