@@ -113,6 +113,14 @@ def test_each_kind_corrupts_only_the_chosen_batch(kind, images_ok, loss_check, g
             assert loss == pytest.approx(4.0)
 
 
+def test_spike_input_scales_the_chosen_batch_and_keeps_it_finite():
+    """A finite spike: batch 2's images times 1,000, so its loss is 1,000 times the others'."""
+    rows = _run_injected("spike_input:2,nan_input:3")
+    assert [float(loss) for _, _, loss, _ in rows[:3]] == [4.0, 4.0, 4000.0]
+    assert rows[2][1] and rows[2][3]  # every image value and gradient finite
+    assert not rows[3][1]  # beside a NaN fault of another batch
+
+
 def test_nan_gradient_keeps_the_loss_value():
     rows = _run_injected("nan_gradient:1")
     assert rows[1][2] == pytest.approx(4.0)

@@ -8,6 +8,7 @@ A fault is a kind and a batch index, written ``KIND:STEP`` (the launcher's
     nan_loss:40         the loss of batch 40 is NaN (its gradients stay finite)
     inf_loss:40         the loss of batch 40 is +Inf (its gradients stay finite)
     nan_gradient:40     the loss of batch 40 is finite, but every gradient is NaN
+    spike_input:40      the images of batch 40 scaled by 1,000: finite, a loss spike
     nan_loss:40-49      ten bad batches in a row (watch max_consecutive_bad_steps)
 
 The index counts the batches the input pipeline hands out, from 0, carried with the data
@@ -52,8 +53,10 @@ INF_INPUT = "inf_input"
 NAN_LOSS = "nan_loss"
 INF_LOSS = "inf_loss"
 NAN_GRADIENT = "nan_gradient"
+SPIKE_INPUT = "spike_input"
+SPIKE_SCALE = 1000.0
 
-INPUT_KINDS = (NAN_INPUT, INF_INPUT)
+INPUT_KINDS = (NAN_INPUT, INF_INPUT, SPIKE_INPUT)
 LOSS_KINDS = (NAN_LOSS, INF_LOSS, NAN_GRADIENT)
 FAULT_KINDS = INPUT_KINDS + LOSS_KINDS
 
@@ -182,10 +185,16 @@ class FaultInjector:
         return any(f.kind in kinds for f in self.faults)
 
     def corrupt_images(self, images: tf.Tensor) -> tf.Tensor:
-        """`images` with its first value NaN (``nan_input``) or +Inf (``inf_input``) on a hit."""
+        """`images` with its first value NaN (``nan_input``) or +Inf (``inf_input``), or all its
+        values times `SPIKE_SCALE` (``spike_input``, finite), on a hit."""
         if not self._has(INPUT_KINDS):
             return images
         with tf.name_scope("inject_fault/input"):
+            if self._has([SPIKE_INPUT]):
+                scale = tf.where(self._hit([SPIKE_INPUT]), SPIKE_SCALE, 1.0)
+                images = images * tf.cast(scale, images.dtype)
+            if not self._has([NAN_INPUT, INF_INPUT]):
+                return images
             first = tf.reshape(images, [-1])[0]
             value = first
             for kind, bad in ((NAN_INPUT, float("nan")), (INF_INPUT, float("inf"))):

@@ -1,0 +1,173 @@
+"""The spike test: is this step's loss or gradient norm far above those of the accepted steps?
+
+A NaN is the end of a divergence, not its start: the loss or the gradient norm jumps first, the
+weights take the jump, and the NaN comes later. The spike test is one more reason to close the
+gate that keeps a bad step from writing anything.
+
+The window is OLMo-core's: the last `window` (128) accepted steps, a step being a spike when
+its value is more than `sigma` (6) deviations above their mean, once `warmup_steps` (20) steps
+were accepted. A window, not an exponential average (ZClip's): it forgets an old scale in
+`window` steps exactly, and its figures in a record (mean and deviation of the last N steps)
+say what a reader expects. Like llm.c after its fix, only accepted steps enter it, so a run of
+outliers is never absorbed as normal: it ends in the escalation of `max_consecutive_bad_steps`.
+
+Unlike OLMo-core, the statistics are of the **logarithm** of each value. A loss and a gradient
+norm are positive and their noise is multiplicative: late in training most batches of 32 have
+a loss near 0.01 and a few near 0.1, so a linear z-score calls such a batch a 6-sigma spike
+(measured on the shipped LeNet config: z = 6.3 at step 930 of a clean run; the MLP's gradient
+norm at step 61 of a clean run: z = 6.0), while in log space neither goes above 5.2 and the
+planted spike of ``configs/spike_skip.cfg`` (a batch scaled by 1,000) stands at z = 15.8 on
+its gradient norm. A value that is not positive (a loss of 0 or below) has no logarithm: it
+is never a spike and never enters the statistics of its column.
+
+The statistics live in one float64 variable (a ring of `window` rows of ``[loss, norm]``) and
+an int64 count of accepted steps: they are saved with each checkpoint, restored by a rollback
+and read on the device, with no host round trip. The deviation is floored at `FLOOR` (a value
+5% above the mean of a constant series is one deviation up, not a spike).
+
+`reference_z_scores` is the same arithmetic in NumPy, pure, for tests and for reading a
+record back.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+# The least deviation of the logarithms (a factor of about 1.05).
+FLOOR = 0.05
+COLUMNS = ("loss", "norm")
+
+
+class SpikeTest:
+    """The spike test of a step, against the statistics of the accepted steps before it.
+
+    Attributes:
+      history: float64 variable ``[window, 2]``, the ``[loss, norm]`` of the last accepted
+        steps (a ring, oldest overwritten).
+      count: int64 variable, the number of steps accepted since the statistics began.
+      mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
+      std: float64 ``[2]``, their deviation, floored at `FLOOR`.
+      z: float64 ``[2]``, the step's z-scores of loss and norm (0 during a column's warm-up
+        and for a value that is not positive or not finite: the finiteness test judges those).
+      spike: Scalar bool, True when warm-up is over and a z-score exceeds `sigma`.
+    """
+
+    def __init__(
+        self,
+        loss: tf.Tensor,
+        norm: tf.Tensor,
+        *,
+        sigma: float,
+        warmup_steps: int,
+        window: int = 128,
+    ):
+        """Builds the statistics' variables and the test; call `update` for the write.
+
+        Args:
+          loss: The step's scalar loss.
+          norm: The step's global gradient norm (a scalar; float64 keeps a finite norm
+            finite, float32 is widened).
+          sigma: How many deviations above the mean make a spike (> 0).
+          warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
+          window: How many accepted steps the statistics cover.
+        """
+        if not sigma > 0:
+            raise ValueError(f"spike_sigma must be > 0; got {sigma!r}.")
+        if not 2 <= warmup_steps <= window:
+            raise ValueError(
+                f"spike_warmup_steps must be between 2 and {window} (the window of the "
+                f"statistics); got {warmup_steps!r}."
+            )
+        self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
+        with tf.compat.v1.variable_scope("nanguard_spike", reuse=tf.compat.v1.AUTO_REUSE):
+            self.history = tf.compat.v1.get_variable(
+                "history",
+                [window, len(COLUMNS)],
+                tf.float64,
+                tf.compat.v1.zeros_initializer(),
+                trainable=False,
+                use_resource=True,
+            )
+            self.count = tf.compat.v1.get_variable(
+                "count",
+                [],
+                tf.int64,
+                tf.compat.v1.zeros_initializer(),
+                trainable=False,
+                use_resource=True,
+            )
+        with tf.name_scope("nanguard/spike"):
+            self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
+            count = self.count.read_value()
+            n = tf.minimum(count, window)
+            history = self.history.read_value()
+            filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
+            self.mean, self.std, kept = _log_statistics(history, filled)
+            usable = tf.logical_and(tf.math.is_finite(self.values), self.values > 0)
+            logs = tf.math.log(tf.where(usable, self.values, tf.ones_like(self.values)))
+            warm = kept >= self.warmup_steps
+            z = (logs - self.mean) / self.std
+            self.z = tf.where(tf.logical_and(usable, warm), z, tf.zeros_like(z))
+            self.spike = tf.reduce_any(self.z > self.sigma, name="is_spike")
+            self._count_now = count
+
+    def update(self, accepted: tf.Tensor) -> tf.Operation:
+        """The write of an accepted step's values into the statistics; a step not accepted
+        writes back what was there (no value changes), so the op may run on every step.
+
+        Args:
+          accepted: Scalar bool, True when the step's update was applied.
+        """
+        # After this step's statistics are read: the write must not race the reads.
+        with tf.name_scope("nanguard/spike/update"), tf.control_dependencies([self.z, self.std]):
+            row = tf.math.floormod(self._count_now, self.window)
+            old = tf.gather(self.history.read_value(), row)
+            new = tf.where(accepted, self.values, old)
+            written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
+            counted = self.count.assign_add(tf.cast(accepted, tf.int64), read_value=False)
+            return tf.group(written, counted, name="update")
+
+    def report(self) -> Dict[str, tf.Tensor]:
+        """The tensors a spike's record holds: the values, their z-scores and the statistics
+        they were measured against (``[loss, norm]`` each), and the count."""
+        return {
+            "values": self.values,
+            "z": self.z,
+            "mean": self.mean,
+            "std": self.std,
+            "count": self._count_now,
+        }
+
+
+def _log_statistics(history: tf.Tensor, filled: tf.Tensor):
+    """Mean and floored deviation of the logarithms of the positive entries of each column of
+    `history` among the rows `filled`, and how many entries each column has."""
+    usable = tf.logical_and(filled, history > 0)
+    weight = tf.cast(usable, tf.float64)
+    logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))
+    kept = tf.reduce_sum(weight, axis=0)
+    size = tf.maximum(kept, 1.0)
+    mean = tf.reduce_sum(logs * weight, axis=0) / size
+    spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
+    return mean, tf.maximum(tf.sqrt(spread), FLOOR), tf.cast(kept, tf.int64)
+
+
+def reference_z_scores(
+    accepted: Sequence[Tuple[float, float]], value: Tuple[float, float], *, window: int = 128
+) -> np.ndarray:
+    """The z-scores of ``value = (loss, norm)`` against the last `window` of the `accepted`
+    ``(loss, norm)`` pairs, in NumPy: of the logarithms of the positive values (population
+    deviation floored at `FLOOR`); NaN for a value that is not positive."""
+    recent = np.asarray(accepted[-window:], dtype=np.float64).reshape(-1, len(COLUMNS))
+    scores = []
+    for column, current in enumerate(value):
+        logs = np.log(recent[recent[:, column] > 0, column])
+        if current <= 0 or not len(logs):
+            scores.append(np.nan)
+            continue
+        std = max(logs.std(), FLOOR)
+        scores.append((np.log(current) - logs.mean()) / std)
+    return np.asarray(scores)

@@ -1,0 +1,182 @@
+"""The spike test's running statistics, step by step, against the same arithmetic in NumPy
+(z-scores of the logarithms of the loss and the gradient norm, over the accepted steps).
+
+A small graph is fed a loss and a gradient norm per step and told whether the step was
+accepted; the statistics must follow the accepted steps only, wake up after the warm-up,
+forget what left the window, and change no value on a step that was not accepted.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from slim_nanguard import _spike
+
+
+class _Steps:
+    """A session over one `SpikeTest` fed ``(loss, norm)`` and ``accepted`` per step."""
+
+    def __init__(self, sigma=6.0, warmup_steps=5, window=8):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.loss = tf.compat.v1.placeholder(tf.float32, [])
+            self.norm = tf.compat.v1.placeholder(tf.float64, [])
+            self.accepted = tf.compat.v1.placeholder(tf.bool, [])
+            self.test = _spike.SpikeTest(
+                self.loss, self.norm, sigma=sigma, warmup_steps=warmup_steps, window=window
+            )
+            self.update = self.test.update(self.accepted)
+            self.saver = tf.compat.v1.train.Saver()
+            self.sess = tf.compat.v1.Session(graph=self.graph)
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+        self.kept = []  # the accepted (loss, norm) pairs, as the reference keeps them
+
+    def step(self, loss, norm, accept=None):
+        """Runs one step; `accept` None accepts it unless it is a spike. Returns (z, spike)."""
+        feed = {self.loss: loss, self.norm: norm}
+        z, spike = self.sess.run([self.test.z, self.test.spike], feed)
+        accepted = (not spike) if accept is None else accept
+        self.sess.run(self.update, {**feed, self.accepted: accepted})
+        if accepted:
+            self.kept.append((loss, norm))
+        return z, bool(spike)
+
+    def variables(self):
+        return self.sess.run([self.test.history, self.test.count])
+
+
+def test_the_z_scores_are_numpys_over_the_accepted_steps_of_the_window():
+    steps = _Steps(window=8, warmup_steps=3)
+    rng = np.random.default_rng(0)
+    for number in range(30):
+        loss, norm = float(np.float32(2.0 + rng.normal(0, 0.1))), 1.0 + rng.normal(0, 0.05)
+        accept = number % 4 != 3  # every fourth step rejected (as a NaN step would be)
+        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=8)
+        z, _ = steps.step(loss, norm, accept=accept)
+        if len(steps.kept) - int(accept) >= 3:
+            np.testing.assert_allclose(z, expected, rtol=1e-9, atol=1e-9)
+        else:
+            np.testing.assert_array_equal(z, [0.0, 0.0])  # warming up
+    assert steps.variables()[1] == len(steps.kept)
+
+
+def test_a_jump_after_the_warm_up_is_a_spike_and_does_not_enter_the_statistics():
+    steps = _Steps(window=8, warmup_steps=5)
+    for loss in [2.0, 2.1, 1.9, 2.0]:
+        z, spike = steps.step(loss, 1.0)
+        assert list(z) == [0.0, 0.0] and not spike
+    assert steps.step(50.0, 1.0)[1] is False  # the fifth step is still warm-up: accepted
+    steps = _Steps(window=8, warmup_steps=5)
+    for loss in [2.0, 2.1, 1.9, 2.0, 2.05]:
+        steps.step(loss, 1.0)
+    before = steps.variables()
+    z, spike = steps.step(50.0, 1.0)
+    assert spike and z[0] > 6 and z[1] == 0.0
+    after = steps.variables()
+    np.testing.assert_array_equal(before[0], after[0])  # nothing written
+    assert before[1] == after[1] == 5
+    z, spike = steps.step(2.02, 40.0)  # a gradient-norm spike alone
+    assert spike and z[1] > 6
+
+
+def test_a_run_of_outliers_is_never_absorbed():
+    """Rejected steps do not move the mean: the tenth outlier is as much a spike as the first."""
+    steps = _Steps(window=8, warmup_steps=5)
+    for loss in [2.0, 2.1, 1.9, 2.0, 2.05]:
+        steps.step(loss, 1.0)
+    flagged = [steps.step(40.0, 1.0)[1] for _ in range(10)]
+    assert flagged == [True] * 10
+
+
+def test_the_window_forgets_the_old_scale():
+    """After steep descent, only the last `window` accepted steps count."""
+    steps = _Steps(window=8, warmup_steps=5, sigma=3.0)
+    for loss in np.linspace(100.0, 10.0, 20):
+        steps.step(float(loss), 1.0, accept=True)
+    last = np.float32(np.linspace(100.0, 10.0, 20))[-8:]
+    np.testing.assert_allclose(steps.sess.run(steps.test.mean)[0], np.mean(np.log(last)))
+
+
+def test_a_non_finite_value_is_left_to_the_finiteness_test():
+    steps = _Steps(window=8, warmup_steps=2)
+    for loss in [2.0, 2.1, 2.0]:
+        steps.step(loss, 1.0)
+    for loss, norm, column in [
+        (np.nan, 1.0, 0),
+        (np.inf, 1.0, 0),
+        (2.0, np.inf, 1),
+        (2.0, np.nan, 1),
+    ]:
+        before = steps.variables()
+        z, spike = steps.step(loss, norm, accept=False)
+        assert z[column] == 0.0 and np.isfinite(z).all() and not spike
+        np.testing.assert_array_equal(steps.variables()[0], before[0])
+
+
+def test_a_constant_loss_does_not_make_the_first_small_change_a_spike():
+    """The deviation of a constant loss is 0; its floor (a factor of 1.05) keeps a change of a
+    fraction of a percent ordinary, while a doubling is still a spike."""
+    steps = _Steps(window=8, warmup_steps=3)
+    for _ in range(5):
+        steps.step(2.0, 1.0)
+    assert steps.step(2.001, 1.0)[1] is False
+    assert steps.step(4.0, 1.0)[1] is True
+
+
+def test_the_statistics_are_saved_and_restored_with_the_checkpoint(tmp_path):
+    """They are graph variables: a rollback's restore brings back the statistics it saved."""
+    steps = _Steps(window=8, warmup_steps=3)
+    for loss in [2.0, 2.1, 1.9]:
+        steps.step(loss, 1.0)
+    path = steps.saver.save(steps.sess, str(tmp_path / "model.ckpt"))
+    saved = steps.variables()
+    for loss in [5.0, 6.0, 7.0]:
+        steps.step(loss, 2.0, accept=True)
+    steps.saver.restore(steps.sess, path)
+    restored = steps.variables()
+    np.testing.assert_array_equal(restored[0], saved[0])
+    assert restored[1] == saved[1] == 3
+
+
+def test_a_heavy_tailed_loss_late_in_training_is_not_a_spike():
+    """Most batches near 0.01, one in ten near 0.1: ordinary for a small batch late in
+    training (a linear z-score would call the 0.1 batches 6-sigma spikes)."""
+    steps = _Steps(window=128, warmup_steps=20)
+    rng = np.random.default_rng(1)
+    losses = np.where(rng.random(300) < 0.1, 0.1, 0.01) * np.exp(rng.normal(0, 0.3, 300))
+    linear = []
+    for loss in losses:
+        if len(steps.kept) >= 20:
+            recent = np.array(steps.kept[-128:])[:, 0]
+            linear.append((loss - recent.mean()) / recent.std())
+        assert steps.step(float(loss), 1.0)[1] is False
+    assert max(linear) > 6  # what a linear z-score would have flagged
+    assert steps.step(30.0, 1.0)[1] is True  # a loss 1,000 times the usual still is a spike
+
+
+def test_a_loss_that_is_not_positive_is_never_a_spike_nor_counted():
+    steps = _Steps(window=8, warmup_steps=3)
+    for loss in [2.0, 2.1, 1.9, 2.0]:
+        steps.step(loss, 1.0)
+    for loss in [0.0, -5.0]:
+        z, spike = steps.step(loss, 1.0)
+        assert z[0] == 0.0 and not spike
+    np.testing.assert_allclose(
+        steps.sess.run(steps.test.mean)[0], np.mean(np.log(np.float32([2.0, 2.1, 1.9, 2.0])))
+    )
+    assert np.isnan(_spike.reference_z_scores([(2.0, 1.0)], (0.0, 1.0))[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"sigma": 0.0}, "spike_sigma"),
+        ({"sigma": float("nan")}, "spike_sigma"),
+        ({"warmup_steps": 1}, "spike_warmup_steps"),
+        ({"warmup_steps": 500}, "spike_warmup_steps"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(kwargs, flag):
+    settings = {"sigma": 6.0, "warmup_steps": 20, **kwargs}
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=flag):
+        _spike.SpikeTest(tf.constant(1.0), tf.constant(1.0), **settings)
