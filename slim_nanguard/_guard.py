@@ -66,11 +66,11 @@ class Guard:
     neither decides nor acts. What a user reads: the config, the state (`GuardState`), the
     last event, the saver, and the graph handles (``train_op``, ``loss``, ``ok``,
     ``grad_sums``, ...; also readable as attributes of the guard, see `GraphHandles`). Its
-    reads (`read_bad_step`, `read_value_kinds`, `culprits`, `autopsy`) look at a session
-    through those handles. Its state changes in one way, `observe`, which asks the pure
-    `_policy.decide` for the next state; the rest is wiring the loops and hooks set up once:
-    listeners, the autopsy directory, the rollback Saver, the sessions marked judged, and a
-    cluster worker's rollback request.
+    reads (`read_bad_step`, `read_value_kinds`, `culprits_and_kinds`) look at a session
+    through those handles, and `autopsy` replays a bad step from them. Its state changes in
+    one way, `observe`, which asks the pure `_policy.decide` for the next state; the rest is
+    wiring the loops and hooks set up once: listeners, the autopsy directory, the rollback
+    Saver, the sessions marked judged, and a cluster worker's rollback request.
 
     Args:
       config: The `GuardConfig` the train op was built with.
@@ -93,9 +93,8 @@ class Guard:
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
         self._rollback_request: Optional[RollbackRequest] = None
-        # Autopsy: the directory dumps go to (set by the loop or the hook) and the count done.
+        # Where autopsy dumps go (set by the loop or the hook).
         self._autopsy_dir: Optional[str] = None
-        self._autopsies = 0
         # The record in that directory, when no listener keeps one (`_own_recorder`).
         self._recorder: Optional[_record.EventRecorder] = None
         self._recorder_dir: Optional[str] = None
@@ -147,11 +146,6 @@ class Guard:
     def autopsy_dir(self) -> Optional[str]:
         """Where autopsy dumps go (next to the checkpoints), or None."""
         return self._autopsy_dir
-
-    @property
-    def autopsies(self) -> int:
-        """Autopsies done so far in this process."""
-        return self._autopsies
 
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
@@ -316,23 +310,17 @@ class Guard:
             and scale > self.loss_scale_floor
         )
 
-    def culprits(
-        self, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
-    ) -> Tuple[str, ...]:
-        """Names of the variables whose gradients held NaN or Inf.
+    def culprits_and_kinds(
+        self, sums: Sequence[float], kinds: Optional[Sequence[str]]
+    ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """Names of the variables whose gradients held NaN or Inf, and what each held.
 
         Args:
           sums: The loss, then the sum of each gradient.
           kinds: What the loss and each gradient held (`read_value_kinds`): exact, and used
             when given. Without it a non-finite sum names its variable, which a sum that
-            overflowed over finite values does too.
+            overflowed over finite values does too; the kinds are then empty.
         """
-        return self.culprits_and_kinds(sums, kinds)[0]
-
-    def culprits_and_kinds(
-        self, sums: Sequence[float], kinds: Optional[Sequence[str]]
-    ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """The culprits (see `culprits`) and what each held (empty when `kinds` is None)."""
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
@@ -381,12 +369,12 @@ class Guard:
         if (
             self.capture is None
             or not self.capture.tensors
-            or self._autopsies >= self.config.autopsy_max_steps
+            or not _policy.wants_autopsy(self._config, self._state)
         ):
             return None
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
-        self._autopsies += 1
+        self.observe(_policy.Autopsied())
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,

@@ -369,7 +369,9 @@ def train(
                 start=guard.state,
             )
             loop.add_hooks(hooks, chief_only_hooks, resume_from)
-            loop.add_saving_hooks(
+            loop.chief_hooks += _saving_hooks(
+                logdir,
+                loop.scaffold,
                 save_checkpoint_secs,
                 save_checkpoint_steps,
                 save_summaries_steps,
@@ -384,28 +386,17 @@ def train(
                 stop_grace_period_secs=stop_grace_period_secs,
             )
     except _errors.NanLossError as err:
-        recorder.append(
-            {
-                "kind": "stop",
-                "reason": STOP_NAN_ERROR.value,
-                "time": time.time(),
-                "message": str(err),
-                "checkpoint": err.checkpoint,
-            }
-        )
+        _record_stop(recorder, STOP_NAN_ERROR, message=str(err), checkpoint=err.checkpoint)
         raise
     finally:
         guard.remove_listener(recorder)
     result, stop_fields = loop.result(final_loss, stop_reason, last_step, recorder.path)
-    recorder.append(
-        {
-            "kind": "stop",
-            "reason": str(result.stop_reason),
-            "step": result.global_step,
-            "time": time.time(),
-            "final_loss": _record_float(final_loss),
-            **stop_fields,
-        }
+    _record_stop(
+        recorder,
+        result.stop_reason,
+        step=result.global_step,
+        final_loss=_record_float(final_loss),
+        **stop_fields,
     )
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
     return result
@@ -486,10 +477,6 @@ class _Loop:
         self.chief_hooks = [_FiniteModelHook(resume_from or "initialisation")]
         self.chief_hooks += list(chief_only_hooks or [])
 
-    def add_saving_hooks(self, *args) -> None:
-        """The chief's checkpoint, summary and step-counter hooks (see `_saving_hooks`)."""
-        self.chief_hooks += _saving_hooks(self.logdir, self.scaffold, *args)
-
     def result(
         self, final_loss: float, stop_reason: StopReason, last_step: int, events_path: str
     ) -> Tuple[TrainResult, Dict[str, Any]]:
@@ -528,6 +515,11 @@ class _Loop:
             rollback_requests=counts.rollback_requests,
         )
         return result, stop_fields
+
+
+def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
+    """Appends the record of how the run ended (kind ``stop``)."""
+    recorder.append({"kind": "stop", "reason": str(reason), "time": time.time(), **fields})
 
 
 def _record_float(value: float):

@@ -240,6 +240,7 @@ class GuardState:
       steps: Good steps seen so far.
       rollback_requests: Rollbacks a cluster's non-chief worker asked its chief for (the
         chief counts the rollback in its own ``rollbacks``).
+      autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
     """
 
     total_bad_steps: int = 0
@@ -252,6 +253,7 @@ class GuardState:
     loss_scale_overflows: int = 0
     steps: int = 0
     rollback_requests: int = 0
+    autopsies: int = 0
 
     def since(self, start: "GuardState") -> "GuardState":
         """What happened between `start` and this state: each count the difference, the
@@ -270,6 +272,7 @@ _COUNTS = (
     "loss_scale_overflows",
     "steps",
     "rollback_requests",
+    "autopsies",
 )
 
 
@@ -305,6 +308,11 @@ class BadStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class Autopsied:
+    """A bad step was replayed by an autopsy (see `wants_autopsy`)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RolledBack:
     """A rollback restored a checkpoint.
 
@@ -332,7 +340,7 @@ class RollbackRequested:
 
 
 Observation = Union[
-    GoodStep, LossScaleOverflow, BadStep, RolledBack, RollbackAsked, RollbackRequested
+    GoodStep, LossScaleOverflow, BadStep, Autopsied, RolledBack, RollbackAsked, RollbackRequested
 ]
 
 
@@ -355,6 +363,11 @@ class Decision:
     reason: str = ""
     cause: Optional[Cause] = None
     limit: Optional[int] = None
+
+
+def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
+    """Whether the next bad step gets an autopsy: the first ``autopsy_max_steps`` do."""
+    return state.autopsies < config.autopsy_max_steps
 
 
 def counted(state: GuardState, step: int) -> GuardState:
@@ -391,8 +404,8 @@ def decide(
     Args:
       config: The guard's configuration.
       state: The state before the observation.
-      observation: What happened (`GoodStep`, `BadStep`, `LossScaleOverflow`, `RolledBack`,
-        `RollbackAsked`, `RollbackRequested`).
+      observation: What happened (`GoodStep`, `BadStep`, `LossScaleOverflow`, `Autopsied`,
+        `RolledBack`, `RollbackAsked`, `RollbackRequested`).
 
     Returns:
       ``(decision, next_state)``: the `Decision` for a `BadStep` or a `RollbackRequested`
@@ -409,6 +422,8 @@ def decide(
             rollbacks=state.rollbacks + 1,
             learning_rate_scale=observation.learning_rate_scale,
         )
+    if isinstance(observation, Autopsied):
+        return None, replace(state, autopsies=state.autopsies + 1)
     if isinstance(observation, RollbackAsked):
         return None, replace(state, rollback_requests=state.rollback_requests + 1)
     if isinstance(observation, RollbackRequested):

@@ -209,3 +209,15 @@ def test_decide_is_pure():
         state.skips = 1
     with pytest.raises(TypeError, match="no observation"):
         _policy.decide(config, state, "bad step")
+
+
+def test_the_first_bad_steps_get_an_autopsy_and_later_ones_do_not():
+    config = GuardConfig(nan_policy="skip", autopsy_max_steps=2)
+    state = GuardState()
+    wanted = []
+    for step in range(4):
+        wanted.append(_policy.wants_autopsy(config, state))
+        observations = [_policy.Autopsied()] if wanted[-1] else []
+        _, state = _tell(config, *observations, BadStep(step, "skip"), state=state)
+    assert wanted == [True, True, False, False] and state.autopsies == 2
+    assert not _policy.wants_autopsy(GuardConfig(autopsy_max_steps=0), GuardState())

@@ -191,7 +191,7 @@ def test_the_event_names_the_culprit_variables():
             slim_nanguard.get_guard(model.train_op).grad_sums, model.feed(0, "nan_gradient")
         )
     guard = slim_nanguard.get_guard(model.train_op)
-    assert guard.culprits(sums) == ("logits/weights",)
+    assert guard.culprits_and_kinds(sums, None) == (("logits/weights",), ())
     assert guard.variable_names == ("fc1/weights", "fc1/biases", "logits/weights", "logits/biases")
 
 
