@@ -1,17 +1,21 @@
-"""Carrying out the guard's decisions: the one place a bad step's action acts on a session.
+"""Reading, recording and carrying out a bad step: the one place the guard acts on a session.
 
-The guard decides (`Guard.record_bad_step`, over the pure `_policy.decide`); this module acts.
-Every caller goes through it: `NanLossHook.after_run` (hook mode), `train_step` and
-`handle_numerics_error` (any loop), and `slim_nanguard.train`. What each action does::
+A run the guard found not finite goes through `judge`: it reads what the step stored through
+the guard, tells the guard what happened (`Guard.observe`, over the pure `_policy.decide`,
+which owns every count and every rule), records the event, and hands the decision to
+`carry_out`, the only code that raises, stops, skips or rolls back. Every caller goes through
+them: `NanLossHook.after_run` (hook mode, and a bare loss's bad step), `train_step` and
+`handle_numerics_error` (any loop), `slim_nanguard.train`, and a cluster's chief answering
+rollback requests. What each action does::
 
     raise    -> NanLossError(event, reason, cause, limit), chained to the numerics error
                 (its message now saying that the policy was applied)
     stop     -> request_stop() (the hook's run_context, a MonitoredSession's coordinator,
                 or nothing: the caller reads Outcome.stop)
     skip     -> nothing: the bad step wrote nothing, the next run takes the next batch
-    rollback -> rollback(raw_session, checkpoint_dir): the guard's, unless the caller
-                passes its own (a cluster worker may ask its chief instead); then the
-                global step is read again
+    rollback -> restore the latest good checkpoint (`_rollback`), or, on a cluster's
+                non-chief worker, the guard's one rollback route: a request to the chief
+                (`Guard.rollback_request`); then the global step is read again
 
 One rule for the saver: a rollback restores with the guard's own (`Guard.saver`: built by
 `create_train_op` when the config may roll back, or by `NanLossHook.begin` for a policy
@@ -39,9 +43,6 @@ from slim_nanguard._types import SessionLike
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._guard import Guard
-
-# How a rollback is done: ``fn(raw_session, checkpoint_dir) -> checkpoint path``.
-RollbackFn = Callable[[tf.compat.v1.Session, Optional[str]], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,124 @@ def stop_session(session: SessionLike) -> None:
         creator.coord.request_stop()
 
 
+def no_stop() -> None:
+    """A `RequestStop` for a loop that leaves on `Outcome.stop` by itself: asks nothing."""
+
+
+def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
+    """Tells `guard` a step went through; keeps its loss, when known, for the record of the
+    next bad step (the last ``losses_before`` of them)."""
+    guard.observe(_policy.GoodStep())
+    if loss is not None:
+        guard.history.add(float(loss))
+
+
+def record_overflow(
+    guard: "Guard", *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
+) -> _events.NanEvent:
+    """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
+
+    The optimizer skipped the update and lowered its scale; nothing else was written. The
+    step counts neither as a bad step nor toward ``max_consecutive_bad_steps``.
+
+    Args:
+      guard: The guard of the train op that ran.
+      step: The global step the overflow happened at (-1 if unknown).
+      sums: What the step stored: the loss, the gradient sums, the loss scale.
+      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None.
+
+    Returns:
+      The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
+      ``"loss_scale_overflow"``.
+    """
+    guard.observe(_policy.LossScaleOverflow())
+    guard.history.anchor(int(step))  # The good steps before it end one step before.
+    event = _new_event(guard, guard.state, step, sums, kinds, _events.LOSS_SCALE_OVERFLOW)
+    _events.log_event(event)
+    guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
+    return event
+
+
+def record_bad_step(
+    guard: "Guard",
+    *,
+    step: int,
+    sums: Sequence[float],
+    policy: Optional[str] = None,
+    autopsy=None,
+    kinds: Optional[Sequence[str]] = None,
+) -> Tuple[_events.NanEvent, _policy.Decision]:
+    """Records a bad step and has the guard decide about it; carries nothing out.
+
+    The ``on_nan`` callback sees the event first (with the counts this step makes,
+    `_policy.counted`) and may choose the action; `Guard.observe` then decides, over
+    `_policy.decide`. The event is logged and sent to the listeners (kind ``bad_step``).
+
+    Args:
+      guard: The guard of the train op that ran.
+      step: The global step the bad step was attempted at (-1 if unknown).
+      sums: What the step stored: the loss, then the sum of each gradient.
+      policy: The policy to apply instead of the configured one (a hook may say so).
+      autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
+      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None: the
+        culprits then come from the sums.
+
+    Returns:
+      ``(event, decision)``: the event's ``action`` is the decision's, escalation included.
+    """
+    config = guard.config
+    chosen = Action(policy or config.nan_policy)
+    counted = _policy.counted(guard.state, int(step))
+    event = _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy)
+    if config.on_nan is not None:
+        choice = config.on_nan(event)
+        if choice is not None:
+            chosen = _policy.validate_action(choice, "the on_nan callback")
+    decision = guard.observe(_policy.BadStep(int(step), chosen), event=event)
+    event = guard.last_event  # With the action decided, escalation included.
+    _events.log_event(event)
+    if decision.escalation and decision.action != Action.RAISE:
+        logging.warning(
+            "slim_nanguard: %s, so the weights, not the batch, went bad: "
+            "applying persistent_nan_policy=%r",
+            decision.escalation,
+            decision.action.value,
+        )
+    extra = {"escalation": decision.escalation} if decision.escalation else {}
+    losses_before = guard.history.anchor(int(step))
+    if losses_before:
+        extra["losses_before"] = [[s, value] for s, value in losses_before]
+    guard.notify("bad_step", event, **extra)
+    return event, decision
+
+
+def _new_event(
+    guard: "Guard",
+    counts: _policy.GuardState,
+    step: int,
+    sums: Sequence[float],
+    kinds: Optional[Sequence[str]],
+    action: str,
+    autopsy=None,
+) -> _events.NanEvent:
+    """The event of a step that stored `sums` (the loss first), with the guard's `counts`."""
+    loss = float(list(sums)[0])
+    culprits, culprit_kinds = guard.culprits_and_kinds(sums, kinds)
+    return _events.NanEvent(
+        step=int(step),
+        loss=loss,
+        loss_kind=_events.classify(loss),
+        culprits=culprits,
+        culprit_kinds=culprit_kinds,
+        consecutive=counts.consecutive_bad_steps,
+        total=counts.total_bad_steps,
+        mode=guard.mode,
+        action=action,
+        loss_scale=guard.loss_scale_of(sums),
+        autopsy=autopsy,
+    )
+
+
 def give_up(
     event: _events.NanEvent, decision: _policy.Decision, error: Optional[BaseException] = None
 ) -> NoReturn:
@@ -172,28 +291,31 @@ def give_up(
 
 
 def carry_out(
-    guard: "Guard",
+    guard: Optional["Guard"],
     session: SessionLike,
     event: _events.NanEvent,
     decision: _policy.Decision,
     *,
     checkpoint_dir: Optional[str],
     request_stop: Optional[RequestStop] = None,
-    rollback: Optional[RollbackFn] = None,
     error: Optional[BaseException] = None,
+    skip_batches: Optional[int] = None,
+    **record: Any,
 ) -> Outcome:
-    """Carries out `decision` about `event` against `session`.
+    """Carries out `decision` about `event` against `session`: the only code that acts.
 
     Args:
-      guard: The guard that decided.
+      guard: The guard that decided (None for a loss no guarded train op made: it can only
+        raise or stop).
       session: A raw session or a `MonitoredSession` (a rollback goes around its hooks).
       event: The bad step's event.
-      decision: What `Guard.record_bad_step` decided.
+      decision: What the guard decided (`Guard.observe`).
       checkpoint_dir: Where the loop saves checkpoints (see `checkpoint_dir_for`).
       request_stop: How to ask the loop to stop; default: `stop_session` on `session`.
-      rollback: How to roll back, ``fn(raw_session, checkpoint_dir) -> path``; default:
-        `Guard.rollback`.
       error: The numerics error of the bad step (check_numerics mode), chained to a raise.
+      skip_batches: Batches of input a rollback skips (default: ``rollback_skip_batches``;
+        a cluster's chief answering requests skips none).
+      **record: More fields for the ``rollback`` record (a cluster chief's answer).
 
     Returns:
       The `Outcome`.
@@ -214,11 +336,64 @@ def carry_out(
             stop_session(session)
         return Outcome(event=event, action=action, stop=True)
     if action is Action.ROLLBACK:
-        roll = rollback or guard.rollback
-        path = raw_call(session, lambda raw: roll(raw, checkpoint_dir))
+        path = raw_call(
+            session,
+            lambda raw: _roll_back(guard, raw, checkpoint_dir, event, skip_batches, record),
+        )
         step = raw_call(session, guard.read_global_step)
         return Outcome(event=event, action=action, step=step, checkpoint=path)
     raise ValueError(f"no way to carry out the action {action.value!r}; add it to carry_out.")
+
+
+def _roll_back(
+    guard: "Guard",
+    session: tf.compat.v1.Session,
+    checkpoint_dir: Optional[str],
+    event: _events.NanEvent,
+    skip_batches: Optional[int],
+    record: dict,
+) -> str:
+    """Rolls back after `event`: the one route. Returns the checkpoint restored, or "" when
+    the guard's `rollback_request` sent the rollback to a cluster's chief instead.
+
+    A restore walks back over the checkpoints (`_rollback.Rollback.restore`), skips input
+    and scales the learning rate; the guard observes it, the listeners get a ``rollback``
+    record (a request: ``rollback_requested``).
+    """
+    guard.history.clear()  # The global step goes back: the next losses are from there.
+    if guard.rollback_request is not None:
+        # A cluster's non-chief: the model lives on the ps and the chief restores it.
+        fields = guard.rollback_request(session, guard, event)
+        guard.observe(_policy.RollbackAsked())
+        guard.notify("rollback_requested", event, **fields)
+        return ""
+    restored = guard.restorer.restore(
+        session,
+        checkpoint_dir,
+        bad_step=event.step,
+        learning_rate_scale=guard.state.learning_rate_scale,
+        skip_batches=skip_batches,
+    )
+    guard.observe(_policy.RolledBack(restored.learning_rate_scale))
+    state = guard.state
+    guard.notify(
+        "rollback",
+        event,
+        checkpoint=restored.checkpoint,
+        skipped_batches=restored.skipped_batches,
+        learning_rate_scale=state.learning_rate_scale,
+        **record,
+    )
+    logging.warning(
+        "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
+        "learning-rate scale now %g",
+        restored.checkpoint,
+        state.rollbacks,
+        guard.config.max_rollbacks,
+        restored.skipped_batches,
+        state.learning_rate_scale,
+    )
+    return restored.checkpoint
 
 
 def judge(
@@ -230,13 +405,12 @@ def judge(
     stored: Optional[Tuple[int, Sequence[float]]] = None,
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
-    rollback: Optional[RollbackFn] = None,
 ) -> Outcome:
     """Handles a run the guard found not finite: reads it, records it, acts on it.
 
     Reads what the step stored (the global step and the sums), tells an overflow of a dynamic
-    loss-scale optimizer from a bad step, autopsies a bad step (before any rollback), lets
-    the guard decide and carries the decision out.
+    loss-scale optimizer from a bad step, autopsies a bad step (before any rollback), has
+    the guard decide (`record_bad_step`) and carries the decision out (`carry_out`).
 
     Args:
       guard: The guard of the train op that ran.
@@ -246,7 +420,6 @@ def judge(
       stored: ``(step, sums)`` already read, or None to read them.
       error: The numerics error of the step (check_numerics mode).
       request_stop: See `carry_out`.
-      rollback: See `carry_out`.
 
     Returns:
       The `Outcome`.
@@ -260,10 +433,10 @@ def judge(
         kinds = guard.read_value_kinds(raw)  # Exact, unlike a sum that may overflow.
         if guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
-            return guard.on_loss_scale_overflow(step=step, sums=sums, kinds=kinds), None
+            return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
         autopsy = guard.autopsy(raw, step)  # Before any rollback.
-        return guard.record_bad_step(
-            step=step, loss=sums[0], sums=sums, policy=policy, autopsy=autopsy, kinds=kinds
+        return record_bad_step(
+            guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds
         )
 
     event, decision = raw_call(session, record)
@@ -276,6 +449,5 @@ def judge(
         decision,
         checkpoint_dir=checkpoint_dir,
         request_stop=request_stop,
-        rollback=rollback,
         error=error,
     )

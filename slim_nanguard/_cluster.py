@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from slim_nanguard import _actions
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _guard
@@ -151,7 +152,7 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
         except tf.errors.OpError as err:  # The ps is gone: the stop stays unexplained.
             logging.warning(
                 "slim_nanguard: could not read the cluster's stop queue: %s",
-                str(err).splitlines()[0],
+                _errors.op_error_cause(err),
             )
 
     def before_run(self, run_context):
@@ -193,26 +194,23 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
             self._ask = _rollback_queue().enqueue((self._task, self._step, self._loss))
         self._guards = _guard.guards()
         for guard in self._guards:
-            guard.rollback_request = self._request
+            guard.set_rollback_request(self._request)
 
     def end(self, session):
         del session  # The guards roll back as before once this worker's session is over.
         for guard in self._guards:
             if guard.rollback_request == self._request:
-                guard.rollback_request = None
+                guard.set_rollback_request(None)
 
-    def _request(self, session, guard: _guard.Guard) -> Dict[str, int]:
-        event = guard.last_event
-        step = event.step if event is not None else -1
-        loss = event.loss if event is not None else float("nan")
-        _run_bounded(session, self._ask, {self._step: step, self._loss: loss})
+    def _request(self, session, guard: _guard.Guard, event: _events.NanEvent) -> Dict[str, int]:
+        _run_bounded(session, self._ask, {self._step: event.step, self._loss: event.loss})
         self.requests += 1
-        skipped = guard.skip_input(session, guard.config.rollback_skip_batches)
+        skipped = guard.restorer.skip_input(session, guard.config.rollback_skip_batches)
         logging.warning(
             "slim_nanguard: worker %d asked the chief to roll back the model (bad step at "
             "global step %d); skipped %d batches, carrying on",
             self._task,
-            step,
+            event.step,
             skipped,
         )
         return {"chief": 0, "skipped_batches": skipped}
@@ -231,9 +229,10 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     chief's) names the requesting tasks in ``requested_by``, and ``requests`` says how many
     requests it answered.
 
-    The chief counts the rollbacks it carries out, its own and requested ones, against
-    ``max_rollbacks``; a request past it makes the chief give up as ``raise`` does (it raises
-    `NanLossError` naming the requesting tasks), and so the cluster stops.
+    The chief's guard counts the rollbacks it carries out, its own and requested ones,
+    against ``max_rollbacks`` (`_policy.decide`, told `RollbackRequested`); a request past it
+    makes the chief give up as ``raise`` does (`_actions.carry_out` raises `NanLossError`
+    naming the requesting tasks), and so the cluster stops.
 
     With `SyncReplicasOptimizer`, a restore takes the global step back, but the accumulators
     keep counting from where they were, and would drop every later gradient as stale: after
@@ -247,13 +246,19 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     """
 
     def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
-        self.rollbacks = 0
         self._checkpoint_dir = checkpoint_dir
         self._after_restore = after_restore
         self._guard: Optional[_guard.Guard] = None
         self._size = self._take = self._count = None
-        self._restores_seen = 0
+        self._restores_seen = self._rollbacks_before = 0
         self._runs_training: Optional[_ops.RunsOp] = None
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks the chief's guard carried out since `begin` (read from its state)."""
+        if self._guard is None:
+            return 0
+        return self._guard.state.rollbacks - self._rollbacks_before
 
     def begin(self):
         queue = _rollback_queue()
@@ -266,7 +271,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         if self._guard is not None:
             # Built now: after begin() the graph is finalized.
             self._guard.ensure_saver()  # The guard's one rollback saver.
-            self._restores_seen = self._guard.state.rollbacks
+            self._restores_seen = self._rollbacks_before = self._guard.state.rollbacks
 
     def before_run(self, run_context):
         if not self._runs_training(run_context.original_args.fetches):
@@ -305,35 +310,31 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             consecutive=0,
             total=guard.state.total_bad_steps,
             mode=guard.mode,
-            action=_policy.ROLLBACK,
+            action=_types.Action.ROLLBACK,
         )
-        who = ", ".join(str(t) for t in sorted(set(tasks)))
-        if guard.state.rollbacks >= guard.config.max_rollbacks:
-            reason = (
-                f"worker {who} asked for a rollback, and {guard.state.rollbacks} rollbacks "
-                f"already done reached max_rollbacks={guard.config.max_rollbacks}"
+        workers = tuple(sorted(set(tasks)))
+        decision = guard.observe(_policy.RollbackRequested(workers))
+        if decision.action == _types.Action.RAISE:
+            logging.error("slim_nanguard: %s; giving up", decision.reason)
+        else:
+            logging.warning(
+                "slim_nanguard: the chief rolls back the model for worker %s (%d request%s)",
+                ", ".join(str(w) for w in workers),
+                len(tasks),
+                "s" if len(tasks) > 1 else "",
             )
-            logging.error("slim_nanguard: %s; giving up", reason)
-            raise _errors.NanLossError(
-                event, reason, cause=_types.Cause.MAX_ROLLBACKS, limit=guard.config.max_rollbacks
-            )
-        logging.warning(
-            "slim_nanguard: the chief rolls back the model for worker %s (%d request%s)",
-            who,
-            len(tasks),
-            "s" if len(tasks) > 1 else "",
-        )
-        path = guard.rollback(
+        outcome = _actions.carry_out(
+            guard,
             session,
-            self._checkpoint_dir,
-            event=event,
+            event,
+            decision,
+            checkpoint_dir=self._checkpoint_dir,
             skip_batches=0,
-            requested_by=sorted(set(tasks)),
+            requested_by=list(workers),
             requests=len(tasks),
         )
-        self.rollbacks += 1
         self._restored(session)
-        return path
+        return outcome.checkpoint
 
 
 def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.ConfigProto:
@@ -392,7 +393,8 @@ def finish(
             return stopped
     except tf.errors.OpError as err:
         logging.warning(
-            "slim_nanguard: could not tell the ps this worker is done: %s", str(err).splitlines()[0]
+            "slim_nanguard: could not tell the ps this worker is done: %s",
+            _errors.op_error_cause(err),
         )
         return stop
 

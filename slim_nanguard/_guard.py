@@ -1,12 +1,13 @@
-"""The run-time side of a guarded train op: counters, events and the policy's decisions.
+"""The run-time side of a guarded train op: a holder of its graph handles and its state.
 
 `create_train_op` builds the graph side (the finiteness test and the gate in front of every
 variable update, kept as `GraphHandles`) and registers one `Guard` for the train op with its
 graph. The hook (hook mode) and the training loops (check_numerics mode) look it up with
-`get_guard` and report each step to it; `_actions` carries out what the guard decided, and
-`_rollback` restores a checkpoint. The registry is a weak mapping from graph to guards
-rather than a graph collection: a collection of Python objects makes every meta-graph export
-(each checkpoint) warn that it cannot be serialised.
+`get_guard`. A guard decides nothing and acts on nothing: `_actions` reads a bad step through
+it, tells it what happened (`Guard.observe`, over the pure `_policy.decide`), and carries the
+decision out. The registry is a weak mapping from graph to guards rather than a graph
+collection: a collection of Python objects makes every meta-graph export (each checkpoint) warn
+that it cannot be serialised.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
@@ -29,16 +29,10 @@ from slim_nanguard import _record
 from slim_nanguard import _rollback
 from slim_nanguard import _verdict
 from slim_nanguard._handles import GraphHandles
-from slim_nanguard._types import Action
+from slim_nanguard._policy import GuardState
 from slim_nanguard._types import Listener
-from slim_nanguard._types import Mode
-from slim_nanguard._types import SessionLike
 
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
-
-# The modes as module constants (each equals its name: ``MODE_HOOK == "hook"``).
-MODE_CHECK_NUMERICS = Mode.CHECK_NUMERICS
-MODE_HOOK = Mode.HOOK
 
 # Op types that run a function body: an error raised inside (a train op built in a
 # tf.while_loop, a tf.function) is reported on them, with the inner node named in the message.
@@ -60,39 +54,23 @@ def _handle(name: str) -> property:
     return property(get)
 
 
-@dataclasses.dataclass
-class GuardState:
-    """Counters of one guard, kept for the life of the process (across sessions).
-
-    Attributes:
-      total_bad_steps: Bad steps seen so far.
-      consecutive_bad_steps: Bad steps since the last good one.
-      skips: Bad steps the ``skip`` policy stepped over.
-      rollbacks: Rollbacks carried out.
-      stops: Stops requested by the ``stop`` policy.
-      last_bad_step: Global step of the last bad step, or None.
-      learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
-      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer: not bad steps
-        (the optimizer skipped them and lowered its scale), counted apart.
-    """
-
-    total_bad_steps: int = 0
-    consecutive_bad_steps: int = 0
-    skips: int = 0
-    rollbacks: int = 0
-    stops: int = 0
-    last_bad_step: Optional[int] = None
-    learning_rate_scale: float = 1.0
-    loss_scale_overflows: int = 0
+# A cluster's non-chief worker: ``fn(raw_session, guard, event) -> record fields`` asks the
+# chief to roll back instead of restoring here (see `Guard.set_rollback_request`).
+RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Dict[str, Any]]
 
 
 class Guard:
-    """One guarded train op: its graph handles, its policy and what it has seen.
+    """One guarded train op: its graph handles, its config and its state.
 
-    Instances are made by `create_train_op`; get them with `get_guard`. The public surface
-    is read-only: the config, the state (counters), the graph handles and the listeners.
-    The graph handles (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) are also readable
-    as attributes of the guard; see `GraphHandles`.
+    Instances are made by `create_train_op`; get them with `get_guard`. A guard holds; it
+    neither decides nor acts. What a user reads: the config, the state (`GuardState`), the
+    last event, the saver, and the graph handles (``train_op``, ``loss``, ``ok``,
+    ``grad_sums``, ...; also readable as attributes of the guard, see `GraphHandles`). Its
+    reads (`read_bad_step`, `read_value_kinds`, `culprits_and_kinds`) look at a session
+    through those handles, and `autopsy` replays a bad step from them. Its state changes in
+    one way, `observe`, which asks the pure `_policy.decide` for the next state; the rest is
+    wiring the loops and hooks set up once: listeners, the autopsy directory, the rollback
+    Saver, the sessions marked judged, and a cluster worker's rollback request.
 
     Args:
       config: The `GuardConfig` the train op was built with.
@@ -110,23 +88,20 @@ class Guard:
         self._config = config
         self._handles = handles
         self._state = GuardState()
-        self._rollback = _rollback.Rollback(handles, config, saver)
+        self._restorer = _rollback.Rollback(handles, config, saver)
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
-        # A cluster's non-chief worker: ``fn(session, guard) -> record fields`` asks the chief
-        # to roll back instead of restoring here (set by `_cluster.RollbackRequestHook`).
-        self.rollback_request: Optional[Callable[[SessionLike, "Guard"], Dict[str, Any]]] = None
-        # Autopsy: the directory dumps go to (set by the loop or the hook) and the count done.
+        self._rollback_request: Optional[RollbackRequest] = None
+        # Where autopsy dumps go (set by the loop or the hook).
         self._autopsy_dir: Optional[str] = None
-        self._autopsies = 0
         # The record in that directory, when no listener keeps one (`_own_recorder`).
         self._recorder: Optional[_record.EventRecorder] = None
         self._recorder_dir: Optional[str] = None
         # The losses of the last good steps, for the record of the next bad step.
         self._history = _history.LossHistory(config.losses_before)
 
-    # ----------------------------------------------------------------- read-only surface
+    # ----------------------------------------------------------------- what it holds
     @property
     def config(self) -> _policy.GuardConfig:
         """The `GuardConfig` the train op was built with."""
@@ -150,17 +125,44 @@ class Guard:
     @property
     def saver(self) -> Optional[tf.compat.v1.train.Saver]:
         """The one Saver every rollback of this guard restores with (None if none built)."""
-        return self._rollback.saver
+        return self._restorer.saver
+
+    @property
+    def restorer(self) -> _rollback.Rollback:
+        """What restores this guard's checkpoints and skips its input (`_rollback.Rollback`)."""
+        return self._restorer
+
+    @property
+    def history(self) -> _history.LossHistory:
+        """The losses of the last good steps, for the record of the next bad step."""
+        return self._history
+
+    @property
+    def rollback_request(self) -> Optional[RollbackRequest]:
+        """How a rollback is sent to a cluster's chief instead of restored here, or None."""
+        return self._rollback_request
 
     @property
     def autopsy_dir(self) -> Optional[str]:
         """Where autopsy dumps go (next to the checkpoints), or None."""
         return self._autopsy_dir
 
-    @property
-    def autopsies(self) -> int:
-        """Autopsies done so far in this process."""
-        return self._autopsies
+    def observe(
+        self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
+    ) -> Optional[_policy.Decision]:
+        """Tells the guard what happened; the one way its state changes.
+
+        Args:
+          observation: What happened (see `_policy.Observation`).
+          event: The bad step's event: kept as `last_event`, with the action decided.
+
+        Returns:
+          What `_policy.decide` decided (None for an observation that needs no decision).
+        """
+        decision, self._state = _policy.decide(self._config, self._state, observation)
+        if event is not None and decision is not None:
+            self._last_event = dataclasses.replace(event, action=decision.action)
+        return decision
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
         """Sends autopsy dumps to `path` (the checkpoint directory); the first one given
@@ -176,7 +178,12 @@ class Guard:
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
         """The rollback Saver, built now if `create_train_op` built none (a hook whose
         policy override may roll back); call it before the graph is finalized."""
-        return self._rollback.ensure_saver()
+        return self._restorer.ensure_saver()
+
+    def set_rollback_request(self, request: Optional[RollbackRequest]) -> None:
+        """Sends this guard's rollbacks to `request` (a cluster's non-chief worker asks its
+        chief, `_cluster.RollbackRequestHook`) instead of restoring here; None restores here."""
+        self._rollback_request = request
 
     mode = _handle("mode")
     train_op = _handle("train_op")
@@ -212,19 +219,23 @@ class Guard:
         """
         if listener not in self._listeners:
             self._listeners.append(listener)
+        if isinstance(listener, _record.EventRecorder):
+            listener.follow(self)  # Its TensorBoard counters are read from the state.
 
     def remove_listener(self, listener: Listener) -> None:
         """Stops calling `listener`."""
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def _notify(self, kind: str, event: _events.NanEvent, **extra: Any) -> None:
+    def notify(self, kind: str, event: _events.NanEvent, **extra: Any) -> None:
+        """Sends the listeners a record of `kind` about `event` (see `add_listener`)."""
         record = {"kind": kind, **event.to_json(), **extra}
         if kind != "bad_step":
             record.pop("autopsy", None)  # Once, in the bad step's own record.
-        self._send(record)
+        self.send(record)
 
-    def _send(self, record: Dict[str, Any]) -> None:
+    def send(self, record: Dict[str, Any]) -> None:
+        """Sends one record to every listener, and to the guard's own record if it keeps one."""
         for listener in list(self._listeners):
             listener(record)
         recorder = self._own_recorder()
@@ -274,15 +285,15 @@ class Guard:
             pass
         session.run(self.judged.initializer)
 
-    # ----------------------------------------------------------------- steps
-    def _loss_scale_of(self, sums: Optional[Sequence[float]]) -> Optional[float]:
+    # ----------------------------------------------------------------- reads
+    def loss_scale_of(self, sums: Sequence[float]) -> Optional[float]:
         """The loss scale a step used, from what it stored (None without loss scaling)."""
-        if self.loss_scale_floor is None or sums is None:
+        if self.loss_scale_floor is None:
             return None
         sums = list(sums)
         return float(sums[-1]) if len(sums) == len(self.variable_names) + 2 else None
 
-    def is_loss_scale_overflow(self, sums: Optional[Sequence[float]]) -> bool:
+    def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
         """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer.
 
         That is: its loss was finite and its loss scale above the floor (the same test as the
@@ -292,77 +303,24 @@ class Guard:
         Args:
           sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
         """
-        scale = self._loss_scale_of(sums)
+        scale = self.loss_scale_of(sums)
         return (
             scale is not None
             and math.isfinite(float(list(sums)[0]))
             and scale > self.loss_scale_floor
         )
 
-    def on_loss_scale_overflow(
-        self, *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
-    ) -> _events.NanEvent:
-        """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
-
-        The optimizer skipped the update and lowered its scale; nothing else was written. The
-        step counts neither as a bad step nor toward ``max_consecutive_bad_steps``.
-
-        Args:
-          step: The global step the overflow happened at (-1 if unknown).
-          sums: What the step stored: the loss, the gradient sums, the loss scale.
-          kinds: What the loss and each gradient held (`read_value_kinds`), or None.
-
-        Returns:
-          The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
-          ``"loss_scale_overflow"``.
-        """
-        state = self._state
-        state.loss_scale_overflows += 1
-        self._history.anchor(int(step))  # The good steps before it end one step before.
-        sums = list(sums)
-        culprits, culprit_kinds = self._culprits_and_kinds(sums, kinds)
-        event = _events.NanEvent(
-            step=int(step),
-            loss=float(sums[0]),
-            loss_kind=_events.classify(float(sums[0])),
-            culprits=culprits,
-            culprit_kinds=culprit_kinds,
-            consecutive=state.consecutive_bad_steps,
-            total=state.total_bad_steps,
-            mode=self.mode,
-            action=_events.LOSS_SCALE_OVERFLOW,
-            loss_scale=self._loss_scale_of(sums),
-        )
-        _events.log_event(event)
-        self._notify(_events.LOSS_SCALE_OVERFLOW, event)
-        return event
-
-    def note_good_step(self) -> None:
-        """Tells the guard a step went through; resets the consecutive count."""
-        self.state.consecutive_bad_steps = 0
-
-    def note_loss(self, loss: float) -> None:
-        """Keeps the loss of a good step for the record of the next bad step (the last
-        ``losses_before`` of them). The loop that fetched the loss calls it once a step."""
-        self._history.add(float(loss))
-
-    def culprits(
-        self, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
-    ) -> Tuple[str, ...]:
-        """Names of the variables whose gradients held NaN or Inf.
+    def culprits_and_kinds(
+        self, sums: Sequence[float], kinds: Optional[Sequence[str]]
+    ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """Names of the variables whose gradients held NaN or Inf, and what each held.
 
         Args:
           sums: The loss, then the sum of each gradient.
           kinds: What the loss and each gradient held (`read_value_kinds`): exact, and used
             when given. Without it a non-finite sum names its variable, which a sum that
-            overflowed over finite values does too.
+            overflowed over finite values does too; the kinds are then empty.
         """
-        return self._culprits_and_kinds(sums, kinds)[0]
-
-    def _culprits_and_kinds(
-        self, sums: Sequence[float], kinds: Optional[Sequence[str]]
-    ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """The culprits and what each held (empty kinds when `kinds` is not given)."""
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
@@ -411,12 +369,12 @@ class Guard:
         if (
             self.capture is None
             or not self.capture.tensors
-            or self._autopsies >= self.config.autopsy_max_steps
+            or not _policy.wants_autopsy(self._config, self._state)
         ):
             return None
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
-        self._autopsies += 1
+        self.observe(_policy.Autopsied())
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
@@ -450,7 +408,7 @@ class Guard:
                 first,
                 last,
             )
-            self._send(
+            self.send(
                 {
                     "kind": "autopsy_dump_removed",
                     "dump": removed["dump"],
@@ -459,96 +417,6 @@ class Guard:
                     "keep_last": last,
                 }
             )
-
-    def record_bad_step(
-        self,
-        *,
-        step: int,
-        loss: float,
-        sums: Optional[Sequence[float]],
-        policy: Optional[str] = None,
-        autopsy=None,
-        kinds: Optional[Sequence[str]] = None,
-    ) -> Tuple[_events.NanEvent, _policy.Decision]:
-        """Counts a bad step and decides what to do about it; carries nothing out.
-
-        The `on_nan` callback sees the event first and may choose the action; then
-        `_policy.decide` applies ``max_consecutive_bad_steps`` (``persistent_nan_policy``)
-        and ``max_rollbacks``; an escalated ``rollback`` starts the consecutive count over.
-        The event is logged and sent to the listeners (kind ``bad_step``).
-
-        Args:
-          step: The global step the bad step was attempted at (-1 if unknown).
-          loss: The loss value of the bad step.
-          sums: The per-gradient sums (the loss first), or None if unknown.
-          policy: The policy to apply instead of the configured one (a hook may say so).
-          autopsy: The step's `Autopsy` (see `autopsy`), put in the event, or None.
-          kinds: What the loss and each gradient held (`read_value_kinds`), or None: the
-            culprits then come from the sums.
-
-        Returns:
-          ``(event, decision)``: the event's ``action`` is the decision's, escalation
-          included. `_actions.carry_out` carries it out (``raise`` included).
-        """
-        state = self._state
-        if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
-            # A step went through since the last bad one (global_step moved on).
-            state.consecutive_bad_steps = 0
-        state.total_bad_steps += 1
-        state.consecutive_bad_steps += 1
-        state.last_bad_step = step
-        culprits, culprit_kinds = (
-            self._culprits_and_kinds(sums, kinds) if sums is not None else ((), ())
-        )
-        losses_before = self._history.anchor(int(step))
-        event = _events.NanEvent(
-            step=int(step),
-            loss=float(loss),
-            loss_kind=_events.classify(float(loss)),
-            culprits=culprits,
-            culprit_kinds=culprit_kinds,
-            consecutive=state.consecutive_bad_steps,
-            total=state.total_bad_steps,
-            mode=self.mode,
-            action=Action(policy or self.config.nan_policy),
-            loss_scale=self._loss_scale_of(sums),
-            autopsy=autopsy,
-        )
-        action = event.action
-        if self.config.on_nan is not None:
-            chosen = self.config.on_nan(event)
-            if chosen is not None:
-                action = _policy.validate_action(chosen, "the on_nan callback")
-        decision = _policy.decide(
-            self.config,
-            action,
-            consecutive_bad_steps=state.consecutive_bad_steps,
-            rollbacks=state.rollbacks,
-        )
-        action, escalation = decision.action, decision.escalation
-        event = dataclasses.replace(event, action=action)
-        if action == Action.SKIP:
-            state.skips += 1
-        elif action == Action.STOP:
-            state.stops += 1
-        _events.log_event(event)
-        if escalation and action != Action.RAISE:
-            logging.warning(
-                "slim_nanguard: %s, so the weights, not the batch, went bad: "
-                "applying persistent_nan_policy=%r",
-                escalation,
-                action.value,
-            )
-            if action == Action.ROLLBACK:
-                # Start the count over, or the first bad step after the rollback would
-                # escalate again (global_step may come back to the value of this bad step).
-                state.consecutive_bad_steps = 0
-        extra = {"escalation": escalation} if escalation else {}
-        if losses_before:
-            extra["losses_before"] = [[s, value] for s, value in losses_before]
-        self._notify("bad_step", event, **extra)
-        self._last_event = event
-        return event, decision
 
     # ----------------------------------------------------------------- check_numerics mode
     def owns_error(self, error: BaseException) -> bool:
@@ -583,110 +451,6 @@ class Guard:
         values = session.run(fetches)
         return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
-    def handle_numerics_error(
-        self, session: tf.compat.v1.Session, error: BaseException
-    ) -> _events.NanEvent:
-        """Records a numerics error raised by this guard's train op and decides about it.
-
-        Args:
-          session: A raw `tf.compat.v1.Session` (not a MonitoredSession: reading through one
-            would run its hooks).
-          error: The `InvalidArgumentError` raised by ``session.run(train_op)``.
-
-        Returns:
-          The event (action ``stop``, ``skip`` or ``rollback``, which the caller carries out;
-          `slim_nanguard.handle_numerics_error` carries it out too).
-
-        Raises:
-          NanLossError: The decision is ``raise`` (the policy, or training gives up; its
-            ``cause`` says which), chained to `error`.
-        """
-        step, sums = self.read_bad_step(session)
-        kinds = self.read_value_kinds(session)
-        autopsy = self.autopsy(session, step)
-        event, decision = self.record_bad_step(
-            step=step, loss=sums[0], sums=sums, autopsy=autopsy, kinds=kinds
-        )
-        if decision.action == Action.RAISE:
-            _actions.give_up(event, decision, error)
-        return event
-
-    # ----------------------------------------------------------------- rollback
-    def rollback(
-        self,
-        session: tf.compat.v1.Session,
-        checkpoint_dir: Optional[str],
-        saver: Optional[tf.compat.v1.train.Saver] = None,
-        *,
-        event: Optional[_events.NanEvent] = None,
-        skip_batches: Optional[int] = None,
-        **record: Any,
-    ) -> str:
-        """Restores the latest good checkpoint, skips input and scales the learning rate.
-
-        See `_rollback.Rollback.restore` for the walk back over checkpoints. Counts the
-        rollback, logs it and sends the listeners a ``rollback`` record.
-
-        Args:
-          session: A raw `tf.compat.v1.Session`.
-          checkpoint_dir: Directory the training loop saves checkpoints to.
-          saver: Ignored unless it is the guard's own (kept for callers that passed
-            ``guard.saver``): every rollback of a guard restores with `saver`.
-          event: The bad step this rollback answers (default: the last one this guard saw);
-            a cluster's chief passes a worker's request (see `_cluster`).
-          skip_batches: Batches of input to skip (default: ``rollback_skip_batches``).
-          **record: More fields for the ``rollback`` record.
-
-        Returns:
-          The path of the checkpoint restored ("" when `rollback_request` sent the rollback
-          to a cluster's chief instead).
-
-        Raises:
-          CheckpointNotFoundError: No good checkpoint to roll back to.
-        """
-        del saver  # One rule: the guard's own saver.
-        self._history.clear()  # The global step goes back: the next losses are from there.
-        if self.rollback_request is not None and event is None:
-            # A cluster's non-chief: the model lives on the ps and the chief restores it.
-            fields = self.rollback_request(session, self)
-            if self._last_event is not None:
-                self._notify("rollback_requested", self._last_event, **fields)
-            return ""
-        event = event or self._last_event
-        restored = self._rollback.restore(
-            session,
-            checkpoint_dir,
-            bad_step=event.step if event is not None else -1,
-            learning_rate_scale=self._state.learning_rate_scale,
-            skip_batches=skip_batches,
-        )
-        state = self._state
-        state.learning_rate_scale = restored.learning_rate_scale
-        state.rollbacks += 1
-        if event is not None:
-            self._notify(
-                "rollback",
-                event,
-                checkpoint=restored.checkpoint,
-                skipped_batches=restored.skipped_batches,
-                learning_rate_scale=state.learning_rate_scale,
-                **record,
-            )
-        logging.warning(
-            "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
-            "learning-rate scale now %g",
-            restored.checkpoint,
-            state.rollbacks,
-            self.config.max_rollbacks,
-            restored.skipped_batches,
-            state.learning_rate_scale,
-        )
-        return restored.checkpoint
-
-    def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
-        """Runs the input ops that feed the loss `batches` times; returns how many ran."""
-        return self._rollback.skip_input(session, batches)
-
 
 def is_numerics_error(error: BaseException) -> bool:
     """Says whether `error` was raised by a `tf.debugging.check_numerics` op.
@@ -710,7 +474,7 @@ def is_numerics_error(error: BaseException) -> bool:
     if op is None or op.type in _FUNCTION_OP_TYPES:
         message = getattr(error, "message", "")
         return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
-    return op is not None and op.type in ("CheckNumerics", "CheckNumericsV2")
+    return op.type in ("CheckNumerics", "CheckNumericsV2")
 
 
 def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Guard]:

@@ -53,7 +53,6 @@ import numpy as np
 import tensorflow as tf
 
 from slim_nanguard import _actions
-from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _gating
 from slim_nanguard import _guard
@@ -61,7 +60,6 @@ from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
-from slim_nanguard._types import Cause
 from slim_nanguard._types import Listener
 from slim_nanguard._types import Mode
 
@@ -93,8 +91,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
       ValueError: `nan_policy` is no policy, or is ``skip`` or ``rollback`` for a loss that
         no guarded train op made (yet: build the train op first).
 
-    Subclasses (a cluster worker's hook, say) may override `request_rollback` to roll back
-    another way; every other action is carried out by `_actions.carry_out`.
+    Every action, a bare loss's included, is carried out by `_actions.carry_out`; a rollback
+    takes the guard's one route (a cluster's non-chief asks its chief: `_cluster`).
     """
 
     def __init__(
@@ -130,7 +128,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
-        self._session_bad_steps = 0
+        # The guard's bad-step count when the session was created; a bare loss, having no
+        # guard, keeps a state of its own (one per session).
+        self._session_start = 0
+        self._unguarded_state = _policy.GuardState()
         # A guarded train op's hook judges only the runs that run it (set in begin()).
         self._runs_train_op: Optional[_ops.RunsOp] = None
         self._judging = False
@@ -155,7 +156,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     @property
     def session_bad_steps(self) -> int:
         """Bad steps seen since the current session was created."""
-        return self._session_bad_steps
+        if self._guard is None:
+            return self._unguarded_state.total_bad_steps
+        return self._guard.state.total_bad_steps - self._session_start
 
     def begin(self):
         self._guard = _guard.get_guard(self._loss_tensor)
@@ -208,7 +211,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
     ) -> None:
         # Per-session state only: the guard's counters describe the whole run.
-        self._session_bad_steps = 0
+        self._unguarded_state = _policy.GuardState()
+        if self._guard is not None:
+            self._session_start = self._guard.state.total_bad_steps
         if self._guard is not None and self._guard.in_loop and (self._guard.mode == Mode.HOOK):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(self._guard.diagnostics.initializer)
@@ -249,7 +254,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if guard is None:
             loss = float(np.asarray(results["loss"]))
             if not math.isfinite(loss):
-                self._session_bad_steps += 1
                 self._unguarded_bad_step(run_context, loss)
             self._last_outcome = _actions.GOOD
             return
@@ -263,39 +267,17 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             if not results:  # A bad iteration stored its sums; zero them for the next run.
                 run_context.session.run(guard.diagnostics.initializer)
         if results is None or results:  # A finite step (or a check_numerics-mode op).
-            guard.note_good_step()
-            if loss is not None:
-                guard.note_loss(loss)
+            _actions.good_step(guard, loss)
             self._last_outcome = _actions.GOOD
             return
-        try:
-            outcome = _actions.judge(
-                guard,
-                run_context.session,
-                checkpoint_dir=self._checkpoint_dir,
-                policy=self._effective_policy(),
-                stored=stored,
-                request_stop=run_context.request_stop,
-                rollback=self.request_rollback,
-            )
-        except _errors.NanLossError:
-            self._session_bad_steps += 1
-            raise
-        if outcome.bad:
-            self._session_bad_steps += 1
-        self._last_outcome = outcome
-
-    def request_rollback(self, session: tf.compat.v1.Session, checkpoint_dir: Optional[str]) -> str:
-        """Rolls back after a bad step; returns the checkpoint restored.
-
-        The default restores here (`Guard.rollback`). A subclass may do otherwise (a cluster
-        worker asking its chief, for one).
-
-        Args:
-          session: The raw session of the run.
-          checkpoint_dir: The hook's checkpoint directory.
-        """
-        return self._guard.rollback(session, checkpoint_dir)
+        self._last_outcome = _actions.judge(
+            guard,
+            run_context.session,
+            checkpoint_dir=self._checkpoint_dir,
+            policy=self._effective_policy(),
+            stored=stored,
+            request_stop=run_context.request_stop,
+        )
 
     def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
@@ -308,30 +290,36 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def _unguarded_bad_step(
         self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
     ) -> None:
-        # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop.
+        # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop
+        # (skip and rollback were refused at construction).
         policy = Action(
             self._nan_policy or (Action.RAISE if self._fail_on_nan_loss else Action.STOP)
         )
+        decision, self._unguarded_state = _policy.decide(
+            _policy.GuardConfig(nan_policy=policy),
+            self._unguarded_state,
+            _policy.BadStep(-1, policy, guarded=False),
+        )
+        state = self._unguarded_state
         event = _events.NanEvent(
             step=-1,
             loss=loss,
             loss_kind=_events.classify(loss),
             culprits=(),
-            consecutive=self._session_bad_steps,
-            total=self._session_bad_steps,
+            consecutive=state.consecutive_bad_steps,
+            total=state.total_bad_steps,
             mode=Mode.HOOK,
-            action=policy,
+            action=decision.action,
         )
         _events.log_event(event)
-        if policy == Action.RAISE:
-            raise _errors.NanLossError(
-                event,
-                "the loss comes from no guarded train op, so the "
-                "update of this step may already have happened",
-                cause=Cause.UNGUARDED_LOSS,
-            )
-        if policy == Action.STOP:  # (skip and rollback were refused at construction)
-            run_context.request_stop()
+        _actions.carry_out(
+            None,
+            run_context.session,
+            event,
+            decision,
+            checkpoint_dir=None,
+            request_stop=run_context.request_stop,
+        )
 
 
 def nan_hook(

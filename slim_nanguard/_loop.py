@@ -26,19 +26,19 @@ import signal
 import threading
 import time
 import uuid
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
-from slim_nanguard import _cluster
 from slim_nanguard import _errors
 from slim_nanguard import _guard
 from slim_nanguard import _hook
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
+from slim_nanguard import _policy
 from slim_nanguard import _record
 from slim_nanguard import _verdict
 from slim_nanguard._types import Action
@@ -162,32 +162,6 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             )
 
 
-@dataclasses.dataclass
-class _Counts:
-    """What this call of `train` saw, tallied from the outcome of each run."""
-
-    steps: int = 0
-    bad_steps: int = 0
-    skips: int = 0
-    rollbacks: int = 0
-    loss_scale_overflows: int = 0
-    rollback_requests: int = 0
-
-    def add(self, outcome: _actions.Outcome) -> None:
-        if outcome.overflow:
-            self.loss_scale_overflows += 1
-        elif outcome.bad:
-            self.bad_steps += 1
-            self.skips += outcome.action == Action.SKIP
-            # A cluster worker's rollback request restored nothing here (no checkpoint): the
-            # chief carries it out and counts it (`_cluster.ChiefRollbackHook.rollbacks`).
-            restored = bool(outcome.checkpoint)
-            self.rollbacks += outcome.action == Action.ROLLBACK and restored
-            self.rollback_requests += outcome.action == Action.ROLLBACK and not restored
-        else:
-            self.steps += 1
-
-
 class _Progress:
     """Logs a progress line every `every` global steps.
 
@@ -215,7 +189,8 @@ class _Progress:
         """Marks where the loop starts, so that the first line has a rate too."""
         self._mark = (self._clock(), step)
 
-    def __call__(self, step: int, loss: float, counts: _Counts) -> None:
+    def __call__(self, step: int, loss: float, counts: _policy.GuardState) -> None:
+        """Logs a line at every `every`-th step, with `counts` (this run's, `GuardState.since`)."""
         if self._every <= 0 or step % self._every:
             return
         now = self._clock()
@@ -235,7 +210,7 @@ class _Progress:
             loss,
             speed,
             left,
-            counts.bad_steps,
+            counts.total_bad_steps,
             counts.skips,
             counts.rollbacks,
         )
@@ -370,6 +345,65 @@ def train(
             f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
             "slim_nanguard.create_train_op."
         )
+    _check_counts(number_of_steps, log_every_n_steps)
+    logdir = check_logdir(logdir)
+    resume_from = (
+        _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
+    )
+    recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
+    guard.add_listener(recorder)
+    guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
+    try:
+        with train_op.graph.as_default():
+            loop = _Loop(
+                train_op=train_op,
+                guard=guard,
+                logdir=logdir,
+                scaffold=_make_scaffold(
+                    scaffold, logdir if is_chief else None, resume_from, max_checkpoints_to_keep
+                ),
+                is_chief=is_chief,
+                number_of_steps=number_of_steps,
+                handle_sigint=handle_sigint,
+                progress=_Progress(log_every_n_steps, number_of_steps, recorder),
+                start=guard.state,
+            )
+            loop.add_hooks(hooks, chief_only_hooks, resume_from)
+            loop.chief_hooks += _saving_hooks(
+                logdir,
+                loop.scaffold,
+                save_checkpoint_secs,
+                save_checkpoint_steps,
+                save_summaries_steps,
+                save_summaries_secs,
+            )
+            if resume_from:
+                logging.info("slim_nanguard: resuming from %s", resume_from)
+            final_loss, stop_reason, last_step = _run(
+                loop,
+                master=master,
+                config=config,
+                stop_grace_period_secs=stop_grace_period_secs,
+            )
+    except _errors.NanLossError as err:
+        _record_stop(recorder, STOP_NAN_ERROR, message=str(err), checkpoint=err.checkpoint)
+        raise
+    finally:
+        guard.remove_listener(recorder)
+    result, stop_fields = loop.result(final_loss, stop_reason, last_step, recorder.path)
+    _record_stop(
+        recorder,
+        result.stop_reason,
+        step=result.global_step,
+        final_loss=_record_float(final_loss),
+        **stop_fields,
+    )
+    logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
+    return result
+
+
+def _check_counts(number_of_steps: Optional[int], log_every_n_steps: int) -> None:
+    """Raises ValueError for a step count or a logging interval `train` cannot use."""
     if number_of_steps is not None and (
         isinstance(number_of_steps, bool)
         or not isinstance(number_of_steps, int)
@@ -380,139 +414,112 @@ def train(
         )
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
-    logdir = check_logdir(logdir)
-    graph = train_op.graph
-    resume_from = (
-        _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
-    )
 
-    recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
-    guard.add_listener(recorder)
-    guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
-    counts = _Counts()
-    try:
-        with graph.as_default():
-            scaffold = _make_scaffold(
-                scaffold, logdir if is_chief else None, resume_from, max_checkpoints_to_keep
-            )
-            all_hooks = list(hooks or [])
-            # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer (the hook
-            # records its overflow steps, which do not raise). The loop reads its outcomes.
-            judge_hook = None
-            if guard.mode == Mode.HOOK or guard.ok is not None:
-                judge_hook = next(
-                    (
-                        h
-                        for h in all_hooks
-                        if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
-                    ),
-                    None,
-                )
-                if judge_hook is None:
-                    judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=logdir)
-                    all_hooks.append(judge_hook)
-            if number_of_steps is not None:
-                all_hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=number_of_steps))
-            final_values = {}
-            if guard.global_step is not None:
-                final_values["global_step"] = guard.global_step
-            if guard.lr_scale is not None:
-                final_values["learning_rate_scale"] = guard.lr_scale
-            final_hook = tf.compat.v1.train.FinalOpsHook(final_values) if final_values else None
-            if final_hook is not None:
-                all_hooks.append(final_hook)
-            chief_hooks = list(chief_only_hooks or [])
-            chief_hooks.insert(0, _FiniteModelHook(resume_from or "initialisation"))
-            chief_hooks += _saving_hooks(
-                logdir,
-                scaffold,
-                save_checkpoint_secs,
-                save_checkpoint_steps,
-                save_summaries_steps,
-                save_summaries_secs,
-            )
-            progress = _Progress(log_every_n_steps, number_of_steps, recorder)
-            if resume_from:
-                logging.info("slim_nanguard: resuming from %s", resume_from)
-            outcome = _run(
-                train_op,
-                guard,
-                logdir,
-                scaffold,
-                master,
-                is_chief,
-                config,
-                all_hooks,
-                chief_hooks,
-                progress,
-                counts,
-                judge_hook,
-                handle_sigint,
-                number_of_steps,
-                stop_grace_period_secs=stop_grace_period_secs,
-            )
-    except _errors.NanLossError as err:
-        recorder.append(
-            {
-                "kind": "stop",
-                "reason": STOP_NAN_ERROR.value,
-                "time": time.time(),
-                "message": str(err),
-                "checkpoint": err.checkpoint,
-            }
+
+@dataclasses.dataclass
+class _Loop:
+    """What one call of `train` runs: its train op and guard, its hooks, and where it began.
+
+    Attributes:
+      start: The guard's state when the call began; the call's counts are the state since.
+      judge_hook: The `NanLossHook` of the guard whose outcome the loop reads after each run
+        (hook mode, a dynamic loss-scale optimizer, or one the caller passed), else None.
+      final_hook: Reads the global step and the learning-rate scale at the end, or None.
+    """
+
+    train_op: tf.Tensor
+    guard: _guard.Guard
+    logdir: str
+    scaffold: tf.compat.v1.train.Scaffold
+    is_chief: bool
+    number_of_steps: Optional[int]
+    handle_sigint: bool
+    progress: _Progress
+    start: _policy.GuardState
+    hooks: List[tf.compat.v1.train.SessionRunHook] = dataclasses.field(default_factory=list)
+    chief_hooks: List[tf.compat.v1.train.SessionRunHook] = dataclasses.field(default_factory=list)
+    judge_hook: Optional[_hook.NanLossHook] = None
+    final_hook: Optional[tf.compat.v1.train.FinalOpsHook] = None
+
+    def counts(self) -> _policy.GuardState:
+        """What this call has seen so far: the guard's state since `start`."""
+        return self.guard.state.since(self.start)
+
+    def add_hooks(self, hooks, chief_only_hooks, resume_from: Optional[str]) -> None:
+        """The caller's hooks, the judging hook, the step limit and the final values."""
+        guard = self.guard
+        self.hooks = list(hooks or [])
+        # A hook of this guard the caller passed judges the runs; in hook mode, and in
+        # check_numerics mode with a dynamic loss-scale optimizer (the hook records its
+        # overflow steps, which do not raise), one is added if none was. The loop reads its
+        # outcomes.
+        self.judge_hook = next(
+            (
+                h
+                for h in self.hooks
+                if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
+            ),
+            None,
         )
-        raise
-    finally:
-        guard.remove_listener(recorder)
+        if self.judge_hook is None and (guard.mode == Mode.HOOK or guard.ok is not None):
+            self.judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=self.logdir)
+            self.hooks.append(self.judge_hook)
+        if self.number_of_steps is not None:
+            self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
+        final_values = {}
+        if guard.global_step is not None:
+            final_values["global_step"] = guard.global_step
+        if guard.lr_scale is not None:
+            final_values["learning_rate_scale"] = guard.lr_scale
+        if final_values:
+            self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
+            self.hooks.append(self.final_hook)
+        self.chief_hooks = [_FiniteModelHook(resume_from or "initialisation")]
+        self.chief_hooks += list(chief_only_hooks or [])
 
-    final_loss, stop_reason, last_step = outcome
-    # The rollbacks a cluster's chief carried out for other workers' requests.
-    counts.rollbacks += sum(
-        h.rollbacks for h in [*all_hooks, *chief_hooks] if isinstance(h, _cluster.ChiefRollbackHook)
-    )
-    lr_scale = guard.state.learning_rate_scale
-    if final_hook is not None and final_hook.final_ops_values is not None:
-        last_step = int(final_hook.final_ops_values["global_step"])
-        # The scale the model holds: in a resumed run, the one its checkpoint carried on.
-        lr_scale = float(final_hook.final_ops_values.get("learning_rate_scale", lr_scale))
-    if (
-        stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA)
-        and number_of_steps is not None
-        and last_step >= number_of_steps
-    ):
-        # The global step reached the limit; other workers (a cluster) made part of it.
-        stop_reason = STOP_STEP_LIMIT
-    stop_fields = {}
-    told = [h for h in all_hooks if getattr(h, "stop_reason", None)]
-    if stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and told:
-        # The hook that stopped the run says why (a cluster's: another worker stopped it).
-        stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
-    result = TrainResult(
-        final_loss=final_loss,
-        global_step=last_step,
-        steps=counts.steps,
-        bad_steps=counts.bad_steps,
-        skips=counts.skips,
-        rollbacks=counts.rollbacks,
-        stop_reason=stop_reason,
-        checkpoint=_checkpoints.latest_checkpoint(logdir),
-        events_path=recorder.path,
-        learning_rate_scale=lr_scale,
-        loss_scale_overflows=counts.loss_scale_overflows,
-        rollback_requests=counts.rollback_requests,
-    )
-    recorder.append(
-        {
-            "kind": "stop",
-            "reason": str(stop_reason),
-            "step": last_step,
-            "time": time.time(),
-            "final_loss": _record_float(final_loss),
-            **stop_fields,
-        }
-    )
-    logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
-    return result
+    def result(
+        self, final_loss: float, stop_reason: StopReason, last_step: int, events_path: str
+    ) -> Tuple[TrainResult, Dict[str, Any]]:
+        """The `TrainResult` of the call, and the fields its stop record adds."""
+        counts = self.counts()
+        lr_scale = self.guard.state.learning_rate_scale
+        final = self.final_hook.final_ops_values if self.final_hook is not None else None
+        if final is not None:
+            last_step = int(final["global_step"])
+            # The scale the model holds: in a resumed run, the one its checkpoint carried on.
+            lr_scale = float(final.get("learning_rate_scale", lr_scale))
+        if (
+            stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA)
+            and self.number_of_steps is not None
+            and last_step >= self.number_of_steps
+        ):
+            # The global step reached the limit; other workers (a cluster) made part of it.
+            stop_reason = STOP_STEP_LIMIT
+        stop_fields = {}
+        told = [h for h in self.hooks if getattr(h, "stop_reason", None)]
+        if stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and told:
+            # The hook that stopped the run says why (a cluster's: another worker stopped it).
+            stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
+        result = TrainResult(
+            final_loss=final_loss,
+            global_step=last_step,
+            steps=counts.steps,
+            bad_steps=counts.total_bad_steps,
+            skips=counts.skips,
+            rollbacks=counts.rollbacks,
+            stop_reason=stop_reason,
+            checkpoint=_checkpoints.latest_checkpoint(self.logdir),
+            events_path=events_path,
+            learning_rate_scale=lr_scale,
+            loss_scale_overflows=counts.loss_scale_overflows,
+            rollback_requests=counts.rollback_requests,
+        )
+        return result, stop_fields
+
+
+def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
+    """Appends the record of how the run ended (kind ``stop``)."""
+    recorder.append({"kind": "stop", "reason": str(reason), "time": time.time(), **fields})
 
 
 def _record_float(value: float):
@@ -612,47 +619,27 @@ def _saving_hooks(
 
 
 def _run(
-    train_op: tf.Tensor,
-    guard: _guard.Guard,
-    logdir: str,
-    scaffold: tf.compat.v1.train.Scaffold,
+    loop: _Loop,
+    *,
     master: str,
-    is_chief: bool,
     config: Optional[tf.compat.v1.ConfigProto],
-    hooks: List[tf.compat.v1.train.SessionRunHook],
-    chief_hooks: List[tf.compat.v1.train.SessionRunHook],
-    progress: _Progress,
-    counts: _Counts,
-    judge_hook: Optional[_hook.NanLossHook],
-    handle_sigint: bool,
-    number_of_steps: Optional[int],
-    stop_grace_period_secs: float = 120,
-):
-    """The loop itself; returns (final loss, stop reason, global step), tallies `counts`.
+    stop_grace_period_secs: float,
+) -> Tuple[float, StopReason, int]:
+    """The loop itself: runs steps until a stop; returns (final loss, stop reason, step).
 
-    Each run comes to an `Outcome`: from `_actions.judge` when the check raised
-    (check_numerics mode), else from `judge_hook` (hook mode, or a dynamic loss-scale
-    optimizer), else a good step.
+    Each run comes to an `Outcome` (`_step`); the counts are the guard's state since
+    ``loop.start``.
     """
-    final_loss, step = float("nan"), -1
-    stop_reason = None
-
-    def read_step(sess: tf.compat.v1.train.MonitoredSession) -> int:
-        if guard.global_step is None:
-            return counts.steps
-        return int(
-            sess.run_step_fn(lambda step_context: step_context.session.run(guard.global_step))
-        )
-
+    final_loss, stop_reason = float("nan"), None
     with (
-        _SigintStop(handle_sigint) as sigint,
+        _SigintStop(loop.handle_sigint) as sigint,
         tf.compat.v1.train.MonitoredTrainingSession(
             master=master,
-            is_chief=is_chief,
+            is_chief=loop.is_chief,
             checkpoint_dir=None,
-            scaffold=scaffold,
-            hooks=hooks,
-            chief_only_hooks=chief_hooks,
+            scaffold=loop.scaffold,
+            hooks=loop.hooks,
+            chief_only_hooks=loop.chief_hooks,
             save_checkpoint_secs=None,
             save_summaries_steps=None,
             save_summaries_secs=None,
@@ -661,79 +648,87 @@ def _run(
             stop_grace_period_secs=stop_grace_period_secs,
         ) as sess,
     ):
-        step = read_step(sess)
-        progress.start(step)
-        # StopAtStepHook only looks after a step: without this, one more would run. Only the
-        # start is checked here; after it the hook, which reads global_step, ends the loop
-        # (`step` counts this task's steps, which in a cluster is not the global step).
-        finished = number_of_steps is not None and step >= number_of_steps
-        if finished:
-            logging.info(
-                "slim_nanguard: global step %d already reaches number_of_steps=%d; "
-                "nothing to train.",
-                step,
-                number_of_steps,
-            )
+        step = _read_step(loop, sess)
+        loop.progress.start(step)
+        finished = _finished_before_start(loop, step)
         while not finished and not sess.should_stop():
             if sigint.requested:
                 stop_reason = sigint.stop_reason
                 break
             try:
-                try:
-                    loss = sess.run(train_op)
-                except _errors.NanLossError as nan_error:  # Hook mode: the hook gave up.
-                    _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
-                    raise
+                loss, outcome = _step(loop, sess)
             except tf.errors.OutOfRangeError:
                 stop_reason = STOP_END_OF_DATA
                 break
-            except tf.errors.InvalidArgumentError as err:
-                if not guard.owns_error(err):
-                    raise
-                try:
-                    # The loop stops by itself on a stop: nothing to ask the session.
-                    outcome = _actions.judge(
-                        guard, sess, checkpoint_dir=logdir, error=err, request_stop=_no_stop
-                    )
-                except _errors.NanLossError as nan_error:
-                    _save_good_state(sess, guard, scaffold, logdir, is_chief, nan_error)
-                    raise
-            else:
-                outcome = judge_hook.last_outcome if judge_hook is not None else None
-                if outcome is None:  # No hook judged this run: the check let it through.
-                    guard.note_good_step()
-                    guard.note_loss(loss)  # (A hook that judged kept the loss itself.)
-                    outcome = _actions.GOOD
-            counts.add(outcome)
+            except _errors.NanLossError as nan_error:  # The policy gave up (either mode).
+                _save_good_state(sess, loop, nan_error)
+                raise
             if outcome.stop:
                 stop_reason = STOP_POLICY
                 break
             if outcome.action == Action.ROLLBACK:
-                step = outcome.step if outcome.step is not None else read_step(sess)
+                step = outcome.step if outcome.step is not None else _read_step(loop, sess)
             if not outcome.good:
                 continue  # A bad step, or an overflow: global_step did not move.
             step += 1
             final_loss = float(np.asarray(loss))
-            progress(step, final_loss, counts)
-        if stop_reason is None:
-            if number_of_steps is not None and step >= number_of_steps:
-                stop_reason = STOP_STEP_LIMIT
-            else:
-                stop_reason = STOP_REQUESTED
+            loop.progress(step, final_loss, loop.counts())
+    if stop_reason is None:
+        if loop.number_of_steps is not None and step >= loop.number_of_steps:
+            stop_reason = STOP_STEP_LIMIT
+        else:
+            stop_reason = STOP_REQUESTED
     return final_loss, stop_reason, step
 
 
-def _no_stop() -> None:
-    """The loop leaves on `Outcome.stop` by itself: nothing to ask the session."""
+def _read_step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> int:
+    """The global step (around the session's hooks), or this call's good steps without one."""
+    if loop.guard.global_step is None:
+        return loop.counts().steps
+    return int(_actions.raw_call(sess, lambda raw: raw.run(loop.guard.global_step)))
+
+
+def _finished_before_start(loop: _Loop, step: int) -> bool:
+    """Whether the global step already reaches the step limit, so that nothing is trained.
+
+    StopAtStepHook only looks after a step: without this, one more would run. Only the start
+    is checked here; after it the hook, which reads global_step, ends the loop (`step`
+    counts this task's steps, which in a cluster is not the global step).
+    """
+    finished = loop.number_of_steps is not None and step >= loop.number_of_steps
+    if finished:
+        logging.info(
+            "slim_nanguard: global step %d already reaches number_of_steps=%d; nothing to train.",
+            step,
+            loop.number_of_steps,
+        )
+    return finished
+
+
+def _step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> Tuple[Any, _actions.Outcome]:
+    """Runs the train op once; returns its value (None after a numerics error) and what the
+    run came to: from `_actions.judge` when the check raised (check_numerics mode), else from
+    the judging hook (hook mode, or a dynamic loss-scale optimizer), else a good step."""
+    guard = loop.guard
+    try:
+        loss = sess.run(loop.train_op)
+    except tf.errors.InvalidArgumentError as err:
+        if not guard.owns_error(err):
+            raise
+        # The loop stops by itself on a stop: nothing to ask the session.
+        outcome = _actions.judge(
+            guard, sess, checkpoint_dir=loop.logdir, error=err, request_stop=_actions.no_stop
+        )
+        return None, outcome
+    outcome = loop.judge_hook.last_outcome if loop.judge_hook is not None else None
+    if outcome is None:  # No hook judged this run: the check let it through.
+        _actions.good_step(guard, loss)  # (A hook that judged kept the loss itself.)
+        outcome = _actions.GOOD
+    return loss, outcome
 
 
 def _save_good_state(
-    sess: tf.compat.v1.train.MonitoredSession,
-    guard: _guard.Guard,
-    scaffold: tf.compat.v1.train.Scaffold,
-    logdir: str,
-    is_chief: bool,
-    error: _errors.NanLossError,
+    sess: tf.compat.v1.train.MonitoredSession, loop: _Loop, error: _errors.NanLossError
 ) -> _errors.NanLossError:
     """Saves the state the guard kept at a bad step before giving up; returns `error`.
 
@@ -741,8 +736,9 @@ def _save_good_state(
     means that giving up (``raise``, or an escalation that raises) loses no good step.
     ``error.checkpoint`` is set to the checkpoint, or to the latest one if the save fails.
     """
+    guard, logdir = loop.guard, loop.logdir
     path = None
-    if is_chief:
+    if loop.is_chief:
 
         def save(step_context):
             step = (
@@ -750,7 +746,7 @@ def _save_good_state(
                 if guard.global_step is not None
                 else None
             )
-            return scaffold.saver.save(
+            return loop.scaffold.saver.save(
                 step_context.session, _paths.join(logdir, "model.ckpt"), global_step=step
             )
 

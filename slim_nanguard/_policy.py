@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Tuple, Union
 
 from slim_nanguard._events import NanEvent
 from slim_nanguard._types import Action
@@ -225,6 +225,131 @@ def validate_action(action: object, source: str) -> Action:
 
 
 @dataclasses.dataclass(frozen=True)
+class GuardState:
+    """Counters of one guard, kept for the life of the process (across sessions).
+
+    The one tally of the package: `decide` makes each new one from the last, a loop's
+    `TrainResult` is the difference of two (`since`), and the record's TensorBoard counters
+    are read from it.
+
+    Attributes:
+      total_bad_steps: Bad steps seen so far.
+      consecutive_bad_steps: Bad steps since the last good one.
+      skips: Bad steps the ``skip`` policy stepped over.
+      rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
+      stops: Stops requested by the ``stop`` policy.
+      last_bad_step: Global step of the last bad step, or None.
+      learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer: not bad steps
+        (the optimizer skipped them and lowered its scale), counted apart.
+      steps: Good steps seen so far.
+      rollback_requests: Rollbacks a cluster's non-chief worker asked its chief for (the
+        chief counts the rollback in its own ``rollbacks``).
+      autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
+    """
+
+    total_bad_steps: int = 0
+    consecutive_bad_steps: int = 0
+    skips: int = 0
+    rollbacks: int = 0
+    stops: int = 0
+    last_bad_step: Optional[int] = None
+    learning_rate_scale: float = 1.0
+    loss_scale_overflows: int = 0
+    steps: int = 0
+    rollback_requests: int = 0
+    autopsies: int = 0
+
+    def since(self, start: "GuardState") -> "GuardState":
+        """What happened between `start` and this state: each count the difference, the
+        rest (consecutive count, last bad step, learning-rate scale) as it is now."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS}
+        )
+
+
+# The counts of `GuardState` that only grow (`GuardState.since` subtracts them).
+_COUNTS = (
+    "total_bad_steps",
+    "skips",
+    "rollbacks",
+    "stops",
+    "loss_scale_overflows",
+    "steps",
+    "rollback_requests",
+    "autopsies",
+)
+
+
+# ----------------------------------------------------------------------- observations
+# What `decide` is told. Each is a plain value: no TensorFlow, no session.
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodStep:
+    """A step went through (the loss and every gradient finite)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleOverflow:
+    """An overflow step of a dynamic loss-scale optimizer: no bad step, counted apart."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BadStep:
+    """A step whose loss or gradients were not finite.
+
+    Attributes:
+      step: The global step it was attempted at (-1 if unknown).
+      chosen: The action the policy (or a hook's override, or ``on_nan``) chose.
+      guarded: False for a loss no guarded train op made (`NanLossHook` on a bare loss): the
+        update has happened, so only ``raise`` and ``stop`` mean anything, and ``raise``
+        says why.
+    """
+
+    step: int
+    chosen: Action
+    guarded: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Autopsied:
+    """A bad step was replayed by an autopsy (see `wants_autopsy`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolledBack:
+    """A rollback restored a checkpoint.
+
+    Attributes:
+      learning_rate_scale: The learning-rate scale the model trains with from now on.
+    """
+
+    learning_rate_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackAsked:
+    """A cluster's non-chief worker asked its chief to roll back (it restores nothing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackRequested:
+    """A cluster's chief got rollback requests from other workers.
+
+    Attributes:
+      workers: The task ids that asked, sorted, each once.
+    """
+
+    workers: Tuple[int, ...]
+
+
+Observation = Union[
+    GoodStep, LossScaleOverflow, BadStep, Autopsied, RolledBack, RollbackAsked, RollbackRequested
+]
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
     """What to do about one bad step, and why: the result of `decide`.
 
@@ -245,25 +370,92 @@ class Decision:
     limit: Optional[int] = None
 
 
-def decide(
-    config: GuardConfig, chosen: str, *, consecutive_bad_steps: int, rollbacks: int
-) -> Decision:
-    """Decides what a bad step leads to: a pure function of the config and the counters.
+def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
+    """Whether the next bad step gets an autopsy: the first ``autopsy_max_steps`` do."""
+    return state.autopsies < config.autopsy_max_steps
 
-    No TensorFlow and no session: `Guard.record_bad_step` counts the step, lets the ``on_nan``
-    callback choose and calls this; `_actions.carry_out` carries the decision out.
+
+def counted(state: GuardState, step: int) -> GuardState:
+    """The state once a bad step at global step `step` is counted, before any decision.
+
+    The count of bad steps in a row starts over when the global step moved on since the last
+    bad one (a step went through that no loop reported). `decide` starts from this; a caller
+    that shows the counts to ``on_nan`` before it decides reads them here.
+    """
+    consecutive = state.consecutive_bad_steps
+    if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
+        consecutive = 0
+    return dataclasses.replace(
+        state,
+        total_bad_steps=state.total_bad_steps + 1,
+        consecutive_bad_steps=consecutive + 1,
+        last_bad_step=step,
+    )
+
+
+def decide(
+    config: GuardConfig, state: GuardState, observation: Observation
+) -> Tuple[Optional[Decision], GuardState]:
+    """The guard's one transition: what an observation leads to, and the next state. Pure.
+
+    Every counting rule is here: a good step ends a run of bad steps; a bad step is counted
+    (`counted`) and decided (a ``skip`` or ``rollback`` at ``max_consecutive_bad_steps`` in a
+    row becomes ``persistent_nan_policy``; a ``rollback`` past ``max_rollbacks`` becomes
+    ``raise``); an escalated ``rollback`` starts the count of bad steps in a row over (or the
+    first bad step after it, at the same global step, would escalate again); a cluster's
+    chief holds its workers' requests to the same ``max_rollbacks``. No TensorFlow and no
+    session: `_actions` observes and carries the decision out.
 
     Args:
       config: The guard's configuration.
-      chosen: The action the policy (or a hook's override, or the ``on_nan`` callback) chose.
-      consecutive_bad_steps: Bad steps in a row, this one included.
-      rollbacks: Rollbacks already done.
+      state: The state before the observation.
+      observation: What happened (`GoodStep`, `BadStep`, `LossScaleOverflow`, `Autopsied`,
+        `RolledBack`, `RollbackAsked`, `RollbackRequested`).
 
     Returns:
-      The `Decision`. A ``skip`` or ``rollback`` at ``max_consecutive_bad_steps`` bad steps in
-      a row becomes ``persistent_nan_policy``; a ``rollback`` past ``max_rollbacks`` becomes
-      ``raise``, and the reason names each bound that was reached.
+      ``(decision, next_state)``: the `Decision` for a `BadStep` or a `RollbackRequested`
+      (else None).
     """
+    replace = dataclasses.replace
+    if isinstance(observation, GoodStep):
+        return None, replace(state, steps=state.steps + 1, consecutive_bad_steps=0)
+    if isinstance(observation, LossScaleOverflow):
+        return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
+    if isinstance(observation, RolledBack):
+        return None, replace(
+            state,
+            rollbacks=state.rollbacks + 1,
+            learning_rate_scale=observation.learning_rate_scale,
+        )
+    if isinstance(observation, Autopsied):
+        return None, replace(state, autopsies=state.autopsies + 1)
+    if isinstance(observation, RollbackAsked):
+        return None, replace(state, rollback_requests=state.rollback_requests + 1)
+    if isinstance(observation, RollbackRequested):
+        return _decide_request(config, state, observation.workers), state
+    if isinstance(observation, BadStep):
+        state = counted(state, observation.step)
+        if not observation.guarded:
+            decision = _decide_unguarded(observation.chosen)
+        else:
+            decision = _decide_bad_step(
+                config, observation.chosen, state.consecutive_bad_steps, state.rollbacks
+            )
+        action = decision.action
+        if action == SKIP:
+            state = replace(state, skips=state.skips + 1)
+        elif action == STOP:
+            state = replace(state, stops=state.stops + 1)
+        elif action == ROLLBACK and decision.escalation:
+            state = replace(state, consecutive_bad_steps=0)
+        return decision, state
+    raise TypeError(f"decide got {observation!r}, which is no observation; see Observation.")
+
+
+def _decide_bad_step(
+    config: GuardConfig, chosen: str, consecutive_bad_steps: int, rollbacks: int
+) -> Decision:
+    """The decision about a bad step of a guarded train op, from the counts with it."""
     action, escalation, reason = Action(chosen), "", ""
     cause, limit = Cause.POLICY, None
     if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
@@ -282,3 +474,30 @@ def decide(
     if action != RAISE:
         return Decision(action, escalation)
     return Decision(action, escalation, reason or "the nan_policy is 'raise'", cause, limit)
+
+
+def _decide_unguarded(chosen: str) -> Decision:
+    """A loss no guarded train op made: nothing was gated, so raise (saying so) or stop."""
+    action = Action(chosen)
+    if action == RAISE:
+        return Decision(
+            action,
+            reason="the loss comes from no guarded train op, so the update of this step may "
+            "already have happened",
+            cause=Cause.UNGUARDED_LOSS,
+        )
+    return Decision(action)
+
+
+def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, ...]) -> Decision:
+    """A cluster chief's answer to rollback requests: one rollback, within ``max_rollbacks``."""
+    if state.rollbacks < config.max_rollbacks:
+        return Decision(ROLLBACK)
+    who = ", ".join(str(w) for w in workers)
+    return Decision(
+        RAISE,
+        reason=f"worker {who} asked for a rollback, and {state.rollbacks} rollbacks already "
+        f"done reached max_rollbacks={config.max_rollbacks}",
+        cause=Cause.MAX_ROLLBACKS,
+        limit=config.max_rollbacks,
+    )

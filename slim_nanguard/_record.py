@@ -10,14 +10,28 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import tensorflow as tf
 
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
+from slim_nanguard import _policy
 
 EVENTS_FILENAME = "nanguard_events.jsonl"
+
+# The TensorBoard counters (``nanguard/<name>``) and the `GuardState` count each one reads.
+_SCALARS = {
+    "bad_steps": "total_bad_steps",
+    "skips": "skips",
+    "rollbacks": "rollbacks",
+    "stops": "stops",
+    "loss_scale_overflows": "loss_scale_overflows",  # only in runs that have them
+}
+
+
+class _HasState(Protocol):
+    state: _policy.GuardState
 
 
 def events_filename(task: Optional[int] = None) -> str:
@@ -38,6 +52,9 @@ class EventRecorder:
       write_summaries: False to write the JSON lines only.
       task: The task id in a cluster: each record gets a ``task`` field, and task N > 0
         writes its own file (`events_filename`). None: no cluster.
+
+    The counters it writes are those of the guards it listens to (`Guard.add_listener`
+    calls `follow`), counted from when it began listening.
     """
 
     def __init__(
@@ -52,22 +69,25 @@ class EventRecorder:
         self._logdir = logdir
         self._writer = summary_writer
         self._write_summaries = write_summaries
-        self.counts = {"bad_steps": 0, "skips": 0, "rollbacks": 0, "stops": 0}
+        # Each guard followed, with its state when this recorder began to follow it.
+        self._followed: Dict[_HasState, _policy.GuardState] = {}
+
+    def follow(self, guard: _HasState) -> None:
+        """Counts `guard`'s bad steps, skips, rollbacks and stops from now on."""
+        self._followed.setdefault(guard, guard.state)
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """The counters since this recorder began to follow its guards, by scalar name."""
+        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
+        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
+        if not counts["loss_scale_overflows"]:
+            del counts["loss_scale_overflows"]
+        return counts
 
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)
         record.setdefault("time", time.time())
-        kind = record.get("kind")
-        if kind == "bad_step":
-            self.counts["bad_steps"] += 1
-            if record.get("action") == "skip":
-                self.counts["skips"] += 1
-            elif record.get("action") == "stop":
-                self.counts["stops"] += 1
-        elif kind == "rollback":
-            self.counts["rollbacks"] += 1
-        elif kind == "loss_scale_overflow":  # counted apart; only runs that have them show it
-            self.counts["loss_scale_overflows"] = self.counts.get("loss_scale_overflows", 0) + 1
         self.append(record)
         if self._write_summaries and "step" in record:
             self.write_scalars(int(record["step"]))

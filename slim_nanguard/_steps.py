@@ -104,10 +104,6 @@ class _JudgingSession:
         return getattr(self._session, name)
 
 
-def _no_stop() -> None:
-    """`train_step` stops by returning ``should_stop=True``: nothing to ask here."""
-
-
 def train_step(
     sess: tf.compat.v1.Session,
     train_op: tf.Tensor,
@@ -163,8 +159,9 @@ def train_step(
     # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer, whose overflow
     # steps do not raise: read the guard's verdict with the step.
     judging = _JudgingSession(sess, guard) if guard.ok is not None else None
+    # train_step stops by returning should_stop=True: nothing to ask the session.
     judge = functools.partial(
-        _actions.judge, guard, sess, checkpoint_dir=checkpoint_dir, request_stop=_no_stop
+        _actions.judge, guard, sess, checkpoint_dir=checkpoint_dir, request_stop=_actions.no_stop
     )
     try:
         loss, should_stop = tf_slim.learning.train_step(
@@ -176,8 +173,7 @@ def train_step(
         outcome, loss, should_stop = judge(error=error), None, False
     else:
         if judging is None or judging.ok:
-            guard.note_good_step()
-            guard.note_loss(loss)
+            _actions.good_step(guard, loss)
             return loss, should_stop
         outcome = judge()
     if outcome.overflow:  # The optimizer skipped the update and lowered its scale.

@@ -14,9 +14,11 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import _actions
+from slim_nanguard import _history
 from slim_nanguard import _loop
 from slim_nanguard import _ops
 from slim_nanguard import _policy
+from slim_nanguard import _rollback
 from slim_nanguard._events import NanEvent
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
@@ -37,15 +39,36 @@ def _event(action, step=4):
     )
 
 
+class _FakeRestorer:
+    """A guard's restorer that restores nothing and says which checkpoint it would."""
+
+    def __init__(self, rollbacks):
+        self._rollbacks = rollbacks
+
+    def restore(self, session, checkpoint_dir, *, bad_step, learning_rate_scale, skip_batches):
+        self._rollbacks.append((session, checkpoint_dir))
+        return _rollback.Restored(f"{checkpoint_dir}/model.ckpt-2", 2, 0, learning_rate_scale)
+
+
 class _FakeGuard:
-    """What carry_out reads of a guard: its rollback and its global step."""
+    """What carry_out reads of a guard: its restorer (or rollback request), its global step,
+    and the state it observes; its records are kept."""
 
     def __init__(self):
         self.rollbacks = []
+        self.records = []
+        self.restorer = _FakeRestorer(self.rollbacks)
+        self.rollback_request = None
+        self.history = _history.LossHistory(0)
+        self.config = _policy.GuardConfig()
+        self.state = _policy.GuardState()
 
-    def rollback(self, session, checkpoint_dir):
-        self.rollbacks.append((session, checkpoint_dir))
-        return f"{checkpoint_dir}/model.ckpt-2"
+    def observe(self, observation, event=None):
+        decision, self.state = _policy.decide(self.config, self.state, observation)
+        return decision
+
+    def notify(self, kind, event, **extra):
+        self.records.append((kind, extra))
 
     def read_global_step(self, session):
         return 2
@@ -79,13 +102,28 @@ def test_rollback_uses_the_guards_rollback_and_reports_the_new_step():
     assert not outcome.stop
 
 
-def test_a_caller_can_roll_back_its_own_way():
-    """A cluster worker, say, asks its chief instead of restoring here."""
+def test_a_guards_rollback_request_is_its_one_other_route():
+    """A cluster worker asks its chief instead of restoring here: no restore, a request
+    counted and recorded, and an outcome that restored nothing."""
     asked = []
-    guard, outcome = _carry_out(
-        "rollback", rollback=lambda session, directory: asked.append(directory) or "chief"
+    guard = _FakeGuard()
+    guard.rollback_request = lambda session, g, event: asked.append(event.step) or {"chief": 0}
+    outcome = _actions.carry_out(
+        guard,
+        "raw session",
+        _event("rollback"),
+        _policy.Decision(Action.ROLLBACK),
+        checkpoint_dir="/run",
     )
-    assert asked == ["/run"] and guard.rollbacks == [] and outcome.checkpoint == "chief"
+    assert asked == [4] and guard.rollbacks == [] and outcome.checkpoint == ""
+    assert (guard.state.rollback_requests, guard.state.rollbacks) == (1, 0)
+    assert guard.records == [("rollback_requested", {"chief": 0})]
+
+
+def test_a_restore_is_counted_by_the_state_and_recorded():
+    guard, _ = _carry_out("rollback")
+    assert (guard.state.rollbacks, guard.state.rollback_requests) == (1, 0)
+    assert [kind for kind, _ in guard.records] == ["rollback"]
 
 
 def test_raise_raises_the_error_with_its_cause_chained_to_the_numerics_error():
@@ -108,21 +146,35 @@ def test_a_good_outcome_is_good():
     assert not overflow.good and not overflow.bad
 
 
-def test_the_loop_tallies_its_result_from_outcomes():
-    counts = _loop._Counts()
-    for outcome in [
-        _actions.GOOD,
-        _actions.Outcome(event=_event("skip"), action=Action.SKIP),
-        _actions.Outcome(overflow=True),
-        _actions.Outcome(
-            event=_event("rollback"), action=Action.ROLLBACK, step=2, checkpoint="model.ckpt-2"
-        ),
-        # A cluster worker's rollback request: the chief restores, and counts it, not this task.
-        _actions.Outcome(event=_event("rollback"), action=Action.ROLLBACK, step=2, checkpoint=""),
-        _actions.GOOD,
-    ]:
-        counts.add(outcome)
-    assert dataclasses.astuple(counts) == (2, 3, 1, 1, 1, 1)
+def test_the_loop_tallies_its_result_from_the_guards_state():
+    """A good step, a skip, an overflow, a restore, a worker's request, a good step: the
+    call's counts are the guard's state since it began (the transition's own stories are in
+    test_policy_transition)."""
+    guard = _FakeGuard()
+
+    def bad_step(action):
+        decision = guard.observe(_policy.BadStep(-1, Action(action)))
+        _actions.carry_out(guard, "s", _event(action), decision, checkpoint_dir="/run")
+
+    bad_step("skip")  # before the call: not in its counts
+    start = guard.state
+    _actions.good_step(guard, 1.0)
+    bad_step("skip")
+    guard.observe(_policy.LossScaleOverflow())
+    bad_step("rollback")
+    # A cluster worker's rollback request: the chief restores, and counts it, not this task.
+    guard.rollback_request = lambda session, g, event: {}
+    bad_step("rollback")
+    _actions.good_step(guard, 1.0)
+    counts = guard.state.since(start)
+    assert (
+        counts.steps,
+        counts.total_bad_steps,
+        counts.skips,
+        counts.rollbacks,
+        counts.loss_scale_overflows,
+        counts.rollback_requests,
+    ) == (2, 3, 1, 1, 1, 1)
 
 
 def test_the_input_op_types_have_one_definition():
@@ -156,7 +208,7 @@ def test_progress_lines_show_rate_time_left_and_this_runs_counts(caplog):
     """Steps 0..20 at 4 steps a second, a line every 10 steps, 40 steps in all."""
     clock = _Clock()
     progress = _loop._Progress(10, 40, recorder=None, clock=clock)
-    counts = _loop._Counts(steps=20, bad_steps=3, skips=2, rollbacks=1)
+    counts = _policy.GuardState(steps=20, total_bad_steps=3, skips=2, rollbacks=1)
     progress.start(0)
     with caplog.at_level(logging.INFO, logger="absl"):
         for step in range(1, 21):
@@ -174,8 +226,8 @@ def test_progress_without_a_step_limit_or_a_rate(caplog):
     progress = _loop._Progress(5, None, recorder=None, clock=clock)
     progress.start(5)  # resumed at step 5: its first line has no steps to time yet
     with caplog.at_level(logging.INFO, logger="absl"):
-        progress(5, float("nan"), _loop._Counts())
-        progress(6, 1.0, _loop._Counts())  # not a multiple of 5: no line
+        progress(5, float("nan"), _policy.GuardState())
+        progress(6, 1.0, _policy.GuardState())  # not a multiple of 5: no line
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines == ["step 5: loss nan, -- steps/s; bad steps 0 (skipped 0, rolled back 0)"]
 

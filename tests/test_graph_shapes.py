@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _actions
 
 import nanguard_testlib as lib
 
@@ -269,7 +270,8 @@ def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_writte
         assert err is not None and slim_nanguard.is_numerics_error(err)
         assert guard.owns_error(err)
         lib.assert_state_equal(before, lib.state(sess, graph))
-        event = guard.handle_numerics_error(sess, err)
+        # The executor, with the guard: the train op lives in the loop body's graph.
+        event = _actions.judge(guard, sess, checkpoint_dir=None, error=err).event
         assert event.action == "skip" and event.culprits == ("w",)
         assert event.step == ITERATIONS
         sess.run(total, {xs: _loop_batches(ITERATIONS)})

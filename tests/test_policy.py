@@ -1,14 +1,23 @@
 """The policy decision as a pure function: stories of bad steps, no graph and no session.
 
-`decide` takes the config, the action chosen for a bad step and the counters, and says what
-happens: the chosen action, an escalation to ``persistent_nan_policy``, or giving up.
+`decide` takes the config, the guard's state and what happened, and says what happens next
+(the chosen action, an escalation to ``persistent_nan_policy``, or giving up) and what the
+state becomes.
 """
 
 import pytest
 
 from slim_nanguard import _policy
 from slim_nanguard._policy import GuardConfig
-from slim_nanguard._policy import decide
+from slim_nanguard._policy import GuardState
+
+
+def decide(config, chosen, *, consecutive_bad_steps, rollbacks):
+    """The decision about a bad step that makes `consecutive_bad_steps` in a row, chosen
+    `chosen`, once `rollbacks` rollbacks were done."""
+    state = GuardState(consecutive_bad_steps=consecutive_bad_steps - 1, rollbacks=rollbacks)
+    decision, _ = _policy.decide(config, state, _policy.BadStep(step=-1, chosen=chosen))
+    return decision
 
 
 def _run(config, bad_steps_in_a_row, *, rollbacks=0):
