@@ -155,7 +155,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     @property
     def session_bad_steps(self) -> int:
-        """Bad steps seen since the current session was created."""
+        """Bad steps of this hook's guard since the current session was created (judged by
+        this hook or by the loop it runs in: the guard's one tally)."""
         if self._guard is None:
             return self._unguarded_state.total_bad_steps
         return self._guard.state.total_bad_steps - self._session_start

@@ -453,17 +453,18 @@ class _Loop:
         # check_numerics mode with a dynamic loss-scale optimizer (the hook records its
         # overflow steps, which do not raise), one is added if none was. The loop reads its
         # outcomes.
-        self.judge_hook = next(
-            (
-                h
-                for h in self.hooks
-                if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
-            ),
-            None,
-        )
-        if self.judge_hook is None and (guard.mode == Mode.HOOK or guard.ok is not None):
-            self.judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=self.logdir)
-            self.hooks.append(self.judge_hook)
+        if guard.mode == Mode.HOOK or guard.ok is not None:
+            self.judge_hook = next(
+                (
+                    h
+                    for h in self.hooks
+                    if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
+                ),
+                None,
+            )
+            if self.judge_hook is None:
+                self.judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=self.logdir)
+                self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
         final_values = {}

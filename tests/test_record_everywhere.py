@@ -130,6 +130,21 @@ def test_train_records_each_bad_step_once(tmp_path, mode, users_hook):
     assert [(r["step"], r["loss"]) for r in _bad_steps(logdir)] == [(1, "nan"), (2, "inf")]
 
 
+@lib.each_mode
+def test_train_with_the_users_hook_keeps_the_losses_before_the_bad_step(tmp_path, mode):
+    """A user who passes ``hooks=[nan_hook(train_op)]`` to `train` out of habit, in either
+    mode: the bad step's record still holds the losses of the good steps before it."""
+    logdir = str(tmp_path)
+    model = lib.build_model(
+        faults={3: "nan_loss"}, nan_policy="skip", check_numerics=lib.MODES[mode]
+    )
+    hooks = [slim_nanguard.nan_hook(model.train_op, checkpoint_dir=logdir)]
+    result = _train(model, logdir, 5, hooks=hooks)
+    assert result.bad_steps == 1
+    (record,) = _bad_steps(logdir)
+    assert [step for step, _ in record["losses_before"]] == [0, 1, 2]
+
+
 # ---------------------------------------------------------------------- the dumps' disk use
 def test_many_bad_steps_keep_the_first_and_the_latest_dumps_and_say_which_went(tmp_path):
     logdir = str(tmp_path)
