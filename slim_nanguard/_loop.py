@@ -189,10 +189,12 @@ class _Progress:
         """Marks where the loop starts, so that the first line has a rate too."""
         self._mark = (self._clock(), step)
 
-    def __call__(self, step: int, loss: float, counts: _policy.GuardState) -> None:
-        """Logs a line at every `every`-th step, with `counts` (this run's, `GuardState.since`)."""
+    def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
+        """Logs a line at every `every`-th step, with ``counts()`` (this run's,
+        `GuardState.since`: read only when a line is due, not on every step)."""
         if self._every <= 0 or step % self._every:
             return
+        counts = counts()
         now = self._clock()
         rate = None
         if self._mark is not None and step > self._mark[1]:
@@ -673,7 +675,7 @@ def _run(
                 continue  # A bad step, or an overflow: global_step did not move.
             step += 1
             final_loss = float(np.asarray(loss))
-            loop.progress(step, final_loss, loop.counts())
+            loop.progress(step, final_loss, loop.counts)
     if stop_reason is None:
         if loop.number_of_steps is not None and step >= loop.number_of_steps:
             stop_reason = STOP_STEP_LIMIT

@@ -213,7 +213,7 @@ def test_progress_lines_show_rate_time_left_and_this_runs_counts(caplog):
     with caplog.at_level(logging.INFO, logger="absl"):
         for step in range(1, 21):
             clock.now += 0.25
-            progress(step, 0.5, counts)
+            progress(step, 0.5, lambda: counts)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines == [
         "step 10/40: loss 0.5000, 4.0 steps/s, 7s left; bad steps 3 (skipped 2, rolled back 1)",
@@ -226,8 +226,8 @@ def test_progress_without_a_step_limit_or_a_rate(caplog):
     progress = _loop._Progress(5, None, recorder=None, clock=clock)
     progress.start(5)  # resumed at step 5: its first line has no steps to time yet
     with caplog.at_level(logging.INFO, logger="absl"):
-        progress(5, float("nan"), _policy.GuardState())
-        progress(6, 1.0, _policy.GuardState())  # not a multiple of 5: no line
+        progress(5, float("nan"), _policy.GuardState)
+        progress(6, 1.0, _policy.GuardState)  # not a multiple of 5: no line
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert lines == ["step 5: loss nan, -- steps/s; bad steps 0 (skipped 0, rolled back 0)"]
 
