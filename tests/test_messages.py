@@ -61,6 +61,28 @@ def test_importing_the_package_leaves_pythons_logging_to_the_user():
     assert "USER WARNING set up by the user" in proc.stderr
 
 
+def test_the_launchers_library_leaves_pythons_logging_to_the_user(tmp_path):
+    """A script of the user's that trains and evaluates through the launcher's library half
+    (`slim_nanguard.app`, which logs as it goes) outside absl's app.run: no handler is put on
+    Python's root logger, so the user's basicConfig still takes effect."""
+    proc = _python(
+        "import logging, sys\n"
+        "from slim_nanguard import app\n"
+        f"config = app.TrainConfig.from_flags(train_dir={str(tmp_path / 'run')!r},\n"
+        "    dataset_name='synthetic', batch_size=8, max_number_of_steps=3,\n"
+        "    log_every_n_steps=0, save_summaries_steps=0, save_summaries_secs=0)\n"
+        "app.run_training(config)\n"
+        f"app.run_eval(app.EvalConfig(checkpoint_path={str(tmp_path / 'run')!r},\n"
+        "    dataset_name='synthetic', batch_size=8))\n"
+        "print('root handlers:', len(logging.root.handlers), file=sys.stderr)\n"
+        "logging.basicConfig(format='USER %(levelname)s %(message)s')\n"
+        "logging.getLogger('user').warning('set up by the user')\n"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "root handlers: 0" in proc.stderr, proc.stderr[-3000:]
+    assert "USER WARNING set up by the user" in proc.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Giving up after the policy was applied: the chained cause says that it was.
 

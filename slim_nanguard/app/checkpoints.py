@@ -12,11 +12,15 @@ from typing import Dict, List, Sequence
 
 import tensorflow as tf
 import tf_slim as slim
-from absl import logging
+from absl import logging as absl_logging
 
 import slim_nanguard
 from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
+
+# absl's logger itself: its module functions would configure Python's root logger in a
+# script that is not run by absl's app.run (see slim_nanguard/_log.py).
+logging = absl_logging.get_absl_logger()
 
 __all__ = [
     "check_fits",

@@ -29,12 +29,16 @@ import time
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
-from absl import logging
+from absl import logging as absl_logging
 
 from slim_nanguard import StopReason
 from slim_nanguard import cluster as guard_cluster
 from slim_nanguard import storage
 from slim_nanguard.app.config import LaunchError
+
+# absl's logger itself: its module functions would configure Python's root logger in a
+# script that is not run by absl's app.run (see slim_nanguard/_log.py).
+logging = absl_logging.get_absl_logger()
 
 JOBS = ("ps", "worker")
 

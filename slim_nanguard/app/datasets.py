@@ -39,10 +39,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
+from absl import logging as absl_logging
 
 from slim_nanguard import NanGuardError
 from slim_nanguard import storage
+
+# absl's logger itself: its module functions would configure Python's root logger in a
+# script that is not run by absl's app.run (see slim_nanguard/_log.py).
+logging = absl_logging.get_absl_logger()
 
 __all__ = [
     "DATASETS",

@@ -38,9 +38,13 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 import tensorflow as tf
 import tf_slim as slim
-from absl import logging
+from absl import logging as absl_logging
 
 from slim_nanguard import NanGuardError
+
+# absl's logger itself: its module functions would configure Python's root logger in a
+# script that is not run by absl's app.run (see slim_nanguard/_log.py).
+logging = absl_logging.get_absl_logger()
 
 __all__ = [
     "DEFAULT_IMAGE_SIZE",

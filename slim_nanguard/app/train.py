@@ -16,7 +16,7 @@ under `NanGuardError`) whose message names the setting (and its flag) and says w
 from __future__ import annotations
 
 import tensorflow as tf
-from absl import logging
+from absl import logging as absl_logging
 
 import slim_nanguard
 from slim_nanguard import storage
@@ -24,6 +24,10 @@ from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
 from slim_nanguard.app import datasets
+
+# absl's logger itself: its module functions would configure Python's root logger in a
+# script that is not run by absl's app.run (see slim_nanguard/_log.py).
+logging = absl_logging.get_absl_logger()
 
 __all__ = ["run_training"]
 
