@@ -38,6 +38,7 @@ from slim_nanguard import _events
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
+from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
 from slim_nanguard._types import SessionLike
 
@@ -202,6 +203,7 @@ def record_bad_step(
     policy: Optional[str] = None,
     autopsy=None,
     kinds: Optional[Sequence[str]] = None,
+    spike: Optional[dict] = None,
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
     """Records a bad step and has the guard decide about it; carries nothing out.
 
@@ -217,19 +219,26 @@ def record_bad_step(
       autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
       kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None: the
         culprits then come from the sums.
+      spike: A spike step's figures (`Guard.read_fault`); None for a non-finite step. A
+        spike gets ``spike_policy`` (a hook's `policy` is for non-finite steps).
 
     Returns:
       ``(event, decision)``: the event's ``action`` is the decision's, escalation included.
     """
     config = guard.config
-    chosen = Action(policy or config.nan_policy)
+    fault = Fault.NON_FINITE if spike is None else Fault.SPIKE
+    chosen = Action(config.spike_policy if spike else policy or config.nan_policy)
     counted = _policy.counted(guard.state, int(step))
+    if spike is not None:  # All finite: no culprit, whatever a previous step left.
+        kinds = ()
     event = _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy)
+    if spike is not None:
+        event = dataclasses.replace(event, cause=fault, spike=spike)
     if config.on_nan is not None:
         choice = config.on_nan(event)
         if choice is not None:
             chosen = _policy.validate_action(choice, "the on_nan callback")
-    decision = guard.observe(_policy.BadStep(int(step), chosen), event=event)
+    decision = guard.observe(_policy.BadStep(int(step), chosen, cause=fault), event=event)
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
     if decision.escalation and decision.action != Action.RAISE:
@@ -430,13 +439,17 @@ def judge(
 
     def record(raw: tf.compat.v1.Session):
         step, sums = stored or guard.read_bad_step(raw)
-        kinds = guard.read_value_kinds(raw)  # Exact, unlike a sum that may overflow.
-        if guard.is_loss_scale_overflow(sums):
+        fault, spike = guard.read_fault(raw)
+        kinds = None
+        if fault == Fault.NON_FINITE:  # Exact, unlike a sum that may overflow.
+            kinds = guard.read_value_kinds(raw)
+        if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
-        autopsy = guard.autopsy(raw, step)  # Before any rollback.
+        # Before any rollback. (A spike's replay is all finite: the autopsy of spikes is to come.)
+        autopsy = guard.autopsy(raw, step) if fault == Fault.NON_FINITE else None
         return record_bad_step(
-            guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds
+            guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds, spike=spike
         )
 
     event, decision = raw_call(session, record)

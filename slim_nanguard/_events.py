@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 from tensorflow.python.platform import tf_logging
 
 from slim_nanguard import _verdict
+from slim_nanguard._types import Fault
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._autopsy import Autopsy
@@ -65,6 +66,13 @@ class NanEvent:
       culprit_kinds: What each culprit's gradient held, in the order of ``culprits``:
         ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` (tested element by element). Empty when
         not known.
+      cause: What made the step bad (a `Fault`): ``"non_finite"`` (NaN or Inf in the loss
+        or a gradient) or ``"spike"`` (all finite, but the loss or the global gradient norm
+        far above those of the accepted steps).
+      spike: A spike's figures (`_spike.read_report`): ``loss``, ``grad_norm``, their
+        z-scores ``z_loss`` and ``z_grad_norm``, the statistics they were measured against
+        (``log_mean_*``, ``log_std_*``, ``typical_*``, ``accepted_steps``), ``sigma`` and
+        ``over`` (which values exceeded it). None for a non-finite step.
     """
 
     step: int
@@ -79,6 +87,8 @@ class NanEvent:
     loss_scale: Optional[float] = None
     autopsy: Optional["Autopsy"] = None
     culprit_kinds: Tuple[str, ...] = ()
+    cause: str = Fault.NON_FINITE
+    spike: Optional[Dict[str, Any]] = None
 
     @property
     def loss_is_nan(self) -> bool:
@@ -92,6 +102,12 @@ class NanEvent:
 
     def describe(self) -> str:
         """One line for a log or an error message."""
+        if self.cause == Fault.SPIKE and self.spike:
+            return (
+                f"global step {self.step}, loss {self.loss!r} (finite), "
+                f"{_spike_phrase(self.spike)}, bad step {self.consecutive} in a row "
+                f"({self.total} in all)"
+            )
         if self.culprits:
             shown = ", ".join(self.culprits[:5])
             more = f" and {len(self.culprits) - 5} more" if len(self.culprits) > 5 else ""
@@ -122,7 +138,9 @@ class NanEvent:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
         d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
         # Plain strings, not enum members: a record reads the same to any JSON consumer.
-        d["mode"], d["action"] = str(self.mode), str(self.action)
+        d["mode"], d["action"], d["cause"] = str(self.mode), str(self.action), str(self.cause)
+        if self.spike is None:
+            del d["spike"]
         d["culprits"] = list(self.culprits)
         d["culprit_kinds"] = list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)
@@ -132,6 +150,23 @@ class NanEvent:
         if self.autopsy is not None:
             d["autopsy"] = self.autopsy.to_json()
         return d
+
+
+def _spike_phrase(report: Dict[str, Any]) -> str:
+    """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
+    names = {"loss": "loss", "grad_norm": "gradient norm"}
+    parts = [
+        f"{names[c]} {report[c]:.4g} is {report['z_' + c]:.1f} deviations above the typical "
+        f"{report['typical_' + c]:.4g}"
+        for c in report.get("over") or ()
+    ]
+    others = [c for c in names if c not in (report.get("over") or ())]
+    tail = ", ".join(f"{names[c]} z {report['z_' + c]:.1f}" for c in others)
+    head = "; ".join(parts) or "no value above spike_sigma"
+    return (
+        f"spike: {head} (spike_sigma={report['sigma']:g}, over {report['accepted_steps']} "
+        f"accepted steps{'; ' + tail if tail else ''})"
+    )
 
 
 def _json_float(value: float) -> Any:
@@ -162,6 +197,8 @@ def diverged(event: NanEvent) -> str:
         return DIVERGED
     if event.loss_kind == LOSS_INF:
         return f"Model diverged with loss = {'-' if event.loss < 0 else ''}Inf."
+    if event.cause == Fault.SPIKE:
+        return "Model diverging: a spike in the loss or the gradient norm; all values finite."
     return "Model diverged with non-finite gradients; the loss is finite."
 
 

@@ -16,23 +16,34 @@ the writes its own way (`build_gate`):
   back, keeps the batch and checks that something judges the step (`Guard.mark_judged`).
   The hook fetches one boolean (``ok``) per step.
 
+With a spike policy (`_policy.GuardConfig.spike_policy`), the test has one more reason to
+fail: the spike test of `_spike` over the loss and the verdict's global gradient norm, so
+``ok`` is "all finite and no spike". Every part of the gate then switches on that ``ok``; a
+bad step (either cause) stores a report (its cause, and the spike's values and statistics)
+for the loop to read, and check_numerics mode checks a value that is NaN on a spike step.
+Without a spike policy none of that is built: the graph is the same as without the option.
+
 The result is a `Gate`: what the writes wait on (`_gating`), what the hook fetches, and the
 branch that yields the loss on a bad step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
 from slim_nanguard import _errors
 from slim_nanguard import _policy
+from slim_nanguard import _spike
 from slim_nanguard import _verdict
 from slim_nanguard._gating import ForwardWrites
+from slim_nanguard._types import Fault
 from slim_nanguard._types import Mode
 
 
@@ -48,12 +59,24 @@ class StepTest:
       verdict: The exact `_verdict.Verdict` over the loss and the gradients.
       scaler: The `_OverflowTest` of a dynamic loss-scale optimizer, or None.
       kept: What a bad step stores for the hook to read: the sums of `grad_sums`, built on
-        the verdict's failed branch (`Verdict.when_failed`: a good step does not sum each
-        gradient), and with a loss scale the scale of the step after them.
+        the bad branch (`when_bad`: a good step does not sum each gradient), and with a loss
+        scale the scale of the step after them.
       diagnostics: The variable `kept` is stored in.
+      spike: The `_spike.SpikeTest` of the loss and the global gradient norm, or None (no
+        spike policy).
+      ok: Scalar bool, True on a step that may write: `verdict.ok`, and no spike.
+      checked: What check_numerics mode checks: `verdict.checked`, NaN on a spike step.
+      report: With a spike test, the float64 variable a bad step stores its cause (a code of
+        `_spike.FAULT_CODES`) and `_spike.REPORT_FIELDS` in, for the loop to read; else None.
     """
 
-    def __init__(self, loss: tf.Tensor, grads_and_vars, loss_scale=None):
+    def __init__(
+        self,
+        loss: tf.Tensor,
+        grads_and_vars,
+        loss_scale=None,
+        spike: Optional[Tuple[float, int]] = None,
+    ):
         """Builds the test in the current name scope.
 
         Args:
@@ -61,6 +84,7 @@ class StepTest:
           grads_and_vars: The (gradient, variable) pairs the train op applies.
           loss_scale: The `DynamicLossScale` of a loss-scale optimizer (`dynamic_loss_scale`),
             or None.
+          spike: ``(sigma, warmup_steps)`` of the spike test, or None for none.
         """
         graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -79,11 +103,15 @@ class StepTest:
         self.verdict = _verdict.Verdict(
             [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
-        with self.verdict.when_failed():  # The sums a bad step leaves, summed on that step only.
+        self.ok, self.checked = self.verdict.ok, self.verdict.checked
+        self.spike = self.report = self._bad = None
+        if spike is not None:
+            self._add_spike_test(loss, *spike)
+        with self.when_bad():  # The sums a bad step leaves, summed on that step only.
             self.kept = _gradient_sums(loss, [g for g, _ in self.present])
         self.scaler = None
         if loss_scale is not None:
-            self.scaler = _OverflowTest(self.kept, loss_scale, self.verdict)
+            self.scaler = _OverflowTest(self.kept, loss_scale, self)
             self.kept = self.scaler.sums_and_scale
         # The sums are kept for the step that needs them, so that the culprits can be
         # named afterwards. The variable is in no collection: it is neither saved in
@@ -98,6 +126,77 @@ class StepTest:
                 use_resource=True,
                 name="gradient_sums",
             )
+
+    def _add_spike_test(self, loss: tf.Tensor, sigma: float, warmup_steps: int) -> None:
+        """Makes a spike a reason to fail: `ok`, `checked`, the bad branch and `report`."""
+        graph = loss.graph
+        self.spike = _spike.SpikeTest(
+            loss,
+            self.verdict.global_norm,
+            sigma=sigma,
+            warmup_steps=warmup_steps,
+            # In the checkpoints, so outside any loop body and not colocated with the step:
+            # on a cluster, on the ps with the model (one set of statistics for all workers).
+            variable_scope=lambda: _outside_loops(graph),
+        )
+        finite = self.verdict.ok
+        spike_only = tf.logical_and(self.spike.spike, finite)
+        self.ok = tf.logical_and(finite, tf.logical_not(self.spike.spike), name="ok_no_spike")
+        nan = tf.constant(np.nan, self.verdict.checked.dtype)
+        self.checked = tf.where(spike_only, nan, self.verdict.checked, name="checked_no_spike")
+        untaken, self._good = control_flow_ops.switch(self.ok, self.ok)
+        self._bad = tf.identity(untaken, name="bad_step")
+        with self.when_bad():
+            cause = tf.where(
+                finite, _spike.FAULT_CODES[Fault.SPIKE], _spike.FAULT_CODES[Fault.NON_FINITE]
+            )
+            report = tf.concat(
+                [tf.reshape(tf.cast(cause, tf.float64), [1]), self.spike.report_vector()], 0
+            )
+        with _capture.guard_variable_scope(graph, self.grad_sums):
+            self.report = tf.compat.v1.Variable(
+                tf.zeros([1 + len(_spike.REPORT_FIELDS)], tf.float64),
+                trainable=False,
+                collections=[],
+                use_resource=True,
+                name="bad_step_report",
+            )
+        self._report_store = self.report.assign(report, read_value=False)
+        # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection).
+        for name, value in (
+            ("grad_norm", self.verdict.global_norm),
+            ("z_loss", self.spike.z[0]),
+            ("z_grad_norm", self.spike.z[1]),
+        ):
+            tf.compat.v1.summary.scalar(f"nanguard/{name}", value)
+
+    @contextlib.contextmanager
+    def when_bad(self) -> Iterator[None]:
+        """Ops built in this block run on a step that is bad, or may be: without a spike test,
+        when the verdict's fast test failed (`Verdict.when_failed`), else when `ok` is False."""
+        if self._bad is None:
+            with self.verdict.when_failed():
+                yield
+        else:
+            with tf.control_dependencies([self._bad]):
+                yield
+
+    def stores(self) -> list:
+        """What a bad step stores for the loop besides the sums: the spike report, if any."""
+        return [] if self.report is None else [self._report_store]
+
+    def after_bad_stores(self, ops: Sequence) -> tf.Tensor:
+        """With a spike test: a tensor live on every step, after `ops` (built in `when_bad`)
+        and the report's store on a bad step, at once on any other."""
+        with tf.control_dependencies(list(ops) + self.stores()):
+            done = tf.identity(self._bad)
+        return control_flow_ops.merge([tf.identity(self._good), done])[0]
+
+
+@contextlib.contextmanager
+def _outside_loops(graph: tf.Graph) -> Iterator[None]:
+    with _capture.outside_control_flow(graph), tf.init_scope():
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,22 +280,25 @@ def build_gate(
 
 def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     """Check_numerics mode: a check op the writes wait on; a bad step raises there."""
-    # Stored on a step whose fast test failed, before the check raises.
+    # Stored on a step whose fast test failed (or that is a spike), before the check raises.
     store = test.diagnostics.assign(test.kept, read_value=False)
-    test.verdict.confirm_after([store])
     ready = []
+    if test.spike is None:
+        test.verdict.confirm_after([store])
+    else:
+        ready.append(test.after_bad_stores([store]))
     if forward.snapshots:  # Put back before the check raises.
-        ok = test.verdict.ok
+        ok = test.ok
         untaken, taken = control_flow_ops.switch(ok, ok)
         with tf.control_dependencies(forward.put_back(ok)):
             restored_done = tf.identity(untaken)
         ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
     # The batch, kept on a bad step only (for the autopsy): the check waits on a merge of a
     # good-step no-op and the bad step's stores.
-    capture = _capture.keep_batch(loss, test.verdict.ok, enabled=autopsy)
+    capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
     with tf.control_dependencies(ready + capture.control_inputs):
         check = tf.debugging.check_numerics(
-            test.verdict.checked if test.scaler is None else test.scaler.unless_overflow,
+            test.checked if test.scaler is None else test.scaler.unless_overflow,
             _unhandled_message(config, hook_mode=False),
         )
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
@@ -204,7 +306,7 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
 
 def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     """Hook mode: a switch whose taken side the writes wait on; the other is the bad step's."""
-    ok = test.verdict.ok
+    ok = test.ok
     untaken, taken = control_flow_ops.switch(ok, ok)
     # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A control edge
     # straight from a Switch does not carry deadness; from an Identity of its output it does,
@@ -235,7 +337,8 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     )
     # The batch too, for the autopsy, on the same bad branch.
     capture = _capture.keep_batch(loss, ok, merge=False, enabled=autopsy)
-    with tf.control_dependencies([store, unjudged] + list(capture.stores) + forward.put_back(ok)):
+    stores = [store, unjudged] + test.stores() + list(capture.stores) + forward.put_back(ok)
+    with tf.control_dependencies(stores):
         bad_done = tf.identity(untaken)
     # What the hook fetches: `ok`, through the store on a bad step, so the sums are there to
     # read even after a run that did not fetch the train op.
@@ -293,19 +396,20 @@ class _OverflowTest:
 
     floor = 1.0
 
-    def __init__(self, grad_sums: tf.Tensor, loss_scale, verdict: _verdict.Verdict):
+    def __init__(self, grad_sums: tf.Tensor, loss_scale, test: StepTest):
         # The scale this step multiplied the loss by. The scale's writes wait on this test.
         scale = tf.cast(loss_scale(), grad_sums.dtype)
         self.sums_and_scale = tf.concat(
             [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
         )
-        self.finite = verdict.ok
+        verdict = test.verdict
+        self.finite = test.ok  # And no spike, with a spike test.
         self.overflow = tf.logical_and(
-            tf.logical_not(self.finite),
+            tf.logical_not(verdict.ok),
             tf.logical_and(tf.math.is_finite(verdict.tensors[0]), scale > self.floor),
             name="loss_scale_overflow",
         )
-        checked = verdict.checked
+        checked = test.checked
         self.unless_overflow = tf.where(self.overflow, tf.zeros_like(checked), checked)
 
     def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):

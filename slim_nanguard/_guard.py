@@ -27,9 +27,11 @@ from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _record
 from slim_nanguard import _rollback
+from slim_nanguard import _spike
 from slim_nanguard import _verdict
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardState
+from slim_nanguard._types import Fault
 from slim_nanguard._types import Listener
 
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
@@ -202,6 +204,7 @@ class Guard:
     capture = _handle("capture")
     input_ops = _handle("input_ops")
     value_kinds = _handle("value_kinds")
+    report = _handle("report")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -435,6 +438,23 @@ class Guard:
         if self.global_step is None:
             return None
         return int(session.run(self.global_step))
+
+    def read_fault(self, session: tf.compat.v1.Session) -> Tuple[Fault, Optional[Dict[str, Any]]]:
+        """What made the bad step just seen bad, and for a spike its figures.
+
+        Args:
+          session: A raw `tf.compat.v1.Session`, right after the bad step.
+
+        Returns:
+          ``(fault, spike)``: `Fault.NON_FINITE` and None, or `Fault.SPIKE` and the spike's
+          record (`_spike.read_report`). Without a spike test every bad step is non-finite.
+        """
+        if self.report is None:
+            return Fault.NON_FINITE, None
+        vector = np.asarray(session.run(self.report))
+        if _spike.fault_of(float(vector[0])) != Fault.SPIKE:
+            return Fault.NON_FINITE, None
+        return Fault.SPIKE, _spike.read_report(vector[1:], self.config.spike_sigma)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.

@@ -58,6 +58,8 @@ class GraphHandles:
       value_kinds: The int32 variable a step whose fast test failed leaves the exact
         kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
         `_verdict.kind_name`), or None.
+      report: With a spike test, the float64 variable a bad step leaves its cause and the
+        spike statistics in (`_finiteness.StepTest.report`); else None.
     """
 
     mode: Mode
@@ -79,6 +81,7 @@ class GraphHandles:
     capture: Optional["Capture"] = None
     input_ops: Tuple[tf.Operation, ...] = ()
     value_kinds: Optional[tf.Variable] = None
+    report: Optional[tf.Variable] = None
 
 
 def lr_scale_setter(

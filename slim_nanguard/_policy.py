@@ -34,6 +34,12 @@ can undo that. The guard then applies ``persistent_nan_policy`` to that event in
 ``skip`` is not allowed there: it would step over a bad state for ever. The event's ``action``
 is what was done (``stop`` or ``rollback``), and the event record marks it as an escalation.
 
+The spike guard (``spike_policy``, off by default) rejects a step whose values are finite but
+whose loss or global gradient norm is more than ``spike_sigma`` deviations above those of the
+accepted steps (`_spike`): the step changes nothing, as a non-finite one, and ``spike_policy``
+(any policy) applies to it. It is a bad step like the others: it counts toward
+``max_consecutive_bad_steps``, so a run of spikes escalates to ``persistent_nan_policy``.
+
 A user callback, ``on_nan``, sees every event first and may return one of these names to
 override the policy for that event (or None to keep it); escalation applies after it.
 """
@@ -47,6 +53,7 @@ from typing import Optional, Protocol, Tuple, Union
 from slim_nanguard._events import NanEvent
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
+from slim_nanguard._types import Fault
 
 # The policies as module constants (each equals its name: ``STOP == "stop"``).
 RAISE = Action.RAISE
@@ -56,6 +63,8 @@ ROLLBACK = Action.ROLLBACK
 POLICIES = tuple(Action)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip.
 PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
+# How many accepted steps the spike statistics cover (OLMo-core's window; see `_spike`).
+SPIKE_WINDOW = 128
 
 
 class OnNanCallback(Protocol):
@@ -105,6 +114,13 @@ class GuardConfig:
       losses_before: How many losses of the good steps before a bad step its record keeps
         (``losses_before``, ``[step, loss]`` pairs, oldest first), so that a plot shows the
         climb to the bad step between TensorBoard summaries; 0 keeps none.
+      spike_policy: The policy for a spike step (finite, but its loss or global gradient
+        norm more than ``spike_sigma`` deviations above those of the accepted steps), or None
+        (the default): no spike test is built, and the train op is the same as without it.
+      spike_sigma: How many deviations (of the logarithms, over the last 128 accepted steps)
+        above their mean make a spike.
+      spike_warmup_steps: How many steps must be accepted before a step can be a spike
+        (2 to 128).
 
     Raises:
       ValueError: A setting is out of range. Each setting is checked here and only here (the
@@ -124,6 +140,9 @@ class GuardConfig:
     autopsy_keep_first: int = 3
     autopsy_keep_last: int = 3
     losses_before: int = 50
+    spike_policy: Optional[str] = None
+    spike_sigma: float = 6.0
+    spike_warmup_steps: int = 20
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -164,6 +183,27 @@ class GuardConfig:
         _check_int("autopsy_keep_first", self.autopsy_keep_first, minimum=0)
         _check_int("autopsy_keep_last", self.autopsy_keep_last, minimum=1)
         _check_int("losses_before", self.losses_before, minimum=0)
+        if self.spike_policy is not None and self.spike_policy not in POLICIES:
+            raise ValueError(
+                f"spike_policy must be one of {', '.join(POLICIES)} or None (no spike test); "
+                f"got {self.spike_policy!r}."
+            )
+        sigma = self.spike_sigma
+        if (
+            isinstance(sigma, bool)
+            or not isinstance(sigma, (int, float))
+            or not math.isfinite(sigma)
+            or not sigma > 0
+        ):
+            raise ValueError(
+                f"spike_sigma must be a number of deviations > 0 (6 is usual); got {sigma!r}."
+            )
+        _check_int("spike_warmup_steps", self.spike_warmup_steps, minimum=2)
+        if self.spike_warmup_steps > SPIKE_WINDOW:
+            raise ValueError(
+                f"spike_warmup_steps must be at most {SPIKE_WINDOW} (the steps the spike "
+                f"statistics cover); got {self.spike_warmup_steps!r}."
+            )
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(
                 f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
@@ -186,16 +226,20 @@ def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
     """Whether a bad step under `policy` leads to a rollback with no callback choosing it.
 
     True for ``rollback``, and for ``skip`` with ``persistent_nan_policy="rollback"`` (the
-    escalation of a run of bad steps). ``raise`` and ``stop`` never escalate. A loop must then
-    know the checkpoint directory, and can refuse to start without it.
+    escalation of a run of bad steps), under the policy of non-finite steps or that of spikes.
+    ``raise`` and ``stop`` never escalate. A loop must then know the checkpoint directory, and
+    can refuse to start without it.
 
     Args:
       config: The guard's configuration.
-      policy: The policy applied (a hook may override the configured one); default
-        ``config.nan_policy``.
+      policy: The policy applied to non-finite steps (a hook may override the configured
+        one); default ``config.nan_policy``.
     """
     policy = config.nan_policy if policy is None else policy
-    return policy == ROLLBACK or (policy == SKIP and config.persistent_nan_policy == ROLLBACK)
+    return any(
+        p == ROLLBACK or (p == SKIP and config.persistent_nan_policy == ROLLBACK)
+        for p in (policy, config.spike_policy)
+    )
 
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
@@ -246,6 +290,7 @@ class GuardState:
       rollback_requests: Rollbacks a cluster's non-chief worker asked its chief for (the
         chief counts the rollback in its own ``rollbacks``).
       autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
+      spikes: The bad steps that were spikes (finite, counted in ``total_bad_steps`` too).
     """
 
     total_bad_steps: int = 0
@@ -259,6 +304,7 @@ class GuardState:
     steps: int = 0
     rollback_requests: int = 0
     autopsies: int = 0
+    spikes: int = 0
 
     def since(self, start: "GuardState") -> "GuardState":
         """What happened between `start` and this state: each count the difference, the
@@ -278,6 +324,7 @@ _COUNTS = (
     "steps",
     "rollback_requests",
     "autopsies",
+    "spikes",
 )
 
 
@@ -297,7 +344,7 @@ class LossScaleOverflow:
 
 @dataclasses.dataclass(frozen=True)
 class BadStep:
-    """A step whose loss or gradients were not finite.
+    """A step whose loss or gradients were not finite, or a spike.
 
     Attributes:
       step: The global step it was attempted at (-1 if unknown).
@@ -305,11 +352,13 @@ class BadStep:
       guarded: False for a loss no guarded train op made (`NanLossHook` on a bare loss): the
         update has happened, so only ``raise`` and ``stop`` mean anything, and ``raise``
         says why.
+      cause: What made it bad (`Fault`): decided and counted alike, spikes counted apart too.
     """
 
     step: int
     chosen: Action
     guarded: bool = True
+    cause: Fault = Fault.NON_FINITE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,11 +484,17 @@ def decide(
         return _decide_request(config, state, observation.workers), state
     if isinstance(observation, BadStep):
         state = counted(state, observation.step)
+        if observation.cause == Fault.SPIKE:
+            state = replace(state, spikes=state.spikes + 1)
         if not observation.guarded:
             decision = _decide_unguarded(observation.chosen)
         else:
             decision = _decide_bad_step(
-                config, observation.chosen, state.consecutive_bad_steps, state.rollbacks
+                config,
+                observation.chosen,
+                state.consecutive_bad_steps,
+                state.rollbacks,
+                observation.cause,
             )
         action = decision.action
         if action == SKIP:
@@ -453,7 +508,11 @@ def decide(
 
 
 def _decide_bad_step(
-    config: GuardConfig, chosen: str, consecutive_bad_steps: int, rollbacks: int
+    config: GuardConfig,
+    chosen: str,
+    consecutive_bad_steps: int,
+    rollbacks: int,
+    fault: Fault = Fault.NON_FINITE,
 ) -> Decision:
     """The decision about a bad step of a guarded train op, from the counts with it."""
     action, escalation, reason = Action(chosen), "", ""
@@ -473,7 +532,8 @@ def _decide_bad_step(
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
-    return Decision(action, escalation, reason or "the nan_policy is 'raise'", cause, limit)
+    policy = "spike_policy" if fault == Fault.SPIKE else "nan_policy"
+    return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 
 
 def _decide_unguarded(chosen: str) -> Decision:

@@ -31,14 +31,32 @@ record back.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import contextlib
+import math
+from typing import Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard._policy import SPIKE_WINDOW
+from slim_nanguard._types import Fault
+
 # The least deviation of the logarithms (a factor of about 1.05).
 FLOOR = 0.05
 COLUMNS = ("loss", "norm")
+# What `SpikeTest.report_vector` holds, in order (float64): the step's values, their z-scores,
+# the mean and deviation of the logarithms they were measured against, the accepted steps.
+REPORT_FIELDS = (
+    "loss",
+    "grad_norm",
+    "z_loss",
+    "z_grad_norm",
+    "log_mean_loss",
+    "log_mean_grad_norm",
+    "log_std_loss",
+    "log_std_grad_norm",
+    "accepted_steps",
+)
 
 
 class SpikeTest:
@@ -62,7 +80,8 @@ class SpikeTest:
         *,
         sigma: float,
         warmup_steps: int,
-        window: int = 128,
+        window: int = SPIKE_WINDOW,
+        variable_scope: Callable[[], ContextManager] = contextlib.nullcontext,
     ):
         """Builds the statistics' variables and the test; call `update` for the write.
 
@@ -73,6 +92,7 @@ class SpikeTest:
           sigma: How many deviations above the mean make a spike (> 0).
           warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
           window: How many accepted steps the statistics cover.
+          variable_scope: A context the two variables are made in (outside a loop body).
         """
         if not sigma > 0:
             raise ValueError(f"spike_sigma must be > 0; got {sigma!r}.")
@@ -82,7 +102,10 @@ class SpikeTest:
                 f"statistics); got {warmup_steps!r}."
             )
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
-        with tf.compat.v1.variable_scope("nanguard_spike", reuse=tf.compat.v1.AUTO_REUSE):
+        with (
+            variable_scope(),
+            tf.compat.v1.variable_scope("nanguard_spike", reuse=tf.compat.v1.AUTO_REUSE),
+        ):
             self.history = tf.compat.v1.get_variable(
                 "history",
                 [window, len(COLUMNS)],
@@ -114,21 +137,31 @@ class SpikeTest:
             self.spike = tf.reduce_any(self.z > self.sigma, name="is_spike")
             self._count_now = count
 
-    def update(self, accepted: tf.Tensor) -> tf.Operation:
-        """The write of an accepted step's values into the statistics; a step not accepted
-        writes back what was there (no value changes), so the op may run on every step.
+    def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
+        """The write of an accepted step's values into the statistics.
 
         Args:
-          accepted: Scalar bool, True when the step's update was applied.
+          accepted: Scalar bool, True when the step's update was applied: a step not
+            accepted writes back what was there (no value changes), so the op may run on
+            every step. None: the step is accepted whenever the op runs (a train op builds
+            it behind its gate, like every other write).
         """
         # After this step's statistics are read: the write must not race the reads.
         with tf.name_scope("nanguard/spike/update"), tf.control_dependencies([self.z, self.std]):
             row = tf.math.floormod(self._count_now, self.window)
-            old = tf.gather(self.history.read_value(), row)
-            new = tf.where(accepted, self.values, old)
+            new = self.values
+            step = tf.constant(1, tf.int64)
+            if accepted is not None:
+                new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
+                step = tf.cast(accepted, tf.int64)
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
-            counted = self.count.assign_add(tf.cast(accepted, tf.int64), read_value=False)
+            counted = self.count.assign_add(step, read_value=False)
             return tf.group(written, counted, name="update")
+
+    def report_vector(self) -> tf.Tensor:
+        """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`)."""
+        count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
+        return tf.concat([self.values, self.z, self.mean, self.std, count], 0, name="report")
 
     def report(self) -> Dict[str, tf.Tensor]:
         """The tensors a spike's record holds: the values, their z-scores and the statistics
@@ -140,6 +173,34 @@ class SpikeTest:
             "std": self.std,
             "count": self._count_now,
         }
+
+
+# The codes of a bad step's cause in a train op's report (0: no bad step stored yet).
+FAULT_CODES = {Fault.NON_FINITE: 1.0, Fault.SPIKE: 2.0}
+
+
+def fault_of(code: float) -> Optional[Fault]:
+    """The `Fault` a report's code names, or None (none stored)."""
+    for fault, value in FAULT_CODES.items():
+        if code == value:
+            return fault
+    return None
+
+
+def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
+    """The record of a spike from the values of `SpikeTest.report_vector`. Pure.
+
+    Adds ``sigma``, the ``typical_loss`` and ``typical_grad_norm`` (the exponential of the
+    mean logarithm: the geometric mean of the window) and ``over``: the values whose z-score
+    exceeded ``sigma``, loss first.
+    """
+    report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
+    report["accepted_steps"] = int(report["accepted_steps"])
+    report["sigma"] = float(sigma)
+    for column in ("loss", "grad_norm"):
+        report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
+    report["over"] = [c for c in ("loss", "grad_norm") if report[f"z_{c}"] > sigma]
+    return report
 
 
 def _log_statistics(history: tf.Tensor, filled: tf.Tensor):

@@ -90,6 +90,9 @@ def create_train_op(
     rollback_skip_batches: int = 1,
     rollback_lr_factor: float = 1.0,
     max_rollbacks: int = 3,
+    spike_policy: Optional[str] = None,
+    spike_sigma: float = 6.0,
+    spike_warmup_steps: int = 20,
     config: Optional[_policy.GuardConfig] = None,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
@@ -166,7 +169,17 @@ def create_train_op(
       rollback_skip_batches: Batches to skip after a rollback.
       rollback_lr_factor: Learning-rate multiplier applied at each rollback (0 < f <= 1).
       max_rollbacks: Give up (raise) rather than roll back more often than this.
-      config: A `GuardConfig`; overrides the seven policy arguments above when given.
+      spike_policy: The policy for a spike step, or None (the default: no spike test, the
+        same graph as without it). A spike step has a finite loss and finite gradients, but
+        its loss or its global gradient norm is more than ``spike_sigma`` deviations above
+        those of the last 128 accepted steps (of their logarithms), once
+        ``spike_warmup_steps`` steps were accepted. It changes no variable, as a non-finite
+        step, does not enter the statistics, and counts toward
+        ``max_consecutive_bad_steps``. The statistics are variables of the graph
+        (``nanguard_spike/``): saved in checkpoints and restored by a rollback.
+      spike_sigma: How many deviations above the mean make a spike.
+      spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
+      config: A `GuardConfig`; overrides the ten policy arguments above when given.
 
     Returns:
       A `Tensor` that, when evaluated, computes the gradients, applies them when they are
@@ -187,6 +200,9 @@ def create_train_op(
         rollback_skip_batches=rollback_skip_batches,
         rollback_lr_factor=rollback_lr_factor,
         max_rollbacks=max_rollbacks,
+        spike_policy=spike_policy,
+        spike_sigma=spike_sigma,
+        spike_warmup_steps=spike_warmup_steps,
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
@@ -210,7 +226,10 @@ def create_train_op(
             summarize_gradients=summarize_gradients,
         )
         with tf.name_scope("nanguard"):
-            test = _finiteness.StepTest(total_loss, grads, loss_scale)
+            spike = None
+            if config.spike_policy is not None:
+                spike = (config.spike_sigma, config.spike_warmup_steps)
+            test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
             # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
             # run before the test: each variable's pre-step value is put back on a bad step.
             forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
@@ -233,7 +252,12 @@ def create_train_op(
                 finite_gate=gate.finite_gate,
                 unless_bad=_finiteness.loss_scale_variables(loss_scale),
             )
-        train_op = gate.loss_after(total_loss, [grad_updates] + list(update_ops))
+        writes = [grad_updates] + list(update_ops)
+        if test.spike is not None:  # An accepted step enters the statistics.
+            opened = gate.gate if gate.finite_gate is None else gate.finite_gate
+            with tf.control_dependencies([opened]):
+                writes.append(test.spike.update())
+        train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
 
@@ -293,6 +317,7 @@ def _register(
         pivot=gate.pivot,
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
+        report=test.report,
     )
     saver = None
     if config.may_roll_back:

@@ -72,6 +72,13 @@ class Cause(_StrEnum):
     UNGUARDED_LOSS = "unguarded_loss"  # NanLossHook on a loss no guarded train op made
 
 
+class Fault(_StrEnum):
+    """What made a step bad: `NanEvent.cause`."""
+
+    NON_FINITE = "non_finite"  # NaN or Inf in the loss or a gradient
+    SPIKE = "spike"  # the loss or the gradient norm far above those of the accepted steps
+
+
 # A session the guard can act on: a raw session, or a MonitoredSession (whose hooks the
 # guard goes around with `run_step_fn`).
 SessionLike = Union[tf.compat.v1.Session, tf.compat.v1.train.MonitoredSession]
