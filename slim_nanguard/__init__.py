@@ -37,6 +37,7 @@ from slim_nanguard._steps import train_step
 from slim_nanguard._train_op import create_train_op
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
+from slim_nanguard._types import Fault
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
 
@@ -74,6 +75,7 @@ __all__ = [
     # The vocabularies (str enums: each member equals its value).
     "Action",
     "Cause",
+    "Fault",
     "Mode",
     "StopReason",
     # The public modules.

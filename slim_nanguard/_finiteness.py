@@ -162,13 +162,18 @@ class StepTest:
                 name="bad_step_report",
             )
         self._report_store = self.report.assign(report, read_value=False)
-        # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection).
+        # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection),
+        # tagged nanguard/... whatever the scope.
+        with tf.name_scope("nanguard/"):
+            self._add_summaries()
+
+    def _add_summaries(self) -> None:
         for name, value in (
             ("grad_norm", self.verdict.global_norm),
             ("z_loss", self.spike.z[0]),
             ("z_grad_norm", self.spike.z[1]),
         ):
-            tf.compat.v1.summary.scalar(f"nanguard/{name}", value)
+            tf.compat.v1.summary.scalar(name, value)
 
     @contextlib.contextmanager
     def when_bad(self) -> Iterator[None]:

@@ -79,6 +79,8 @@ class TrainResult:
         bad steps: the optimizer skipped them and lowered its scale).
       rollback_requests: Bad steps of a cluster's non-chief worker whose rollback it asked the
         chief to carry out (the chief counts the rollback in its own ``rollbacks``).
+      spikes: The bad steps of this call that were spikes (``spike_policy``; all finite, but
+        the loss or the gradient norm far above those of the accepted steps).
     """
 
     final_loss: float
@@ -93,6 +95,7 @@ class TrainResult:
     learning_rate_scale: float = 1.0
     loss_scale_overflows: int = 0
     rollback_requests: int = 0
+    spikes: int = 0
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
@@ -102,10 +105,11 @@ class TrainResult:
             else ""
         )
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
+        spikes = f"{self.spikes} of them spikes, " if self.spikes else ""
         return (
             f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
             f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
-            f"({self.skips} skipped, {self.rollbacks} rolled back{requests}){overflows}\n"
+            f"({spikes}{self.skips} skipped, {self.rollbacks} rolled back{requests}){overflows}\n"
             f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}"
         )
 
@@ -516,6 +520,7 @@ class _Loop:
             learning_rate_scale=lr_scale,
             loss_scale_overflows=counts.loss_scale_overflows,
             rollback_requests=counts.rollback_requests,
+            spikes=counts.spikes,
         )
         return result, stop_fields
 

@@ -48,6 +48,7 @@ class Fault:
       loss_offset: what it adds to the loss.
       norm_scale: the scale of the norm whose gradient is NaN at 0.
       nan_input: whether it puts a NaN in the input batch.
+      input_scale: what it multiplies the input batch by (finite: a spike, not a NaN).
     """
 
     loss_kinds: FrozenSet[str]
@@ -55,11 +56,14 @@ class Fault:
     loss_offset: float = 0.0
     norm_scale: float = 1.0
     nan_input: bool = False
+    input_scale: float = 1.0
 
     def corrupt(self, x: np.ndarray) -> Tuple[float, float]:
-        """Puts the fault's NaN (if any) in the batch `x`; returns (loss offset, norm scale)."""
+        """Puts the fault's NaN (if any) in the batch `x`, scales it by `input_scale`; returns
+        (loss offset, norm scale)."""
         if self.nan_input:
             x[3, 2] = np.nan
+        x *= self.input_scale
         return self.loss_offset, self.norm_scale
 
 
@@ -69,6 +73,11 @@ FAULTS: Dict[str, Fault] = {
     "nan_gradient": Fault(frozenset({"finite"}), ("logits/weights",), norm_scale=0.0),
     "nan_input": Fault(frozenset({"nan", "finite"}), ("fc1/weights",), nan_input=True),
 }
+# Not in FAULTS (no NaN or Inf): every feature times -1,000 (the labels follow the sign of the
+# first feature, so the model is confidently wrong), and the loss and the gradient norm jump,
+# all finite. A bad step only for a train op with a spike policy.
+SPIKE = "spike"
+_OTHER_FAULTS = {SPIKE: Fault(frozenset({"finite"}), input_scale=-1000.0)}
 
 NO_FAULT = Fault(frozenset({"finite"}))
 
@@ -77,9 +86,9 @@ def fault(name: Optional[str]) -> Fault:
     """The fault named `name` (`NO_FAULT` for None); an unknown name is a ValueError."""
     if name is None:
         return NO_FAULT
-    if name not in FAULTS:
+    if name not in FAULTS and name not in _OTHER_FAULTS:
         raise ValueError(name)
-    return FAULTS[name]
+    return FAULTS.get(name) or _OTHER_FAULTS[name]
 
 
 def _batch(seed: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,257 @@
+"""The spike guard: a finite step whose loss or gradient norm jumps is rejected like a NaN step.
+
+A run trains on clean batches, then meets a batch whose features are 1,000 times too large:
+every value is finite, but the loss and the gradient norm jump. With ``spike_policy`` the step
+changes no variable (weights, slots, ``global_step``, the moving mean, the spike statistics
+themselves), its record says it was a spike and how far above the accepted steps it stood, and
+training goes on. A run of spikes escalates as a run of NaN steps does; a rollback restores the
+statistics with the weights; a clean run flags nothing; and without ``spike_policy`` the train
+op is the one it was before the option existed.
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import slim_nanguard
+from slim_nanguard import _policy
+
+import nanguard_testlib as lib
+
+SPIKE_AT = 25  # after the warm-up of 20 accepted steps
+
+
+def _run(mode, *, steps, faults, checkpoint_dir=None, **create_kwargs):
+    """Trains `steps` batches in a MonitoredTrainingSession, the policy applied as the
+    README's loop does in each mode; returns the model and what the loop saw."""
+    create_kwargs = {"nan_policy": "skip", "spike_policy": "skip"} | create_kwargs
+    model = lib.build_model(faults=faults, check_numerics=lib.MODES[mode], **create_kwargs)
+    hooks = []
+    if mode == "hook":
+        hooks = [slim_nanguard.nan_hook(model.train_op, checkpoint_dir=checkpoint_dir)]
+    run = lib.run_monitored(
+        model.train_op,
+        hooks=hooks,
+        feeds=[None] * steps,
+        checkpoint_dir=checkpoint_dir,
+        handle_numerics_errors=mode == "check_numerics",
+    )
+    return model, run
+
+
+@lib.each_mode
+def test_a_planted_spike_changes_nothing_and_is_recorded_with_its_cause(mode):
+    model, run = _run(mode, steps=SPIKE_AT + 5, faults={SPIKE_AT: lib.SPIKE})
+    (event,) = run.events
+    assert (event.step, event.cause, event.action) == (SPIKE_AT, "spike", "skip")
+    assert np.isfinite(event.loss) and event.culprits == ()
+    # Nothing changed: not the weights, the Adam slots, the global step, the moving mean,
+    # nor the statistics of the spike test.
+    assert run.bad_step_changes == [[]]
+    spike = event.spike
+    assert spike["accepted_steps"] == SPIKE_AT
+    assert max(spike["z_loss"], spike["z_grad_norm"]) > spike["sigma"] == 6.0
+    assert spike["over"] and set(spike["over"]) <= {"loss", "grad_norm"}
+    # The z-scores are those of the accepted steps before it, and the record says so.
+    assert spike["loss"] > 10 * spike["typical_loss"]
+    assert "spike" in event.describe() and "deviations above" in event.describe()
+    record = event.to_json()
+    assert record["cause"] == "spike" and record["spike"]["accepted_steps"] == SPIKE_AT
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert (guard.state.total_bad_steps, guard.state.spikes) == (1, 1)
+    # Training went on after it: the global step counts every batch but the spike.
+    assert int(run.final["global_step"]) == SPIKE_AT + 4
+
+
+@lib.each_mode
+def test_the_statistics_count_the_accepted_steps_only(mode):
+    model, run = _run(mode, steps=SPIKE_AT + 3, faults={SPIKE_AT: lib.SPIKE})
+    final = run.final
+    assert int(final["nanguard_spike/count"]) == SPIKE_AT + 2
+    history = final["nanguard_spike/history"]
+    # The spike's loss is in no row: every recorded loss is of the clean batches' size.
+    losses = history[: SPIKE_AT + 2, 0]
+    assert np.all(losses < 10 * np.median(losses))
+    assert np.all(history[SPIKE_AT + 2 :] == 0)
+
+
+@lib.each_mode
+def test_a_non_finite_step_is_still_named_as_such(mode):
+    _, run = _run(mode, steps=SPIKE_AT + 2, faults={SPIKE_AT: "nan_loss", SPIKE_AT + 1: "spike"})
+    assert [(e.step, e.cause, e.loss_kind) for e in run.events] == [
+        (SPIKE_AT, "non_finite", "nan"),
+        (SPIKE_AT, "spike", "finite"),
+    ]
+    assert run.bad_step_changes == [[], []]
+    assert "spike" not in run.events[0].to_json()
+
+
+@lib.each_mode
+def test_a_run_of_spikes_escalates_like_a_run_of_nan_steps(mode):
+    faults = {SPIKE_AT + i: lib.SPIKE for i in range(3)}
+    with pytest.raises(slim_nanguard.NanLossError) as caught:
+        _run(mode, steps=SPIKE_AT + 5, faults=faults, max_consecutive_bad_steps=3)
+    error = caught.value
+    assert error.cause == "max_consecutive_bad_steps"
+    assert error.event.cause == "spike" and error.event.consecutive == 3
+
+
+@lib.each_mode
+def test_a_spike_gets_the_spike_policy_not_the_nan_policy(mode):
+    with pytest.raises(slim_nanguard.NanLossError) as caught:
+        _run(mode, steps=SPIKE_AT + 2, faults={SPIKE_AT: lib.SPIKE}, spike_policy="raise")
+    assert caught.value.event.cause == "spike"
+    assert "spike_policy is 'raise'" in str(caught.value)
+
+
+@lib.each_mode
+def test_a_rollback_restores_the_statistics_with_the_weights(mode, tmp_path):
+    logdir = str(tmp_path)
+    model, run = _run(
+        mode,
+        steps=SPIKE_AT + 3,
+        faults={SPIKE_AT: lib.SPIKE},
+        checkpoint_dir=logdir,
+        spike_policy="rollback",
+        rollback_skip_batches=0,
+    )
+    (event,) = run.events
+    assert (event.cause, event.action) == ("spike", "rollback")
+    # Restored from the checkpoint of the step before the spike, the statistics included:
+    # the count is that of the steps accepted since, never more.
+    assert int(run.final["nanguard_spike/count"]) == int(run.final["global_step"])
+    lib.assert_no_poisoned_checkpoint(logdir)
+    for path in lib.all_checkpoints(logdir):
+        values = lib.checkpoint_values(path)
+        assert int(values["nanguard_spike/count"]) == int(values["global_step"])
+
+
+@lib.each_mode
+def test_a_clean_run_flags_nothing(mode):
+    model, run = _run(mode, steps=300, faults={})
+    assert run.events == []
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert guard.state.total_bad_steps == 0
+    assert int(run.final["nanguard_spike/count"]) == 300
+
+
+def _graph_digest(**create_kwargs):
+    model = lib.build_model(**create_kwargs)
+    graph_def = model.graph.as_graph_def()
+    for node in graph_def.node:  # Where a node was built is not what it is.
+        node.ClearField("experimental_debug_info")
+    return hashlib.sha256(graph_def.SerializeToString(deterministic=True)).hexdigest(), {
+        node.op for node in graph_def.node
+    }
+
+
+@lib.each_mode
+def test_without_a_spike_policy_the_train_op_is_todays(mode):
+    check = lib.MODES[mode]
+    default, _ = _graph_digest(check_numerics=check)
+    off, _ = _graph_digest(check_numerics=check, spike_policy=None, spike_sigma=3.0)
+    assert off == default
+    on, _ = _graph_digest(check_numerics=check, spike_policy="skip")
+    assert on != default
+    graph = lib.build_model(check_numerics=check).graph
+    names = [op.name for op in graph.get_operations()]
+    assert not [n for n in names if "spike" in n or "bad_step_report" in n]
+
+
+def test_a_spike_is_counted_and_decided_by_its_own_policy():
+    config = _policy.GuardConfig(nan_policy="skip", spike_policy="raise")
+    state = _policy.GuardState()
+    decision, state = _policy.decide(
+        config, state, _policy.BadStep(5, "raise", cause=slim_nanguard.Fault.SPIKE)
+    )
+    assert decision.action == "raise" and "spike_policy" in decision.reason
+    assert (state.total_bad_steps, state.spikes) == (1, 1)
+    decision, state = _policy.decide(config, state, _policy.BadStep(5, "skip"))
+    assert (state.total_bad_steps, state.spikes, state.consecutive_bad_steps) == (2, 1, 2)
+    assert state.since(_policy.GuardState()).spikes == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"spike_policy": "ignore"}, "spike_policy"),
+        ({"spike_sigma": 0}, "spike_sigma"),
+        ({"spike_sigma": float("nan")}, "spike_sigma"),
+        ({"spike_warmup_steps": 1}, "spike_warmup_steps"),
+        ({"spike_warmup_steps": 129}, "spike_warmup_steps"),
+    ],
+)
+def test_bad_spike_settings_are_refused_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        slim_nanguard.GuardConfig(**kwargs)
+
+
+def test_a_spike_policy_that_rolls_back_needs_the_checkpoint_directory():
+    config = _policy.GuardConfig(nan_policy="skip", spike_policy="rollback")
+    assert config.needs_checkpoint_dir and config.may_roll_back
+    quiet = _policy.GuardConfig(nan_policy="skip", spike_policy="skip")
+    assert not quiet.needs_checkpoint_dir
+
+
+def test_the_summaries_carry_the_gradient_norm_and_both_z_scores():
+    model = lib.build_model(spike_policy="skip")
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        merged = sess.run(tf.compat.v1.summary.merge_all())
+    summary = tf.compat.v1.Summary.FromString(merged)
+    values = {v.tag: v.simple_value for v in summary.value}
+    assert set(values) == {"nanguard/grad_norm", "nanguard/z_loss", "nanguard/z_grad_norm"}
+    assert values["nanguard/grad_norm"] > 0
+    assert values["nanguard/z_loss"] == 0.0  # in the warm-up
+
+
+def _bad_steps(logdir):
+    return [r for r in slim_nanguard.read_events(str(logdir)) if r["kind"] == "bad_step"]
+
+
+@lib.each_mode
+def test_the_model_gardens_loop_skips_the_spike_and_records_it(mode, tmp_path):
+    logdir = str(tmp_path)
+    model = lib.build_model(
+        faults={SPIKE_AT: lib.SPIKE},
+        nan_policy="skip",
+        spike_policy="skip",
+        check_numerics=lib.MODES[mode],
+    )
+    with model.graph.as_default():
+        slim.learning.train(
+            model.train_op,
+            logdir,
+            train_step_fn=slim_nanguard.make_train_step(logdir),
+            number_of_steps=SPIKE_AT + 2,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+        )
+    (record,) = _bad_steps(logdir)
+    assert (record["step"], record["cause"], record["action"]) == (SPIKE_AT, "spike", "skip")
+    assert record["spike"]["accepted_steps"] == SPIKE_AT
+
+
+@lib.each_mode
+def test_slim_nanguard_train_counts_the_spikes(mode, tmp_path):
+    model = lib.build_model(
+        faults={SPIKE_AT: lib.SPIKE},
+        nan_policy="skip",
+        spike_policy="skip",
+        check_numerics=lib.MODES[mode],
+    )
+    result = slim_nanguard.train(
+        model.train_op,
+        str(tmp_path),
+        number_of_steps=SPIKE_AT + 2,
+        save_checkpoint_steps=None,
+        save_summaries_steps=None,
+        log_every_n_steps=0,
+    )
+    assert (result.bad_steps, result.spikes, result.skips) == (1, 1, 1)
+    assert "1 bad (1 of them spikes, 1 skipped" in result.describe()
+    (record,) = _bad_steps(tmp_path)
+    assert record["cause"] == "spike"
