@@ -282,3 +282,72 @@ def test_the_chief_answers_requests_queued_together_with_one_rollback(servers, t
         _run_on(worker_server.target, lambda: ask([2], [1]))
         with pytest.raises(slim_nanguard.NanLossError, match="worker 2 asked.*max_rollbacks=1"):
             sess.run(replica.train_op, _feed(replica, 4))
+
+
+# ---------------------------------------------------------------------- the spike guard
+def _spike_feed(replica, seed):
+    """Batch `seed` with its features times -1,000: all finite, the loss and norm jump."""
+    feed = _feed(replica, seed)
+    feed[replica.placeholders["x"]] = feed[replica.placeholders["x"]] * np.float32(-1000.0)
+    return feed
+
+
+def _spike_variables(graph):
+    return [v for v in graph.get_collection("variables") if v.op.name.startswith("nanguard_spike")]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_spike_statistics_live_on_the_ps_with_the_model(mode):
+    """One set of statistics for every worker, saved in the chief's checkpoints; the report
+    of a bad step stays on the worker that made it."""
+    replica = cluster_lib.build(
+        cluster=CLUSTER, task=1, check_numerics=MODES[mode], spike_policy="skip"
+    )
+    guard = slim_nanguard.get_guard(replica.train_op)
+    stats = _spike_variables(replica.graph)
+    assert sorted(v.op.name for v in stats) == ["nanguard_spike/count", "nanguard_spike/history"]
+    assert {v.device for v in stats} == {"/job:ps/task:0"}
+    assert guard.report.device == "/job:worker/task:1"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sync_replicas_a_spiking_gradient_never_enters_the_accumulators(mode):
+    """Each replica's gradient is judged against the statistics of the accepted ones before
+    it reaches an accumulator: a spike accumulates nothing, takes no token and enters no
+    statistics, and the chief's aggregate (a mean of accepted gradients, whose norm is at
+    most theirs) never applies it."""
+    warmup = 3
+    replica = cluster_lib.build(
+        sync_replicas=True,
+        replicas_to_aggregate=1,
+        fed=True,
+        check_numerics=MODES[mode],
+        nan_policy="skip",
+        spike_policy="skip",
+        spike_warmup_steps=warmup,
+    )
+    with replica.graph.as_default():
+        weights = tf.compat.v1.trainable_variables()
+        (count,) = [v for v in _spike_variables(replica.graph) if v.op.name.endswith("count")]
+        with _session(replica, MODES[mode]) as sess:
+            seed = 0
+            # Past the warm-up (a stale gradient is dropped by the chief, not by the guard:
+            # its step was accepted and entered the statistics).
+            while _raw(sess, replica.global_step) < warmup + 1:
+                assert seed < 20
+                _step(sess, replica, _feed(replica, seed))
+                seed += 1
+                time.sleep(0.1)
+            accepted = int(_raw(sess, count))
+            assert accepted == seed
+            time.sleep(0.2)
+            before = _raw(sess, weights + [replica.global_step, count])
+            loss, _, raised = _step(sess, replica, _spike_feed(replica, seed))
+            assert raised if MODES[mode] else np.isfinite(loss)
+            time.sleep(0.2)  # the chief's queue runner would have applied by now
+            after = _raw(sess, weights + [replica.global_step, count])
+            assert all(np.array_equal(b, a) for b, a in zip(before, after))
+            assert int(after[-1]) == accepted
+            guard = slim_nanguard.get_guard(replica.train_op)
+            if not MODES[mode]:  # check_numerics mode: the test's loop did not judge it
+                assert guard.last_event.cause == "spike"
