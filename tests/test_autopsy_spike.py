@@ -30,6 +30,18 @@ CLASSES = 4
 CARRIERS = (17, 3)
 
 
+def _hardest_labels(sess, per_example, x, y, xs, ys, carriers=CARRIERS):
+    """`ys` with each carrier labelled with the class the model finds least likely, so that
+    scaling it up raises its loss (a correct class would take its loss to 0 instead)."""
+    losses = [
+        sess.run(per_example, {x: xs, y: np.full_like(ys, label)}) for label in range(CLASSES)
+    ]
+    ys = ys.copy()
+    for example in carriers:
+        ys[example] = int(np.argmax([loss[example] for loss in losses]))
+    return ys
+
+
 def _batch(seed=0, carriers=CARRIERS):
     """A batch of BATCH examples; `carriers` scaled by 1000 and 100, in that order (finite)."""
     rng = np.random.RandomState(seed)
@@ -60,6 +72,13 @@ class _Story:
 
     def _feeds(self, xs, ys):
         return {self.x: xs, self.y: ys}
+
+    def spike(self):
+        """The spiking batch, its carriers labelled as the model least expects."""
+        xs, ys = _batch()
+        if self.per_example is None:
+            return xs, ys
+        return xs, _hardest_labels(self.sess, self.per_example, self.x, self.y, xs, ys)
 
     def autopsy(self, xs, ys, **kwargs):
         """The spike autopsy of a step on this batch, from the batch tensors and values."""
@@ -226,7 +245,7 @@ def test_a_spike_autopsy_round_trips_through_json_and_never_says_did_not_reprodu
 def test_the_spike_autopsy_names_the_scaled_examples_in_order(name):
     build, tensor_name = SPLITTABLE[name]
     story = _Story(build)
-    xs, ys = _batch()
+    xs, ys = story.spike()
     with story.sess:
         result = story.autopsy(xs, ys)
         expected = story.expected(xs, ys)
@@ -255,7 +274,7 @@ def test_an_ordinary_batch_has_no_example_that_stands_out():
 
 def test_a_loss_on_the_batch_mean_cannot_be_split_and_the_autopsy_says_so():
     story = _Story(_loss_of_the_batch_mean)
-    xs, ys = _batch()
+    xs, ys = story.spike()
     with story.sess:
         result = story.autopsy(xs, ys)
     assert _autopsy.find_per_example_loss(story.loss) is None
@@ -275,7 +294,7 @@ def test_regularization_alone_is_no_per_example_loss_and_a_batch_term_is_found_b
 
 def test_a_spike_past_its_deadline_stops_and_says_so():
     story = _Story(_v1_losses)
-    xs, ys = _batch()
+    xs, ys = story.spike()
     ticks = iter(range(0, 10_000, 100))
     with story.sess:
         result = story.autopsy(xs, ys, timeout_secs=50, clock=lambda: next(ticks))
@@ -287,12 +306,14 @@ def test_a_spike_past_its_deadline_stops_and_says_so():
 @lib.each_mode
 def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(tmp_path, mode):
     """After a bad step that kept its batch, `Guard.autopsy(..., cause="spike")` names the
-    scaled examples (the one NaN example has no loss to rank), and the dump shows them."""
+    scaled examples (the one NaN example has no loss to rank); the dump shows them, and its
+    offline replay names them again."""
     graph = tf.Graph()
     with graph.as_default():
+        tf.compat.v1.set_random_seed(1)
         x = tf.compat.v1.placeholder(tf.float32, [None, FEATURES], name="x")
         y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
-        loss, _ = _v1_losses(x, y)
+        loss, per_example = _v1_losses(x, y)
         train_op = slim_nanguard.create_train_op(
             loss,
             tf.compat.v1.train.GradientDescentOptimizer(0.01),
@@ -305,11 +326,13 @@ def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(t
             sess.run(tf.compat.v1.global_variables_initializer())
             guard.mark_judged(sess)
             xs, ys = _batch()
+            ys = _hardest_labels(sess, per_example, x, y, xs, ys)
             xs[20, 0] = np.nan
             lib.run_step(sess, train_op, {x: xs, y: ys})
             with pytest.raises(ValueError, match="cause is 'bogus'"):
                 guard.autopsy(sess, 1, cause="bogus")
             result = guard.autopsy(sess, 1, cause="spike")
+            tf.compat.v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"), global_step=1)
     assert result.cause == "spike" and result.error is None, result.error
     assert [i for i, _ in result.top_examples][:2] == list(CARRIERS)
     assert 20 not in dict(result.top_examples)
@@ -323,3 +346,7 @@ def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(t
     assert f"examples {CARRIERS[0]}, {CARRIERS[1]} of 32 carried the spike" in shown
     assert f"highest     example {CARRIERS[0]}: " in shown
     assert "per example sparse_softmax_cross_entropy_loss/xentropy/xentropy:0" in shown
+    # Offline, from the checkpoint's meta graph and the dump alone: the same examples.
+    replayed = autopsy_reader.replay_dump(result.dump, str(tmp_path))
+    assert replayed.cause == "spike" and not replayed.failed, replayed.error
+    assert [i for i, _ in replayed.top_examples] == [i for i, _ in result.top_examples]
