@@ -841,6 +841,8 @@ _LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
 _LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
 # Ops whose output holds no value of their input, only its shape.
 _LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
+# The most terms a walk back from a loss looks at.
+_MAX_LOSS_TERMS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -937,7 +939,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
 
     Returns:
       The `PerExampleLoss`, or None when no term of the loss is per example (or the loss
-      reads no batch).
+      reads no batch, or it adds up more than ten thousand terms).
     """
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     if not batch_ops:
@@ -949,7 +951,9 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
     leading = {t.shape.as_list()[0] for op in batch_ops for t in op.outputs if t.shape.rank}
     batch_dim = leading.pop() if len(leading) == 1 else None
     terms, others, stack = [], [], [_Term(loss)]
-    while stack:
+    for _ in range(_MAX_LOSS_TERMS):  # A sum that reuses its terms over and over: give up.
+        if not stack:
+            break
         term = stack.pop()
         if not depends.get(term.tensor.op, False):
             continue  # A regularization loss, a constant: not the batch's.
@@ -960,6 +964,8 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
             terms.append(term)
         else:
             others.append(term)
+    if stack:
+        return None
     return PerExampleLoss(loss, tuple(terms), tuple(others)) if terms else None
 
 
@@ -977,8 +983,9 @@ def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
 def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optional[List[_Term]]:
     """The terms `term` adds up from, through one linear op; None at any other op.
 
-    A batch-major tensor is looked past only to a scalar weighting (to name the loss of the
-    examples rather than a weighted copy); a sum or a mean of the batch is looked past too.
+    A batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
+    weighting (to name the examples' own loss rather than a weighted copy); sums, differences
+    and reductions are looked past only above the batch-major tensors.
     """
     tensor = term.tensor
     op, shape = tensor.op, tensor.shape
