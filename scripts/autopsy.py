@@ -121,7 +121,7 @@ def main(argv):
             dump = _relocated(dump, train_dir)
             result = autopsy.replay_dump(dump, train_dir, timeout_secs=FLAGS.timeout_secs)
             print(f"replay: {result.describe()}")
-            if result.reproduced is None:  # The replay itself failed.
+            if result.failed:  # The replay itself failed.
                 return EXIT_ERROR
             print(
                 f"  cost        {result.cost.get('seconds', 0):.3g} s, "

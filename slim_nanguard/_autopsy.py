@@ -13,11 +13,20 @@ Because the guard is atomic, the weights after a bad step are the weights that p
         past the deadline? -> stop, say so
 
 A NaN already in the data makes the input op itself (the fed placeholder, ``IteratorGetNext``)
-the first bad op. Every failure (an op that cannot be fed, out of memory, the deadline) is
-caught and reported in `Autopsy.error`: an autopsy never takes training down.
+the first bad op.
 
-The pure parts (`health`, `user_frames`, `bad_rows`, `explain`) take arrays and dicts and are
-tested without a graph.
+A spike step (its loss or gradient norm far above those of the accepted steps) is finite: its
+replay is not judged for reproduction. `find_per_example_loss` walks back from the total loss
+through the ops that add, average and weight losses to the per-example losses behind it (a
+tensor whose leading dimension is the batch's); the replay fetches them and names the examples
+with the highest loss, the ones that carried the spike.
+
+Every failure (an op that cannot be fed, out of memory, the deadline) is caught and reported in
+`Autopsy.error`: an autopsy never takes training down.
+
+The pure parts (`health`, `user_frames`, `bad_rows`, `explain`, and for a spike
+`per_example_values`, `rank_examples`, `standing_out`, `explain_spike`) take arrays and dicts
+and are tested without a graph.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ DEFAULT_TIMEOUT_SECS = 60.0
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
+# Why a step is autopsied: a NaN or Inf, or a spike (see `Autopsy.cause`).
+CAUSES = ("non_finite", "spike")
+# How many of a spike's examples an autopsy keeps, highest per-example loss first.
+TOP_EXAMPLES = 5
+# An example stands out of a spike's batch when its loss is this many times the next one's.
+STAND_OUT_RATIO = 4.0
 
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -103,6 +118,17 @@ class Autopsy:
         run), ``runs`` (session runs) and ``ops_checked``.
       error: Why the autopsy failed or stopped early, or None.
       step: The global step of the bad step.
+      cause: Why the step was bad: ``"non_finite"`` (a NaN or Inf) or ``"spike"`` (finite, far
+        above the running statistics). A spike's replay is finite by nature: ``reproduced``
+        stays None and ``first_bad_op`` too.
+      top_examples: A spike's examples with the highest per-example loss, highest first, as
+        ``(index in the batch, per-example loss)`` pairs (at most `TOP_EXAMPLES`); empty when
+        the loss cannot be split per example.
+      per_example_loss: The name of the per-example loss tensor (several joined by `` + ``:
+        their losses are summed per example), or None when the loss cannot be split.
+      median_loss: The median per-example loss of a spike's batch, or None. The per-example
+        losses are scaled so that their mean is the batch's part of the total loss: for a
+        loss averaged over the batch, each example's own loss.
     """
 
     reproduced: Optional[bool] = None
@@ -113,6 +139,10 @@ class Autopsy:
     cost: Dict[str, Any] = dataclasses.field(default_factory=dict)
     error: Optional[str] = None
     step: int = -1
+    cause: str = "non_finite"
+    top_examples: Tuple[Tuple[int, float], ...] = ()
+    per_example_loss: Optional[str] = None
+    median_loss: Optional[float] = None
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict (no NaN or Inf floats)."""
@@ -127,10 +157,30 @@ class Autopsy:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         kwargs["bad_examples"] = tuple(kwargs.get("bad_examples") or ())
+        # JSON keeps a non-finite float as a string ("inf"); float() reads it back.
+        top = kwargs.get("top_examples") or ()
+        kwargs["top_examples"] = tuple((int(i), float(loss)) for i, loss in top)
+        if kwargs.get("median_loss") is not None:
+            kwargs["median_loss"] = float(kwargs["median_loss"])
         return cls(**kwargs)
+
+    @property
+    def failed(self) -> bool:
+        """Whether the replay itself failed (``error`` says why) rather than found something."""
+        if self.cause == "spike":
+            return self.error is not None and not self.top_examples
+        return self.reproduced is None
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
+        if self.cause == "spike":
+            return explain_spike(
+                self.top_examples,
+                self.batch_size,
+                self.median_loss,
+                self.per_example_loss,
+                self.error,
+            )
         return explain(
             self.first_bad_op, self.bad_examples, self.reproduced, self.error, self.batch_size
         )
@@ -349,6 +399,131 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+# ---------------------------------------------------------------------- pure parts of a spike
+def per_example_values(
+    split: Sequence[Any], whole: Sequence[float], batch_size: int
+) -> Optional[np.ndarray]:
+    """The per-example losses of a batch, from the contributions of the loss's terms.
+
+    Args:
+      split: For each term that may be split per example, the contribution of each of its
+        elements to the total loss (an array; a term whose leading dimension turns out not
+        to be the batch's joins `whole`).
+      whole: The contribution to the total loss of each term that depends on the batch but
+        cannot be split per example.
+      batch_size: The number of examples.
+
+    Returns:
+      One loss per example (float64), the split terms summed per example and scaled by
+      `batch_size`, so that their mean is the batch's part of the total loss; None when no
+      term can be split, or when a term that cannot carries a larger part of the loss than
+      the split ones together (the largest contribution is not per example).
+    """
+    rows, whole = [], [float(w) for w in whole]
+    for contribution in split:
+        c = np.asarray(contribution, dtype=np.float64)
+        if batch_size > 0 and c.ndim >= 1 and c.shape[0] == batch_size:
+            rows.append(c.reshape(batch_size, int(np.prod(c.shape[1:]))).sum(axis=1))
+        else:
+            whole.append(float(np.sum(c)))
+    if not rows:
+        return None
+    per_example = np.sum(rows, axis=0)
+    if whole and max(abs(w) for w in whole) > abs(float(per_example.sum())):
+        return None
+    return per_example * batch_size
+
+
+def rank_examples(per_example: Any, k: int = TOP_EXAMPLES) -> List[Tuple[int, float]]:
+    """The `k` examples with the highest loss, highest first (a tie: the lower index first).
+
+    Args:
+      per_example: One loss per example.
+      k: How many to keep.
+
+    Returns:
+      ``(index, loss)`` pairs; an example whose loss is NaN is left out.
+    """
+    a = np.asarray(per_example, dtype=np.float64).reshape(-1)
+    order = [i for i in np.argsort(-a, kind="stable") if not np.isnan(a[i])]
+    return [(int(i), float(a[i])) for i in order[:k]]
+
+
+def median_loss(per_example: Any) -> Optional[float]:
+    """The median of the losses that are not NaN, or None when there is none."""
+    a = np.asarray(per_example, dtype=np.float64).reshape(-1)
+    a = a[~np.isnan(a)]
+    return float(np.median(a)) if a.size else None
+
+
+def standing_out(
+    top_examples: Sequence[Tuple[int, float]],
+    median: Optional[float],
+    ratio: float = STAND_OUT_RATIO,
+) -> int:
+    """How many of the top examples stand out of the batch: the ones that carried a spike.
+
+    The losses, highest first and then the batch's median, are cut at their largest ratio
+    from one to the next; the examples above the cut stand out when that ratio is at least
+    `ratio`. Losses that are not all positive have no ratios: none stands out.
+
+    Args:
+      top_examples: ``(index, loss)`` pairs, highest loss first (`rank_examples`).
+      median: The batch's median loss.
+      ratio: The least ratio that sets examples apart.
+
+    Returns:
+      The number of leading examples of `top_examples` that stand out (0: none).
+    """
+    losses = [loss for _, loss in top_examples]
+    if median is None or not losses:
+        return 0
+    chain = np.array(losses + [median], dtype=np.float64)
+    if not (chain > 0).all():
+        return 0
+    with np.errstate(invalid="ignore"):
+        gaps = np.nan_to_num(np.diff(-np.log(chain)), nan=0.0)  # inf - inf: no gap
+    cut = int(np.argmax(gaps))
+    return cut + 1 if gaps[cut] >= math.log(ratio) else 0
+
+
+def explain_spike(
+    top_examples: Sequence[Tuple[int, float]],
+    batch_size: int,
+    median: Optional[float],
+    per_example_loss: Optional[str],
+    error: Optional[str] = None,
+) -> str:
+    """A spike's autopsy in one sentence.
+
+    For example ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1;
+    batch median 0.041)``.
+    """
+    if error and not top_examples:
+        return f"the autopsy of the spike failed: {error}"
+    if per_example_loss is None or not top_examples:
+        return (
+            "the loss cannot be split per example, so no example of the batch can be named "
+            "as the spike's"
+        )
+    note = f" ({error})" if error else ""
+    count = standing_out(top_examples, median)
+    of = f" of {batch_size}" if batch_size else ""
+    at_median = f"; batch median {median:.4g}" if median is not None else ""
+    shown = top_examples[:count] if count else top_examples
+    indices = ", ".join(str(i) for i, _ in shown)
+    losses = ", ".join(f"{loss:.4g}" for _, loss in shown)
+    if count:
+        noun = "example" if count == 1 else "examples"
+        return (
+            f"{noun} {indices}{of} carried the spike (per-example loss {losses}{at_median})" + note
+        )
+    return (
+        f"no example of the batch{of} stands out: the highest per-example losses are examples "
+        f"{indices} ({losses}{at_median}), so the batch as a whole carried the spike{note}"
+    )
+
+
 # ---------------------------------------------------------------------- the replay
 @dataclasses.dataclass
 class _Budget:
@@ -393,20 +568,24 @@ def replay(
     clock: Callable[[], float] = time.monotonic,
     step: int = -1,
     batch_size: Optional[int] = None,
+    cause: str = "non_finite",
 ) -> Autopsy:
-    """Replays a step and finds the first op whose output is not finite.
+    """Replays a step and finds the first op whose output is not finite (or, for a spike, the
+    examples with the highest per-example loss).
 
     Args:
       session: A raw `tf.compat.v1.Session` over the graph (its variables hold the weights of
         the step; nothing is written).
       feeds: The batch: tensor -> array.
-      targets: The tensors the step computed (the loss and the gradient sums).
+      targets: The tensors the step computed (the loss and the gradient sums); for a spike,
+        the total loss.
       timeout_secs: Give up (with `error` set) after this many seconds.
       max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
       clock: The clock the deadline is measured on.
       step: The global step, recorded in the result.
       batch_size: The number of examples (default: the most common leading dimension of the
         fed arrays; pass it when weights are fed too).
+      cause: ``"non_finite"`` (a NaN or Inf step) or ``"spike"`` (see `Autopsy.cause`).
 
     Returns:
       The `Autopsy` (without a dump); when the targets read an input op that is not fed, one
@@ -421,7 +600,11 @@ def replay(
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
     except AutopsyError as err:
-        return Autopsy(batch_size=batch_size, cost=budget.cost(), error=str(err), step=step)
+        return Autopsy(
+            batch_size=batch_size, cost=budget.cost(), error=str(err), step=step, cause=cause
+        )
+    if cause == "spike":  # Finite by nature: no reproduction to judge, no first bad op.
+        return _replay_spike(session, feeds, targets[0], budget, batch_size, step)
     values = budget.run(session, targets, feeds)
     if all(is_finite_health(health(v)) for v in values):
         return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
@@ -497,17 +680,38 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
             _is_float(t) for t in op.outputs
         ):
             found.append(op)
-    order = {op: i for i, op in enumerate(targets[0].graph.get_operations())}
-    varies = {}  # op -> whether its value can change from step to step
-    for op in sorted(seen, key=order.get):
-        # A shape carries no values: fill(shape(x), nan) is a constant NaN whatever x holds.
-        varies[op] = (
-            op in fed_ops
-            or op.type in _VARIABLE_READ_TYPES
-            or _is_stateful(op)
-            or any(varies.get(t.op, False) for t in op.inputs if t.op.type not in _SHAPE_TYPES)
-        )
+    order = _order(targets[0].graph)
+
+    def source(op) -> bool:  # What makes a value change from step to step.
+        return op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
+
+    varies = _reaching(seen, source, order)
     return sorted((op for op in found if varies[op]), key=order.get)
+
+
+def _order(graph) -> Dict[Any, int]:
+    """Each op of `graph` -> its position (a topological order)."""
+    return {op: i for i, op in enumerate(graph.get_operations())}
+
+
+def _reaching(
+    ops: Sequence[Any],
+    source: Callable[[Any], bool],
+    order: Mapping[Any, int],
+    valueless: frozenset = _SHAPE_TYPES,
+) -> Dict[Any, bool]:
+    """Each of `ops` -> whether a value that a `source` op makes reaches it.
+
+    `ops` must hold every input of each op that can reach it (what a walk back gives). An
+    input of a `valueless` type passes on no value: fill(shape(x), nan) is a constant NaN
+    whatever x holds.
+    """
+    reaches = {}
+    for op in sorted(ops, key=order.get):
+        reaches[op] = source(op) or any(
+            reaches.get(t.op, False) for t in op.inputs if t.op.type not in valueless
+        )
+    return reaches
 
 
 def _is_stateful(op) -> bool:
@@ -630,6 +834,218 @@ def _traceback(op) -> Sequence[Any]:
         return []
 
 
+# ---------------------------------------------------------------------- a spike's per-example loss
+# Ops that pass a loss on unchanged, and those that add losses of one shape.
+_LOSS_PASS_TYPES = frozenset({"Identity", "Cast"})
+_LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
+_LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
+# Ops whose output holds no value of their input, only its shape.
+_LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
+# The most terms a walk back from a loss looks at.
+_MAX_LOSS_TERMS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    """A tensor behind the total loss, and how its elements add up into it.
+
+    Every op between them is linear in the tensor: each element's part of the total loss is
+    its value times the scalar ``factors`` (a tensor or a number, and ``mul``, ``div`` or
+    ``div_no_nan``), divided by the reduction ratio of each ``Mean`` op in ``means``.
+    """
+
+    tensor: Any
+    factors: Tuple[Tuple[Any, str], ...] = ()
+    means: Tuple[Any, ...] = ()
+
+    def through(self, tensor, factor=None, mean=None) -> "_Term":
+        return _Term(
+            tensor,
+            self.factors + ((factor,) if factor is not None else ()),
+            self.means + ((mean,) if mean is not None else ()),
+        )
+
+    def fetches(self) -> List[Any]:
+        """The tensors the term's part of the loss is computed from."""
+        factors = [f for f, _ in self.factors if not isinstance(f, float)]
+        return (
+            [self.tensor]
+            + factors
+            + [t for op in self.means for t in (op.inputs[0], op.outputs[0])]
+        )
+
+    def contribution(self, values: Mapping[Any, Any]) -> np.ndarray:
+        """Each element's part of the total loss (float64), from the fetched `values`."""
+        part = np.asarray(values[self.tensor], dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for factor, kind in self.factors:
+                f = float(np.asarray(values.get(factor, factor)))
+                if kind == "mul":
+                    part = part * f
+                elif kind == "div" or f != 0:
+                    part = part / f
+                else:  # div_no_nan by 0
+                    part = np.zeros_like(part)
+            for op in self.means:
+                ratio = np.size(values[op.inputs[0]]) / max(np.size(values[op.outputs[0]]), 1)
+                part = part / ratio
+        return part
+
+
+@dataclasses.dataclass(frozen=True)
+class PerExampleLoss:
+    """The per-example losses behind a total loss (`find_per_example_loss`).
+
+    Attributes:
+      loss: The total loss.
+      terms: The terms whose leading dimension is the batch's (summed per example).
+      others: The terms that depend on the batch but cannot be split per example.
+    """
+
+    loss: Any
+    terms: Tuple[_Term, ...]
+    others: Tuple[_Term, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The per-example loss tensors' names, joined by `` + ``."""
+        return " + ".join(term.tensor.name for term in self.terms)
+
+    def fetches(self) -> List[Any]:
+        """What one run fetches to compute the per-example losses (each tensor once)."""
+        return list(dict.fromkeys(t for term in self.terms + self.others for t in term.fetches()))
+
+    def evaluate(self, values: Mapping[Any, Any], batch_size: int) -> Optional[np.ndarray]:
+        """The per-example losses (`per_example_values`) from the fetched `values`, or None."""
+        split = [term.contribution(values) for term in self.terms]
+        whole = [float(np.sum(term.contribution(values))) for term in self.others]
+        return per_example_values(split, whole, batch_size)
+
+
+def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
+    """Finds the per-example losses behind a total loss, walking back from it.
+
+    The walk goes through the ops that add losses up (``AddN``, ``Add``, ``Sub``), average or
+    sum them (``Mean``, ``Sum``), and weight them by a scalar (``Mul``, ``RealDiv``,
+    ``DivNoNan``: what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build), to the
+    first float tensor whose leading dimension is the batch's (the output of
+    ``SparseSoftmaxCrossEntropyWithLogits``, or a weighted loss per example). Every op on the
+    way is linear in that tensor, so each example's part of the total loss is known exactly.
+    A term that does not depend on the batch (a regularization loss) is left out; one that
+    does but is not per example (a loss on the batch's mean) is kept apart.
+
+    Args:
+      loss: The total loss tensor.
+
+    Returns:
+      The `PerExampleLoss`, or None when no term of the loss is per example (or the loss
+      reads no batch, or it adds up more than ten thousand terms).
+    """
+    batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
+    if not batch_ops:
+        return None
+    seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
+    depends = _reaching(
+        seen, batch_ops.__contains__, _order(loss.graph), valueless=_LOSS_VALUELESS_TYPES
+    )
+    leading = {t.shape.as_list()[0] for op in batch_ops for t in op.outputs if t.shape.rank}
+    batch_dim = leading.pop() if len(leading) == 1 else None
+    terms, others, stack = [], [], [_Term(loss)]
+    for _ in range(_MAX_LOSS_TERMS):  # A sum that reuses its terms over and over: give up.
+        if not stack:
+            break
+        term = stack.pop()
+        if not depends.get(term.tensor.op, False):
+            continue  # A regularization loss, a constant: not the batch's.
+        below = _terms_below(term, depends, batch_dim)
+        if below is not None:
+            stack.extend(reversed(below))
+        elif _is_float(term.tensor) and _batch_major(term.tensor, batch_dim):
+            terms.append(term)
+        else:
+            others.append(term)
+    if stack:
+        return None
+    return PerExampleLoss(loss, tuple(terms), tuple(others)) if terms else None
+
+
+def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
+    """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value).
+
+    A leading dimension known statically while the batch's is not is not the batch's.
+    """
+    if not tensor.shape.rank:
+        return False
+    leading = tensor.shape.as_list()[0]
+    return leading is None or leading == batch_dim
+
+
+def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optional[List[_Term]]:
+    """The terms `term` adds up from, through one linear op; None at any other op.
+
+    A batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
+    weighting (to name the examples' own loss rather than a weighted copy); sums, differences
+    and reductions are looked past only above the batch-major tensors.
+    """
+    tensor = term.tensor
+    op, shape = tensor.op, tensor.shape
+    inputs = list(op.inputs)
+    major = _batch_major(tensor, batch_dim)
+    if op.type in _LOSS_PASS_TYPES and inputs and _is_float(inputs[0]):
+        return [term.through(inputs[0])]
+    if op.type in _LOSS_SCALE_TYPES and len(inputs) == 2:
+        kind = _LOSS_SCALE_TYPES[op.type]
+        a, b = inputs
+        pairs = [(a, b), (b, a)] if kind == "mul" else [(a, b)]
+        for value, scale in pairs:  # The weighted term first, then its scalar weight.
+            if (
+                scale.shape.rank == 0
+                and value.shape.is_compatible_with(shape)
+                and depends.get(value.op, False)
+                # Two scalars of the batch multiplied: which one is the loss?
+                and not (kind == "mul" and value.shape.rank == 0 and depends.get(scale.op, False))
+            ):
+                return [term.through(value, factor=(scale, kind))]
+        return None
+    if major:
+        return None
+    if op.type in _LOSS_SUM_TYPES and all(t.shape == shape for t in inputs):
+        below = [term.through(t) for t in inputs]
+        if op.type == "Sub":
+            below[1] = term.through(inputs[1], factor=(-1.0, "mul"))
+        return below
+    if op.type == "Neg":
+        return [term.through(inputs[0], factor=(-1.0, "mul"))]
+    if op.type in ("Sum", "Mean") and _is_float(inputs[0]):
+        return [term.through(inputs[0], mean=op if op.type == "Mean" else None)]
+    return None
+
+
+def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int, step: int) -> Autopsy:
+    """The spike part of `replay`: fetches the per-example losses and ranks the examples."""
+    spike = dict(cause="spike", batch_size=batch_size, step=step)
+    found = find_per_example_loss(loss)
+    if found is None:
+        return Autopsy(cost=budget.cost(), **spike)
+    try:
+        budget.check("before fetching the per-example losses")
+    except AutopsyError as err:
+        return Autopsy(cost=budget.cost(), error=str(err), **spike)
+    fetches = found.fetches()
+    per_example = found.evaluate(
+        dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
+    )
+    if per_example is None:
+        return Autopsy(cost=budget.cost(), **spike)
+    return Autopsy(
+        top_examples=tuple(rank_examples(per_example)),
+        per_example_loss=found.name,
+        median_loss=median_loss(per_example),
+        cost=budget.cost(),
+        **spike,
+    )
+
+
 # ---------------------------------------------------------------------- in training
 def autopsy_bad_step(
     session: tf.compat.v1.Session,
@@ -639,6 +1055,7 @@ def autopsy_bad_step(
     step: int = -1,
     dump_dir: Optional[str] = None,
     timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    cause: str = "non_finite",
 ) -> Autopsy:
     """Reads the batch a bad step kept (`slim_nanguard._capture`) and replays the step.
 
@@ -647,10 +1064,11 @@ def autopsy_bad_step(
     Args:
       session: A raw `tf.compat.v1.Session`, right after the bad step.
       capture: The `Capture` of the train op.
-      targets: The loss and gradient sums.
+      targets: The loss and gradient sums; for a spike, the total loss.
       step: The global step of the bad step.
       dump_dir: Where to write the dump (see `run_autopsy`), or None.
       timeout_secs: The deadline of the replay.
+      cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
     """
     from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
 
@@ -661,7 +1079,7 @@ def autopsy_bad_step(
         logging.warning(
             "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
         )
-        return Autopsy(error=message, step=step)
+        return Autopsy(error=message, step=step, cause=cause)
     return run_autopsy(
         session,
         capture.tensors,
@@ -670,6 +1088,7 @@ def autopsy_bad_step(
         step=step,
         dump_dir=dump_dir,
         timeout_secs=timeout_secs,
+        cause=cause,
     )
 
 
@@ -708,6 +1127,7 @@ def run_autopsy(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
     clock: Callable[[], float] = time.monotonic,
+    cause: str = "non_finite",
 ) -> Autopsy:
     """Replays a bad step and writes its dump; never raises (but KeyboardInterrupt).
 
@@ -715,7 +1135,7 @@ def run_autopsy(
       session: A raw `tf.compat.v1.Session`, right after the bad step.
       batch_tensors: The batch tensors (`Capture.tensors`).
       batch_values: The values the bad step kept, in the same order.
-      targets: The loss and gradient sums.
+      targets: The loss and gradient sums; for a spike (`cause`), the total loss.
       step: The global step of the bad step.
       dump_dir: The training directory: the dump goes to its ``nanguard_autopsy/``; None for
         no dump.
@@ -723,6 +1143,8 @@ def run_autopsy(
       max_chunk_bytes: About how many bytes one run fetches.
       max_dump_weight_bytes: The weights the step read go into the dump up to this size.
       clock: The clock of the deadline.
+      cause: ``"non_finite"`` (a NaN or Inf step: the first op that made one) or ``"spike"``
+        (the examples with the highest per-example loss); see `Autopsy.cause`.
 
     Returns:
       The `Autopsy`; on failure one with ``error`` set.
@@ -738,6 +1160,7 @@ def run_autopsy(
             max_chunk_bytes=max_chunk_bytes,
             clock=clock,
             step=step,
+            cause=cause,
         )
         if dump_dir:
             weights = {}
@@ -752,7 +1175,9 @@ def run_autopsy(
         logging.warning(
             "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
         )
-        return Autopsy(error=message, step=step, cost={"seconds": round(clock() - start, 4)})
+        return Autopsy(
+            error=message, step=step, cost={"seconds": round(clock() - start, 4)}, cause=cause
+        )
 
 
 def _first_line(err: BaseException) -> str:

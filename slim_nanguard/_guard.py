@@ -355,7 +355,7 @@ class Guard:
             return None
         return tuple(_verdict.kind_name(c) for c in np.asarray(codes))
 
-    def autopsy(self, session: tf.compat.v1.Session, step: int):
+    def autopsy(self, session: tf.compat.v1.Session, step: int, cause: str = "non_finite"):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
         Call it right after the bad step, before any rollback: the variables still hold the
@@ -364,27 +364,35 @@ class Guard:
         Args:
           session: A raw `tf.compat.v1.Session`.
           step: The global step of the bad step.
+          cause: ``"non_finite"`` (a NaN or Inf: the first op that made one) or ``"spike"``
+            (the examples of the batch with the highest per-example loss).
 
         Returns:
           The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
           autopsies are off, past their count, or the train op keeps no batch.
+
+        Raises:
+          ValueError: `cause` is neither of those.
         """
+        from slim_nanguard import _autopsy  # Local: only a bad step needs it.
+
+        if cause not in _autopsy.CAUSES:
+            raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(_autopsy.CAUSES)}.")
         if (
             self.capture is None
             or not self.capture.tensors
             or not _policy.wants_autopsy(self._config, self._state)
         ):
             return None
-        from slim_nanguard import _autopsy  # Local: only a bad step needs it.
-
         self.observe(_policy.Autopsied())
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
-            [self.grad_sums],
+            [self.loss] if cause == "spike" else [self.grad_sums],
             step=step,
             dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
+            cause=cause,
         )
         if result.dump:
             self._remove_old_dumps()

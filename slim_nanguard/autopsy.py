@@ -91,6 +91,15 @@ def format_report(record: Mapping[str, Any]) -> str:
         return "\n".join(lines)
     result = _autopsy.Autopsy.from_json(autopsy)
     lines.append(f"  autopsy     {result.describe()}")
+    if result.top_examples:  # A spike's examples, highest per-example loss first.
+        median = result.median_loss
+        lines.append(f"  per example {result.per_example_loss}")
+        lines.append(
+            "  highest     "
+            + ", ".join(f"example {i}: {loss:.6g}" for i, loss in result.top_examples)
+            + (f" (batch of {result.batch_size}" if result.batch_size else " (batch")
+            + (f", median {median:.6g})" if median is not None else ")")
+        )
     op = result.first_bad_op
     if op:
         lines.append(f"  op          {op['name']} ({op['type']})")
@@ -204,11 +213,13 @@ def replay_dump(
                 timeout_secs=timeout_secs,
                 step=step,
                 batch_size=int(report.get("batch_size") or 0) or None,
+                cause=report.get("cause", "non_finite"),
             )
         except (KeyError, ValueError, tf.errors.OpError) as err:
             # A graph that is not the run's, a tensor that cannot be fed.
             return _autopsy.Autopsy(
                 step=step,
+                cause=report.get("cause", "non_finite"),
                 error=f"{type(err).__name__}: "
                 f"{str(getattr(err, 'message', '') or err).splitlines()[0]}",
             )
