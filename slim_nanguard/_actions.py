@@ -446,8 +446,7 @@ def judge(
         if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
-        # Before any rollback. (A spike's replay is all finite: the autopsy of spikes is to come.)
-        autopsy = guard.autopsy(raw, step) if fault == Fault.NON_FINITE else None
+        autopsy = guard.autopsy(raw, step, cause=fault)  # Before any rollback.
         return record_bad_step(
             guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds, spike=spike
         )

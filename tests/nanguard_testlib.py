@@ -49,6 +49,7 @@ class Fault:
       norm_scale: the scale of the norm whose gradient is NaN at 0.
       nan_input: whether it puts a NaN in the input batch.
       input_scale: what it multiplies the input batch by (finite: a spike, not a NaN).
+      scaled_rows: the examples `input_scale` multiplies (empty: all of them).
     """
 
     loss_kinds: FrozenSet[str]
@@ -57,13 +58,15 @@ class Fault:
     norm_scale: float = 1.0
     nan_input: bool = False
     input_scale: float = 1.0
+    scaled_rows: Tuple[int, ...] = ()
 
     def corrupt(self, x: np.ndarray) -> Tuple[float, float]:
         """Puts the fault's NaN (if any) in the batch `x`, scales it by `input_scale`; returns
         (loss offset, norm scale)."""
         if self.nan_input:
             x[3, 2] = np.nan
-        x *= self.input_scale
+        rows = list(self.scaled_rows) or slice(None)
+        x[rows] *= self.input_scale
         return self.loss_offset, self.norm_scale
 
 
@@ -77,7 +80,13 @@ FAULTS: Dict[str, Fault] = {
 # first feature, so the model is confidently wrong), and the loss and the gradient norm jump,
 # all finite. A bad step only for a train op with a spike policy.
 SPIKE = "spike"
-_OTHER_FAULTS = {SPIKE: Fault(frozenset({"finite"}), input_scale=-1000.0)}
+# The same in two examples of the batch only (5 and 2): the examples that carry the spike.
+SPIKE_ROWS = "spike_rows"
+SPIKING_EXAMPLES = (5, 2)
+_OTHER_FAULTS = {
+    SPIKE: Fault(frozenset({"finite"}), input_scale=-1000.0),
+    SPIKE_ROWS: Fault(frozenset({"finite"}), input_scale=-1000.0, scaled_rows=SPIKING_EXAMPLES),
+}
 
 NO_FAULT = Fault(frozenset({"finite"}))
 

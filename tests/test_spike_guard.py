@@ -255,3 +255,27 @@ def test_slim_nanguard_train_counts_the_spikes(mode, tmp_path):
     assert "1 bad (1 of them spikes, 1 skipped" in result.describe()
     (record,) = _bad_steps(tmp_path)
     assert record["cause"] == "spike"
+
+
+@lib.each_mode
+def test_the_autopsy_names_the_examples_that_carried_the_spike(mode, tmp_path):
+    model = lib.build_model(
+        faults={SPIKE_AT: lib.SPIKE_ROWS},
+        nan_policy="skip",
+        spike_policy="skip",
+        check_numerics=lib.MODES[mode],
+    )
+    slim_nanguard.train(
+        model.train_op,
+        str(tmp_path),
+        number_of_steps=SPIKE_AT + 2,
+        save_checkpoint_steps=None,
+        save_summaries_steps=None,
+        log_every_n_steps=0,
+    )
+    (record,) = _bad_steps(tmp_path)
+    autopsy = record["autopsy"]
+    assert (record["cause"], autopsy["cause"]) == ("spike", "spike")
+    named = [index for index, _ in autopsy["top_examples"]][: len(lib.SPIKING_EXAMPLES)]
+    assert sorted(named) == sorted(lib.SPIKING_EXAMPLES)
+    assert "carried the spike" in autopsy["summary"]

@@ -232,7 +232,9 @@ def _loss_scale_skip(loss, optimizer):
     return tf_slim.learning.create_train_op(loss, wrapped, check_numerics=False)
 
 
-def _ours(check_numerics: bool, policy: str, autopsy: bool = True):
+def _ours(
+    check_numerics: bool, policy: str, autopsy: bool = True, spike_policy: Optional[str] = None
+):
     def build(loss, optimizer):
         if not autopsy:  # No batch kept on bad steps: what the autopsy's capture costs.
             config = slim_nanguard.GuardConfig(nan_policy=policy, autopsy_max_steps=0, **_PATIENT)
@@ -240,7 +242,12 @@ def _ours(check_numerics: bool, policy: str, autopsy: bool = True):
                 loss, optimizer, check_numerics=check_numerics, config=config
             )
         return slim_nanguard.create_train_op(
-            loss, optimizer, check_numerics=check_numerics, nan_policy=policy, **_PATIENT
+            loss,
+            optimizer,
+            check_numerics=check_numerics,
+            nan_policy=policy,
+            spike_policy=spike_policy,
+            **_PATIENT,
         )
 
     return build
@@ -402,22 +409,40 @@ def _make_variants() -> Dict[str, Variant]:
 
 
 def _spike_guard_variants() -> List[Variant]:
-    """The spike guard's variants (issue 20): none yet, the place where they go.
-
-    Once ``create_train_op`` takes ``spike_policy``, return here one variant per mode with the
-    spike guard on (say ``nanguard_check_numerics_spike`` against "baseline" and
-    ``nanguard_hook_spike`` against "baseline_mts", built like `_ours` with
-    ``spike_policy="skip"``); the raise variants above are the same guard with it off. Then
-    add them to `OUR_MODES` (their targets) and `SIDE_BY_SIDE` (the first table's columns).
-    """
-    return []
+    """The spike guard's variants: our raise variants with ``spike_policy="skip"`` on top (the
+    raise variants are the same guard with it off), one per mode."""
+    return [
+        Variant(
+            "nanguard_check_numerics_spike",
+            "ours: check_numerics mode, raise, spike guard on (skip)",
+            PLAIN,
+            "baseline",
+            _ours(True, "raise", spike_policy="skip"),
+            nan_policy="raise",
+            ours=True,
+        ),
+        Variant(
+            "nanguard_hook_spike",
+            "ours: hook mode, raise, spike guard on (skip)",
+            MTS,
+            "baseline_mts",
+            _ours(False, "raise", spike_policy="skip"),
+            hooks=_our_hook,
+            nan_policy="raise",
+            ours=True,
+        ),
+    ]
 
 
 VARIANTS: Dict[str, Variant] = _make_variants()
 
-# Our two modes with the atomic step, as the targets name them (the spike guard's variants
-# join them here).
-OUR_MODES = ("nanguard_check_numerics_raise", "nanguard_hook_raise")
+# Our two modes with the atomic step, spike guard off and on, as the targets name them.
+OUR_MODES = (
+    "nanguard_check_numerics_raise",
+    "nanguard_hook_raise",
+    "nanguard_check_numerics_spike",
+    "nanguard_hook_spike",
+)
 # Target (issue 20): median ratio at most this, per model: 1.02 on the real slim nets, 1.05
 # on the small MLP, the 102-variable deep net and the wide layer.
 TARGETS = {
@@ -429,13 +454,15 @@ TARGETS = {
     "mobilenet": 1.02,
 }
 # The columns of the first table, (heading, variant): each model's ratio to the unguarded
-# op, side by side for both modes in one run (the spike guard's on/off variants go here).
+# op, side by side for both modes, spike guard off and on, in one run.
 SIDE_BY_SIDE: Tuple[Tuple[str, str], ...] = (
     ("noise floor", "baseline_again"),
     ("slim check_numerics=True", "slim_check_numerics"),
     ("loss-scale skip", "loss_scale_skip"),
     ("ours, check_numerics mode", "nanguard_check_numerics_raise"),
     ("ours, hook mode (MTS)", "nanguard_hook_raise"),
+    ("ours + spike, check_numerics mode", "nanguard_check_numerics_spike"),
+    ("ours + spike, hook mode (MTS)", "nanguard_hook_spike"),
 )
 
 # ---------------------------------------------------------------------------- settings
