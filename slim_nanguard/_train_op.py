@@ -175,8 +175,9 @@ def create_train_op(
         those of the last 128 accepted steps (of their logarithms), once
         ``spike_warmup_steps`` steps were accepted. It changes no variable, as a non-finite
         step, does not enter the statistics, and counts toward
-        ``max_consecutive_bad_steps``. The statistics are variables of the graph
-        (``nanguard_spike/``): saved in checkpoints and restored by a rollback.
+        ``max_consecutive_bad_steps``. Not inside a `tf.while_loop` (a ValueError says
+        so). The statistics are variables of the graph (``nanguard_spike/``): saved in
+        checkpoints and restored by a rollback.
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
       config: A `GuardConfig`; overrides the ten policy arguments above when given.
@@ -188,8 +189,9 @@ def create_train_op(
     Raises:
       ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
         `tf.compat.v1.train.Optimizer` (a Keras one, for example), an empty
-        ``variables_to_train``, a variable to train that is not trainable, or a policy argument
-        out of range. The message names the argument and the value.
+        ``variables_to_train``, a variable to train that is not trainable, a policy argument
+        out of range, or a spike policy for a train op built in a loop body. The message
+        names the argument and the value.
     """
     config = _guard_config(
         config,
@@ -228,6 +230,12 @@ def create_train_op(
         with tf.name_scope("nanguard"):
             spike = None
             if config.spike_policy is not None:
+                if _in_loop(graph):
+                    raise ValueError(
+                        "spike_policy needs a train op built outside any tf.while_loop or "
+                        "function body (the loop's hook cannot see a spike iteration); build "
+                        "it outside the loop, or leave spike_policy=None there."
+                    )
                 spike = (config.spike_sigma, config.spike_warmup_steps)
             test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
             # Writes the forward pass makes (slim.batch_norm with updates_collections=None)

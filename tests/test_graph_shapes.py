@@ -407,3 +407,22 @@ def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
         _, err = lib.run_step(sess, g_train, {g_offset: np.nan})
         assert g_guard.owns_error(err) and not d_guard.owns_error(err)
         lib.assert_state_equal(after, lib.state(sess, graph))
+
+
+def test_a_spike_policy_in_a_loop_body_is_refused_with_what_to_do(while_loop_kind):
+    """The hook of a train op built in a loop cannot tell which iteration spiked: refused."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.variable_scope("", use_resource=True):
+        xs = tf.compat.v1.placeholder(tf.float32, [None, lib.BATCH, lib.FEATURES])
+        weights = tf.compat.v1.get_variable("w", [lib.FEATURES, 1])
+        opt = tf.compat.v1.train.GradientDescentOptimizer(0.05)
+
+        def body(i, total):
+            loss = tf.reduce_mean(tf.square(tf.matmul(xs[i], weights) - 1.0))
+            train_op = slim_nanguard.create_train_op(loss, opt, spike_policy="skip")
+            return i + 1, total + train_op
+
+        with pytest.raises(ValueError, match="^spike_policy needs a train op built outside"):
+            tf.compat.v1.while_loop(
+                lambda i, _: i < tf.shape(xs)[0], body, [tf.constant(0), tf.constant(0.0)]
+            )

@@ -279,3 +279,24 @@ def test_the_autopsy_names_the_examples_that_carried_the_spike(mode, tmp_path):
     named = [index for index, _ in autopsy["top_examples"]][: len(lib.SPIKING_EXAMPLES)]
     assert sorted(named) == sorted(lib.SPIKING_EXAMPLES)
     assert "carried the spike" in autopsy["summary"]
+
+
+def _loss_scaled(loss, optimizer, **kwargs):
+    scale = tf.compat.v1.mixed_precision.DynamicLossScale(initial_loss_scale=2.0**10)
+    wrapped = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(optimizer, scale)
+    return slim_nanguard.create_train_op(loss, wrapped, **kwargs)
+
+
+@lib.each_mode
+def test_with_a_dynamic_loss_scale_a_spike_is_a_spike_and_an_overflow_an_overflow(mode):
+    faults = {SPIKE_AT: lib.SPIKE, SPIKE_AT + 1: "nan_gradient"}
+    model, run = _run(mode, steps=SPIKE_AT + 3, faults=faults, train_op_fn=_loss_scaled)
+    (spike,) = run.events  # The overflow is no bad step: the loop carries on, unreported.
+    assert (spike.cause, spike.action, spike.step) == ("spike", "skip", SPIKE_AT)
+    # The spike wrote nothing, not even the loss scale.
+    assert run.bad_step_changes == [[]]
+    guard = slim_nanguard.get_guard(model.train_op)
+    assert (guard.state.spikes, guard.state.total_bad_steps) == (1, 1)
+    # The overflow lowered the scale once, as the optimizer intends (1024 -> 512).
+    (scale,) = [v for name, v in run.final.items() if name.endswith("current_loss_scale")]
+    assert float(scale) == 2.0**9
