@@ -40,6 +40,7 @@ from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _policy
 from slim_nanguard import _record
+from slim_nanguard import _spike
 from slim_nanguard import _verdict
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
@@ -576,17 +577,24 @@ def _make_scaffold(
     return tf.compat.v1.train.Scaffold(**kwargs)
 
 
+# The guard's variables that only some of its options make (see `_resume_saver`).
+_OPTIONAL_PREFIXES = ("nanguard/", _spike.SPIKE_SCOPE + "/")
+
+
 def _resume_saver(saver: tf.compat.v1.train.Saver, checkpoint: str) -> tf.compat.v1.train.Saver:
     """`saver`, or one that leaves out the guard's own variables missing from `checkpoint`.
 
-    The guard adds a variable (``nanguard/learning_rate_scale``) only when a rollback can
-    lower the learning rate, so a run resumed with other guard options may find it missing;
-    it then keeps its initial value. Any other missing variable fails the restore as usual.
+    The guard adds variables only with some options (``nanguard/learning_rate_scale`` when a
+    rollback can lower the learning rate, ``nanguard_spike/`` with a spike policy), so a run
+    resumed with other guard options may find them missing (the spike guard turned on after a
+    divergence, from the checkpoints of the run that diverged); they then keep their initial
+    values (the spike statistics warm up again). Any other missing variable fails the restore
+    as usual.
     """
     in_checkpoint = set(_checkpoints.checkpoint_reader(checkpoint).get_variable_to_shape_map())
     variables = tf.compat.v1.global_variables()
     missing = [v for v in variables if v.op.name not in in_checkpoint]
-    if not missing or any(not v.op.name.startswith("nanguard/") for v in missing):
+    if not missing or any(not v.op.name.startswith(_OPTIONAL_PREFIXES) for v in missing):
         return saver
     logging.info(
         "slim_nanguard: %s has no %s; starting it from its initial value.",

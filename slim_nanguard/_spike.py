@@ -41,6 +41,8 @@ import tensorflow as tf
 from slim_nanguard._policy import SPIKE_WINDOW
 from slim_nanguard._types import Fault
 
+# The variable scope of the statistics (in checkpoints: ``nanguard_spike/history``, ``/count``).
+SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
 FLOOR = 0.05
 COLUMNS = ("loss", "norm")
@@ -104,7 +106,7 @@ class SpikeTest:
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
         with (
             variable_scope(),
-            tf.compat.v1.variable_scope("nanguard_spike", reuse=tf.compat.v1.AUTO_REUSE),
+            tf.compat.v1.variable_scope(SPIKE_SCOPE, reuse=tf.compat.v1.AUTO_REUSE),
         ):
             self.history = tf.compat.v1.get_variable(
                 "history",

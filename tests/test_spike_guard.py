@@ -300,3 +300,61 @@ def test_with_a_dynamic_loss_scale_a_spike_is_a_spike_and_an_overflow_an_overflo
     # The overflow lowered the scale once, as the optimizer intends (1024 -> 512).
     (scale,) = [v for name, v in run.final.items() if name.endswith("current_loss_scale")]
     assert float(scale) == 2.0**9
+
+
+# ---------------------------------------------------------------- turned on mid-run
+def _train_steps(model, logdir, steps):
+    return slim_nanguard.train(
+        model.train_op,
+        logdir,
+        number_of_steps=steps,
+        save_checkpoint_steps=5,
+        save_summaries_steps=None,
+        log_every_n_steps=0,
+    )
+
+
+@lib.each_mode
+def test_a_run_resumes_with_the_spike_guard_turned_on_after_a_divergence(mode, tmp_path):
+    """The run that diverged had no spike guard; its last good checkpoint has no statistics.
+    Resumed from it with the guard on, training goes on (the statistics warm up again), and
+    a rollback to that checkpoint restores the model and keeps the statistics."""
+    logdir = str(tmp_path)
+    check = lib.MODES[mode]
+    _train_steps(lib.build_model(nan_policy="skip", check_numerics=check), logdir, 5)
+    model = lib.build_model(
+        faults={12: "nan_loss"},  # global step 17, after the resumed run's first save
+        nan_policy="rollback",
+        spike_policy="skip",
+        rollback_skip_batches=0,
+        check_numerics=check,
+    )
+    result = _train_steps(model, logdir, 20)
+    assert result.global_step == 20 and result.rollbacks == 1
+    lib.assert_no_poisoned_checkpoint(logdir)
+    newest = lib.checkpoint_values(slim_nanguard.storage.latest_checkpoint(logdir))
+    assert int(newest["nanguard_spike/count"]) > 0
+
+
+def test_a_rollback_to_a_checkpoint_from_before_the_spike_guard_restores_the_model(tmp_path):
+    """A rollback that lands on a checkpoint the run without the guard wrote (a walk back, a
+    state file that still names it) restores the model and keeps the statistics."""
+    logdir = str(tmp_path)
+    old = lib.build_model(nan_policy="skip")
+    _train_steps(old, logdir, 5)
+    model = lib.build_model(nan_policy="rollback", spike_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        guard.mark_judged(sess)
+        for _ in range(3):
+            sess.run(model.train_op)
+        statistics = sess.run("nanguard_spike/count/Read/ReadVariableOp:0")
+        restored = guard.restorer.restore(sess, logdir, bad_step=3, learning_rate_scale=1.0)
+        assert restored.step == 5 and restored.checkpoint.endswith("-5")
+        after = lib.state(sess, model.graph)
+    saved = lib.checkpoint_values(restored.checkpoint)
+    assert "nanguard_spike/count" not in saved
+    for name, value in saved.items():  # The model is the checkpoint's ...
+        np.testing.assert_array_equal(after[name], value, err_msg=name)
+    assert after["nanguard_spike/count"] == statistics == 3  # ... the statistics are kept.
