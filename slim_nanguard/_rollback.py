@@ -171,9 +171,9 @@ class Rollback:
             # brought back; after a session recovery, the lower of it and this process's own.
             learning_rate_scale = min(learning_rate_scale, float(session.run(handles.lr_scale)))
         saver = self._saver
-        if self._without_spike is not None and not _checkpoints.checkpoint_reader(
-            path
-        ).has_tensor(f"{SPIKE_SCOPE}/count"):
+        if self._without_spike is not None and not _checkpoints.checkpoint_reader(path).has_tensor(
+            f"{SPIKE_SCOPE}/count"
+        ):
             logging.info("slim_nanguard: %s has no spike statistics; they stay as they are.", path)
             saver = self._without_spike
         saver.restore(session, path)
