@@ -140,10 +140,12 @@ class StepTest:
             variable_scope=lambda: _outside_loops(graph),
         )
         finite = self.verdict.ok
-        spike_only = tf.logical_and(self.spike.spike, finite)
-        self.ok = tf.logical_and(finite, tf.logical_not(self.spike.spike), name="ok_no_spike")
-        nan = tf.constant(np.nan, self.verdict.checked.dtype)
-        self.checked = tf.where(spike_only, nan, self.verdict.checked, name="checked_no_spike")
+        # A spike adds a NaN to the checked value: `checked` is non-finite, and `ok` False,
+        # exactly when a value is non-finite or the step is a spike.
+        dtype = self.verdict.checked.dtype
+        penalty = tf.where(self.spike.spike, tf.constant(np.nan, dtype), tf.constant(0.0, dtype))
+        self.checked = tf.add(self.verdict.checked, penalty, name="checked_no_spike")
+        self.ok = tf.math.is_finite(self.checked, name="ok_no_spike")
         untaken, self._good = control_flow_ops.switch(self.ok, self.ok)
         self._bad = tf.identity(untaken, name="bad_step")
         with self.when_bad():
@@ -168,10 +170,11 @@ class StepTest:
             self._add_summaries()
 
     def _add_summaries(self) -> None:
+        z = self.spike.z_scores()  # Computed when a summary is, not on every step.
         for name, value in (
             ("grad_norm", self.verdict.global_norm),
-            ("z_loss", self.spike.z[0]),
-            ("z_grad_norm", self.spike.z[1]),
+            ("z_loss", z[0]),
+            ("z_grad_norm", z[1]),
         ):
             tf.compat.v1.summary.scalar(name, value)
 

@@ -70,9 +70,10 @@ class SpikeTest:
       count: int64 variable, the number of steps accepted since the statistics began.
       mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
       std: float64 ``[2]``, their deviation, floored at `FLOOR`.
-      z: float64 ``[2]``, the step's z-scores of loss and norm (0 during a column's warm-up
-        and for a value that is not positive or not finite: the finiteness test judges those).
-      spike: Scalar bool, True when warm-up is over and a z-score exceeds `sigma`.
+      threshold: float64 ``[2]``, the loss and norm above which a step is a spike:
+        ``exp(mean + sigma * std)``.
+      spike: Scalar bool, True when warm-up is over and a z-score exceeds `sigma` (a value
+        exceeds its threshold).
     """
 
     def __init__(
@@ -124,20 +125,44 @@ class SpikeTest:
                 trainable=False,
                 use_resource=True,
             )
-        with tf.name_scope("nanguard/spike"):
+        with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
+            # The statistics depend on the variables alone: they are ready before the step's
+            # values are, and the test itself is one comparison per value, with the threshold
+            # of the logarithm taken back to a value (exp is increasing; a value <= 0 or a NaN
+            # compares as no spike, and an Inf is left to the finiteness test).
             count = self.count.read_value()
             n = tf.minimum(count, window)
             history = self.history.read_value()
             filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
             self.mean, self.std, kept = _log_statistics(history, filled)
+            self._live = kept >= self.warmup_steps
+            self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
+            finite = tf.logical_and(tf.math.is_finite(self.values), self._live)
+            over = tf.logical_and(self.values > self.threshold, finite)
+            self.spike = tf.reduce_any(over, name="is_spike")
+            self._count_now = count
+            self._z = None
+
+    @property
+    def z(self) -> tf.Tensor:
+        """Float64 ``[2]``: the step's z-scores of loss and norm (0 during a column's warm-up
+        and for a value that is not positive or not finite: the finiteness test judges those).
+
+        Built on first use, where it is first asked for (nothing computes it on a step that
+        does not need it: a good step runs the comparison of `spike` only); `z_scores`
+        builds another copy."""
+        if self._z is None:
+            self._z = self.z_scores()
+        return self._z
+
+    def z_scores(self) -> tf.Tensor:
+        """New ops for `z`, in the current control context (a bad branch, a summary)."""
+        with tf.name_scope(self._scope), tf.name_scope("z"):
             usable = tf.logical_and(tf.math.is_finite(self.values), self.values > 0)
             logs = tf.math.log(tf.where(usable, self.values, tf.ones_like(self.values)))
-            warm = kept >= self.warmup_steps
             z = (logs - self.mean) / self.std
-            self.z = tf.where(tf.logical_and(usable, warm), z, tf.zeros_like(z))
-            self.spike = tf.reduce_any(self.z > self.sigma, name="is_spike")
-            self._count_now = count
+            return tf.where(tf.logical_and(usable, self._live), z, tf.zeros_like(z))
 
     def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
         """The write of an accepted step's values into the statistics.
@@ -149,7 +174,10 @@ class SpikeTest:
             it behind its gate, like every other write).
         """
         # After this step's statistics are read: the write must not race the reads.
-        with tf.name_scope("nanguard/spike/update"), tf.control_dependencies([self.z, self.std]):
+        with (
+            tf.name_scope("nanguard/spike/update"),
+            tf.control_dependencies([self.spike, self.std]),
+        ):
             row = tf.math.floormod(self._count_now, self.window)
             new = self.values
             step = tf.constant(1, tf.int64)
@@ -161,20 +189,13 @@ class SpikeTest:
             return tf.group(written, counted, name="update")
 
     def report_vector(self) -> tf.Tensor:
-        """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`)."""
-        count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
-        return tf.concat([self.values, self.z, self.mean, self.std, count], 0, name="report")
+        """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
 
-    def report(self) -> Dict[str, tf.Tensor]:
-        """The tensors a spike's record holds: the values, their z-scores and the statistics
-        they were measured against (``[loss, norm]`` each), and the count."""
-        return {
-            "values": self.values,
-            "z": self.z,
-            "mean": self.mean,
-            "std": self.std,
-            "count": self._count_now,
-        }
+        New ops, in the current control context: build it on the bad branch."""
+        count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
+        return tf.concat(
+            [self.values, self.z_scores(), self.mean, self.std, count], 0, name="report"
+        )
 
 
 # The codes of a bad step's cause in a train op's report (0: no bad step stored yet).
