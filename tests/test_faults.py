@@ -207,6 +207,23 @@ def test_skip_steps_over_an_injected_nan_batch(tmp_path, mode):
     assert [(e["step"], e["action"]) for e in bad] == [(10, "skip")]
 
 
+@lib.each_mode
+def test_spike_skip_steps_over_a_planted_spike_and_counts_it(tmp_path, mode):
+    """A finite spike at batch 25 of 30 (after the 20 warm-up steps): skipped as a spike,
+    recorded with its cause, counted in the run's result; the same config with
+    ``spike_policy="none"`` (the launcher's word for no spike test) trains on it."""
+    settings = dict(check_numerics=lib.MODES[mode], inject_faults="spike_input:25")
+    result = app.run_training(_config(tmp_path / "on", spike_policy="skip", **settings))
+    assert isinstance(result, slim_nanguard.TrainResult)
+    assert (result.global_step, result.bad_steps, result.skips, result.spikes) == (30, 1, 1, 1)
+    bad = [e for e in slim_nanguard.read_events(result.events_path) if e["kind"] == "bad_step"]
+    assert [(e["step"], e["cause"], e["action"]) for e in bad] == [(25, "spike", "skip")]
+    config = _config(tmp_path / "off", spike_policy=app.NO_SPIKE_TEST, **settings)
+    assert config.guard.spike_policy is None
+    result = app.run_training(config)
+    assert (result.global_step, result.bad_steps, result.spikes) == (30, 0, 0)
+
+
 @pytest.mark.parametrize(
     "optimizer, decay",
     [
