@@ -499,41 +499,6 @@ def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
     assert pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_plot_marks_a_spike_apart_from_a_nan_step(tmp_path):
-    """A run with a spike (batch 25, finite) and a NaN batch (27), both skipped: each has its
-    own marker and its own entry in the legend, from the records' cause."""
-    pytest.importorskip("matplotlib")
-    from matplotlib import pyplot as plt
-
-    from slim_nanguard import app
-    from slim_nanguard import autopsy
-
-    config = app.TrainConfig.from_flags(
-        train_dir=str(tmp_path),
-        dataset_name="synthetic",
-        batch_size=16,
-        max_number_of_steps=30,
-        log_every_n_steps=0,
-        save_summaries_steps=1,
-        inject_faults="spike_input:25,nan_input:27",
-        spike_policy="skip",
-    )
-    assert app.run_training(config).spikes == 1
-    records = slim_nanguard.read_events(str(tmp_path))
-    bad = [r for r in records if r["kind"] == "bad_step"]
-    assert [(r["step"], r["cause"]) for r in bad] == [(25, "spike"), (26, "non_finite")]
-    tag, pieces = autopsy.loss_pieces(str(tmp_path))
-    figure, axes = plt.subplots()
-    autopsy._draw(axes, tag, pieces, records)
-    _, labels = axes.get_legend_handles_labels()
-    assert {"spike, skipped", "bad step, skipped"} <= set(labels)
-    spike, nan = (autopsy._bad_step_mark(r) for r in bad)
-    assert spike[0] != nan[0] and spike[2] != nan[2]
-    plt.close(figure)
-    out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
-    assert pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
     from slim_nanguard import autopsy
 
