@@ -55,7 +55,7 @@ flags.DEFINE_boolean(
 flags.DEFINE_string(
     "plot",
     None,
-    "Draw the loss over steps with the bad steps, skips and "
+    "Draw the loss over steps with the bad steps (spikes apart from NaN/Inf steps), skips and "
     "rollbacks marked, to this .png (needs matplotlib: the 'plot' extra).",
 )
 # The default is the guard's own limit on one autopsy, so that the two cannot differ.

@@ -290,6 +290,26 @@ flags.DEFINE_integer(
     "first op that made a NaN or Inf (slim-nanguard-autopsy shows it); 0: none, and no "
     "batch is kept.",
 )
+flags.DEFINE_enum(
+    "spike_policy",
+    GUARD.spike_policy,
+    [nanguard_app.NO_SPIKE_TEST] + POLICIES,
+    "What a spike does: a step whose values are all finite but whose loss or global gradient "
+    "norm is more than --spike_sigma deviations above those of the accepted steps (it then "
+    "changes nothing, and counts as a bad step in a row): raise, stop, skip or rollback, as "
+    "--nan_policy; none (the default): no spike test.",
+)
+flags.DEFINE_float(
+    "spike_sigma",
+    GUARD.spike_sigma,
+    "With --spike_policy: how many standard deviations (of the logarithms, over the last 128 "
+    "accepted steps) above their mean make a spike.",
+)
+flags.DEFINE_integer(
+    "spike_warmup_steps",
+    GUARD.spike_warmup_steps,
+    "With --spike_policy: steps accepted before the first spike test (2 to 128).",
+)
 flags.DEFINE_list(
     "inject_fault",
     [],

@@ -24,6 +24,7 @@ from slim_nanguard import _autopsy
 from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
+from slim_nanguard._types import Fault
 
 
 def bad_steps(train_dir: str) -> List[Dict[str, Any]]:
@@ -433,6 +434,9 @@ def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, flo
 def plot_run(train_dir: str, out_path: str) -> str:
     """Draws the loss over steps with the bad steps, skips and rollbacks marked.
 
+    A spike (a bad step whose record's ``cause`` is ``"spike"``: finite, but its loss or
+    gradient norm far above the usual) has a marker of its own, apart from a non-finite step.
+
     Args:
       train_dir: The training directory.
       out_path: The image to write (``.png``).
@@ -496,6 +500,26 @@ def _padded(axes, low: float, high: float) -> Tuple[float, float]:
     return low - pad, high + pad
 
 
+# How a bad step is marked, by what was done: (marker, colour, what the legend says).
+_ACTION_MARKS = {
+    "skip": ("x", "tab:orange", "skipped"),
+    "rollback": ("v", "tab:red", "rolled back"),
+    "stop": ("s", "tab:purple", "stopped"),
+    "raise": ("X", "black", "gave up"),
+}
+# A spike (finite values, the loss or gradient norm far above the usual) is marked apart from a
+# non-finite step: its own marker, a diamond, in the colour of what was done.
+_SPIKE_MARKER = "D"
+
+
+def _bad_step_mark(record: Mapping[str, Any]) -> Tuple[str, str, str]:
+    """The marker, colour and legend label of a bad step's record, by its cause and action."""
+    marker, color, done = _ACTION_MARKS.get(record.get("action"), _ACTION_MARKS["skip"])
+    if record.get("cause") == Fault.SPIKE:
+        return _SPIKE_MARKER, color, f"spike, {done}"
+    return marker, color, f"bad step, {done}"
+
+
 def _draw(axes, tag: str, pieces, records) -> None:
     """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
     labels = set()
@@ -523,15 +547,9 @@ def _draw(axes, tag: str, pieces, records) -> None:
     top = max(finite) if finite else 1.0
     if finite and min(finite) > 0 and top / min(finite) > 1e3:
         axes.set_yscale("log")  # a divergence spans orders of magnitude
-    marks = {
-        "skip": ("x", "tab:orange", "bad step, skipped"),
-        "rollback": ("v", "tab:red", "bad step, rolled back"),
-        "stop": ("s", "tab:purple", "bad step, stopped"),
-        "raise": ("X", "black", "bad step, gave up"),
-    }
     for r in records:
         if r.get("kind") == "bad_step":
-            marker, color, label = marks.get(r.get("action"), marks["skip"])
+            marker, color, label = _bad_step_mark(r)
             axes.scatter(
                 [r.get("step", 0)], [top], marker=marker, color=color, zorder=3, label=once(label)
             )

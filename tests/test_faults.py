@@ -207,6 +207,54 @@ def test_skip_steps_over_an_injected_nan_batch(tmp_path, mode):
     assert [(e["step"], e["action"]) for e in bad] == [(10, "skip")]
 
 
+@lib.each_mode
+def test_spike_skip_steps_over_a_planted_spike_and_counts_it(tmp_path, mode):
+    """A finite spike at batch 25 of 30 (after the 20 warm-up steps): skipped as a spike,
+    recorded with its cause, counted in the run's result; the same config with
+    ``spike_policy="none"`` (the launcher's word for no spike test) trains on it."""
+    settings = dict(check_numerics=lib.MODES[mode], inject_faults="spike_input:25")
+    result = app.run_training(_config(tmp_path / "on", spike_policy="skip", **settings))
+    assert isinstance(result, slim_nanguard.TrainResult)
+    assert (result.global_step, result.bad_steps, result.skips, result.spikes) == (30, 1, 1, 1)
+    bad = [e for e in slim_nanguard.read_events(result.events_path) if e["kind"] == "bad_step"]
+    assert [(e["step"], e["cause"], e["action"]) for e in bad] == [(25, "spike", "skip")]
+    config = _config(tmp_path / "off", spike_policy=app.NO_SPIKE_TEST, **settings)
+    assert config.guard.spike_policy is None
+    result = app.run_training(config)
+    assert (result.global_step, result.bad_steps, result.spikes) == (30, 0, 0)
+
+
+def test_the_plot_marks_a_spike_apart_from_a_nan_step(tmp_path):
+    """A run with a spike (batch 25, finite) and a NaN batch (27), both skipped: each has its
+    own marker and its own entry in the legend of `autopsy.plot_run`, from the records' cause."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot as plt
+
+    from slim_nanguard import autopsy
+
+    config = _config(
+        tmp_path,
+        save_summaries_steps=1,
+        inject_faults="spike_input:25,nan_input:27",
+        spike_policy="skip",
+    )
+    assert app.run_training(config).spikes == 1
+    records = slim_nanguard.read_events(str(tmp_path))
+    bad = [r for r in records if r["kind"] == "bad_step"]
+    assert [(r["step"], r["cause"]) for r in bad] == [(25, "spike"), (26, "non_finite")]
+    tag, pieces = autopsy.loss_pieces(str(tmp_path))
+    figure, axes = plt.subplots()
+    autopsy._draw(axes, tag, pieces, records)
+    _, labels = axes.get_legend_handles_labels()
+    assert {"spike, skipped", "bad step, skipped"} <= set(labels)
+    spike, nan = (autopsy._bad_step_mark(r) for r in bad)
+    assert spike[0] != nan[0] and spike[2] != nan[2]
+    plt.close(figure)
+    out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     "optimizer, decay",
     [

@@ -96,6 +96,11 @@ def _events(train_dir, kind):
     return [e for e in slim_nanguard.read_events(str(train_dir)) if e["kind"] == kind]
 
 
+def _accuracy(out):
+    """The test accuracy of a run's summary (its evaluation line)."""
+    return float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
+
+
 def _tensor(checkpoint, name):
     return tf.train.load_checkpoint(checkpoint).get_tensor(name)
 
@@ -130,7 +135,7 @@ def test_clean_run_logs_progress_and_a_summary(trained):
     assert "bad steps     0 (skipped 0, rolled back 0)" in out
     assert f"checkpoint    {train_dir}/model.ckpt-200" in out
     assert f"event record  {train_dir}/nanguard_events.jsonl" in out
-    accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
+    accuracy = _accuracy(out)
     assert accuracy > 0.8
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
     (stop,) = _events(train_dir, "stop")
@@ -326,7 +331,7 @@ def test_diverge_skip_escalates_to_a_rollback_and_learns(tmp_path):
     assert records[4]["escalation"] == "5 bad steps in a row reached max_consecutive_bad_steps=5"
     assert records[5]["checkpoint"].endswith("model.ckpt-0")
     assert (records[-1]["reason"], records[-1]["step"]) == ("step_limit", 300)
-    accuracy = float(re.search(r"evaluation +test accuracy ([0-9.]+)", out).group(1))
+    accuracy = _accuracy(out)
     assert accuracy > 0.9
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
     # TensorBoard's learning_rate is the rate in effect: 100 at first, 0.2 after the rollback.
@@ -375,6 +380,41 @@ def test_diverge_skip_without_escalation_gives_up_cleanly(tmp_path):
     _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
 
 
+# ---------------------------------------------------------------------------------------------
+# A planted spike (batch 100's images x 1,000, all finite): it derails the unguarded run, and
+# --spike_policy=skip steps over it. 300 steps (not the config's 2000): the damage is done by
+# step 101 and the guarded run is at about 97% by step 300 (98% at 2000).
+
+_SPIKE_SKIP = ("--flagfile=configs/spike_skip.cfg", "--max_number_of_steps=300")
+
+
+def test_spike_skip_steps_over_the_planted_spike_that_derails_the_unguarded_run(tmp_path):
+    unguarded = _run(TRAIN, *_SPIKE_SKIP, f"--train_dir={tmp_path / 'off'}", "--spike_policy=none")
+    assert unguarded.returncode == 0, unguarded.stderr
+    assert "bad steps     0 (skipped 0, rolled back 0)" in unguarded.stdout
+    assert "spikes" not in unguarded.stdout  # no spike test: the summary is as before
+    assert _accuracy(unguarded.stdout) < 0.3  # chance is 0.1
+
+    train_dir = tmp_path / "on"
+    proc = _run(TRAIN, *_SPIKE_SKIP, f"--train_dir={train_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert "bad steps     1 (skipped 1, rolled back 0)" in proc.stdout
+    assert "spikes        1 of the bad steps (--spike_policy=skip, --spike_sigma=6)" in proc.stdout
+    assert _accuracy(proc.stdout) > 0.9
+    (bad,) = _events(train_dir, "bad_step")
+    assert (bad["step"], bad["cause"], bad["action"], bad["loss_kind"]) == (
+        100,
+        "spike",
+        "skip",
+        "finite",
+    )
+    spike = bad["spike"]
+    assert spike["sigma"] == 6.0 and spike["accepted_steps"] == 100
+    assert max(spike["z_loss"], spike["z_grad_norm"]) > 6.0
+    assert "global step 100, loss" in proc.stderr and "spike:" in proc.stderr
+    _assert_finite(tf.train.latest_checkpoint(str(train_dir)))
+
+
 def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     """The launcher copies flags into TrainConfig (and its GuardConfig) by name, so a mismatch
     would be silent."""
@@ -405,6 +445,8 @@ def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
     [
         (["--nan_policy=sometimes"], ["--nan_policy=sometimes", "raise|stop|skip|rollback"]),
         (["--max_number_of_steps=-5"], ["--max_number_of_steps=-5", ">= 0"]),
+        (["--spike_policy=often"], ["--spike_policy=often", "none|raise|stop|skip|rollback"]),
+        (["--spike_sigma=0"], ["--spike_sigma=0.0", "spike_sigma must be a number"]),
         (["--flagfile=configs/no_such.cfg"], ["configs/no_such.cfg"]),
     ],
 )

@@ -108,6 +108,9 @@ BAD_GUARD_VALUES = {
     "rollback_lr_factor": 2.0,
     "max_rollbacks": 0,
     "autopsy_max_steps": -1,
+    "spike_policy": "sometimes",
+    "spike_sigma": 0.0,
+    "spike_warmup_steps": 1,
 }
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "DECAY_TYPES",
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
+    "NO_SPIKE_TEST",
     "OPTIMIZERS",
     "EvalConfig",
     "LaunchError",
@@ -48,7 +49,13 @@ GUARD_FLAGS = (
     "rollback_lr_factor",
     "max_rollbacks",
     "autopsy_max_steps",
+    "spike_policy",
+    "spike_sigma",
+    "spike_warmup_steps",
 )
+
+# The launcher's word for GuardConfig's spike_policy=None (no spike test): ``--spike_policy=none``.
+NO_SPIKE_TEST = "none"
 
 # The launcher's guard: GuardConfig's defaults, except that a bad step is skipped.
 DEFAULT_GUARD = slim_nanguard.GuardConfig(nan_policy=slim_nanguard.Action.SKIP)
@@ -294,12 +301,15 @@ class TrainConfig:
 
         Args:
           **settings: `TrainConfig` fields, and `GuardConfig` fields named in `GUARD_FLAGS`,
-            which replace those of ``guard`` (default `DEFAULT_GUARD`).
+            which replace those of ``guard`` (default `DEFAULT_GUARD`); ``spike_policy`` may
+            be `NO_SPIKE_TEST` (``"none"``), GuardConfig's None.
 
         Raises:
           LaunchError: A setting is bad: the message names its flag and the value.
         """
         guard = {name: settings.pop(name) for name in GUARD_FLAGS if name in settings}
+        if guard.get("spike_policy") == NO_SPIKE_TEST:
+            guard["spike_policy"] = None
         try:
             settings["guard"] = dataclasses.replace(settings.get("guard", DEFAULT_GUARD), **guard)
         except ValueError as err:

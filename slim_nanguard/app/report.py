@@ -23,8 +23,10 @@ def describe_training(
     """The summary printed at the end of a run: a few labelled lines.
 
     Args:
-      result: What `run_training` returned.
-      config: The run's config, for the step limit and the policy that stopped it.
+      result: What `run_training` returned (a `train.LaunchResult` also counts its spikes,
+        shown with a spike test, or when there were any).
+      config: The run's config, for the step limit, the policy that stopped it and the spike
+        test.
 
     Returns:
       The lines, without a final newline.
@@ -64,6 +66,11 @@ def describe_training(
         )
         + ")",
     ]
+    spike_policy = config.guard.spike_policy if config is not None else None
+    spikes = getattr(result, "spikes", 0)  # a `train.LaunchResult`'s
+    if spike_policy is not None or spikes:
+        test = f" (--spike_policy={spike_policy}, --spike_sigma={config.guard.spike_sigma:g})"
+        lines.append(f"  spikes        {spikes} of the bad steps{test if spike_policy else ''}")
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
     lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
