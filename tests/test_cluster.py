@@ -105,6 +105,27 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
     assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"), (1, "step_limit")]
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
+def test_a_spike_on_worker_1_is_skipped_against_the_statistics_all_workers_share(tmp_path, sync):
+    """The spike statistics live on the ps: both workers' accepted steps feed them, worker 1's
+    scaled batch is judged against them and skipped, and the chief's checkpoints hold them."""
+    flags = ["--check_numerics", "--max_number_of_steps=80", "--spike_policy=skip"]
+    if sync:
+        flags.append("--sync_replicas")
+    exits = _run_cluster(tmp_path, flags, worker1=["--inject_fault=spike_input:30"])
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    (spike,) = _bad_steps(tmp_path)
+    assert (spike["task"], spike["cause"], spike["action"]) == (1, "spike", "skip")
+    # Judged against more accepted steps than worker 1 made alone: the chief's are in them.
+    assert spike["spike"]["accepted_steps"] > 30
+    assert max(spike["spike"]["z_loss"], spike["spike"]["z_grad_norm"]) > 6
+    cluster_lib.assert_checkpoints_finite(tmp_path)
+    latest = slim_nanguard.latest_good_checkpoint(str(tmp_path))
+    reader = slim_nanguard.storage.checkpoint_reader(latest)
+    assert reader.get_tensor("nanguard_spike/count") > 30
+
+
 def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):
     """Worker 1 stops at its bad batch; the chief follows with a final finite checkpoint."""
     flags = ["--nocheck_numerics", "--max_number_of_steps=5000", "--nan_policy=skip"]

@@ -8,8 +8,7 @@ hold:
 * `config`: `TrainConfig`, `EvalConfig`, `LaunchError` and the checks of every setting.
 * `checkpoints`: finding a checkpoint, checking it fits the model, fine-tuning from it.
 * `build`: the training graph (dataset, model, loss, learning rate, optimizer, guard).
-* `train`: `run_training` (and its `LaunchResult`); `evaluate`: `run_eval`; `report`: what
-  the launchers print.
+* `train`: `run_training`; `evaluate`: `run_eval`; `report`: what the launchers print.
 * `launcher`: `train_and_evaluate`, what one ``slim-nanguard-train`` run does.
 * `cluster`: the ps/worker cluster flags and a task's part in the cluster.
 * `datasets`, `models`: one spec per dataset and per model (`DATASETS`, `MODELS`).
@@ -32,7 +31,6 @@ from slim_nanguard.app.evaluate import run_eval
 from slim_nanguard.app.launcher import train_and_evaluate
 from slim_nanguard.app.report import describe_training
 from slim_nanguard.app.report import error_message
-from slim_nanguard.app.train import LaunchResult
 from slim_nanguard.app.train import run_training
 
 __all__ = [
@@ -44,7 +42,6 @@ __all__ = [
     "EvalConfig",
     "EvalResult",
     "LaunchError",
-    "LaunchResult",
     "TrainConfig",
     "check_eval_dataset",
     "describe_training",

@@ -23,8 +23,8 @@ def describe_training(
     """The summary printed at the end of a run: a few labelled lines.
 
     Args:
-      result: What `run_training` returned (a `train.LaunchResult` also counts its spikes,
-        shown with a spike test, or when there were any).
+      result: What `run_training` returned (its spikes are shown with a spike test, or
+        when there were any).
       config: The run's config, for the step limit, the policy that stopped it and the spike
         test.
 
@@ -67,7 +67,7 @@ def describe_training(
         + ")",
     ]
     spike_policy = config.guard.spike_policy if config is not None else None
-    spikes = getattr(result, "spikes", 0)  # a `train.LaunchResult`'s
+    spikes = result.spikes
     if spike_policy is not None or spikes:
         test = f" (--spike_policy={spike_policy}, --spike_sigma={config.guard.spike_sigma:g})"
         lines.append(f"  spikes        {spikes} of the bad steps{test if spike_policy else ''}")

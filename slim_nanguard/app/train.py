@@ -15,8 +15,6 @@ under `NanGuardError`) whose message names the setting (and its flag) and says w
 
 from __future__ import annotations
 
-import dataclasses
-
 import tensorflow as tf
 from absl import logging as absl_logging
 
@@ -31,23 +29,10 @@ from slim_nanguard.app import datasets
 # script that is not run by absl's app.run (see slim_nanguard/_log.py).
 logging = absl_logging.get_absl_logger()
 
-__all__ = ["LaunchResult", "run_training"]
+__all__ = ["run_training"]
 
 
-@dataclasses.dataclass(frozen=True)
-class LaunchResult(slim_nanguard.TrainResult):
-    """What `run_training` returns: the `slim_nanguard.TrainResult` of the run, and more.
-
-    Attributes:
-      spikes: The bad steps of this run that were spikes (finite, but the loss or the
-        global gradient norm far above those of the accepted steps; ``--spike_policy``),
-        counted in ``bad_steps`` too. Always 0 without a spike test.
-    """
-
-    spikes: int = 0
-
-
-def run_training(config: config_lib.TrainConfig, cluster=None) -> LaunchResult:
+def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.TrainResult:
     """Builds the graph of `config` and trains it with `slim_nanguard.train`.
 
     Everything is checked and the graph built before ``config.train_dir`` is created; if the
@@ -60,8 +45,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> LaunchResult:
         ``config.task`` is the worker's index; worker 0 is the chief).
 
     Returns:
-      The `slim_nanguard.TrainResult` of the run, as a `LaunchResult` (which also counts its
-      spikes).
+      The `slim_nanguard.TrainResult` of the run.
 
     Raises:
       LaunchError, datasets.DatasetError, models.ModelError: Bad settings or input (before
@@ -96,8 +80,6 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> LaunchResult:
     if existing:
         checkpoints.check_resume(config, built.graph, existing)
 
-    guard = slim_nanguard.get_guard(built.train_op)
-    start = guard.state
     created = not tf.io.gfile.exists(train_dir)
     try:
         cluster_kwargs = cluster.start(built.graph) if cluster is not None else {}
@@ -141,10 +123,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> LaunchResult:
                     "--dataset_dir."
                 ) from err
         raise
-    if cluster is not None:
-        result = cluster.finish(result)
-    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    return LaunchResult(**fields, spikes=guard.state.since(start).spikes)
+    return cluster.finish(result) if cluster is not None else result
 
 
 def _remove_if_unused(train_dir: str) -> None:
