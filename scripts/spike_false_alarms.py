@@ -21,8 +21,6 @@ Usage, from the repository root::
     python scripts/spike_false_alarms.py --part=models --steps=500
 """
 
-import argparse
-import glob
 import math
 import os
 import re
@@ -30,6 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from absl import app
+from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = (
@@ -80,7 +81,7 @@ def _largest_z(train_dir: str):
     import tensorflow as tf
 
     largest = {tag: -math.inf for tag in Z_TAGS}
-    for path in glob.glob(os.path.join(train_dir, "events.out.tfevents.*")):
+    for path in tf.io.gfile.glob(os.path.join(train_dir, "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 # By the end of the tag: the train op's name scope may come before it.
@@ -102,6 +103,8 @@ def _spike_cell(spikes) -> str:
 
 def configs_table(names, workdir: str) -> str:
     """Runs each config with and without the spike guard; the Markdown table."""
+    import tensorflow as tf
+
     rows = [
         "| config | steps | spikes flagged | other bad steps (with / without) | largest z loss "
         "| largest z grad norm | test accuracy without | with `--spike_policy=skip` |",
@@ -111,7 +114,7 @@ def configs_table(names, workdir: str) -> str:
     for name in names:
         extra = []
         if name == "finetune":  # from this script's default run (made here if not yet)
-            if not os.path.isdir(default_dir):
+            if not tf.io.gfile.isdir(default_dir):
                 _train("default", default_dir)
             extra = [f"--checkpoint_path={default_dir}"]
         start = time.time()
@@ -190,32 +193,34 @@ def models_table(names, optimizers, steps: int, workdir: str) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("configs", "models", "both"), default="both")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
-    parser.add_argument("--models", default="", help="comma-separated; default: all")
-    parser.add_argument("--optimizers", default="sgd,adam", help="comma-separated")
-    parser.add_argument("--steps", type=int, default=500, help="steps per benchmark model")
-    parser.add_argument("--workdir", default="", help="where the runs go (default: a temp dir)")
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="spike_false_alarms_")
-    if os.listdir(workdir):
-        parser.error(f"--workdir={workdir} is not empty: the runs need a fresh directory.")
-    print(f"runs in {workdir}", file=sys.stderr)
-    if args.part in ("configs", "both"):
-        print(configs_table([c for c in args.configs.split(",") if c], workdir))
-    if args.part in ("models", "both"):
-        import tensorflow as tf
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("part", "both", ["configs", "models", "both"], "Which table to print.")
+flags.DEFINE_list("configs", list(CONFIGS), "The shipped configs to run (names in configs/).")
+flags.DEFINE_list("models", [], "Benchmark models to train (default: all).")
+flags.DEFINE_list("optimizers", ["sgd", "adam"], "Their optimizers.")
+flags.DEFINE_integer("steps", 500, "Steps per benchmark model.")
+flags.DEFINE_string("workdir", "", "Where the runs go (default: a new temporary directory).")
 
+
+def main(argv) -> int:
+    del argv
+    import tensorflow as tf
+
+    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="spike_false_alarms_")
+    if tf.io.gfile.exists(workdir) and tf.io.gfile.listdir(workdir):
+        print(f"--workdir={workdir} is not empty: the runs need a fresh directory.")
+        return 2
+    print(f"runs in {workdir}", file=sys.stderr)
+    if FLAGS.part in ("configs", "both"):
+        print(configs_table(FLAGS.configs, workdir))
+    if FLAGS.part in ("models", "both"):
         from slim_nanguard.app import benchmarking
 
         tf.compat.v1.disable_v2_behavior()
-        names = [m for m in args.models.split(",") if m] or list(benchmarking.MODELS)
-        optimizers = [o for o in args.optimizers.split(",") if o]
-        print(models_table(names, optimizers, args.steps, workdir))
+        names = FLAGS.models or list(benchmarking.MODELS)
+        print(models_table(names, FLAGS.optimizers, FLAGS.steps, workdir))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    app.run(main)

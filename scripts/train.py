@@ -292,7 +292,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_enum(
     "spike_policy",
-    GUARD.spike_policy,
+    GUARD.spike_policy or nanguard_app.NO_SPIKE_TEST,
     [nanguard_app.NO_SPIKE_TEST] + POLICIES,
     "What a spike does: a step whose values are all finite but whose loss or global gradient "
     "norm is more than --spike_sigma deviations above those of the accepted steps (it then "

@@ -227,7 +227,7 @@ def record_bad_step(
     """
     config = guard.config
     fault = Fault.NON_FINITE if spike is None else Fault.SPIKE
-    chosen = Action(config.spike_policy if spike else policy or config.nan_policy)
+    chosen = Action(config.spike_policy if spike is not None else policy or config.nan_policy)
     counted = _policy.counted(guard.state, int(step))
     if spike is not None:  # All finite: no culprit, whatever a previous step left.
         kinds = ()

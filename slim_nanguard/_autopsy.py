@@ -46,6 +46,7 @@ import numpy as np
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
+from slim_nanguard._types import Fault
 
 if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
     import tensorflow as tf
@@ -58,7 +59,7 @@ DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
 # Why a step is autopsied: a NaN or Inf, or a spike (see `Autopsy.cause`).
-CAUSES = ("non_finite", "spike")
+CAUSES = tuple(Fault)
 # How many of a spike's examples an autopsy keeps, highest per-example loss first.
 TOP_EXAMPLES = 5
 # An example stands out of a spike's batch when its loss is this many times the next one's.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 import tensorflow as tf
 
 from slim_nanguard._types import Cause
+from slim_nanguard._types import Fault
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
@@ -35,11 +36,11 @@ class NanGuardError(Exception):
 
 
 class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError):
-    """Training gave up on a step whose loss or gradients were NaN or Inf.
+    """Training gave up on a step whose loss or gradients were NaN or Inf, or on a spike.
 
     Unlike TensorFlow's `NanLossDuringTrainingError`, whose message is a fixed sentence, the
     message names the global step, the loss value and the variables whose gradients were not
-    finite.
+    finite (for a spike, ``spike_policy``: the values and how far above the usual they were).
 
     Attributes:
       event: The `NanEvent` of the step that made training give up, or None when the error
@@ -82,7 +83,8 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         )
 
     def __str__(self) -> str:
-        parts = ["NaN or Inf during training"]
+        spike = self.event is not None and getattr(self.event, "cause", None) == Fault.SPIKE
+        parts = ["A spike during training" if spike else "NaN or Inf during training"]
         if self.event is not None:
             parts.append(self.event.describe())
         if self.reason:

@@ -141,6 +141,10 @@ class NanEvent:
         d["mode"], d["action"], d["cause"] = str(self.mode), str(self.action), str(self.cause)
         if self.spike is None:
             del d["spike"]
+        else:  # An overflowed norm is Inf, and so is its z-score.
+            d["spike"] = {
+                k: _json_float(v) if isinstance(v, float) else v for k, v in self.spike.items()
+            }
         d["culprits"] = list(self.culprits)
         d["culprit_kinds"] = list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)

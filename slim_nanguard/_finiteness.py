@@ -178,6 +178,10 @@ class StepTest:
         ):
             tf.compat.v1.summary.scalar(name, value)
 
+    def spike_variables(self) -> Tuple[tf.Variable, ...]:
+        """The spike statistics' variables (none without a spike test)."""
+        return () if self.spike is None else (self.spike.history, self.spike.count)
+
     @contextlib.contextmanager
     def when_bad(self) -> Iterator[None]:
         """Ops built in this block run on a step that is bad, or may be: without a spike test,
@@ -463,18 +467,24 @@ def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
         if rollback
         else "slim_nanguard.nan_hook(train_op)"
     )
+    what = "NaN or Inf in the loss or a gradient"
+    policies, spike = f"nan_policy={config.nan_policy!r}", ""
+    if config.spike_policy is not None:
+        what += ", or a spike in the loss or the gradient norm"
+        spike = f" (spike_policy={config.spike_policy})"
+        policies += f" (spike_policy={config.spike_policy!r})"
     if hook_mode:
         return (
-            f"slim_nanguard: NaN or Inf in the loss or a gradient, and no NanLossHook saw it, "
-            f"so nan_policy={config.nan_policy} was not applied (no variable was updated). "
-            f"Add hooks=[{hook}] to MonitoredTrainingSession or tf_slim.training.train; "
-            f"with tf_slim.learning.train pass train_step_fn={step_fn}"
+            f"slim_nanguard: {what}, and no NanLossHook saw it, so "
+            f"nan_policy={config.nan_policy}{spike} was not "
+            f"applied (no variable was updated). Add hooks=[{hook}] to "
+            "MonitoredTrainingSession or tf_slim.training.train; with tf_slim.learning.train "
+            f"pass train_step_fn={step_fn}"
         )
     return (
-        f"slim_nanguard: NaN or Inf in the loss or a gradient (no variable was updated). "
-        f"{_errors.UNCAUGHT} nan_policy={config.nan_policy!r}: with "
-        f"tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch it "
-        "with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
+        f"slim_nanguard: {what} (no variable was updated). {_errors.UNCAUGHT} {policies}: "
+        f"with tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch "
+        "it with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
         f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
         "with slim_nanguard.train"
     )

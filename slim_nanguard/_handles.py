@@ -60,6 +60,9 @@ class GraphHandles:
         `_verdict.kind_name`), or None.
       report: With a spike test, the float64 variable a bad step leaves its cause and the
         spike statistics in (`_finiteness.StepTest.report`); else None.
+      optional_variables: The guard's variables that only some of its options make (the
+        learning-rate scale, the spike statistics): a checkpoint written without them (by a
+        run with other options) still restores the rest, and these keep their values.
     """
 
     mode: Mode
@@ -82,6 +85,14 @@ class GraphHandles:
     input_ops: Tuple[tf.Operation, ...] = ()
     value_kinds: Optional[tf.Variable] = None
     report: Optional[tf.Variable] = None
+    optional_variables: Tuple[tf.Variable, ...] = ()
+
+    def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:
+        """The `optional_variables` that `checkpoint` lacks (it has a ``checkpoint_reader``)."""
+        from slim_nanguard import _checkpoints  # Local: reading a checkpoint is rare.
+
+        reader = _checkpoints.checkpoint_reader(checkpoint)
+        return tuple(v for v in self.optional_variables if not reader.has_tensor(v.op.name))
 
 
 def lr_scale_setter(

@@ -81,7 +81,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
       loss_tensor: The loss, or the train op `create_train_op` returned.
       fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
       nan_policy: Optional policy name that overrides the above. ``skip`` and ``rollback``
-        need a guarded train op (nothing else can undo the step's update).
+        need a guarded train op (nothing else can undo the step's update). It is for
+        non-finite steps: a spike keeps the train op's ``spike_policy``.
       checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy and
         by ``persistent_nan_policy="rollback"``.
       event_listener: Optional ``fn(record)`` called for each bad step and rollback (see

@@ -40,8 +40,8 @@ from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _policy
 from slim_nanguard import _record
-from slim_nanguard import _spike
 from slim_nanguard import _verdict
+from slim_nanguard._handles import GraphHandles
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
@@ -367,7 +367,11 @@ def train(
                 guard=guard,
                 logdir=logdir,
                 scaffold=_make_scaffold(
-                    scaffold, logdir if is_chief else None, resume_from, max_checkpoints_to_keep
+                    scaffold,
+                    logdir if is_chief else None,
+                    resume_from,
+                    max_checkpoints_to_keep,
+                    guard.handles,
                 ),
                 is_chief=is_chief,
                 number_of_steps=number_of_steps,
@@ -540,6 +544,7 @@ def _make_scaffold(
     logdir: Optional[str],
     resume_from: Optional[str],
     max_to_keep: int,
+    handles: GraphHandles,
 ) -> tf.compat.v1.train.Scaffold:
     """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
@@ -559,7 +564,7 @@ def _make_scaffold(
         saver = _checkpoints.finite_saver(saver)
     kwargs = {"saver": saver}
     if logdir is not None:
-        restorer = _resume_saver(saver, resume_from) if resume_from else saver
+        restorer = _resume_saver(saver, resume_from, handles) if resume_from else saver
         given_init_fn = scaffold.init_fn if scaffold is not None else None
 
         def init_fn(
@@ -577,27 +582,24 @@ def _make_scaffold(
     return tf.compat.v1.train.Scaffold(**kwargs)
 
 
-# The guard's variables that only some of its options make (see `_resume_saver`).
-_OPTIONAL_PREFIXES = ("nanguard/", _spike.SPIKE_SCOPE + "/")
-
-
-def _resume_saver(saver: tf.compat.v1.train.Saver, checkpoint: str) -> tf.compat.v1.train.Saver:
+def _resume_saver(
+    saver: tf.compat.v1.train.Saver, checkpoint: str, handles: GraphHandles
+) -> tf.compat.v1.train.Saver:
     """`saver`, or one that leaves out the guard's own variables missing from `checkpoint`.
 
-    The guard adds variables only with some options (``nanguard/learning_rate_scale`` when a
-    rollback can lower the learning rate, ``nanguard_spike/`` with a spike policy), so a run
-    resumed with other guard options may find them missing (the spike guard turned on after a
-    divergence, from the checkpoints of the run that diverged); they then keep their initial
-    values (the spike statistics warm up again). Any other missing variable fails the restore
-    as usual.
+    The guard makes some variables only with some options (`GraphHandles.optional_variables`:
+    the learning-rate scale when a rollback can lower the learning rate, the spike
+    statistics with a spike policy), so a run resumed with other guard options may find them
+    missing (the spike guard turned on after a divergence, from the checkpoints of the run
+    that diverged); they then keep their initial values (the spike statistics warm up
+    again). Any other missing variable fails the restore as usual.
     """
-    in_checkpoint = set(_checkpoints.checkpoint_reader(checkpoint).get_variable_to_shape_map())
-    variables = tf.compat.v1.global_variables()
-    missing = [v for v in variables if v.op.name not in in_checkpoint]
-    if not missing or any(not v.op.name.startswith(_OPTIONAL_PREFIXES) for v in missing):
+    missing = handles.missing_from(checkpoint)
+    if not missing:
         return saver
+    variables = tf.compat.v1.global_variables()
     logging.info(
-        "slim_nanguard: %s has no %s; starting it from its initial value.",
+        "slim_nanguard: %s has no %s; starting from the initial values.",
         checkpoint,
         ", ".join(v.op.name for v in missing),
     )

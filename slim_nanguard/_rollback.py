@@ -17,7 +17,6 @@ from slim_nanguard import _errors
 from slim_nanguard import _log as logging
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardConfig
-from slim_nanguard._spike import SPIKE_SCOPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +54,10 @@ class Rollback:
         self._handles = handles
         self._config = config
         self._saver = saver
-        # With a spike test: the Saver for a checkpoint written before it (no statistics).
-        self._without_spike: Optional[tf.compat.v1.train.Saver] = None
+        # The Saver for a checkpoint written without some of the guard's optional variables.
+        self._without_optional: Optional[tf.compat.v1.train.Saver] = None
         if saver is not None:
-            self._build_saver_without_spike()
+            self._build_saver_without_optional()
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
 
@@ -72,23 +71,20 @@ class Rollback:
         if self._saver is None:
             with self._handles.train_op.graph.as_default(), tf.init_scope():
                 self._saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-            self._build_saver_without_spike()
+            self._build_saver_without_optional()
         return self._saver
 
-    def _build_saver_without_spike(self) -> None:
-        """With a spike test, a Saver of every variable but its statistics: a rollback to a
-        checkpoint written before the spike guard was turned on restores the model, and the
-        statistics stay as the accepted steps left them."""
-        if self._handles.report is None:
+    def _build_saver_without_optional(self) -> None:
+        """A Saver of every variable but the guard's optional ones (`GraphHandles`): a
+        rollback to a checkpoint written before the spike guard was turned on (or the
+        learning-rate scale made) restores the model, and those keep their values."""
+        optional = set(self._handles.optional_variables)
+        if not optional:
             return
         with self._handles.train_op.graph.as_default(), tf.init_scope():
-            variables = [
-                v
-                for v in tf.compat.v1.global_variables()
-                if not v.op.name.startswith(SPIKE_SCOPE + "/")
-            ]
-            self._without_spike = tf.compat.v1.train.Saver(
-                variables, max_to_keep=None, name="nanguard_rollback_without_spike"
+            variables = [v for v in tf.compat.v1.global_variables() if v not in optional]
+            self._without_optional = tf.compat.v1.train.Saver(
+                variables, max_to_keep=None, name="nanguard_rollback_without_optional"
             )
 
     def restore(
@@ -171,11 +167,14 @@ class Rollback:
             # brought back; after a session recovery, the lower of it and this process's own.
             learning_rate_scale = min(learning_rate_scale, float(session.run(handles.lr_scale)))
         saver = self._saver
-        if self._without_spike is not None and not _checkpoints.checkpoint_reader(path).has_tensor(
-            f"{SPIKE_SCOPE}/count"
-        ):
-            logging.info("slim_nanguard: %s has no spike statistics; they stay as they are.", path)
-            saver = self._without_spike
+        missing = self._handles.missing_from(path) if self._without_optional else ()
+        if missing:
+            logging.info(
+                "slim_nanguard: %s has no %s; they keep their values.",
+                path,
+                ", ".join(v.op.name for v in missing),
+            )
+            saver = self._without_optional
         saver.restore(session, path)
         self._restored_step = (
             int(session.run(handles.global_step)) if handles.global_step is not None else None

@@ -105,32 +105,19 @@ class SpikeTest:
                 f"statistics); got {warmup_steps!r}."
             )
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
-        with (
-            variable_scope(),
-            tf.compat.v1.variable_scope(SPIKE_SCOPE, reuse=tf.compat.v1.AUTO_REUSE),
-        ):
-            self.history = tf.compat.v1.get_variable(
-                "history",
-                [window, len(COLUMNS)],
-                tf.float64,
-                tf.compat.v1.zeros_initializer(),
-                trainable=False,
-                use_resource=True,
-            )
-            self.count = tf.compat.v1.get_variable(
-                "count",
-                [],
-                tf.int64,
-                tf.compat.v1.zeros_initializer(),
-                trainable=False,
-                use_resource=True,
-            )
+        # One set per train op: a second train op of the graph (a GAN's other half) gets
+        # ``nanguard_spike_1/``, never the first one's statistics.
+        with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
+            self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
+            self.count = _variable("count", [], tf.int64)
         with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
             # The statistics depend on the variables alone: they are ready before the step's
             # values are, and the test itself is one comparison per value, with the threshold
             # of the logarithm taken back to a value (exp is increasing; a value <= 0 or a NaN
-            # compares as no spike, and an Inf is left to the finiteness test).
+            # compares as no spike). An Inf is over any threshold: a loss or a gradient that
+            # is Inf fails the finiteness test anyway, and a float64 norm that overflowed
+            # over finite gradients (past about 1e154) is the largest spike there is.
             count = self.count.read_value()
             n = tf.minimum(count, window)
             history = self.history.read_value()
@@ -138,8 +125,7 @@ class SpikeTest:
             self.mean, self.std, kept = _log_statistics(history, filled)
             self._live = kept >= self.warmup_steps
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
-            finite = tf.logical_and(tf.math.is_finite(self.values), self._live)
-            over = tf.logical_and(self.values > self.threshold, finite)
+            over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
             self._count_now = count
             self._z = None
@@ -147,7 +133,7 @@ class SpikeTest:
     @property
     def z(self) -> tf.Tensor:
         """Float64 ``[2]``: the step's z-scores of loss and norm (0 during a column's warm-up
-        and for a value that is not positive or not finite: the finiteness test judges those).
+        and for a value that is NaN or not positive; +Inf for +Inf).
 
         Built on first use, where it is first asked for (nothing computes it on a step that
         does not need it: a good step runs the comparison of `spike` only); `z_scores`
@@ -159,7 +145,8 @@ class SpikeTest:
     def z_scores(self) -> tf.Tensor:
         """New ops for `z`, in the current control context (a bad branch, a summary)."""
         with tf.name_scope(self._scope), tf.name_scope("z"):
-            usable = tf.logical_and(tf.math.is_finite(self.values), self.values > 0)
+            # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
+            usable = self.values > 0
             logs = tf.math.log(tf.where(usable, self.values, tf.ones_like(self.values)))
             z = (logs - self.mean) / self.std
             return tf.where(tf.logical_and(usable, self._live), z, tf.zeros_like(z))
@@ -178,15 +165,17 @@ class SpikeTest:
             tf.name_scope("nanguard/spike/update"),
             tf.control_dependencies([self.spike, self.std]),
         ):
-            row = tf.math.floormod(self._count_now, self.window)
-            new = self.values
-            step = tf.constant(1, tf.int64)
+            step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
+            # The row is the count's value after this step's increment, read with it: two
+            # workers of a cluster that share the statistics write two rows, not one.
+            row = tf.math.floormod(self.count.assign_add(step) - 1, self.window)
+            # A non-finite value is kept as 0, which no statistic counts (nor a checkpoint
+            # refuses): under the warm-up an overflowed norm is accepted.
+            new = tf.where(tf.math.is_finite(self.values), self.values, tf.zeros_like(self.values))
             if accepted is not None:
                 new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
-                step = tf.cast(accepted, tf.int64)
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
-            counted = self.count.assign_add(step, read_value=False)
-            return tf.group(written, counted, name="update")
+            return tf.group(written, name="update")
 
     def report_vector(self) -> tf.Tensor:
         """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
@@ -224,6 +213,13 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
         report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
     report["over"] = [c for c in ("loss", "grad_norm") if report[f"z_{c}"] > sigma]
     return report
+
+
+def _variable(name: str, shape, dtype: tf.DType) -> tf.Variable:
+    """A statistics variable, zero at first: saved with the model, not trained."""
+    return tf.compat.v1.get_variable(
+        name, shape, dtype, tf.compat.v1.zeros_initializer(), trainable=False, use_resource=True
+    )
 
 
 def _log_statistics(history: tf.Tensor, filled: tf.Tensor):

@@ -178,6 +178,9 @@ def create_train_op(
         ``max_consecutive_bad_steps``. Not inside a `tf.while_loop` (a ValueError says
         so). The statistics are variables of the graph (``nanguard_spike/``): saved in
         checkpoints and restored by a rollback.
+        The norm tested is that of the gradients the optimizer applies: after
+        ``gradient_multipliers``, ``clip_gradient_norm`` and ``transform_grads_fn`` (a
+        clipped gradient's spike shows less in it; the loss's does not).
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
       config: A `GuardConfig`; overrides the ten policy arguments above when given.
@@ -208,6 +211,12 @@ def create_train_op(
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
+    if config.spike_policy is not None and _in_loop(graph):
+        raise ValueError(
+            "spike_policy needs a train op built outside any tf.while_loop or function body "
+            "(the loop's hook cannot see a spike iteration); build it outside the loop, or "
+            "leave spike_policy=None there."
+        )
     with graph.as_default():
         if global_step is _parity.USE_GLOBAL_STEP:
             global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -230,12 +239,6 @@ def create_train_op(
         with tf.name_scope("nanguard"):
             spike = None
             if config.spike_policy is not None:
-                if _in_loop(graph):
-                    raise ValueError(
-                        "spike_policy needs a train op built outside any tf.while_loop or "
-                        "function body (the loop's hook cannot see a spike iteration); build "
-                        "it outside the loop, or leave spike_policy=None there."
-                    )
                 spike = (config.spike_sigma, config.spike_warmup_steps)
             test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
             # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
@@ -326,6 +329,7 @@ def _register(
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
         report=test.report,
+        optional_variables=tuple(v for v in (lr_scale, *test.spike_variables()) if v is not None),
     )
     saver = None
     if config.may_roll_back:

@@ -151,7 +151,12 @@ def profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     markdown = out.with_suffix(".md")
     data, stdout = _run(
-        out, "--profile", "--models=deep,mobilenet", f"--markdown={markdown}", "--profile_steps=2"
+        out,
+        "--profile",
+        "--models=deep,mobilenet",
+        f"--markdown={markdown}",
+        "--profile_steps=2",
+        "--profile_top=40",  # every op type, so that the counts below see them all
     )
     return data, stdout, markdown.read_text(encoding="utf-8")
 

@@ -117,13 +117,15 @@ def test_a_spike_on_worker_1_is_skipped_against_the_statistics_all_workers_share
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
     (spike,) = _bad_steps(tmp_path)
     assert (spike["task"], spike["cause"], spike["action"]) == (1, "spike", "skip")
-    # Judged against more accepted steps than worker 1 made alone: the chief's are in them.
-    assert spike["spike"]["accepted_steps"] > 30
     assert max(spike["spike"]["z_loss"], spike["spike"]["z_grad_norm"]) > 6
     cluster_lib.assert_checkpoints_finite(tmp_path)
+    # One set of statistics, fed by both workers: in the chief's last checkpoint it has
+    # counted every accepted step of the cluster (the global step's 80, give or take a step
+    # under way); statistics of one worker would hold about half.
     latest = slim_nanguard.latest_good_checkpoint(str(tmp_path))
     reader = slim_nanguard.storage.checkpoint_reader(latest)
-    assert reader.get_tensor("nanguard_spike/count") > 30
+    count, step = reader.get_tensor("nanguard_spike/count"), reader.get_tensor("global_step")
+    assert abs(int(count) - int(step)) <= 2 and step >= 80, (count, step)
 
 
 def test_a_stop_on_worker_1_stops_the_whole_cluster_cleanly(tmp_path):

@@ -236,9 +236,9 @@ def test_the_model_gardens_loop_skips_the_spike_and_records_it(mode, tmp_path):
 
 
 @lib.each_mode
-def test_slim_nanguard_train_counts_the_spikes(mode, tmp_path):
+def test_train_counts_the_spike_and_its_autopsy_names_the_examples_that_carried_it(mode, tmp_path):
     model = lib.build_model(
-        faults={SPIKE_AT: lib.SPIKE},
+        faults={SPIKE_AT: lib.SPIKE_ROWS},
         nan_policy="skip",
         spike_policy="skip",
         check_numerics=lib.MODES[mode],
@@ -253,26 +253,6 @@ def test_slim_nanguard_train_counts_the_spikes(mode, tmp_path):
     )
     assert (result.bad_steps, result.spikes, result.skips) == (1, 1, 1)
     assert "1 bad (1 of them spikes, 1 skipped" in result.describe()
-    (record,) = _bad_steps(tmp_path)
-    assert record["cause"] == "spike"
-
-
-@lib.each_mode
-def test_the_autopsy_names_the_examples_that_carried_the_spike(mode, tmp_path):
-    model = lib.build_model(
-        faults={SPIKE_AT: lib.SPIKE_ROWS},
-        nan_policy="skip",
-        spike_policy="skip",
-        check_numerics=lib.MODES[mode],
-    )
-    slim_nanguard.train(
-        model.train_op,
-        str(tmp_path),
-        number_of_steps=SPIKE_AT + 2,
-        save_checkpoint_steps=None,
-        save_summaries_steps=None,
-        log_every_n_steps=0,
-    )
     (record,) = _bad_steps(tmp_path)
     autopsy = record["autopsy"]
     assert (record["cause"], autopsy["cause"]) == ("spike", "spike")
@@ -358,3 +338,92 @@ def test_a_rollback_to_a_checkpoint_from_before_the_spike_guard_restores_the_mod
     for name, value in saved.items():  # The model is the checkpoint's ...
         np.testing.assert_array_equal(after[name], value, err_msg=name)
     assert after["nanguard_spike/count"] == statistics == 3  # ... the statistics are kept.
+
+
+# ------------------------------------------------------------------------- edges
+def test_two_train_ops_of_one_graph_keep_statistics_of_their_own():
+    """A GAN's two halves, or a head trained before the whole net: each train op's steps
+    are judged against its own accepted steps, never the other's (whose loss may be 100
+    times larger and quite normal)."""
+    model = lib.build_model(nan_policy="skip", spike_policy="skip")
+    with model.graph.as_default():
+        second = slim_nanguard.create_train_op(
+            100.0 * model.loss,
+            tf.compat.v1.train.GradientDescentOptimizer(1e-4),
+            global_step=None,
+            nan_policy="skip",
+            spike_policy="skip",
+        )
+    first, other = (slim_nanguard.get_guard(op) for op in (model.train_op, second))
+    assert {v.op.name for v in first.handles.optional_variables} == {
+        "nanguard_spike/history",
+        "nanguard_spike/count",
+    }
+    assert {v.op.name for v in other.handles.optional_variables} == {
+        "nanguard_spike_1/history",
+        "nanguard_spike_1/count",
+    }
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for guard in (first, other):
+            guard.mark_judged(sess)
+        for _ in range(SPIKE_AT):  # the first op's statistics warm up
+            sess.run(model.train_op)
+        for _ in range(SPIKE_AT):  # the second op's steps are its own normal
+            assert np.isfinite(sess.run(second))
+    assert (first.state.total_bad_steps, other.state.total_bad_steps) == (0, 0)
+
+
+@lib.each_mode
+def test_a_float64_gradient_norm_that_overflows_is_a_spike_and_never_enters_the_statistics(
+    mode,
+):
+    """Finite float64 gradients of 1e160 square past float64's range: every value is finite,
+    so the finiteness test passes, and the norm (Inf) is the largest spike there is."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [lib.BATCH, lib.FEATURES])
+        scale = tf.compat.v1.placeholder_with_default(tf.constant(0.0, tf.float64), [])
+        w = tf.compat.v1.get_variable("w", [lib.FEATURES, 1], tf.float64)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+        # The same loss value, with a gradient of `scale` in every weight.
+        loss += scale * (tf.reduce_sum(w) - tf.reduce_sum(tf.stop_gradient(w)))
+        tf.compat.v1.train.get_or_create_global_step()
+        train_op = slim_nanguard.create_train_op(
+            loss,
+            tf.compat.v1.train.GradientDescentOptimizer(1e-3),
+            check_numerics=lib.MODES[mode],
+            nan_policy="skip",
+            spike_policy="skip",
+        )
+    rng = np.random.RandomState(0)
+    feeds = [{x: rng.randn(lib.BATCH, lib.FEATURES)} for _ in range(SPIKE_AT + 2)]
+    feeds[SPIKE_AT][scale] = 1e160
+    run = lib.run_monitored(
+        train_op,
+        hooks=[slim_nanguard.nan_hook(train_op)] if mode == "hook" else [],
+        feeds=feeds,
+        handle_numerics_errors=mode == "check_numerics",
+    )
+    (event,) = run.events
+    assert (event.cause, event.step) == ("spike", SPIKE_AT)
+    assert event.spike["grad_norm"] == np.inf and "grad_norm" in event.spike["over"]
+    assert run.bad_step_changes == [[]]
+    lib.assert_all_finite(run.final)  # no Inf in the statistics: every checkpoint can be saved
+
+
+def _in_scope(loss, optimizer, **kwargs):
+    with tf.compat.v1.variable_scope("student"):
+        return slim_nanguard.create_train_op(loss, optimizer, **kwargs)
+
+
+def test_a_train_op_built_in_a_variable_scope_resumes_with_the_spike_guard_turned_on(tmp_path):
+    """The statistics are the guard's own variables wherever they are named
+    (``student/nanguard_spike/...``), not by a name prefix."""
+    logdir = str(tmp_path)
+    _train_steps(lib.build_model(nan_policy="skip", train_op_fn=_in_scope), logdir, 5)
+    model = lib.build_model(nan_policy="skip", spike_policy="skip", train_op_fn=_in_scope)
+    names = {v.op.name for v in slim_nanguard.get_guard(model.train_op).handles.optional_variables}
+    assert names == {"student/nanguard_spike/history", "student/nanguard_spike/count"}
+    result = _train_steps(model, logdir, 10)
+    assert result.global_step == 10 and result.bad_steps == 0

@@ -97,20 +97,35 @@ def test_the_window_forgets_the_old_scale():
     np.testing.assert_allclose(steps.sess.run(steps.test.mean)[0], np.mean(np.log(last)))
 
 
-def test_a_non_finite_value_is_left_to_the_finiteness_test():
+def test_a_nan_is_left_to_the_finiteness_test_and_an_inf_is_over_any_threshold():
+    """A NaN is no spike (the finiteness test rejects it) and scores 0; an Inf is over any
+    threshold and scores Inf: a float64 gradient norm overflows past about 1e154 while every
+    gradient is finite, and that is the largest spike there is."""
     steps = _Steps(window=8, warmup_steps=2)
     for loss in [2.0, 2.1, 2.0]:
         steps.step(loss, 1.0)
-    for loss, norm, column in [
-        (np.nan, 1.0, 0),
-        (np.inf, 1.0, 0),
-        (2.0, np.inf, 1),
-        (2.0, np.nan, 1),
+    for loss, norm, column, is_spike in [
+        (np.nan, 1.0, 0, False),
+        (2.0, np.nan, 1, False),
+        (np.inf, 1.0, 0, True),
+        (2.0, np.inf, 1, True),
     ]:
         before = steps.variables()
         z, spike = steps.step(loss, norm, accept=False)
-        assert z[column] == 0.0 and np.isfinite(z).all() and not spike
+        assert z[column] == (np.inf if is_spike else 0.0) and spike == is_spike
+        assert np.isfinite(z[1 - column])
         np.testing.assert_array_equal(steps.variables()[0], before[0])
+
+
+def test_an_accepted_value_that_is_not_finite_is_kept_as_no_value():
+    """In the warm-up nothing is a spike: a step whose norm overflowed is accepted, and its
+    Inf must not reach the statistics (nor a checkpoint, which refuses non-finite values)."""
+    steps = _Steps(window=8, warmup_steps=5)
+    steps.step(2.0, 1.0)
+    steps.step(2.0, np.inf, accept=True)
+    history, count = steps.variables()
+    assert np.isfinite(history).all() and count == 2
+    np.testing.assert_array_equal(history[1], [2.0, 0.0])
 
 
 def test_a_constant_loss_does_not_make_the_first_small_change_a_spike():

@@ -69,8 +69,10 @@ def describe_training(
     spike_policy = config.guard.spike_policy if config is not None else None
     spikes = result.spikes
     if spike_policy is not None or spikes:
-        test = f" (--spike_policy={spike_policy}, --spike_sigma={config.guard.spike_sigma:g})"
-        lines.append(f"  spikes        {spikes} of the bad steps{test if spike_policy else ''}")
+        test = ""
+        if spike_policy is not None:
+            test = f" (--spike_policy={spike_policy}, --spike_sigma={config.guard.spike_sigma:g})"
+        lines.append(f"  spikes        {spikes} of the bad steps{test}")
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
     lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
