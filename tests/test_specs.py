@@ -191,6 +191,9 @@ def test_every_guard_flag_default_is_the_launchers_guard_configs():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     flag_defaults = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The launcher's word for "no spike test" (GuardConfig's None) is --spike_policy=none.
+    assert flag_defaults["spike_policy"] == app.NO_SPIKE_TEST
+    flag_defaults["spike_policy"] = None
     assert flag_defaults == {name: getattr(app.DEFAULT_GUARD, name) for name in app.GUARD_FLAGS}
     assert flag_defaults["nan_policy"] == "skip"
 
