@@ -226,14 +226,14 @@ def record_bad_step(
       ``(event, decision)``: the event's ``action`` is the decision's, escalation included.
     """
     config = guard.config
-    fault = Fault.NON_FINITE if spike is None else Fault.SPIKE
-    chosen = Action(config.spike_policy if spike is not None else policy or config.nan_policy)
+    if spike is None:
+        fault, chosen = Fault.NON_FINITE, Action(policy or config.nan_policy)
+    else:  # All finite: no culprit, whatever kinds a previous step left.
+        fault, chosen, kinds = Fault.SPIKE, Action(config.spike_policy), ()
     counted = _policy.counted(guard.state, int(step))
-    if spike is not None:  # All finite: no culprit, whatever a previous step left.
-        kinds = ()
-    event = _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy)
-    if spike is not None:
-        event = dataclasses.replace(event, cause=fault, spike=spike)
+    event = _new_event(
+        guard, counted, step, sums, kinds, chosen, autopsy=autopsy, cause=fault, spike=spike
+    )
     if config.on_nan is not None:
         choice = config.on_nan(event)
         if choice is not None:
@@ -264,6 +264,8 @@ def _new_event(
     kinds: Optional[Sequence[str]],
     action: str,
     autopsy=None,
+    cause: Fault = Fault.NON_FINITE,
+    spike: Optional[dict] = None,
 ) -> _events.NanEvent:
     """The event of a step that stored `sums` (the loss first), with the guard's `counts`."""
     loss = float(list(sums)[0])
@@ -280,6 +282,8 @@ def _new_event(
         action=action,
         loss_scale=guard.loss_scale_of(sums),
         autopsy=autopsy,
+        cause=cause,
+        spike=spike,
     )
 
 
