@@ -104,7 +104,7 @@ class StepTest:
             [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
-        self.spike = self.report = self._bad = None
+        self.spike = self.report = self._bad = self._switch = None
         if spike is not None:
             self._add_spike_test(loss, *spike)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
@@ -146,7 +146,7 @@ class StepTest:
         penalty = tf.where(self.spike.spike, tf.constant(np.nan, dtype), tf.constant(0.0, dtype))
         self.checked = tf.add(self.verdict.checked, penalty, name="checked_no_spike")
         self.ok = tf.math.is_finite(self.checked, name="ok_no_spike")
-        untaken, self._good = control_flow_ops.switch(self.ok, self.ok)
+        untaken, self._good = self.ok_switch()
         self._bad = tf.identity(untaken, name="bad_step")
         with self.when_bad():
             cause = tf.where(
@@ -181,6 +181,14 @@ class StepTest:
     def spike_variables(self) -> Tuple[tf.Variable, ...]:
         """The spike statistics' variables (none without a spike test)."""
         return () if self.spike is None else (self.spike.history, self.spike.count)
+
+    def ok_switch(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """``(untaken, taken)``: `ok` switched on itself, built once (in the current name
+        scope) and shared by whatever branches on the step's verdict: the untaken side has a
+        value on a bad step only, the taken side on a good one."""
+        if self._switch is None:
+            self._switch = control_flow_ops.switch(self.ok, self.ok)
+        return self._switch
 
     @contextlib.contextmanager
     def when_bad(self) -> Iterator[None]:
@@ -301,7 +309,7 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
         ready.append(test.after_bad_stores([store]))
     if forward.snapshots:  # Put back before the check raises.
         ok = test.ok
-        untaken, taken = control_flow_ops.switch(ok, ok)
+        untaken, taken = test.ok_switch()
         with tf.control_dependencies(forward.put_back(ok)):
             restored_done = tf.identity(untaken)
         ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
@@ -319,7 +327,7 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
 def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     """Hook mode: a switch whose taken side the writes wait on; the other is the bad step's."""
     ok = test.ok
-    untaken, taken = control_flow_ops.switch(ok, ok)
+    untaken, taken = test.ok_switch()
     # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A control edge
     # straight from a Switch does not carry deadness; from an Identity of its output it does,
     # which is how tf.cond gates its branches.)
