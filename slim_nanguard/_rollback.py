@@ -75,12 +75,14 @@ class Rollback:
         return self._saver
 
     def _build_saver_without_optional(self) -> None:
-        """A Saver of every variable but the guard's optional ones (`GraphHandles`): a
-        rollback to a checkpoint written before the spike guard was turned on (or the
-        learning-rate scale made) restores the model, and those keep their values."""
-        optional = set(self._handles.optional_variables)
-        if not optional:
+        """With a spike test, a Saver of every variable but the guard's optional ones
+        (`GraphHandles`): a rollback to a checkpoint written before the spike guard was turned
+        on restores the model, and those keep their values. Without one none is built, so
+        that ``spike_policy=None`` builds the graph it built before the spike guard existed
+        (a checkpoint without the learning-rate scale fails the restore, as it did)."""
+        if self._handles.report is None:
             return
+        optional = set(self._handles.optional_variables)
         with self._handles.train_op.graph.as_default(), tf.init_scope():
             variables = [v for v in tf.compat.v1.global_variables() if v not in optional]
             self._without_optional = tf.compat.v1.train.Saver(

@@ -159,6 +159,13 @@ def test_without_a_spike_policy_the_train_op_is_todays(mode):
     graph = lib.build_model(check_numerics=check).graph
     names = [op.name for op in graph.get_operations()]
     assert not [n for n in names if "spike" in n or "bad_step_report" in n]
+    # Nor anything the spike guard needs around it: a rollback with a learning-rate factor
+    # builds its one Saver, not the one for checkpoints written without the statistics.
+    rollback = {"nan_policy": "rollback", "rollback_lr_factor": 0.5}
+    graph = lib.build_model(check_numerics=check, **rollback).graph
+    assert not [op for op in graph.get_operations() if "without_optional" in op.name]
+    graph = lib.build_model(check_numerics=check, spike_policy="skip", **rollback).graph
+    assert [op for op in graph.get_operations() if "without_optional" in op.name]
 
 
 def test_a_spike_is_counted_and_decided_by_its_own_policy():
