@@ -129,12 +129,7 @@ def checkpoint_dir_for(
         checkpoint_dir = session_checkpoint_dir(session)
     checkpoint_dir = checkpoint_dir or logdir
     if not checkpoint_dir and _policy.rolls_back(guard.config, policy):
-        config = guard.config
-        message = (
-            f"nan_policy={str(policy or config.nan_policy)!r} (persistent_nan_policy="
-            f"{str(config.persistent_nan_policy)!r}) rolls back, so it needs the "
-            f"checkpoint directory: {advice}."
-        )
+        message = _policy.checkpoint_dir_message(guard.config, advice, policy)
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
     guard.use_autopsy_dir(checkpoint_dir)  # Autopsy dumps go next to the checkpoints.

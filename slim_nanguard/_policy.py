@@ -235,10 +235,43 @@ def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
       policy: The policy applied to non-finite steps (a hook may override the configured
         one); default ``config.nan_policy``.
     """
+    return bool(what_rolls_back(config, policy))
+
+
+def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[str, ...]:
+    """The settings that make a bad step roll back with no callback choosing it (none: ()).
+
+    Every message about what a rollback needs is built from these phrases, so that it names
+    the policy that rolls back: ``spike_policy='rollback'``, or ``nan_policy='skip' with
+    persistent_nan_policy='rollback'``.
+
+    Args:
+      config: The guard's configuration.
+      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
+    """
     policy = config.nan_policy if policy is None else policy
-    return any(
-        p == ROLLBACK or (p == SKIP and config.persistent_nan_policy == ROLLBACK)
-        for p in (policy, config.spike_policy)
+    named = []
+    for name, value in (("nan_policy", policy), ("spike_policy", config.spike_policy)):
+        if value == ROLLBACK:
+            named.append(f"{name}={str(value)!r}")
+        elif value == SKIP and config.persistent_nan_policy == ROLLBACK:
+            named.append(f"{name}={str(value)!r} with persistent_nan_policy='rollback'")
+    return tuple(named)
+
+
+def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
+    """The error of a loop that would roll back but knows no checkpoint directory.
+
+    Args:
+      config: The guard's configuration (`rolls_back` is true of it).
+      advice: What to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``.
+      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
+    """
+    named = what_rolls_back(config, policy)
+    verb = "rolls back" if len(named) == 1 else "roll back"
+    return (
+        f"{' and '.join(named)} {verb}, so the loop needs the directory the session saves "
+        f"checkpoints to: {advice}."
     )
 
 
