@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
@@ -233,9 +234,13 @@ def record_bad_step(
         choice = config.on_nan(event)
         if choice is not None:
             chosen = _policy.validate_action(choice, "the on_nan callback")
-    decision = guard.observe(_policy.BadStep(int(step), chosen, cause=fault), event=event)
+    decision = guard.observe(
+        _policy.BadStep(int(step), chosen, cause=fault, spike=spike), event=event
+    )
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
+    if decision.note:
+        logging.warning("slim_nanguard: %s", decision.note)
     if decision.escalation and decision.action != Action.RAISE:
         logging.warning(
             "slim_nanguard: %s, so the weights, not the batch, went bad: "
@@ -336,6 +341,8 @@ def carry_out(
     if action is Action.RAISE:
         give_up(event, decision, error)
     if action is Action.SKIP:
+        if decision.level_shift is not None:
+            raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
         return Outcome(event=event, action=action)
     if action is Action.STOP:
         if request_stop is not None:
@@ -351,6 +358,19 @@ def carry_out(
         step = raw_call(session, guard.read_global_step)
         return Outcome(event=event, action=action, step=step, checkpoint=path)
     raise ValueError(f"no way to carry out the action {action.value!r}; add it to carry_out.")
+
+
+def _take_new_level(
+    guard: "Guard",
+    session: tf.compat.v1.Session,
+    event: _events.NanEvent,
+    level: _level_shift.LevelShift,
+) -> None:
+    """Makes `level`'s values the whole spike statistics, says so and records it."""
+    values, reseed = guard.spike_reseed
+    session.run(reseed, {values: [list(v) for v in level.values]})
+    logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
+    guard.notify("level_shift", event, level_shift=level.to_json())
 
 
 def _roll_back(

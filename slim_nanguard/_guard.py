@@ -205,6 +205,7 @@ class Guard:
     input_ops = _handle("input_ops")
     value_kinds = _handle("value_kinds")
     report = _handle("report")
+    spike_reseed = _handle("spike_reseed")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:

@@ -58,6 +58,7 @@ REPORT_FIELDS = (
     "log_std_loss",
     "log_std_grad_norm",
     "accepted_steps",
+    "window_steps",
 )
 
 
@@ -128,7 +129,13 @@ class SpikeTest:
             over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
             self._count_now = count
+            self._window_steps = kept
             self._z = None
+        with variable_scope(), tf.name_scope("nanguard/spike/reseed"):
+            self.reseed_values = tf.compat.v1.placeholder(
+                tf.float64, [None, len(COLUMNS)], name="values"
+            )
+            self.reseed = self._reseed_op(self.reseed_values)
 
     @property
     def z(self) -> tf.Tensor:
@@ -177,13 +184,28 @@ class SpikeTest:
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
             return tf.group(written, name="update")
 
+    def _reseed_op(self, values: tf.Tensor) -> tf.Operation:
+        """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
+        statistics: the window holds them alone and the count is n, so the test warms up
+        from them (`_level_shift`: a new level of training)."""
+        n = tf.shape(values, out_type=tf.int64)[0]
+        padded = tf.concat([values, tf.zeros([self.window, len(COLUMNS)], tf.float64)], 0)
+        rows = self.history.assign(padded[: self.window], read_value=False)
+        with tf.control_dependencies([rows]):
+            count = self.count.assign(n, read_value=False)
+        return tf.group(rows, count, name="reseed")
+
     def report_vector(self) -> tf.Tensor:
         """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
 
         New ops, in the current control context: build it on the bad branch."""
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
+        # The steps the figures are over: the window's entries (the fewer of the columns').
+        window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
         return tf.concat(
-            [self.values, self.z_scores(), self.mean, self.std, count], 0, name="report"
+            [self.values, self.z_scores(), self.mean, self.std, count, window_steps],
+            0,
+            name="report",
         )
 
 
@@ -208,6 +230,7 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     """
     report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
     report["accepted_steps"] = int(report["accepted_steps"])
+    report["window_steps"] = int(report["window_steps"])
     report["sigma"] = float(sigma)
     for column in ("loss", "grad_norm"):
         report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])

@@ -93,6 +93,7 @@ def create_train_op(
     spike_policy: Optional[str] = None,
     spike_sigma: float = 6.0,
     spike_warmup_steps: int = 20,
+    spike_level_shift_steps: int = 5,
     config: Optional[_policy.GuardConfig] = None,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
@@ -183,7 +184,10 @@ def create_train_op(
         clipped gradient's spike shows less in it; the loss's does not).
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
-      config: A `GuardConfig`; overrides the ten policy arguments above when given.
+      spike_level_shift_steps: Spikes in a row that hold together make a new level of
+        training, not spikes: the guard says so, starts its statistics again from them and
+        carries on (`GuardConfig.spike_level_shift_steps`; 0: never).
+      config: A `GuardConfig`; overrides the eleven policy arguments above when given.
 
     Returns:
       A `Tensor` that, when evaluated, computes the gradients, applies them when they are
@@ -208,6 +212,7 @@ def create_train_op(
         spike_policy=spike_policy,
         spike_sigma=spike_sigma,
         spike_warmup_steps=spike_warmup_steps,
+        spike_level_shift_steps=spike_level_shift_steps,
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
@@ -329,6 +334,7 @@ def _register(
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
         report=test.report,
+        spike_reseed=None if test.spike is None else (test.spike.reseed_values, test.spike.reseed),
         optional_variables=tuple(v for v in (lr_scale, *test.spike_variables()) if v is not None),
     )
     saver = None

@@ -266,7 +266,10 @@ def test_a_hooks_rollback_override_builds_the_guards_one_saver(tmp_path):
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     guard = slim_nanguard.get_guard(model.train_op)
     assert guard.saver is None
-    with pytest.raises(ValueError, match=r"needs NanLossHook\(checkpoint_dir=\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^nan_policy=.rollback. rolls back, so the loop needs .*NanLossHook\(train_op, checkpoint_dir=\.\.\.\)",
+    ):
         with model.graph.as_default():
             slim_nanguard.NanLossHook(model.loss, nan_policy="rollback").begin()
     hook = slim_nanguard.NanLossHook(
