@@ -268,7 +268,8 @@ def test_a_hooks_rollback_override_builds_the_guards_one_saver(tmp_path):
     assert guard.saver is None
     with pytest.raises(
         ValueError,
-        match=r"^nan_policy=.rollback. rolls back, so the loop needs .*NanLossHook\(train_op, checkpoint_dir=\.\.\.\)",
+        match=r"^nan_policy='rollback' rolls back, so the loop needs .*"
+        r"NanLossHook\(train_op, checkpoint_dir=\.\.\.\)",
     ):
         with model.graph.as_default():
             slim_nanguard.NanLossHook(model.loss, nan_policy="rollback").begin()
