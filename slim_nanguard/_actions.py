@@ -38,6 +38,7 @@ from slim_nanguard import _events
 from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
+from slim_nanguard import _rollback
 from slim_nanguard._types import Action
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
@@ -369,6 +370,7 @@ def _take_new_level(
     """Makes `level`'s values the whole spike statistics, says so and records it."""
     values, reseed = guard.spike_reseed
     session.run(reseed, {values: [list(v) for v in level.values]})
+    guard.history.clear()  # The losses before the new level climb to it: no divergence.
     logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
     guard.notify("level_shift", event, level_shift=level.to_json())
 
@@ -388,6 +390,9 @@ def _roll_back(
     and scales the learning rate; the guard observes it, the listeners get a ``rollback``
     record (a request: ``rollback_requested``).
     """
+    before_step, why = _rollback.onset(
+        guard.state.run_start, event.consecutive, guard.history.points()
+    )
     guard.history.clear()  # The global step goes back: the next losses are from there.
     if guard.rollback_request is not None:
         # A cluster's non-chief: the model lives on the ps and the chief restores it.
@@ -401,8 +406,12 @@ def _roll_back(
         bad_step=event.step,
         learning_rate_scale=guard.state.learning_rate_scale,
         skip_batches=skip_batches,
+        before_step=before_step,
+        why=why,
     )
     guard.observe(_policy.RolledBack(restored.learning_rate_scale))
+    if restored.why:
+        record = {"why": restored.why, **record}
     state = guard.state
     guard.notify(
         "rollback",
