@@ -4,7 +4,9 @@
 check in front of a user's own `Saver`); `latest_good_checkpoint`
 finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
 (or past a damaged ``checkpoint`` state file, by listing the directory) with a warning;
-`non_finite_variables` says which values of a checkpoint are not finite.
+`non_finite_variables` says which values of a checkpoint are not finite. A checkpoint whose
+files are missing, cut short or garbled is told from any other failure in one place
+(`unreadable`), and reported as an `UnreadableCheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -206,10 +208,12 @@ def latest_good_checkpoint(
 ) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
-    A newer checkpoint that cannot be read is passed over with a warning naming it and the one
-    used instead. A ``checkpoint`` state file that cannot be parsed is passed over too: the
-    checkpoints (``<name>-<step>`` of the newest name) are found by listing the directory, with
-    a warning saying so.
+    A newer checkpoint that cannot be read (a file missing, cut short or garbled) is passed
+    over with one warning naming the file and the checkpoint used instead; asked again while
+    its files are unchanged (a run's start asks several times, a rollback walks back), it is
+    passed over without another. A ``checkpoint`` state file that cannot be parsed is passed
+    over too: the checkpoints (``<name>-<step>`` of the newest name) are found by listing the
+    directory, with a warning saying so.
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).

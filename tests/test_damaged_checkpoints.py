@@ -292,6 +292,19 @@ def test_the_evaluation_names_the_file_and_the_flag(train_dir, how):
 
 
 @pytest.mark.parametrize("how", ["data cut", "index garbled"])
+def test_fine_tuning_from_it_names_the_file_and_writes_nothing(train_dir, tmp_path, how):
+    """``--checkpoint_path`` of a new run names a damaged checkpoint: refused before training,
+    and the new run's directory is not left behind."""
+    prefix = f"{train_dir}/model.ckpt-6"
+    damaged = _damage(prefix, how)
+    config = _config(tmp_path / "tuned", checkpoint_path=prefix, max_number_of_steps=3)
+    with pytest.raises(slim_nanguard.UnreadableCheckpointError) as raised:
+        app.run_training(config)
+    assert raised.value.file == damaged and "--checkpoint_path" in str(raised.value)
+    assert not (tmp_path / "tuned").exists()
+
+
+@pytest.mark.parametrize("how", ["data cut", "index garbled"])
 def test_the_eval_command_says_it_in_one_line_and_exits_1(trained, tmp_path, how):
     """The issue's case: ``truncate -s ... model.ckpt-6.data-00000-of-00001`` (and a garbled
     index), then ``slim-nanguard-eval --checkpoint_path=<the directory>``."""
