@@ -127,7 +127,7 @@ def main(argv):
                 f"  cost        {result.cost.get('seconds', 0):.3g} s, "
                 f"{result.cost.get('runs', '?')} runs"
             )
-    except (ValueError, ImportError, OSError) as err:
+    except (slim_nanguard.NanGuardError, ValueError, ImportError, OSError) as err:
         return fail(err)
     return 0
 

@@ -102,6 +102,46 @@ class CheckpointNotFoundError(NanGuardError):
     """A rollback or a resume needs a good checkpoint and none can be found."""
 
 
+class UnreadableCheckpointError(NanGuardError):
+    """A checkpoint's files are missing, cut short or garbled: it cannot be read.
+
+    The message names the damaged file and says what to do, in one line.
+
+    Attributes:
+      checkpoint: The checkpoint prefix (``.../model.ckpt-2000``).
+      file: The file found damaged or missing: its ``.index`` or one of its ``.data`` shards.
+      problem: What is wrong with `file`: ``"is missing"`` or ``"is cut short or garbled"``.
+      cause: The first line of the error TensorFlow raised reading it.
+      advice: What to do, as a sentence.
+    """
+
+    def __init__(self, checkpoint: str, file: str, problem: str, cause: str, advice: str = ""):
+        self.checkpoint = checkpoint
+        self.file = file
+        self.problem = problem
+        self.cause = cause
+        name = checkpoint.replace("\\", "/").rsplit("/", 1)[-1]
+        self.advice = advice or (
+            f"Restore it from a copy, or move {name}.* out of its directory to use an older "
+            "checkpoint."
+        )
+        super().__init__(str(self))
+
+    def __reduce__(self):
+        return (type(self), (self.checkpoint, self.file, self.problem, self.cause, self.advice))
+
+    @property
+    def damage(self) -> str:
+        """The message without its advice: which checkpoint, which file, what is wrong."""
+        directory = self.checkpoint.replace("\\", "/").rsplit("/", 1)[0] + "/"
+        file = self.file[len(directory) :] if self.file.startswith(directory) else self.file
+        cause = self.cause.replace(directory, "")
+        return f"checkpoint {self.checkpoint} cannot be read: {file} {self.problem} ({cause})"
+
+    def __str__(self) -> str:
+        return f"{self.damage}. {self.advice}"
+
+
 def op_error_cause(error: BaseException) -> str:
     """The line of a TensorFlow error that says what went wrong.
 

@@ -176,6 +176,8 @@ def replay_dump(
 
     Raises:
       ValueError: No checkpoint (so no meta graph) in `train_dir`, or no such dump.
+      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
+        garbled.
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
@@ -188,6 +190,8 @@ def replay_dump(
 
     report, batch, weights = _autopsy.read_dump(dump_path)
     checkpoint = _checkpoints.latest_checkpoint(train_dir)
+    if checkpoint and tf.io.gfile.exists(checkpoint + ".index"):
+        _checkpoints.non_finite_variables(checkpoint)  # Raises if it cannot be read.
     meta = checkpoint + ".meta" if checkpoint else None
     if meta is None or not tf.io.gfile.exists(meta):
         metas = sorted(tf.io.gfile.glob(_paths.join(train_dir, "*.meta")))

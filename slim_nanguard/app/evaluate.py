@@ -8,7 +8,6 @@ from typing import Optional
 import tensorflow as tf
 import tf_slim as slim
 
-import slim_nanguard
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -98,19 +97,14 @@ def run_eval(config: config_lib.EvalConfig) -> EvalResult:
     Raises:
       LaunchError: No checkpoint there, or one that does not fit the model.
       NonFiniteCheckpointError: The checkpoint holds NaN or Inf.
+      UnreadableCheckpointError: A file of the checkpoint is missing, cut short or garbled.
       datasets.DatasetError, models.ModelError: Bad dataset or model settings.
     """
     if not isinstance(config, config_lib.EvalConfig):
         raise config_lib.LaunchError(f"run_eval takes an EvalConfig; got {type(config).__name__}.")
     path = checkpoints.resolve_checkpoint(config.checkpoint_path)
     shapes = checkpoints.checkpoint_shapes(path, "--checkpoint_path")
-    bad = slim_nanguard.non_finite_variables(path)
-    if bad:
-        raise slim_nanguard.NonFiniteCheckpointError(
-            f"checkpoint {path} holds NaN or Inf in {checkpoints.names(list(bad))}; refusing to "
-            "evaluate it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' "
-            "file)."
-        )
+    checkpoints.check_finite(path, "--checkpoint_path", "evaluate")
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/cpu:0"):
