@@ -5,7 +5,9 @@ which lines to change. Those lines must name what slim_nanguard and tf_slim real
 loop they build (``tf_slim.learning.train`` with ``train_step_fn`` and ``saver=FiniteSaver()``)
 must work in both modes, as the page says. The README says CI tests the oldest TensorFlow that
 setup.cfg allows; .ci/oldest_tf must test that version. docs/design.md holds the project's one
-module map, and it must name every module the package has.
+module map, and it must name every module the package has. Every output README.md and docs/
+quote is what the code prints, or is marked as an example; the run time of the shipped configs
+is one measured figure, and the plot extra has one install hint.
 """
 
 import ast
