@@ -31,6 +31,8 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner and C++ messages (which repeat every bad step's CheckNumerics
 # message; the guard logs its own) stay out of the output unless --verbosity asks for them.
+# A typo or a bad value in the flags is answered before the slow import of TensorFlow.
+_quiet_start.check_flags_early(sys.argv, "train", __name__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402

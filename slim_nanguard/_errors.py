@@ -20,11 +20,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
 
 
-# How the advice in the message of a check_numerics-mode check opens (`create_train_op`): it
-# holds for an error no loop caught, and is followed by what to add to the loop.
-UNCAUGHT = "If this error reached you uncaught, nothing applied"
-# That advice, up to what CheckNumerics appends (" : Tensor had NaN values") or the line's end.
-_UNCAUGHT_ADVICE = re.compile(re.escape(UNCAUGHT) + r"[^\n]*?(?= : Tensor had|\n|$)")
+# How the message of the guard's check opens (`create_train_op`, check_numerics mode). TensorFlow
+# logs a failing run's message whether or not a loop catches the error, so the message says only
+# what holds either way: the step was rejected, and why.
+REJECTED = "slim_nanguard rejected the step"
+# How the advice that follows it opens: what a loop does when it catches the error, then which
+# loops do. True whether or not one did.
+LOOP_ADVICE = "A loop applies"
+# That advice, up to what CheckNumerics appends (" : Tensor had NaN values"), the bracket an
+# Assert's message closes with, or the line's end.
+_ADVICE = re.compile(re.escape(LOOP_ADVICE) + r"[^\n]*?(?= : Tensor had|\]?\n|\]?$)")
 _CAUGHT = (
     "slim_nanguard caught this error and applied the policy; the NanLossError raised from it "
     "says what was done and why training gave up"
@@ -169,10 +174,11 @@ def op_error_cause(error: BaseException) -> str:
 def caught_numerics_error(error: BaseException) -> BaseException:
     """`error`, the numerics error of a bad step, as it reads once the policy was applied.
 
-    The message of a check_numerics-mode check says what to add when no loop caught the
-    error. A `NanLossError` raised after a loop caught it and applied the policy is chained
-    to this copy instead, whose message says so: same op, same node, same traceback, so
-    `is_numerics_error` still recognises it. Any other error is returned as it is.
+    The message of a check_numerics-mode check says which loops apply the policy when they
+    catch the error. A `NanLossError` raised after a loop caught it and applied the policy is
+    chained to this copy instead, whose message says that it did: same op, same node, same
+    traceback, so `is_numerics_error` still recognises it. Any other error is returned as it
+    is.
 
     Args:
       error: The error ``session.run(train_op)`` raised.
@@ -181,12 +187,12 @@ def caught_numerics_error(error: BaseException) -> BaseException:
       A new `InvalidArgumentError`, or `error` itself.
     """
     message = getattr(error, "message", None)
-    if not isinstance(error, tf.errors.InvalidArgumentError) or UNCAUGHT not in (message or ""):
+    if not isinstance(error, tf.errors.InvalidArgumentError) or REJECTED not in (message or ""):
         return error
     caught = tf.errors.InvalidArgumentError(
         error.node_def,
         error.op,
-        _UNCAUGHT_ADVICE.sub(_CAUGHT, message),
+        _ADVICE.sub(_CAUGHT, message, count=1),
         error.experimental_payloads,
     )
     return caught.with_traceback(error.__traceback__)

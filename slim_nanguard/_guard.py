@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
@@ -482,27 +483,32 @@ class Guard:
 
 
 def is_numerics_error(error: BaseException) -> bool:
-    """Says whether `error` was raised by a `tf.debugging.check_numerics` op.
+    """Says whether `error` was raised by a guard's check (check_numerics mode).
 
-    The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
-    message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
-    label) is never mistaken for a numerics error. A check inside a function body (a train op
-    built in a `tf.while_loop`) fails on the loop op (or on no op the graph knows); then the
-    message must carry what CheckNumerics says (``" : Tensor had NaN values"``) and name the
-    inner node.
+    The test is on the failing op, not on the message, so any other `InvalidArgumentError`
+    (a bad reshape, a bad feed, an out-of-range label, a user's own ``Assert``) is never
+    mistaken for a numerics error: a CheckNumerics or CheckNumericsV2 op, or the ``Assert``
+    a guard with a spike policy checks with (its op is the guard's check op). A check
+    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op (or
+    on no op the graph knows); then the message must carry what the check says
+    (CheckNumerics' ``" : Tensor had NaN values"``, or the guard's "slim_nanguard rejected
+    the step") and name the inner node.
 
     Args:
       error: Any exception.
 
     Returns:
-      True for an `InvalidArgumentError` whose op is a CheckNumerics op.
+      True for an `InvalidArgumentError` raised by a CheckNumerics op or a guard's check.
     """
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
     if op is None or op.type in _FUNCTION_OP_TYPES:
         message = getattr(error, "message", "")
-        return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
+        said = _CHECK_MESSAGE.search(message) or _errors.REJECTED in message
+        return bool(said and _INNER_NODE.search(message))
+    if op.type == "Assert":
+        return any(guard.check_op_name == op.name for guard in _REGISTRY.get(op.graph, ()))
     return op.type in ("CheckNumerics", "CheckNumericsV2")
 
 

@@ -175,12 +175,12 @@ def test_each_loop_applies_the_policy_or_fails_naming_what_to_add():
     # message that names the train_step_fn to add; in hook mode no bad step passes unseen.
     check = report["learning_plain_check_numerics"]
     assert check["error"] == "InvalidArgumentError"
-    assert "nothing applied nan_policy='skip'" in check["message"]
+    assert "A loop applies nan_policy=skip when it catches this error" in check["message"]
     assert "train_step_fn=slim_nanguard.train_step" in check["message"]
     assert (
-        "check_numerics=False and pass hooks=[slim_nanguard.nan_hook(train_op)]"
-        in (check["message"])
-    )  # for tf_slim.training.train
+        "tf_slim.training.train in hook mode (check_numerics=False, "
+        "hooks=[slim_nanguard.nan_hook(train_op)])" in check["message"]
+    )
     hook = report["learning_plain_hook"]
     assert hook["error"] == "InvalidArgumentError"
     assert "no NanLossHook saw it, so nan_policy=skip was not applied" in hook["message"]

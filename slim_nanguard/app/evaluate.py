@@ -45,7 +45,7 @@ class EvalResult:
         )
 
 
-def _eval_dataset(config: config_lib.EvalConfig):
+def _eval_dataset(config: config_lib.EvalConfig, purpose: str = "evaluation data"):
     """The evaluation split as the model reads it (in order, once); ``(dataset, info)``."""
     return datasets.get_dataset(
         config.dataset_name,
@@ -56,6 +56,7 @@ def _eval_dataset(config: config_lib.EvalConfig):
         repeat=False,
         image_size=build.model_image_size(config.model_name, config.eval_image_size),
         channels=build.input_channels(config.model_name, config.dataset_name),
+        purpose=purpose,
     )
 
 
@@ -74,7 +75,7 @@ def check_eval_dataset(
     """
     try:
         with tf.Graph().as_default():
-            _, info = _eval_dataset(config)
+            _, info = _eval_dataset(config, "check of the evaluation input")
     except datasets.DatasetError as err:
         if split_flag == "--dataset_split_name":
             raise
