@@ -87,6 +87,7 @@ FLAGS = {
         "save_summaries_secs": {"type": "int", "lower": 0},
         "save_summaries_steps": {"type": "int", "lower": 0},
         "seed": {"type": "int"},
+        "spike_level_shift_steps": {"type": "int"},
         "spike_policy": {"type": "enum", "choices": ["none", "raise", "stop", "skip", "rollback"]},
         "spike_sigma": {"type": "float"},
         "spike_warmup_steps": {"type": "int"},

@@ -312,6 +312,13 @@ flags.DEFINE_integer(
     GUARD.spike_warmup_steps,
     "With --spike_policy: steps accepted before the first spike test (2 to 128).",
 )
+flags.DEFINE_integer(
+    "spike_level_shift_steps",
+    GUARD.spike_level_shift_steps,
+    "With --spike_policy skip or rollback: this many spikes in a row that hold together are "
+    "a new level of training, not spikes: the guard says so, starts its statistics again "
+    "from them and goes on (below --max_consecutive_bad_steps; 0: never).",
+)
 flags.DEFINE_list(
     "inject_fault",
     [],
