@@ -268,7 +268,7 @@ def create_train_op(
         if test.spike is not None:  # An accepted step enters the statistics.
             opened = gate.gate if gate.finite_gate is None else gate.finite_gate
             with tf.control_dependencies([opened]):
-                writes.append(test.spike.update())
+                writes += [test.spike.update(), test.store_judged()]
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op

@@ -207,6 +207,7 @@ def test_the_summaries_carry_the_gradient_norm_and_both_z_scores():
     model = lib.build_model(spike_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(model.train_op)  # They show the last accepted step's values.
         merged = sess.run(tf.compat.v1.summary.merge_all())
     summary = tf.compat.v1.Summary.FromString(merged)
     values = {v.tag: v.simple_value for v in summary.value}
