@@ -485,14 +485,121 @@ def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, No
     return f"step {global_step}"
 
 
-class FiniteSaver(_FinitenessCheck, tf.compat.v1.train.Saver):
+class ResumingSaver(tf.compat.v1.train.Saver):
+    """A `Saver` that also restores a checkpoint written without the guard's optional variables.
+
+    The guard makes some variables only with some options (`GraphHandles.optional_variables`:
+    the spike statistics with a spike policy, the learning-rate scale with
+    ``rollback_lr_factor`` < 1), so a job checkpointed without those options and resumed with
+    them meets a checkpoint that lacks them. `restore` then restores every other variable,
+    restores the optional ones the checkpoint has, starts those it lacks from their initial
+    values (the spike statistics warm up afresh) and says so in one log line. A checkpoint that
+    lacks any other variable fails the restore as TensorFlow's `Saver` does.
+
+    What it restores with is built with the saver (at ``build``, for ``defer_build=True``), and
+    only when the graph holds a guarded train op with optional variables that this saver saves:
+    build it after `create_train_op`. Otherwise it is TensorFlow's `Saver`, op for op.
+
+    Args:
+      *args: As `tf.compat.v1.train.Saver`.
+      **kwargs: As `tf.compat.v1.train.Saver`.
+    """
+
+    def build(self) -> None:
+        """As `tf.compat.v1.train.Saver.build`, and the restore of a checkpoint without the
+        guard's optional variables (once)."""
+        super().build()
+        if not hasattr(self, "_resume"):
+            self._resume = _OptionalRestore.build(self._var_list, self._sharded)
+
+    def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
+        """As `tf.compat.v1.train.Saver.restore`, except that the guard's optional variables
+        may be missing from the checkpoint (see the class docstring)."""
+        resume = getattr(self, "_resume", None)
+        if resume is None or not resume.restore_without_missing(sess, save_path):
+            super().restore(sess, save_path)
+
+
+class _OptionalRestore:
+    """The ops that restore a checkpoint lacking some of the guard's optional variables: a
+    `Saver` of every other variable, and for each optional variable a placeholder and an
+    assign op that set it from the checkpoint's value.
+
+    Args:
+      rest: The `Saver` of the variables that are not optional.
+      optional: ``(variable, name in the checkpoint, placeholder, assign op)`` of each
+        optional variable.
+    """
+
+    def __init__(self, rest: tf.compat.v1.train.Saver, optional: List[Tuple[Any, str, Any, Any]]):
+        self._rest, self._optional = rest, optional
+
+    @classmethod
+    def build(cls, var_list: Any, sharded: bool) -> Optional["_OptionalRestore"]:
+        """The ops for a `Saver` of `var_list` (what it saves, after its build), or None when
+        it saves none of the optional variables of the default graph's guards."""
+        from slim_nanguard import _guard  # Local: the guard's module needs this one.
+
+        optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
+        if isinstance(var_list, dict):
+            rest = {name: v for name, v in var_list.items() if id(v) not in optional}
+            named = [(v, name) for name, v in var_list.items() if id(v) in optional]
+        else:
+            rest = [v for v in var_list or () if id(v) not in optional]
+            named = [(v, v.op.name) for v in var_list or () if id(v) in optional]
+        if not named:
+            return None
+        setters = []
+        with tf.name_scope("nanguard_resume"):
+            for variable, name in named:
+                value = tf.compat.v1.placeholder(variable.dtype.base_dtype, variable.shape)
+                setters.append((variable, name, value, tf.compat.v1.assign(variable, value).op))
+            rest = tf.compat.v1.train.Saver(
+                rest, sharded=sharded, allow_empty=True, name="without_optional"
+            )
+        return cls(rest, setters)
+
+    def restore_without_missing(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
+        """Restores `save_path` if it lacks an optional variable (and logs which); returns
+        False, having done nothing, when it lacks none or cannot be read (the `Saver`'s own
+        restore then reports it)."""
+        if save_path is None:
+            return False
+        try:
+            reader = checkpoint_reader(save_path)
+        except Exception:  # pylint: disable=broad-except
+            return False
+        missing = [s for s in self._optional if not reader.has_tensor(s[1])]
+        if not missing:
+            return False
+        logging.info(
+            "slim_nanguard: %s was written without %s (guard options turned on since); "
+            "restoring the rest, these start from their initial values%s.",
+            save_path,
+            ", ".join(name for _, name, _, _ in missing),
+            " (the spike statistics warm up afresh)"
+            if any("spike" in name for _, name, _, _ in missing)
+            else "",
+        )
+        self._rest.restore(sess, save_path)
+        for variable, name, value, assign in self._optional:
+            if reader.has_tensor(name):
+                sess.run(assign, {value: reader.get_tensor(name)})
+            else:
+                sess.run(variable.initializer)
+        return True
+
+
+class FiniteSaver(_FinitenessCheck, ResumingSaver):
     """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
 
     Before each save it runs one fused finiteness test over the variables it saves (one
     reduction per variable, at save time only). If a value is not finite the save is skipped
     with an error in the log and `save` returns None, so the latest checkpoint on disk stays
     the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
-    ``tf_slim.learning.train(..., saver=FiniteSaver())``.
+    ``tf_slim.learning.train(..., saver=FiniteSaver())``. Made after `create_train_op`, it
+    also restores a checkpoint written without the guard's optional variables
+    (`ResumingSaver`).
 
     Args:
       *args: As `tf.compat.v1.train.Saver`.

@@ -70,6 +70,8 @@ class StepTest:
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a spike step.
       report: With a spike test, the float64 variable a bad step stores its cause (a code of
         `_spike.FAULT_CODES`) and `_spike.REPORT_FIELDS` in, for the loop to read; else None.
+      judged: With a spike test, the float64 variable an accepted step stores its
+        `_spike.JUDGED_FIELDS` in (`store_judged`), which the summaries read; else None.
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class StepTest:
             [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
-        self.spike = self.report = self._bad = self._switch = None
+        self.spike = self.report = self.judged = self._bad = self._switch = None
         if spike is not None:
             self._add_spike_test(loss, *spike)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
@@ -166,18 +168,40 @@ class StepTest:
                 name="bad_step_report",
             )
         self._report_store = self.report.assign(report, read_value=False)
+        # What the summaries read: written by an accepted step (`store_judged`), in no
+        # collection (neither saved nor initialised), on the worker that computes it.
+        with _capture.guard_variable_scope(graph, self.grad_sums):
+            self.judged = tf.compat.v1.Variable(
+                tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
+                trainable=False,
+                collections=[],
+                use_resource=True,
+                name="last_accepted_step",
+            )
         # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection),
         # tagged nanguard/... whatever the scope.
         with tf.name_scope("nanguard/"):
             self._add_summaries()
 
+    def store_judged(self) -> tf.Operation:
+        """The write of the step's `_spike.SpikeTest.judged` values into `judged`, in the
+        current control context: the train op builds it behind its gate, with the update of
+        the statistics, so that an accepted step stores its values and a rejected one writes
+        nothing (not even this bookkeeping of the guard's)."""
+        return self.judged.assign(self.spike.judged(), read_value=False)
+
     def _add_summaries(self) -> None:
-        z = self.spike.z_scores()  # Computed when a summary is, not on every step.
-        for name, value in (
-            ("grad_norm", self.verdict.global_norm),
-            ("z_loss", z[0]),
-            ("z_grad_norm", z[1]),
-        ):
+        """``grad_norm``, ``z_loss`` and ``z_grad_norm`` of the last accepted step (zeros before
+        the first one in a session), read from `judged`: a run of the summary op that is no
+        train step (a summary thread, a hook firing on another run) takes no batch. Run with
+        a train step, it may read that step's values or the ones before."""
+        stored = tf.cond(
+            self.judged.is_initialized(),
+            self.judged.read_value,
+            lambda: tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
+        )
+        z = _spike.z_of_judged(stored)
+        for name, value in (("grad_norm", stored[1]), ("z_loss", z[0]), ("z_grad_norm", z[1])):
             tf.compat.v1.summary.scalar(name, value)
 
     def spike_variables(self) -> Tuple[tf.Variable, ...]:

@@ -152,11 +152,15 @@ class SpikeTest:
     def z_scores(self) -> tf.Tensor:
         """New ops for `z`, in the current control context (a bad branch, a summary)."""
         with tf.name_scope(self._scope), tf.name_scope("z"):
-            # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
-            usable = self.values > 0
-            logs = tf.math.log(tf.where(usable, self.values, tf.ones_like(self.values)))
-            z = (logs - self.mean) / self.std
-            return tf.where(tf.logical_and(usable, self._live), z, tf.zeros_like(z))
+            return _z_scores(self.values, self.mean, self.std, self._live)
+
+    def judged(self) -> tf.Tensor:
+        """Float64 vector of `JUDGED_FIELDS`: the step's values and the statistics its
+        z-scores are measured against (before the step's own update), which a train op
+        stores on an accepted step for the summaries to read (`z_of_judged`). New ops."""
+        with tf.name_scope(self._scope):
+            live = tf.cast(self._live, tf.float64)
+            return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
 
     def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
         """The write of an accepted step's values into the statistics.
@@ -207,6 +211,38 @@ class SpikeTest:
             0,
             name="report",
         )
+
+
+# What `SpikeTest.judged` holds (float64): a step's values, the mean and deviation of the
+# logarithms its z-scores are measured against, and 1 where a column's warm-up is over.
+JUDGED_FIELDS = (
+    "loss",
+    "grad_norm",
+    "log_mean_loss",
+    "log_mean_grad_norm",
+    "log_std_loss",
+    "log_std_grad_norm",
+    "live_loss",
+    "live_grad_norm",
+)
+
+
+def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
+    """Float64 ``[2]``: the z-scores of loss and norm of a stored `SpikeTest.judged` vector,
+    as `SpikeTest.z` gives them on its step (0 for a column in its warm-up, and for a vector
+    of zeros: nothing stored yet)."""
+    values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
+    return _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
+
+
+def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tensor) -> tf.Tensor:
+    """The z-scores of `values` against the `mean` and `std` of the logarithms, 0 where not
+    `live`."""
+    # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
+    usable = values > 0
+    logs = tf.math.log(tf.where(usable, values, tf.ones_like(values)))
+    z = (logs - mean) / std
+    return tf.where(tf.logical_and(usable, live), z, tf.zeros_like(z))
 
 
 # The codes of a bad step's cause in a train op's report (0: no bad step stored yet).

@@ -57,6 +57,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
+from slim_nanguard import _checkpoints
 from slim_nanguard import _finiteness
 from slim_nanguard import _gating
 from slim_nanguard import _guard
@@ -272,7 +273,7 @@ def create_train_op(
         if test.spike is not None:  # An accepted step enters the statistics.
             opened = gate.gate if gate.finite_gate is None else gate.finite_gate
             with tf.control_dependencies([opened]):
-                writes.append(test.spike.update())
+                writes += [test.spike.update(), test.store_judged()]
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
@@ -342,6 +343,24 @@ def _register(
         with tf.init_scope():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+    if handles.optional_variables:
+        _register_default_saver(graph)
+
+
+def _register_default_saver(graph: tf.Graph) -> None:
+    """Makes a `ResumingSaver` the graph's default saver, when it has none yet.
+
+    `Scaffold` (so `MonitoredTrainingSession` and `tf_slim.training.train`) saves and restores
+    with the saver of the ``SAVERS`` collection, and makes one when it is empty. This one is
+    that default (sharded, empty allowed, built when the scaffold is finalized, so it saves
+    every variable made by then), except that it also resumes from checkpoints written
+    without the guard's optional variables. A saver already in the collection, or one given
+    to the `Scaffold`, is left as it is.
+    """
+    if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+        return
+    saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
+    graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
 
 
 def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:
