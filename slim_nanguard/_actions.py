@@ -240,8 +240,6 @@ def record_bad_step(
     )
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
-    if decision.note:
-        logging.warning("slim_nanguard: %s", decision.note)
     if decision.escalation and decision.action != Action.RAISE:
         logging.warning(
             "slim_nanguard: %s, so the weights, not the batch, went bad: "
@@ -354,7 +352,9 @@ def carry_out(
     if action is Action.ROLLBACK:
         path = raw_call(
             session,
-            lambda raw: _roll_back(guard, raw, checkpoint_dir, event, skip_batches, record),
+            lambda raw: _roll_back(
+                guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
+            ),
         )
         step = raw_call(session, guard.read_global_step)
         return Outcome(event=event, action=action, step=step, checkpoint=path)
@@ -368,8 +368,12 @@ def _take_new_level(
     level: _level_shift.LevelShift,
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
-    values, reseed = guard.spike_reseed
-    session.run(reseed, {values: [list(v) for v in level.values]})
+    values, floor, reseed = guard.spike_reseed
+    # At least a warm-up's worth of rows (the values repeated whole): the test judges the
+    # next step at once, against the new level.
+    repeats = -(-guard.config.spike_warmup_steps // len(level.values))
+    rows = ([list(v) for v in level.values] * repeats)[: _policy.SPIKE_WINDOW]
+    session.run(reseed, {values: rows, floor: level.floor})
     guard.history.clear()  # The losses before the new level climb to it: no divergence.
     logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
     guard.notify("level_shift", event, level_shift=level.to_json())
@@ -382,6 +386,7 @@ def _roll_back(
     event: _events.NanEvent,
     skip_batches: Optional[int],
     record: dict,
+    before_step: Optional[int] = None,
 ) -> str:
     """Rolls back after `event`: the one route. Returns the checkpoint restored, or "" when
     the guard's `rollback_request` sent the rollback to a cluster's chief instead.
@@ -390,9 +395,12 @@ def _roll_back(
     and scales the learning rate; the guard observes it, the listeners get a ``rollback``
     record (a request: ``rollback_requested``).
     """
-    before_step, why = _rollback.onset(
-        guard.state.run_start, event.consecutive, guard.history.points()
-    )
+    if before_step is None:
+        before_step, why = _rollback.onset(
+            guard.state.run_start, event.consecutive, guard.history.points()
+        )
+    else:
+        why = f"the new level taken from global step {before_step} was a divergence"
     guard.history.clear()  # The global step goes back: the next losses are from there.
     if guard.rollback_request is not None:
         # A cluster's non-chief: the model lives on the ps and the chief restores it.

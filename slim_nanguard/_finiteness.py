@@ -206,7 +206,9 @@ class StepTest:
 
     def spike_variables(self) -> Tuple[tf.Variable, ...]:
         """The spike statistics' variables (none without a spike test)."""
-        return () if self.spike is None else (self.spike.history, self.spike.count)
+        return (
+            () if self.spike is None else (self.spike.history, self.spike.count, self.spike.floor)
+        )
 
     def ok_switch(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """``(untaken, taken)``: `ok` switched on itself, built once (in the current name

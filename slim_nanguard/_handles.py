@@ -60,9 +60,10 @@ class GraphHandles:
         `_verdict.kind_name`), or None.
       report: With a spike test, the float64 variable a bad step leaves its cause and the
         spike statistics in (`_finiteness.StepTest.report`); else None.
-      spike_reseed: With a spike test, ``(values, op)``: the placeholder (float64
-        ``[n, 2]``, loss and gradient norm, oldest first) and the op that make those values
-        the whole spike statistics (a new level, `_level_shift`); else None.
+      spike_reseed: With a spike test, ``(values, floor, op)``: the placeholders (float64
+        ``[n, 2]``, loss and gradient norm, oldest first; the least deviation of each) and
+        the op that make those values the whole spike statistics (a new level,
+        `_level_shift`); else None.
       optional_variables: The guard's variables that only some of its options make (the
         learning-rate scale, the spike statistics): a checkpoint written without them (by a
         run with other options) still restores the rest, and these keep their values.
@@ -88,7 +89,7 @@ class GraphHandles:
     input_ops: Tuple[tf.Operation, ...] = ()
     value_kinds: Optional[tf.Variable] = None
     report: Optional[tf.Variable] = None
-    spike_reseed: Optional[Tuple[tf.Tensor, tf.Operation]] = None
+    spike_reseed: Optional[Tuple[tf.Tensor, tf.Tensor, tf.Operation]] = None
     optional_variables: Tuple[tf.Variable, ...] = ()
 
     def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:

@@ -4,34 +4,43 @@ The spike test compares a step with the accepted steps before it, and only accep
 enter its statistics: a one-off spike is rejected and forgotten. But when the data changes
 (new, noisier data; a resume on other data or augmentation) or the model's own state makes
 the same jump again and again (a fixed batch that the frozen weights judge alike each time),
-every step is a spike and nothing adapts: the run ends in the escalation of
-``max_consecutive_bad_steps``, although nothing is wrong.
+every step is a "spike" and nothing adapts: without more, the run would end in the escalation
+of ``max_consecutive_bad_steps`` although nothing is wrong.
 
-`judge_run` tells such a **new level** from a divergence. A run of
-``spike_level_shift_steps`` spikes in a row is a new level when, in each value that was over
-the threshold, the run's values hold together: the logarithms lie within `SPREAD` of each
-other, and the second half of the run is not above the first by more than `GROWTH`. A
-rejected step changes no weight, so a run of spikes under frozen weights only grows when the
-input does; a divergence shows itself after it is accepted, which is why a second new level
-within `PROBATION` accepted steps of the first is refused (`Refusal`): the run then escalates
-as before. The guard then re-seeds the spike statistics with the run's values (they warm up
-from there) and carries on.
+`judge_run` takes a run of ``spike_level_shift_steps`` spikes in a row as a **new level** when,
+in each value that was over the threshold, the run's values hold together: the deviation of
+their logarithms is at most `SPREAD` times the window's, and the later half of the run is not
+above the earlier by more than `SPREAD` window deviations either; and no more than `MAX_RISE`
+times the typical value before the run. The step that completes the
+run is still rejected (a burst of corrupted batches shorter than the run changes nothing); the
+guard then re-seeds the spike statistics with the run's values, with the old level's deviation
+as the least one, so that the next step is judged at once.
+
+Rejected steps do not move the weights, so the values of a divergence's rejected steps hold
+together as well as a new level's do: a learning rate raised a thousandfold after an accepted
+step gives a run as flat as new data does. What tells them apart is what follows. A new level
+is on **probation** for ``spike_warmup_steps`` accepted steps: a spike then means the new level
+was a divergence (`_policy.decide` applies ``persistent_nan_policy`` at once, and a rollback
+goes back before the run that was taken for a level).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 # The values a spike is judged on, in the order of a spike record's fields.
 COLUMNS = ("loss", "grad_norm")
-# How far apart (in natural logarithm) the values of a new level may lie: a factor of 4.
-SPREAD = math.log(4.0)
-# How far the second half of the run may lie above the first (log of the geometric means).
-GROWTH = math.log(1.5)
-# Accepted steps after a new level during which another one is a divergence, not a level.
-PROBATION = 128
+# How many of the window's deviations (of the logarithms) a new level's values may spread
+# over, and its later half lie above its earlier half.
+SPREAD = 2.0
+# The most a new level may lie above the old one (typical values): a loss or gradient norm a
+# hundred times the run's is no level a run lives with (new data four times noisier moves the
+# loss of a regression about 16 times; a learning rate raised a thousandfold, 10,000 times).
+MAX_RISE = 100.0
+# The least deviation of the logarithms (`_spike.FLOOR`).
+_FLOOR = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +54,15 @@ class LevelShift:
       old: The typical value of each column before the run (the geometric mean of the
         statistics' window), by name (``loss``, ``grad_norm``).
       new: The typical value of each column over the run (its geometric mean).
+      floor: The deviation of the logarithms of each column before the run: the least
+        deviation the re-seeded statistics judge with.
     """
 
     steps: Tuple[int, ...]
     values: Tuple[Tuple[float, float], ...]
     old: Dict[str, float]
     new: Dict[str, float]
+    floor: Tuple[float, float] = (_FLOOR, _FLOOR)
 
     def describe(self) -> str:
         """One sentence for the log: what moved, from what to what, over which steps."""
@@ -59,10 +71,16 @@ class LevelShift:
         )
         first, last = self.steps[0], self.steps[-1]
         where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
+        why = (
+            "the same values each time: the model's own state made them, not a batch; "
+            if len(set(self.values)) == 1
+            else ""
+        )
         return (
             f"a new level, not a spike: {len(self.steps)} spikes in a row ({where}) hold "
-            f"together at {moved} (typical values, before -> now); the spike statistics "
-            "start again from these values and the run goes on"
+            f"together at {moved} (typical values, before -> now); {why}the spike "
+            "statistics start again from these values, and a spike in the next accepted "
+            "steps will be taken for a divergence"
         )
 
     def to_json(self) -> Dict[str, object]:
@@ -72,57 +90,35 @@ class LevelShift:
             "steps": list(self.steps),
             "old": dict(self.old),
             "new": dict(self.new),
+            "floor": list(self.floor),
         }
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """A run that holds together but came too soon after the last new level (a divergence).
-
-    Attributes:
-      reason: Why it is not taken as a new level, for the log.
-    """
-
-    reason: str
 
 
 _NAMES = {"loss": "loss", "grad_norm": "gradient norm"}
 
 
-def judge_run(
-    spikes: Sequence[Mapping[str, object]],
-    needed: int,
-    *,
-    steps_since_last: Optional[int] = None,
-) -> Optional[object]:
+def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:
     """Whether the last `needed` spikes in a row are a new level of training.
 
     Args:
       spikes: The spike records of the current run of bad steps, oldest first: each has the
-        ``step``, and the spike's figures (``loss``, ``grad_norm``, ``over``, ``log_mean_*``)
-        as `_spike.read_report` gives them.
+        ``step``, and the spike's figures (``loss``, ``grad_norm``, ``over``, ``log_mean_*``,
+        ``log_std_*``) as `_spike.read_report` gives them.
       needed: How many spikes in a row it takes (``spike_level_shift_steps``); 0: never.
-      steps_since_last: Accepted steps since the last new level, or None if there was none.
 
     Returns:
-      A `LevelShift`, a `Refusal` (the run holds together but comes within `PROBATION`
-      accepted steps of the last new level), or None (too few spikes, or they do not hold
-      together: a divergence or unrelated spikes).
+      The `LevelShift`, or None: too few spikes, they do not hold together, or they lie more
+      than `MAX_RISE` times above the values before them.
     """
     if needed <= 0 or len(spikes) < needed:
         return None
     run = list(spikes)[-needed:]
     over = {c for spike in run for c in spike.get("over") or ()} or set(COLUMNS)
-    for column in COLUMNS:
+    floor = tuple(max(float(run[0].get(f"log_std_{c}", _FLOOR)), _FLOOR) for c in COLUMNS)
+    for index, column in enumerate(COLUMNS):
         values = [float(spike[column]) for spike in run]
-        if column in over and not holds_together(values):
+        if column in over and not holds_together(values, floor[index]):
             return None
-    if steps_since_last is not None and steps_since_last < PROBATION:
-        return Refusal(
-            f"{needed} spikes in a row hold together, but only {steps_since_last} steps were "
-            f"accepted since the last new level (fewer than {PROBATION}): a divergence, not a "
-            "new level"
-        )
     values = tuple((float(s["loss"]), float(s["grad_norm"])) for s in run)
     new = {}
     for index, column in enumerate(COLUMNS):
@@ -130,20 +126,24 @@ def judge_run(
         if logs:
             new[column] = math.exp(sum(logs) / len(logs))
     old = {c: math.exp(float(run[0][f"log_mean_{c}"])) for c in new}
-    return LevelShift(tuple(int(s["step"]) for s in run), values, old, new)
+    if any(c in over and new[c] > MAX_RISE * old[c] for c in new):
+        return None
+    return LevelShift(tuple(int(s["step"]) for s in run), values, old, new, floor)
 
 
-def holds_together(values: Sequence[float]) -> bool:
-    """Whether `values` are one level: all positive and finite, their logarithms within
-    `SPREAD` of each other, and the later half not above the earlier by more than `GROWTH`."""
+def holds_together(values: Sequence[float], deviation: float) -> bool:
+    """Whether `values` are one level: all positive and finite, the deviation of their
+    logarithms at most `SPREAD` times `deviation` (the window's, of the logarithms), and
+    the later half not above the earlier by more than that."""
     if len(values) < 2 or not all(_usable(v) for v in values):
         return False
     logs = [math.log(v) for v in values]
-    if max(logs) - min(logs) > SPREAD:
-        return False
+    mean = sum(logs) / len(logs)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
     half = len(logs) // 2
     early, late = logs[:half], logs[len(logs) - half :]
-    return sum(late) / len(late) - sum(early) / len(early) <= GROWTH
+    growth = sum(late) / len(late) - sum(early) / len(early)
+    return spread <= SPREAD * deviation and growth <= SPREAD * deviation
 
 
 def _usable(value: float) -> bool:

@@ -149,7 +149,7 @@ class GuardConfig:
     spike_policy: Optional[str] = None
     spike_sigma: float = 6.0
     spike_warmup_steps: int = 20
-    spike_level_shift_steps: int = 5
+    spike_level_shift_steps: int = 8
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -337,6 +337,8 @@ class GuardState:
       spike_run: The spike records of the current run of bad steps, while it is all spikes
         (the figures of `_spike.read_report` and the ``step``), oldest first.
       steps_at_level_shift: ``steps`` when the last new level was taken, or None.
+      level_start: The global step of the first spike of the run last taken as a new level
+        (a rollback after its probation failed goes back before it), or None.
     """
 
     total_bad_steps: int = 0
@@ -355,6 +357,7 @@ class GuardState:
     run_start: Optional[int] = None
     spike_run: Tuple[Mapping[str, Any], ...] = ()
     steps_at_level_shift: Optional[int] = None
+    level_start: Optional[int] = None
 
     def since(self, start: "GuardState") -> "GuardState":
         """What happened between `start` and this state: each count the difference, the
@@ -465,7 +468,8 @@ class Decision:
         when ``cause`` names one; else None.
       level_shift: The new level this spike completes (`_level_shift.LevelShift`): the
         action is ``skip``, and the spike statistics are to be re-seeded with it; else None.
-      note: Why a run of spikes that holds together was not taken as a new level, or "".
+      before_step: A rollback goes to a checkpoint saved below this global step (a new
+        level's probation failed: back before the run taken for it); None: its own rule.
     """
 
     action: Action
@@ -474,7 +478,7 @@ class Decision:
     cause: Optional[Cause] = None
     limit: Optional[int] = None
     level_shift: Optional[_level_shift.LevelShift] = None
-    note: str = ""
+    before_step: Optional[int] = None
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
@@ -557,8 +561,10 @@ def decide(
             state = replace(state, spikes=state.spikes + 1, spike_run=state.spike_run + (spike,))
         else:
             state = replace(state, spike_run=())
+        if _on_probation(config, state, observation):
+            return _decide_divergence(config, state, observation)
         level = _new_level(config, state, observation)
-        if isinstance(level, _level_shift.LevelShift):
+        if level is not None:
             return Decision(SKIP, level_shift=level), replace(
                 state,
                 skips=state.skips + 1,
@@ -567,6 +573,7 @@ def decide(
                 run_start=None,
                 spike_run=(),
                 steps_at_level_shift=state.steps,
+                level_start=level.steps[0],
             )
         if not observation.guarded:
             decision = _decide_unguarded(observation.chosen)
@@ -585,13 +592,13 @@ def decide(
             state = replace(state, stops=state.stops + 1)
         elif action == ROLLBACK and decision.escalation:
             state = replace(state, consecutive_bad_steps=0)
-        if isinstance(level, _level_shift.Refusal):
-            decision = dataclasses.replace(decision, note=level.reason)
         return decision, state
     raise TypeError(f"decide got {observation!r}, which is no observation; see Observation.")
 
 
-def _new_level(config: GuardConfig, state: GuardState, observation: BadStep):
+def _new_level(
+    config: GuardConfig, state: GuardState, observation: BadStep
+) -> Optional[_level_shift.LevelShift]:
     """`_level_shift.judge_run` of the run of spikes this spike ends, where one may be taken:
     a guarded spike whose policy goes on (``skip`` or ``rollback``); else None."""
     if (
@@ -602,10 +609,44 @@ def _new_level(config: GuardConfig, state: GuardState, observation: BadStep):
         or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
     ):
         return None
-    since = None if state.steps_at_level_shift is None else state.steps - state.steps_at_level_shift
-    return _level_shift.judge_run(
-        state.spike_run, config.spike_level_shift_steps, steps_since_last=since
+    return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
+
+
+def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) -> bool:
+    """Whether this is a spike within ``spike_warmup_steps`` accepted steps of a new level."""
+    return (
+        observation.cause == Fault.SPIKE
+        and observation.guarded
+        and state.steps_at_level_shift is not None
+        and state.steps - state.steps_at_level_shift < config.spike_warmup_steps
     )
+
+
+def _decide_divergence(
+    config: GuardConfig, state: GuardState, observation: BadStep
+) -> Tuple[Decision, GuardState]:
+    """A spike on a new level's probation: the level was a divergence, so
+    ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
+    since = state.steps - state.steps_at_level_shift
+    reason = (
+        f"a spike {since} accepted steps after taking a new level (fewer than "
+        f"spike_warmup_steps={config.spike_warmup_steps}): that level was a divergence"
+    )
+    action = Action(config.persistent_nan_policy)
+    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
+        reason += (
+            f", and {state.rollbacks} rollbacks already done reached "
+            f"max_rollbacks={config.max_rollbacks}"
+        )
+        action = RAISE
+    state = dataclasses.replace(state, steps_at_level_shift=None)
+    if action == STOP:
+        state = dataclasses.replace(state, stops=state.stops + 1)
+    if action == ROLLBACK:
+        state = dataclasses.replace(state, consecutive_bad_steps=0)
+        return Decision(action, escalation=reason, before_step=state.level_start), state
+    cause = Cause.DIVERGENCE if action == RAISE else None
+    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause), state
 
 
 def _decide_bad_step(

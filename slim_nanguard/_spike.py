@@ -111,6 +111,10 @@ class SpikeTest:
         with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
             self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
             self.count = _variable("count", [], tf.int64)
+            # The least deviation of each column: `FLOOR`, or after a new level the deviation
+            # of the level before it (a level judged at once by a few values is not judged
+            # more narrowly than the old one was).
+            self.floor = _variable("floor", [len(COLUMNS)], tf.float64, FLOOR)
         with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
             # The statistics depend on the variables alone: they are ready before the step's
@@ -123,7 +127,7 @@ class SpikeTest:
             n = tf.minimum(count, window)
             history = self.history.read_value()
             filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
-            self.mean, self.std, kept = _log_statistics(history, filled)
+            self.mean, self.std, kept = _log_statistics(history, filled, self.floor.read_value())
             self._live = kept >= self.warmup_steps
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
@@ -135,7 +139,8 @@ class SpikeTest:
             self.reseed_values = tf.compat.v1.placeholder(
                 tf.float64, [None, len(COLUMNS)], name="values"
             )
-            self.reseed = self._reseed_op(self.reseed_values)
+            self.reseed_floor = tf.compat.v1.placeholder(tf.float64, [len(COLUMNS)], name="floor")
+            self.reseed = self._reseed_op(self.reseed_values, self.reseed_floor)
 
     @property
     def z(self) -> tf.Tensor:
@@ -188,16 +193,18 @@ class SpikeTest:
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
             return tf.group(written, name="update")
 
-    def _reseed_op(self, values: tf.Tensor) -> tf.Operation:
+    def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
         """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
-        statistics: the window holds them alone and the count is n, so the test warms up
-        from them (`_level_shift`: a new level of training)."""
+        statistics, with `floor` the least deviation of each column: the window holds them
+        alone and the count is n (`_level_shift`: a new level of training; n at least the
+        warm-up makes the test judge the next step at once)."""
         n = tf.shape(values, out_type=tf.int64)[0]
         padded = tf.concat([values, tf.zeros([self.window, len(COLUMNS)], tf.float64)], 0)
         rows = self.history.assign(padded[: self.window], read_value=False)
-        with tf.control_dependencies([rows]):
+        floors = self.floor.assign(tf.maximum(floor, FLOOR), read_value=False)
+        with tf.control_dependencies([rows, floors]):
             count = self.count.assign(n, read_value=False)
-        return tf.group(rows, count, name="reseed")
+        return tf.group(rows, floors, count, name="reseed")
 
     def report_vector(self) -> tf.Tensor:
         """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
@@ -274,16 +281,21 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     return report
 
 
-def _variable(name: str, shape, dtype: tf.DType) -> tf.Variable:
-    """A statistics variable, zero at first: saved with the model, not trained."""
+def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Variable:
+    """A statistics variable, `initial` at first: saved with the model, not trained."""
     return tf.compat.v1.get_variable(
-        name, shape, dtype, tf.compat.v1.zeros_initializer(), trainable=False, use_resource=True
+        name,
+        shape,
+        dtype,
+        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer(),
+        trainable=False,
+        use_resource=True,
     )
 
 
-def _log_statistics(history: tf.Tensor, filled: tf.Tensor):
-    """Mean and floored deviation of the logarithms of the positive entries of each column of
-    `history` among the rows `filled`, and how many entries each column has."""
+def _log_statistics(history: tf.Tensor, filled: tf.Tensor, floor: tf.Tensor):
+    """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
+    column of `history` among the rows `filled`, and how many entries each column has."""
     usable = tf.logical_and(filled, history > 0)
     weight = tf.cast(usable, tf.float64)
     logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))
@@ -291,7 +303,7 @@ def _log_statistics(history: tf.Tensor, filled: tf.Tensor):
     size = tf.maximum(kept, 1.0)
     mean = tf.reduce_sum(logs * weight, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
-    return mean, tf.maximum(tf.sqrt(spread), FLOOR), tf.cast(kept, tf.int64)
+    return mean, tf.maximum(tf.sqrt(spread), floor), tf.cast(kept, tf.int64)
 
 
 def reference_z_scores(

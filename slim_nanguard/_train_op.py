@@ -94,7 +94,7 @@ def create_train_op(
     spike_policy: Optional[str] = None,
     spike_sigma: float = 6.0,
     spike_warmup_steps: int = 20,
-    spike_level_shift_steps: int = 5,
+    spike_level_shift_steps: int = 8,
     config: Optional[_policy.GuardConfig] = None,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
@@ -335,7 +335,9 @@ def _register(
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
         report=test.report,
-        spike_reseed=None if test.spike is None else (test.spike.reseed_values, test.spike.reseed),
+        spike_reseed=None
+        if test.spike is None
+        else (test.spike.reseed_values, test.spike.reseed_floor, test.spike.reseed),
         optional_variables=tuple(v for v in (lr_scale, *test.spike_variables()) if v is not None),
     )
     saver = None
