@@ -127,7 +127,13 @@ class SpikeTest:
             n = tf.minimum(count, window)
             history = self.history.read_value()
             filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
-            self.mean, self.std, kept = _log_statistics(history, filled, self.floor.read_value())
+            floor = self.floor.read_value()
+            outliers = _warmup_outliers(
+                history, filled, count, self.warmup_steps, self.sigma, floor
+            )
+            self.mean, self.std, kept = _log_statistics(
+                history, tf.logical_and(filled, tf.logical_not(outliers)), floor
+            )
             self._live = kept >= self.warmup_steps
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
@@ -293,6 +299,59 @@ def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Var
     )
 
 
+# A robust deviation of normal data: 1.4826 times the median absolute deviation.
+MAD_SCALE = 1.4826
+# The fewest warm-up entries among which an outlier is told.
+MIN_WARMUP_ENTRIES = 5
+# How many times `sigma` robust deviations from the warm-up's median make an outlier of it:
+# twice the spike test's bar, so that a heavy tail (a batch in ten at 10 times the loss, late
+# in training) stays in, and a spike the test would have rejected does not.
+OUTLIER_SIGMAS = 2.0
+# And at least this factor from the median: twenty warm-up values cannot tell a heavy tail
+# from a spike when the tail shows once among them.
+OUTLIER_RATIO = 100.0
+
+
+def _warmup_outliers(
+    history: tf.Tensor,
+    filled: tf.Tensor,
+    count: tf.Tensor,
+    warmup: int,
+    sigma: float,
+    floor: tf.Tensor,
+) -> tf.Tensor:
+    """Bool ``[window, 2]``: the warm-up's entries left out of the statistics.
+
+    The first `warmup` rows hold the values accepted before the test began (until the ring
+    overwrites them), without any test: a spike among them would widen the deviation and hide
+    the next spike for a whole window. An entry among them more than `OUTLIER_SIGMAS` times
+    `sigma` robust deviations (`MAD_SCALE` times the median absolute deviation, at least
+    `floor`), and more than `OUTLIER_RATIO` times, from their median is left out, once there
+    are `MIN_WARMUP_ENTRIES`.
+    """
+    window = history.shape[0]
+    index = tf.range(warmup, dtype=tf.int64)
+    warm = filled[:warmup] & (history[:warmup] > 0) & (count <= window + index)[:, None]
+    logs = tf.math.log(tf.where(warm, history[:warmup], tf.ones_like(history[:warmup])))
+    entries = tf.reduce_sum(tf.cast(warm, tf.int64), axis=0)
+    middle = tf.one_hot(
+        tf.maximum(entries - 1, 0) // 2, warmup, axis=0, on_value=True, off_value=False
+    )
+
+    def median(x):
+        ordered = tf.sort(
+            tf.where(warm, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))), axis=0
+        )
+        return tf.reduce_sum(tf.where(middle, ordered, tf.zeros_like(ordered)), axis=0)
+
+    center = median(logs)
+    distance = tf.abs(logs - center)
+    scale = tf.maximum(MAD_SCALE * median(distance), floor)
+    far = distance > tf.maximum(OUTLIER_SIGMAS * sigma * scale, math.log(OUTLIER_RATIO))
+    out = warm & far & (entries >= MIN_WARMUP_ENTRIES)[None, :]
+    return tf.concat([out, tf.zeros([window - warmup, history.shape[1]], tf.bool)], 0)
+
+
 def _log_statistics(history: tf.Tensor, filled: tf.Tensor, floor: tf.Tensor):
     """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
     column of `history` among the rows `filled`, and how many entries each column has."""
@@ -307,18 +366,38 @@ def _log_statistics(history: tf.Tensor, filled: tf.Tensor, floor: tf.Tensor):
 
 
 def reference_z_scores(
-    accepted: Sequence[Tuple[float, float]], value: Tuple[float, float], *, window: int = 128
+    accepted: Sequence[Tuple[float, float]],
+    value: Tuple[float, float],
+    *,
+    window: int = 128,
+    warmup: int = 20,
+    sigma: float = 6.0,
 ) -> np.ndarray:
     """The z-scores of ``value = (loss, norm)`` against the last `window` of the `accepted`
-    ``(loss, norm)`` pairs, in NumPy: of the logarithms of the positive values (population
-    deviation floored at `FLOOR`); NaN for a value that is not positive."""
-    recent = np.asarray(accepted[-window:], dtype=np.float64).reshape(-1, len(COLUMNS))
+    ``(loss, norm)`` pairs (all of them since the statistics began), in NumPy: of the
+    logarithms of the positive values, the warm-up's outliers left out (`_warmup_outliers`),
+    population deviation floored at `FLOOR`; NaN for a value that is not positive."""
+    accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
+    count = len(accepted)
+    keep = np.ones(count, bool)
+    keep[: max(count - window, 0)] = False
     scores = []
     for column, current in enumerate(value):
-        logs = np.log(recent[recent[:, column] > 0, column])
-        if current <= 0 or not len(logs):
+        positive = keep & (accepted[:, column] > 0)
+        warm = positive & (np.arange(count) < warmup)
+        logs = np.log(np.where(positive, accepted[:, column], 1.0))
+        entries = int(warm.sum())
+        if entries >= MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
+            center = np.sort(logs[warm])[(entries - 1) // 2]
+            distance = np.abs(logs - center)
+            spread = np.sort(distance[warm])[(entries - 1) // 2]
+            bar = max(
+                OUTLIER_SIGMAS * sigma * max(MAD_SCALE * spread, FLOOR), math.log(OUTLIER_RATIO)
+            )
+            positive &= ~(warm & (distance > bar))
+        if current <= 0 or not positive.any():
             scores.append(np.nan)
             continue
-        std = max(logs.std(), FLOOR)
-        scores.append((np.log(current) - logs.mean()) / std)
+        std = max(logs[positive].std(), FLOOR)
+        scores.append((np.log(current) - logs[positive].mean()) / std)
     return np.asarray(scores)
