@@ -93,18 +93,12 @@ class SpikeTest:
           loss: The step's scalar loss.
           norm: The step's global gradient norm (a scalar; float64 keeps a finite norm
             finite, float32 is widened).
-          sigma: How many deviations above the mean make a spike (> 0).
+          sigma: How many deviations above the mean make a spike (> 0; `GuardConfig`
+            checks the settings).
           warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
           window: How many accepted steps the statistics cover.
           variable_scope: A context the two variables are made in (outside a loop body).
         """
-        if not sigma > 0:
-            raise ValueError(f"spike_sigma must be > 0; got {sigma!r}.")
-        if not 2 <= warmup_steps <= window:
-            raise ValueError(
-                f"spike_warmup_steps must be between 2 and {window} (the window of the "
-                f"statistics); got {warmup_steps!r}."
-            )
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
         # One set per train op: a second train op of the graph (a GAN's other half) gets
         # ``nanguard_spike_1/``, never the first one's statistics.

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from slim_nanguard import _spike
+from slim_nanguard._policy import GuardConfig
 
 
 class _Steps:
@@ -191,10 +192,11 @@ def test_a_loss_that_is_not_positive_is_never_a_spike_nor_counted():
         ({"warmup_steps": 500}, "spike_warmup_steps"),
     ],
 )
-def test_bad_settings_are_refused_by_name(kwargs, flag):
-    settings = {"sigma": 6.0, "warmup_steps": 20, **kwargs}
-    with tf.Graph().as_default(), pytest.raises(ValueError, match=flag):
-        _spike.SpikeTest(tf.constant(1.0), tf.constant(1.0), **settings)
+def test_bad_settings_are_refused_by_name_where_they_are_checked(kwargs, flag):
+    """`GuardConfig` is the one place a setting is checked; the test is built from one."""
+    settings = {f"spike_{name}": value for name, value in kwargs.items()}
+    with pytest.raises(ValueError, match=f"^{flag} must be"):
+        GuardConfig(spike_policy="skip", **settings)
 
 
 @pytest.mark.parametrize("later", [30.0, 10.0])
