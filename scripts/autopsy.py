@@ -122,6 +122,7 @@ def main(argv):
                 )
             dump = _relocated(dump, train_dir)
             result = autopsy.replay_dump(dump, train_dir, timeout_secs=FLAGS.timeout_secs)
+            result = autopsy.with_spike_over(result, record)
             print(f"replay: {result.describe()}")
             if result.failed:  # The replay itself failed.
                 return EXIT_ERROR

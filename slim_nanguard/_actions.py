@@ -482,7 +482,8 @@ def judge(
         if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
-        autopsy = guard.autopsy(raw, step, cause=fault)  # Before any rollback.
+        over = (spike or {}).get("over") or ()
+        autopsy = guard.autopsy(raw, step, cause=fault, spike_over=over)  # Before any rollback.
         return record_bad_step(
             guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds, spike=spike
         )

@@ -357,7 +357,13 @@ class Guard:
             return None
         return tuple(_verdict.kind_name(c) for c in np.asarray(codes))
 
-    def autopsy(self, session: tf.compat.v1.Session, step: int, cause: str = "non_finite"):
+    def autopsy(
+        self,
+        session: tf.compat.v1.Session,
+        step: int,
+        cause: str = "non_finite",
+        spike_over: Sequence[str] = (),
+    ):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
         Call it right after the bad step, before any rollback: the variables still hold the
@@ -368,6 +374,7 @@ class Guard:
           step: The global step of the bad step.
           cause: ``"non_finite"`` (a NaN or Inf: the first op that made one) or ``"spike"``
             (the examples of the batch with the highest per-example loss).
+          spike_over: For a spike, the values it was caught on (its record's ``over``).
 
         Returns:
           The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
@@ -395,6 +402,7 @@ class Guard:
             dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
             cause=cause,
+            spike_over=spike_over,
         )
         if result.dump:
             self._remove_old_dumps()

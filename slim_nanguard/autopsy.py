@@ -90,7 +90,7 @@ def format_report(record: Mapping[str, Any]) -> str:
     if not autopsy:
         lines.append("  autopsy     none (autopsies off, or past autopsy_max_steps)")
         return "\n".join(lines)
-    result = _autopsy.Autopsy.from_json(autopsy)
+    result = with_spike_over(_autopsy.Autopsy.from_json(autopsy), record)
     lines.append(f"  autopsy     {result.describe()}")
     if result.top_examples:  # A spike's examples, highest per-example loss first.
         median = result.median_loss
@@ -135,6 +135,16 @@ def format_report(record: Mapping[str, Any]) -> str:
             f"runs, at most {cost.get('peak_bytes', 0)} bytes fetched at once"
         )
     return "\n".join(lines)
+
+
+def with_spike_over(result: _autopsy.Autopsy, record: Mapping[str, Any]) -> _autopsy.Autopsy:
+    """`result`, knowing what its spike was caught on from the bad step's `record` (its
+    ``spike.over``) when its own ``spike_over`` is empty (a dump written before it had one),
+    so that its sentence hedges a guess as the log line did."""
+    over = (record.get("spike") or {}).get("over")
+    if result.cause != Fault.SPIKE or result.spike_over or not over:
+        return result
+    return _replace(result, spike_over=tuple(over))
 
 
 def describe_health(h: Mapping[str, Any]) -> str:
@@ -220,6 +230,7 @@ def replay_dump(
                 batch_size=int(report.get("batch_size") or 0) or None,
                 cause=report.get("cause", "non_finite"),
             )
+            result = _replace(result, spike_over=tuple(report.get("spike_over") or ()))
         except (KeyError, ValueError, tf.errors.OpError) as err:
             # A graph that is not the run's, a tensor that cannot be fed.
             return _autopsy.Autopsy(

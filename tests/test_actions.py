@@ -45,7 +45,17 @@ class _FakeRestorer:
     def __init__(self, rollbacks):
         self._rollbacks = rollbacks
 
-    def restore(self, session, checkpoint_dir, *, bad_step, learning_rate_scale, skip_batches):
+    def restore(
+        self,
+        session,
+        checkpoint_dir,
+        *,
+        bad_step,
+        learning_rate_scale,
+        skip_batches,
+        before_step=None,
+        why="",
+    ):
         self._rollbacks.append((session, checkpoint_dir))
         return _rollback.Restored(f"{checkpoint_dir}/model.ckpt-2", 2, 0, learning_rate_scale)
 

@@ -314,8 +314,8 @@ def _spike_line(quote: str) -> str:
     names = {"loss": "loss", "gradient norm": "grad_norm"}
     over = re.search(
         rf"spike: (loss|gradient norm) {_NUMBER} is {_NUMBER} deviations above the typical "
-        rf"{_NUMBER} \(spike_sigma={_NUMBER}, over (\d+) accepted steps(?:; (loss|gradient "
-        rf"norm) z {_NUMBER})?\)",
+        rf"{_NUMBER} \(spike_sigma={_NUMBER}, over the last (\d+) accepted steps"
+        rf"(?:; (loss|gradient norm) z {_NUMBER})?\)",
         quote,
     )
     assert over, f"no spike figures in {quote!r}"
@@ -325,6 +325,7 @@ def _spike_line(quote: str) -> str:
         "z_" + jumped: float(over.group(3)),
         "typical_" + jumped: float(over.group(4)),
         "sigma": float(over.group(5)),
+        "window_steps": int(over.group(6)),
         "accepted_steps": int(over.group(6)),
         "over": [jumped],
     }
