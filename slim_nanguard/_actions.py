@@ -178,7 +178,7 @@ def record_overflow(
       guard: The guard of the train op that ran.
       step: The global step the overflow happened at (-1 if unknown).
       sums: What the step stored: the loss, the gradient sums, the loss scale.
-      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None.
+      kinds: What the loss and each gradient held (`StepReport.kinds`), or None.
 
     Returns:
       The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
@@ -214,9 +214,9 @@ def record_bad_step(
       sums: What the step stored: the loss, then the sum of each gradient.
       policy: The policy to apply instead of the configured one (a hook may say so).
       autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
-      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None: the
+      kinds: What the loss and each gradient held (`StepReport.kinds`), or None: the
         culprits then come from the sums.
-      spike: A spike step's figures (`Guard.read_fault`); None for a non-finite step. A
+      spike: A spike step's figures (`StepReport.spike`); None for a non-finite step. A
         spike gets ``spike_policy`` (a hook's `policy` is for non-finite steps).
 
     Returns:
@@ -474,11 +474,8 @@ def judge(
     """
 
     def record(raw: tf.compat.v1.Session):
-        step, sums = stored or guard.read_bad_step(raw)
-        fault, spike = guard.read_fault(raw)
-        kinds = None
-        if fault == Fault.NON_FINITE:  # Exact, unlike a sum that may overflow.
-            kinds = guard.read_value_kinds(raw)
+        read = guard.read_step_report(raw, stored)  # The one read of the bad step.
+        step, sums, fault, spike, kinds = read.step, read.sums, read.fault, read.spike, read.kinds
         if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None

@@ -320,6 +320,7 @@ def _register(
         global_step=global_step,
         grad_sums=test.grad_sums,
         value_kinds=test.kinds,
+        kinds_read=_handles.kinds_read(test.kinds, test.spike is not None),
         ok=None if in_loop else gate.ok,
         diagnostics=test.diagnostics,
         check_op_name=gate.check_op_name,

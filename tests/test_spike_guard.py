@@ -374,10 +374,12 @@ def test_two_train_ops_of_one_graph_keep_statistics_of_their_own():
     assert {v.op.name for v in first.handles.optional_variables} == {
         "nanguard_spike/history",
         "nanguard_spike/count",
+        "nanguard_spike/floor",
     }
     assert {v.op.name for v in other.handles.optional_variables} == {
         "nanguard_spike_1/history",
         "nanguard_spike_1/count",
+        "nanguard_spike_1/floor",
     }
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -440,6 +442,10 @@ def test_a_train_op_built_in_a_variable_scope_resumes_with_the_spike_guard_turne
     _train_steps(lib.build_model(nan_policy="skip", train_op_fn=_in_scope), logdir, 5)
     model = lib.build_model(nan_policy="skip", spike_policy="skip", train_op_fn=_in_scope)
     names = {v.op.name for v in slim_nanguard.get_guard(model.train_op).handles.optional_variables}
-    assert names == {"student/nanguard_spike/history", "student/nanguard_spike/count"}
+    assert names == {
+        "student/nanguard_spike/history",
+        "student/nanguard_spike/count",
+        "student/nanguard_spike/floor",
+    }
     result = _train_steps(model, logdir, 10)
     assert result.global_step == 10 and result.bad_steps == 0
