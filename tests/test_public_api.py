@@ -111,6 +111,7 @@ BAD_GUARD_VALUES = {
     "spike_policy": "sometimes",
     "spike_sigma": 0.0,
     "spike_warmup_steps": 1,
+    "spike_level_shift_steps": -1,
 }
 
 
