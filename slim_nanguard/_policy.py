@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Tuple, Union
 
 from slim_nanguard import _level_shift
 from slim_nanguard._events import NanEvent
@@ -165,28 +165,19 @@ class GuardConfig:
             )
         _check_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
         _check_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        factor = self.rollback_lr_factor
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, (int, float))
-            or not math.isfinite(factor)
-            or not 0.0 < factor <= 1.0
-        ):
-            raise ValueError(
-                "rollback_lr_factor must be a number in (0, 1] (1 keeps the "
-                f"learning rate); got {factor!r}."
-            )
+        _check_number(
+            "rollback_lr_factor",
+            self.rollback_lr_factor,
+            lambda f: 0.0 < f <= 1.0,
+            "a number in (0, 1] (1 keeps the learning rate)",
+        )
         _check_int("autopsy_max_steps", self.autopsy_max_steps, minimum=0)
-        timeout = self.autopsy_timeout_secs
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not timeout > 0
-            or not math.isfinite(timeout)
-        ):
-            raise ValueError(
-                f"autopsy_timeout_secs must be a number of seconds > 0; got {timeout!r}."
-            )
+        _check_number(
+            "autopsy_timeout_secs",
+            self.autopsy_timeout_secs,
+            lambda t: t > 0,
+            "a number of seconds > 0",
+        )
         _check_int("autopsy_keep_first", self.autopsy_keep_first, minimum=0)
         _check_int("autopsy_keep_last", self.autopsy_keep_last, minimum=1)
         _check_int("losses_before", self.losses_before, minimum=0)
@@ -195,16 +186,12 @@ class GuardConfig:
                 f"spike_policy must be one of {', '.join(POLICIES)} or None (no spike test); "
                 f"got {self.spike_policy!r}."
             )
-        sigma = self.spike_sigma
-        if (
-            isinstance(sigma, bool)
-            or not isinstance(sigma, (int, float))
-            or not math.isfinite(sigma)
-            or not sigma > 0
-        ):
-            raise ValueError(
-                f"spike_sigma must be a number of deviations > 0 (6 is usual); got {sigma!r}."
-            )
+        _check_number(
+            "spike_sigma",
+            self.spike_sigma,
+            lambda s: s > 0,
+            "a number of deviations > 0 (6 is usual)",
+        )
         _check_int("spike_warmup_steps", self.spike_warmup_steps, minimum=2)
         if self.spike_warmup_steps > SPIKE_WINDOW:
             raise ValueError(
@@ -293,6 +280,17 @@ def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
       policy: The policy applied; default ``config.nan_policy``.
     """
     return rolls_back(config, policy) or config.on_nan is not None
+
+
+def _check_number(name: str, value: object, within: Callable[[float], bool], what: str) -> None:
+    """Raises ValueError naming `name` unless `value` is a finite number `within` allows."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not within(value)
+    ):
+        raise ValueError(f"{name} must be {what}; got {value!r}.")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

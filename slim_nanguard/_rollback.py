@@ -162,40 +162,7 @@ class Rollback:
           CheckpointNotFoundError: No good checkpoint to roll back to.
           ValueError: No Saver was built before the graph was finalized.
         """
-        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
-        if path is not None and before_step is not None:
-            older = _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=before_step)
-            if older is None:
-                why = f"{why}, but no checkpoint older than step {before_step} is kept"
-            else:
-                path = older
-            logging.warning("slim_nanguard: %s: rolling back to %s", why, path)
-        elif (
-            path is not None and self._restored_step is not None and bad_step == self._restored_step
-        ):
-            # No step went through since the last rollback restored this step: the state it
-            # restored went bad at once (finite weights can already be diverging). Go back to
-            # an earlier step's checkpoint, if one is kept.
-            older = _checkpoints.latest_good_checkpoint(
-                checkpoint_dir, before_step=self._restored_step
-            )
-            if older is not None:
-                logging.warning(
-                    "slim_nanguard: training went bad again at step %d, right "
-                    "after rolling back to it; rolling back further, to %s",
-                    bad_step,
-                    older,
-                )
-                path = older
-            else:  # None earlier is kept: the same step again (not a newer, failed one).
-                path = (
-                    _checkpoints.latest_good_checkpoint(
-                        checkpoint_dir, before_step=self._restored_step + 1
-                    )
-                    or path
-                )
+        path, why = self._choose(checkpoint_dir, bad_step, before_step, why)
         if path is None:
             where = (
                 f"in {checkpoint_dir!r}"
@@ -239,6 +206,46 @@ class Rollback:
             skip_batches = self._config.rollback_skip_batches
         skipped = self.skip_input(session, skip_batches)
         return Restored(path, self._restored_step, skipped, learning_rate_scale, why)
+
+    def _choose(
+        self, checkpoint_dir: Optional[str], bad_step: int, before_step: Optional[int], why: str
+    ) -> Tuple[Optional[str], str]:
+        """The checkpoint a rollback restores, and why (see `restore`); None: there is none."""
+        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
+
+        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
+        if path is not None and before_step is not None:
+            older = _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=before_step)
+            if older is None:
+                why = f"{why}, but no checkpoint older than step {before_step} is kept"
+            else:
+                path = older
+            logging.warning("slim_nanguard: %s: rolling back to %s", why, path)
+        elif (
+            path is not None and self._restored_step is not None and bad_step == self._restored_step
+        ):
+            # No step went through since the last rollback restored this step: the state it
+            # restored went bad at once (finite weights can already be diverging). Go back to
+            # an earlier step's checkpoint, if one is kept.
+            older = _checkpoints.latest_good_checkpoint(
+                checkpoint_dir, before_step=self._restored_step
+            )
+            if older is not None:
+                logging.warning(
+                    "slim_nanguard: training went bad again at step %d, right "
+                    "after rolling back to it; rolling back further, to %s",
+                    bad_step,
+                    older,
+                )
+                path = older
+            else:  # None earlier is kept: the same step again (not a newer, failed one).
+                path = (
+                    _checkpoints.latest_good_checkpoint(
+                        checkpoint_dir, before_step=self._restored_step + 1
+                    )
+                    or path
+                )
+        return path, why
 
     def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
         """Runs the input ops that feed the loss `batches` times; returns how many ran."""
