@@ -352,58 +352,77 @@ def _batch_norm(net, tf, decay: float = 0.99):
     return tf.nn.batch_normalization(net, mean, var, beta, gamma, 1e-3)
 
 
-def _build(run: Run, tf):
-    """The graph of `run`: (placeholders, loss, norm, train op, trainable vars, slots)."""
-    x = tf.compat.v1.placeholder(
-        tf.float32, [None, 64 if run.model in ("mlp", "bn", "deep") else IN]
-    )
+def placeholders(run: Run, tf):
+    """Placeholders of a batch of `run`: (x, y)."""
     regression = run.model in ("linear", "deep_linear")
+    x = tf.compat.v1.placeholder(tf.float32, [None, IN if regression else 64])
     y = tf.compat.v1.placeholder(
         tf.float32 if regression else tf.int64, [None, OUT] if regression else [None]
     )
-    lr = tf.compat.v1.placeholder(tf.float32, [])
-    import tf_slim
+    return x, y
 
-    def dense(net, units, activation=None, init=None, bias=True):
-        return tf_slim.fully_connected(
-            net,
-            units,
-            activation_fn=activation,
-            weights_initializer=init,
-            biases_initializer=tf.zeros_initializer() if bias else None,
-        )
 
-    if run.model == "linear":
-        out = dense(x, OUT, init=tf.zeros_initializer(), bias=False)
-    elif run.model == "deep_linear":
-        init = tf.compat.v1.random_normal_initializer(stddev=1e-2)
-        out = x
-        for _ in range(3):
-            out = dense(out, OUT, init=init, bias=False)
-    elif run.model == "deep":
-        he = tf_slim.variance_scaling_initializer(2.0)
-        out = x
-        for _ in range(50):
-            out = dense(out, 64, tf.nn.relu, he)
-        out = dense(out, CLASSES, init=he)
-    else:
-        init = tf.compat.v1.glorot_uniform_initializer()
-        out = x
-        for _ in range(2):
-            if run.model == "bn":
-                out = tf.nn.relu(_batch_norm(dense(out, 128, None, init, bias=False), tf))
-            else:
-                out = dense(out, 128, tf.nn.relu, init)
-        out = dense(out, CLASSES, init=init)
-    if regression:
-        loss = tf.reduce_mean(tf.square(out - y))
-    else:
-        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, out)
-    opt = {
+def model_loss(run: Run, x, y, tf):
+    """The loss of `run`'s model on the batch ``(x, y)``, built in the current graph."""
+    out = _network(run, x, tf)
+    if run.model in ("linear", "deep_linear"):
+        return tf.reduce_mean(tf.square(out - y))
+    return tf.compat.v1.losses.sparse_softmax_cross_entropy(y, out)
+
+
+def optimizer(run: Run, lr, tf):
+    """`run`'s optimizer at learning rate `lr` (a float or a scalar tensor)."""
+    return {
         "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(lr),
         "momentum": lambda: tf.compat.v1.train.MomentumOptimizer(lr, 0.9),
         "adam": lambda: tf.compat.v1.train.AdamOptimizer(lr),
     }[run.optimizer]()
+
+
+def _dense(net, units, activation=None, init=None, bias=True):
+    import tensorflow as tf
+    import tf_slim
+
+    return tf_slim.fully_connected(
+        net,
+        units,
+        activation_fn=activation,
+        weights_initializer=init,
+        biases_initializer=tf.zeros_initializer() if bias else None,
+    )
+
+
+def _network(run: Run, x, tf):
+    import tf_slim
+
+    out = x
+    if run.model == "linear":
+        return _dense(x, OUT, init=tf.zeros_initializer(), bias=False)
+    if run.model == "deep_linear":
+        init = tf.compat.v1.random_normal_initializer(stddev=1e-2)
+        for _ in range(3):
+            out = _dense(out, OUT, init=init, bias=False)
+        return out
+    if run.model == "deep":
+        he = tf_slim.variance_scaling_initializer(2.0)
+        for _ in range(50):
+            out = _dense(out, 64, tf.nn.relu, he)
+        return _dense(out, CLASSES, init=he)
+    init = tf.compat.v1.glorot_uniform_initializer()
+    for _ in range(2):
+        if run.model == "bn":
+            out = tf.nn.relu(_batch_norm(_dense(out, 128, None, init, bias=False), tf))
+        else:
+            out = _dense(out, 128, tf.nn.relu, init)
+    return _dense(out, CLASSES, init=init)
+
+
+def _build(run: Run, tf):
+    """The graph of `run`: (placeholders, loss, norm, train op, trainable vars, slots)."""
+    x, y = placeholders(run, tf)
+    lr = tf.compat.v1.placeholder(tf.float32, [])
+    loss = model_loss(run, x, y, tf)
+    opt = optimizer(run, lr, tf)
     pairs = opt.compute_gradients(loss)
     norm = tf.linalg.global_norm([g for g, _ in pairs])
     with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
