@@ -33,6 +33,8 @@ import numpy as np
 FLOOR = 0.05
 MAD_SCALE = 1.4826
 ACCEPT, SPIKE, NONFINITE, ADAPT, STOP = "accept", "spike", "nonfinite", "adapt", "stop"
+# A shift decided on a step that is still rejected (`Rule.hold`); a burst that was not a level.
+SHIFT_HELD, BURST = "shift_held", "burst"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,9 @@ class Rule:
         least the old window's; False: warm up again from the k values.
       probation: With `live_after_shift`: a spike before ``warmup`` steps were accepted
         after a shift is a divergence: the run stops at once.
+      hold: The k-th step is rejected too (the shift is confirmed by the next step), and the
+        old statistics are kept through the probation: a step back under the old threshold
+        means the streak was a burst of bad batches, not a level: the old statistics return.
       signals: The columns tested.
       max_bad: Bad steps in a row that stop the run.
     """
@@ -66,6 +71,7 @@ class Rule:
     growth: float = 2.0
     live_after_shift: bool = False
     probation: bool = False
+    hold: bool = False
     signals: Sequence[str] = ("loss", "norm")
     max_bad: int = 10
 
@@ -100,6 +106,7 @@ class Judge:
         self.least_std: Dict[str, float] = {}  # after a live shift: the old window's deviation
         self.on_probation = False
         self.since_shift = 0  # accepted since the last shift
+        self.saved = None  # with `Rule.hold`, during the probation: the old statistics
 
     def z_scores(self, values: Dict[str, float]) -> Dict[str, float]:
         """The z-score of each tested, positive, finite value (0 in the warm-up)."""
@@ -124,6 +131,10 @@ class Judge:
         if not all(math.isfinite(values[c]) for c in ("loss", "norm")):
             self.pending = []
             return self._bad(step, NONFINITE, {})
+        if self.saved is not None and self._back_under_old(values):
+            self.history, self.warm, self.since_reset = self.saved
+            self.saved, self.least_std, self.on_probation = None, {}, False
+            self.events.append({"step": step, "kind": BURST})
         z = self.z_scores(values)
         if max(z.values()) > self.rule.sigma:
             self.pending.append({c: _log(values.get(c, math.nan)) for c in self.rule.signals})
@@ -152,7 +163,7 @@ class Judge:
         self.since_reset += 1
         self.since_shift += 1
         if self.since_shift >= self.rule.warmup:  # the new level's own statistics suffice
-            self.least_std, self.on_probation = {}, False
+            self.least_std, self.on_probation, self.saved = {}, False, None
         self.bad = 0
         self.pending = []
 
@@ -186,6 +197,8 @@ class Judge:
                     self.least_std[column] = statistics(logs, self.rule.center)[1]
             self.on_probation = self.rule.probation
         self.since_shift = 0
+        if self.rule.hold:
+            self.saved = (self.history, self.warm, self.since_reset)
         self.history = [dict(p) for p in recent]
         self.warm = [True] * len(recent)
         self.since_reset = self.rule.warmup if self.rule.live_after_shift else len(recent)
@@ -199,7 +212,21 @@ class Judge:
                 "to": {c: math.exp(v) for c, v in after.items()},
             }
         )
-        return ADAPT
+        return SHIFT_HELD if self.rule.hold else ADAPT
+
+    def _back_under_old(self, values: Dict[str, float]) -> bool:
+        """Whether every tested value is under the old statistics' threshold."""
+        history, warm, _ = self.saved
+        for column in self.rule.signals:
+            logs = np.array([h[column] for h in history[-self.rule.window :]])
+            flags = np.array(warm[-self.rule.window :])
+            usable = np.isfinite(logs)
+            if not usable.any() or not values.get(column, math.nan) > 0:
+                continue
+            mean, std = statistics(logs[usable], self.rule.center, flags[usable], self.rule.sigma)
+            if (math.log(values[column]) - mean) / std > self.rule.sigma:
+                return False
+        return True
 
 
 def _log(value: float) -> float:
@@ -217,6 +244,16 @@ RULES: Dict[str, Rule] = {
         Rule("shift5_live", level_shift=5, live_after_shift=True),
         Rule("shift3_probation", level_shift=3, live_after_shift=True, probation=True),
         Rule("shift5_probation", level_shift=5, live_after_shift=True, probation=True),
+        Rule("shift5_hold", level_shift=5, live_after_shift=True, probation=True, hold=True),
+        Rule("shift8_hold", level_shift=8, live_after_shift=True, probation=True, hold=True),
+        Rule(
+            "trim_shift5_hold",
+            center="trim",
+            level_shift=5,
+            live_after_shift=True,
+            probation=True,
+            hold=True,
+        ),
         Rule("median", center="median"),
         Rule("trim", center="trim"),
         Rule(

@@ -284,6 +284,28 @@ RUNS: Dict[str, Run] = {
             planted={60: 30.0},
         ),
         Run(
+            "burst4",
+            "MLP, momentum 0.05, batches x1000 at steps 200-203 (a bad shard)",
+            "spike",
+            400,
+            "mlp",
+            "momentum",
+            lambda s: 0.05,
+            _classes(),
+            planted={s: 1000.0 for s in range(200, 204)},
+        ),
+        Run(
+            "burst8",
+            "MLP, momentum 0.05, batches x1000 at steps 200-207 (a bad shard)",
+            "spike",
+            400,
+            "mlp",
+            "momentum",
+            lambda s: 0.05,
+            _classes(),
+            planted={s: 1000.0 for s in range(200, 208)},
+        ),
+        Run(
             "warmup_spike_x10",
             "MLP, Adam 1e-3, batch x1000 at step 10 (warm-up), x10 at step 60",
             "spike",
@@ -502,6 +524,8 @@ def cell(judged: Trace, unguarded: Trace) -> str:
     for shift in (e for e in judged.events if e["kind"] == spike_rules.ADAPT):
         old, new = shift["from"]["loss"], shift["to"]["loss"]
         parts.append(f"shift at {shift['step']}: loss {old:.3g} -> {new:.3g}")
+    for burst in (e for e in judged.events if e["kind"] == spike_rules.BURST):
+        parts.append(f"back under the old level at {burst['step']}: a burst, not a level")
     nonfinite = [e for e in judged.events if e["kind"] == spike_rules.NONFINITE]
     if nonfinite:
         parts.append(f"{len(nonfinite)} non-finite from {nonfinite[0]['step']}")

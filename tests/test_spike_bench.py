@@ -202,3 +202,15 @@ def test_an_outlier_accepted_in_the_warm_up_blinds_the_mean_but_not_the_trimmed_
     _feed(trimmed, steps)
     assert today.decide(60, spike) == spike_rules.ACCEPT
     assert trimmed.decide(60, spike) == spike_rules.SPIKE
+
+
+def test_a_bad_shard_as_long_as_k_is_held_back_and_the_old_statistics_return():
+    rule = spike_rules.Rule(level_shift=8, live_after_shift=True, probation=True, hold=True)
+    judge = spike_rules.Judge(rule)
+    _feed(judge, _noisy(100))
+    shard = _feed(judge, [(500.0, 900.0)] * 8, start=100)
+    assert shard == [spike_rules.SPIKE] * 7 + [spike_rules.SHIFT_HELD]  # none applied
+    assert judge.decide(108, {"loss": 1.0, "norm": 1.0}) == spike_rules.ACCEPT
+    assert [e["kind"] for e in judge.events][-2:] == [spike_rules.ADAPT, spike_rules.BURST]
+    # The old statistics again: a x30 spike is a spike.
+    assert judge.decide(109, {"loss": 30.0, "norm": 30.0}) == spike_rules.SPIKE
