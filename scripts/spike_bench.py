@@ -29,11 +29,13 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This tree's package and scripts first: the bench measures the guard beside it.
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
 import spike_traces  # noqa: E402
 
-# The runs of --quick: short, one clean and one with a planted spike.
-QUICK = {"label_noise": 80, "planted": 160}
+# The runs of --quick: short, a clean run the guard flags (a switch of data) and a planted spike.
+QUICK = {"data_switch": 330, "planted": 160}
 # The clean runs' held-out loss may be at most this much worse guarded (issue 25's bound).
 WORSE_BOUND = 0.05
 
@@ -44,19 +46,22 @@ class Outcome:
 
     ended: str  # "step_limit", or what stopped it (a TrainResult.stop_reason or an error)
     steps: int  # train steps run (good and bad)
-    flagged: List[dict]  # the spike records: step, z_loss, z_grad_norm
-    shifts: List[dict]  # records of a level shift (whatever their cause is named)
+    flagged: List[dict]  # per spike: batch (the input's index), step, z_loss, z_grad_norm
+    shifts: List[dict]  # per level shift named: batch, step, old and new typical loss
     held_out: float
     seconds: float
 
 
-def _dataset(run: spike_traces.Run, steps: int, tf):
-    """Batch ``i`` of `run` (planted spikes scaled) with its learning rate, for i < steps."""
+def _dataset(run: spike_traces.Run, steps: int, tf, dropped: Sequence[int] = ()):
+    """Batch ``i`` of `run` (planted spikes scaled) with its learning rate, but for the
+    `dropped` ones (a control: as if a guard had rejected them)."""
     x, y = run.data(0, np.random.RandomState(1000))
     regression = y.dtype.kind == "f"
 
     def batches():
         for step in range(2 * steps + 8):  # room for rejected steps (each takes a batch)
+            if step in dropped:
+                continue
             bx, by = run.data(step, np.random.RandomState(1000 + step))
             yield (
                 (bx * run.planted.get(step, 1.0)).astype(np.float32),
@@ -72,8 +77,11 @@ def _dataset(run: spike_traces.Run, steps: int, tf):
     return tf.data.Dataset.from_generator(batches, output_signature=spec)
 
 
-def train_once(run: spike_traces.Run, steps: int, logdir: str, guarded: bool) -> Outcome:
-    """Trains `run` for `steps` train steps with the real guard (or without a spike policy)."""
+def train_once(
+    run: spike_traces.Run, steps: int, logdir: str, guarded: bool, dropped: Sequence[int] = ()
+) -> Outcome:
+    """Trains `run` until global step `steps` with the real guard (or without a spike policy),
+    on its batches but the `dropped` ones."""
     import tensorflow as tf
 
     import slim_nanguard
@@ -82,7 +90,9 @@ def train_once(run: spike_traces.Run, steps: int, logdir: str, guarded: bool) ->
     with graph.as_default():
         tf.compat.v1.set_random_seed(0)
         model = tf.compat.v1.make_template("model", spike_traces.model_loss, run=run, tf=tf)
-        x, y, lr = tf.compat.v1.data.make_one_shot_iterator(_dataset(run, steps, tf)).get_next()
+        x, y, lr = tf.compat.v1.data.make_one_shot_iterator(
+            _dataset(run, steps, tf, dropped)
+        ).get_next()
         loss = model(x=x, y=y)
         train_op = slim_nanguard.create_train_op(
             loss,
@@ -109,16 +119,37 @@ def train_once(run: spike_traces.Run, steps: int, logdir: str, guarded: bool) ->
             ended = type(err).__name__
         seconds = time.time() - start
         held_out = _held_out(run, logdir, held_out_loss, (px, py), tf)
-    records = slim_nanguard.read_events(logdir)
-    bad = [r for r in records if r.get("kind") == "bad_step"]
+    flagged, shifts, bad = _read_record(slim_nanguard.read_events(logdir))
     return Outcome(
         ended=ended,
-        steps=len(bad) + _good_steps(logdir, tf),
-        flagged=[_flag(r) for r in bad if r.get("cause") == "spike"],
-        shifts=[r for r in records if "shift" in str(r.get("cause", r.get("kind", "")))],
+        steps=bad + _good_steps(logdir, tf),
+        flagged=flagged,
+        shifts=shifts,
         held_out=held_out,
         seconds=seconds,
     )
+
+
+def _read_record(records: Sequence[dict]):
+    """(spikes, level shifts, bad steps) of a run's record. A rejected step takes a batch
+    and leaves the global step where it was: the batch of a record is its global step plus
+    the bad steps before it."""
+    flagged, shifts, bad = [], [], 0
+    for record in records:
+        shift = record.get("level_shift")
+        if record.get("kind") != "bad_step" and isinstance(shift, dict):
+            batch = record["step"] + bad - 1  # the bad step that completed the run
+            old, new = shift.get("old", {}), shift.get("new", {})
+            shifts.append(
+                {"batch": batch, "old": old.get("loss", math.nan), "new": new.get("loss", math.nan)}
+            )
+        if record.get("kind") != "bad_step":
+            continue
+        if record.get("cause") == "spike":
+            flag = _flag(record)
+            flagged.append({**flag, "batch": record["step"] + bad})
+        bad += 1
+    return flagged, shifts, bad
 
 
 def _good_steps(logdir: str, tf) -> int:
@@ -156,34 +187,61 @@ COLUMNS = (
     "run",
     "kind",
     "steps run",
-    "flagged (step: z loss / z grad norm)",
+    "flagged (batch: z loss / z grad norm)",
     "level shifts named",
     "ended, guarded / unguarded",
     "held-out loss, unguarded",
     "guarded",
     "ratio",
+    "control ratio",
     "verdict",
 )
+
+
+@dataclasses.dataclass
+class Result:
+    """A run of the bench: guarded, unguarded, and (a clean run with flags) the control: the
+    unguarded run with as many other batches dropped, the noise the ratio is read against."""
+
+    run: spike_traces.Run
+    guarded: Outcome
+    unguarded: Outcome
+    control: Optional[Outcome] = None
+
+    @property
+    def ratio(self) -> float:
+        """Held-out loss guarded over unguarded (NaN when either is not finite)."""
+        return _ratio(self.guarded, self.unguarded)
+
+    @property
+    def control_ratio(self) -> float:
+        """Held-out loss of the control over unguarded (NaN without a control)."""
+        return _ratio(self.control, self.unguarded) if self.control else math.nan
+
+
+def _ratio(a: Outcome, b: Outcome) -> float:
+    if not (math.isfinite(a.held_out) and math.isfinite(b.held_out)):
+        return math.nan
+    return a.held_out / b.held_out
 
 
 def _flags_cell(flagged: Sequence[dict], shown: int = 12) -> str:
     if not flagged:
         return "0"
-    cells = [f"{f['step']}: {f['z_loss']:.1f} / {f['z_grad_norm']:.1f}" for f in flagged[:shown]]
+    cells = [f"{f['batch']}: {f['z_loss']:.1f} / {f['z_grad_norm']:.1f}" for f in flagged[:shown]]
     more = f", ... ({len(flagged) - shown} more)" if len(flagged) > shown else ""
     return f"{len(flagged)}: " + ", ".join(cells) + more
 
 
-def ratio(guarded: Outcome, unguarded: Outcome) -> float:
-    """Held-out loss guarded over unguarded (NaN when either is not finite)."""
-    if not (math.isfinite(guarded.held_out) and math.isfinite(unguarded.held_out)):
-        return math.nan
-    return guarded.held_out / unguarded.held_out
+def change(r: float) -> str:
+    """A ratio of losses in words: ``"equal"``, ``"3% worse"``, ``"12% better"``."""
+    return "equal" if r == 1 else f"{abs(r - 1) * 100:.0f}% {'worse' if r > 1 else 'better'}"
 
 
-def verdict(run: spike_traces.Run, guarded: Outcome, unguarded: Outcome) -> str:
-    """One sentence on what the guard did to `run`, from the numbers of its row."""
-    n, r = len(guarded.flagged), ratio(guarded, unguarded)
+def verdict(result: Result) -> str:
+    """One sentence on what the guard did to a run, from the numbers of its row."""
+    run, guarded, r = result.run, result.guarded, result.ratio
+    n = len(guarded.flagged)
     flagged = "no step flagged" if n == 0 else f"{n} step{'s' if n > 1 else ''} flagged"
     ended = (
         "ran to its step limit"
@@ -191,12 +249,12 @@ def verdict(run: spike_traces.Run, guarded: Outcome, unguarded: Outcome) -> str:
         else f"ended by the guard ({guarded.ended})"
     )
     if run.kind == "spike":
-        steps = {f["step"] for f in guarded.flagged}
+        steps = {f["batch"] for f in guarded.flagged}
         missed = sorted(s for s in run.planted if s not in steps and s >= 20)
         caught = (
             "every planted spike past the warm-up rejected"
             if not missed
-            else (f"planted spike at step {', '.join(map(str, missed))} missed")
+            else f"planted spike at step {', '.join(map(str, missed))} missed"
         )
         return f"{caught}; {flagged}; {ended}."
     if run.kind == "diverge":
@@ -204,65 +262,87 @@ def verdict(run: spike_traces.Run, guarded: Outcome, unguarded: Outcome) -> str:
         return f"{flagged}; {ended}{broken}."
     if not math.isfinite(r):
         return f"{flagged}; {ended}; held-out loss not comparable."
-    change = f"{abs(r - 1) * 100:.0f}% {'worse' if r > 1 else 'better'}" if r != 1 else "equal"
     within = "within" if r <= 1 + WORSE_BOUND else "outside"
-    return f"{flagged}; {ended}; final loss {change} ({within} {WORSE_BOUND:.0%})."
+    sentence = f"{flagged}; {ended}; final loss {change(r)} ({within} {WORSE_BOUND:.0%})"
+    if math.isfinite(result.control_ratio):
+        sentence += f"; as many other batches dropped: {change(result.control_ratio)}"
+    return sentence + "."
 
 
-def row(run: spike_traces.Run, guarded: Outcome, unguarded: Outcome) -> str:
+def row(result: Result) -> str:
     """The Markdown row of a run."""
-    shifts = ", ".join(str(s.get("step")) for s in guarded.shifts) or "none"
-    r = ratio(guarded, unguarded)
+    guarded, unguarded = result.guarded, result.unguarded
+    shifts = (
+        ", ".join(f"{s['batch']}: loss {s['old']:.3g} -> {s['new']:.3g}" for s in guarded.shifts)
+        or "none"
+    )
+
+    def number(value: float) -> str:
+        return f"{value:.3f}" if math.isfinite(value) else "n/a"
+
     cells = (
-        run.name,
-        run.kind,
+        result.run.name,
+        result.run.kind,
         str(guarded.steps),
         _flags_cell(guarded.flagged),
         shifts,
         f"{guarded.ended} / {unguarded.ended}",
         f"{unguarded.held_out:.4g}",
         f"{guarded.held_out:.4g}",
-        f"{r:.3f}" if math.isfinite(r) else "n/a",
-        verdict(run, guarded, unguarded),
+        number(result.ratio),
+        number(result.control_ratio),
+        verdict(result),
     )
     return "| " + " | ".join(cells) + " |"
 
 
-def summary(results: Dict[str, tuple]) -> str:
+def summary(results: Sequence[Result]) -> str:
     """The sentence the README may say: the clean runs of the table, counted."""
-    clean = {n: o for n, o in results.items() if spike_traces.RUNS[n].kind == "clean"}
+    clean = [r for r in results if r.run.kind == "clean"]
     if not clean:
         return "No clean run in this table."
-    flagged = sum(len(g.flagged) for g, _ in clean.values())
-    with_flags = sum(1 for g, _ in clean.values() if g.flagged)
-    ended = sum(1 for g, _ in clean.values() if g.ended != "step_limit")
-    ratios = {n: ratio(g, u) for n, (g, u) in clean.items()}
-    worst = max(ratios, key=lambda n: ratios[n] if math.isfinite(ratios[n]) else math.inf)
-    return (
+    flagged = sum(len(r.guarded.flagged) for r in clean)
+    with_flags = sum(1 for r in clean if r.guarded.flagged)
+    ended = sum(1 for r in clean if r.guarded.ended != "step_limit")
+    worst = max(clean, key=lambda r: r.ratio if math.isfinite(r.ratio) else math.inf)
+    sentence = (
         f"On {len(clean)} clean-but-hard run{'s' if len(clean) != 1 else ''} "
-        f"({', '.join(clean)}), the spike guard at its "
-        f"defaults flagged {flagged} step{'s' if flagged != 1 else ''} in {with_flags} "
+        f"({', '.join(r.run.name for r in clean)}), the spike guard at its defaults flagged "
+        f"{flagged} step{'s' if flagged != 1 else ''} in {with_flags} "
         f"run{'s' if with_flags != 1 else ''}, ended {ended} before its step limit, and left "
-        f"the final held-out loss at most {max(0.0, ratios[worst] - 1) * 100:.0f}% worse than "
-        f"unguarded (worst: {worst}, ratio {ratios[worst]:.3f})."
+        f"the final held-out loss at most {max(0.0, worst.ratio - 1) * 100:.0f}% worse than "
+        f"unguarded (worst: {worst.run.name}, ratio {worst.ratio:.3f}"
     )
+    if math.isfinite(worst.control_ratio):
+        sentence += f"; dropping as many other batches: {worst.control_ratio:.3f}"
+    return sentence + ")."
+
+
+def _control_drops(guarded: Outcome, steps: int, offset: int = 37) -> List[int]:
+    """Batches to drop for a control: each flagged step's batch, `offset` batches later."""
+    return sorted({(f["batch"] + offset) % steps for f in guarded.flagged})
 
 
 def bench(names: Sequence[str], workdir: str, steps: Optional[Dict[str, int]] = None) -> str:
     """Runs each named run guarded and unguarded; the Markdown table and its summary."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    results = {}
+    results = []
     for name in names:
+        start = time.time()
         run = spike_traces.RUNS[name]
-        n = (steps or {}).get(name, run.steps)
-        if n != run.steps:
-            run = dataclasses.replace(run, steps=n)
-        guarded = train_once(run, n, os.path.join(workdir, f"{name}_guarded"), True)
-        unguarded = train_once(run, n, os.path.join(workdir, f"{name}_unguarded"), False)
-        results[name] = (guarded, unguarded)
-        lines.append(row(run, guarded, unguarded))
-        seconds = guarded.seconds + unguarded.seconds
-        print(f"{name}: {seconds:.0f} s", file=sys.stderr, flush=True)
+        run = dataclasses.replace(run, steps=(steps or {}).get(name, run.steps))
+        logdir = os.path.join(workdir, name)
+        result = Result(
+            run,
+            train_once(run, run.steps, f"{logdir}_guarded", True),
+            train_once(run, run.steps, f"{logdir}_unguarded", False),
+        )
+        if run.kind == "clean" and result.guarded.flagged:
+            drops = _control_drops(result.guarded, run.steps)
+            result.control = train_once(run, run.steps, f"{logdir}_control", False, drops)
+        results.append(result)
+        lines.append(row(result))
+        print(f"{name}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
     return "\n".join(lines + ["", summary(results)])
 
 

@@ -106,6 +106,11 @@ def _cosine_restarts(base: float, period: int):
     return lambda s: base * 0.5 * (1 + math.cos(math.pi * (s % period) / period))
 
 
+def _planted(name: str, what: str, opt: str, lr: float, planted: Dict[int, float]) -> Run:
+    """An MLP run of 400 steps with batches scaled at the `planted` steps."""
+    return Run(name, what, "spike", 400, "mlp", opt, lambda s: lr, _classes(), planted=planted)
+
+
 RUNS: Dict[str, Run] = {
     r.name: r
     for r in (
@@ -239,93 +244,61 @@ RUNS: Dict[str, Run] = {
             lambda s: 0.05,
             _classes(scale_after=300),
         ),
-        Run(
+        _planted(
             "planted",
             "MLP, momentum 0.05, batch x1000 at step 100 (spike_skip.cfg)",
-            "spike",
-            400,
-            "mlp",
             "momentum",
-            lambda s: 0.05,
-            _classes(),
-            planted={100: 1000.0},
+            0.05,
+            {100: 1000.0},
         ),
-        Run(
+        _planted(
             "warmup_spike",
             "MLP, Adam 1e-3, batch x1000 at step 10 (warm-up) and at step 60",
-            "spike",
-            400,
-            "mlp",
             "adam",
-            lambda s: 1e-3,
-            _classes(),
-            planted={10: 1000.0, 60: 1000.0},
+            1e-3,
+            {10: 1000.0, 60: 1000.0},
         ),
-        Run(
+        _planted(
             "warmup_spike_x30",
             "MLP, Adam 1e-3, batch x1000 at step 10 (warm-up), x30 at step 60",
-            "spike",
-            400,
-            "mlp",
             "adam",
-            lambda s: 1e-3,
-            _classes(),
-            planted={10: 1000.0, 60: 30.0},
+            1e-3,
+            {10: 1000.0, 60: 30.0},
         ),
-        Run(
+        _planted(
             "planted_x30",
             "MLP, Adam 1e-3, batch x30 at step 60 (no warm-up spike)",
-            "spike",
-            400,
-            "mlp",
             "adam",
-            lambda s: 1e-3,
-            _classes(),
-            planted={60: 30.0},
+            1e-3,
+            {60: 30.0},
         ),
-        Run(
+        _planted(
             "burst4",
             "MLP, momentum 0.05, batches x1000 at steps 200-203 (a bad shard)",
-            "spike",
-            400,
-            "mlp",
             "momentum",
-            lambda s: 0.05,
-            _classes(),
-            planted={s: 1000.0 for s in range(200, 204)},
+            0.05,
+            {s: 1000.0 for s in range(200, 204)},
         ),
-        Run(
+        _planted(
             "burst8",
             "MLP, momentum 0.05, batches x1000 at steps 200-207 (a bad shard)",
-            "spike",
-            400,
-            "mlp",
             "momentum",
-            lambda s: 0.05,
-            _classes(),
-            planted={s: 1000.0 for s in range(200, 208)},
+            0.05,
+            {s: 1000.0 for s in range(200, 208)},
         ),
-        Run(
+        _planted(
             "warmup_spike_x10",
             "MLP, Adam 1e-3, batch x1000 at step 10 (warm-up), x10 at step 60",
-            "spike",
-            400,
-            "mlp",
             "adam",
-            lambda s: 1e-3,
-            _classes(),
-            planted={10: 1000.0, 60: 10.0},
+            1e-3,
+            {10: 1000.0, 60: 10.0},
         ),
-        Run(
+        _planted(
             "planted_x10",
             "MLP, Adam 1e-3, batch x10 at step 60 (no warm-up spike)",
-            "spike",
-            400,
-            "mlp",
             "adam",
-            lambda s: 1e-3,
-            _classes(),
-            planted={60: 10.0},
+            1e-3,
+            {60: 10.0},
         ),
     )
 }

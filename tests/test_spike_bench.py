@@ -65,7 +65,7 @@ def test_the_quick_bench_prints_a_row_per_run_with_every_column(quick_table):
 def test_the_planted_spike_is_listed_with_its_z_scores_and_rejected(quick_table):
     _, rows, _ = quick_table
     planted = rows["planted"]
-    count, listed = planted["flagged (step: z loss / z grad norm)"].split(": ", 1)
+    count, listed = planted["flagged (batch: z loss / z grad norm)"].split(": ", 1)
     flags = re.findall(r"(\d+): ([0-9.]+) / ([0-9.]+)", listed)
     assert int(count) == len(flags)
     step, z_loss, z_norm = flags[0]
@@ -77,7 +77,7 @@ def test_the_planted_spike_is_listed_with_its_z_scores_and_rejected(quick_table)
 def test_each_verdict_says_what_its_numbers_say(quick_table):
     _, rows, _ = quick_table
     for row in rows.values():
-        flagged = row["flagged (step: z loss / z grad norm)"]
+        flagged = row["flagged (batch: z loss / z grad norm)"]
         count = 0 if flagged == "0" else int(flagged.split(":")[0])
         verdict = row["verdict"]
         assert ("no step flagged" in verdict) == (count == 0), row
@@ -92,8 +92,19 @@ def test_each_verdict_says_what_its_numbers_say(quick_table):
             )
             percent = round(abs(ratio - 1) * 100)
             said = "equal" if ratio == 1 else f"{percent}% {'worse' if ratio > 1 else 'better'}"
-            assert said in verdict, row
+            assert f"final loss {said}" in verdict, row
             assert ("(within 5%)" in verdict) == (ratio <= 1.05), row
+            # A clean run with flags is read against its control; one without has none.
+            assert (row["control ratio"] == "n/a") == (count == 0), row
+            if count:
+                control = float(row["control ratio"])
+                percent = round(abs(control - 1) * 100)
+                said = (
+                    "equal"
+                    if control == 1
+                    else f"{percent}% {'worse' if control > 1 else 'better'}"
+                )
+                assert f"as many other batches dropped: {said}" in verdict, row
 
 
 def test_the_readme_sentence_counts_the_clean_rows(quick_table):
@@ -101,8 +112,8 @@ def test_the_readme_sentence_counts_the_clean_rows(quick_table):
     clean = {n: r for n, r in rows.items() if r["kind"] == "clean"}
     flagged = sum(
         0
-        if r["flagged (step: z loss / z grad norm)"] == "0"
-        else int(r["flagged (step: z loss / z grad norm)"].split(":")[0])
+        if r["flagged (batch: z loss / z grad norm)"] == "0"
+        else int(r["flagged (batch: z loss / z grad norm)"].split(":")[0])
         for r in clean.values()
     )
     assert sentence.startswith(f"On {len(clean)} clean-but-hard run")
