@@ -7,15 +7,29 @@ stderr and below any log-level setting, a banner (oneDNN, CUDA drivers, CPU inst
 summary, and for bad input one or two lines. So unless ``--verbosity`` (on the command line)
 asks for more, `quiet_imports` sends file descriptor 2 to /dev/null while TensorFlow loads,
 and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 3 (an explicit setting in the environment is kept).
+
+Before any of that, `check_flags_early` checks the command line against the launcher's flag
+table (``_flag_table.py``: each flag's name, type, choices and bounds), so that a typo or a bad
+value is answered at once instead of after TensorFlow's import. ``python3
+scripts/_quiet_start.py`` rewrites the table from the launchers' own flag definitions.
 """
 
 import contextlib
+import copy
 import functools
+import importlib.util
+import json
 import os
+import pprint
 import re
+import subprocess
 import sys
 import warnings
-from typing import Iterator, Sequence
+from typing import Dict, Iterator, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The launchers whose flags the table holds, by script name.
+LAUNCHERS = ("train", "eval", "autopsy", "benchmark")
 
 _VERBOSITY = re.compile(r"^--?(?:verbosity|v)(?:=(.*))?$")
 
@@ -119,3 +133,157 @@ def _help_exits_zero(parse, argument: str) -> None:
         if exit_.code == 1:
             raise SystemExit(0) from None
         raise
+
+
+def _flag_table() -> Dict[str, dict]:
+    spec = importlib.util.spec_from_file_location(
+        "slim_nanguard_flag_table", os.path.join(HERE, "_flag_table.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FLAGS
+
+
+def started_as(argv: Sequence[str], script: str, module_name: str) -> bool:
+    """Whether launcher `script` (its module named `module_name`) was started by `argv`: run
+    by path as the main module, or as its console command (not imported or run by a test)."""
+    name = os.path.basename(argv[0]) if argv else ""
+    if module_name == "__main__":
+        return name == f"{script}.py"
+    return name == f"slim-nanguard-{script}"
+
+
+def check_flags_early(argv: Sequence[str], script: str, module_name: str) -> None:
+    """Answers a bad command line of launcher `script` before TensorFlow is imported.
+
+    Parses `argv` (flagfiles included) against the table's flags of `script` and absl's own,
+    and on an unknown flag, a bad value or a missing required flag prints absl's two lines
+    and exits with status 1, as ``app.run`` does. Does nothing unless `argv` started the
+    launcher (`started_as`), or when it asks for help. What the table cannot say (the
+    launcher's validators across flags) is checked by ``app.run`` as before.
+
+    Args:
+      argv: The command line (``sys.argv``).
+      script: The launcher: ``"train"``, ``"eval"``, ``"autopsy"`` or ``"benchmark"``.
+      module_name: The launcher module's ``__name__``.
+    """
+    if not started_as(argv, script, module_name) or any(
+        re.match(r"^--?(no)?(help|helpshort|helpfull|helpxml)(=|$)", arg) for arg in argv[1:]
+    ):
+        return
+    from absl import app  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    from absl import logging  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    values = copy.deepcopy(flags.FLAGS)
+    table = _flag_table()
+    for name, spec in {**table["common"], **table[script]}.items():
+        if name not in values:
+            _define(flags, values, name, spec)
+    try:
+        values(list(argv))
+    except flags.Error as error:
+        sys.stderr.write(f"FATAL Flags parsing error: {error}\n")
+        sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
+        sys.exit(1)
+
+
+def _define(flags, values, name: str, spec: dict) -> None:
+    """Defines flag `name` of the table in `values` (no default: only its checks matter)."""
+    kind, short = spec["type"], spec.get("short")
+    common = dict(flag_values=values, short_name=short)
+    if kind == "enum":
+        flags.DEFINE_enum(name, None, spec["choices"], "", **common)
+    elif kind == "bool":
+        flags.DEFINE_boolean(name, None, "", **common)
+    elif kind in ("int", "float"):
+        define = flags.DEFINE_integer if kind == "int" else flags.DEFINE_float
+        define(
+            name, None, "", lower_bound=spec.get("lower"), upper_bound=spec.get("upper"), **common
+        )
+    elif kind == "list":
+        flags.DEFINE_list(name, None, "", **common)
+    else:
+        flags.DEFINE_string(name, None, "", **common)
+    if spec.get("required"):
+        flags.mark_flag_as_required(name, flag_values=values)
+
+
+_PARSER_TYPES = {
+    "EnumParser": "enum",
+    "BooleanParser": "bool",
+    "IntegerParser": "int",
+    "FloatParser": "float",
+    "ListParser": "list",
+}
+
+
+def describe_flags(flag_values, names: Sequence[str]) -> Dict[str, dict]:
+    """The table's entries of flags `names` of `flag_values` (absl `FlagValues`)."""
+    table = {}
+    for name in sorted(names):
+        flag = flag_values[name]
+        spec = {"type": _PARSER_TYPES.get(type(flag.parser).__name__, "string")}
+        if spec["type"] == "enum":
+            spec["choices"] = list(flag.parser.enum_values)
+        for key, attr in (("lower", "lower_bound"), ("upper", "upper_bound")):
+            if getattr(flag.parser, attr, None) is not None:
+                spec[key] = getattr(flag.parser, attr)
+        if flag.short_name:
+            spec["short"] = flag.short_name
+        if any(
+            "must have a value other than None" in getattr(v, "message", "")
+            for v in flag.validators
+        ):
+            spec["required"] = True
+        table[name] = spec
+    return table
+
+
+# Run in a fresh process: loads each launcher (its flags, not its main) and prints the table.
+_DESCRIBE = """
+import json, runpy, sys
+from absl import app, flags, logging
+sys.path.insert(0, {here!r})
+import importlib.util
+spec = importlib.util.spec_from_file_location("q", {quiet!r})
+quiet = importlib.util.module_from_spec(spec); spec.loader.exec_module(quiet)
+absl_flags = set(flags.FLAGS)
+import tensorflow, slim_nanguard.app  # their flags too: any launcher accepts them
+table = {{"common": quiet.describe_flags(flags.FLAGS, set(flags.FLAGS) - absl_flags)}}
+for script in {launchers!r}:
+    before = set(flags.FLAGS)
+    runpy.run_path({here!r} + "/" + script + ".py", run_name="flag_table")
+    new = set(flags.FLAGS) - before
+    table[script] = quiet.describe_flags(flags.FLAGS, new)
+    for name in new:
+        delattr(flags.FLAGS, name)
+print("TABLE" + json.dumps(table))
+"""
+
+
+def launcher_flags() -> Dict[str, Dict[str, dict]]:
+    """The table as the launchers define their flags today (imports TensorFlow, in a child):
+    ``{"common": flags TensorFlow's import defines, launcher: its flags}``."""
+    code = _DESCRIBE.format(
+        here=HERE, quiet=os.path.join(HERE, "_quiet_start.py"), launchers=LAUNCHERS
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"reading the launchers' flags failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.split("TABLE", 1)[1])
+
+
+_TABLE_HEADER = '''"""The launchers' flags, for `_quiet_start.check_flags_early` (no TensorFlow).
+
+Written by ``python3 scripts/_quiet_start.py``; tests/test_fast_flags.py checks it against the
+launchers' own definitions.
+"""
+
+'''
+
+if __name__ == "__main__":
+    TABLE = pprint.pformat(launcher_flags(), sort_dicts=False)
+    with open(os.path.join(HERE, "_flag_table.py"), "w", encoding="utf-8") as out:
+        out.write(f"{_TABLE_HEADER}FLAGS = {TABLE}\n")

@@ -27,6 +27,8 @@ _quiet_start = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+# A typo or a bad value in the flags is answered before the slow import of TensorFlow.
+_quiet_start.check_flags_early(sys.argv, "autopsy", __name__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402
@@ -120,6 +122,7 @@ def main(argv):
                 )
             dump = _relocated(dump, train_dir)
             result = autopsy.replay_dump(dump, train_dir, timeout_secs=FLAGS.timeout_secs)
+            result = autopsy.with_spike_over(result, record)
             print(f"replay: {result.describe()}")
             if result.failed:  # The replay itself failed.
                 return EXIT_ERROR
@@ -127,7 +130,7 @@ def main(argv):
                 f"  cost        {result.cost.get('seconds', 0):.3g} s, "
                 f"{result.cost.get('runs', '?')} runs"
             )
-    except (ValueError, ImportError, OSError) as err:
+    except (slim_nanguard.NanGuardError, ValueError, ImportError, OSError) as err:
         return fail(err)
     return 0
 

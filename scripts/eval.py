@@ -27,6 +27,8 @@ _quiet_start = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
+# A typo or a bad value in the flags is answered before the slow import of TensorFlow.
+_quiet_start.check_flags_early(sys.argv, "eval", __name__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402

@@ -31,6 +31,8 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner and C++ messages (which repeat every bad step's CheckNumerics
 # message; the guard logs its own) stay out of the output unless --verbosity asks for them.
+# A typo or a bad value in the flags is answered before the slow import of TensorFlow.
+_quiet_start.check_flags_early(sys.argv, "train", __name__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402
@@ -309,6 +311,13 @@ flags.DEFINE_integer(
     "spike_warmup_steps",
     GUARD.spike_warmup_steps,
     "With --spike_policy: steps accepted before the first spike test (2 to 128).",
+)
+flags.DEFINE_integer(
+    "spike_level_shift_steps",
+    GUARD.spike_level_shift_steps,
+    "With --spike_policy skip or rollback: this many spikes in a row that hold together are "
+    "a new level of training, not spikes: the guard says so, starts its statistics again "
+    "from them and goes on (below --max_consecutive_bad_steps; 0: never).",
 )
 flags.DEFINE_list(
     "inject_fault",

@@ -22,6 +22,7 @@ from slim_nanguard._errors import CheckpointNotFoundError
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import NanLossError
 from slim_nanguard._errors import NonFiniteCheckpointError
+from slim_nanguard._errors import UnreadableCheckpointError
 from slim_nanguard._events import NanEvent
 from slim_nanguard._guard import get_guard
 from slim_nanguard._guard import is_numerics_error
@@ -72,6 +73,7 @@ __all__ = [
     "NanLossError",
     "NonFiniteCheckpointError",
     "CheckpointNotFoundError",
+    "UnreadableCheckpointError",
     # The vocabularies (str enums: each member equals its value).
     "Action",
     "Cause",

@@ -35,8 +35,10 @@ import tensorflow as tf
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
+from slim_nanguard import _rollback
 from slim_nanguard._types import Action
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
@@ -129,12 +131,7 @@ def checkpoint_dir_for(
         checkpoint_dir = session_checkpoint_dir(session)
     checkpoint_dir = checkpoint_dir or logdir
     if not checkpoint_dir and _policy.rolls_back(guard.config, policy):
-        config = guard.config
-        message = (
-            f"nan_policy={str(policy or config.nan_policy)!r} (persistent_nan_policy="
-            f"{str(config.persistent_nan_policy)!r}) rolls back, so it needs the "
-            f"checkpoint directory: {advice}."
-        )
+        message = _policy.checkpoint_dir_message(guard.config, advice, policy)
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
     guard.use_autopsy_dir(checkpoint_dir)  # Autopsy dumps go next to the checkpoints.
@@ -181,7 +178,7 @@ def record_overflow(
       guard: The guard of the train op that ran.
       step: The global step the overflow happened at (-1 if unknown).
       sums: What the step stored: the loss, the gradient sums, the loss scale.
-      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None.
+      kinds: What the loss and each gradient held (`StepReport.kinds`), or None.
 
     Returns:
       The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
@@ -217,9 +214,9 @@ def record_bad_step(
       sums: What the step stored: the loss, then the sum of each gradient.
       policy: The policy to apply instead of the configured one (a hook may say so).
       autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
-      kinds: What the loss and each gradient held (`Guard.read_value_kinds`), or None: the
+      kinds: What the loss and each gradient held (`StepReport.kinds`), or None: the
         culprits then come from the sums.
-      spike: A spike step's figures (`Guard.read_fault`); None for a non-finite step. A
+      spike: A spike step's figures (`StepReport.spike`); None for a non-finite step. A
         spike gets ``spike_policy`` (a hook's `policy` is for non-finite steps).
 
     Returns:
@@ -238,7 +235,9 @@ def record_bad_step(
         choice = config.on_nan(event)
         if choice is not None:
             chosen = _policy.validate_action(choice, "the on_nan callback")
-    decision = guard.observe(_policy.BadStep(int(step), chosen, cause=fault), event=event)
+    decision = guard.observe(
+        _policy.BadStep(int(step), chosen, cause=fault, spike=spike), event=event
+    )
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
     if decision.escalation and decision.action != Action.RAISE:
@@ -341,6 +340,8 @@ def carry_out(
     if action is Action.RAISE:
         give_up(event, decision, error)
     if action is Action.SKIP:
+        if decision.level_shift is not None:
+            raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
         return Outcome(event=event, action=action)
     if action is Action.STOP:
         if request_stop is not None:
@@ -351,11 +352,31 @@ def carry_out(
     if action is Action.ROLLBACK:
         path = raw_call(
             session,
-            lambda raw: _roll_back(guard, raw, checkpoint_dir, event, skip_batches, record),
+            lambda raw: _roll_back(
+                guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
+            ),
         )
         step = raw_call(session, guard.read_global_step)
         return Outcome(event=event, action=action, step=step, checkpoint=path)
     raise ValueError(f"no way to carry out the action {action.value!r}; add it to carry_out.")
+
+
+def _take_new_level(
+    guard: "Guard",
+    session: tf.compat.v1.Session,
+    event: _events.NanEvent,
+    level: _level_shift.LevelShift,
+) -> None:
+    """Makes `level`'s values the whole spike statistics, says so and records it."""
+    values, floor, reseed = guard.spike_reseed
+    # At least a warm-up's worth of rows (the values repeated whole): the test judges the
+    # next step at once, against the new level.
+    repeats = -(-guard.config.spike_warmup_steps // len(level.values))
+    rows = ([list(v) for v in level.values] * repeats)[: _policy.SPIKE_WINDOW]
+    session.run(reseed, {values: rows, floor: level.floor})
+    guard.history.clear()  # The losses before the new level climb to it: no divergence.
+    logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
+    guard.notify("level_shift", event, level_shift=level.to_json())
 
 
 def _roll_back(
@@ -365,6 +386,7 @@ def _roll_back(
     event: _events.NanEvent,
     skip_batches: Optional[int],
     record: dict,
+    before_step: Optional[int] = None,
 ) -> str:
     """Rolls back after `event`: the one route. Returns the checkpoint restored, or "" when
     the guard's `rollback_request` sent the rollback to a cluster's chief instead.
@@ -373,6 +395,12 @@ def _roll_back(
     and scales the learning rate; the guard observes it, the listeners get a ``rollback``
     record (a request: ``rollback_requested``).
     """
+    if before_step is None:
+        before_step, why = _rollback.onset(
+            guard.state.run_start, event.consecutive, guard.history.points()
+        )
+    else:
+        why = f"the new level taken from global step {before_step} was a divergence"
     guard.history.clear()  # The global step goes back: the next losses are from there.
     if guard.rollback_request is not None:
         # A cluster's non-chief: the model lives on the ps and the chief restores it.
@@ -386,8 +414,12 @@ def _roll_back(
         bad_step=event.step,
         learning_rate_scale=guard.state.learning_rate_scale,
         skip_batches=skip_batches,
+        before_step=before_step,
+        why=why,
     )
     guard.observe(_policy.RolledBack(restored.learning_rate_scale))
+    if restored.why:
+        record = {"why": restored.why, **record}
     state = guard.state
     guard.notify(
         "rollback",
@@ -442,15 +474,13 @@ def judge(
     """
 
     def record(raw: tf.compat.v1.Session):
-        step, sums = stored or guard.read_bad_step(raw)
-        fault, spike = guard.read_fault(raw)
-        kinds = None
-        if fault == Fault.NON_FINITE:  # Exact, unlike a sum that may overflow.
-            kinds = guard.read_value_kinds(raw)
+        read = guard.read_step_report(raw, stored)  # The one read of the bad step.
+        step, sums, fault, spike, kinds = read.step, read.sums, read.fault, read.spike, read.kinds
         if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
-        autopsy = guard.autopsy(raw, step, cause=fault)  # Before any rollback.
+        over = (spike or {}).get("over") or ()
+        autopsy = guard.autopsy(raw, step, cause=fault, spike_over=over)  # Before any rollback.
         return record_bad_step(
             guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds, spike=spike
         )

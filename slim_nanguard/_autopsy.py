@@ -19,7 +19,9 @@ A spike step (its loss or gradient norm far above those of the accepted steps) i
 replay is not judged for reproduction. `find_per_example_loss` walks back from the total loss
 through the ops that add, average and weight losses to the per-example losses behind it (a
 tensor whose leading dimension is the batch's); the replay fetches them and names the examples
-with the highest loss, the ones that carried the spike.
+whose losses stand out of the rest (`standing_out`, judged from the figures its sentence
+shows), the ones that carried the spike; a spike caught on the gradient norm alone says they
+may have.
 
 Every failure (an op that cannot be fed, out of memory, the deadline) is caught and reported in
 `Autopsy.error`: an autopsy never takes training down.
@@ -64,6 +66,10 @@ CAUSES = tuple(Fault)
 TOP_EXAMPLES = 5
 # An example stands out of a spike's batch when its loss is this many times the next one's.
 STAND_OUT_RATIO = 4.0
+# How a spike's per-example losses and median are printed; `standing_out` judges these figures.
+LOSS_FORMAT = ".4g"
+# The words for a value a spike may be caught on (`_spike.COLUMNS`), in "the ... spike".
+_SPIKE_VALUES = {"loss": "loss", "grad_norm": "gradient-norm"}
 
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -130,6 +136,9 @@ class Autopsy:
       median_loss: The median per-example loss of a spike's batch, or None. The per-example
         losses are scaled so that their mean is the batch's part of the total loss: for a
         loss averaged over the batch, each example's own loss.
+      spike_over: The values a spike was caught on (its record's ``over``: ``"loss"``,
+        ``"grad_norm"``); empty when unknown. Without ``"loss"``, the examples with the highest
+        loss are a guess at the spike's, and `describe` says so.
     """
 
     reproduced: Optional[bool] = None
@@ -144,6 +153,7 @@ class Autopsy:
     top_examples: Tuple[Tuple[int, float], ...] = ()
     per_example_loss: Optional[str] = None
     median_loss: Optional[float] = None
+    spike_over: Tuple[str, ...] = ()
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict (no NaN or Inf floats)."""
@@ -163,6 +173,7 @@ class Autopsy:
         kwargs["top_examples"] = tuple((int(i), float(loss)) for i, loss in top)
         if kwargs.get("median_loss") is not None:
             kwargs["median_loss"] = float(kwargs["median_loss"])
+        kwargs["spike_over"] = tuple(kwargs.get("spike_over") or ())
         return cls(**kwargs)
 
     @property
@@ -181,6 +192,7 @@ class Autopsy:
                 self.median_loss,
                 self.per_example_loss,
                 self.error,
+                over=self.spike_over,
             )
         return explain(
             self.first_bad_op, self.bad_examples, self.reproduced, self.error, self.batch_size
@@ -457,6 +469,11 @@ def median_loss(per_example: Any) -> Optional[float]:
     return float(np.median(a)) if a.size else None
 
 
+def shown_loss(value: float) -> float:
+    """A per-example loss (or median) as a spike's sentence prints it (`LOSS_FORMAT`)."""
+    return float(format(value, LOSS_FORMAT))
+
+
 def standing_out(
     top_examples: Sequence[Tuple[int, float]],
     median: Optional[float],
@@ -464,9 +481,13 @@ def standing_out(
 ) -> int:
     """How many of the top examples stand out of the batch: the ones that carried a spike.
 
-    The losses, highest first and then the batch's median, are cut at their largest ratio
-    from one to the next; the examples above the cut stand out when that ratio is at least
-    `ratio`. Losses that are not all positive have no ratios: none stands out.
+    Judged from the figures a reader sees (each loss as `explain_spike` prints it): the
+    losses, highest first and then the batch's median, are the chain, cut at its largest ratio
+    from one figure to the next; the examples above the cut stand out when that ratio is at
+    least `ratio`. Zero and negative losses (a saturated softmax gives exactly 0) are the
+    bottom of the chain, one step of `ratio` below its lowest positive loss: the positive
+    losses stand out of them unless a larger ratio sets fewer apart. Infinite losses stand out
+    of finite ones.
 
     Args:
       top_examples: ``(index, loss)`` pairs, highest loss first (`rank_examples`).
@@ -474,18 +495,22 @@ def standing_out(
       ratio: The least ratio that sets examples apart.
 
     Returns:
-      The number of leading examples of `top_examples` that stand out (0: none).
+      The number of leading examples of `top_examples` that stand out (0: none, also when no
+      loss is above 0).
     """
-    losses = [loss for _, loss in top_examples]
-    if median is None or not losses:
+    if median is None or not top_examples:
         return 0
-    chain = np.array(losses + [median], dtype=np.float64)
-    if not (chain > 0).all():
+    chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
+    if np.isposinf(chain[0]):
+        infinite = int(np.count_nonzero(np.isposinf(chain)))
+        return infinite if infinite < len(top_examples) + 1 else 0
+    if not chain[0] > 0:  # No loss above 0 (or a NaN): no ratio to judge by.
         return 0
-    with np.errstate(invalid="ignore"):
-        gaps = np.nan_to_num(np.diff(-np.log(chain)), nan=0.0)  # inf - inf: no gap
+    positive = chain > 0
+    chain[~positive] = chain[positive].min() / ratio
+    gaps = np.log(chain[:-1] / chain[1:])
     cut = int(np.argmax(gaps))
-    return cut + 1 if gaps[cut] >= math.log(ratio) else 0
+    return cut + 1 if gaps[cut] >= math.log(ratio) - 1e-12 else 0  # the bottom's step: equal
 
 
 def explain_spike(
@@ -494,11 +519,27 @@ def explain_spike(
     median: Optional[float],
     per_example_loss: Optional[str],
     error: Optional[str] = None,
+    *,
+    over: Sequence[str] = (),
 ) -> str:
     """A spike's autopsy in one sentence.
 
-    For example ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1;
-    batch median 0.041)``.
+    For example ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
+    highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``: the examples named are those
+    that `standing_out` picks from the figures shown. When the spike was caught on values
+    other than the loss (`over` without ``"loss"``, e.g. on the gradient norm alone), the
+    examples with the highest loss are a guess, and the sentence says so.
+
+    Args:
+      top_examples: ``(index, loss)`` pairs, highest loss first.
+      batch_size: The number of examples in the batch (0 if unknown).
+      median: The batch's median loss, or None.
+      per_example_loss: The per-example loss tensor's name; None when the loss cannot be split.
+      error: Why the replay failed or stopped early, or None.
+      over: The values the spike was caught on (``"loss"``, ``"grad_norm"``); empty if unknown.
+
+    Returns:
+      The sentence.
     """
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
@@ -510,19 +551,48 @@ def explain_spike(
     note = f" ({error})" if error else ""
     count = standing_out(top_examples, median)
     of = f" of {batch_size}" if batch_size else ""
-    at_median = f"; batch median {median:.4g}" if median is not None else ""
-    shown = top_examples[:count] if count else top_examples
-    indices = ", ".join(str(i) for i, _ in shown)
-    losses = ", ".join(f"{loss:.4g}" for _, loss in shown)
-    if count:
-        noun = "example" if count == 1 else "examples"
+    at_median = f"; batch median {median:{LOSS_FORMAT}}" if median is not None else ""
+    hedge = _hedge(over)
+    if not count:
+        indices, losses = _figures(top_examples)
+        ending = f"the losses name no example that may have carried the {hedge}"
         return (
-            f"{noun} {indices}{of} carried the spike (per-example loss {losses}{at_median})" + note
+            f"no example of the batch{of} stands out: the highest per-example losses are examples "
+            f"{indices} ({losses}{at_median}), so "
+            + (ending if hedge else "the batch as a whole carried the spike")
+            + note
         )
-    return (
-        f"no example of the batch{of} stands out: the highest per-example losses are examples "
-        f"{indices} ({losses}{at_median}), so the batch as a whole carried the spike{note}"
-    )
+    indices, losses = _figures(top_examples[:count])
+    rest = ""
+    if top_examples[count:]:
+        others, figures = _figures(top_examples[count:])
+        plural = "s" if len(top_examples) - count > 1 else ""
+        rest = f"; next highest: example{plural} {others} at {figures}"
+    figures = f"(per-example loss {losses}{rest}{at_median})"
+    one = count == 1
+    if hedge:
+        return (
+            f"the example{'' if one else 's'} with the highest loss, which may have carried "
+            f"the {hedge}, {'is example' if one else 'are examples'} {indices}{of} {figures}" + note
+        )
+    return f"example{'' if one else 's'} {indices}{of} carried the spike {figures}" + note
+
+
+def _figures(examples: Sequence[Tuple[int, float]]) -> Tuple[str, str]:
+    """``("3, 17", "812.3, 95.1")``: the indices and the losses of `examples`, as printed."""
+    indices = ", ".join(str(i) for i, _ in examples)
+    return indices, ", ".join(f"{loss:{LOSS_FORMAT}}" for _, loss in examples)
+
+
+def _hedge(over: Sequence[str]) -> str:
+    """``"gradient-norm spike (only the gradient norm was over spike_sigma)"`` when a spike was
+    caught on values other than the loss alone (so its examples are a guess), else ``""``."""
+    if not over or "loss" in over:
+        return ""
+    words = " and ".join(_SPIKE_VALUES.get(c, c) for c in over)
+    values = " and ".join(_SPIKE_VALUES.get(c, c).replace("-", " ") for c in over)
+    verb = "was" if len(over) == 1 else "were"
+    return f"{words} spike (only the {values} {verb} over spike_sigma)"
 
 
 # ---------------------------------------------------------------------- the replay
@@ -1057,6 +1127,7 @@ def autopsy_bad_step(
     dump_dir: Optional[str] = None,
     timeout_secs: float = DEFAULT_TIMEOUT_SECS,
     cause: str = "non_finite",
+    spike_over: Sequence[str] = (),
 ) -> Autopsy:
     """Reads the batch a bad step kept (`slim_nanguard._capture`) and replays the step.
 
@@ -1070,6 +1141,7 @@ def autopsy_bad_step(
       dump_dir: Where to write the dump (see `run_autopsy`), or None.
       timeout_secs: The deadline of the replay.
       cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
+      spike_over: For a spike, the values it was caught on (see `Autopsy.spike_over`).
     """
     from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
 
@@ -1090,6 +1162,7 @@ def autopsy_bad_step(
         dump_dir=dump_dir,
         timeout_secs=timeout_secs,
         cause=cause,
+        spike_over=spike_over,
     )
 
 
@@ -1129,6 +1202,7 @@ def run_autopsy(
     max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
     clock: Callable[[], float] = time.monotonic,
     cause: str = "non_finite",
+    spike_over: Sequence[str] = (),
 ) -> Autopsy:
     """Replays a bad step and writes its dump; never raises (but KeyboardInterrupt).
 
@@ -1146,6 +1220,8 @@ def run_autopsy(
       clock: The clock of the deadline.
       cause: ``"non_finite"`` (a NaN or Inf step: the first op that made one) or ``"spike"``
         (the examples with the highest per-example loss); see `Autopsy.cause`.
+      spike_over: For a spike, the values it was caught on (its record's ``over``): kept as
+        `Autopsy.spike_over`, in the dump too.
 
     Returns:
       The `Autopsy`; on failure one with ``error`` set.
@@ -1163,6 +1239,7 @@ def run_autopsy(
             step=step,
             cause=cause,
         )
+        result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
             weights = {}
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)

@@ -4,12 +4,15 @@
 check in front of a user's own `Saver`); `latest_good_checkpoint`
 finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
 (or past a damaged ``checkpoint`` state file, by listing the directory) with a warning;
-`non_finite_variables` says which values of a checkpoint are not finite.
+`non_finite_variables` says which values of a checkpoint are not finite. A checkpoint whose
+files are missing, cut short or garbled is told from any other failure in one place
+(`unreadable`), and reported as an `UnreadableCheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -26,10 +29,26 @@ from slim_nanguard import _verdict
 STATE_FILENAME = "checkpoint"
 
 # The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
-# its non-finite tensors). A rollback walks back over the same few checkpoints again and again;
-# a file rewritten since (any shard, not just the index) changes the key, so it is read anew.
-_VERIFIED: "collections.OrderedDict[str, Tuple[tuple, Tuple[str, ...]]]" = collections.OrderedDict()
+# its non-finite tensors, or the error that says it cannot be read). A rollback walks back over
+# the same few checkpoints again and again, and a run's start reads its newest ones several
+# times (the launcher, `train`, the session's init_fn): a damaged one is read, and reported,
+# once. A file rewritten since (any shard, not just the index) changes the key: read anew.
+_Verdict = Union[Tuple[str, ...], _errors.UnreadableCheckpointError]
+_VERIFIED: "collections.OrderedDict[str, Tuple[tuple, _Verdict]]" = collections.OrderedDict()
 _VERIFIED_MAX = 32
+
+# What TensorFlow raises on a checkpoint whose files are missing, cut short or garbled
+# (tests/test_damaged_checkpoints.py damages real ones): its reader raises an `OpError` of code
+# UNKNOWN (a garbled or cut index, a data shard whose checksum fails), `NotFoundError` (no
+# index) or a bare `IndexError` (a data shard cut short); a `Saver`'s restore raises
+# `DataLossError` or `OutOfRangeError`. Other errors (permissions, an unreachable file system)
+# say nothing about the files and are not called damage.
+_DAMAGE_ERRORS = (
+    IndexError,
+    tf.errors.DataLossError,
+    tf.errors.OutOfRangeError,
+    tf.errors.NotFoundError,
+)
 
 
 def _files_key(checkpoint_path: str) -> tuple:
@@ -56,6 +75,8 @@ def _files_key(checkpoint_path: str) -> tuple:
 def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     """Names of the floating-point tensors of a checkpoint that hold NaN or Inf.
 
+    Every tensor is read (an integer one too), so a checkpoint this accepts can be restored.
+
     Args:
       checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns).
 
@@ -63,27 +84,89 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
       The names, sorted; empty when every value is finite.
 
     Raises:
-      Exception: The checkpoint cannot be read (missing or corrupt); TensorFlow's reader
-        raises `tf.errors.OpError`, `ValueError` or `IndexError` depending on the damage.
+      UnreadableCheckpointError: A file of the checkpoint is missing, cut short or garbled.
+    """
+    verdict, _ = _check(checkpoint_path)
+    if isinstance(verdict, _errors.UnreadableCheckpointError):
+        raise copy.copy(verdict) from None  # A fresh one: no traceback of an earlier raise.
+    return verdict
+
+
+def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
+    """`non_finite_variables`' verdict on a checkpoint (an error when it cannot be read), and
+    whether it was read just now (False: the files are unchanged since a read, see _VERIFIED).
     """
     key = _files_key(checkpoint_path)
     cached = _VERIFIED.get(checkpoint_path)
     if cached is not None and cached[0] == key:
         _VERIFIED.move_to_end(checkpoint_path)
-        return cached[1]
-    reader = checkpoint_reader(checkpoint_path)
-    bad = []
-    for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
-        if not dtype.is_floating:
-            continue
-        value = reader.get_tensor(name)
-        if not np.all(np.isfinite(value)):
-            bad.append(name)
-    _VERIFIED[checkpoint_path] = (key, tuple(bad))
+        return cached[1], False
+    try:
+        verdict: _Verdict = _non_finite(checkpoint_path)
+    except _errors.UnreadableCheckpointError as err:
+        verdict = err
+    _VERIFIED[checkpoint_path] = (key, verdict)
     _VERIFIED.move_to_end(checkpoint_path)
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
+    return verdict, True
+
+
+def _non_finite(checkpoint_path: str) -> Tuple[str, ...]:
+    """Reads every tensor of a checkpoint; the names of the floating-point ones not finite."""
+    reader = checkpoint_reader(checkpoint_path)
+    bad = []
+    for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
+        try:
+            value = reader.get_tensor(name)
+        except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
+            damage = unreadable(checkpoint_path, err, data=True)
+            if damage is None:
+                raise
+            raise damage from err
+        if dtype.is_floating and not np.all(np.isfinite(value)):
+            bad.append(name)
     return tuple(bad)
+
+
+def unreadable(
+    checkpoint_path: str, error: BaseException, *, data: bool = False
+) -> Optional[_errors.UnreadableCheckpointError]:
+    """What `error`, raised reading or restoring `checkpoint_path`, says about its files.
+
+    The one place that tells a damaged checkpoint from any other failure.
+
+    Args:
+      checkpoint_path: The checkpoint prefix.
+      error: What TensorFlow's reader (or a `Saver`'s restore) raised.
+      data: The error came reading a tensor (a ``.data`` shard), not opening the checkpoint.
+
+    Returns:
+      The error naming the damaged file, or None when `error` is not one a missing, cut or
+      garbled file raises (a permission, a file system that cannot be reached).
+    """
+    reader_error = type(error) is tf.errors.OpError and error.error_code == tf.errors.UNKNOWN
+    if not (isinstance(error, _DAMAGE_ERRORS) or reader_error):
+        return None
+    cause = _errors.op_error_cause(error)
+    index = checkpoint_path + ".index"
+    shards = sorted(tf.io.gfile.glob(checkpoint_path + ".data-*"))
+    if not tf.io.gfile.exists(index):
+        return _errors.UnreadableCheckpointError(checkpoint_path, index, "is missing", cause)
+    if not shards:
+        return _errors.UnreadableCheckpointError(
+            checkpoint_path, checkpoint_path + ".data-*", "is missing", cause
+        )
+    file = index
+    if data or "TensorBundle at" in cause:
+        shard = re.search(r"shard (\d+)", cause)
+        named = [f for f in shards if shard and f"data-{int(shard.group(1)):05d}-of-" in f]
+        file = (named or shards)[0]
+        if len(shards) > 1 and not named:
+            file = checkpoint_path + ".data-* (one of its shards)"
+    return _errors.UnreadableCheckpointError(
+        checkpoint_path, file, "is cut short or garbled", cause
+    )
 
 
 def checkpoint_reader(path: str) -> Any:
@@ -95,10 +178,20 @@ def checkpoint_reader(path: str) -> Any:
 
     Returns:
       TensorFlow's checkpoint reader (``get_tensor``, ``get_variable_to_shape_map``, ...).
+
+    Raises:
+      UnreadableCheckpointError: The checkpoint's index is missing, cut short or garbled.
+      ValueError: `path` is a directory that holds no checkpoint.
     """
-    if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
-        return tf.compat.v1.train.NewCheckpointReader(path)
-    return tf.train.load_checkpoint(path)
+    try:
+        if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
+            return tf.compat.v1.train.NewCheckpointReader(path)
+        return tf.train.load_checkpoint(path)
+    except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
+        damage = unreadable(path, err)
+        if damage is None:
+            raise
+        raise damage from err
 
 
 def checkpoint_step(checkpoint_path: str) -> Optional[int]:
@@ -115,10 +208,12 @@ def latest_good_checkpoint(
 ) -> Optional[str]:
     """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
 
-    A newer checkpoint that cannot be read is passed over with a warning naming it and the one
-    used instead. A ``checkpoint`` state file that cannot be parsed is passed over too: the
-    checkpoints (``<name>-<step>`` of the newest name) are found by listing the directory, with
-    a warning saying so.
+    A newer checkpoint that cannot be read (a file missing, cut short or garbled) is passed
+    over with one warning naming the file and the checkpoint used instead; asked again while
+    its files are unchanged (a run's start asks several times, a rollback walks back), it is
+    passed over without another. A ``checkpoint`` state file that cannot be parsed is passed
+    over too: the checkpoints (``<name>-<step>`` of the newest name) are found by listing the
+    directory, with a warning saying so.
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
@@ -143,25 +238,25 @@ def latest_good_checkpoint(
         ]
     if not candidates:
         return None
-    failures: List[str] = []
+    failures: List[_errors.UnreadableCheckpointError] = []
+    reported = True  # Every damage found was reported before (see _VERIFIED).
     for path in candidates:
-        try:
-            bad = non_finite_variables(path)
-        except Exception as err:  # pylint: disable=broad-except
-            # The reader fails in many ways on a broken file (OpError, IndexError on a
-            # truncated shard, DataLossError, ...): any of them means "cannot be read".
-            failures.append(f"{path} ({_short(err)})")
+        verdict, fresh = _check(path)
+        if isinstance(verdict, _errors.UnreadableCheckpointError):
+            failures.append(verdict)
+            reported = reported and not fresh
             continue
-        if bad:
+        if verdict:
             raise _errors.NonFiniteCheckpointError(
-                f"checkpoint {path} holds NaN or Inf in {', '.join(bad[:5])}"
-                f"{' and more' if len(bad) > 5 else ''}; refusing to train from it. Delete it "
-                "(and its entry in the 'checkpoint' file) to resume from an older one."
+                f"checkpoint {path} holds NaN or Inf in {', '.join(verdict[:5])}"
+                f"{' and more' if len(verdict) > 5 else ''}; refusing to train from it. Delete "
+                "it (and its entry in the 'checkpoint' file) to resume from an older one."
             )
-        if failures:
+        if failures and not reported:
             logging.warning(
-                "slim_nanguard: checkpoint %s cannot be read; using %s instead.",
-                ", ".join(failures),
+                "slim_nanguard: %s; using %s instead. Restore the damaged files from a copy, "
+                "or move them out of the directory.",
+                "; ".join(f.damage for f in failures),
                 path,
             )
         if damaged and before_step is None:
@@ -170,8 +265,9 @@ def latest_good_checkpoint(
             )
         return path
     raise _errors.CheckpointNotFoundError(
-        f"no checkpoint in {checkpoint_dir} can be read: {'; '.join(failures)}. Remove the "
-        "broken files or train in a new directory."
+        f"no checkpoint in {checkpoint_dir} can be read: "
+        f"{'; '.join(f.damage for f in failures)}. Restore the damaged files from a "
+        "copy, or train in a new directory."
     )
 
 
@@ -389,14 +485,121 @@ def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, No
     return f"step {global_step}"
 
 
-class FiniteSaver(_FinitenessCheck, tf.compat.v1.train.Saver):
+class ResumingSaver(tf.compat.v1.train.Saver):
+    """A `Saver` that also restores a checkpoint written without the guard's optional variables.
+
+    The guard makes some variables only with some options (`GraphHandles.optional_variables`:
+    the spike statistics with a spike policy, the learning-rate scale with
+    ``rollback_lr_factor`` < 1), so a job checkpointed without those options and resumed with
+    them meets a checkpoint that lacks them. `restore` then restores every other variable,
+    restores the optional ones the checkpoint has, starts those it lacks from their initial
+    values (the spike statistics warm up afresh) and says so in one log line. A checkpoint that
+    lacks any other variable fails the restore as TensorFlow's `Saver` does.
+
+    What it restores with is built with the saver (at ``build``, for ``defer_build=True``), and
+    only when the graph holds a guarded train op with optional variables that this saver saves:
+    build it after `create_train_op`. Otherwise it is TensorFlow's `Saver`, op for op.
+
+    Args:
+      *args: As `tf.compat.v1.train.Saver`.
+      **kwargs: As `tf.compat.v1.train.Saver`.
+    """
+
+    def build(self) -> None:
+        """As `tf.compat.v1.train.Saver.build`, and the restore of a checkpoint without the
+        guard's optional variables (once)."""
+        super().build()
+        if not hasattr(self, "_resume"):
+            self._resume = _OptionalRestore.build(self._var_list, self._sharded)
+
+    def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
+        """As `tf.compat.v1.train.Saver.restore`, except that the guard's optional variables
+        may be missing from the checkpoint (see the class docstring)."""
+        resume = getattr(self, "_resume", None)
+        if resume is None or not resume.restore_without_missing(sess, save_path):
+            super().restore(sess, save_path)
+
+
+class _OptionalRestore:
+    """The ops that restore a checkpoint lacking some of the guard's optional variables: a
+    `Saver` of every other variable, and for each optional variable a placeholder and an
+    assign op that set it from the checkpoint's value.
+
+    Args:
+      rest: The `Saver` of the variables that are not optional.
+      optional: ``(variable, name in the checkpoint, placeholder, assign op)`` of each
+        optional variable.
+    """
+
+    def __init__(self, rest: tf.compat.v1.train.Saver, optional: List[Tuple[Any, str, Any, Any]]):
+        self._rest, self._optional = rest, optional
+
+    @classmethod
+    def build(cls, var_list: Any, sharded: bool) -> Optional["_OptionalRestore"]:
+        """The ops for a `Saver` of `var_list` (what it saves, after its build), or None when
+        it saves none of the optional variables of the default graph's guards."""
+        from slim_nanguard import _guard  # Local: the guard's module needs this one.
+
+        optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
+        if isinstance(var_list, dict):
+            rest = {name: v for name, v in var_list.items() if id(v) not in optional}
+            named = [(v, name) for name, v in var_list.items() if id(v) in optional]
+        else:
+            rest = [v for v in var_list or () if id(v) not in optional]
+            named = [(v, v.op.name) for v in var_list or () if id(v) in optional]
+        if not named:
+            return None
+        setters = []
+        with tf.name_scope("nanguard_resume"):
+            for variable, name in named:
+                value = tf.compat.v1.placeholder(variable.dtype.base_dtype, variable.shape)
+                setters.append((variable, name, value, tf.compat.v1.assign(variable, value).op))
+            rest = tf.compat.v1.train.Saver(
+                rest, sharded=sharded, allow_empty=True, name="without_optional"
+            )
+        return cls(rest, setters)
+
+    def restore_without_missing(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
+        """Restores `save_path` if it lacks an optional variable (and logs which); returns
+        False, having done nothing, when it lacks none or cannot be read (the `Saver`'s own
+        restore then reports it)."""
+        if save_path is None:
+            return False
+        try:
+            reader = checkpoint_reader(save_path)
+        except Exception:  # pylint: disable=broad-except
+            return False
+        missing = [s for s in self._optional if not reader.has_tensor(s[1])]
+        if not missing:
+            return False
+        logging.info(
+            "slim_nanguard: %s was written without %s (guard options turned on since); "
+            "restoring the rest, these start from their initial values%s.",
+            save_path,
+            ", ".join(name for _, name, _, _ in missing),
+            " (the spike statistics warm up afresh)"
+            if any("spike" in name for _, name, _, _ in missing)
+            else "",
+        )
+        self._rest.restore(sess, save_path)
+        for variable, name, value, assign in self._optional:
+            if reader.has_tensor(name):
+                sess.run(assign, {value: reader.get_tensor(name)})
+            else:
+                sess.run(variable.initializer)
+        return True
+
+
+class FiniteSaver(_FinitenessCheck, ResumingSaver):
     """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
 
     Before each save it runs one fused finiteness test over the variables it saves (one
     reduction per variable, at save time only). If a value is not finite the save is skipped
     with an error in the log and `save` returns None, so the latest checkpoint on disk stays
     the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
-    ``tf_slim.learning.train(..., saver=FiniteSaver())``.
+    ``tf_slim.learning.train(..., saver=FiniteSaver())``. Made after `create_train_op`, it
+    also restores a checkpoint written without the guard's optional variables
+    (`ResumingSaver`).
 
     Args:
       *args: As `tf.compat.v1.train.Saver`.

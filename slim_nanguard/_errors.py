@@ -20,11 +20,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
 
 
-# How the advice in the message of a check_numerics-mode check opens (`create_train_op`): it
-# holds for an error no loop caught, and is followed by what to add to the loop.
-UNCAUGHT = "If this error reached you uncaught, nothing applied"
-# That advice, up to what CheckNumerics appends (" : Tensor had NaN values") or the line's end.
-_UNCAUGHT_ADVICE = re.compile(re.escape(UNCAUGHT) + r"[^\n]*?(?= : Tensor had|\n|$)")
+# How the message of the guard's check opens (`create_train_op`, check_numerics mode). TensorFlow
+# logs a failing run's message whether or not a loop catches the error, so the message says only
+# what holds either way: the step was rejected, and why.
+REJECTED = "slim_nanguard rejected the step"
+# How the advice that follows it opens: what a loop does when it catches the error, then which
+# loops do. True whether or not one did.
+LOOP_ADVICE = "A loop applies"
+# That advice, up to what CheckNumerics appends (" : Tensor had NaN values"), the bracket an
+# Assert's message closes with, or the line's end.
+_ADVICE = re.compile(re.escape(LOOP_ADVICE) + r"[^\n]*?(?= : Tensor had|\]?\n|\]?$)")
 _CAUGHT = (
     "slim_nanguard caught this error and applied the policy; the NanLossError raised from it "
     "says what was done and why training gave up"
@@ -102,6 +107,46 @@ class CheckpointNotFoundError(NanGuardError):
     """A rollback or a resume needs a good checkpoint and none can be found."""
 
 
+class UnreadableCheckpointError(NanGuardError):
+    """A checkpoint's files are missing, cut short or garbled: it cannot be read.
+
+    The message names the damaged file and says what to do, in one line.
+
+    Attributes:
+      checkpoint: The checkpoint prefix (``.../model.ckpt-2000``).
+      file: The file found damaged or missing: its ``.index`` or one of its ``.data`` shards.
+      problem: What is wrong with `file`: ``"is missing"`` or ``"is cut short or garbled"``.
+      cause: The first line of the error TensorFlow raised reading it.
+      advice: What to do, as a sentence.
+    """
+
+    def __init__(self, checkpoint: str, file: str, problem: str, cause: str, advice: str = ""):
+        self.checkpoint = checkpoint
+        self.file = file
+        self.problem = problem
+        self.cause = cause
+        name = checkpoint.replace("\\", "/").rsplit("/", 1)[-1]
+        self.advice = advice or (
+            f"Restore it from a copy, or move {name}.* out of its directory to use an older "
+            "checkpoint."
+        )
+        super().__init__(str(self))
+
+    def __reduce__(self):
+        return (type(self), (self.checkpoint, self.file, self.problem, self.cause, self.advice))
+
+    @property
+    def damage(self) -> str:
+        """The message without its advice: which checkpoint, which file, what is wrong."""
+        directory = self.checkpoint.replace("\\", "/").rsplit("/", 1)[0] + "/"
+        file = self.file[len(directory) :] if self.file.startswith(directory) else self.file
+        cause = self.cause.replace(directory, "")
+        return f"checkpoint {self.checkpoint} cannot be read: {file} {self.problem} ({cause})"
+
+    def __str__(self) -> str:
+        return f"{self.damage}. {self.advice}"
+
+
 def op_error_cause(error: BaseException) -> str:
     """The line of a TensorFlow error that says what went wrong.
 
@@ -129,10 +174,11 @@ def op_error_cause(error: BaseException) -> str:
 def caught_numerics_error(error: BaseException) -> BaseException:
     """`error`, the numerics error of a bad step, as it reads once the policy was applied.
 
-    The message of a check_numerics-mode check says what to add when no loop caught the
-    error. A `NanLossError` raised after a loop caught it and applied the policy is chained
-    to this copy instead, whose message says so: same op, same node, same traceback, so
-    `is_numerics_error` still recognises it. Any other error is returned as it is.
+    The message of a check_numerics-mode check says which loops apply the policy when they
+    catch the error. A `NanLossError` raised after a loop caught it and applied the policy is
+    chained to this copy instead, whose message says that it did: same op, same node, same
+    traceback, so `is_numerics_error` still recognises it. Any other error is returned as it
+    is.
 
     Args:
       error: The error ``session.run(train_op)`` raised.
@@ -141,12 +187,12 @@ def caught_numerics_error(error: BaseException) -> BaseException:
       A new `InvalidArgumentError`, or `error` itself.
     """
     message = getattr(error, "message", None)
-    if not isinstance(error, tf.errors.InvalidArgumentError) or UNCAUGHT not in (message or ""):
+    if not isinstance(error, tf.errors.InvalidArgumentError) or REJECTED not in (message or ""):
         return error
     caught = tf.errors.InvalidArgumentError(
         error.node_def,
         error.op,
-        _UNCAUGHT_ADVICE.sub(_CAUGHT, message),
+        _ADVICE.sub(_CAUGHT, message, count=1),
         error.experimental_payloads,
     )
     return caught.with_traceback(error.__traceback__)

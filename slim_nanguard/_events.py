@@ -71,7 +71,8 @@ class NanEvent:
         far above those of the accepted steps).
       spike: A spike's figures (`_spike.read_report`): ``loss``, ``grad_norm``, their
         z-scores ``z_loss`` and ``z_grad_norm``, the statistics they were measured against
-        (``log_mean_*``, ``log_std_*``, ``typical_*``, ``accepted_steps``), ``sigma`` and
+        (``log_mean_*``, ``log_std_*``, ``typical_*``, over ``window_steps`` of the
+        ``accepted_steps``), ``sigma`` and
         ``over`` (which values exceeded it). None for a non-finite step.
     """
 
@@ -168,8 +169,9 @@ def _spike_phrase(report: Dict[str, Any]) -> str:
     tail = ", ".join(f"{names[c]} z {report['z_' + c]:.1f}" for c in others)
     head = "; ".join(parts) or "no value above spike_sigma"
     return (
-        f"spike: {head} (spike_sigma={report['sigma']:g}, over {report['accepted_steps']} "
-        f"accepted steps{'; ' + tail if tail else ''})"
+        f"spike: {head} (spike_sigma={report['sigma']:g}, over the last "
+        f"{report.get('window_steps', report['accepted_steps'])} accepted steps"
+        f"{'; ' + tail if tail else ''})"
     )
 
 

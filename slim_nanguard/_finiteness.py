@@ -7,8 +7,9 @@ the sum of each gradient for the record (summed only on a step whose fast test f
 with a dynamic loss-scale optimizer, the overflow test. Then each mode puts it in front of
 the writes its own way (`build_gate`):
 
-* check_numerics mode: a `tf.debugging.check_numerics` op on the verdict, which the writes
-  wait on; a bad step raises before any of them runs. The sums are stored on a step whose
+* check_numerics mode: a `tf.debugging.check_numerics` op on the verdict (with a spike
+  policy an ``Assert`` whose message names the step's cause), which the writes wait on; a
+  bad step raises before any of them runs. The sums are stored on a step whose
   fast test failed, before the check raises; the forward pass's writes are put back, and the
   batch kept for the autopsy, before it raises too.
 * hook mode: a ``Switch`` on the verdict; the writes wait on its taken side (the pivot), and
@@ -20,7 +21,8 @@ With a spike policy (`_policy.GuardConfig.spike_policy`), the test has one more 
 fail: the spike test of `_spike` over the loss and the verdict's global gradient norm, so
 ``ok`` is "all finite and no spike". Every part of the gate then switches on that ``ok``; a
 bad step (either cause) stores a report (its cause, and the spike's values and statistics)
-for the loop to read, and check_numerics mode checks a value that is NaN on a spike step.
+for the loop to read, and check_numerics mode checks a value that is NaN on a spike step
+(with an ``Assert``: CheckNumerics would say "Tensor had NaN values" of a finite step).
 Without a spike policy none of that is built: the graph is the same as without the option.
 
 The result is a `Gate`: what the writes wait on (`_gating`), what the hook fetches, and the
@@ -68,6 +70,8 @@ class StepTest:
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a spike step.
       report: With a spike test, the float64 variable a bad step stores its cause (a code of
         `_spike.FAULT_CODES`) and `_spike.REPORT_FIELDS` in, for the loop to read; else None.
+      judged: With a spike test, the float64 variable an accepted step stores its
+        `_spike.JUDGED_FIELDS` in (`store_judged`), which the summaries read; else None.
     """
 
     def __init__(
@@ -104,7 +108,7 @@ class StepTest:
             [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
-        self.spike = self.report = self._bad = self._switch = None
+        self.spike = self.report = self.judged = self._bad = self._switch = None
         if spike is not None:
             self._add_spike_test(loss, *spike)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
@@ -164,23 +168,47 @@ class StepTest:
                 name="bad_step_report",
             )
         self._report_store = self.report.assign(report, read_value=False)
+        # What the summaries read: written by an accepted step (`store_judged`), in no
+        # collection (neither saved nor initialised), on the worker that computes it.
+        with _capture.guard_variable_scope(graph, self.grad_sums):
+            self.judged = tf.compat.v1.Variable(
+                tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
+                trainable=False,
+                collections=[],
+                use_resource=True,
+                name="last_accepted_step",
+            )
         # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection),
         # tagged nanguard/... whatever the scope.
         with tf.name_scope("nanguard/"):
             self._add_summaries()
 
+    def store_judged(self) -> tf.Operation:
+        """The write of the step's `_spike.SpikeTest.judged` values into `judged`, in the
+        current control context: the train op builds it behind its gate, with the update of
+        the statistics, so that an accepted step stores its values and a rejected one writes
+        nothing (not even this bookkeeping of the guard's)."""
+        return self.judged.assign(self.spike.judged(), read_value=False)
+
     def _add_summaries(self) -> None:
-        z = self.spike.z_scores()  # Computed when a summary is, not on every step.
-        for name, value in (
-            ("grad_norm", self.verdict.global_norm),
-            ("z_loss", z[0]),
-            ("z_grad_norm", z[1]),
-        ):
+        """``grad_norm``, ``z_loss`` and ``z_grad_norm`` of the last accepted step (zeros before
+        the first one in a session), read from `judged`: a run of the summary op that is no
+        train step (a summary thread, a hook firing on another run) takes no batch. Run with
+        a train step, it may read that step's values or the ones before."""
+        stored = tf.cond(
+            self.judged.is_initialized(),
+            self.judged.read_value,
+            lambda: tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
+        )
+        z = _spike.z_of_judged(stored)
+        for name, value in (("grad_norm", stored[1]), ("z_loss", z[0]), ("z_grad_norm", z[1])):
             tf.compat.v1.summary.scalar(name, value)
 
     def spike_variables(self) -> Tuple[tf.Variable, ...]:
         """The spike statistics' variables (none without a spike test)."""
-        return () if self.spike is None else (self.spike.history, self.spike.count)
+        return (
+            () if self.spike is None else (self.spike.history, self.spike.count, self.spike.floor)
+        )
 
     def ok_switch(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """``(untaken, taken)``: `ok` switched on itself, built once (in the current name
@@ -225,7 +253,7 @@ class Gate:
 
     Attributes:
       mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
-      gate: What every write waits on: the check op's output (check_numerics mode) or the
+      gate: What every write waits on: the check's output (check_numerics mode) or the
         pivot, live on a good step only (hook mode). With a loss-scale optimizer, open on an
         overflow step too: the scale's writes wait on it alone.
       finite_gate: With a loss-scale optimizer, open on a finite step only: every write but
@@ -233,7 +261,8 @@ class Gate:
       ok: The boolean the hook fetches (True on a finite step), or None.
       bad_done: Live on a step that is not finite (after the bad branch's work), or None: the
         train op yields the loss through it.
-      check_op_name: The name of the check op (check_numerics mode), or None.
+      check_op_name: The name of the op that raises a bad step's error (check_numerics
+        mode: the CheckNumerics op, or with a spike policy the Assert), or None.
       judged: Hook mode's variable that the loop judging the session initialises, or None.
       capture: The batch a bad step keeps, for the autopsy.
     """
@@ -316,12 +345,29 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     # The batch, kept on a bad step only (for the autopsy): the check waits on a merge of a
     # good-step no-op and the bad step's stores.
     capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
+    checked = test.checked if test.scaler is None else test.scaler.unless_overflow
     with tf.control_dependencies(ready + capture.control_inputs):
-        check = tf.debugging.check_numerics(
-            test.checked if test.scaler is None else test.scaler.unless_overflow,
-            _unhandled_message(config, hook_mode=False),
-        )
-    return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
+        if test.spike is None:
+            check = tf.debugging.check_numerics(checked, _check_message(config, Fault.NON_FINITE))
+            check_op = check.op
+        else:
+            check, check_op = _spike_check(test, checked, config)
+    return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
+
+
+def _spike_check(test: StepTest, checked: tf.Tensor, config) -> Tuple[tf.Tensor, tf.Operation]:
+    """With a spike test: ``(gate, op)``, an ``Assert`` that `checked` is finite, whose
+    message names the step's cause (CheckNumerics would add "Tensor had NaN values" to a
+    spike's), and `checked` once it passed."""
+    message = tf.where(
+        test.verdict.ok,
+        _check_message(config, Fault.SPIKE),
+        _check_message(config, Fault.NON_FINITE),
+        name="check_message",
+    )
+    check = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
+    with tf.control_dependencies([check]):
+        return tf.identity(checked, name="checked"), check
 
 
 def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
@@ -352,9 +398,7 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     passes = tf.logical_or(is_judged, bad_pivot)
     if test.scaler is not None:  # An overflow is the loss scale's business: it passes.
         passes = tf.logical_or(passes, test.scaler.overflow)
-    unjudged = tf.debugging.Assert(
-        passes, [_unhandled_message(config, hook_mode=True)], name="unjudged"
-    )
+    unjudged = tf.debugging.Assert(passes, [_unjudged_message(config)], name="unjudged")
     # The batch too, for the autopsy, on the same bad branch.
     capture = _capture.keep_batch(loss, ok, merge=False, enabled=autopsy)
     stores = [store, unjudged] + test.stores() + list(capture.stores) + forward.put_back(ok)
@@ -460,39 +504,52 @@ class _OverflowTest:
         return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
 
 
-def _unhandled_message(config: _policy.GuardConfig, *, hook_mode: bool) -> str:
-    """The error a bad step raises when no loop applies the policy (it names what to add).
+def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
+    """``(step_fn, hook)``: what tf-slim's learning loop and a hook-mode loop take."""
+    if config.needs_checkpoint_dir:
+        return (
+            "slim_nanguard.make_train_step(logdir)",
+            "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)",
+        )
+    return "slim_nanguard.train_step", "slim_nanguard.nan_hook(train_op)"
 
-    In check_numerics mode every bad step raises it, caught or not, and TensorFlow's runtime
-    logs it too ("Local rendezvous is aborting with status: ..."), so the advice says that it
-    holds for an error nothing caught; `_errors.caught_numerics_error` rewrites it for the
-    cause of a `NanLossError` raised after the policy was applied.
+
+def _check_message(config: _policy.GuardConfig, fault: Fault) -> str:
+    """The message of check_numerics mode's check on a step that `fault` made bad.
+
+    TensorFlow's runtime logs it on every failing run ("Local rendezvous is aborting with
+    status: ..."), whether or not a loop catches the error, so it says only what holds
+    either way: the step was rejected and why, and which loops apply the policy when they
+    catch it (what to add when none did). A spike's names no NaN or Inf: its values are
+    finite. `_errors.caught_numerics_error` rewrites the advice once a loop applied it.
     """
-    rollback = config.needs_checkpoint_dir
-    step_fn = "slim_nanguard.make_train_step(logdir)" if rollback else "slim_nanguard.train_step"
-    hook = (
-        "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)"
-        if rollback
-        else "slim_nanguard.nan_hook(train_op)"
+    step_fn, hook = _loops(config)
+    if fault == Fault.SPIKE:
+        what = "a spike in the loss or the gradient norm (every value finite)"
+        policy = f"spike_policy={config.spike_policy}"
+    else:
+        what = "NaN or Inf in the loss or a gradient"
+        policy = f"nan_policy={config.nan_policy}"
+    return (
+        f"{_errors.REJECTED}: {what}; no variable was updated. {_errors.LOOP_ADVICE} "
+        f"{policy} when it catches this error: slim_nanguard.train; tf_slim.learning.train "
+        f"with train_step_fn={step_fn}; your own loop with "
+        "slim_nanguard.handle_numerics_error(sess, err); tf_slim.training.train in hook mode "
+        f"(check_numerics=False, hooks=[{hook}])"
     )
-    what = "NaN or Inf in the loss or a gradient"
-    policies, spike = f"nan_policy={config.nan_policy!r}", ""
+
+
+def _unjudged_message(config: _policy.GuardConfig) -> str:
+    """The error of a hook-mode bad step that nothing judges (it names what to add)."""
+    step_fn, hook = _loops(config)
+    what, spike = "NaN or Inf in the loss or a gradient", ""
     if config.spike_policy is not None:
         what += ", or a spike in the loss or the gradient norm"
         spike = f" (spike_policy={config.spike_policy})"
-        policies += f" (spike_policy={config.spike_policy!r})"
-    if hook_mode:
-        return (
-            f"slim_nanguard: {what}, and no NanLossHook saw it, so "
-            f"nan_policy={config.nan_policy}{spike} was not "
-            f"applied (no variable was updated). Add hooks=[{hook}] to "
-            "MonitoredTrainingSession or tf_slim.training.train; with tf_slim.learning.train "
-            f"pass train_step_fn={step_fn}"
-        )
     return (
-        f"slim_nanguard: {what} (no variable was updated). {_errors.UNCAUGHT} {policies}: "
-        f"with tf_slim.learning.train pass train_step_fn={step_fn}; in your own loop catch "
-        "it with slim_nanguard.handle_numerics_error(sess, err); with tf_slim.training.train "
-        f"build the train op with check_numerics=False and pass hooks=[{hook}]; or train "
-        "with slim_nanguard.train"
+        f"slim_nanguard: {what}, and no NanLossHook saw it, so "
+        f"nan_policy={config.nan_policy}{spike} was not "
+        f"applied (no variable was updated). Add hooks=[{hook}] to "
+        "MonitoredTrainingSession or tf_slim.training.train; with tf_slim.learning.train "
+        f"pass train_step_fn={step_fn}"
     )

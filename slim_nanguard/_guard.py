@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
@@ -68,7 +69,7 @@ class Guard:
     neither decides nor acts. What a user reads: the config, the state (`GuardState`), the
     last event, the saver, and the graph handles (``train_op``, ``loss``, ``ok``,
     ``grad_sums``, ...; also readable as attributes of the guard, see `GraphHandles`). Its
-    reads (`read_bad_step`, `read_value_kinds`, `culprits_and_kinds`) look at a session
+    reads (`read_step_report`, `culprits_and_kinds`) look at a session
     through those handles, and `autopsy` replays a bad step from them. Its state changes in
     one way, `observe`, which asks the pure `_policy.decide` for the next state; the rest is
     wiring the loops and hooks set up once: listeners, the autopsy directory, the rollback
@@ -204,7 +205,9 @@ class Guard:
     capture = _handle("capture")
     input_ops = _handle("input_ops")
     value_kinds = _handle("value_kinds")
+    kinds_read = _handle("kinds_read")
     report = _handle("report")
+    spike_reseed = _handle("spike_reseed")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -320,7 +323,7 @@ class Guard:
 
         Args:
           sums: The loss, then the sum of each gradient.
-          kinds: What the loss and each gradient held (`read_value_kinds`): exact, and used
+          kinds: What the loss and each gradient held (`StepReport.kinds`): exact, and used
             when given. Without it a non-finite sum names its variable, which a sum that
             overflowed over finite values does too; the kinds are then empty.
         """
@@ -334,28 +337,13 @@ class Guard:
         )
         return names, ()
 
-    def read_value_kinds(self, session: tf.compat.v1.Session) -> Optional[Tuple[str, ...]]:
-        """What the loss and each gradient of the last step whose sums were not all finite
-        held: ``"finite"``, ``"nan"``, ``"inf"`` or ``"nan_and_inf"``, the loss first.
-
-        Tested element by element on that step (a sum may overflow over finite values; this
-        may not). Read it right after a bad step, as `read_bad_step`.
-
-        Args:
-          session: A raw `tf.compat.v1.Session`.
-
-        Returns:
-          The kinds, or None when the train op keeps none (or none was stored yet).
-        """
-        if self.value_kinds is None:
-            return None
-        try:
-            codes = session.run(self.value_kinds)
-        except tf.errors.FailedPreconditionError:  # never written in this session
-            return None
-        return tuple(_verdict.kind_name(c) for c in np.asarray(codes))
-
-    def autopsy(self, session: tf.compat.v1.Session, step: int, cause: str = "non_finite"):
+    def autopsy(
+        self,
+        session: tf.compat.v1.Session,
+        step: int,
+        cause: str = "non_finite",
+        spike_over: Sequence[str] = (),
+    ):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
         Call it right after the bad step, before any rollback: the variables still hold the
@@ -366,6 +354,7 @@ class Guard:
           step: The global step of the bad step.
           cause: ``"non_finite"`` (a NaN or Inf: the first op that made one) or ``"spike"``
             (the examples of the batch with the highest per-example loss).
+          spike_over: For a spike, the values it was caught on (its record's ``over``).
 
         Returns:
           The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
@@ -393,6 +382,7 @@ class Guard:
             dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
             cause=cause,
+            spike_over=spike_over,
         )
         if result.dump:
             self._remove_old_dumps()
@@ -447,22 +437,44 @@ class Guard:
             return None
         return int(session.run(self.global_step))
 
-    def read_fault(self, session: tf.compat.v1.Session) -> Tuple[Fault, Optional[Dict[str, Any]]]:
-        """What made the bad step just seen bad, and for a spike its figures.
+    def read_step_report(
+        self,
+        session: tf.compat.v1.Session,
+        stored: Optional[Tuple[int, Sequence[float]]] = None,
+    ) -> "StepReport":
+        """Everything the guard needs about the bad step just seen, in one ``session.run``.
 
         Args:
           session: A raw `tf.compat.v1.Session`, right after the bad step.
+          stored: ``(step, sums)`` already read (a loop body's step), or None to read them.
 
         Returns:
-          ``(fault, spike)``: `Fault.NON_FINITE` and None, or `Fault.SPIKE` and the spike's
-          record (`_spike.read_report`). Without a spike test every bad step is non-finite.
+          The `StepReport`.
         """
-        if self.report is None:
-            return Fault.NON_FINITE, None
-        vector = np.asarray(session.run(self.report))
-        if _spike.fault_of(float(vector[0])) != Fault.SPIKE:
-            return Fault.NON_FINITE, None
-        return Fault.SPIKE, _spike.read_report(vector[1:], self.config.spike_sigma)
+        fetches: Dict[str, Any] = {}
+        if stored is None:
+            fetches["sums"] = self.diagnostics
+            if self.global_step is not None:
+                fetches["step"] = self.global_step
+        if self.report is not None:
+            fetches["report"] = self.report
+        if self.kinds_read is not None:
+            fetches["kinds"] = self.kinds_read
+        values = session.run(fetches) if fetches else {}
+        if stored is None:
+            stored = int(values.get("step", -1)), np.asarray(values["sums"]).tolist()
+        fault, spike = Fault.NON_FINITE, None
+        if "report" in values:
+            vector = np.asarray(values["report"])
+            if _spike.fault_of(float(vector[0])) == Fault.SPIKE:
+                fault = Fault.SPIKE
+                spike = _spike.read_report(vector[1:], self.config.spike_sigma)
+        kinds = None
+        codes = np.asarray(values["kinds"]) if "kinds" in values else None
+        if fault == Fault.NON_FINITE and codes is not None and codes.min(initial=0) >= 0:
+            kinds = tuple(_verdict.kind_name(c) for c in codes)
+        step, sums = stored
+        return StepReport(int(step), [float(s) for s in sums], fault, spike, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
@@ -480,28 +492,53 @@ class Guard:
         return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
 
-def is_numerics_error(error: BaseException) -> bool:
-    """Says whether `error` was raised by a `tf.debugging.check_numerics` op.
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What a bad step left for the loop, read at once (`Guard.read_step_report`).
 
-    The test is on the failing op (its type is CheckNumerics or CheckNumericsV2), not on the
-    message, so any other `InvalidArgumentError` (a bad reshape, a bad feed, an out-of-range
-    label) is never mistaken for a numerics error. A check inside a function body (a train op
-    built in a `tf.while_loop`) fails on the loop op (or on no op the graph knows); then the
-    message must carry what CheckNumerics says (``" : Tensor had NaN values"``) and name the
-    inner node.
+    Attributes:
+      step: The global step it was attempted at (-1 without a global step).
+      sums: The loss, then the sum of each gradient (and the loss scale, with one).
+      fault: What made it bad (`Fault`).
+      spike: A spike's figures (`_spike.read_report`); None for a non-finite step.
+      kinds: What the loss and each gradient held, exact (`_verdict` kind names), for a
+        non-finite step whose train op keeps them; else None.
+    """
+
+    step: int
+    sums: List[float]
+    fault: Fault
+    spike: Optional[Dict[str, Any]]
+    kinds: Optional[Tuple[str, ...]]
+
+
+def is_numerics_error(error: BaseException) -> bool:
+    """Says whether `error` was raised by a guard's check (check_numerics mode).
+
+    The test is on the failing op, not on the message, so any other `InvalidArgumentError`
+    (a bad reshape, a bad feed, an out-of-range label, a user's own ``Assert``) is never
+    mistaken for a numerics error: a CheckNumerics or CheckNumericsV2 op, or the ``Assert``
+    a guard with a spike policy checks with (its op is the guard's check op). A check
+    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op (or
+    on no op the graph knows); then the message must carry what the check says
+    (CheckNumerics' ``" : Tensor had NaN values"``, or the guard's "slim_nanguard rejected
+    the step") and name the inner node.
 
     Args:
       error: Any exception.
 
     Returns:
-      True for an `InvalidArgumentError` whose op is a CheckNumerics op.
+      True for an `InvalidArgumentError` raised by a CheckNumerics op or a guard's check.
     """
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
     if op is None or op.type in _FUNCTION_OP_TYPES:
         message = getattr(error, "message", "")
-        return bool(_CHECK_MESSAGE.search(message) and _INNER_NODE.search(message))
+        said = _CHECK_MESSAGE.search(message) or _errors.REJECTED in message
+        return bool(said and _INNER_NODE.search(message))
+    if op.type == "Assert":
+        return any(guard.check_op_name == op.name for guard in _REGISTRY.get(op.graph, ()))
     return op.type in ("CheckNumerics", "CheckNumericsV2")
 
 

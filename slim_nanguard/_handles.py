@@ -58,8 +58,15 @@ class GraphHandles:
       value_kinds: The int32 variable a step whose fast test failed leaves the exact
         kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
         `_verdict.kind_name`), or None.
+      kinds_read: What a bad step's one read fetches for ``value_kinds``: the variable, or
+        with a spike test (whose spike steps do not write it) its value once written and -1s
+        before; None without ``value_kinds``.
       report: With a spike test, the float64 variable a bad step leaves its cause and the
         spike statistics in (`_finiteness.StepTest.report`); else None.
+      spike_reseed: With a spike test, ``(values, floor, op)``: the placeholders (float64
+        ``[n, 2]``, loss and gradient norm, oldest first; the least deviation of each) and
+        the op that make those values the whole spike statistics (a new level,
+        `_level_shift`); else None.
       optional_variables: The guard's variables that only some of its options make (the
         learning-rate scale, the spike statistics): a checkpoint written without them (by a
         run with other options) still restores the rest, and these keep their values.
@@ -84,7 +91,9 @@ class GraphHandles:
     capture: Optional["Capture"] = None
     input_ops: Tuple[tf.Operation, ...] = ()
     value_kinds: Optional[tf.Variable] = None
+    kinds_read: Optional[tf.Tensor] = None
     report: Optional[tf.Variable] = None
+    spike_reseed: Optional[Tuple[tf.Tensor, tf.Tensor, tf.Operation]] = None
     optional_variables: Tuple[tf.Variable, ...] = ()
 
     def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:
@@ -113,3 +122,16 @@ def lr_scale_setter(
 def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
     """The ops among the ancestors of `loss` that produce a new batch when run."""
     return _ops.sources([loss.op], _ops.INPUT_OP_TYPES)
+
+
+def kinds_read(kinds: Optional[tf.Variable], spike_test: bool) -> Optional[tf.Tensor]:
+    """`GraphHandles.kinds_read` for the `value_kinds` variable `kinds`."""
+    if kinds is None or not spike_test:
+        return kinds
+    with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):
+        return tf.cond(
+            tf.compat.v1.is_variable_initialized(kinds),
+            kinds.read_value,
+            lambda: tf.fill(tf.shape(kinds), -1),
+            name="nanguard_value_kinds_read",
+        )

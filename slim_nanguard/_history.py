@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Deque, List, Tuple
+from typing import Deque, List, Optional, Tuple
 
 
 class LossHistory:
@@ -50,7 +50,41 @@ class LossHistory:
         self._unnumbered = 0
         return [(s, loss) for s, loss in self._points if s is not None]
 
+    def points(self) -> List[Tuple[int, float]]:
+        """The numbered points kept, oldest first (those `anchor` numbered)."""
+        return [(s, loss) for s, loss in self._points if s is not None]
+
     def clear(self) -> None:
         """Forgets every point: after a rollback the steps start again from a checkpoint's."""
         self._points.clear()
         self._unnumbered = 0
+
+
+# A loss this many times the typical loss of the steps before is part of a climb.
+CLIMB_FACTOR = 2.0
+
+
+def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
+    """The step at which the losses started climbing to a bad step at `before`, or None. Pure.
+
+    The typical loss is the median of the older half of the points before `before`; the
+    climb is the run of the newest points each above `CLIMB_FACTOR` times it, ending right
+    before `before` (a learning rate that jumped: accepted steps whose loss grew, then the bad
+    ones). None when the last point before `before` is not part of a climb, or there are
+    fewer than four points.
+
+    Args:
+      losses: ``(step, loss)`` of good steps, oldest first.
+      before: The global step of the first bad step.
+    """
+    points = [(s, v) for s, v in losses if s < before and math.isfinite(v)]
+    if len(points) < 4:
+        return None
+    older = sorted(v for _, v in points[: len(points) // 2])
+    typical = older[len(older) // 2]
+    start = None
+    for step, value in reversed(points):
+        if value <= CLIMB_FACTOR * typical:
+            break
+        start = step
+    return start

@@ -195,14 +195,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
         if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
-            what = (
-                "the 'rollback' policy"
-                if policy == Action.ROLLBACK
-                else "persistent_nan_policy='rollback'"
-            )
             raise ValueError(
-                f"{what} needs NanLossHook(checkpoint_dir=...), the directory "
-                "the session saves checkpoints to."
+                _policy.checkpoint_dir_message(
+                    guard.config, "NanLossHook(train_op, checkpoint_dir=...)", policy
+                )
             )
         if _policy.may_roll_back(guard.config, policy):
             # Built here if create_train_op did not (a policy override): after begin() the
@@ -354,9 +350,6 @@ def nan_hook(
     if guard.config.needs_checkpoint_dir and not checkpoint_dir:
         # Refused now, not at the first bad step: the information is all here.
         raise ValueError(
-            f"nan_policy={guard.config.nan_policy!r} (persistent_nan_policy="
-            f"{guard.config.persistent_nan_policy!r}) rolls back, so it needs "
-            "nan_hook(train_op, checkpoint_dir=...), the directory the session "
-            "saves checkpoints to."
+            _policy.checkpoint_dir_message(guard.config, "nan_hook(train_op, checkpoint_dir=...)")
         )
     return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir, event_listener=event_listener)

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Protocol, Tuple, Union
+from typing import Any, Mapping, Optional, Protocol, Tuple, Union
 
+from slim_nanguard import _level_shift
 from slim_nanguard._events import NanEvent
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
@@ -121,6 +122,11 @@ class GuardConfig:
         above their mean make a spike.
       spike_warmup_steps: How many steps must be accepted before a step can be a spike
         (2 to 128).
+      spike_level_shift_steps: How many spikes in a row that hold together (`_level_shift`)
+        make a new level of training rather than spikes: the guard says so, re-seeds the
+        spike statistics with them and carries on (under a ``skip`` or ``rollback`` spike
+        policy). Only a number below ``max_consecutive_bad_steps`` can act (the run escalates
+        first otherwise); 0 never takes a new level.
 
     Raises:
       ValueError: A setting is out of range. Each setting is checked here and only here (the
@@ -143,6 +149,7 @@ class GuardConfig:
     spike_policy: Optional[str] = None
     spike_sigma: float = 6.0
     spike_warmup_steps: int = 20
+    spike_level_shift_steps: int = 8
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -204,6 +211,7 @@ class GuardConfig:
                 f"spike_warmup_steps must be at most {SPIKE_WINDOW} (the steps the spike "
                 f"statistics cover); got {self.spike_warmup_steps!r}."
             )
+        _check_int("spike_level_shift_steps", self.spike_level_shift_steps, minimum=0)
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(
                 f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
@@ -235,10 +243,43 @@ def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
       policy: The policy applied to non-finite steps (a hook may override the configured
         one); default ``config.nan_policy``.
     """
+    return bool(what_rolls_back(config, policy))
+
+
+def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[str, ...]:
+    """The settings that make a bad step roll back with no callback choosing it (none: ()).
+
+    Every message about what a rollback needs is built from these phrases, so that it names
+    the policy that rolls back: ``spike_policy='rollback'``, or ``nan_policy='skip' with
+    persistent_nan_policy='rollback'``.
+
+    Args:
+      config: The guard's configuration.
+      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
+    """
     policy = config.nan_policy if policy is None else policy
-    return any(
-        p == ROLLBACK or (p == SKIP and config.persistent_nan_policy == ROLLBACK)
-        for p in (policy, config.spike_policy)
+    named = []
+    for name, value in (("nan_policy", policy), ("spike_policy", config.spike_policy)):
+        if value == ROLLBACK:
+            named.append(f"{name}={str(value)!r}")
+        elif value == SKIP and config.persistent_nan_policy == ROLLBACK:
+            named.append(f"{name}={str(value)!r} with persistent_nan_policy='rollback'")
+    return tuple(named)
+
+
+def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
+    """The error of a loop that would roll back but knows no checkpoint directory.
+
+    Args:
+      config: The guard's configuration (`rolls_back` is true of it).
+      advice: What to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``.
+      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
+    """
+    named = what_rolls_back(config, policy)
+    verb = "rolls back" if len(named) == 1 else "roll back"
+    return (
+        f"{' and '.join(named)} {verb}, so the loop needs the directory the session saves "
+        f"checkpoints to: {advice}."
     )
 
 
@@ -291,6 +332,13 @@ class GuardState:
         chief counts the rollback in its own ``rollbacks``).
       autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
       spikes: The bad steps that were spikes (finite, counted in ``total_bad_steps`` too).
+      level_shifts: Runs of spikes taken as a new level of training (`_level_shift`).
+      run_start: Global step of the first bad step of the current run of bad steps, or None.
+      spike_run: The spike records of the current run of bad steps, while it is all spikes
+        (the figures of `_spike.read_report` and the ``step``), oldest first.
+      steps_at_level_shift: ``steps`` when the last new level was taken, or None.
+      level_start: The global step of the first spike of the run last taken as a new level
+        (a rollback after its probation failed goes back before it), or None.
     """
 
     total_bad_steps: int = 0
@@ -305,6 +353,11 @@ class GuardState:
     rollback_requests: int = 0
     autopsies: int = 0
     spikes: int = 0
+    level_shifts: int = 0
+    run_start: Optional[int] = None
+    spike_run: Tuple[Mapping[str, Any], ...] = ()
+    steps_at_level_shift: Optional[int] = None
+    level_start: Optional[int] = None
 
     def since(self, start: "GuardState") -> "GuardState":
         """What happened between `start` and this state: each count the difference, the
@@ -325,6 +378,7 @@ _COUNTS = (
     "rollback_requests",
     "autopsies",
     "spikes",
+    "level_shifts",
 )
 
 
@@ -353,12 +407,14 @@ class BadStep:
         update has happened, so only ``raise`` and ``stop`` mean anything, and ``raise``
         says why.
       cause: What made it bad (`Fault`): decided and counted alike, spikes counted apart too.
+      spike: A spike's figures (`_spike.read_report`), or None: what tells a new level.
     """
 
     step: int
     chosen: Action
     guarded: bool = True
     cause: Fault = Fault.NON_FINITE
+    spike: Optional[Mapping[str, Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +466,10 @@ class Decision:
       cause: Why training gives up, as a `Cause`, when ``action`` is ``raise``; else None.
       limit: The bound that was reached (``max_consecutive_bad_steps`` or ``max_rollbacks``)
         when ``cause`` names one; else None.
+      level_shift: The new level this spike completes (`_level_shift.LevelShift`): the
+        action is ``skip``, and the spike statistics are to be re-seeded with it; else None.
+      before_step: A rollback goes to a checkpoint saved below this global step (a new
+        level's probation failed: back before the run taken for it); None: its own rule.
     """
 
     action: Action
@@ -417,6 +477,8 @@ class Decision:
     reason: str = ""
     cause: Optional[Cause] = None
     limit: Optional[int] = None
+    level_shift: Optional[_level_shift.LevelShift] = None
+    before_step: Optional[int] = None
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
@@ -431,14 +493,22 @@ def counted(state: GuardState, step: int) -> GuardState:
     bad one (a step went through that no loop reported). `decide` starts from this; a caller
     that shows the counts to ``on_nan`` before it decides reads them here.
     """
-    consecutive = state.consecutive_bad_steps
+    consecutive, run_start, spike_run = (
+        state.consecutive_bad_steps,
+        state.run_start,
+        state.spike_run,
+    )
     if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
         consecutive = 0
+    if consecutive == 0:
+        run_start, spike_run = step, ()
     return dataclasses.replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
         consecutive_bad_steps=consecutive + 1,
         last_bad_step=step,
+        run_start=run_start,
+        spike_run=spike_run,
     )
 
 
@@ -467,7 +537,9 @@ def decide(
     """
     replace = dataclasses.replace
     if isinstance(observation, GoodStep):
-        return None, replace(state, steps=state.steps + 1, consecutive_bad_steps=0)
+        return None, replace(
+            state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
+        )
     if isinstance(observation, LossScaleOverflow):
         return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
     if isinstance(observation, RolledBack):
@@ -485,7 +557,24 @@ def decide(
     if isinstance(observation, BadStep):
         state = counted(state, observation.step)
         if observation.cause == Fault.SPIKE:
-            state = replace(state, spikes=state.spikes + 1)
+            spike = {**(observation.spike or {}), "step": observation.step}
+            state = replace(state, spikes=state.spikes + 1, spike_run=state.spike_run + (spike,))
+        else:
+            state = replace(state, spike_run=())
+        if _on_probation(config, state, observation):
+            return _decide_divergence(config, state, observation)
+        level = _new_level(config, state, observation)
+        if level is not None:
+            return Decision(SKIP, level_shift=level), replace(
+                state,
+                skips=state.skips + 1,
+                level_shifts=state.level_shifts + 1,
+                consecutive_bad_steps=0,
+                run_start=None,
+                spike_run=(),
+                steps_at_level_shift=state.steps,
+                level_start=level.steps[0],
+            )
         if not observation.guarded:
             decision = _decide_unguarded(observation.chosen)
         else:
@@ -505,6 +594,59 @@ def decide(
             state = replace(state, consecutive_bad_steps=0)
         return decision, state
     raise TypeError(f"decide got {observation!r}, which is no observation; see Observation.")
+
+
+def _new_level(
+    config: GuardConfig, state: GuardState, observation: BadStep
+) -> Optional[_level_shift.LevelShift]:
+    """`_level_shift.judge_run` of the run of spikes this spike ends, where one may be taken:
+    a guarded spike whose policy goes on (``skip`` or ``rollback``); else None."""
+    if (
+        observation.cause != Fault.SPIKE
+        or not observation.guarded
+        or observation.chosen not in (SKIP, ROLLBACK)
+        or len(state.spike_run) != state.consecutive_bad_steps
+        or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
+    ):
+        return None
+    return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
+
+
+def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) -> bool:
+    """Whether this is a spike within ``spike_warmup_steps`` accepted steps of a new level."""
+    return (
+        observation.cause == Fault.SPIKE
+        and observation.guarded
+        and state.steps_at_level_shift is not None
+        and state.steps - state.steps_at_level_shift < config.spike_warmup_steps
+    )
+
+
+def _decide_divergence(
+    config: GuardConfig, state: GuardState, observation: BadStep
+) -> Tuple[Decision, GuardState]:
+    """A spike on a new level's probation: the level was a divergence, so
+    ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
+    since = state.steps - state.steps_at_level_shift
+    reason = (
+        f"a spike {since} accepted steps after taking a new level (fewer than "
+        f"spike_warmup_steps={config.spike_warmup_steps}): that level was a divergence"
+    )
+    action = Action(config.persistent_nan_policy)
+    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
+        reason += (
+            f", and {state.rollbacks} rollbacks already done reached "
+            f"max_rollbacks={config.max_rollbacks}"
+        )
+        action = RAISE
+    state = dataclasses.replace(state, steps_at_level_shift=None)
+    if action == STOP:
+        state = dataclasses.replace(state, stops=state.stops + 1)
+    if action == ROLLBACK:
+        state = dataclasses.replace(state, consecutive_bad_steps=0)
+        return Decision(action, escalation=reason, before_step=state.level_start), state
+    cause = Cause.DIVERGENCE if action == RAISE else None
+    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause), state
 
 
 def _decide_bad_step(

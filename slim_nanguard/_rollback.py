@@ -9,11 +9,12 @@ step right at that step walks back further.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from slim_nanguard import _errors
+from slim_nanguard import _history
 from slim_nanguard import _log as logging
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardConfig
@@ -28,12 +29,48 @@ class Restored:
       step: The global step it restored (None without a global step).
       skipped_batches: Batches of input thrown away after the restore.
       learning_rate_scale: The learning-rate scale after this rollback.
+      why: Why this checkpoint and not the newest, or "" for the newest.
     """
 
     checkpoint: str
     step: Optional[int]
     skipped_batches: int
     learning_rate_scale: float
+    why: str = ""
+
+
+def onset(
+    run_start: Optional[int], run_length: int, losses: Sequence[Tuple[int, float]]
+) -> Tuple[Optional[int], str]:
+    """Where a run of bad steps began, so that a rollback goes back before it. Pure.
+
+    A rollback after a run of more than one bad step goes to a checkpoint older than the
+    run's first step (its state made them); and if the losses of the accepted steps before it
+    were already climbing (`_history.climb_start`), older than the climb.
+
+    Args:
+      run_start: The global step of the run's first bad step (None: unknown).
+      run_length: How many bad steps the run had.
+      losses: ``(step, loss)`` of the good steps before it, oldest first.
+
+    Returns:
+      ``(before_step, why)``: restore a checkpoint saved below ``before_step`` (None: the
+      newest), and why, for the log and the record.
+    """
+    if run_start is None or run_start < 0:
+        return None, ""
+    climb = _history.climb_start(list(losses), run_start)
+    if climb is not None:
+        return climb, (
+            f"the losses were climbing from global step {climb} to the bad step at "
+            f"{run_start}, so the rollback goes before the climb"
+        )
+    if run_length > 1:
+        return run_start, (
+            f"{run_length} bad steps in a row began at global step {run_start}, so the "
+            "rollback goes before them"
+        )
+    return None, ""
 
 
 class Rollback:
@@ -97,6 +134,8 @@ class Rollback:
         bad_step: int,
         learning_rate_scale: float,
         skip_batches: Optional[int] = None,
+        before_step: Optional[int] = None,
+        why: str = "",
     ) -> Restored:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
@@ -112,6 +151,9 @@ class Rollback:
           learning_rate_scale: The scale the guard has applied so far in this process.
           skip_batches: Batches of input to skip after the restore (default:
             ``rollback_skip_batches``; a cluster's chief answering a request skips none).
+          before_step: Restore the newest good checkpoint saved below this global step (see
+            `onset`), if one is kept; None: the newest.
+          why: Why `before_step`, said in the log and kept in `Restored.why`.
 
         Returns:
           What was restored.
@@ -123,7 +165,16 @@ class Rollback:
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
 
         path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
-        if path is not None and self._restored_step is not None and bad_step == self._restored_step:
+        if path is not None and before_step is not None:
+            older = _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=before_step)
+            if older is None:
+                why = f"{why}, but no checkpoint older than step {before_step} is kept"
+            else:
+                path = older
+            logging.warning("slim_nanguard: %s: rolling back to %s", why, path)
+        elif (
+            path is not None and self._restored_step is not None and bad_step == self._restored_step
+        ):
             # No step went through since the last rollback restored this step: the state it
             # restored went bad at once (finite weights can already be diverging). Go back to
             # an earlier step's checkpoint, if one is kept.
@@ -187,7 +238,7 @@ class Rollback:
         if skip_batches is None:
             skip_batches = self._config.rollback_skip_batches
         skipped = self.skip_input(session, skip_batches)
-        return Restored(path, self._restored_step, skipped, learning_rate_scale)
+        return Restored(path, self._restored_step, skipped, learning_rate_scale, why)
 
     def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
         """Runs the input ops that feed the loss `batches` times; returns how many ran."""

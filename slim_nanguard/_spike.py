@@ -58,6 +58,7 @@ REPORT_FIELDS = (
     "log_std_loss",
     "log_std_grad_norm",
     "accepted_steps",
+    "window_steps",
 )
 
 
@@ -92,24 +93,22 @@ class SpikeTest:
           loss: The step's scalar loss.
           norm: The step's global gradient norm (a scalar; float64 keeps a finite norm
             finite, float32 is widened).
-          sigma: How many deviations above the mean make a spike (> 0).
+          sigma: How many deviations above the mean make a spike (> 0; `GuardConfig`
+            checks the settings).
           warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
           window: How many accepted steps the statistics cover.
           variable_scope: A context the two variables are made in (outside a loop body).
         """
-        if not sigma > 0:
-            raise ValueError(f"spike_sigma must be > 0; got {sigma!r}.")
-        if not 2 <= warmup_steps <= window:
-            raise ValueError(
-                f"spike_warmup_steps must be between 2 and {window} (the window of the "
-                f"statistics); got {warmup_steps!r}."
-            )
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
         # One set per train op: a second train op of the graph (a GAN's other half) gets
         # ``nanguard_spike_1/``, never the first one's statistics.
         with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
             self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
             self.count = _variable("count", [], tf.int64)
+            # The least deviation of each column: `FLOOR`, or after a new level the deviation
+            # of the level before it (a level judged at once by a few values is not judged
+            # more narrowly than the old one was).
+            self.floor = _variable("floor", [len(COLUMNS)], tf.float64, FLOOR)
         with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
             # The statistics depend on the variables alone: they are ready before the step's
@@ -122,13 +121,26 @@ class SpikeTest:
             n = tf.minimum(count, window)
             history = self.history.read_value()
             filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
-            self.mean, self.std, kept = _log_statistics(history, filled)
+            floor = self.floor.read_value()
+            outliers = _warmup_outliers(
+                history, filled, count, self.warmup_steps, self.sigma, floor
+            )
+            self.mean, self.std, kept = _log_statistics(
+                history, tf.logical_and(filled, tf.logical_not(outliers)), floor
+            )
             self._live = kept >= self.warmup_steps
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
             self._count_now = count
+            self._window_steps = kept
             self._z = None
+        with variable_scope(), tf.name_scope("nanguard/spike/reseed"):
+            self.reseed_values = tf.compat.v1.placeholder(
+                tf.float64, [None, len(COLUMNS)], name="values"
+            )
+            self.reseed_floor = tf.compat.v1.placeholder(tf.float64, [len(COLUMNS)], name="floor")
+            self.reseed = self._reseed_op(self.reseed_values, self.reseed_floor)
 
     @property
     def z(self) -> tf.Tensor:
@@ -145,11 +157,15 @@ class SpikeTest:
     def z_scores(self) -> tf.Tensor:
         """New ops for `z`, in the current control context (a bad branch, a summary)."""
         with tf.name_scope(self._scope), tf.name_scope("z"):
-            # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
-            usable = self.values > 0
-            logs = tf.math.log(tf.where(usable, self.values, tf.ones_like(self.values)))
-            z = (logs - self.mean) / self.std
-            return tf.where(tf.logical_and(usable, self._live), z, tf.zeros_like(z))
+            return _z_scores(self.values, self.mean, self.std, self._live)
+
+    def judged(self) -> tf.Tensor:
+        """Float64 vector of `JUDGED_FIELDS`: the step's values and the statistics its
+        z-scores are measured against (before the step's own update), which a train op
+        stores on an accepted step for the summaries to read (`z_of_judged`). New ops."""
+        with tf.name_scope(self._scope):
+            live = tf.cast(self._live, tf.float64)
+            return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
 
     def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
         """The write of an accepted step's values into the statistics.
@@ -177,14 +193,63 @@ class SpikeTest:
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
             return tf.group(written, name="update")
 
+    def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
+        """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
+        statistics, with `floor` the least deviation of each column: the window holds them
+        alone and the count is n (`_level_shift`: a new level of training; n at least the
+        warm-up makes the test judge the next step at once)."""
+        n = tf.shape(values, out_type=tf.int64)[0]
+        padded = tf.concat([values, tf.zeros([self.window, len(COLUMNS)], tf.float64)], 0)
+        rows = self.history.assign(padded[: self.window], read_value=False)
+        floors = self.floor.assign(tf.maximum(floor, FLOOR), read_value=False)
+        with tf.control_dependencies([rows, floors]):
+            count = self.count.assign(n, read_value=False)
+        return tf.group(rows, floors, count, name="reseed")
+
     def report_vector(self) -> tf.Tensor:
         """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
 
         New ops, in the current control context: build it on the bad branch."""
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
+        # The steps the figures are over: the window's entries (the fewer of the columns').
+        window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
         return tf.concat(
-            [self.values, self.z_scores(), self.mean, self.std, count], 0, name="report"
+            [self.values, self.z_scores(), self.mean, self.std, count, window_steps],
+            0,
+            name="report",
         )
+
+
+# What `SpikeTest.judged` holds (float64): a step's values, the mean and deviation of the
+# logarithms its z-scores are measured against, and 1 where a column's warm-up is over.
+JUDGED_FIELDS = (
+    "loss",
+    "grad_norm",
+    "log_mean_loss",
+    "log_mean_grad_norm",
+    "log_std_loss",
+    "log_std_grad_norm",
+    "live_loss",
+    "live_grad_norm",
+)
+
+
+def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
+    """Float64 ``[2]``: the z-scores of loss and norm of a stored `SpikeTest.judged` vector,
+    as `SpikeTest.z` gives them on its step (0 for a column in its warm-up, and for a vector
+    of zeros: nothing stored yet)."""
+    values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
+    return _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
+
+
+def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tensor) -> tf.Tensor:
+    """The z-scores of `values` against the `mean` and `std` of the logarithms, 0 where not
+    `live`."""
+    # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
+    usable = values > 0
+    logs = tf.math.log(tf.where(usable, values, tf.ones_like(values)))
+    z = (logs - mean) / std
+    return tf.where(tf.logical_and(usable, live), z, tf.zeros_like(z))
 
 
 # The codes of a bad step's cause in a train op's report (0: no bad step stored yet).
@@ -208,6 +273,7 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     """
     report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
     report["accepted_steps"] = int(report["accepted_steps"])
+    report["window_steps"] = int(report["window_steps"])
     report["sigma"] = float(sigma)
     for column in ("loss", "grad_norm"):
         report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
@@ -215,16 +281,74 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     return report
 
 
-def _variable(name: str, shape, dtype: tf.DType) -> tf.Variable:
-    """A statistics variable, zero at first: saved with the model, not trained."""
+def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Variable:
+    """A statistics variable, `initial` at first: saved with the model, not trained."""
     return tf.compat.v1.get_variable(
-        name, shape, dtype, tf.compat.v1.zeros_initializer(), trainable=False, use_resource=True
+        name,
+        shape,
+        dtype,
+        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer(),
+        trainable=False,
+        use_resource=True,
     )
 
 
-def _log_statistics(history: tf.Tensor, filled: tf.Tensor):
-    """Mean and floored deviation of the logarithms of the positive entries of each column of
-    `history` among the rows `filled`, and how many entries each column has."""
+# A robust deviation of normal data: 1.4826 times the median absolute deviation.
+MAD_SCALE = 1.4826
+# The fewest warm-up entries among which an outlier is told.
+MIN_WARMUP_ENTRIES = 5
+# How many times `sigma` robust deviations from the warm-up's median make an outlier of it:
+# twice the spike test's bar, so that a heavy tail (a batch in ten at 10 times the loss, late
+# in training) stays in, and a spike the test would have rejected does not.
+OUTLIER_SIGMAS = 2.0
+# And at least this factor from the median: twenty warm-up values cannot tell a heavy tail
+# from a spike when the tail shows once among them.
+OUTLIER_RATIO = 100.0
+
+
+def _warmup_outliers(
+    history: tf.Tensor,
+    filled: tf.Tensor,
+    count: tf.Tensor,
+    warmup: int,
+    sigma: float,
+    floor: tf.Tensor,
+) -> tf.Tensor:
+    """Bool ``[window, 2]``: the warm-up's entries left out of the statistics.
+
+    The first `warmup` rows hold the values accepted before the test began (until the ring
+    overwrites them), without any test: a spike among them would widen the deviation and hide
+    the next spike for a whole window. An entry among them more than `OUTLIER_SIGMAS` times
+    `sigma` robust deviations (`MAD_SCALE` times the median absolute deviation, at least
+    `floor`), and more than `OUTLIER_RATIO` times, from their median is left out, once there
+    are `MIN_WARMUP_ENTRIES`.
+    """
+    window = history.shape[0]
+    index = tf.range(warmup, dtype=tf.int64)
+    warm = filled[:warmup] & (history[:warmup] > 0) & (count <= window + index)[:, None]
+    logs = tf.math.log(tf.where(warm, history[:warmup], tf.ones_like(history[:warmup])))
+    entries = tf.reduce_sum(tf.cast(warm, tf.int64), axis=0)
+    middle = tf.one_hot(
+        tf.maximum(entries - 1, 0) // 2, warmup, axis=0, on_value=True, off_value=False
+    )
+
+    def median(x):
+        ordered = tf.sort(
+            tf.where(warm, x, tf.fill(tf.shape(x), tf.constant(np.inf, x.dtype))), axis=0
+        )
+        return tf.reduce_sum(tf.where(middle, ordered, tf.zeros_like(ordered)), axis=0)
+
+    center = median(logs)
+    distance = tf.abs(logs - center)
+    scale = tf.maximum(MAD_SCALE * median(distance), floor)
+    far = distance > tf.maximum(OUTLIER_SIGMAS * sigma * scale, math.log(OUTLIER_RATIO))
+    out = warm & far & (entries >= MIN_WARMUP_ENTRIES)[None, :]
+    return tf.concat([out, tf.zeros([window - warmup, history.shape[1]], tf.bool)], 0)
+
+
+def _log_statistics(history: tf.Tensor, filled: tf.Tensor, floor: tf.Tensor):
+    """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
+    column of `history` among the rows `filled`, and how many entries each column has."""
     usable = tf.logical_and(filled, history > 0)
     weight = tf.cast(usable, tf.float64)
     logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))
@@ -232,22 +356,42 @@ def _log_statistics(history: tf.Tensor, filled: tf.Tensor):
     size = tf.maximum(kept, 1.0)
     mean = tf.reduce_sum(logs * weight, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
-    return mean, tf.maximum(tf.sqrt(spread), FLOOR), tf.cast(kept, tf.int64)
+    return mean, tf.maximum(tf.sqrt(spread), floor), tf.cast(kept, tf.int64)
 
 
 def reference_z_scores(
-    accepted: Sequence[Tuple[float, float]], value: Tuple[float, float], *, window: int = 128
+    accepted: Sequence[Tuple[float, float]],
+    value: Tuple[float, float],
+    *,
+    window: int = 128,
+    warmup: int = 20,
+    sigma: float = 6.0,
 ) -> np.ndarray:
     """The z-scores of ``value = (loss, norm)`` against the last `window` of the `accepted`
-    ``(loss, norm)`` pairs, in NumPy: of the logarithms of the positive values (population
-    deviation floored at `FLOOR`); NaN for a value that is not positive."""
-    recent = np.asarray(accepted[-window:], dtype=np.float64).reshape(-1, len(COLUMNS))
+    ``(loss, norm)`` pairs (all of them since the statistics began), in NumPy: of the
+    logarithms of the positive values, the warm-up's outliers left out (`_warmup_outliers`),
+    population deviation floored at `FLOOR`; NaN for a value that is not positive."""
+    accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
+    count = len(accepted)
+    keep = np.ones(count, bool)
+    keep[: max(count - window, 0)] = False
     scores = []
     for column, current in enumerate(value):
-        logs = np.log(recent[recent[:, column] > 0, column])
-        if current <= 0 or not len(logs):
+        positive = keep & (accepted[:, column] > 0)
+        warm = positive & (np.arange(count) < warmup)
+        logs = np.log(np.where(positive, accepted[:, column], 1.0))
+        entries = int(warm.sum())
+        if entries >= MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
+            center = np.sort(logs[warm])[(entries - 1) // 2]
+            distance = np.abs(logs - center)
+            spread = np.sort(distance[warm])[(entries - 1) // 2]
+            bar = max(
+                OUTLIER_SIGMAS * sigma * max(MAD_SCALE * spread, FLOOR), math.log(OUTLIER_RATIO)
+            )
+            positive &= ~(warm & (distance > bar))
+        if current <= 0 or not positive.any():
             scores.append(np.nan)
             continue
-        std = max(logs.std(), FLOOR)
-        scores.append((np.log(current) - logs.mean()) / std)
+        std = max(logs[positive].std(), FLOOR)
+        scores.append((np.log(current) - logs[positive].mean()) / std)
     return np.asarray(scores)

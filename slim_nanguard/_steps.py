@@ -5,14 +5,16 @@
 `tf.compat.v1.Session` or a `MonitoredTrainingSession`.
 
 A loop whose policy rolls back needs the checkpoint directory, and each of these refuses to go
-on without it as early as it can tell: `make_train_step` when it is called, `train_step` at the
-first step, `handle_numerics_error` (which finds the directory of a `MonitoredTrainingSession`
-by itself) before it applies the policy to the first bad step.
+on without it as early as it can tell: `make_train_step` when it is called, `train_step` (which
+finds `tf_slim.learning.train`'s ``logdir`` by itself) at the first step,
+`handle_numerics_error` (which finds the directory of a `MonitoredTrainingSession` by itself)
+before it applies the policy to the first bad step.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -22,6 +24,7 @@ import tf_slim
 from slim_nanguard import _actions
 from slim_nanguard import _events
 from slim_nanguard import _guard
+from slim_nanguard import _log as logging
 from slim_nanguard._types import Mode
 from slim_nanguard._types import SessionLike
 
@@ -115,8 +118,11 @@ def train_step(
     """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy.
 
     Use it as ``tf_slim.learning.train(train_op, logdir, train_step_fn=slim_nanguard.train_step)``
-    (for the ``rollback`` policy or ``persistent_nan_policy="rollback"``:
-    ``train_step_fn=slim_nanguard.make_train_step(logdir)``), in either mode. A bad step of
+    in either mode. It finds ``logdir`` in what `tf_slim.learning.train` passes
+    (`learning_train_logdir`): the record of bad steps (``nanguard_events.jsonl``), the autopsy
+    dumps and a rollback's checkpoints are there. Without it (``summary_writer=None``, a
+    non-chief task) it logs one line saying no record is kept, and a policy that rolls back
+    refuses at the first step; ``make_train_step(logdir)`` names the directory. A bad step of
     `train_op` is handled by the policy: ``skip`` returns the bad loss and carries on, ``stop``
     returns ``should_stop=True``, ``raise`` raises `NanLossError`. An overflow step of a
     dynamic loss-scale optimizer (either mode) is recorded as a ``loss_scale_overflow`` and is
@@ -127,9 +133,8 @@ def train_step(
       train_op: The train op from `create_train_op`.
       global_step: The global step tensor.
       train_step_kwargs: The dict `tf_slim.learning.train` passes.
-      checkpoint_dir: Where checkpoints are saved (rollback only, escalated or not); default:
-        the ``logdir`` of `train_step_kwargs` when present. The record of bad steps
-        (``nanguard_events.jsonl``) and the autopsy dumps go there too.
+      checkpoint_dir: Where checkpoints are saved; default: `learning_train_logdir`. The
+        record of bad steps (``nanguard_events.jsonl``) and the autopsy dumps go there too.
 
     Returns:
       ``(total_loss, should_stop)`` as tf-slim's `train_step`.
@@ -141,12 +146,15 @@ def train_step(
     guard = _guard.get_guard(train_op)
     if guard is None:
         return tf_slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
+    logdir = learning_train_logdir(train_step_kwargs)
     checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,
-        logdir=train_step_kwargs.get("logdir"),
+        logdir=logdir,
         advice="pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
     )
+    if not checkpoint_dir:
+        _say_no_record_once(guard)
     if guard.mode == Mode.HOOK:
         if guard.ok is None:
             raise ValueError(
@@ -184,8 +192,39 @@ def train_step(
     return outcome.event.loss, should_stop
 
 
+def learning_train_logdir(train_step_kwargs: Dict[str, Any]) -> Optional[str]:
+    """The ``logdir`` of the `tf_slim.learning.train` call that passed `train_step_kwargs`.
+
+    tf-slim puts ``logdir`` in the dict only with ``trace_every_n_steps``; otherwise its
+    ``summary_writer``, the `Supervisor`'s, writes to ``logdir`` (the directory the
+    Supervisor's checkpoints go to as well). None when neither is there: a non-chief task, or
+    ``learning.train(..., summary_writer=None)``.
+    """
+    logdir = train_step_kwargs.get("logdir")
+    writer = train_step_kwargs.get("summary_writer")
+    if not logdir and writer is not None and hasattr(writer, "get_logdir"):
+        logdir = writer.get_logdir()
+    return logdir or None
+
+
+# The guards `train_step` said it keeps no record for (once each).
+_TOLD_NO_RECORD: "weakref.WeakSet[_guard.Guard]" = weakref.WeakSet()
+
+
+def _say_no_record_once(guard: _guard.Guard) -> None:
+    """Logs once per guard that `train_step` knows no directory to keep the record in."""
+    if guard in _TOLD_NO_RECORD:
+        return
+    _TOLD_NO_RECORD.add(guard)
+    logging.warning(
+        "slim_nanguard: train_step knows no directory, so bad steps leave no "
+        "nanguard_events.jsonl; pass train_step_fn=slim_nanguard.make_train_step(logdir)."
+    )
+
+
 def make_train_step(checkpoint_dir: str):
-    """A `train_step` bound to `checkpoint_dir`, for ``rollback`` (as policy or escalation).
+    """A `train_step` bound to `checkpoint_dir`: for a `tf_slim.learning.train` call that
+    passes no summary writer (``summary_writer=None``), or whose checkpoints are elsewhere.
 
     Raises:
       ValueError: `checkpoint_dir` is empty.

@@ -57,6 +57,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
+from slim_nanguard import _checkpoints
 from slim_nanguard import _finiteness
 from slim_nanguard import _gating
 from slim_nanguard import _guard
@@ -93,6 +94,7 @@ def create_train_op(
     spike_policy: Optional[str] = None,
     spike_sigma: float = 6.0,
     spike_warmup_steps: int = 20,
+    spike_level_shift_steps: int = 8,
     config: Optional[_policy.GuardConfig] = None,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
@@ -183,7 +185,10 @@ def create_train_op(
         clipped gradient's spike shows less in it; the loss's does not).
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
-      config: A `GuardConfig`; overrides the ten policy arguments above when given.
+      spike_level_shift_steps: Spikes in a row that hold together make a new level of
+        training, not spikes: the guard says so, starts its statistics again from them and
+        carries on (`GuardConfig.spike_level_shift_steps`; 0: never).
+      config: A `GuardConfig`; overrides the eleven policy arguments above when given.
 
     Returns:
       A `Tensor` that, when evaluated, computes the gradients, applies them when they are
@@ -208,6 +213,7 @@ def create_train_op(
         spike_policy=spike_policy,
         spike_sigma=spike_sigma,
         spike_warmup_steps=spike_warmup_steps,
+        spike_level_shift_steps=spike_level_shift_steps,
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
@@ -267,7 +273,7 @@ def create_train_op(
         if test.spike is not None:  # An accepted step enters the statistics.
             opened = gate.gate if gate.finite_gate is None else gate.finite_gate
             with tf.control_dependencies([opened]):
-                writes.append(test.spike.update())
+                writes += [test.spike.update(), test.store_judged()]
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
@@ -314,6 +320,7 @@ def _register(
         global_step=global_step,
         grad_sums=test.grad_sums,
         value_kinds=test.kinds,
+        kinds_read=_handles.kinds_read(test.kinds, test.spike is not None),
         ok=None if in_loop else gate.ok,
         diagnostics=test.diagnostics,
         check_op_name=gate.check_op_name,
@@ -329,6 +336,9 @@ def _register(
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
         report=test.report,
+        spike_reseed=None
+        if test.spike is None
+        else (test.spike.reseed_values, test.spike.reseed_floor, test.spike.reseed),
         optional_variables=tuple(v for v in (lr_scale, *test.spike_variables()) if v is not None),
     )
     saver = None
@@ -336,6 +346,24 @@ def _register(
         with tf.init_scope():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+    if handles.optional_variables:
+        _register_default_saver(graph)
+
+
+def _register_default_saver(graph: tf.Graph) -> None:
+    """Makes a `ResumingSaver` the graph's default saver, when it has none yet.
+
+    `Scaffold` (so `MonitoredTrainingSession` and `tf_slim.training.train`) saves and restores
+    with the saver of the ``SAVERS`` collection, and makes one when it is empty. This one is
+    that default (sharded, empty allowed, built when the scaffold is finalized, so it saves
+    every variable made by then), except that it also resumes from checkpoints written
+    without the guard's optional variables. A saver already in the collection, or one given
+    to the `Scaffold`, is left as it is.
+    """
+    if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+        return
+    saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
+    graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
 
 
 def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:

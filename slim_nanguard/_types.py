@@ -70,6 +70,7 @@ class Cause(_StrEnum):
     MAX_CONSECUTIVE_BAD_STEPS = "max_consecutive_bad_steps"  # escalation to raise
     MAX_ROLLBACKS = "max_rollbacks"  # a rollback past max_rollbacks
     UNGUARDED_LOSS = "unguarded_loss"  # NanLossHook on a loss no guarded train op made
+    DIVERGENCE = "divergence"  # a spike on the probation of a new level: it was a divergence
 
 
 class Fault(_StrEnum):

@@ -90,7 +90,7 @@ def format_report(record: Mapping[str, Any]) -> str:
     if not autopsy:
         lines.append("  autopsy     none (autopsies off, or past autopsy_max_steps)")
         return "\n".join(lines)
-    result = _autopsy.Autopsy.from_json(autopsy)
+    result = with_spike_over(_autopsy.Autopsy.from_json(autopsy), record)
     lines.append(f"  autopsy     {result.describe()}")
     if result.top_examples:  # A spike's examples, highest per-example loss first.
         median = result.median_loss
@@ -137,6 +137,16 @@ def format_report(record: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def with_spike_over(result: _autopsy.Autopsy, record: Mapping[str, Any]) -> _autopsy.Autopsy:
+    """`result`, knowing what its spike was caught on from the bad step's `record` (its
+    ``spike.over``) when its own ``spike_over`` is empty (a dump written before it had one),
+    so that its sentence hedges a guess as the log line did."""
+    over = (record.get("spike") or {}).get("over")
+    if result.cause != Fault.SPIKE or result.spike_over or not over:
+        return result
+    return _replace(result, spike_over=tuple(over))
+
+
 def describe_health(h: Mapping[str, Any]) -> str:
     """``name [6] float32: 1 -Inf, 1 zero, finite in [0, 5.17]`` for a health dict."""
     counts = [
@@ -176,6 +186,8 @@ def replay_dump(
 
     Raises:
       ValueError: No checkpoint (so no meta graph) in `train_dir`, or no such dump.
+      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
+        garbled.
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
@@ -188,6 +200,8 @@ def replay_dump(
 
     report, batch, weights = _autopsy.read_dump(dump_path)
     checkpoint = _checkpoints.latest_checkpoint(train_dir)
+    if checkpoint and tf.io.gfile.exists(checkpoint + ".index"):
+        _checkpoints.non_finite_variables(checkpoint)  # Raises if it cannot be read.
     meta = checkpoint + ".meta" if checkpoint else None
     if meta is None or not tf.io.gfile.exists(meta):
         metas = sorted(tf.io.gfile.glob(_paths.join(train_dir, "*.meta")))
@@ -216,6 +230,7 @@ def replay_dump(
                 batch_size=int(report.get("batch_size") or 0) or None,
                 cause=report.get("cause", "non_finite"),
             )
+            result = _replace(result, spike_over=tuple(report.get("spike_over") or ()))
         except (KeyError, ValueError, tf.errors.OpError) as err:
             # A graph that is not the run's, a tensor that cannot be fed.
             return _autopsy.Autopsy(
@@ -434,8 +449,10 @@ def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, flo
 def plot_run(train_dir: str, out_path: str) -> str:
     """Draws the loss over steps with the bad steps, skips and rollbacks marked.
 
-    A spike (a bad step whose record's ``cause`` is ``"spike"``: finite, but its loss or
-    gradient norm far above the usual) has a marker of its own, apart from a non-finite step.
+    Each bad step is marked at its own loss (a spike, or NaN gradients under a finite loss);
+    one whose loss is NaN or Inf at the top of the plot, its legend entry saying which. The
+    axis is logarithmic where the values drawn are far apart. A spike (a bad step whose
+    record's ``cause`` is ``"spike"``) has a marker of its own, apart from a non-finite step.
 
     Args:
       train_dir: The training directory.
@@ -448,6 +465,19 @@ def plot_run(train_dir: str, out_path: str) -> str:
       ImportError: matplotlib is not installed (install the ``plot`` extra).
       ValueError: No loss to plot.
     """
+    import tensorflow as tf  # Local, as elsewhere here.
+
+    figure = run_figure(train_dir)
+    try:
+        with tf.io.gfile.GFile(out_path, "wb") as f:  # A URL too (gs://...).
+            figure.savefig(f, dpi=100, format=os.path.splitext(out_path)[1][1:] or None)
+    finally:
+        _pyplot().close(figure)
+    return out_path
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend; an ImportError that says how to install it."""
     try:
         import matplotlib
 
@@ -455,11 +485,27 @@ def plot_run(train_dir: str, out_path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise ImportError(
-            "--plot needs matplotlib, which is not installed; install it with "
-            "pip install 'slim_nanguard[plot]' (or pip install matplotlib)."
+            "--plot needs matplotlib, which is not installed; install it from the "
+            "slim_nanguard clone with pip install '.[plot]' (or pip install matplotlib)."
         ) from err
-    import tensorflow as tf  # Local, as elsewhere here.
+    return plt
 
+
+def run_figure(train_dir: str):
+    """The figure `plot_run` saves: the whole run, and a close look at the first bad step.
+
+    Args:
+      train_dir: The training directory.
+
+    Returns:
+      A matplotlib ``Figure``; its first axes is the whole run, with the legend. The caller
+      closes it (``matplotlib.pyplot.close(figure)``).
+
+    Raises:
+      ImportError: matplotlib is not installed.
+      ValueError: No loss to plot.
+    """
+    plt = _pyplot()
     tag, pieces = loss_pieces(train_dir)
     records = _record.read_events(train_dir)
     bad = [r for r in records if r.get("kind") == "bad_step"]
@@ -479,16 +525,14 @@ def plot_run(train_dir: str, out_path: str) -> str:
     if bad:
         low, high = zoom_window(bad[0])
         close.set_xlim(low, high)
+        curve = [v for run in pieces for part in run for _, v in part]
         shown = [v for run in pieces for part in run for s, v in part if low <= s <= high]
-        if shown:  # The loss in the window and the marks (at the top), not the whole run.
-            top = max(v for run in pieces for part in run for _, v in part)
-            close.set_ylim(*_padded(close, min(shown), max(shown + [top])))
+        shown += [y for s, y, *_ in _event_marks(records, curve) if low <= s <= high]
+        if shown:  # The loss and the marks in the window, not the whole run.
+            close.set_ylim(*_padded(close, min(shown), max(shown)))
         close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
-    with tf.io.gfile.GFile(out_path, "wb") as f:  # A URL too (gs://...).
-        figure.savefig(f, dpi=100, format=os.path.splitext(out_path)[1][1:] or None)
-    plt.close(figure)
-    return out_path
+    return figure
 
 
 def _padded(axes, low: float, high: float) -> Tuple[float, float]:
@@ -520,6 +564,43 @@ def _bad_step_mark(record: Mapping[str, Any]) -> Tuple[str, str, str]:
     return marker, color, f"bad step, {done}"
 
 
+# Losses that far apart (largest over smallest, all positive) get a log axis.
+_LOG_SCALE_RATIO = 100.0
+
+
+def _event_marks(
+    records: Sequence[Mapping[str, Any]], curve: Sequence[float]
+) -> List[Tuple[int, float, str, str, str]]:
+    """``(step, y, marker, colour, label)`` for each bad step of `records`.
+
+    A bad step with a finite loss (a spike, or NaN gradients under a finite loss) is marked
+    at its loss. A NaN or Inf loss has no place on the axis: it is marked at the top of
+    everything drawn (`curve` and the finite marks), and its label says so and which it was.
+    """
+    bad = [r for r in records if r.get("kind") == "bad_step"]
+    losses = [_record_loss(r) for r in bad]
+    finite = [v for v in list(curve) + losses if math.isfinite(v)]
+    top = max(finite) if finite else 1.0
+    marks = []
+    for record, loss in zip(bad, losses):
+        marker, color, label = _bad_step_mark(record)
+        if math.isfinite(loss):
+            marks.append((record.get("step", 0), loss, marker, color, f"{label}, at its loss"))
+        else:
+            kind = "NaN" if math.isnan(loss) else ("-Inf" if loss < 0 else "Inf")
+            label = f"{label}, loss {kind} (drawn at the top)"
+            marks.append((record.get("step", 0), top, marker, color, label))
+    return marks
+
+
+def _record_loss(record: Mapping[str, Any]) -> float:
+    """A bad step's loss from its record (``"nan"``, ``"inf"``, ``"-inf"`` or a number)."""
+    try:
+        return float(record.get("loss", "nan"))
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _draw(axes, tag: str, pieces, records) -> None:
     """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
     labels = set()
@@ -543,17 +624,14 @@ def _draw(axes, tag: str, pieces, records) -> None:
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
-    finite = [v for run in pieces for part in run for _, v in part if math.isfinite(v)]
-    top = max(finite) if finite else 1.0
-    if finite and min(finite) > 0 and top / min(finite) > 1e3:
-        axes.set_yscale("log")  # a divergence spans orders of magnitude
+    marks = _event_marks(records, [v for run in pieces for part in run for _, v in part])
+    values = [v for run in pieces for part in run for _, v in part] + [m[1] for m in marks]
+    if values and min(values) > 0 and max(values) / min(values) > _LOG_SCALE_RATIO:
+        axes.set_yscale("log")  # a divergence, or a spike, spans orders of magnitude
+    for step, value, marker, color, label in marks:
+        axes.scatter([step], [value], marker=marker, color=color, zorder=3, label=once(label))
     for r in records:
-        if r.get("kind") == "bad_step":
-            marker, color, label = _bad_step_mark(r)
-            axes.scatter(
-                [r.get("step", 0)], [top], marker=marker, color=color, zorder=3, label=once(label)
-            )
-        elif r.get("kind") == "rollback":
+        if r.get("kind") == "rollback":
             axes.axvline(r.get("step", 0), color="tab:red", ls="--", lw=0.8, label=once("rollback"))
     axes.set_xlabel("global step")
     axes.set_ylabel(tag)

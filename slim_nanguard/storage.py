@@ -6,7 +6,8 @@ guard itself uses there:
 * paths that may be URLs (`os.path` reads ``gs://bucket/run`` as a relative local path):
   `absolute`, `join`, `dirname`, `basename`, `is_url`;
 * a run's checkpoints: `latest_checkpoint` (`tf.train.latest_checkpoint`, also for a moved or
-  copied directory and past a damaged state file), `checkpoint_step`, `checkpoint_reader`;
+  copied directory and past a damaged state file), `checkpoint_step`, `checkpoint_reader`
+  (which raises `slim_nanguard.UnreadableCheckpointError` naming a damaged index);
 * `op_error_cause`: the line of a TensorFlow error (a file that cannot be read, say) that
   says what went wrong.
 

@@ -304,6 +304,7 @@ def run_monitored(
     checkpoint_dir: Optional[str] = None,
     handle_numerics_errors: bool = False,
     catch_nan_error: bool = False,
+    checkpoint_steps: int = 1,
 ) -> MonitoredRun:
     """The seed notes' loop: a `MonitoredTrainingSession` running `train_op` until it stops.
 
@@ -312,7 +313,8 @@ def run_monitored(
       hooks: the session's hooks.
       last_step: adds a `StopAtStepHook` at this global step.
       feeds: one feed per run; without them, the loop runs until the session should stop.
-      checkpoint_dir: where the session saves a checkpoint every step (none without it).
+      checkpoint_dir: where the session saves a checkpoint every `checkpoint_steps` steps
+        (none without it).
       handle_numerics_errors: a check_numerics-mode bad step's `InvalidArgumentError` goes to
         `slim_nanguard.handle_numerics_error`, as the README's loop does.
       catch_nan_error: a `NanLossDuringTrainingError` (ours or TensorFlow's) ends the loop
@@ -332,7 +334,7 @@ def run_monitored(
             tf.compat.v1.train.MonitoredTrainingSession(
                 hooks=hooks,
                 checkpoint_dir=checkpoint_dir,
-                save_checkpoint_steps=1 if checkpoint_dir else None,
+                save_checkpoint_steps=checkpoint_steps if checkpoint_dir else None,
                 save_summaries_steps=None,
                 log_step_count_steps=None,
             ) as sess,

@@ -45,7 +45,17 @@ class _FakeRestorer:
     def __init__(self, rollbacks):
         self._rollbacks = rollbacks
 
-    def restore(self, session, checkpoint_dir, *, bad_step, learning_rate_scale, skip_batches):
+    def restore(
+        self,
+        session,
+        checkpoint_dir,
+        *,
+        bad_step,
+        learning_rate_scale,
+        skip_batches,
+        before_step=None,
+        why="",
+    ):
         self._rollbacks.append((session, checkpoint_dir))
         return _rollback.Restored(f"{checkpoint_dir}/model.ckpt-2", 2, 0, learning_rate_scale)
 
@@ -266,7 +276,11 @@ def test_a_hooks_rollback_override_builds_the_guards_one_saver(tmp_path):
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     guard = slim_nanguard.get_guard(model.train_op)
     assert guard.saver is None
-    with pytest.raises(ValueError, match=r"needs NanLossHook\(checkpoint_dir=\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^nan_policy='rollback' rolls back, so the loop needs .*"
+        r"NanLossHook\(train_op, checkpoint_dir=\.\.\.\)",
+    ):
         with model.graph.as_default():
             slim_nanguard.NanLossHook(model.loss, nan_policy="rollback").begin()
     hook = slim_nanguard.NanLossHook(

@@ -503,7 +503,7 @@ def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatc
     from slim_nanguard import autopsy
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"pip install 'slim_nanguard\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[plot\]'"):
         autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
 
 

@@ -176,7 +176,11 @@ def test_the_examples_that_stand_out_are_cut_at_the_largest_ratio():
     assert _autopsy.standing_out([(0, 800.0), (1, 790.0), (2, 810.0)], 0.05) == 3
     calm = [(0, 0.5), (1, 0.49), (2, 0.48), (3, 0.47), (4, 0.46)]
     assert _autopsy.standing_out(calm, 0.3) == 0
-    assert _autopsy.standing_out([(0, 2.0), (1, -1.0)], 0.1) == 0  # no ratios
+    # Zero and negative losses are the bottom of the chain, one step of 4 below the rest.
+    assert _autopsy.standing_out([(0, 1043.0), (1, 100.4), (2, 0.0)], 0.0) == 1
+    assert _autopsy.standing_out([(0, 812.3), (1, 395.1), (2, 0.0)], 0.0) == 2
+    assert _autopsy.standing_out([(0, 2.0), (1, -1.0)], -1.0) == 1
+    assert _autopsy.standing_out([(0, 0.0), (1, -1.0)], -0.5) == 0  # no loss above 0
     assert _autopsy.standing_out([(0, np.inf), (1, 1.0)], 0.5) == 1
     assert _autopsy.standing_out(spike, None) == 0
 
@@ -184,10 +188,11 @@ def test_the_examples_that_stand_out_are_cut_at_the_largest_ratio():
 def test_the_sentence_names_the_examples_that_carried_the_spike():
     spike = ((3, 812.3), (17, 95.1), (5, 0.5), (1, 0.4), (8, 0.3))
     assert _autopsy.explain_spike(spike, 32, 0.041, "xent:0") == (
-        "examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; batch median 0.041)"
+        "examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next highest: "
+        "examples 5, 1, 8 at 0.5, 0.4, 0.3; batch median 0.041)"
     )
     assert _autopsy.explain_spike(spike[:1] + spike[2:], 32, 0.041, "xent:0").startswith(
-        "example 3 of 32 carried the spike (per-example loss 812.3; batch median"
+        "example 3 of 32 carried the spike (per-example loss 812.3; next highest: examples 5, "
     )
     calm = ((0, 0.5), (1, 0.49))
     assert _autopsy.explain_spike(calm, 2, 0.495, "xent:0") == (

@@ -38,14 +38,15 @@ def test_a_data_shard_rewritten_after_a_check_is_read_again(tmp_path, monkeypatc
     os.utime(tmp_path / shard, ns=(index_stat.st_mtime_ns + 10**9,) * 2)
     assert os.stat(good + ".index").st_mtime_ns == index_stat.st_mtime_ns
 
-    # Read again: the NaN is found, or the reader's checksum refuses the shard. Either way the
-    # checkpoint is no longer reported finite.
+    # Read again: the NaN is found, or the reader's checksum refuses the shard (the documented
+    # error naming the shard). Either way the checkpoint is no longer reported finite.
     reads = []
     real = tf.train.load_checkpoint
     monkeypatch.setattr(tf.train, "load_checkpoint", lambda p: reads.append(p) or real(p))
     try:
         found = slim_nanguard.non_finite_variables(good)
-    except (tf.errors.OpError, ValueError, IndexError):
+    except slim_nanguard.UnreadableCheckpointError as err:
+        assert err.file == str(tmp_path / shard)
         found = "unreadable"
     assert reads == [good]
     assert found in (("w",), "unreadable")

@@ -305,7 +305,11 @@ def test_the_spike_statistics_live_on_the_ps_with_the_model(mode):
     )
     guard = slim_nanguard.get_guard(replica.train_op)
     stats = _spike_variables(replica.graph)
-    assert sorted(v.op.name for v in stats) == ["nanguard_spike/count", "nanguard_spike/history"]
+    assert sorted(v.op.name for v in stats) == [
+        "nanguard_spike/count",
+        "nanguard_spike/floor",
+        "nanguard_spike/history",
+    ]
     assert {v.device for v in stats} == {"/job:ps/task:0"}
     assert guard.report.device == "/job:worker/task:1"
 

@@ -147,8 +147,9 @@ def _escalating_model(mode, persistent_nan_policy, bad_batches, **create_kwargs)
 def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, mode):
     """Three bad batches in a row: the state is bad, so the guard rolls back and carries on.
 
-    The checkpoint of step 2 is the one the rollback returns to, so the bad batch after it is
-    seen at global step 2 again: only the explicit reset keeps it from escalating once more.
+    The run of bad steps began at global step 2, whose checkpoint holds the state that went
+    bad: the rollback returns to the one before it, step 1, and the bad batch after it is the
+    first of a new run (the count started over).
     """
     model = _escalating_model(
         mode,
@@ -164,7 +165,7 @@ def test_skip_escalates_to_a_rollback_and_the_count_starts_over(tmp_path, mode):
         (2, 1, "skip"),
         (2, 2, "skip"),
         (2, 3, "rollback"),
-        (2, 1, "skip"),
+        (1, 1, "skip"),
     ]
     # Only the rollback wrote: the two skips before it and the one after it changed nothing.
     assert run.bad_step_changes == [[], [], []]
@@ -212,9 +213,9 @@ def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, mode):
         "2 bad steps in a row reached max_consecutive_bad_steps=2, and 2 rollbacks "
         "already done reached max_rollbacks=2"
     ) in str(run.error)
-    # The first rollback restored step 2, which went bad again before anything newer was
-    # saved, so the second one went a checkpoint further back.
-    assert int(run.final["global_step"]) == 1
+    # Each rollback went before the run of bad steps it ended: the first to step 1 (the run
+    # began at 2), the second to step 0 (the next run began at 1).
+    assert int(run.final["global_step"]) == 0
     lib.assert_all_finite(run.final)
 
 
@@ -257,16 +258,16 @@ def test_the_hook_needs_a_checkpoint_dir_for_an_escalated_rollback():
     # nan_hook knows the train op's policy: it refuses at once, before any session.
     with pytest.raises(
         ValueError,
-        match=r"persistent_nan_policy='rollback'\) rolls back, so "
-        r"it needs nan_hook\(train_op, checkpoint_dir=\.\.\.\)",
+        match=r"nan_policy='skip' with persistent_nan_policy='rollback' rolls back, so the "
+        r"loop needs .*nan_hook\(train_op, checkpoint_dir=\.\.\.\)",
     ):
         slim_nanguard.nan_hook(model.train_op)
     # A hook built by hand refuses at session start.
     with model.graph.as_default():
         with pytest.raises(
             ValueError,
-            match=r"persistent_nan_policy='rollback' needs "
-            r"NanLossHook\(checkpoint_dir=\.\.\.\)",
+            match=r"nan_policy='skip' with persistent_nan_policy='rollback' rolls back, "
+            r"so the loop needs .*NanLossHook\(train_op, checkpoint_dir=\.\.\.\)",
         ):
             with tf.compat.v1.train.MonitoredTrainingSession(
                 hooks=[slim_nanguard.NanLossHook(model.train_op)], log_step_count_steps=None

@@ -135,14 +135,18 @@ def test_train_giving_up_after_max_rollbacks_says_the_policy_was_applied(tmp_pat
 
 
 def test_an_uncaught_check_still_names_what_to_add():
-    """No loop applies the policy: the check's own error says so, and what to add."""
+    """No loop applies the policy: the check's own error says which loops apply it (what to
+    add), in words that are true too when a loop caught it (TensorFlow logs the message of
+    every failing run, caught or not)."""
     model = lib.build_model(nan_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         with pytest.raises(tf.errors.InvalidArgumentError) as raised:
             sess.run(model.train_op, model.feed(0, "nan_loss"))
     message = raised.value.message
-    assert "If this error reached you uncaught, nothing applied nan_policy='skip'" in message
+    assert "slim_nanguard rejected the step: NaN or Inf in the loss or a gradient" in message
+    assert "A loop applies nan_policy=skip when it catches this error" in message
+    assert "not applied" not in message and "nothing applied" not in message
     assert "train_step_fn=slim_nanguard.train_step" in message
     assert slim_nanguard.is_numerics_error(raised.value)
 

@@ -66,10 +66,11 @@ _SCRIPT = textwrap.dedent(r"""
         return None if path is None else int(tf.train.load_checkpoint(path).get_tensor(
             "global_step"))
 
-    def learning_train(check_numerics, policy, step_fn=None, **kwargs):
+    def learning_train(check_numerics, policy, step_fn=None, loop=None, **kwargs):
         graph, train_op, guard = build(check_numerics, policy, **kwargs)
         logdir = tempfile.mkdtemp()
         extra = {} if step_fn is None else {"train_step_fn": step_fn}
+        extra.update(loop or {})
         def run():
             with graph.as_default():
                 slim.learning.train(train_op, logdir, number_of_steps=STEPS,
@@ -119,7 +120,9 @@ _SCRIPT = textwrap.dedent(r"""
         report["nan_hook_no_dir"] = None
     except ValueError as err:
         report["nan_hook_no_dir"] = str(err)
+    # learning.train without a summary writer: train_step cannot find its logdir.
     guard, run, logdir = learning_train(True, "skip", slim_nanguard.train_step,
+                                        loop={"summary_writer": None},
                                         persistent_nan_policy="rollback")
     outcome("learning_rollback_no_dir", run, guard)
     report["learning_rollback_no_dir"]["step"] = latest_step(logdir)
@@ -172,12 +175,12 @@ def test_each_loop_applies_the_policy_or_fails_naming_what_to_add():
     # message that names the train_step_fn to add; in hook mode no bad step passes unseen.
     check = report["learning_plain_check_numerics"]
     assert check["error"] == "InvalidArgumentError"
-    assert "nothing applied nan_policy='skip'" in check["message"]
+    assert "A loop applies nan_policy=skip when it catches this error" in check["message"]
     assert "train_step_fn=slim_nanguard.train_step" in check["message"]
     assert (
-        "check_numerics=False and pass hooks=[slim_nanguard.nan_hook(train_op)]"
-        in (check["message"])
-    )  # for tf_slim.training.train
+        "tf_slim.training.train in hook mode (check_numerics=False, "
+        "hooks=[slim_nanguard.nan_hook(train_op)])" in check["message"]
+    )
     hook = report["learning_plain_hook"]
     assert hook["error"] == "InvalidArgumentError"
     assert "no NanLossHook saw it, so nan_policy=skip was not applied" in hook["message"]

@@ -227,3 +227,57 @@ def test_whether_a_policy_rolls_back_is_decided_in_one_place(
     # A hook's override is judged with the same rule.
     assert _policy.rolls_back(config, "rollback") is True
     assert _policy.rolls_back(config, "stop") is False
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        # The spike policy rolls back, the NaN policy does not: the message names the spike's.
+        (dict(nan_policy="skip", spike_policy="rollback"), "spike_policy='rollback' rolls back"),
+        (dict(nan_policy="rollback"), "nan_policy='rollback' rolls back"),
+        (
+            dict(nan_policy="skip", persistent_nan_policy="rollback"),
+            "nan_policy='skip' with persistent_nan_policy='rollback' rolls back",
+        ),
+        (
+            dict(nan_policy="rollback", spike_policy="skip", persistent_nan_policy="rollback"),
+            "nan_policy='rollback' and spike_policy='skip' with "
+            "persistent_nan_policy='rollback' roll back",
+        ),
+    ],
+)
+def test_a_missing_checkpoint_directory_is_blamed_on_the_policy_that_rolls_back(settings, named):
+    message = _policy.checkpoint_dir_message(GuardConfig(**settings), "pass checkpoint_dir")
+    assert message.startswith(named + ", so the loop needs")
+    assert message.endswith(": pass checkpoint_dir.")
+
+
+def test_the_three_loops_refuse_a_spike_rollback_without_a_directory_naming_spike_policy():
+    import tensorflow as tf
+
+    import slim_nanguard
+    from slim_nanguard import _actions
+
+    graph = tf.Graph()
+    with graph.as_default():
+        weight = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
+        tf.compat.v1.train.get_or_create_global_step()
+        train_op = slim_nanguard.create_train_op(
+            tf.square(weight),
+            tf.compat.v1.train.GradientDescentOptimizer(0.1),
+            check_numerics=False,
+            nan_policy="skip",
+            spike_policy="rollback",
+        )
+        expected = r"^spike_policy='rollback' rolls back, so the loop needs"
+        with pytest.raises(ValueError, match=expected):
+            slim_nanguard.nan_hook(train_op)
+        with pytest.raises(ValueError, match=expected):
+            _actions.checkpoint_dir_for(
+                slim_nanguard.get_guard(train_op), None, advice="pass checkpoint_dir"
+            )
+        with pytest.raises(ValueError, match=expected):
+            with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=[slim_nanguard.NanLossHook(train_op)], log_step_count_steps=None
+            ):
+                pass

@@ -29,7 +29,7 @@ EXPECTED = {
     "monitored_hook": ("batch 3: loss nan", SKIPPED, WEIGHTS_FINITE),
     "monitored_check_numerics": ("batch 3: loss nan, action skip", SKIPPED, WEIGHTS_FINITE),
     "training_train": (SKIPPED, CHECKPOINT_FINITE),
-    "learning_train": (SKIPPED, CHECKPOINT_FINITE),
+    "learning_train": (SKIPPED, CHECKPOINT_FINITE, "recorded in nanguard_events.jsonl: ['skip']"),
 }
 
 

@@ -24,7 +24,7 @@ import nanguard_testlib as lib
 SPIKE_AT = 25  # after the warm-up of 20 accepted steps
 
 
-def _run(mode, *, steps, faults, checkpoint_dir=None, **create_kwargs):
+def _run(mode, *, steps, faults, checkpoint_dir=None, checkpoint_steps=1, **create_kwargs):
     """Trains `steps` batches in a MonitoredTrainingSession, the policy applied as the
     README's loop does in each mode; returns the model and what the loop saw."""
     create_kwargs = {"nan_policy": "skip", "spike_policy": "skip"} | create_kwargs
@@ -37,6 +37,7 @@ def _run(mode, *, steps, faults, checkpoint_dir=None, **create_kwargs):
         hooks=hooks,
         feeds=[None] * steps,
         checkpoint_dir=checkpoint_dir,
+        checkpoint_steps=checkpoint_steps,
         handle_numerics_errors=mode == "check_numerics",
     )
     return model, run
@@ -109,20 +110,27 @@ def test_a_spike_gets_the_spike_policy_not_the_nan_policy(mode):
 
 @lib.each_mode
 def test_a_rollback_restores_the_statistics_with_the_weights(mode, tmp_path):
+    """Checkpoints every 10 steps; the spike at step 25 rolls back to the one of step 20.
+    The five steps accepted since had changed the statistics: the rollback puts back the
+    checkpoint's, not the ones the run had before it."""
     logdir = str(tmp_path)
     model, run = _run(
         mode,
-        steps=SPIKE_AT + 3,
+        steps=SPIKE_AT + 1,  # ends right after the rollback
         faults={SPIKE_AT: lib.SPIKE},
         checkpoint_dir=logdir,
+        checkpoint_steps=10,
         spike_policy="rollback",
         rollback_skip_batches=0,
     )
     (event,) = run.events
     assert (event.cause, event.action) == ("spike", "rollback")
-    # Restored from the checkpoint of the step before the spike, the statistics included:
-    # the count is that of the steps accepted since, never more.
-    assert int(run.final["nanguard_spike/count"]) == int(run.final["global_step"])
+    assert event.spike["accepted_steps"] == SPIKE_AT  # what the statistics held before it
+    saved = lib.checkpoint_values(tf.train.latest_checkpoint(logdir))
+    assert int(saved["global_step"]) == int(run.final["global_step"]) == 20
+    for name in ("nanguard_spike/count", "nanguard_spike/history"):
+        np.testing.assert_array_equal(run.final[name], saved[name], err_msg=name)
+    assert int(run.final["nanguard_spike/count"]) == 20
     lib.assert_no_poisoned_checkpoint(logdir)
     for path in lib.all_checkpoints(logdir):
         values = lib.checkpoint_values(path)
@@ -207,6 +215,7 @@ def test_the_summaries_carry_the_gradient_norm_and_both_z_scores():
     model = lib.build_model(spike_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(model.train_op)  # They show the last accepted step's values.
         merged = sess.run(tf.compat.v1.summary.merge_all())
     summary = tf.compat.v1.Summary.FromString(merged)
     values = {v.tag: v.simple_value for v in summary.value}
@@ -365,10 +374,12 @@ def test_two_train_ops_of_one_graph_keep_statistics_of_their_own():
     assert {v.op.name for v in first.handles.optional_variables} == {
         "nanguard_spike/history",
         "nanguard_spike/count",
+        "nanguard_spike/floor",
     }
     assert {v.op.name for v in other.handles.optional_variables} == {
         "nanguard_spike_1/history",
         "nanguard_spike_1/count",
+        "nanguard_spike_1/floor",
     }
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -431,6 +442,10 @@ def test_a_train_op_built_in_a_variable_scope_resumes_with_the_spike_guard_turne
     _train_steps(lib.build_model(nan_policy="skip", train_op_fn=_in_scope), logdir, 5)
     model = lib.build_model(nan_policy="skip", spike_policy="skip", train_op_fn=_in_scope)
     names = {v.op.name for v in slim_nanguard.get_guard(model.train_op).handles.optional_variables}
-    assert names == {"student/nanguard_spike/history", "student/nanguard_spike/count"}
+    assert names == {
+        "student/nanguard_spike/history",
+        "student/nanguard_spike/count",
+        "student/nanguard_spike/floor",
+    }
     result = _train_steps(model, logdir, 10)
     assert result.global_step == 10 and result.bad_steps == 0

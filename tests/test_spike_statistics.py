@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from slim_nanguard import _spike
+from slim_nanguard._policy import GuardConfig
 
 
 class _Steps:
@@ -51,7 +52,7 @@ def test_the_z_scores_are_numpys_over_the_accepted_steps_of_the_window():
     for number in range(30):
         loss, norm = float(np.float32(2.0 + rng.normal(0, 0.1))), 1.0 + rng.normal(0, 0.05)
         accept = number % 4 != 3  # every fourth step rejected (as a NaN step would be)
-        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=8)
+        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=8, warmup=3)
         z, _ = steps.step(loss, norm, accept=accept)
         if len(steps.kept) - int(accept) >= 3:
             np.testing.assert_allclose(z, expected, rtol=1e-9, atol=1e-9)
@@ -191,7 +192,44 @@ def test_a_loss_that_is_not_positive_is_never_a_spike_nor_counted():
         ({"warmup_steps": 500}, "spike_warmup_steps"),
     ],
 )
-def test_bad_settings_are_refused_by_name(kwargs, flag):
-    settings = {"sigma": 6.0, "warmup_steps": 20, **kwargs}
-    with tf.Graph().as_default(), pytest.raises(ValueError, match=flag):
-        _spike.SpikeTest(tf.constant(1.0), tf.constant(1.0), **settings)
+def test_bad_settings_are_refused_by_name_where_they_are_checked(kwargs, flag):
+    """`GuardConfig` is the one place a setting is checked; the test is built from one."""
+    settings = {f"spike_{name}": value for name, value in kwargs.items()}
+    with pytest.raises(ValueError, match=f"^{flag} must be"):
+        GuardConfig(spike_policy="skip", **settings)
+
+
+@pytest.mark.parametrize("later", [30.0, 10.0])
+def test_a_spike_accepted_inside_the_warm_up_does_not_hide_the_next_one(later):
+    """A batch a thousand times too large comes at step 10, inside the warm-up, where nothing
+    is tested: it is accepted. Fifty steps later a batch `later` times too large comes: it
+    is rejected all the same, at the z-score it would have had without the first, because
+    the warm-up's outlier is left out of the statistics (and the NumPy arithmetic agrees)."""
+    rng = np.random.default_rng(3)
+
+    def run(first_spike):
+        steps = _Steps(window=128, warmup_steps=20)
+        for i in range(60):
+            loss = 0.5 * np.exp(rng.normal(0, 0.1))
+            scale = 1000.0 if (first_spike and i == 10) else 1.0
+            _, spike = steps.step(loss * scale, 1.0)
+            assert not spike  # The warm-up accepts all; after it, clean steps pass.
+        z, spike = steps.step(0.5 * later, 1.0)
+        reference = _spike.reference_z_scores(steps.kept, (0.5 * later, 1.0))
+        np.testing.assert_allclose(z[0], reference[0], rtol=1e-6)
+        return z[0], spike
+
+    z_alone, caught_alone = run(first_spike=False)
+    z_after, caught_after = run(first_spike=True)
+    assert caught_alone and caught_after
+    assert z_after == pytest.approx(z_alone, rel=0.25)
+
+
+def test_a_heavy_tail_seen_once_in_the_warm_up_stays_in_the_statistics():
+    """One batch in the warm-up at ten times the loss is a tail, not a spike: it is kept."""
+    steps = _Steps(window=128, warmup_steps=20)
+    for i in range(20):
+        steps.step(0.01 * (10.0 if i == 7 else 1.0) * (1 + 0.01 * i), 1.0)
+    mean = steps.sess.run(steps.test.mean, {steps.loss: 0.01, steps.norm: 1.0})
+    logs = np.log([0.01 * (10.0 if i == 7 else 1.0) * (1 + 0.01 * i) for i in range(20)])
+    np.testing.assert_allclose(mean[0], logs.mean(), rtol=1e-9)

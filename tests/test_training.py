@@ -391,7 +391,8 @@ class TestRollback:
     def test_walking_back_survives_the_restored_step_being_saved_again(self, tmp_path, mode):
         """Every batch from 3 on is bad; checkpoints are saved by time, so the saver writes the
         restored step again during the skipped steps. Each escalated rollback still goes one
-        step further back."""
+        step further back, and each goes before the run of bad steps it ends: the checkpoint
+        of the run's first step holds the very state that went bad."""
         model = lib.build_model(
             check_numerics=lib.MODES[mode],
             nan_policy="skip",
@@ -410,7 +411,8 @@ class TestRollback:
                 log_every_n_steps=0,
             )
         rollbacks = [r for r in slim_nanguard.read_events(tmp_path) if r["kind"] == "rollback"]
-        assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["3", "2", "1"]
+        assert [r["checkpoint"].rsplit("-", 1)[1] for r in rollbacks] == ["2", "1", "0"]
+        assert all("bad steps in a row began at global step" in r["why"] for r in rollbacks)
         lib.assert_no_poisoned_checkpoint(str(tmp_path))
 
     @lib.each_mode

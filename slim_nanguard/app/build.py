@@ -173,6 +173,7 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
                 seed=config.seed,
                 image_size=image_size,
                 channels=input_channels(config.model_name, config.dataset_name),
+                purpose="training data",
             )
             injector = None
             if config.inject_faults:

@@ -25,6 +25,7 @@ logging = absl_logging.get_absl_logger()
 __all__ = [
     "check_fits",
     "check_resume",
+    "check_finite",
     "checkpoint_shapes",
     "fine_tune_scaffold",
     "in_scopes",
@@ -76,14 +77,53 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
 
 
 def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:
-    """The shape of each variable in checkpoint `path`; LaunchError naming `flag` if unreadable."""
+    """The shape of each variable in checkpoint `path`.
+
+    Raises:
+      UnreadableCheckpointError: Its index is missing, cut short or garbled (naming `flag`).
+      LaunchError: It cannot be read for another reason (naming `flag`).
+    """
     try:
         return storage.checkpoint_reader(path).get_variable_to_shape_map()
+    except slim_nanguard.UnreadableCheckpointError as err:
+        raise _another_checkpoint(err, flag) from None
     except (tf.errors.OpError, ValueError) as err:
         raise config_lib.LaunchError(
             f"{flag}: checkpoint {path} cannot be read "
             f"({storage.op_error_cause(err)}); pass another checkpoint."
         ) from None
+
+
+def check_finite(path: str, flag: str, use: str) -> None:
+    """Reads every value of checkpoint `path`, before it is used to `use` (``"evaluate"``).
+
+    Raises:
+      UnreadableCheckpointError: A file of it is missing, cut short or garbled (naming `flag`).
+      NonFiniteCheckpointError: It holds NaN or Inf.
+    """
+    try:
+        bad = slim_nanguard.non_finite_variables(path)
+    except slim_nanguard.UnreadableCheckpointError as err:
+        raise _another_checkpoint(err, flag) from None
+    if bad:
+        raise slim_nanguard.NonFiniteCheckpointError(
+            f"{flag} {path} holds NaN or Inf in {names(list(bad))}; refusing to {use} it. "
+            "Pass an earlier checkpoint of that directory (see its 'checkpoint' file)."
+        )
+
+
+def _another_checkpoint(
+    err: "slim_nanguard.UnreadableCheckpointError", flag: str
+) -> "slim_nanguard.UnreadableCheckpointError":
+    """`err`, advising to pass another checkpoint as `flag`."""
+    return slim_nanguard.UnreadableCheckpointError(
+        err.checkpoint,
+        err.file,
+        err.problem,
+        err.cause,
+        f"Pass another checkpoint as {flag} (an older one of its directory), or restore "
+        "this one from a copy.",
+    )
 
 
 def _mismatches(variables: Sequence[tf.Variable], shapes: Dict[str, List[int]]):
@@ -169,12 +209,7 @@ def fine_tune_scaffold(config: config_lib.TrainConfig, path: str) -> tf.compat.v
     config_lib.check(
         bool(restore), f"--checkpoint_path {path} holds none of the model's variables."
     )
-    bad = slim_nanguard.non_finite_variables(path)
-    if bad:
-        raise slim_nanguard.NonFiniteCheckpointError(
-            f"--checkpoint_path {path} holds NaN or Inf in {names(list(bad))}; refusing to "
-            "fine-tune from it. Pick an earlier checkpoint."
-        )
+    check_finite(path, "--checkpoint_path", "fine-tune from")
     saver = tf.compat.v1.train.Saver(restore, name="fine_tune_saver")
     logging.info(
         "Fine-tuning from %s: %d variables restored, %d excluded.",

@@ -52,6 +52,7 @@ GUARD_FLAGS = (
     "spike_policy",
     "spike_sigma",
     "spike_warmup_steps",
+    "spike_level_shift_steps",
 )
 
 # The launcher's word for GuardConfig's spike_policy=None (no spike test): ``--spike_policy=none``.

@@ -161,6 +161,7 @@ def get_dataset(
     drop_remainder: bool | None = None,
     file_pattern: str | None = None,
     shuffle_buffer_size: int | None = None,
+    purpose: str = "input",
 ) -> tuple[tf.data.Dataset, DatasetInfo]:
     """Builds the input pipeline of a dataset split.
 
@@ -191,6 +192,7 @@ def get_dataset(
         default the patterns in ``DEFAULT_FILE_PATTERNS`` are tried.
       shuffle_buffer_size: Examples in the shuffle buffer; defaults to the whole split
         for digits and synthetic, 1024 for tfrecord.
+      purpose: What the pipeline is for, said first in its log line (``"training data"``).
 
     Returns:
       ``(dataset, info)``: the dataset yields ``(images, labels)``, float32
@@ -255,7 +257,8 @@ def get_dataset(
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     logging.info(
-        "Dataset %s split %s: %s examples, images %s, %s classes, batch %s.",
+        "%s: dataset %s split %s, %s examples, images %s, %s classes, batch %s.",
+        purpose,
         name,
         split,
         size if size is not None else "unknown number of",

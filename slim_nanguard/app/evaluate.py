@@ -8,7 +8,6 @@ from typing import Optional
 import tensorflow as tf
 import tf_slim as slim
 
-import slim_nanguard
 from slim_nanguard.app import build
 from slim_nanguard.app import checkpoints
 from slim_nanguard.app import config as config_lib
@@ -46,7 +45,7 @@ class EvalResult:
         )
 
 
-def _eval_dataset(config: config_lib.EvalConfig):
+def _eval_dataset(config: config_lib.EvalConfig, purpose: str = "evaluation data"):
     """The evaluation split as the model reads it (in order, once); ``(dataset, info)``."""
     return datasets.get_dataset(
         config.dataset_name,
@@ -57,6 +56,7 @@ def _eval_dataset(config: config_lib.EvalConfig):
         repeat=False,
         image_size=build.model_image_size(config.model_name, config.eval_image_size),
         channels=build.input_channels(config.model_name, config.dataset_name),
+        purpose=purpose,
     )
 
 
@@ -75,7 +75,7 @@ def check_eval_dataset(
     """
     try:
         with tf.Graph().as_default():
-            _, info = _eval_dataset(config)
+            _, info = _eval_dataset(config, "check of the evaluation input")
     except datasets.DatasetError as err:
         if split_flag == "--dataset_split_name":
             raise
@@ -98,19 +98,14 @@ def run_eval(config: config_lib.EvalConfig) -> EvalResult:
     Raises:
       LaunchError: No checkpoint there, or one that does not fit the model.
       NonFiniteCheckpointError: The checkpoint holds NaN or Inf.
+      UnreadableCheckpointError: A file of the checkpoint is missing, cut short or garbled.
       datasets.DatasetError, models.ModelError: Bad dataset or model settings.
     """
     if not isinstance(config, config_lib.EvalConfig):
         raise config_lib.LaunchError(f"run_eval takes an EvalConfig; got {type(config).__name__}.")
     path = checkpoints.resolve_checkpoint(config.checkpoint_path)
     shapes = checkpoints.checkpoint_shapes(path, "--checkpoint_path")
-    bad = slim_nanguard.non_finite_variables(path)
-    if bad:
-        raise slim_nanguard.NonFiniteCheckpointError(
-            f"checkpoint {path} holds NaN or Inf in {checkpoints.names(list(bad))}; refusing to "
-            "evaluate it. Evaluate an earlier checkpoint of that directory (see its 'checkpoint' "
-            "file)."
-        )
+    checkpoints.check_finite(path, "--checkpoint_path", "evaluate")
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/cpu:0"):
