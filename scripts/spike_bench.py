@@ -12,7 +12,7 @@ line is the sentence the README may say, computed from the table.
 
 Usage, from the repository root::
 
-    python scripts/spike_bench.py                   # every run (about 5 minutes on 2 cores)
+    python scripts/spike_bench.py                   # every run (3-4 minutes on 2 cores)
     python scripts/spike_bench.py --kinds=clean     # the clean-but-hard runs only
     python scripts/spike_bench.py --quick           # two short runs: the table's shape
 """
@@ -304,12 +304,14 @@ def summary(results: Sequence[Result]) -> str:
     flagged = sum(len(r.guarded.flagged) for r in clean)
     with_flags = sum(1 for r in clean if r.guarded.flagged)
     ended = sum(1 for r in clean if r.guarded.ended != "step_limit")
+    shifts = sum(len(r.guarded.shifts) for r in clean)
     worst = max(clean, key=lambda r: r.ratio if math.isfinite(r.ratio) else math.inf)
     sentence = (
         f"On {len(clean)} clean-but-hard run{'s' if len(clean) != 1 else ''} "
         f"({', '.join(r.run.name for r in clean)}), the spike guard at its defaults flagged "
         f"{flagged} step{'s' if flagged != 1 else ''} in {with_flags} "
-        f"run{'s' if with_flags != 1 else ''}, ended {ended} before its step limit, and left "
+        f"run{'s' if with_flags != 1 else ''}, named {shifts} level "
+        f"shift{'s' if shifts != 1 else ''}, ended {ended} before its step limit, and left "
         f"the final held-out loss at most {max(0.0, worst.ratio - 1) * 100:.0f}% worse than "
         f"unguarded (worst: {worst.run.name}, ratio {worst.ratio:.3f}"
     )

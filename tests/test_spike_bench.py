@@ -118,6 +118,11 @@ def test_the_readme_sentence_counts_the_clean_rows(quick_table):
     )
     assert sentence.startswith(f"On {len(clean)} clean-but-hard run")
     assert f"flagged {flagged} step" in sentence
+    shifts = sum(
+        0 if r["level shifts named"] == "none" else len(r["level shifts named"].split(", "))
+        for r in clean.values()
+    )
+    assert f"named {shifts} level shift" in sentence
     ended = sum(
         1 for r in clean.values() if not r["ended, guarded / unguarded"].startswith("step_limit")
     )
