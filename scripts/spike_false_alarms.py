@@ -14,6 +14,9 @@ Two tables, printed as Markdown (docs/guide.md holds them as measured):
   ``spike_policy="skip"`` on a new random batch each step, labelled by a fixed random linear
   teacher (so the loss falls, as in training, with the batch-to-batch noise of real data).
 
+The wider bench (clean-but-hard runs, and the runs the guard must judge: a new level, a
+learning-rate jump, planted spikes and bad shards) is ``scripts/spike_bench.py``.
+
 Usage, from the repository root::
 
     python scripts/spike_false_alarms.py                  # both tables (about 7 minutes)
