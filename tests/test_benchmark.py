@@ -78,6 +78,9 @@ def test_every_model_and_variant_is_timed(report):
         assert r["optimizer"] == "sgd"  # --quick times SGD only
         assert r["ms_per_step"]["median"] > 0
         assert r["ratio"]["min"] <= r["ratio"]["median"] <= r["ratio"]["max"]
+        # CPU time beside wall time: what the step cost the machine, not only how long it took.
+        assert r["cpu_ms_per_step"]["median"] > 0
+        assert r["cpu_ratio"]["min"] <= r["cpu_ratio"]["median"] <= r["cpu_ratio"]["max"]
         assert r["step_peak_bytes"] > 0 and r["gradient_bytes"] > 0
 
 
@@ -104,12 +107,33 @@ def test_targets_and_tables_are_reported(report):
     assert {t["variant"] for t in data["targets"]} == set(benchmarking.OUR_MODES)
     assert data["machine"]["tensorflow"]
     assert "| model | opt | variant |" in stdout
+    # Issue 27's targets, both modes, spike guard off and on: the MLP and the deep net, each
+    # with its wall and CPU figure and a verdict; met only when both are within the limit.
+    ratio_targets = [t for t in data["targets"] if "limit" in t]
+    for model, limit in (("mlp", 1.05), ("deep", 1.10)):
+        mine = [t for t in ratio_targets if t["model"] == model]
+        assert {t["variant"] for t in mine} == set(benchmarking.OUR_MODES)
+        for t in mine:
+            assert t["limit"] == limit
+            assert t["met"] == (t["measured"] <= limit and t["measured_cpu"] <= limit)
+    assert "| model | opt | variant | target | wall | CPU | met |" in stdout
+    rows = [line for line in stdout.splitlines() if "| <= " in line]
+    assert len(rows) == len(data["targets"])
+    assert all(row.endswith(("| met |", "| **missed** |")) for row in rows)
+
+
+def test_the_default_run_times_the_targets_models_with_sgd():
+    # Short by default: the two models the targets name, SGD, every variant.
+    settings = benchmarking.Settings()
+    assert settings.models == ("mlp", "deep") and settings.optimizers == ("sgd",)
+    assert set(benchmarking.OUR_MODES) <= set(settings.all_variants())
+    assert "batch 32" in benchmarking.model_description("deep", settings)
 
 
 def test_each_model_shows_both_modes_side_by_side(report):
     data, stdout = report
     headings = " | ".join(heading for heading, _ in benchmarking.SIDE_BY_SIDE)
-    assert f"| model | opt | unguarded ms/step | {headings} |" in stdout
+    assert f"| model | opt | unguarded ms/step, wall / CPU | {headings} |" in stdout
     for name in QUICK_MODELS:
         row = next(
             line
@@ -119,6 +143,7 @@ def test_each_model_shows_both_modes_side_by_side(report):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert len(cells) == 3 + len(benchmarking.SIDE_BY_SIDE)
         assert "–" not in cells[2:], row  # every column timed: the ms and each ratio
+        assert all(" / " in cell for cell in cells[2:]), row  # wall / CPU in every cell
 
 
 def test_the_real_slim_nets_build_and_train():
@@ -189,6 +214,9 @@ def test_profile_counts_the_nodes_the_guard_adds(profile):
             assert 0 < guarded["added_ms"] < guarded["op_ms"]
         # The same graph in another loop runs the same nodes.
         assert by_name["baseline_mts"]["added_nodes"] == 0
+        # The executor's graph holds at least the nodes a step runs (the rest are dead).
+        for v in p["variants"]:
+            assert v["graph_nodes"] >= v["nodes"] - 2 and v["threads"] >= 1, v
     for text in (stdout, markdown):
         assert "| variant | loop | nodes/step | added nodes |" in text
         assert "| variant | added nodes, by op type | nodes/step | µs/step |" in text
