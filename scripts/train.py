@@ -315,7 +315,7 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "spike_level_shift_steps",
     GUARD.spike_level_shift_steps,
-    "With --spike_policy skip or rollback: this many spikes in a row that hold together are "
+    "With --spike_policy=skip: this many spikes in a row that hold together are "
     "a new level of training, not spikes: the guard says so, starts its statistics again "
     "from them and goes on (below --max_consecutive_bad_steps; 0: never).",
 )

@@ -271,6 +271,11 @@ def latest_good_checkpoint(
     )
 
 
+def candidates(checkpoint_dir: Optional[str]) -> List[str]:
+    """The checkpoint prefixes of `checkpoint_dir`, newest first (none may be readable)."""
+    return _candidates(checkpoint_dir)[0]
+
+
 def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     """Checkpoint prefixes of a directory, newest first, all inside that directory.
 

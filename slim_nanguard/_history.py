@@ -82,6 +82,8 @@ def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
         return None
     older = sorted(v for _, v in points[: len(points) // 2])
     typical = older[len(older) // 2]
+    if typical <= 0:  # No factor of a loss that is not positive means a climb.
+        return None
     start = None
     for step, value in reversed(points):
         if value <= CLIMB_FACTOR * typical:

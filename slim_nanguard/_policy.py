@@ -124,9 +124,9 @@ class GuardConfig:
         (2 to 128).
       spike_level_shift_steps: How many spikes in a row that hold together (`_level_shift`)
         make a new level of training rather than spikes: the guard says so, re-seeds the
-        spike statistics with them and carries on (under a ``skip`` or ``rollback`` spike
-        policy). Only a number below ``max_consecutive_bad_steps`` can act (the run escalates
-        first otherwise); 0 never takes a new level.
+        spike statistics with them and carries on (under ``spike_policy="skip"``). Only a
+        number below ``max_consecutive_bad_steps`` can act (the run escalates first
+        otherwise); 0 never takes a new level.
 
     Raises:
       ValueError: A setting is out of range. Each setting is checked here and only here (the
@@ -334,7 +334,9 @@ class GuardState:
       run_start: Global step of the first bad step of the current run of bad steps, or None.
       spike_run: The spike records of the current run of bad steps, while it is all spikes
         (the figures of `_spike.read_report` and the ``step``), oldest first.
-      steps_at_level_shift: ``steps`` when the last new level was taken, or None.
+      level_taken_at: The global step at which the last new level was taken, or None: its
+        probation lasts ``spike_warmup_steps`` global steps (counted from the global step,
+        which every loop reads on a bad step, not from good steps, which not all report).
       level_start: The global step of the first spike of the run last taken as a new level
         (a rollback after its probation failed goes back before it), or None.
     """
@@ -354,7 +356,7 @@ class GuardState:
     level_shifts: int = 0
     run_start: Optional[int] = None
     spike_run: Tuple[Mapping[str, Any], ...] = ()
-    steps_at_level_shift: Optional[int] = None
+    level_taken_at: Optional[int] = None
     level_start: Optional[int] = None
 
     def since(self, start: "GuardState") -> "GuardState":
@@ -570,7 +572,7 @@ def decide(
                 consecutive_bad_steps=0,
                 run_start=None,
                 spike_run=(),
-                steps_at_level_shift=state.steps,
+                level_taken_at=observation.step,
                 level_start=level.steps[0],
             )
         if not observation.guarded:
@@ -598,11 +600,12 @@ def _new_level(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Optional[_level_shift.LevelShift]:
     """`_level_shift.judge_run` of the run of spikes this spike ends, where one may be taken:
-    a guarded spike whose policy goes on (``skip`` or ``rollback``); else None."""
+    a guarded spike that is skipped (a rollback moves the global step back, and the run of
+    spikes a level needs never forms); else None."""
     if (
         observation.cause != Fault.SPIKE
         or not observation.guarded
-        or observation.chosen not in (SKIP, ROLLBACK)
+        or observation.chosen != SKIP
         or len(state.spike_run) != state.consecutive_bad_steps
         or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
     ):
@@ -611,12 +614,12 @@ def _new_level(
 
 
 def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) -> bool:
-    """Whether this is a spike within ``spike_warmup_steps`` accepted steps of a new level."""
+    """Whether this is a spike within ``spike_warmup_steps`` global steps of a new level."""
     return (
         observation.cause == Fault.SPIKE
         and observation.guarded
-        and state.steps_at_level_shift is not None
-        and state.steps - state.steps_at_level_shift < config.spike_warmup_steps
+        and state.level_taken_at is not None
+        and 0 <= observation.step - state.level_taken_at < config.spike_warmup_steps
     )
 
 
@@ -625,10 +628,11 @@ def _decide_divergence(
 ) -> Tuple[Decision, GuardState]:
     """A spike on a new level's probation: the level was a divergence, so
     ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
-    since = state.steps - state.steps_at_level_shift
+    since = observation.step - state.level_taken_at
     reason = (
-        f"a spike {since} accepted steps after taking a new level (fewer than "
-        f"spike_warmup_steps={config.spike_warmup_steps}): that level was a divergence"
+        f"a spike {since} steps after taking a new level at global step "
+        f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
+        "that level was a divergence"
     )
     action = Action(config.persistent_nan_policy)
     if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
@@ -637,7 +641,7 @@ def _decide_divergence(
             f"max_rollbacks={config.max_rollbacks}"
         )
         action = RAISE
-    state = dataclasses.replace(state, steps_at_level_shift=None)
+    state = dataclasses.replace(state, level_taken_at=None)
     if action == STOP:
         state = dataclasses.replace(state, stops=state.stops + 1)
     if action == ROLLBACK:

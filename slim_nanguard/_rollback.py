@@ -216,10 +216,17 @@ class Rollback:
         path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
         if path is not None and before_step is not None:
             older = _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=before_step)
-            if older is None:
-                why = f"{why}, but no checkpoint older than step {before_step} is kept"
-            else:
-                path = older
+            if older is None:  # The oldest kept is the least far into the run or the climb.
+                steps = [
+                    _checkpoints.checkpoint_step(p) for p in _checkpoints.candidates(checkpoint_dir)
+                ]
+                steps = [s for s in steps if s is not None]
+                if steps:
+                    older = _checkpoints.latest_good_checkpoint(
+                        checkpoint_dir, before_step=min(steps) + 1
+                    )
+                why = f"{why}, but no checkpoint older than step {before_step} is kept: the oldest"
+            path = older or path
             logging.warning("slim_nanguard: %s: rolling back to %s", why, path)
         elif (
             path is not None and self._restored_step is not None and bad_step == self._restored_step

@@ -187,7 +187,8 @@ def create_train_op(
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
       spike_level_shift_steps: Spikes in a row that hold together make a new level of
         training, not spikes: the guard says so, starts its statistics again from them and
-        carries on (`GuardConfig.spike_level_shift_steps`; 0: never).
+        carries on (with ``spike_policy="skip"``; `GuardConfig.spike_level_shift_steps`;
+        0: never).
       config: A `GuardConfig`; overrides the eleven policy arguments above when given.
 
     Returns:

@@ -100,7 +100,7 @@ def test_decide_takes_the_new_level_at_the_eighth_spike_and_the_run_starts_over(
     decision, state = _decide_spikes(config, state, NEW_LEVEL[7:])
     assert decision.action == "skip" and decision.level_shift is not None
     assert (state.consecutive_bad_steps, state.level_shifts, state.spikes) == (0, 1, 8)
-    assert state.spike_run == () and state.steps_at_level_shift == 200
+    assert state.spike_run == () and state.level_taken_at == 300
 
 
 @pytest.mark.parametrize(
@@ -114,18 +114,18 @@ def test_a_spike_on_the_new_levels_probation_is_a_divergence(persistent, action,
         _, state = _policy.decide(config, state, _policy.GoodStep())
     decision, state = _decide_spikes(config, state, (400.0,), step=305)  # ... then a spike.
     assert decision.action == action and decision.cause == cause
-    assert "a spike 5 accepted steps after taking a new level" in decision.escalation
+    assert "a spike 5 steps after taking a new level at global step 300" in decision.escalation
     assert "that level was a divergence" in decision.escalation
     # A rollback goes back before the run that was taken for a new level.
     assert decision.before_step == (300 if action == "rollback" else None)
 
 
 def test_after_the_probation_a_spike_is_a_spike_again():
+    # Counted in global steps: a loop that reports no good step (a MonitoredTrainingSession
+    # with handle_numerics_error) ends the probation as well.
     config = GuardConfig(nan_policy="skip", spike_policy="skip")
     _, state = _decide_spikes(config, GuardState(), NEW_LEVEL)
-    for _ in range(config.spike_warmup_steps):
-        _, state = _policy.decide(config, state, _policy.GoodStep())
-    decision, state = _decide_spikes(config, state, (400.0,), step=330)
+    decision, state = _decide_spikes(config, state, (400.0,), step=300 + 190)
     assert decision.action == "skip" and decision.cause is None
 
 
@@ -140,6 +140,19 @@ def test_a_non_finite_step_inside_the_run_is_no_new_level():
         )
         assert decision.level_shift is None
     assert state.consecutive_bad_steps == 9
+
+
+def test_a_rolling_back_spike_policy_takes_no_new_level():
+    # Each rollback moves the global step back: the run of spikes a level needs never forms,
+    # so only spike_policy="skip" takes new levels (the guide says so).
+    config = GuardConfig(nan_policy="skip", spike_policy="rollback", max_rollbacks=20)
+    state, decision = GuardState(), None
+    for loss in NEW_LEVEL:
+        spike = _spike(300, loss, 3.0)
+        decision, state = _policy.decide(
+            config, state, _policy.BadStep(300, "rollback", cause="spike", spike=spike)
+        )
+    assert decision.level_shift is None and decision.action == "rollback"
 
 
 def test_a_run_escalates_first_when_the_new_level_would_need_as_many_spikes():

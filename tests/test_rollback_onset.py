@@ -113,3 +113,26 @@ def test_tf_slims_learning_train_rolls_back_before_the_climb(mode, tmp_path):
             log_every_n_steps=1000,
         )
     _assert_before_the_climb(_rollbacks(tmp_path))
+
+
+def test_a_steady_loss_below_zero_is_no_climb():
+    negative = [(s, -3.0 - 0.01 * (s % 2)) for s in range(100, 124)]
+    assert _history.climb_start(negative, 124) is None
+
+
+def test_with_nothing_kept_before_the_run_the_rollback_takes_the_oldest_kept(tmp_path):
+    graph = tf.Graph()
+    with graph.as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        saver = tf.compat.v1.train.Saver(max_to_keep=3)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for at in (5, 6, 7, 8):
+                sess.run(step.assign(at))
+                saver.save(sess, str(tmp_path / "model.ckpt"), global_step=at)
+    restorer = _rollback.Rollback.__new__(_rollback.Rollback)
+    restorer._restored_step = None
+    path, why = restorer._choose(str(tmp_path), 8, 3, "the run began at global step 3")
+    # Kept: 6, 7, 8. None is older than 3: the oldest kept is the least far into the run.
+    assert path.endswith("model.ckpt-6")
+    assert why.endswith("but no checkpoint older than step 3 is kept: the oldest")
