@@ -517,9 +517,30 @@ class ResumingSaver(tf.compat.v1.train.Saver):
         if not hasattr(self, "_resume"):
             self._resume = _OptionalRestore.build(self._var_list, self._sharded)
 
+    def save(self, sess: tf.compat.v1.Session, save_path: str, *args, **kwargs) -> Optional[str]:
+        """As `tf.compat.v1.train.Saver.save`; a deferred saver is built first if it can be."""
+        self._built_for(sess.graph)
+        return super().save(sess, save_path, *args, **kwargs)
+
+    def _built_for(self, graph: tf.Graph) -> None:
+        """Builds a deferred saver that nothing built (a `Supervisor` does not, unlike a
+        `Scaffold`), or says what to do when its graph is finalized already."""
+        if getattr(self, "_is_built", True) or tf.executing_eagerly():
+            return
+        if not graph.finalized:
+            with graph.as_default():
+                self.build()
+            return
+        raise RuntimeError(
+            "slim_nanguard: the graph's default saver (the resuming saver create_train_op "
+            "registers for a Scaffold) was never built, and the graph is finalized; pass "
+            "saver=slim_nanguard.FiniteSaver() to tf.compat.v1.train.Supervisor."
+        )
+
     def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
         """As `tf.compat.v1.train.Saver.restore`, except that the guard's optional variables
         may be missing from the checkpoint (see the class docstring)."""
+        self._built_for(sess.graph)
         resume = getattr(self, "_resume", None)
         if resume is None or not resume.restore_without_missing(sess, save_path):
             super().restore(sess, save_path)
@@ -577,14 +598,15 @@ class _OptionalRestore:
         missing = [s for s in self._optional if not reader.has_tensor(s[1])]
         if not missing:
             return False
+        names = [name for _, name, _, _ in missing]
+        warm_up = any(name.endswith(("/history", "/count")) for name in names)
         logging.info(
-            "slim_nanguard: %s was written without %s (guard options turned on since); "
-            "restoring the rest, these start from their initial values%s.",
+            "slim_nanguard: %s was written without %s (guard options turned on since, or a "
+            "release that had no such variable); restoring the rest, these start from their "
+            "initial values%s.",
             save_path,
-            ", ".join(name for _, name, _, _ in missing),
-            " (the spike statistics warm up afresh)"
-            if any("spike" in name for _, name, _, _ in missing)
-            else "",
+            ", ".join(names),
+            " (the spike statistics warm up afresh)" if warm_up else "",
         )
         self._rest.restore(sess, save_path)
         for variable, name, value, assign in self._optional:

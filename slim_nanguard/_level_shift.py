@@ -37,7 +37,8 @@ COLUMNS = ("loss", "grad_norm")
 SPREAD = 2.0
 # The most a new level may lie above the old one (typical values): a loss or gradient norm a
 # hundred times the run's is no level a run lives with (new data four times noisier moves the
-# loss of a regression about 16 times; a learning rate raised a thousandfold, 10,000 times).
+# loss of a regression about 16 times; a learning rate raised a thousandfold, 600 times and
+# more: docs/guide.md's bench).
 MAX_RISE = 100.0
 # The least deviation of the logarithms (`_spike.FLOOR`).
 _FLOOR = 0.05

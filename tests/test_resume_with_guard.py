@@ -138,3 +138,23 @@ def test_the_default_saver_resumes_only_where_the_guard_made_optional_variables(
     (own,) = _graph_with_train_op(True, spike_policy="skip")
     assert not isinstance(own, _checkpoints.ResumingSaver)
     assert _graph_with_train_op(False) == []
+
+
+def test_a_supervisor_with_its_default_saver_is_told_to_pass_a_finite_saver(tmp_path):
+    """A `Supervisor` takes the graph's default saver, which create_train_op registers for a
+    `Scaffold` to build, and never builds it: the first save says what to pass instead."""
+    graph = tf.Graph()
+    with graph.as_default():
+        weight = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
+        tf.compat.v1.train.get_or_create_global_step()
+        train_op = slim_nanguard.create_train_op(
+            tf.square(weight),
+            tf.compat.v1.train.GradientDescentOptimizer(0.1),
+            nan_policy="skip",
+            spike_policy="skip",
+        )
+        supervisor = tf.compat.v1.train.Supervisor(logdir=str(tmp_path), save_model_secs=0)
+        with supervisor.managed_session() as sess:
+            sess.run(train_op)
+            with pytest.raises(RuntimeError, match=r"pass saver=slim_nanguard\.FiniteSaver\(\)"):
+                supervisor.saver.save(sess, str(tmp_path / "model.ckpt"), global_step=1)
