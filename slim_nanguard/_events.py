@@ -160,19 +160,30 @@ class NanEvent:
 def _spike_phrase(report: Dict[str, Any]) -> str:
     """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
     names = {"loss": "loss", "grad_norm": "gradient norm"}
+    sigma = float(report["sigma"])
     parts = [
-        f"{names[c]} {report[c]:.4g} is {report['z_' + c]:.1f} deviations above the typical "
-        f"{report['typical_' + c]:.4g}"
+        f"{names[c]} {report[c]:.4g} is {_deviations(report['z_' + c], sigma)} deviations above "
+        f"the typical {report['typical_' + c]:.4g}"
         for c in report.get("over") or ()
     ]
     others = [c for c in names if c not in (report.get("over") or ())]
-    tail = ", ".join(f"{names[c]} z {report['z_' + c]:.1f}" for c in others)
+    tail = ", ".join(f"{names[c]} z {_deviations(report['z_' + c], sigma)}" for c in others)
     head = "; ".join(parts) or "no value above spike_sigma"
     return (
         f"spike: {head} (spike_sigma={report['sigma']:g}, over the last "
         f"{report.get('window_steps', report['accepted_steps'])} accepted steps"
         f"{'; ' + tail if tail else ''})"
     )
+
+
+def _deviations(z: float, sigma: float) -> str:
+    """`z` to one decimal, or to as many as it takes to stand on its side of `sigma` (a z of
+    6.04 over ``spike_sigma=6`` is not written 6.0). Pure."""
+    for digits in range(1, 5):
+        text = f"{z:.{digits}f}"
+        if (float(text) > sigma) == (z > sigma) and float(text) != sigma:
+            return text
+    return f"{z:.4f}"
 
 
 def _json_float(value: float) -> Any:

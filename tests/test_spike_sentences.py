@@ -370,3 +370,24 @@ def test_the_launchers_summary_counts_the_spikes_of_the_record(spiked_run):
     assert int(spikes) == result.spikes == sum(r["cause"] == "spike" for r in records) == 1
     assert policy == config.guard.spike_policy == "skip"
     assert float(sigma) == config.guard.spike_sigma == record["spike"]["sigma"]
+
+
+@pytest.mark.parametrize(
+    "z, written",
+    [(6.04, "6.04"), (5.96, "5.96"), (15.83, "15.8"), (3.39, "3.4"), (6.0004, "6.0004")],
+)
+def test_a_z_score_next_to_sigma_is_written_on_its_side_of_it(z, written):
+    report = {
+        "loss": 35.7,
+        "grad_norm": 2.0,
+        "z_loss": z,
+        "z_grad_norm": 1.0,
+        "typical_loss": 1.0,
+        "typical_grad_norm": 2.0,
+        "sigma": 6.0,
+        "over": ["loss"] if z > 6 else [],
+        "accepted_steps": 300,
+        "window_steps": 128,
+    }
+    phrase = _events._spike_phrase(report)
+    assert (f"is {written} deviations above" if z > 6 else f"loss z {written}") in phrase
