@@ -208,9 +208,10 @@ def test_profile_counts_the_nodes_the_guard_adds(profile):
             assert 0 < reductions < variables, (name, guarded["by_type"])
             assert "nanguard" in guarded["by_scope"]
             # No per-gradient Sum: without the spike guard none at all; with it, at most the
-            # three of its statistics (over its window of 128 steps, whatever the model).
+            # three of its statistics and the three of its warm-up's outlier test (over its
+            # window of 128 steps, whatever the model).
             sums = guarded["by_type"].get("Sum", {}).get("nodes", 0)
-            assert sums <= (3 if name.endswith("_spike") else 0), (name, guarded["by_type"])
+            assert sums <= (6 if name.endswith("_spike") else 0), (name, guarded["by_type"])
             assert 0 < guarded["added_ms"] < guarded["op_ms"]
         # The same graph in another loop runs the same nodes.
         assert by_name["baseline_mts"]["added_nodes"] == 0

@@ -111,6 +111,11 @@ _GIVE_UP_ADVICE = {
         "so that each rollback lowers it further."
     ),
     Cause.POLICY: "To carry on past bad steps, use --nan_policy=skip or --nan_policy=rollback.",
+    Cause.DIVERGENCE: (
+        "What the guard took for a new level of the loss was a divergence (a spike followed "
+        "it at once): lower --learning_rate, or --persistent_nan_policy=rollback to go back "
+        "before it."
+    ),
     Cause.UNGUARDED_LOSS: (
         "The loss comes from no guarded train op: build it with slim_nanguard.create_train_op."
     ),
