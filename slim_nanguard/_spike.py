@@ -1,29 +1,20 @@
 """The spike test: is this step's loss or gradient norm far above those of the accepted steps?
 
-A NaN is the end of a divergence, not its start: the loss or the gradient norm jumps first, the
-weights take the jump, and the NaN comes later. The spike test is one more reason to close the
-gate that keeps a bad step from writing anything.
+A NaN is the end of a divergence, not its start: the loss or the gradient norm jumps first. The
+spike test is one more reason to close the gate that keeps a bad step from writing anything.
 
-The window is OLMo-core's: the last `window` (128) accepted steps, a step being a spike when
-its value is more than `sigma` (6) deviations above their mean, once `warmup_steps` (20) steps
-were accepted. A window, not an exponential average (ZClip's): it forgets an old scale in
-`window` steps exactly, and its figures in a record (mean and deviation of the last N steps)
-say what a reader expects. Like llm.c after its fix, only accepted steps enter it, so a run of
-outliers is never absorbed as normal: it ends in the escalation of `max_consecutive_bad_steps`.
+Contract. A step is a spike when, once `warmup_steps` steps were accepted, the logarithm of its
+loss or of its gradient norm is more than `sigma` deviations above the mean of the logarithms
+of the last `window` accepted steps. Only accepted steps enter the statistics; a run of spikes
+is left to `_level_shift` and `_policy.decide` (a new level, or the escalation). A value that is
+not positive has no logarithm: it is never a spike and never enters its column. The deviation
+is at least `floor` (`FLOOR`, or after a new level the old level's). The warm-up's outliers
+(`_warmup_outliers`) are left out of the mean and the deviation.
 
-Unlike OLMo-core, the statistics are of the **logarithm** of each value. A loss and a gradient
-norm are positive and their noise is multiplicative: late in training most batches of 32 have
-a loss near 0.01 and a few near 0.1, so a linear z-score calls such a batch a 6-sigma spike
-(measured on the shipped LeNet config: z = 6.3 at step 930 of a clean run; the MLP's gradient
-norm at step 61 of a clean run: z = 6.0), while in log space neither goes above 5.2 and the
-planted spike of ``configs/spike_skip.cfg`` (a batch scaled by 1,000) stands at z = 15.8 on
-its gradient norm. A value that is not positive (a loss of 0 or below) has no logarithm: it
-is never a spike and never enters the statistics of its column.
-
-The statistics live in one float64 variable (a ring of `window` rows of ``[loss, norm]``) and
-an int64 count of accepted steps: they are saved with each checkpoint, restored by a rollback
-and read on the device, with no host round trip. The deviation is floored at `FLOOR` (a value
-5% above the mean of a constant series is one deviation up, not a spike).
+The statistics are graph variables (``nanguard_spike/history``: a ring of `window` rows of
+``[loss, norm]``; ``/count``: the accepted steps; ``/floor``): saved with each checkpoint,
+restored by a rollback, read on the device. Why the logarithms, a window and these figures,
+with the measurements: docs/guide.md, "The spike guard", and docs/performance.md.
 
 `reference_z_scores` is the same arithmetic in NumPy, pure, for tests and for reading a
 record back.
