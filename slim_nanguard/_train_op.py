@@ -243,22 +243,9 @@ def create_train_op(
             transform_grads_fn=transform_grads_fn,
             summarize_gradients=summarize_gradients,
         )
-        with tf.name_scope("nanguard"):
-            spike = None
-            if config.spike_policy is not None:
-                spike = (config.spike_sigma, config.spike_warmup_steps)
-            test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
-            # Writes the forward pass makes (slim.batch_norm with updates_collections=None)
-            # run before the test: each variable's pre-step value is put back on a bad step.
-            forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
-            gate = _finiteness.build_gate(
-                test,
-                config,
-                check_numerics=check_numerics,
-                forward=forward,
-                loss=total_loss,
-                autopsy=_autopsy_possible(config, graph, forward.snapshots),
-            )
+        test, forward, gate = _test_and_gate(
+            config, total_loss, grads, loss_scale, check_numerics=check_numerics
+        )
         with _learning_rate.scaled(optimizer, lr_scale):
             grad_updates = _gating.apply_gradients(
                 optimizer,
@@ -278,6 +265,36 @@ def create_train_op(
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
+
+
+def _test_and_gate(
+    config: _policy.GuardConfig,
+    total_loss: tf.Tensor,
+    grads,
+    loss_scale,
+    *,
+    check_numerics: bool,
+):
+    """The step's test (`_finiteness.StepTest`), the forward pass's writes it puts back on a
+    bad step, and the mode's gate, in the ``nanguard`` name scope: ``(test, forward, gate)``."""
+    graph = total_loss.graph
+    with tf.name_scope("nanguard"):
+        spike = None
+        if config.spike_policy is not None:
+            spike = (config.spike_sigma, config.spike_warmup_steps)
+        test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
+        # Writes the forward pass makes (slim.batch_norm with updates_collections=None) run
+        # before the test: each variable's pre-step value is put back on a bad step.
+        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
+        gate = _finiteness.build_gate(
+            test,
+            config,
+            check_numerics=check_numerics,
+            forward=forward,
+            loss=total_loss,
+            autopsy=_autopsy_possible(config, graph, forward.snapshots),
+        )
+    return test, forward, gate
 
 
 def _guard_config(config: Optional[_policy.GuardConfig], **policy) -> _policy.GuardConfig:
