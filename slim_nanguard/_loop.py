@@ -346,12 +346,7 @@ def train(
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
         no checkpoint.
     """
-    guard = _guard.get_guard(train_op)
-    if guard is None:
-        raise ValueError(
-            f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
-            "slim_nanguard.create_train_op."
-        )
+    guard = _guard_of(train_op)
     _check_counts(number_of_steps, log_every_n_steps)
     logdir = check_logdir(logdir)
     resume_from = (
@@ -411,6 +406,17 @@ def train(
     )
     logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
     return result
+
+
+def _guard_of(train_op: tf.Tensor) -> _guard.Guard:
+    """The guard of `train_op`; a ValueError naming it when `create_train_op` made none."""
+    guard = _guard.get_guard(train_op)
+    if guard is None:
+        raise ValueError(
+            f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
+            "slim_nanguard.create_train_op."
+        )
+    return guard
 
 
 def _check_counts(number_of_steps: Optional[int], log_every_n_steps: int) -> None:

@@ -218,12 +218,7 @@ def create_train_op(
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
-    if config.spike_policy is not None and _in_loop(graph):
-        raise ValueError(
-            "spike_policy needs a train op built outside any tf.while_loop or function body "
-            "(the loop's hook cannot see a spike iteration); build it outside the loop, or "
-            "leave spike_policy=None there."
-        )
+    _check_spike_outside_loops(config, graph)
     with graph.as_default():
         if global_step is _parity.USE_GLOBAL_STEP:
             global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -265,6 +260,16 @@ def create_train_op(
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
+
+
+def _check_spike_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -> None:
+    """Raises ValueError for a spike policy on a train op built in a loop body."""
+    if config.spike_policy is not None and _in_loop(graph):
+        raise ValueError(
+            "spike_policy needs a train op built outside any tf.while_loop or function body "
+            "(the loop's hook cannot see a spike iteration); build it outside the loop, or "
+            "leave spike_policy=None there."
+        )
 
 
 def _test_and_gate(
