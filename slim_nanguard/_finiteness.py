@@ -41,6 +41,7 @@ from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
 from slim_nanguard import _errors
+from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _spike
 from slim_nanguard import _verdict
@@ -195,11 +196,7 @@ class StepTest:
         the first one in a session), read from `judged`: a run of the summary op that is no
         train step (a summary thread, a hook firing on another run) takes no batch. Run with
         a train step, it may read that step's values or the ones before."""
-        stored = tf.cond(
-            self.judged.is_initialized(),
-            self.judged.read_value,
-            lambda: tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
-        )
+        stored = _ops.read_once_written(self.judged, 0.0)
         z = _spike.z_of_judged(stored)
         for name, value in (("grad_norm", stored[1]), ("z_loss", z[0]), ("z_grad_norm", z[1])):
             tf.compat.v1.summary.scalar(name, value)

@@ -129,9 +129,4 @@ def kinds_read(kinds: Optional[tf.Variable], spike_test: bool) -> Optional[tf.Te
     if kinds is None or not spike_test:
         return kinds
     with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):
-        return tf.cond(
-            tf.compat.v1.is_variable_initialized(kinds),
-            kinds.read_value,
-            lambda: tf.fill(tf.shape(kinds), -1),
-            name="nanguard_value_kinds_read",
-        )
+        return _ops.read_once_written(kinds, -1, name="nanguard_value_kinds_read")

@@ -154,6 +154,19 @@ def as_op(item) -> Optional[tf.Operation]:
     return op if isinstance(op, tf.Operation) else None
 
 
+def read_once_written(variable: tf.Variable, fill, name: Optional[str] = None) -> tf.Tensor:
+    """`variable`'s value once something wrote it, else a tensor of its shape full of `fill`.
+
+    For the guard's variables in no collection (no initializer runs them): they are written
+    by a step, and a read before any such step would fail the run."""
+    return tf.cond(
+        variable.is_initialized(),
+        variable.read_value,
+        lambda: tf.fill(tf.shape(variable), tf.constant(fill, variable.dtype.base_dtype)),
+        name=name,
+    )
+
+
 def control_flow_contexts(context) -> Iterator:
     """`context` (a TF1 control-flow context, or None) and each one it sits in."""
     while context is not None:
