@@ -12,10 +12,11 @@ files are missing, cut short or garbled is told from any other failure in one pl
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -117,16 +118,24 @@ def _non_finite(checkpoint_path: str) -> Tuple[str, ...]:
     reader = checkpoint_reader(checkpoint_path)
     bad = []
     for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
-        try:
+        with _damage_named(checkpoint_path, data=True):
             value = reader.get_tensor(name)
-        except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
-            damage = unreadable(checkpoint_path, err, data=True)
-            if damage is None:
-                raise
-            raise damage from err
         if dtype.is_floating and not np.all(np.isfinite(value)):
             bad.append(name)
     return tuple(bad)
+
+
+@contextlib.contextmanager
+def _damage_named(checkpoint_path: str, *, data: bool = False) -> Iterator[None]:
+    """Raises what reading `checkpoint_path` raised in the block as the
+    `UnreadableCheckpointError` naming the file, when `unreadable` calls it damage."""
+    try:
+        yield
+    except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
+        damage = unreadable(checkpoint_path, err, data=data)
+        if damage is None:
+            raise
+        raise damage from err
 
 
 def unreadable(
@@ -183,15 +192,10 @@ def checkpoint_reader(path: str) -> Any:
       UnreadableCheckpointError: The checkpoint's index is missing, cut short or garbled.
       ValueError: `path` is a directory that holds no checkpoint.
     """
-    try:
+    with _damage_named(path):
         if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
             return tf.compat.v1.train.NewCheckpointReader(path)
         return tf.train.load_checkpoint(path)
-    except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
-        damage = unreadable(path, err)
-        if damage is None:
-            raise
-        raise damage from err
 
 
 def checkpoint_step(checkpoint_path: str) -> Optional[int]:
