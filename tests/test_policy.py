@@ -258,17 +258,11 @@ def test_the_three_loops_refuse_a_spike_rollback_without_a_directory_naming_spik
     import slim_nanguard
     from slim_nanguard import _actions
 
-    graph = tf.Graph()
-    with graph.as_default():
-        weight = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
-        tf.compat.v1.train.get_or_create_global_step()
-        train_op = slim_nanguard.create_train_op(
-            tf.square(weight),
-            tf.compat.v1.train.GradientDescentOptimizer(0.1),
-            check_numerics=False,
-            nan_policy="skip",
-            spike_policy="rollback",
-        )
+    import nanguard_testlib as lib
+
+    model = lib.build_model(check_numerics=False, nan_policy="skip", spike_policy="rollback")
+    train_op = model.train_op
+    with model.graph.as_default():
         expected = r"^spike_policy='rollback' rolls back, so the loop needs"
         with pytest.raises(ValueError, match=expected):
             slim_nanguard.nan_hook(train_op)

@@ -143,18 +143,10 @@ def test_the_default_saver_resumes_only_where_the_guard_made_optional_variables(
 def test_a_supervisor_with_its_default_saver_is_told_to_pass_a_finite_saver(tmp_path):
     """A `Supervisor` takes the graph's default saver, which create_train_op registers for a
     `Scaffold` to build, and never builds it: the first save says what to pass instead."""
-    graph = tf.Graph()
-    with graph.as_default():
-        weight = tf.compat.v1.get_variable("w", [], initializer=tf.compat.v1.ones_initializer())
-        tf.compat.v1.train.get_or_create_global_step()
-        train_op = slim_nanguard.create_train_op(
-            tf.square(weight),
-            tf.compat.v1.train.GradientDescentOptimizer(0.1),
-            nan_policy="skip",
-            spike_policy="skip",
-        )
+    model = lib.build_model(nan_policy="skip", spike_policy="skip")
+    with model.graph.as_default():
         supervisor = tf.compat.v1.train.Supervisor(logdir=str(tmp_path), save_model_secs=0)
         with supervisor.managed_session() as sess:
-            sess.run(train_op)
+            sess.run(model.train_op)
             with pytest.raises(RuntimeError, match=r"pass saver=slim_nanguard\.FiniteSaver\(\)"):
                 supervisor.saver.save(sess, str(tmp_path / "model.ckpt"), global_step=1)
