@@ -109,15 +109,26 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
 def test_a_spike_on_worker_1_is_skipped_against_the_statistics_all_workers_share(tmp_path, sync):
     """The spike statistics live on the ps: both workers' accepted steps feed them, worker 1's
     scaled batch is judged against them and skipped, and the chief's checkpoints hold them."""
-    flags = ["--check_numerics", "--max_number_of_steps=80", "--spike_policy=skip"]
+    # Sigma 10, not the default 6: async, a worker's step on stale weights can jump the
+    # gradient norm several times over (z 4.2 in a clean run here, and one CI run rejected a
+    # second step at the default), while the planted batch (images x1000) sits at z 30 and
+    # more. This test is about whose statistics judge it, not about the false-alarm rate.
+    flags = [
+        "--check_numerics",
+        "--max_number_of_steps=80",
+        "--spike_policy=skip",
+        "--spike_sigma=10",
+    ]
     if sync:
         flags.append("--sync_replicas")
     exits = _run_cluster(tmp_path, flags, worker1=["--inject_fault=spike_input:30"])
 
     assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
-    (spike,) = _bad_steps(tmp_path)
+    bad = _bad_steps(tmp_path)
+    assert len(bad) == 1, bad
+    (spike,) = bad
     assert (spike["task"], spike["cause"], spike["action"]) == (1, "spike", "skip")
-    assert max(spike["spike"]["z_loss"], spike["spike"]["z_grad_norm"]) > 6
+    assert max(spike["spike"]["z_loss"], spike["spike"]["z_grad_norm"]) > 10
     cluster_lib.assert_checkpoints_finite(tmp_path)
     # One set of statistics, fed by both workers: in the chief's last checkpoint it has
     # counted every accepted step of the cluster, where statistics of one worker would hold
