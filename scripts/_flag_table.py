@@ -77,6 +77,7 @@ FLAGS = {
         "persistent_nan_policy": {"type": "enum", "choices": ["raise", "stop", "skip", "rollback"]},
         "ps_hosts": {"type": "list"},
         "ps_timeout_secs": {"type": "float", "lower": 0.0},
+        "reasons": {"type": "list"},
         "replicas_to_aggregate": {"type": "int", "lower": 1},
         "rmsprop_decay": {"type": "float"},
         "rmsprop_momentum": {"type": "float"},

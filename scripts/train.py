@@ -320,6 +320,13 @@ flags.DEFINE_integer(
     "from them and goes on (below --max_consecutive_bad_steps; 0: never).",
 )
 flags.DEFINE_list(
+    "reasons",
+    [],
+    "More reasons to reject a step, comma-separated module:name entries: each a "
+    "slim_nanguard.Reason object of an importable module, or a function of none that returns "
+    "one (its policy is its own). Judged after NaN/Inf and --spike_policy.",
+)
+flags.DEFINE_list(
     "inject_fault",
     [],
     "Faults to inject, KIND:STEP or KIND:FIRST-LAST, comma-"
@@ -350,7 +357,7 @@ flags.register_validator("inject_fault", _check_faults)
 def train_config_from_flags() -> nanguard_app.TrainConfig:
     """The TrainConfig the flags describe (a bad guard setting: a LaunchError naming its flag)."""
     names = [f.name for f in dataclasses.fields(nanguard_app.TrainConfig)]
-    names += nanguard_app.GUARD_FLAGS
+    names += [*nanguard_app.GUARD_FLAGS, nanguard_app.REASONS_FLAG]
     values = {name: FLAGS[name].value for name in names if name in FLAGS}
     values["inject_faults"] = tuple(FLAGS.inject_fault)
     return nanguard_app.TrainConfig.from_flags(**values)

@@ -31,6 +31,9 @@ from slim_nanguard._hook import nan_hook
 from slim_nanguard._loop import TrainResult
 from slim_nanguard._loop import train
 from slim_nanguard._policy import GuardConfig
+from slim_nanguard._reasons import Reason
+from slim_nanguard._reasons import StepValues
+from slim_nanguard._reasons import Test
 from slim_nanguard._record import read_events
 from slim_nanguard._steps import handle_numerics_error
 from slim_nanguard._steps import make_train_step
@@ -52,6 +55,9 @@ __all__ = [
     # Building the guarded train op, and its settings.
     "create_train_op",
     "GuardConfig",
+    "Reason",
+    "StepValues",
+    "Test",
     # Applying the policy: the loop, tf-slim's loops, your own loop.
     "train",
     "TrainResult",

@@ -39,6 +39,8 @@ from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
+from slim_nanguard._reasons import NON_FINITE
+from slim_nanguard._reasons import Reason
 from slim_nanguard._types import Action
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
@@ -200,7 +202,8 @@ def record_bad_step(
     policy: Optional[str] = None,
     autopsy=None,
     kinds: Optional[Sequence[str]] = None,
-    spike: Optional[dict] = None,
+    reason: Optional[Reason] = None,
+    figures: Optional[dict] = None,
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
     """Records a bad step and has the guard decide about it; carries nothing out.
 
@@ -216,27 +219,32 @@ def record_bad_step(
       autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
       kinds: What the loss and each gradient held (`StepReport.kinds`), or None: the
         culprits then come from the sums.
-      spike: A spike step's figures (`StepReport.spike`); None for a non-finite step. A
-        spike gets ``spike_policy`` (a hook's `policy` is for non-finite steps).
+      reason: The `Reason` that rejected the step (`StepReport.reason`), or None for a
+        non-finite step. A rejected step gets the reason's policy (a hook's `policy` is for
+        non-finite steps).
+      figures: What the reason stored of the step (`StepReport.figures`).
 
     Returns:
       ``(event, decision)``: the event's ``action`` is the decision's, escalation included.
     """
     config = guard.config
-    if spike is None:
-        fault, chosen = Fault.NON_FINITE, Action(policy or config.nan_policy)
+    if reason is None:
+        cause, chosen = NON_FINITE, Action(policy or config.nan_policy)
     else:  # All finite: no culprit, whatever kinds a previous step left.
-        fault, chosen, kinds = Fault.SPIKE, Action(config.spike_policy), ()
+        cause, chosen, kinds = reason.name, Action(reason.policy), ()
     counted = _policy.counted(guard.state, int(step))
-    event = _new_event(
-        guard, counted, step, sums, kinds, chosen, autopsy=autopsy, cause=fault, spike=spike
+    event = dataclasses.replace(
+        _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy),
+        cause=cause,
+        figures=figures,
+        reason=reason,
     )
     if config.on_nan is not None:
         choice = config.on_nan(event)
         if choice is not None:
             chosen = _policy.validate_action(choice, "the on_nan callback")
     decision = guard.observe(
-        _policy.BadStep(int(step), chosen, cause=fault, spike=spike), event=event
+        _policy.BadStep(int(step), chosen, cause=cause, figures=figures), event=event
     )
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
@@ -263,8 +271,6 @@ def _new_event(
     kinds: Optional[Sequence[str]],
     action: str,
     autopsy=None,
-    cause: Fault = Fault.NON_FINITE,
-    spike: Optional[dict] = None,
 ) -> _events.NanEvent:
     """The event of a step that stored `sums` (the loss first), with the guard's `counts`."""
     loss = float(list(sums)[0])
@@ -281,8 +287,6 @@ def _new_event(
         action=action,
         loss_scale=guard.loss_scale_of(sums),
         autopsy=autopsy,
-        cause=cause,
-        spike=spike,
     )
 
 
@@ -368,11 +372,12 @@ def _take_new_level(
     level: _level_shift.LevelShift,
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
-    values, floor, reseed = guard.spike_reseed
+    test = guard.reason_handles[Fault.SPIKE]  # The `_spike.SpikeTest`.
+    values, floor, reseed = test.reseed_values, test.reseed_floor, test.reseed
     # At least a warm-up's worth of rows (the values repeated whole): the test judges the
     # next step at once, against the new level.
     repeats = -(-guard.config.spike_warmup_steps // len(level.values))
-    rows = ([list(v) for v in level.values] * repeats)[: _policy.SPIKE_WINDOW]
+    rows = ([list(v) for v in level.values] * repeats)[: test.window]
     session.run(reseed, {values: rows, floor: level.floor})
     guard.history.clear()  # The losses before the new level climb to it: no divergence.
     logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
@@ -475,14 +480,21 @@ def judge(
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        step, sums, fault, spike, kinds = read.step, read.sums, read.fault, read.spike, read.kinds
-        if fault == Fault.NON_FINITE and guard.is_loss_scale_overflow(sums):
+        step, sums, kinds = read.step, read.sums, read.kinds
+        if read.reason is None and guard.is_loss_scale_overflow(sums):
             # The loss-scale optimizer skipped the update and lowered its scale.
             return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
-        over = (spike or {}).get("over") or ()
-        autopsy = guard.autopsy(raw, step, cause=fault, spike_over=over)  # Before any rollback.
+        over = (read.figures or {}).get("over") or ()
+        autopsy = guard.autopsy(raw, step, read.cause, over)  # Before any rollback.
         return record_bad_step(
-            guard, step=step, sums=sums, policy=policy, autopsy=autopsy, kinds=kinds, spike=spike
+            guard,
+            step=step,
+            sums=sums,
+            policy=policy,
+            autopsy=autopsy,
+            kinds=kinds,
+            reason=read.reason,
+            figures=read.figures,
         )
 
     event, decision = raw_call(session, record)

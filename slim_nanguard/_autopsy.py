@@ -48,7 +48,7 @@ import numpy as np
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
-from slim_nanguard._types import Fault
+from slim_nanguard._reasons import NON_FINITE
 
 if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
     import tensorflow as tf
@@ -60,8 +60,6 @@ DEFAULT_TIMEOUT_SECS = 60.0
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
-# Why a step is autopsied: a NaN or Inf, or a spike (see `Autopsy.cause`).
-CAUSES = tuple(Fault)
 # How many of a spike's examples an autopsy keeps, highest per-example loss first.
 TOP_EXAMPLES = 5
 # An example stands out of a spike's batch when its loss is this many times the next one's.
@@ -179,13 +177,13 @@ class Autopsy:
     @property
     def failed(self) -> bool:
         """Whether the replay itself failed (``error`` says why) rather than found something."""
-        if self.cause == "spike":
+        if self.cause != NON_FINITE:
             return self.error is not None and not self.top_examples
         return self.reproduced is None
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        if self.cause == "spike":
+        if self.cause != NON_FINITE:
             return explain_spike(
                 self.top_examples,
                 self.batch_size,
@@ -674,8 +672,8 @@ def replay(
         return Autopsy(
             batch_size=batch_size, cost=budget.cost(), error=str(err), step=step, cause=cause
         )
-    if cause == "spike":  # Finite by nature: no reproduction to judge, no first bad op.
-        return _replay_spike(session, feeds, targets[0], budget, batch_size, step)
+    if cause != NON_FINITE:  # Finite by nature: no reproduction to judge, no first bad op.
+        return _replay_spike(session, feeds, targets[0], budget, batch_size, step, cause)
     values = budget.run(session, targets, feeds)
     if all(is_finite_health(health(v)) for v in values):
         return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
@@ -1092,9 +1090,12 @@ def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optiona
     return None
 
 
-def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int, step: int) -> Autopsy:
-    """The spike part of `replay`: fetches the per-example losses and ranks the examples."""
-    spike = dict(cause="spike", batch_size=batch_size, step=step)
+def _replay_spike(
+    session, feeds, loss, budget: _Budget, batch_size: int, step: int, cause: str
+) -> Autopsy:
+    """The part of `replay` for a finite step (a spike): fetches the per-example losses and
+    ranks the examples."""
+    spike = dict(cause=cause, batch_size=batch_size, step=step)
     found = find_per_example_loss(loss)
     if found is None:
         return Autopsy(cost=budget.cost(), **spike)

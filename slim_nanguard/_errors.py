@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Optional
 import tensorflow as tf
 
 from slim_nanguard._types import Cause
-from slim_nanguard._types import Fault
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
@@ -88,8 +87,9 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         )
 
     def __str__(self) -> str:
-        spike = self.event is not None and getattr(self.event, "cause", None) == Fault.SPIKE
-        parts = ["A spike during training" if spike else "NaN or Inf during training"]
+        reason = getattr(self.event, "reason", None)
+        what = reason.what[:1].upper() + reason.what[1:] if reason else "NaN or Inf"
+        parts = [f"{what} during training"]
         if self.event is not None:
             parts.append(self.event.describe())
         if self.reason:

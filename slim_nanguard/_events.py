@@ -1,4 +1,4 @@
-"""The record of one non-finite training step."""
+"""The record of one rejected training step."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 from tensorflow.python.platform import tf_logging
 
 from slim_nanguard import _verdict
-from slim_nanguard._types import Fault
+from slim_nanguard._reasons import NON_FINITE
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._autopsy import Autopsy
+    from slim_nanguard._reasons import Reason
 
 # How the loss of a bad step looked.
 LOSS_NAN = "nan"
@@ -66,14 +67,13 @@ class NanEvent:
       culprit_kinds: What each culprit's gradient held, in the order of ``culprits``:
         ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` (tested element by element). Empty when
         not known.
-      cause: What made the step bad (a `Fault`): ``"non_finite"`` (NaN or Inf in the loss
-        or a gradient) or ``"spike"`` (all finite, but the loss or the global gradient norm
-        far above those of the accepted steps).
-      spike: A spike's figures (`_spike.read_report`): ``loss``, ``grad_norm``, their
-        z-scores ``z_loss`` and ``z_grad_norm``, the statistics they were measured against
-        (``log_mean_*``, ``log_std_*``, ``typical_*``, over ``window_steps`` of the
-        ``accepted_steps``), ``sigma`` and
-        ``over`` (which values exceeded it). None for a non-finite step.
+      cause: What made the step bad: ``"non_finite"`` (NaN or Inf in the loss or a
+        gradient) or the name of the `Reason` that rejected it (``"spike"``: all finite, but
+        the loss or the global gradient norm far above those of the accepted steps).
+      figures: What that reason stored of the step (`Reason.figures`; a spike's: ``loss``,
+        ``grad_norm``, their z-scores, the statistics they were measured against, ``sigma``
+        and ``over``), recorded under the cause's name. None for a non-finite step.
+      reason: The `Reason` that rejected the step, or None for a non-finite step.
     """
 
     step: int
@@ -88,8 +88,14 @@ class NanEvent:
     loss_scale: Optional[float] = None
     autopsy: Optional["Autopsy"] = None
     culprit_kinds: Tuple[str, ...] = ()
-    cause: str = Fault.NON_FINITE
-    spike: Optional[Dict[str, Any]] = None
+    cause: str = NON_FINITE
+    figures: Optional[Dict[str, Any]] = None
+    reason: Optional["Reason"] = dataclasses.field(default=None, compare=False)
+
+    @property
+    def spike(self) -> Optional[Dict[str, Any]]:
+        """A spike's `figures`, or None for any other cause."""
+        return self.figures if self.cause == "spike" else None
 
     @property
     def loss_is_nan(self) -> bool:
@@ -103,10 +109,10 @@ class NanEvent:
 
     def describe(self) -> str:
         """One line for a log or an error message."""
-        if self.cause == Fault.SPIKE and self.spike:
+        if self.reason is not None and self.figures is not None:
             return (
-                f"global step {self.step}, loss {self.loss!r} (finite), "
-                f"{_spike_phrase(self.spike)}, bad step {self.consecutive} in a row "
+                f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
+                f"{self.reason.phrase(self.figures)}, bad step {self.consecutive} in a row "
                 f"({self.total} in all)"
             )
         if self.culprits:
@@ -137,14 +143,13 @@ class NanEvent:
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
-        d = dataclasses.asdict(dataclasses.replace(self, autopsy=None))
+        d = dataclasses.asdict(dataclasses.replace(self, autopsy=None, reason=None))
+        del d["figures"], d["reason"]
         # Plain strings, not enum members: a record reads the same to any JSON consumer.
         d["mode"], d["action"], d["cause"] = str(self.mode), str(self.action), str(self.cause)
-        if self.spike is None:
-            del d["spike"]
-        else:  # An overflowed norm is Inf, and so is its z-score.
-            d["spike"] = {
-                k: _json_float(v) if isinstance(v, float) else v for k, v in self.spike.items()
+        if self.figures is not None:  # Under the cause's name; an overflowed norm is Inf.
+            d[str(self.cause)] = {
+                k: _json_float(v) if isinstance(v, float) else v for k, v in self.figures.items()
             }
         d["culprits"] = list(self.culprits)
         d["culprit_kinds"] = list(self.culprit_kinds)
@@ -155,35 +160,6 @@ class NanEvent:
         if self.autopsy is not None:
             d["autopsy"] = self.autopsy.to_json()
         return d
-
-
-def _spike_phrase(report: Dict[str, Any]) -> str:
-    """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
-    names = {"loss": "loss", "grad_norm": "gradient norm"}
-    sigma = float(report["sigma"])
-    parts = [
-        f"{names[c]} {report[c]:.4g} is {_deviations(report['z_' + c], sigma)} deviations above "
-        f"the typical {report['typical_' + c]:.4g}"
-        for c in report.get("over") or ()
-    ]
-    others = [c for c in names if c not in (report.get("over") or ())]
-    tail = ", ".join(f"{names[c]} z {_deviations(report['z_' + c], sigma)}" for c in others)
-    head = "; ".join(parts) or "no value above spike_sigma"
-    return (
-        f"spike: {head} (spike_sigma={report['sigma']:g}, over the last "
-        f"{report.get('window_steps', report['accepted_steps'])} accepted steps"
-        f"{'; ' + tail if tail else ''})"
-    )
-
-
-def _deviations(z: float, sigma: float) -> str:
-    """`z` to one decimal, or to as many as it takes to stand on its side of `sigma` (a z of
-    6.04 over ``spike_sigma=6`` is not written 6.0). Pure."""
-    for digits in range(1, 5):
-        text = f"{z:.{digits}f}"
-        if (float(text) > sigma) == (z > sigma) and float(text) != sigma:
-            return text
-    return f"{z:.4f}"
 
 
 def _json_float(value: float) -> Any:
@@ -214,8 +190,8 @@ def diverged(event: NanEvent) -> str:
         return DIVERGED
     if event.loss_kind == LOSS_INF:
         return f"Model diverged with loss = {'-' if event.loss < 0 else ''}Inf."
-    if event.cause == Fault.SPIKE:
-        return "Model diverging: a spike in the loss or the gradient norm; all values finite."
+    if event.reason is not None:
+        return f"Model diverging: {event.reason.what}; all values finite."
     return "Model diverged with non-finite gradients; the loss is finite."
 
 

@@ -43,10 +43,9 @@ from slim_nanguard import _capture
 from slim_nanguard import _errors
 from slim_nanguard import _ops
 from slim_nanguard import _policy
-from slim_nanguard import _spike
+from slim_nanguard import _reasons
 from slim_nanguard import _verdict
 from slim_nanguard._gating import ForwardWrites
-from slim_nanguard._types import Fault
 from slim_nanguard._types import Mode
 
 
@@ -65,14 +64,15 @@ class StepTest:
         the bad branch (`when_bad`: a good step does not sum each gradient), and with a loss
         scale the scale of the step after them.
       diagnostics: The variable `kept` is stored in.
-      spike: The `_spike.SpikeTest` of the loss and the global gradient norm, or None (no
-        spike policy).
-      ok: Scalar bool, True on a step that may write: `verdict.ok`, and no spike.
-      checked: What check_numerics mode checks: `verdict.checked`, NaN on a spike step.
-      report: With a spike test, the float64 variable a bad step stores its cause (a code of
-        `_spike.FAULT_CODES`) and `_spike.REPORT_FIELDS` in, for the loop to read; else None.
-      judged: With a spike test, the float64 variable an accepted step stores its
-        `_spike.JUDGED_FIELDS` in (`store_judged`), which the summaries read; else None.
+      reasons: The `_reasons.Reason`s besides non-finite values, and `tests` their tests.
+      ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
+      checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
+      cause: With reasons, int32: 0 for a non-finite step, else 1 + the index of the first
+        reason that rejects it; else None.
+      report: With reasons, the float64 variable a bad step stores ``cause + 1`` and each
+        reason's report in (`read_report`), for the loop to read; else None.
+      judged: With reasons, the float64 variable an accepted step stores each reason's
+        judged values in (`accepted_writes`), which the summaries read; else None.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class StepTest:
         loss: tf.Tensor,
         grads_and_vars,
         loss_scale=None,
-        spike: Optional[Tuple[float, int]] = None,
+        reasons: Sequence[_reasons.Reason] = (),
     ):
         """Builds the test in the current name scope.
 
@@ -89,7 +89,8 @@ class StepTest:
           grads_and_vars: The (gradient, variable) pairs the train op applies.
           loss_scale: The `DynamicLossScale` of a loss-scale optimizer (`dynamic_loss_scale`),
             or None.
-          spike: ``(sigma, warmup_steps)`` of the spike test, or None for none.
+          reasons: The reasons to reject a step besides non-finite values, in order (the
+            first that rejects names the cause). None: the test of non-finite values alone.
         """
         graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -109,9 +110,10 @@ class StepTest:
             [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
         )
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
-        self.spike = self.report = self.judged = self._bad = self._switch = None
-        if spike is not None:
-            self._add_spike_test(loss, *spike)
+        self.report = self.judged = self.cause = self._bad = self._switch = None
+        self.reasons, self.tests = (), ()
+        if reasons:
+            self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
             self.kept = _gradient_sums(loss, [g for g, _ in self.present])
         self.scaler = None
@@ -132,80 +134,76 @@ class StepTest:
                 name="gradient_sums",
             )
 
-    def _add_spike_test(self, loss: tf.Tensor, sigma: float, warmup_steps: int) -> None:
-        """Makes a spike a reason to fail: `ok`, `checked`, the bad branch and `report`."""
+    def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
+        """Makes each reason one more way to fail: `ok`, `checked`, the bad branch, `report`
+        and `judged`."""
         graph = loss.graph
-        self.spike = _spike.SpikeTest(
+        values = _reasons.StepValues(
             loss,
+            tuple(g for g, _ in self.present),
             self.verdict.global_norm,
-            sigma=sigma,
-            warmup_steps=warmup_steps,
             # In the checkpoints, so outside any loop body and not colocated with the step:
-            # on a cluster, on the ps with the model (one set of statistics for all workers).
-            variable_scope=lambda: _outside_loops(graph),
+            # on a cluster, on the ps with the model (one state for all workers).
+            state_scope=lambda: _outside_loops(graph),
         )
-        finite = self.verdict.ok
-        # A spike adds a NaN to the checked value: `checked` is non-finite, and `ok` False,
-        # exactly when a value is non-finite or the step is a spike.
+        self.reasons = tuple(reasons)
+        self.tests = tuple(reason.build(values) for reason in self.reasons)
+        rejects = [test.reject for test in self.tests]
+        rejected = rejects[0] if len(rejects) == 1 else tf.reduce_any(tf.stack(rejects))
+        # A rejection adds a NaN to the checked value: `checked` is non-finite, and `ok`
+        # False, exactly when a value is non-finite or a reason rejects the step.
         dtype = self.verdict.checked.dtype
-        penalty = tf.where(self.spike.spike, tf.constant(np.nan, dtype), tf.constant(0.0, dtype))
+        penalty = tf.where(rejected, tf.constant(np.nan, dtype), tf.constant(0.0, dtype))
         self.checked = tf.add(self.verdict.checked, penalty, name="checked_no_spike")
         self.ok = tf.math.is_finite(self.checked, name="ok_no_spike")
         untaken, self._good = self.ok_switch()
         self._bad = tf.identity(untaken, name="bad_step")
+        # 0 for a non-finite step, else 1 + the index of the first reason that rejects it.
+        self.cause = tf.where(self.verdict.ok, _first(rejects) + 1, 0, name="cause")
         with self.when_bad():
-            cause = tf.where(
-                finite, _spike.FAULT_CODES[Fault.SPIKE], _spike.FAULT_CODES[Fault.NON_FINITE]
-            )
-            report = tf.concat(
-                [tf.reshape(tf.cast(cause, tf.float64), [1]), self.spike.report_vector()], 0
-            )
-        with _capture.guard_variable_scope(graph, self.grad_sums):
-            self.report = tf.compat.v1.Variable(
-                tf.zeros([1 + len(_spike.REPORT_FIELDS)], tf.float64),
-                trainable=False,
-                collections=[],
-                use_resource=True,
-                name="bad_step_report",
-            )
+            stored = [tf.reshape(tf.cast(self.cause + 1, tf.float64), [1])]
+            report = tf.concat(stored + [test.report() for test in self.tests], 0)
+        self.report = _scratch(graph, self.grad_sums, report.shape, "bad_step_report")
         self._report_store = self.report.assign(report, read_value=False)
-        # What the summaries read: written by an accepted step (`store_judged`), in no
+        # What the summaries read: written by an accepted step (`accepted_writes`), in no
         # collection (neither saved nor initialised), on the worker that computes it.
-        with _capture.guard_variable_scope(graph, self.grad_sums):
-            self.judged = tf.compat.v1.Variable(
-                tf.zeros([len(_spike.JUDGED_FIELDS)], tf.float64),
-                trainable=False,
-                collections=[],
-                use_resource=True,
-                name="last_accepted_step",
-            )
+        fields = sum(len(r.judged_fields) for r in self.reasons)
+        self.judged = _scratch(graph, self.grad_sums, [fields], "last_accepted_step")
         # For TensorBoard, with the summaries a loop writes (tf-slim merges the collection),
         # tagged nanguard/... whatever the scope.
         with tf.name_scope("nanguard/"):
             self._add_summaries()
 
-    def store_judged(self) -> tf.Operation:
-        """The write of the step's `_spike.SpikeTest.judged` values into `judged`, in the
-        current control context: the train op builds it behind its gate, with the update of
-        the statistics, so that an accepted step stores its values and a rejected one writes
-        nothing (not even this bookkeeping of the guard's)."""
-        return self.judged.assign(self.spike.judged(), read_value=False)
+    def accepted_writes(self) -> list:
+        """What an accepted step writes for its reasons, in the current control context: the
+        train op builds it behind its gate, so a rejected step writes nothing (not even the
+        summaries' values)."""
+        writes = [op for test in self.tests for op in test.writes()]
+        judged = [test.judged() for test in self.tests if test.judged is not None]
+        if judged:
+            vector = judged[0] if len(judged) == 1 else tf.concat(judged, 0)
+            writes.append(self.judged.assign(vector, read_value=False))
+        return writes
 
     def _add_summaries(self) -> None:
-        """``grad_norm``, ``z_loss`` and ``z_grad_norm`` of the last accepted step (zeros before
-        the first one in a session), read from `judged`: a run of the summary op that is no
-        train step (a summary thread, a hook firing on another run) takes no batch. Run with
-        a train step, it may read that step's values or the ones before."""
+        """Each reason's summaries of the last accepted step (zeros before the first one in
+        a session), read from `judged`: a run of the summary op that is no train step (a
+        summary thread, a hook firing on another run) takes no batch. Run with a train
+        step, it may read that step's values or the ones before."""
         stored = _ops.read_once_written(self.judged, 0.0)
-        z = _spike.z_of_judged(stored)
-        for name, value in (("grad_norm", stored[1]), ("z_loss", z[0]), ("z_grad_norm", z[1])):
-            tf.compat.v1.summary.scalar(name, value)
+        start = 0
+        for reason in self.reasons:
+            size = len(reason.judged_fields)
+            if not size:
+                continue
+            mine = stored if size == stored.shape[0] else stored[start : start + size]
+            start += size
+            for name, value in reason.summaries(mine).items():
+                tf.compat.v1.summary.scalar(name, value)
 
-    def spike_variables(self) -> Tuple[tf.Variable, ...]:
-        """The spike statistics' variables (none without a spike test)."""
-        return (
-            () if self.spike is None else (self.spike.history, self.spike.count, self.spike.floor)
-        )
+    def reason_variables(self) -> Tuple[tf.Variable, ...]:
+        """The reasons' state in the checkpoints (none without reasons)."""
+        return tuple(v for test in self.tests for v in test.variables)
 
     def ok_switch(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """``(untaken, taken)``: `ok` switched on itself, built once (in the current name
@@ -227,7 +225,7 @@ class StepTest:
                 yield
 
     def stores(self) -> list:
-        """What a bad step stores for the loop besides the sums: the spike report, if any."""
+        """What a bad step stores for the loop besides the sums: the report, with reasons."""
         return [] if self.report is None else [self._report_store]
 
     def after_bad_stores(self, ops: Sequence) -> tf.Tensor:
@@ -329,7 +327,7 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     # Stored on a step whose fast test failed (or that is a spike), before the check raises.
     store = test.diagnostics.assign(test.kept, read_value=False)
     ready = []
-    if test.spike is None:
+    if not test.reasons:
         test.verdict.confirm_after([store])
     else:
         ready.append(test.after_bad_stores([store]))
@@ -344,24 +342,20 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
     checked = test.checked if test.scaler is None else test.scaler.unless_overflow
     with tf.control_dependencies(ready + capture.control_inputs):
-        if test.spike is None:
-            check = tf.debugging.check_numerics(checked, _check_message(config, Fault.NON_FINITE))
+        if not test.reasons:
+            check = tf.debugging.check_numerics(checked, _check_message(config))
             check_op = check.op
         else:
-            check, check_op = _spike_check(test, checked, config)
+            check, check_op = _reasons_check(test, checked, config)
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
 
 
-def _spike_check(test: StepTest, checked: tf.Tensor, config) -> Tuple[tf.Tensor, tf.Operation]:
-    """With a spike test: ``(gate, op)``, an ``Assert`` that `checked` is finite, whose
-    message names the step's cause (CheckNumerics would add "Tensor had NaN values" to a
-    spike's), and `checked` once it passed."""
-    message = tf.where(
-        test.verdict.ok,
-        _check_message(config, Fault.SPIKE),
-        _check_message(config, Fault.NON_FINITE),
-        name="check_message",
-    )
+def _reasons_check(test: StepTest, checked: tf.Tensor, config) -> Tuple[tf.Tensor, tf.Operation]:
+    """With reasons: ``(gate, op)``, an ``Assert`` that `checked` is finite, whose message
+    names the step's cause (CheckNumerics would add "Tensor had NaN values" to a finite
+    step's), and `checked` once it passed."""
+    messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
+    message = tf.gather(tf.constant(messages), test.cause, name="check_message")
     check = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
     with tf.control_dependencies([check]):
         return tf.identity(checked, name="checked"), check
@@ -511,19 +505,20 @@ def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
     return "slim_nanguard.train_step", "slim_nanguard.nan_hook(train_op)"
 
 
-def _check_message(config: _policy.GuardConfig, fault: Fault) -> str:
-    """The message of check_numerics mode's check on a step that `fault` made bad.
+def _check_message(config: _policy.GuardConfig, reason: Optional[_reasons.Reason] = None) -> str:
+    """The message of check_numerics mode's check on a step that `reason` rejected (None: a
+    non-finite step).
 
     TensorFlow's runtime logs it on every failing run ("Local rendezvous is aborting with
     status: ..."), whether or not a loop catches the error, so it says only what holds
     either way: the step was rejected and why, and which loops apply the policy when they
-    catch it (what to add when none did). A spike's names no NaN or Inf: its values are
+    catch it (what to add when none did). A reason's names no NaN or Inf: its values are
     finite. `_errors.caught_numerics_error` rewrites the advice once a loop applied it.
     """
     step_fn, hook = _loops(config)
-    if fault == Fault.SPIKE:
-        what = "a spike in the loss or the gradient norm (every value finite)"
-        policy = f"spike_policy={config.spike_policy}"
+    if reason is not None:
+        what = f"{reason.what} (every value finite)"
+        policy = f"{reason.policy_name}={reason.policy}"
     else:
         what = "NaN or Inf in the loss or a gradient"
         policy = f"nan_policy={config.nan_policy}"
@@ -539,14 +534,34 @@ def _check_message(config: _policy.GuardConfig, fault: Fault) -> str:
 def _unjudged_message(config: _policy.GuardConfig) -> str:
     """The error of a hook-mode bad step that nothing judges (it names what to add)."""
     step_fn, hook = _loops(config)
-    what, spike = "NaN or Inf in the loss or a gradient", ""
-    if config.spike_policy is not None:
-        what += ", or a spike in the loss or the gradient norm"
-        spike = f" (spike_policy={config.spike_policy})"
+    reasons = config.all_reasons
+    what = ", or ".join(["NaN or Inf in the loss or a gradient"] + [r.what for r in reasons])
+    policies = ", ".join(f"{r.policy_name}={r.policy}" for r in reasons)
     return (
         f"slim_nanguard: {what}, and no NanLossHook saw it, so "
-        f"nan_policy={config.nan_policy}{spike} was not "
+        f"nan_policy={config.nan_policy}{f' ({policies})' if policies else ''} was not "
         f"applied (no variable was updated). Add hooks=[{hook}] to "
         "MonitoredTrainingSession or tf_slim.training.train; with tf_slim.learning.train "
         f"pass train_step_fn={step_fn}"
     )
+
+
+def _first(flags: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Int32 scalar: the index of the first of `flags` that is True (0 if none is)."""
+    if len(flags) == 1:
+        return tf.constant(0, tf.int32)
+    return tf.argmax(tf.cast(tf.stack(flags), tf.int32), output_type=tf.int32)
+
+
+def _scratch(graph: tf.Graph, anchor: tf.Tensor, shape, name: str) -> tf.Variable:
+    """A float64 variable of the guard's per-step scratch, zeros at first: in no collection
+    (neither saved nor initialised: only read after a write), on the worker that computes
+    `anchor`, outside any loop."""
+    with _capture.guard_variable_scope(graph, anchor):
+        return tf.compat.v1.Variable(
+            tf.zeros(shape, tf.float64),
+            trainable=False,
+            collections=[],
+            use_resource=True,
+            name=name,
+        )

@@ -26,9 +26,9 @@ from slim_nanguard import _events
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
+from slim_nanguard import _reasons
 from slim_nanguard import _record
 from slim_nanguard import _rollback
-from slim_nanguard import _spike
 from slim_nanguard import _verdict
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardState
@@ -207,7 +207,8 @@ class Guard:
     value_kinds = _handle("value_kinds")
     kinds_read = _handle("kinds_read")
     report = _handle("report")
-    spike_reseed = _handle("spike_reseed")
+    reasons = _handle("reasons")
+    reason_handles = _handle("reason_handles")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -341,8 +342,8 @@ class Guard:
         self,
         session: tf.compat.v1.Session,
         step: int,
-        cause: str = "non_finite",
-        spike_over: Sequence[str] = (),
+        cause: str = _reasons.NON_FINITE,
+        over: Sequence[str] = (),
     ):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
@@ -352,21 +353,24 @@ class Guard:
         Args:
           session: A raw `tf.compat.v1.Session`.
           step: The global step of the bad step.
-          cause: ``"non_finite"`` (a NaN or Inf: the first op that made one) or ``"spike"``
-            (the examples of the batch with the highest per-example loss).
-          spike_over: For a spike, the values it was caught on (its record's ``over``).
+          cause: ``"non_finite"`` (a NaN or Inf: the autopsy finds the first op that made
+            one), or the name of the reason that rejected the step (``"spike"``; its values
+            are finite: the examples of the batch with the highest per-example loss).
+          over: The values a finite step was caught on (a spike's record's ``over``).
 
         Returns:
           The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
           autopsies are off, past their count, or the train op keeps no batch.
 
         Raises:
-          ValueError: `cause` is neither of those.
+          ValueError: `cause` is none of those.
         """
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
-        if cause not in _autopsy.CAUSES:
-            raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(_autopsy.CAUSES)}.")
+        causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
+        if cause not in causes:
+            raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
+        finite = cause != _reasons.NON_FINITE
         if (
             self.capture is None
             or not self.capture.tensors
@@ -377,12 +381,12 @@ class Guard:
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
-            [self.loss] if cause == "spike" else [self.grad_sums],
+            [self.loss] if finite else [self.grad_sums],
             step=step,
             dump_dir=self._autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
             cause=cause,
-            spike_over=spike_over,
+            spike_over=over,
         )
         if result.dump:
             self._remove_old_dumps()
@@ -463,18 +467,15 @@ class Guard:
         values = session.run(fetches) if fetches else {}
         if stored is None:
             stored = int(values.get("step", -1)), np.asarray(values["sums"]).tolist()
-        fault, spike = Fault.NON_FINITE, None
+        reason, figures = None, None
         if "report" in values:
-            vector = np.asarray(values["report"])
-            if _spike.fault_of(float(vector[0])) == Fault.SPIKE:
-                fault = Fault.SPIKE
-                spike = _spike.read_report(vector[1:], self.config.spike_sigma)
+            reason, figures = read_report(self.reasons, np.asarray(values["report"]))
         kinds = None
         codes = np.asarray(values["kinds"]) if "kinds" in values else None
-        if fault == Fault.NON_FINITE and codes is not None and codes.min(initial=0) >= 0:
+        if reason is None and codes is not None and codes.min(initial=0) >= 0:
             kinds = tuple(_verdict.kind_name(c) for c in codes)
         step, sums = stored
-        return StepReport(int(step), [float(s) for s in sums], fault, spike, kinds)
+        return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
@@ -492,6 +493,21 @@ class Guard:
         return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
 
+def read_report(
+    reasons: Sequence[_reasons.Reason], vector: Sequence[float]
+) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
+    """``(reason, figures)`` of a stored `_finiteness.StepTest.report`: the reason that
+    rejected the step and what it stored (`Reason.figures`), or ``(None, None)`` for a
+    non-finite step (or none stored). Pure."""
+    code, start = int(vector[0]), 1
+    for index, reason in enumerate(reasons):
+        end = start + len(reason.report_fields)
+        if code == index + 2:
+            return reason, reason.figures(vector[start:end])
+        start = end
+    return None, None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """What a bad step left for the loop, read at once (`Guard.read_step_report`).
@@ -499,17 +515,22 @@ class StepReport:
     Attributes:
       step: The global step it was attempted at (-1 without a global step).
       sums: The loss, then the sum of each gradient (and the loss scale, with one).
-      fault: What made it bad (`Fault`).
-      spike: A spike's figures (`_spike.read_report`); None for a non-finite step.
+      reason: The `_reasons.Reason` that rejected it; None for a non-finite step.
+      figures: What that reason stored (`Reason.figures`); None for a non-finite step.
       kinds: What the loss and each gradient held, exact (`_verdict` kind names), for a
         non-finite step whose train op keeps them; else None.
     """
 
     step: int
     sums: List[float]
-    fault: Fault
-    spike: Optional[Dict[str, Any]]
+    reason: Optional[_reasons.Reason]
+    figures: Optional[Dict[str, Any]]
     kinds: Optional[Tuple[str, ...]]
+
+    @property
+    def cause(self) -> str:
+        """``"non_finite"`` or the name of the reason."""
+        return _reasons.NON_FINITE if self.reason is None else self.reason.name
 
 
 def is_numerics_error(error: BaseException) -> bool:

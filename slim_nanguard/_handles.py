@@ -7,7 +7,7 @@ the hook, the loops and the rollback. Nothing here runs a session.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
@@ -59,14 +59,14 @@ class GraphHandles:
         kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
         `_verdict.kind_name`), or None.
       kinds_read: What a bad step's one read fetches for ``value_kinds``: the variable, or
-        with a spike test (whose spike steps do not write it) its value once written and -1s
+        with reasons (whose rejected finite steps do not write it) its value once written and -1s
         before; None without ``value_kinds``.
-      report: With a spike test, the float64 variable a bad step leaves its cause and the
-        spike statistics in (`_finiteness.StepTest.report`); else None.
-      spike_reseed: With a spike test, ``(values, floor, op)``: the placeholders (float64
-        ``[n, 2]``, loss and gradient norm, oldest first; the least deviation of each) and
-        the op that make those values the whole spike statistics (a new level,
-        `_level_shift`); else None.
+      report: With reasons to reject besides non-finite values, the float64 variable a bad
+        step leaves its cause and the reasons' reports in (`_finiteness.StepTest.report`);
+        else None.
+      reasons: Those reasons (`_reasons.Reason`), in the order of the report.
+      reason_handles: Each reason's `_reasons.Test.handles`, by its name (the spike's
+        `_spike.SpikeTest`, which re-seeds the statistics with a new level).
       optional_variables: The guard's variables that only some of its options make (the
         learning-rate scale, the spike statistics): a checkpoint written without them (by a
         run with other options) still restores the rest, and these keep their values.
@@ -93,7 +93,8 @@ class GraphHandles:
     value_kinds: Optional[tf.Variable] = None
     kinds_read: Optional[tf.Tensor] = None
     report: Optional[tf.Variable] = None
-    spike_reseed: Optional[Tuple[tf.Tensor, tf.Tensor, tf.Operation]] = None
+    reasons: Tuple[Any, ...] = ()
+    reason_handles: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     optional_variables: Tuple[tf.Variable, ...] = ()
 
     def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:
@@ -124,9 +125,10 @@ def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
     return _ops.sources([loss.op], _ops.INPUT_OP_TYPES)
 
 
-def kinds_read(kinds: Optional[tf.Variable], spike_test: bool) -> Optional[tf.Tensor]:
-    """`GraphHandles.kinds_read` for the `value_kinds` variable `kinds`."""
-    if kinds is None or not spike_test:
+def kinds_read(kinds: Optional[tf.Variable], reasons: bool) -> Optional[tf.Tensor]:
+    """`GraphHandles.kinds_read` for the `value_kinds` variable `kinds`, with `reasons` to
+    reject besides non-finite values or not."""
+    if kinds is None or not reasons:
         return kinds
     with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):
         return _ops.read_once_written(kinds, -1, name="nanguard_value_kinds_read")

@@ -82,6 +82,8 @@ class TrainResult:
         chief to carry out (the chief counts the rollback in its own ``rollbacks``).
       spikes: The bad steps of this call that were spikes (``spike_policy``; all finite, but
         the loss or the gradient norm far above those of the accepted steps).
+      rejected: The bad steps of this call each reason rejected (finite), by its name
+        (``{"spike": 2}``); non-finite steps are not in it.
     """
 
     final_loss: float
@@ -97,6 +99,7 @@ class TrainResult:
     loss_scale_overflows: int = 0
     rollback_requests: int = 0
     spikes: int = 0
+    rejected: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
@@ -106,7 +109,7 @@ class TrainResult:
             else ""
         )
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
-        spikes = f"{self.spikes} of them spikes, " if self.spikes else ""
+        spikes = "".join(f"{n} of them {name}s, " for name, n in self.rejected.items() if n)
         return (
             f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
             f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
@@ -532,6 +535,7 @@ class _Loop:
             loss_scale_overflows=counts.loss_scale_overflows,
             rollback_requests=counts.rollback_requests,
             spikes=counts.spikes,
+            rejected=dict(counts.rejected),
         )
         return result, stop_fields
 

@@ -51,7 +51,12 @@ import math
 from typing import Any, Callable, Mapping, Optional, Protocol, Tuple, Union
 
 from slim_nanguard import _level_shift
+from slim_nanguard import _reasons
+from slim_nanguard import _spike
 from slim_nanguard._events import NanEvent
+from slim_nanguard._reasons import NON_FINITE
+from slim_nanguard._reasons import Reason
+from slim_nanguard._spike import SPIKE_WINDOW
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
@@ -64,8 +69,6 @@ ROLLBACK = Action.ROLLBACK
 POLICIES = tuple(Action)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip.
 PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
-# How many accepted steps the spike statistics cover (OLMo-core's window; see `_spike`).
-SPIKE_WINDOW = 128
 
 
 class OnNanCallback(Protocol):
@@ -150,6 +153,7 @@ class GuardConfig:
     spike_sigma: float = 6.0
     spike_warmup_steps: int = 20
     spike_level_shift_steps: int = 8
+    reasons: Tuple[Reason, ...] = ()
 
     def __post_init__(self):
         if self.nan_policy not in POLICIES:
@@ -199,10 +203,21 @@ class GuardConfig:
                 f"statistics cover); got {self.spike_warmup_steps!r}."
             )
         _check_int("spike_level_shift_steps", self.spike_level_shift_steps, minimum=0)
+        object.__setattr__(self, "reasons", tuple(self.reasons))
+        _reasons.check(self.reasons, POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(
                 f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
             )
+
+    @property
+    def all_reasons(self) -> Tuple[Reason, ...]:
+        """The reasons to reject a step besides non-finite values, in the order they are
+        judged: the spike test (with a ``spike_policy``), then `reasons`."""
+        spike = ()
+        if self.spike_policy is not None:
+            spike = (_spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps),)
+        return spike + self.reasons
 
     @property
     def may_roll_back(self) -> bool:
@@ -246,7 +261,9 @@ def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[
     """
     policy = config.nan_policy if policy is None else policy
     named = []
-    for name, value in (("nan_policy", policy), ("spike_policy", config.spike_policy)):
+    policies = [("nan_policy", policy)]
+    policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
+    for name, value in policies:
         if value == ROLLBACK:
             named.append(f"{name}={str(value)!r}")
         elif value == SKIP and config.persistent_nan_policy == ROLLBACK:
@@ -329,7 +346,8 @@ class GuardState:
       rollback_requests: Rollbacks a cluster's non-chief worker asked its chief for (the
         chief counts the rollback in its own ``rollbacks``).
       autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
-      spikes: The bad steps that were spikes (finite, counted in ``total_bad_steps`` too).
+      rejected: The bad steps each reason rejected (finite, counted in ``total_bad_steps``
+        too): ``(name, count)`` pairs, in the order first seen (`spikes` reads the spike's).
       level_shifts: Runs of spikes taken as a new level of training (`_level_shift`).
       run_start: Global step of the first bad step of the current run of bad steps, or None.
       spike_run: The spike records of the current run of bad steps, while it is all spikes
@@ -352,18 +370,26 @@ class GuardState:
     steps: int = 0
     rollback_requests: int = 0
     autopsies: int = 0
-    spikes: int = 0
+    rejected: Tuple[Tuple[str, int], ...] = ()
     level_shifts: int = 0
     run_start: Optional[int] = None
     spike_run: Tuple[Mapping[str, Any], ...] = ()
     level_taken_at: Optional[int] = None
     level_start: Optional[int] = None
 
+    @property
+    def spikes(self) -> int:
+        """The bad steps that were spikes."""
+        return dict(self.rejected).get(Fault.SPIKE, 0)
+
     def since(self, start: "GuardState") -> "GuardState":
         """What happened between `start` and this state: each count the difference, the
         rest (consecutive count, last bad step, learning-rate scale) as it is now."""
+        before = dict(start.rejected)
         return dataclasses.replace(
-            self, **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS}
+            self,
+            rejected=tuple((name, n - before.get(name, 0)) for name, n in self.rejected),
+            **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS},
         )
 
 
@@ -377,7 +403,6 @@ _COUNTS = (
     "steps",
     "rollback_requests",
     "autopsies",
-    "spikes",
     "level_shifts",
 )
 
@@ -406,15 +431,17 @@ class BadStep:
       guarded: False for a loss no guarded train op made (`NanLossHook` on a bare loss): the
         update has happened, so only ``raise`` and ``stop`` mean anything, and ``raise``
         says why.
-      cause: What made it bad (`Fault`): decided and counted alike, spikes counted apart too.
-      spike: A spike's figures (`_spike.read_report`), or None: what tells a new level.
+      cause: What made it bad: ``"non_finite"`` or the name of the reason that rejected it
+        (decided and counted alike; spikes counted apart too).
+      figures: What that reason stored (`_reasons.Reason.figures`), or None: a spike's tell
+        a new level.
     """
 
     step: int
     chosen: Action
     guarded: bool = True
-    cause: Fault = Fault.NON_FINITE
-    spike: Optional[Mapping[str, Any]] = None
+    cause: str = NON_FINITE
+    figures: Optional[Mapping[str, Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -556,9 +583,11 @@ def decide(
         return _decide_request(config, state, observation.workers), state
     if isinstance(observation, BadStep):
         state = counted(state, observation.step)
+        if observation.cause != NON_FINITE:
+            state = replace(state, rejected=_one_more(state.rejected, observation.cause))
         if observation.cause == Fault.SPIKE:
-            spike = {**(observation.spike or {}), "step": observation.step}
-            state = replace(state, spikes=state.spikes + 1, spike_run=state.spike_run + (spike,))
+            spike = {**(observation.figures or {}), "step": observation.step}
+            state = replace(state, spike_run=state.spike_run + (spike,))
         else:
             state = replace(state, spike_run=())
         if _on_probation(config, state, observation):
@@ -594,6 +623,13 @@ def decide(
             state = replace(state, consecutive_bad_steps=0)
         return decision, state
     raise TypeError(f"decide got {observation!r}, which is no observation; see Observation.")
+
+
+def _one_more(counts: Tuple[Tuple[str, int], ...], name: str) -> Tuple[Tuple[str, int], ...]:
+    """`counts` with one more for `name`."""
+    tally = dict(counts)
+    tally[name] = tally.get(name, 0) + 1
+    return tuple(tally.items())
 
 
 def _new_level(
@@ -656,7 +692,7 @@ def _decide_bad_step(
     chosen: str,
     consecutive_bad_steps: int,
     rollbacks: int,
-    fault: Fault = Fault.NON_FINITE,
+    fault: str = NON_FINITE,
 ) -> Decision:
     """The decision about a bad step of a guarded train op, from the counts with it."""
     action, escalation, reason = Action(chosen), "", ""
@@ -676,7 +712,7 @@ def _decide_bad_step(
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
-    policy = "spike_policy" if fault == Fault.SPIKE else "nan_policy"
+    policy = "nan_policy" if fault == NON_FINITE else f"{fault}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 
 

@@ -23,15 +23,17 @@ record back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from typing import Callable, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from slim_nanguard._policy import SPIKE_WINDOW
-from slim_nanguard._types import Fault
+from slim_nanguard import _reasons
 
+# How many accepted steps the spike statistics cover (OLMo-core's window).
+SPIKE_WINDOW = 128
 # The variable scope of the statistics (in checkpoints: ``nanguard_spike/history``, ``/count``).
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
@@ -243,18 +245,6 @@ def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tenso
     return tf.where(tf.logical_and(usable, live), z, tf.zeros_like(z))
 
 
-# The codes of a bad step's cause in a train op's report (0: no bad step stored yet).
-FAULT_CODES = {Fault.NON_FINITE: 1.0, Fault.SPIKE: 2.0}
-
-
-def fault_of(code: float) -> Optional[Fault]:
-    """The `Fault` a report's code names, or None (none stored)."""
-    for fault, value in FAULT_CODES.items():
-        if code == value:
-            return fault
-    return None
-
-
 def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     """The record of a spike from the values of `SpikeTest.report_vector`. Pure.
 
@@ -270,6 +260,91 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
         report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
     report["over"] = [c for c in ("loss", "grad_norm") if report[f"z_{c}"] > sigma]
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Spike(_reasons.Reason):
+    """The spike test as a reason to reject a step (`SpikeTest`); `GuardConfig` checks its
+    settings (``spike_sigma``, ``spike_warmup_steps``).
+
+    Attributes:
+      policy: ``spike_policy``.
+      sigma: ``spike_sigma``.
+      warmup_steps: ``spike_warmup_steps``.
+    """
+
+    name: ClassVar[str] = "spike"
+    what: ClassVar[str] = "a spike in the loss or the gradient norm"
+    report_fields: ClassVar[Tuple[str, ...]] = REPORT_FIELDS
+    judged_fields: ClassVar[Tuple[str, ...]] = JUDGED_FIELDS
+    policy: str = "skip"
+    sigma: float = 6.0
+    warmup_steps: int = 20
+
+    def build(self, values: _reasons.StepValues) -> _reasons.Test:
+        """The `SpikeTest` of the loss and the global norm; its `handles` is the test."""
+        test = SpikeTest(
+            values.loss,
+            values.global_norm,
+            sigma=self.sigma,
+            warmup_steps=self.warmup_steps,
+            variable_scope=values.state_scope,
+        )
+        return _reasons.Test(
+            reject=test.spike,
+            report=test.report_vector,
+            judged=test.judged,
+            writes=lambda: [test.update()],
+            variables=(test.history, test.count, test.floor),
+            handles=test,
+        )
+
+    def settings(self) -> Dict[str, Any]:
+        """``spike_policy`` and ``spike_sigma``."""
+        return {"spike_policy": self.policy, "spike_sigma": self.sigma}
+
+    def figures(self, report: Sequence[float]) -> Dict[str, Any]:
+        """`read_report` at this `sigma`."""
+        return read_report(report, self.sigma)
+
+    def phrase(self, figures: Dict[str, Any]) -> str:
+        """`phrase`."""
+        return phrase(figures)
+
+    def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """``grad_norm``, ``z_loss`` and ``z_grad_norm`` of the last accepted step."""
+        z = z_of_judged(judged)
+        return {"grad_norm": judged[1], "z_loss": z[0], "z_grad_norm": z[1]}
+
+
+def phrase(report: Dict[str, Any]) -> str:
+    """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
+    names = {"loss": "loss", "grad_norm": "gradient norm"}
+    sigma = float(report["sigma"])
+    over = report.get("over") or ()
+    parts = [
+        f"{names[c]} {report[c]:.4g} is {deviations(report['z_' + c], sigma)} deviations above "
+        f"the typical {report['typical_' + c]:.4g}"
+        for c in over
+    ]
+    others = [c for c in names if c not in over]
+    tail = ", ".join(f"{names[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
+    head = "; ".join(parts) or "no value above spike_sigma"
+    return (
+        f"spike: {head} (spike_sigma={report['sigma']:g}, over the last "
+        f"{report.get('window_steps', report['accepted_steps'])} accepted steps"
+        f"{'; ' + tail if tail else ''})"
+    )
+
+
+def deviations(z: float, sigma: float) -> str:
+    """`z` to one decimal, or to as many as it takes to stand on its side of `sigma` (a z of
+    6.04 over ``spike_sigma=6`` is not written 6.0). Pure."""
+    for digits in range(1, 5):
+        text = f"{z:.{digits}f}"
+        if (float(text) > sigma) == (z > sigma) and float(text) != sigma:
+            return text
+    return f"{z:.4f}"
 
 
 def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Variable:

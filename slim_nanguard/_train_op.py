@@ -67,6 +67,7 @@ from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _parity
 from slim_nanguard import _policy
+from slim_nanguard import _reasons
 
 
 def create_train_op(
@@ -95,6 +96,7 @@ def create_train_op(
     spike_sigma: float = 6.0,
     spike_warmup_steps: int = 20,
     spike_level_shift_steps: int = 8,
+    reasons: Sequence[_reasons.Reason] = (),
     config: Optional[_policy.GuardConfig] = None,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
@@ -189,7 +191,9 @@ def create_train_op(
         training, not spikes: the guard says so, starts its statistics again from them and
         carries on (with ``spike_policy="skip"``; `GuardConfig.spike_level_shift_steps`;
         0: never).
-      config: A `GuardConfig`; overrides the eleven policy arguments above when given.
+      reasons: More reasons to reject a step (`slim_nanguard.Reason` objects, each with its
+        policy), judged after non-finite values and the spike test.
+      config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
       A `Tensor` that, when evaluated, computes the gradients, applies them when they are
@@ -215,10 +219,11 @@ def create_train_op(
         spike_sigma=spike_sigma,
         spike_warmup_steps=spike_warmup_steps,
         spike_level_shift_steps=spike_level_shift_steps,
+        reasons=reasons,
     )
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
-    _check_spike_outside_loops(config, graph)
+    _check_reasons_outside_loops(config, graph)
     with graph.as_default():
         if global_step is _parity.USE_GLOBAL_STEP:
             global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -253,22 +258,25 @@ def create_train_op(
                 unless_bad=_finiteness.loss_scale_variables(loss_scale),
             )
         writes = [grad_updates] + list(update_ops)
-        if test.spike is not None:  # An accepted step enters the statistics.
+        if test.reasons:  # An accepted step writes its reasons' state.
             opened = gate.gate if gate.finite_gate is None else gate.finite_gate
             with tf.control_dependencies([opened]):
-                writes += [test.spike.update(), test.store_judged()]
+                writes += test.accepted_writes()
         train_op = gate.loss_after(total_loss, writes)
         _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
 
 
-def _check_spike_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -> None:
-    """Raises ValueError for a spike policy on a train op built in a loop body."""
-    if config.spike_policy is not None and _in_loop(graph):
+def _check_reasons_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -> None:
+    """Raises ValueError for a reason to reject (a spike policy) on a train op built in a
+    loop body."""
+    reasons = config.all_reasons
+    if reasons and _in_loop(graph):
+        names = ", ".join(r.policy_name for r in reasons)
         raise ValueError(
-            "spike_policy needs a train op built outside any tf.while_loop or function body "
-            "(the loop's hook cannot see a spike iteration); build it outside the loop, or "
-            "leave spike_policy=None there."
+            f"{names} needs a train op built outside any tf.while_loop or function body "
+            "(the loop's hook cannot see a rejected iteration); build it outside the loop, or "
+            "leave it unset there."
         )
 
 
@@ -284,10 +292,8 @@ def _test_and_gate(
     bad step, and the mode's gate, in the ``nanguard`` name scope: ``(test, forward, gate)``."""
     graph = total_loss.graph
     with tf.name_scope("nanguard"):
-        spike = None
-        if config.spike_policy is not None:
-            spike = (config.spike_sigma, config.spike_warmup_steps)
-        test = _finiteness.StepTest(total_loss, grads, loss_scale, spike)
+        reasons = config.all_reasons
+        test = _finiteness.StepTest(total_loss, grads, loss_scale, reasons)
         # Writes the forward pass makes (slim.batch_norm with updates_collections=None) run
         # before the test: each variable's pre-step value is put back on a bad step.
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
@@ -343,7 +349,7 @@ def _register(
         global_step=global_step,
         grad_sums=test.grad_sums,
         value_kinds=test.kinds,
-        kinds_read=_handles.kinds_read(test.kinds, test.spike is not None),
+        kinds_read=_handles.kinds_read(test.kinds, bool(test.reasons)),
         ok=None if in_loop else gate.ok,
         diagnostics=test.diagnostics,
         check_op_name=gate.check_op_name,
@@ -359,10 +365,9 @@ def _register(
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
         input_ops=tuple(_handles.find_input_ops(loss)),
         report=test.report,
-        spike_reseed=None
-        if test.spike is None
-        else (test.spike.reseed_values, test.spike.reseed_floor, test.spike.reseed),
-        optional_variables=tuple(v for v in (lr_scale, *test.spike_variables()) if v is not None),
+        reasons=test.reasons,
+        reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
+        optional_variables=tuple(v for v in (lr_scale, *test.reason_variables()) if v is not None),
     )
     saver = None
     if config.may_roll_back:

@@ -24,7 +24,7 @@ from slim_nanguard import _autopsy
 from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
-from slim_nanguard._types import Fault
+from slim_nanguard._reasons import NON_FINITE
 
 
 def bad_steps(train_dir: str) -> List[Dict[str, Any]]:
@@ -141,8 +141,8 @@ def with_spike_over(result: _autopsy.Autopsy, record: Mapping[str, Any]) -> _aut
     """`result`, knowing what its spike was caught on from the bad step's `record` (its
     ``spike.over``) when its own ``spike_over`` is empty (a dump written before it had one),
     so that its sentence hedges a guess as the log line did."""
-    over = (record.get("spike") or {}).get("over")
-    if result.cause != Fault.SPIKE or result.spike_over or not over:
+    over = (record.get(str(record.get("cause"))) or {}).get("over")
+    if result.cause == NON_FINITE or result.spike_over or not over:
         return result
     return _replace(result, spike_over=tuple(over))
 
@@ -551,16 +551,17 @@ _ACTION_MARKS = {
     "stop": ("s", "tab:purple", "stopped"),
     "raise": ("X", "black", "gave up"),
 }
-# A spike (finite values, the loss or gradient norm far above the usual) is marked apart from a
-# non-finite step: its own marker, a diamond, in the colour of what was done.
+# A step a reason rejected with finite values (a spike: the loss or gradient norm far above the
+# usual) is marked apart from a non-finite step: a diamond, in the colour of what was done.
 _SPIKE_MARKER = "D"
 
 
 def _bad_step_mark(record: Mapping[str, Any]) -> Tuple[str, str, str]:
     """The marker, colour and legend label of a bad step's record, by its cause and action."""
     marker, color, done = _ACTION_MARKS.get(record.get("action"), _ACTION_MARKS["skip"])
-    if record.get("cause") == Fault.SPIKE:
-        return _SPIKE_MARKER, color, f"spike, {done}"
+    cause = record.get("cause", NON_FINITE)
+    if cause != NON_FINITE:
+        return _SPIKE_MARKER, color, f"{cause}, {done}"
     return marker, color, f"bad step, {done}"
 
 

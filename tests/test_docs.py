@@ -309,6 +309,7 @@ def _bad_step_line(quote: str) -> str:
 def _spike_line(quote: str) -> str:
     """The guard's log line for the spike `quote` describes (which value, its figures)."""
     from slim_nanguard import _events
+    from slim_nanguard import _spike
     from slim_nanguard._types import Fault
 
     names = {"loss": "loss", "gradient norm": "grad_norm"}
@@ -341,7 +342,8 @@ def _spike_line(quote: str) -> str:
         mode="check_numerics",
         action="skip",
         cause=Fault.SPIKE,
-        spike=report,
+        figures=report,
+        reason=_spike.Spike(sigma=report["sigma"]),
     )
     return _logged(event)
 

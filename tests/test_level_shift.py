@@ -88,7 +88,7 @@ def _decide_spikes(config, state, losses, step=300):
     for loss in losses:
         spike = _spike(step, loss, 3.0)
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(step, "skip", cause="spike", spike=spike)
+            config, state, _policy.BadStep(step, "skip", cause="spike", figures=spike)
         )
     return decision, state
 
@@ -136,7 +136,7 @@ def test_a_non_finite_step_inside_the_run_is_no_new_level():
     for kind in kinds:
         spike = _spike(300, 15.0, 3.0) if kind == "spike" else None
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(300, "skip", cause=kind, spike=spike)
+            config, state, _policy.BadStep(300, "skip", cause=kind, figures=spike)
         )
         assert decision.level_shift is None
     assert state.consecutive_bad_steps == 9
@@ -150,7 +150,7 @@ def test_a_rolling_back_spike_policy_takes_no_new_level():
     for loss in NEW_LEVEL:
         spike = _spike(300, loss, 3.0)
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(300, "rollback", cause="spike", spike=spike)
+            config, state, _policy.BadStep(300, "rollback", cause="spike", figures=spike)
         )
     assert decision.level_shift is None and decision.action == "rollback"
 

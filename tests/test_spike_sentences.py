@@ -24,7 +24,7 @@ import pytest
 
 import slim_nanguard
 from slim_nanguard import _autopsy
-from slim_nanguard import _events
+from slim_nanguard import _spike
 from slim_nanguard import app
 from slim_nanguard import autopsy as autopsy_reader
 from slim_nanguard.app import report
@@ -219,7 +219,7 @@ def test_the_log_line_says_the_window_its_figures_are_over_not_the_runs_count():
         "accepted_steps": 300,
         "window_steps": 128,
     }
-    phrase = _events._spike_phrase(spike)
+    phrase = _spike.phrase(spike)
     assert _read_spike_phrase(phrase) == _figures_of(spike), phrase
 
 
@@ -389,5 +389,5 @@ def test_a_z_score_next_to_sigma_is_written_on_its_side_of_it(z, written):
         "accepted_steps": 300,
         "window_steps": 128,
     }
-    phrase = _events._spike_phrase(report)
+    phrase = _spike.phrase(report)
     assert (f"is {written} deviations above" if z > 6 else f"loss z {written}") in phrase

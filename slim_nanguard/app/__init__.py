@@ -22,6 +22,7 @@ from slim_nanguard.app.config import DEFAULT_GUARD
 from slim_nanguard.app.config import GUARD_FLAGS
 from slim_nanguard.app.config import NO_SPIKE_TEST
 from slim_nanguard.app.config import OPTIMIZERS
+from slim_nanguard.app.config import REASONS_FLAG
 from slim_nanguard.app.config import EvalConfig
 from slim_nanguard.app.config import LaunchError
 from slim_nanguard.app.config import TrainConfig
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
     "NO_SPIKE_TEST",
+    "REASONS_FLAG",
     "OPTIMIZERS",
     "EvalConfig",
     "EvalResult",

@@ -14,6 +14,7 @@ with the flag and the value (``--rollback_lr_factor=2.0: rollback_lr_factor must
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import re
@@ -54,6 +55,8 @@ GUARD_FLAGS = (
     "spike_warmup_steps",
     "spike_level_shift_steps",
 )
+# The launcher flag of GuardConfig's reasons: ``module:name`` entries (`load_reason`).
+REASONS_FLAG = "reasons"
 
 # The launcher's word for GuardConfig's spike_policy=None (no spike test): ``--spike_policy=none``.
 NO_SPIKE_TEST = "none"
@@ -303,7 +306,8 @@ class TrainConfig:
         Args:
           **settings: `TrainConfig` fields, and `GuardConfig` fields named in `GUARD_FLAGS`,
             which replace those of ``guard`` (default `DEFAULT_GUARD`); ``spike_policy`` may
-            be `NO_SPIKE_TEST` (``"none"``), GuardConfig's None.
+            be `NO_SPIKE_TEST` (``"none"``), GuardConfig's None; `REASONS_FLAG`: the
+            ``module:name`` entries of GuardConfig's ``reasons`` (`load_reason`).
 
         Raises:
           LaunchError: A setting is bad: the message names its flag and the value.
@@ -311,6 +315,8 @@ class TrainConfig:
         guard = {name: settings.pop(name) for name in GUARD_FLAGS if name in settings}
         if guard.get("spike_policy") == NO_SPIKE_TEST:
             guard["spike_policy"] = None
+        if REASONS_FLAG in settings:
+            guard["reasons"] = tuple(load_reason(s) for s in settings.pop(REASONS_FLAG) or ())
         try:
             settings["guard"] = dataclasses.replace(settings.get("guard", DEFAULT_GUARD), **guard)
         except ValueError as err:
@@ -320,6 +326,39 @@ class TrainConfig:
     @property
     def is_chief(self) -> bool:
         return self.task == 0
+
+
+def load_reason(spec) -> slim_nanguard.Reason:
+    """The `slim_nanguard.Reason` a ``--reasons`` entry names: ``module:name``, an importable
+    module's Reason object, or a function that takes nothing and returns one. A `Reason`
+    given as it is passes through.
+
+    Raises:
+      LaunchError: The module cannot be imported, has no such name, or it is no Reason.
+    """
+    if isinstance(spec, slim_nanguard.Reason):
+        return spec
+    module_name, _, name = str(spec).partition(":")
+    where = f"--reasons={spec}"
+    if not module_name or not name:
+        raise LaunchError(
+            f"{where}: give module:name (a slim_nanguard.Reason, or a function of none)."
+        )
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except ImportError as err:
+        raise LaunchError(
+            f"{where}: cannot import {module_name!r} ({err}); put it on PYTHONPATH."
+        ) from None
+    except AttributeError:
+        raise LaunchError(f"{where}: module {module_name!r} has no {name!r}.") from None
+    reason = found() if callable(found) and not isinstance(found, type) else found
+    if not isinstance(reason, slim_nanguard.Reason):
+        raise LaunchError(
+            f"{where}: {name} is {type(reason).__name__}, not a slim_nanguard.Reason (or a "
+            "function of none that returns one)."
+        )
+    return reason
 
 
 def _flag_error(err: ValueError, flags: Mapping[str, object]) -> str:

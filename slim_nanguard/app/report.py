@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from typing import Optional
+from typing import List, Optional
 
 import tensorflow as tf
 
@@ -66,17 +66,32 @@ def describe_training(
         )
         + ")",
     ]
-    spike_policy = config.guard.spike_policy if config is not None else None
-    spikes = result.spikes
-    if spike_policy is not None or spikes:
-        test = ""
-        if spike_policy is not None:
-            test = f" (--spike_policy={spike_policy}, --spike_sigma={config.guard.spike_sigma:g})"
-        lines.append(f"  spikes        {spikes} of the bad steps{test}")
+    lines += _rejected_lines(result, config)
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
     lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
     return "\n".join(lines)
+
+
+def _rejected_lines(result, config) -> List[str]:
+    """A line per reason to reject a step (the spike test, the user's): how many bad steps
+    it rejected, with its settings (``--`` before those that are launcher flags)."""
+    reasons = config.guard.all_reasons if config is not None else ()
+    counts = dict(result.rejected)
+    settings = {r.name: r.settings() for r in reasons}
+    lines = []
+    for name in list(settings) + [n for n in counts if n not in settings]:
+        shown = ", ".join(
+            f"{'--' if key in config_lib.GUARD_FLAGS else ''}{key}={_setting(value)}"
+            for key, value in settings.get(name, {}).items()
+        )
+        shown = f" ({shown})" if shown else ""
+        lines.append(f"  {name + 's':<13} {counts.get(name, 0)} of the bad steps{shown}")
+    return lines
+
+
+def _setting(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def eval_command(config: config_lib.EvalConfig) -> str:

@@ -1,0 +1,153 @@
+"""A reason to reject a step: the one interface the guard takes every test through.
+
+A step is rejected when one of its train op's reasons says so, and the first that does names
+the cause. Non-finite values are the test every guard runs first (`_verdict`: the promise,
+cause `NON_FINITE`, policy ``nan_policy``); a spike (`_spike.Spike`, with ``spike_policy``) is
+a reason; a user adds their own with ``create_train_op(reasons=[...])``. The gate, the
+record, the log line, the summaries, the autopsy and the launcher know a reason only through
+this interface.
+
+A reason is a frozen config object (its settings and its `policy`), pure, so `GuardConfig`
+holds it and checks it. `Reason.build` makes its test in the train op's graph (`Test`): what
+rejects, what a rejected step stores for the record, what an accepted step writes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Sequence, Tuple
+
+import tensorflow as tf
+
+# The cause of a step with a NaN or an Inf: the reason every guard has.
+NON_FINITE = "non_finite"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepValues:
+    """What a reason's test is built from.
+
+    Attributes:
+      loss: The step's total loss (scalar).
+      grads: The gradients the train op applies (those that are not None).
+      global_norm: Float64 scalar: the global norm of `grads` (exact: a finite float32 norm
+        that would overflow is finite here).
+      state_scope: A context to make the reason's own variables in: outside any loop body,
+        and on a cluster on the ps with the model (one state for all workers).
+    """
+
+    loss: tf.Tensor
+    grads: Tuple[tf.Tensor, ...]
+    global_norm: tf.Tensor
+    state_scope: Callable[[], ContextManager]
+
+
+def _nothing() -> Sequence[tf.Operation]:
+    return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Test:
+    """One reason's test in a train op's graph.
+
+    Attributes:
+      reject: Scalar bool, True when the step must be rejected. It may read the reason's
+        state (it runs before any write of the step).
+      report: Builds the float64 vector of `Reason.report_fields` a rejected step stores;
+        called once, in the bad branch's control context.
+      judged: Builds the float64 vector of `Reason.judged_fields` an accepted step stores for
+        the summaries; called once, behind the gate. None: no summaries.
+      writes: Builds what an accepted step writes into the reason's state; called once,
+        behind the gate (a rejected step writes nothing).
+      variables: The reason's state in the checkpoints (a rollback restores it with the
+        weights; a checkpoint without it restores the rest).
+      handles: What the reason's own policy steps need of the graph (the spike's re-seed of
+        a new level), or None.
+    """
+
+    reject: tf.Tensor
+    report: Callable[[], tf.Tensor]
+    judged: Callable[[], tf.Tensor] = None
+    writes: Callable[[], Sequence[tf.Operation]] = _nothing
+    variables: Tuple[tf.Variable, ...] = ()
+    handles: Any = None
+
+
+class Reason(abc.ABC):
+    """A reason to reject a step. Subclasses are frozen dataclasses with a ``policy`` field.
+
+    Class attributes:
+      name: The cause it gives a rejected step, in the record (``cause``, and the key of its
+        `figures`), the log and the summaries (``nanguard/<field>``).
+      what: What a rejected step had, for a sentence (``"a spike in the loss or the gradient
+        norm"``).
+      finite: True when the values it rejects are finite (the autopsy then looks for the
+        examples that carried them, not for an op that made a NaN).
+      report_fields: The floats a rejected step stores (`Test.report`).
+      judged_fields: The floats an accepted step stores for the summaries (`Test.judged`).
+
+    Attributes:
+      policy: The action for a step it rejects (``"raise"``, ``"stop"``, ``"skip"``,
+        ``"rollback"``); its escalation is ``persistent_nan_policy``'s, as for any bad step.
+    """
+
+    name: ClassVar[str]
+    what: ClassVar[str]
+    finite: ClassVar[bool] = True
+    report_fields: ClassVar[Tuple[str, ...]] = ()
+    judged_fields: ClassVar[Tuple[str, ...]] = ()
+    policy: str
+
+    @property
+    def policy_name(self) -> str:
+        """How messages name its policy: ``<name>_policy``."""
+        return f"{self.name}_policy"
+
+    def settings(self) -> Dict[str, Any]:
+        """Its settings by the names a user sets them by (its policy first), for a summary."""
+        return {self.policy_name: self.policy}
+
+    def validate(self) -> None:  # noqa: B027 (optional to override)
+        """Raises ValueError for a setting out of range (the policy is checked for it)."""
+
+    @abc.abstractmethod
+    def build(self, values: StepValues) -> Test:
+        """Builds the test in the current graph, from the step's `values`."""
+
+    def figures(self, report: Sequence[float]) -> Dict[str, Any]:
+        """The record of a rejected step from its stored `report` (`report_fields`). Pure."""
+        return {name: float(value) for name, value in zip(self.report_fields, report)}
+
+    def phrase(self, figures: Dict[str, Any]) -> str:
+        """What the log line says of a rejected step's `figures`. Pure."""
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, (int, float)))
+        return f"{self.name}: {shown}" if shown else self.name
+
+    def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
+        """The scalars TensorBoard shows (``nanguard/<key>``) from the last accepted step's
+        stored `judged` vector (zeros before the first one)."""
+        return {name: judged[i] for i, name in enumerate(self.judged_fields)}
+
+
+def check(reasons: Sequence[Reason], policies: Sequence[str]) -> None:
+    """Raises ValueError unless `reasons` are `Reason`s with distinct names, none
+    `NON_FINITE`, each with a policy among `policies` and valid settings."""
+    names = set()
+    for reason in reasons:
+        if not isinstance(reason, Reason):
+            raise ValueError(
+                f"reasons must be slim_nanguard.Reason objects; got {reason!r} "
+                f"({type(reason).__name__})."
+            )
+        if reason.name == NON_FINITE or reason.name in names:
+            raise ValueError(
+                f"two reasons are named {reason.name!r} (or one is named like the guard's "
+                f"own {NON_FINITE!r}); give each reason its own name."
+            )
+        names.add(reason.name)
+        if reason.policy not in policies:
+            raise ValueError(
+                f"{reason.policy_name} must be one of {', '.join(policies)}; got {reason.policy!r}."
+            )
+        reason.validate()
