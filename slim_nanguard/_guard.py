@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _finiteness
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
@@ -297,25 +298,19 @@ class Guard:
         """The loss scale a step used, from what it stored (None without loss scaling)."""
         if self.loss_scale_floor is None:
             return None
-        sums = list(sums)
-        return float(sums[-1]) if len(sums) == len(self.variable_names) + 2 else None
+        return _finiteness.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer.
-
-        That is: its loss was finite and its loss scale above the floor (the same test as the
-        train op's, on the values the step stored), so the optimizer skipped the update and
-        lowered the scale. Such a step is not a bad step.
+        """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer (not a
+        bad step), by the train op's own rule on what it stored
+        (`_finiteness.stored_overflow`).
 
         Args:
           sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
         """
-        scale = self.loss_scale_of(sums)
-        return (
-            scale is not None
-            and math.isfinite(float(list(sums)[0]))
-            and scale > self.loss_scale_floor
-        )
+        if self.loss_scale_floor is None:
+            return False
+        return _finiteness.stored_overflow(sums, len(self.variable_names))
 
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
