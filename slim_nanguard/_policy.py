@@ -582,47 +582,56 @@ def decide(
     if isinstance(observation, RollbackRequested):
         return _decide_request(config, state, observation.workers), state
     if isinstance(observation, BadStep):
-        state = counted(state, observation.step)
-        if observation.cause != NON_FINITE:
-            state = replace(state, rejected=_one_more(state.rejected, observation.cause))
-        if observation.cause == Fault.SPIKE:
-            spike = {**(observation.figures or {}), "step": observation.step}
-            state = replace(state, spike_run=state.spike_run + (spike,))
-        else:
-            state = replace(state, spike_run=())
-        if _on_probation(config, state, observation):
-            return _decide_divergence(config, state, observation)
-        level = _new_level(config, state, observation)
-        if level is not None:
-            return Decision(SKIP, level_shift=level), replace(
-                state,
-                skips=state.skips + 1,
-                level_shifts=state.level_shifts + 1,
-                consecutive_bad_steps=0,
-                run_start=None,
-                spike_run=(),
-                level_taken_at=observation.step,
-                level_start=level.steps[0],
-            )
-        if not observation.guarded:
-            decision = _decide_unguarded(observation.chosen)
-        else:
-            decision = _decide_bad_step(
-                config,
-                observation.chosen,
-                state.consecutive_bad_steps,
-                state.rollbacks,
-                observation.cause,
-            )
-        action = decision.action
-        if action == SKIP:
-            state = replace(state, skips=state.skips + 1)
-        elif action == STOP:
-            state = replace(state, stops=state.stops + 1)
-        elif action == ROLLBACK and decision.escalation:
-            state = replace(state, consecutive_bad_steps=0)
-        return decision, state
+        return _decide_bad(config, state, observation)
     raise TypeError(f"decide got {observation!r}, which is no observation; see Observation.")
+
+
+def _decide_bad(
+    config: GuardConfig, state: GuardState, observation: BadStep
+) -> Tuple[Optional[Decision], GuardState]:
+    """`decide` for a bad step: counted, then a probation's divergence, a new level, or the
+    policy with its escalation."""
+    replace = dataclasses.replace
+    state = counted(state, observation.step)
+    if observation.cause != NON_FINITE:
+        state = replace(state, rejected=_one_more(state.rejected, observation.cause))
+    if observation.cause == Fault.SPIKE:
+        spike = {**(observation.figures or {}), "step": observation.step}
+        state = replace(state, spike_run=state.spike_run + (spike,))
+    else:
+        state = replace(state, spike_run=())
+    if _on_probation(config, state, observation):
+        return _decide_divergence(config, state, observation)
+    level = _new_level(config, state, observation)
+    if level is not None:
+        return Decision(SKIP, level_shift=level), replace(
+            state,
+            skips=state.skips + 1,
+            level_shifts=state.level_shifts + 1,
+            consecutive_bad_steps=0,
+            run_start=None,
+            spike_run=(),
+            level_taken_at=observation.step,
+            level_start=level.steps[0],
+        )
+    if not observation.guarded:
+        decision = _decide_unguarded(observation.chosen)
+    else:
+        decision = _decide_bad_step(
+            config,
+            observation.chosen,
+            state.consecutive_bad_steps,
+            state.rollbacks,
+            observation.cause,
+        )
+    action = decision.action
+    if action == SKIP:
+        state = replace(state, skips=state.skips + 1)
+    elif action == STOP:
+        state = replace(state, stops=state.stops + 1)
+    elif action == ROLLBACK and decision.escalation:
+        state = replace(state, consecutive_bad_steps=0)
+    return decision, state
 
 
 def _one_more(counts: Tuple[Tuple[str, int], ...], name: str) -> Tuple[Tuple[str, int], ...]:

@@ -69,6 +69,22 @@ from slim_nanguard import _parity
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
 
+# The keyword-only arguments of `create_train_op` that are `GuardConfig` fields.
+_POLICY_ARGUMENTS = (
+    "nan_policy",
+    "max_consecutive_bad_steps",
+    "persistent_nan_policy",
+    "on_nan",
+    "rollback_skip_batches",
+    "rollback_lr_factor",
+    "max_rollbacks",
+    "spike_policy",
+    "spike_sigma",
+    "spike_warmup_steps",
+    "spike_level_shift_steps",
+    "reasons",
+)
+
 
 def create_train_op(
     total_loss: tf.Tensor,
@@ -206,21 +222,9 @@ def create_train_op(
         out of range, or a spike policy for a train op built in a loop body. The message
         names the argument and the value.
     """
-    config = _guard_config(
-        config,
-        nan_policy=nan_policy,
-        max_consecutive_bad_steps=max_consecutive_bad_steps,
-        persistent_nan_policy=persistent_nan_policy,
-        on_nan=on_nan,
-        rollback_skip_batches=rollback_skip_batches,
-        rollback_lr_factor=rollback_lr_factor,
-        max_rollbacks=max_rollbacks,
-        spike_policy=spike_policy,
-        spike_sigma=spike_sigma,
-        spike_warmup_steps=spike_warmup_steps,
-        spike_level_shift_steps=spike_level_shift_steps,
-        reasons=reasons,
-    )
+    # First, while the locals are the arguments.
+    policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
+    config = _guard_config(config, **policy)
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
     _check_reasons_outside_loops(config, graph)
@@ -229,8 +233,11 @@ def create_train_op(
             global_step = tf.compat.v1.train.get_or_create_global_step()
         update_ops = _parity.resolve_update_ops(graph, update_ops)
         variables_to_train = _parity.resolve_variables(variables_to_train)
-        loss_scale = _finiteness.dynamic_loss_scale(optimizer)
-        lr_scale = _learning_rate.scale_variable(optimizer, config.rollback_lr_factor)
+        # Before the gradients, as the graph always had them.
+        scales = (
+            _finiteness.dynamic_loss_scale(optimizer),
+            _learning_rate.scale_variable(optimizer, config.rollback_lr_factor),
+        )
         grads = _parity.compute_gradients(
             total_loss,
             optimizer,
@@ -243,27 +250,38 @@ def create_train_op(
             transform_grads_fn=transform_grads_fn,
             summarize_gradients=summarize_gradients,
         )
-        test, forward, gate = _test_and_gate(
-            config, total_loss, grads, loss_scale, check_numerics=check_numerics
+        return _gated(
+            config, total_loss, optimizer, grads, global_step, update_ops, *scales, check_numerics
         )
-        with _learning_rate.scaled(optimizer, lr_scale):
-            grad_updates = _gating.apply_gradients(
-                optimizer,
-                grads,
-                global_step,
-                gate.gate,
-                update_ops=update_ops,
-                restored=forward.restored,
-                finite_gate=gate.finite_gate,
-                unless_bad=_finiteness.loss_scale_variables(loss_scale),
-            )
-        writes = [grad_updates] + list(update_ops)
-        if test.reasons:  # An accepted step writes its reasons' state.
-            opened = gate.gate if gate.finite_gate is None else gate.finite_gate
-            with tf.control_dependencies([opened]):
-                writes += test.accepted_writes()
-        train_op = gate.loss_after(total_loss, writes)
-        _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
+
+
+def _gated(
+    config, total_loss, optimizer, grads, global_step, update_ops, loss_scale, lr_scale, check
+):
+    """The train op of `grads`: the test, the mode's gate (check_numerics mode if `check`),
+    every write behind it, registered with its guard (in the loss's graph)."""
+    check_numerics = check
+    test, forward, gate = _test_and_gate(
+        config, total_loss, grads, loss_scale, check_numerics=check_numerics
+    )
+    with _learning_rate.scaled(optimizer, lr_scale):
+        grad_updates = _gating.apply_gradients(
+            optimizer,
+            grads,
+            global_step,
+            gate.gate,
+            update_ops=update_ops,
+            restored=forward.restored,
+            finite_gate=gate.finite_gate,
+            unless_bad=_finiteness.loss_scale_variables(loss_scale),
+        )
+    writes = [grad_updates] + list(update_ops)
+    if test.reasons:  # An accepted step writes its reasons' state.
+        opened = gate.gate if gate.finite_gate is None else gate.finite_gate
+        with tf.control_dependencies([opened]):
+            writes += test.accepted_writes()
+    train_op = gate.loss_after(total_loss, writes)
+    _register(config, test, gate, train_op, total_loss, global_step, lr_scale)
     return train_op
 
 
