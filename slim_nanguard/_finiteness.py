@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -423,34 +422,6 @@ def loss_scale_variables(loss_scale) -> list:
     return list(getattr(loss_scale, "_weights", {}).values())
 
 
-# The smallest loss scale of a dynamic loss-scale optimizer (`DynamicLossScale` never goes
-# below 1): an overflow there is a bad step.
-LOSS_SCALE_FLOOR = 1.0
-
-
-def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **name):
-    """The one rule of a loss-scale overflow (not a bad step): the step `failed` the
-    finiteness test, its loss is finite, and its `scale` is above `LOSS_SCALE_FLOOR`.
-
-    The train op applies it to tensors (``both=tf.logical_and``, `name` for the op); the loop
-    to what a step stored (`stored_overflow`), with Python's ``and``.
-    """
-    return both(failed, both(loss_finite, scale > LOSS_SCALE_FLOOR), **name)
-
-
-def stored_loss_scale(stored: Sequence[float], variables: int) -> Optional[float]:
-    """The loss scale in what a step stored (`_OverflowTest.sums_and_scale`: the loss, the
-    sums of `variables` gradients, then the scale), or None when it holds none."""
-    stored = list(stored)
-    return float(stored[-1]) if len(stored) == variables + 2 else None
-
-
-def stored_overflow(stored: Sequence[float], variables: int) -> bool:
-    """`overflow_rule` of a non-finite step, from what it stored (`stored_loss_scale`)."""
-    scale = stored_loss_scale(stored, variables)
-    return scale is not None and overflow_rule(True, math.isfinite(float(stored[0])), scale)
-
-
 def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
     """One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is)."""
     return _verdict.tensor_sums([loss] + list(grads), name="gradient_sums")
@@ -462,9 +433,9 @@ class _OverflowTest:
     A step is one of three kinds:
 
     * finite (loss and every gradient): every write runs;
-    * an overflow (`overflow_rule`): the loss (the user's, unscaled) is finite, a gradient is
-      not, and the loss scale is above its floor. The optimizer skips the update and lowers
-      the scale, so the scale's writes run and no other;
+    * an overflow (`_verdict.overflow_rule`): the loss (the user's, unscaled) is finite, a
+      gradient is not, and the loss scale is above its floor. The optimizer skips the update
+      and lowers the scale, so the scale's writes run and no other;
     * bad: any other non-finite step (a non-finite loss, or an overflow at the floor, where
       lowering the scale cannot help). No write runs.
 
@@ -478,7 +449,7 @@ class _OverflowTest:
       unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
     """
 
-    floor = LOSS_SCALE_FLOOR
+    floor = _verdict.LOSS_SCALE_FLOOR
 
     def __init__(self, grad_sums: tf.Tensor, loss_scale, test: StepTest):
         # The scale this step multiplied the loss by. The scale's writes wait on this test.
@@ -488,7 +459,7 @@ class _OverflowTest:
         )
         verdict = test.verdict
         self.finite = test.ok  # And no rejection by a reason, with reasons.
-        self.overflow = overflow_rule(
+        self.overflow = _verdict.overflow_rule(
             tf.logical_not(verdict.ok),
             tf.math.is_finite(verdict.tensors[0]),
             scale,

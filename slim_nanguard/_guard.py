@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
-from slim_nanguard import _finiteness
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
@@ -298,19 +297,19 @@ class Guard:
         """The loss scale a step used, from what it stored (None without loss scaling)."""
         if self.loss_scale_floor is None:
             return None
-        return _finiteness.stored_loss_scale(sums, len(self.variable_names))
+        return _verdict.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
         """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer (not a
         bad step), by the train op's own rule on what it stored
-        (`_finiteness.stored_overflow`).
+        (`_verdict.stored_overflow`).
 
         Args:
           sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
         """
         if self.loss_scale_floor is None:
             return False
-        return _finiteness.stored_overflow(sums, len(self.variable_names))
+        return _verdict.stored_overflow(sums, len(self.variable_names))
 
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]

@@ -17,6 +17,7 @@ Kinds are small integers, one per tensor: ``0`` finite, ``1`` NaN, ``2`` Inf, ``
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -240,3 +241,31 @@ class Verdict:
         # The confirmed value's op is already built: TensorFlow has no public API that adds
         # an input to it.
         self._confirmed.op._add_control_inputs([getattr(op, "op", op) for op in ops])  # pylint: disable=protected-access
+
+
+# The smallest loss scale of a dynamic loss-scale optimizer (`DynamicLossScale` never goes
+# below 1): an overflow there is a bad step.
+LOSS_SCALE_FLOOR = 1.0
+
+
+def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **name):
+    """The one rule of a loss-scale overflow (not a bad step): the step `failed` the
+    finiteness test, its loss is finite, and its `scale` is above `LOSS_SCALE_FLOOR`.
+
+    The train op applies it to tensors (``both=tf.logical_and``, `name` for the op); the loop
+    to what a step stored (`stored_overflow`), with Python's ``and``.
+    """
+    return both(failed, both(loss_finite, scale > LOSS_SCALE_FLOOR), **name)
+
+
+def stored_loss_scale(stored: Sequence[float], variables: int) -> Optional[float]:
+    """The loss scale in what a step stored (`_OverflowTest.sums_and_scale`: the loss, the
+    sums of `variables` gradients, then the scale), or None when it holds none."""
+    stored = list(stored)
+    return float(stored[-1]) if len(stored) == variables + 2 else None
+
+
+def stored_overflow(stored: Sequence[float], variables: int) -> bool:
+    """`overflow_rule` of a non-finite step, from what it stored (`stored_loss_scale`)."""
+    scale = stored_loss_scale(stored, variables)
+    return scale is not None and overflow_rule(True, math.isfinite(float(stored[0])), scale)
