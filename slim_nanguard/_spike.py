@@ -12,9 +12,12 @@ is at least `floor` (`FLOOR`, or after a new level the old level's). The warm-up
 (`_warmup_outliers`) are left out of the mean and the deviation.
 
 The statistics are graph variables (``nanguard_spike/history``: a ring of `window` rows of
-``[loss, norm]``; ``/count``: the accepted steps; ``/floor``): saved with each checkpoint,
-restored by a rollback, read on the device. Why the logarithms, a window and these figures,
-with the measurements: docs/guide.md, "The spike guard", and docs/performance.md.
+``[loss, norm]``, a value that does not count stored as 0 and a warm-up outlier negated;
+``/count``: the accepted steps; ``/floor``): saved with each checkpoint, restored by a
+rollback, read on the device. Which warm-up entries are outliers is decided by the writes
+that change the warm-up's rows, so a step's test reads the positive entries and sorts
+nothing. Why the logarithms, a window and these figures, with the measurements: docs/guide.md,
+"The spike guard", and docs/performance.md.
 
 `reference_z_scores` is the same arithmetic in NumPy, pure, for tests and for reading a
 record back.
@@ -59,7 +62,9 @@ class SpikeTest:
 
     Attributes:
       history: float64 variable ``[window, 2]``, the ``[loss, norm]`` of the last accepted
-        steps (a ring, oldest overwritten).
+        steps (a ring, oldest overwritten): 0 for a value that is not finite or not
+        positive, the negative of a warm-up outlier; the positive entries are the ones the
+        statistics count.
       count: int64 variable, the number of steps accepted since the statistics began.
       mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
       std: float64 ``[2]``, their deviation, floored at `FLOOR`.
@@ -116,7 +121,7 @@ class SpikeTest:
             self.mean, self.std, kept = _log_statistics(
                 self.history.read_value(), self.floor.read_value()
             )
-            self._live = kept >= self.warmup_steps
+            self._live = kept >= float(self.warmup_steps)
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
@@ -339,8 +344,7 @@ def _entries(values: tf.Tensor) -> tf.Tensor:
     """`values` as the statistics store them: a value that is not finite or not positive as
     0, which no statistic counts (nor a checkpoint refuses: under the warm-up an overflowed
     norm is accepted), so that a negative entry is always a trimmed outlier."""
-    usable = tf.logical_and(tf.math.is_finite(values), values > 0)
-    return tf.where(usable, values, tf.zeros_like(values))
+    return tf.where(tf.math.is_finite(values), tf.nn.relu(values), tf.zeros_like(values))
 
 
 def _warmup_outliers(
@@ -384,15 +388,15 @@ def _warmup_outliers(
 
 def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
     """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
-    column of `history`, and how many entries each column has."""
+    column of `history`, and how many entries each column has (float64)."""
     usable = history > 0
     weight = tf.cast(usable, tf.float64)
-    logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))
+    logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))  # 0 where not usable
     kept = tf.reduce_sum(weight, axis=0)
     size = tf.maximum(kept, 1.0)
-    mean = tf.reduce_sum(logs * weight, axis=0) / size
+    mean = tf.reduce_sum(logs, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
-    return mean, tf.maximum(tf.sqrt(spread), floor), tf.cast(kept, tf.int64)
+    return mean, tf.maximum(tf.sqrt(spread), floor), kept
 
 
 def reference_z_scores(
