@@ -12,9 +12,12 @@ is at least `floor` (`FLOOR`, or after a new level the old level's). The warm-up
 (`_warmup_outliers`) are left out of the mean and the deviation.
 
 The statistics are graph variables (``nanguard_spike/history``: a ring of `window` rows of
-``[loss, norm]``; ``/count``: the accepted steps; ``/floor``): saved with each checkpoint,
-restored by a rollback, read on the device. Why the logarithms, a window and these figures,
-with the measurements: docs/guide.md, "The spike guard", and docs/performance.md.
+``[loss, norm]``, a value that does not count stored as 0 and a warm-up outlier negated;
+``/count``: the accepted steps; ``/floor``): saved with each checkpoint, restored by a
+rollback, read on the device. Which warm-up entries are outliers is decided by the writes
+that change the warm-up's rows, so a step's test reads the positive entries and sorts
+nothing. Why the logarithms, a window and these figures, with the measurements: docs/guide.md,
+"The spike guard", and docs/performance.md.
 
 `reference_z_scores` is the same arithmetic in NumPy, pure, for tests and for reading a
 record back.
@@ -29,6 +32,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequ
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import cond_v2
 
 from slim_nanguard import _reasons
 
@@ -60,7 +64,9 @@ class SpikeTest:
 
     Attributes:
       history: float64 variable ``[window, 2]``, the ``[loss, norm]`` of the last accepted
-        steps (a ring, oldest overwritten).
+        steps (a ring, oldest overwritten): 0 for a value that is not finite or not
+        positive, the negative of a warm-up outlier; the positive entries are the ones the
+        statistics count.
       count: int64 variable, the number of steps accepted since the statistics began.
       mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
       std: float64 ``[2]``, their deviation, floored at `FLOOR`.
@@ -110,18 +116,14 @@ class SpikeTest:
             # compares as no spike). An Inf is over any threshold: a loss or a gradient that
             # is Inf fails the finiteness test anyway, and a float64 norm that overflowed
             # over finite gradients (past about 1e154) is the largest spike there is.
+            # The rows not written yet hold 0 and the warm-up's outliers are stored negated
+            # (`_trim_warmup`, run by the writes that change the warm-up's rows): the positive
+            # entries are the statistics' entries, and a good step's test sorts nothing.
             count = self.count.read_value()
-            n = tf.minimum(count, window)
-            history = self.history.read_value()
-            filled = (tf.range(window, dtype=tf.int64) < n)[:, None]
-            floor = self.floor.read_value()
-            outliers = _warmup_outliers(
-                history, filled, count, self.warmup_steps, self.sigma, floor
-            )
             self.mean, self.std, kept = _log_statistics(
-                history, tf.logical_and(filled, tf.logical_not(outliers)), floor
+                self.history.read_value(), self.floor.read_value()
             )
-            self._live = kept >= self.warmup_steps
+            self._live = kept >= float(self.warmup_steps)
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
@@ -177,27 +179,68 @@ class SpikeTest:
             step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
             # The row is the count's value after this step's increment, read with it: two
             # workers of a cluster that share the statistics write two rows, not one.
-            row = tf.math.floormod(self.count.assign_add(step) - 1, self.window)
-            # A non-finite value is kept as 0, which no statistic counts (nor a checkpoint
-            # refuses): under the warm-up an overflowed norm is accepted.
-            new = tf.where(tf.math.is_finite(self.values), self.values, tf.zeros_like(self.values))
+            count = self.count.assign_add(step)
+            row = tf.math.floormod(count - 1, self.window)
+            new = _entries(self.values)
             if accepted is not None:
                 new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
-            return tf.group(written, name="update")
+            # Only a write to one of the warm-up's rows, while the window still holds them,
+            # can change which of them are outliers: the warm-up and the window's turn over it.
+            warm = (row < self.warmup_steps) & (count <= self.window + self.warmup_steps)
+            if accepted is not None:
+                warm = tf.logical_and(warm, accepted)
+            with tf.control_dependencies([written]):
+                trimmed = cond_v2.cond_v2(
+                    warm,
+                    lambda: self._trim_warmup(count),
+                    lambda: tf.constant(False),
+                    name="trim_warmup",
+                )
+            return tf.group(written, trimmed, name="update")
+
+    def _trim_warmup(self, count: tf.Tensor) -> tf.Tensor:
+        """Negates the warm-up's outliers in the window and restores the sign of the other
+        warm-up entries, for a window of `count` accepted steps. Returns True once written.
+
+        Only signs change (a product with 1 or -1): a row another worker writes meanwhile
+        keeps its value."""
+        rows = self.history.read_value()[: self.warmup_steps]
+        outliers = _warmup_outliers(
+            tf.abs(rows), count, self.window, self.sigma, self.floor.read_value()
+        )
+        flip = tf.not_equal(outliers, rows < 0)
+        signs = tf.where(flip, tf.constant(-1.0, tf.float64), tf.constant(1.0, tf.float64))
+        written = self.history.scatter_mul(
+            tf.IndexedSlices(signs, tf.range(self.warmup_steps, dtype=tf.int64))
+        )
+        with tf.control_dependencies([written]):
+            return tf.constant(True)
 
     def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
         """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
         statistics, with `floor` the least deviation of each column: the window holds them
-        alone and the count is n (`_level_shift`: a new level of training; n at least the
-        warm-up makes the test judge the next step at once)."""
+        alone (the warm-up's outliers among them negated, as `update` leaves them) and the
+        count is n (`_level_shift`: a new level of training; n at least the warm-up makes
+        the test judge the next step at once)."""
         n = tf.shape(values, out_type=tf.int64)[0]
-        padded = tf.concat([values, tf.zeros([self.window, len(COLUMNS)], tf.float64)], 0)
-        rows = self.history.assign(padded[: self.window], read_value=False)
-        floors = self.floor.assign(tf.maximum(floor, FLOOR), read_value=False)
-        with tf.control_dependencies([rows, floors]):
+        zeros = tf.zeros([self.window, len(COLUMNS)], tf.float64)
+        rows = tf.concat([values, zeros], 0)[: self.window]
+        padded = _entries(tf.ensure_shape(rows, [self.window, len(COLUMNS)]))
+        floor = tf.maximum(floor, FLOOR)
+        outliers = _warmup_outliers(padded[: self.warmup_steps], n, self.window, self.sigma, floor)
+        signed = tf.concat(
+            [
+                tf.where(outliers, -padded[: self.warmup_steps], padded[: self.warmup_steps]),
+                padded[self.warmup_steps :],
+            ],
+            0,
+        )
+        written = self.history.assign(signed, read_value=False)
+        floors = self.floor.assign(floor, read_value=False)
+        with tf.control_dependencies([written, floors]):
             count = self.count.assign(n, read_value=False)
-        return tf.group(rows, floors, count, name="reseed")
+        return tf.group(written, floors, count, name="reseed")
 
     def report_vector(self) -> tf.Tensor:
         """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
@@ -372,27 +415,34 @@ OUTLIER_SIGMAS = 2.0
 OUTLIER_RATIO = 100.0
 
 
+def _entries(values: tf.Tensor) -> tf.Tensor:
+    """`values` as the statistics store them: a value that is not finite or not positive as
+    0, which no statistic counts (nor a checkpoint refuses: under the warm-up an overflowed
+    norm is accepted), so that a negative entry is always a trimmed outlier."""
+    return tf.where(tf.math.is_finite(values), tf.nn.relu(values), tf.zeros_like(values))
+
+
 def _warmup_outliers(
-    history: tf.Tensor,
-    filled: tf.Tensor,
+    rows: tf.Tensor,
     count: tf.Tensor,
-    warmup: int,
+    window: int,
     sigma: float,
     floor: tf.Tensor,
 ) -> tf.Tensor:
-    """Bool ``[window, 2]``: the warm-up's entries left out of the statistics.
+    """Bool ``[warmup, 2]``: the warm-up's entries left out of the statistics.
 
-    The first `warmup` rows hold the values accepted before the test began (until the ring
-    overwrites them), without any test: a spike among them would widen the deviation and hide
-    the next spike for a whole window. An entry among them more than `OUTLIER_SIGMAS` times
+    `rows` are the magnitudes of the window's first ``warmup`` rows, which hold the values
+    accepted before the test began (until the ring overwrites them, once `count` passes
+    `window`), without any test: a spike among them would widen the deviation and hide the
+    next spike for a whole window. An entry among them more than `OUTLIER_SIGMAS` times
     `sigma` robust deviations (`MAD_SCALE` times the median absolute deviation, at least
     `floor`), and more than `OUTLIER_RATIO` times, from their median is left out, once there
     are `MIN_WARMUP_ENTRIES`.
     """
-    window = history.shape[0]
+    warmup = rows.shape[0]
     index = tf.range(warmup, dtype=tf.int64)
-    warm = filled[:warmup] & (history[:warmup] > 0) & (count <= window + index)[:, None]
-    logs = tf.math.log(tf.where(warm, history[:warmup], tf.ones_like(history[:warmup])))
+    warm = (rows > 0) & (count <= window + index)[:, None]
+    logs = tf.math.log(tf.where(warm, rows, tf.ones_like(rows)))
     entries = tf.reduce_sum(tf.cast(warm, tf.int64), axis=0)
     middle = tf.one_hot(
         tf.maximum(entries - 1, 0) // 2, warmup, axis=0, on_value=True, off_value=False
@@ -408,21 +458,20 @@ def _warmup_outliers(
     distance = tf.abs(logs - center)
     scale = tf.maximum(MAD_SCALE * median(distance), floor)
     far = distance > tf.maximum(OUTLIER_SIGMAS * sigma * scale, math.log(OUTLIER_RATIO))
-    out = warm & far & (entries >= MIN_WARMUP_ENTRIES)[None, :]
-    return tf.concat([out, tf.zeros([window - warmup, history.shape[1]], tf.bool)], 0)
+    return warm & far & (entries >= MIN_WARMUP_ENTRIES)[None, :]
 
 
-def _log_statistics(history: tf.Tensor, filled: tf.Tensor, floor: tf.Tensor):
+def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
     """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
-    column of `history` among the rows `filled`, and how many entries each column has."""
-    usable = tf.logical_and(filled, history > 0)
+    column of `history`, and how many entries each column has (float64)."""
+    usable = history > 0
     weight = tf.cast(usable, tf.float64)
-    logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))
+    logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))  # 0 where not usable
     kept = tf.reduce_sum(weight, axis=0)
     size = tf.maximum(kept, 1.0)
-    mean = tf.reduce_sum(logs * weight, axis=0) / size
+    mean = tf.reduce_sum(logs, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
-    return mean, tf.maximum(tf.sqrt(spread), floor), tf.cast(kept, tf.int64)
+    return mean, tf.maximum(tf.sqrt(spread), floor), kept
 
 
 def reference_z_scores(

@@ -233,3 +233,92 @@ def test_a_heavy_tail_seen_once_in_the_warm_up_stays_in_the_statistics():
     mean = steps.sess.run(steps.test.mean, {steps.loss: 0.01, steps.norm: 1.0})
     logs = np.log([0.01 * (10.0 if i == 7 else 1.0) * (1 + 0.01 * i) for i in range(20)])
     np.testing.assert_allclose(mean[0], logs.mean(), rtol=1e-9)
+
+
+def _warm_up_with_an_outlier(steps, warmup, at=3, rng_seed=4):
+    """Accepts `warmup` clean steps (loss about 0.5, norm about 1) but one loss at step `at`
+    a thousand times too large."""
+    rng = np.random.default_rng(rng_seed)
+    for i in range(warmup):
+        loss = 0.5 * np.exp(rng.normal(0, 0.1)) * (1000.0 if i == at else 1.0)
+        steps.step(float(np.float32(loss)), 1.0 + rng.normal(0, 0.05), accept=True)
+
+
+def test_the_window_turning_over_the_warm_up_judges_as_numpy_does():
+    """A thousandfold loss late in the warm-up, then the window turns over the warm-up's rows
+    one by one: at every step the z-scores are NumPy's. The outlier is left out while enough
+    warm-up rows remain to tell it (`MIN_WARMUP_ENTRIES`), counted again after, then gone
+    with its row."""
+    steps = _Steps(window=12, warmup_steps=8)
+    _warm_up_with_an_outlier(steps, 8, at=6)
+    rng = np.random.default_rng(5)
+    for number in range(30):
+        loss = float(np.float32(0.5 * np.exp(rng.normal(0, 0.1))))
+        norm = 1.0 + rng.normal(0, 0.05)
+        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=12, warmup=8)
+        z, spike = steps.step(loss, norm, accept=True)
+        if number == 0:  # Seven losses count: the loss column is still warming up.
+            expected[0] = 0.0
+        np.testing.assert_allclose(z, expected, rtol=1e-9, atol=1e-9)
+        assert not spike
+
+
+def test_the_warm_up_is_trimmed_by_its_writes_and_a_good_step_sorts_nothing():
+    """The outlier is stored negated (no statistic counts it) by the write that made it one;
+    after the warm-up, a good step's test and write run no sort at all."""
+    steps = _Steps(window=128, warmup_steps=20)
+    _warm_up_with_an_outlier(steps, 20, at=3)
+    history, count = steps.variables()
+    assert count == 20 and history[3, 0] < 0 and (np.delete(history[:20], 3, axis=0) > 0).all()
+    kinds = _op_types_run(steps, [steps.test.spike, steps.update])
+    assert "Greater" in kinds and not {"TopKV2", "Sort", "Transpose"} & kinds
+    steps = _Steps(window=128, warmup_steps=20)
+    _warm_up_with_an_outlier(steps, 10, at=3)
+    assert "TopKV2" in _op_types_run(steps, [steps.test.spike, steps.update])  # warming up
+
+
+def _op_types_run(steps, fetches):
+    """The op types a traced run of an accepted clean step executes."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    feed = {steps.loss: 0.5, steps.norm: 1.0, steps.accepted: True}
+    steps.sess.run(fetches, feed, options=options, run_metadata=metadata)
+    steps.kept.append((0.5, 1.0))
+    return {
+        node.timeline_label.split(" = ")[-1].split("(")[0]
+        for device in metadata.step_stats.dev_stats
+        for node in device.node_stats
+    }
+
+
+def test_a_restore_then_a_step_judges_as_before(tmp_path):
+    """The trimmed warm-up is in the checkpoint: a step after a restore gets the z-scores it
+    got when the checkpoint was written, and NumPy's."""
+    steps = _Steps(window=16, warmup_steps=8)
+    _warm_up_with_an_outlier(steps, 10)
+    path = steps.saver.save(steps.sess, str(tmp_path / "model.ckpt"))
+    kept = list(steps.kept)
+    feed = {steps.loss: 0.9, steps.norm: 1.2}
+    before = steps.sess.run(steps.test.z, feed)
+    for loss in [5.0, 0.5, 0.6, 0.5]:
+        steps.step(loss, 1.0, accept=True)
+    steps.saver.restore(steps.sess, path)
+    np.testing.assert_array_equal(steps.sess.run(steps.test.z, feed), before)
+    expected = _spike.reference_z_scores(kept, (float(np.float32(0.9)), 1.2), window=16, warmup=8)
+    np.testing.assert_allclose(before, expected, rtol=1e-9)
+
+
+def test_a_reseed_trims_its_values_as_the_writes_would():
+    """A new level's values (`_level_shift`) with an outlier among the first of them: the
+    next step is judged as NumPy judges it after those values alone."""
+    steps = _Steps(window=16, warmup_steps=8)
+    _warm_up_with_an_outlier(steps, 12)
+    rng = np.random.default_rng(6)
+    rows = [[float(5.0 * np.exp(rng.normal(0, 0.1))), 2.0 + 0.01 * i] for i in range(10)]
+    rows[2][0] *= 1000.0
+    test = steps.test
+    steps.sess.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: [0.05, 0.05]})
+    z = steps.sess.run(test.z, {steps.loss: 6.0, steps.norm: 2.1})
+    expected = _spike.reference_z_scores(rows, (6.0, 2.1), window=16, warmup=8)
+    np.testing.assert_allclose(z, expected, rtol=1e-9)
+    assert steps.variables()[0][2, 0] < 0
