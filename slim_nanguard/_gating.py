@@ -17,12 +17,14 @@ What a bad step must not change, and how each kind of write is held back:
 
     worker (the train op):   accumulate(grad, local_step) for each variable   # gated
                              token = token_queue.dequeue()                     # after them
+                             local_step = token
     chief (a queue runner):  aggregated = take_grad(replicas_to_aggregate)     # blocks
                              check(aggregated) -> apply(aggregated); global_step += 1
                              token_queue.enqueue_many(global_step x tokens_per_step)
 
   The optimizer's init ops, ready check and queue runner stay ungated, so no run but the
-  train op takes a batch.
+  train op takes a batch. The mean of finite gradients is non-finite only when it overflows:
+  then the chief's queue runner stops with its check's error, and nothing is written.
 
 The ops are already built (by the optimizer, or by the user), and no public API adds an input
 to one: the edges are added with TensorFlow's private ``Operation._add_control_input``. A
