@@ -330,14 +330,10 @@ def _why_not_undone(op: tf.Operation, variable: Optional[tf.Variable], context) 
 
 def _body_graphs(op: tf.Operation) -> list:
     """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
-    return [
-        g
-        for g in (
-            getattr(op, attr, None)
-            for attr in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
-        )
-        if g is not None
-    ]
+    bodies = (
+        getattr(op, a, None) for a in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
+    )
+    return [g for g in bodies if g is not None]
 
 
 def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:

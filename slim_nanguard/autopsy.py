@@ -592,14 +592,8 @@ def _draw(axes, tag: str, pieces, records) -> None:
 
     for kept, dropped in pieces:
         if dropped:
-            axes.plot(
-                [s for s, _ in dropped],
-                [v for _, v in dropped],
-                color="0.6",
-                lw=1.2,
-                ls="--",
-                label=once("dropped by a rollback"),
-            )
+            label = once("dropped by a rollback")
+            axes.plot(*zip(*dropped), color="0.6", lw=1.2, ls="--", label=label)
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
