@@ -13,7 +13,6 @@ import bisect
 import dataclasses
 import math
 import os
-import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard import _autopsy
@@ -367,6 +366,8 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
     Raises:
       ValueError: No TensorBoard loss and no record of losses.
     """
+    from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
+
     records = _record.read_events(train_dir)
     kept_losses = [r for r in records if r.get("kind") == "bad_step" and r.get("losses_before")]
     try:
@@ -377,7 +378,7 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
         tag, written = RECORD_TAG, []
     # Each rollback starts a stretch: the time it was decided, the step it went back to.
     rollbacks = sorted(
-        (float(r["time"]), _restored_step(r))
+        (float(r["time"]), _checkpoints.checkpoint_step(str(r.get("checkpoint") or "")))
         for r in records
         if r.get("kind") == "rollback" and "time" in r
     )
@@ -412,12 +413,6 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
             restart, last = (min(steps) if steps else step), number
         marked.append((restart, (step, value)))
     return tag, _split(_runs(marked))
-
-
-def _restored_step(record: Mapping[str, Any]) -> Optional[int]:
-    """The global step of the checkpoint a rollback record restored (``model.ckpt-40``)."""
-    match = re.search(r"-(\d+)$", str(record.get("checkpoint") or ""))
-    return int(match.group(1)) if match else None
 
 
 def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, float]:
