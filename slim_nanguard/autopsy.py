@@ -189,21 +189,7 @@ def replay_dump(
         )
     report, batch, weights = _autopsy.read_dump(dump_path)
     checkpoint, meta = _checkpoint_and_meta_graph(train_dir)
-    result = _replay_from(meta, checkpoint, report, {**batch, **weights}, timeout_secs)
-    op = result.first_bad_op
-    recorded = report.get("first_bad_op") or {}
-    if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
-        # An imported graph has no Python tracebacks: the recorded one is the same op's.
-        op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
-        result = dataclasses.replace(result, first_bad_op=op)
-    if not weights:
-        note = (
-            f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
-            "which may predate the bad step"
-        )
-        error = f"{result.error}; {note}" if result.error else note
-        result = dataclasses.replace(result, error=error)
-    return result
+    return _replay_from(meta, checkpoint, report, batch, weights, timeout_secs)
 
 
 def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
@@ -234,11 +220,16 @@ def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
 
 
 def _replay_from(
-    meta: str, checkpoint: Optional[str], report: Mapping[str, Any], feeds, timeout_secs: float
+    meta: str,
+    checkpoint: Optional[str],
+    report: Mapping[str, Any],
+    batch: Mapping[str, Any],
+    weights: Mapping[str, Any],
+    timeout_secs: float,
 ) -> _autopsy.Autopsy:
     """`_autopsy.replay` of the dump's `report` in the graph of `meta`, restored from
-    `checkpoint`, feeding `feeds` (tensor name -> array); a graph that is not the run's or a
-    tensor that cannot be fed makes an `Autopsy` whose ``error`` says so."""
+    `checkpoint`, feeding its `batch` and `weights` (tensor name -> array); a graph that is
+    not the run's or a tensor that cannot be fed makes an `Autopsy` whose ``error`` says so."""
     import tensorflow as tf  # Local, as elsewhere here.
 
     graph = tf.Graph()
@@ -249,9 +240,10 @@ def _replay_from(
         try:
             if checkpoint and saver is not None:
                 saver.restore(sess, checkpoint)
+            feeds = {graph.get_tensor_by_name(name): v for name, v in {**batch, **weights}.items()}
             result = _autopsy.replay(
                 sess,
-                {graph.get_tensor_by_name(name): value for name, value in feeds.items()},
+                feeds,
                 report["targets"],
                 timeout_secs=timeout_secs,
                 step=step,
@@ -260,7 +252,28 @@ def _replay_from(
             )
         except (KeyError, ValueError, tf.errors.OpError) as err:
             return _autopsy.Autopsy(step=step, cause=cause, error=_autopsy.error_line(err))
-    return dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
+    return _with_what_the_dump_says(result, report, bool(weights), checkpoint)
+
+
+def _with_what_the_dump_says(
+    result: _autopsy.Autopsy, report: Mapping[str, Any], has_weights: bool, checkpoint
+) -> _autopsy.Autopsy:
+    """`result` with what its dump's `report` knows: the values a spike was caught on, the
+    first bad op's traceback (an imported graph has none), and a note when the dump held no
+    weights, so that the replay read the `checkpoint`'s."""
+    result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
+    op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
+    if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
+        op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
+        result = dataclasses.replace(result, first_bad_op=op)
+    if not has_weights:
+        note = (
+            f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
+            "which may predate the bad step"
+        )
+        error = f"{result.error}; {note}" if result.error else note
+        result = dataclasses.replace(result, error=error)
+    return result
 
 
 # ---------------------------------------------------------------------- the plot
