@@ -1,34 +1,21 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
-Because the guard is atomic, the weights after a bad step are the weights that produced it;
-`slim_nanguard._capture` kept its batch. The autopsy replays the step from both::
+The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
+kept its batch. The autopsy replays the step from both::
 
     run(loss and gradient sums, feeding the kept batch)
     all finite?  -> reproduced: False (dropout, a transient fault: not the model); done
     for each chunk of ops, in topological order (the batch's own ops first):
         run(their float outputs, feeding the kept batch)     # memory: one chunk at a time
         the first op whose output holds NaN or Inf, all its inputs being finite, is the
-        first bad op: describe it (name, type, the user's line that built it, the health of
-        each input and of the output) and the rows of the batch that are non-finite there
+        first bad op: its name, type, the user's line that built it, the health of its
+        inputs and output, and the rows of the batch that are non-finite there
         past the deadline? -> stop, say so
 
-A NaN already in the data makes the input op itself (the fed placeholder, ``IteratorGetNext``)
-the first bad op.
-
-A spike step (its loss or gradient norm far above those of the accepted steps) is finite: its
-replay is not judged for reproduction. `find_per_example_loss` walks back from the total loss
-through the ops that add, average and weight losses to the per-example losses behind it (a
-tensor whose leading dimension is the batch's); the replay fetches them and names the examples
-whose losses stand out of the rest (`standing_out`, judged from the figures its sentence
-shows), the ones that carried the spike; a spike caught on the gradient norm alone says they
-may have.
-
-Every failure (an op that cannot be fed, out of memory, the deadline) is caught and reported in
-`Autopsy.error`: an autopsy never takes training down.
-
-The pure parts (`health`, `user_frames`, `bad_rows`, `explain`, and for a spike
-`per_example_values`, `rank_examples`, `standing_out`, `explain_spike`) take arrays and dicts
-and are tested without a graph.
+A NaN already in the data makes the fed op itself the first bad op. A spike's step is finite:
+its replay is not judged for reproduction, it names the examples whose per-example loss
+carried the spike (the last section). Every failure is caught into `Autopsy.error`: an autopsy
+never takes training down. The pure parts take arrays and dicts and need no graph.
 """
 
 from __future__ import annotations
@@ -60,33 +47,15 @@ DEFAULT_TIMEOUT_SECS = 60.0
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
 DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
-# How many of a spike's examples an autopsy keeps, highest per-example loss first.
-TOP_EXAMPLES = 5
-# An example stands out of a spike's batch when its loss is this many times the next one's.
-STAND_OUT_RATIO = 4.0
-# How a spike's per-example losses and median are printed; `standing_out` judges these figures.
-LOSS_FORMAT = ".4g"
-# The words for a value a spike may be caught on (`_spike.COLUMNS`), in "the ... spike".
-_SPIKE_VALUES = {"loss": "loss", "grad_norm": "gradient-norm"}
 
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Ops for which a 0 in an input (for the division ops, the divisor: input 1) is the usual cause.
 _ZERO_INPUTS = {
-    "Log": (0,),
-    "Reciprocal": (0,),
-    "Inv": (0,),
-    "Rsqrt": (0,),
-    "Xdivy": (1,),
-    "RealDiv": (1,),
-    "Div": (1,),
-    "FloorDiv": (1,),
-    "TruncateDiv": (1,),
-    "FloorMod": (1,),
-    "Mod": (1,),
-    "Pow": (0,),
-    "Digamma": (0,),
-    "Lgamma": (0,),
+    **dict.fromkeys(("Log", "Reciprocal", "Inv", "Rsqrt", "Pow", "Digamma", "Lgamma"), (0,)),
+    **dict.fromkeys(
+        ("Xdivy", "RealDiv", "Div", "FloorDiv", "TruncateDiv", "FloorMod", "Mod"), (1,)
+    ),
 }
 # Ops for which a negative input (below -1 for Log1p) is the usual cause.
 _NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
@@ -96,6 +65,12 @@ _LIBRARY_PARTS = tuple(
     for part in ("tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy")
 )
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
+# The non-finite values a health dict counts: its key, the word for it, the test.
+_NON_FINITE = (
+    ("nan", "NaN", np.isnan),
+    ("posinf", "+Inf", np.isposinf),
+    ("neginf", "-Inf", np.isneginf),
+)
 
 
 class AutopsyError(Exception):
@@ -107,36 +82,29 @@ class Autopsy:
     """What the replay of one bad step found.
 
     Attributes:
-      reproduced: True if the replay was not finite, False if it was (the bad step does not
-        reproduce: nondeterminism or hardware, not the model), None if the replay failed first.
+      reproduced: True if the replay was not finite, False if it was (not the model), None if
+        the replay failed first (and for a spike).
       first_bad_op: The first op in topological order whose output is not finite while its
-        float inputs are: ``name``, ``type``, ``where`` (``file.py:42``, the user's line that
-        built it), ``traceback`` (the user's frames, outermost first), ``inputs`` (one health
-        dict per float input, with its ``name``) and ``output`` (the health of each float
-        output). None if not found.
-      bad_examples: Indices in the batch of the examples whose rows are non-finite at that op
-        (when its output has the batch as leading dimension).
+        float inputs are: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the
+        user's frames, outermost first), ``inputs`` and ``output`` (a `health` dict with its
+        ``name`` per float tensor); ``examples_at`` when the examples are a later op's. None
+        if not found.
+      bad_examples: Indices in the batch of the examples whose rows are non-finite there.
       batch_size: The number of examples in the kept batch (0 if unknown).
-      dump: Path of the JSON report written next to the checkpoints (its ``.npz`` holds the
-        batch), or None.
-      cost: ``seconds`` (wall time of the replay), ``peak_bytes`` (most bytes fetched by one
-        run), ``runs`` (session runs) and ``ops_checked``.
+      dump: The dump's JSON report (its ``.npz`` holds the batch), or None.
+      cost: ``seconds``, ``peak_bytes`` (most bytes fetched by one run), ``runs``,
+        ``ops_checked``.
       error: Why the autopsy failed or stopped early, or None.
       step: The global step of the bad step.
-      cause: Why the step was bad: ``"non_finite"`` (a NaN or Inf) or ``"spike"`` (finite, far
-        above the running statistics). A spike's replay is finite by nature: ``reproduced``
-        stays None and ``first_bad_op`` too.
-      top_examples: A spike's examples with the highest per-example loss, highest first, as
-        ``(index in the batch, per-example loss)`` pairs (at most `TOP_EXAMPLES`); empty when
-        the loss cannot be split per example.
-      per_example_loss: The name of the per-example loss tensor (several joined by `` + ``:
-        their losses are summed per example), or None when the loss cannot be split.
+      cause: ``"non_finite"``, or the name of the reason that rejected a finite step
+        (``"spike"``: far above the running statistics).
+      top_examples: A spike's ``(index, per-example loss)`` pairs, highest first, at most
+        `TOP_EXAMPLES`; empty when the loss cannot be split per example.
+      per_example_loss: The per-example loss tensors' names (joined by `` + ``), or None.
       median_loss: The median per-example loss of a spike's batch, or None. The per-example
-        losses are scaled so that their mean is the batch's part of the total loss: for a
-        loss averaged over the batch, each example's own loss.
-      spike_over: The values a spike was caught on (its record's ``over``: ``"loss"``,
-        ``"grad_norm"``); empty when unknown. Without ``"loss"``, the examples with the highest
-        loss are a guess at the spike's, and `describe` says so.
+        losses are scaled so that their mean is the batch's part of the total loss.
+      spike_over: The values a spike was caught on (``"loss"``, ``"grad_norm"``); empty when
+        unknown. Without ``"loss"``, `describe` says its examples are a guess.
     """
 
     reproduced: Optional[bool] = None
@@ -199,40 +167,28 @@ class Autopsy:
 
 # ---------------------------------------------------------------------- pure parts
 def health(value: Any) -> Dict[str, Any]:
-    """How finite an array is: NaN, +Inf, -Inf and zero counts, finite min and max, shape.
-
-    Args:
-      value: An array (or anything `np.asarray` takes) of a numeric dtype.
+    """How finite an array (anything `np.asarray` takes) is.
 
     Returns:
-      ``shape``, ``dtype``, ``size``, ``nan``, ``posinf``, ``neginf``, ``zeros``, and
-      ``finite_min`` / ``finite_max`` (None when no element is finite).
+      ``shape``, ``dtype``, ``size``, and for a numeric dtype ``nan``, ``posinf``, ``neginf``
+      and ``zeros`` counts and ``finite_min`` / ``finite_max`` (None when none is finite).
     """
     a = np.asarray(value)
     d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
-    if a.dtype.kind not in "fc":
-        if a.dtype.kind in "iub":
-            d.update(nan=0, posinf=0, neginf=0, zeros=int(np.count_nonzero(a == 0)))
-            d.update(
-                finite_min=_item(a.min()) if a.size else None,
-                finite_max=_item(a.max()) if a.size else None,
-            )
-            return d
-        if a.dtype.kind != "V":  # bfloat16 (ml_dtypes) is kind "V": widen it below.
-            return d
-    if a.dtype.kind == "V" or a.dtype.itemsize < 4:
-        a = a.astype(np.float32)
-    finite = np.isfinite(a)
+    if a.dtype.kind not in "fciubV":
+        return d
+    if a.dtype.kind in "iub":
+        finite, counts = a, dict(nan=0, posinf=0, neginf=0)
+    else:
+        if a.dtype.kind == "V" or a.dtype.itemsize < 4:  # bfloat16 (ml_dtypes) is kind "V".
+            a = a.astype(np.float32)
+        finite = a[np.isfinite(a)]
+        counts = {key: int(np.count_nonzero(test(a))) for key, _, test in _NON_FINITE}
     d.update(
-        nan=int(np.count_nonzero(np.isnan(a))),
-        posinf=int(np.count_nonzero(np.isposinf(a))),
-        neginf=int(np.count_nonzero(np.isneginf(a))),
+        counts,
         zeros=int(np.count_nonzero(a == 0)),
-    )
-    values = a[finite]
-    d.update(
-        finite_min=_item(values.min()) if values.size else None,
-        finite_max=_item(values.max()) if values.size else None,
+        finite_min=finite.min().item() if finite.size else None,
+        finite_max=finite.max().item() if finite.size else None,
     )
     return d
 
@@ -242,17 +198,14 @@ def is_finite_health(h: Mapping[str, Any]) -> bool:
     return not (h.get("nan") or h.get("posinf") or h.get("neginf"))
 
 
+def non_finite_counts(h: Mapping[str, Any]) -> List[str]:
+    """``["1 NaN", "2 -Inf"]``: the non-finite counts of a `health` dict that are not zero."""
+    return [f"{h[key]} {word}" for key, word, _ in _NON_FINITE if h.get(key)]
+
+
 def bad_rows(value: Any, batch_size: int) -> List[int]:
-    """The indices along axis 0 whose rows hold NaN or Inf, if axis 0 is the batch.
-
-    Args:
-      value: An array.
-      batch_size: The number of examples in the batch.
-
-    Returns:
-      The row indices (ascending); empty when the array is not batch-major (its leading
-      dimension is not `batch_size`) or all finite.
-    """
+    """The indices along axis 0 whose rows hold NaN or Inf, ascending; empty when the array is
+    not batch-major (its leading dimension is not `batch_size`) or all finite."""
     a = np.asarray(value)
     if batch_size <= 0 or a.ndim == 0 or a.shape[0] != batch_size or a.dtype.kind not in "fcV":
         return []
@@ -263,18 +216,15 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
-    """The frames of an op's traceback that are the user's, as ``file.py:42 in fn: code``.
+    """The user's frames of an op's traceback, as ``file.py:42 in fn: code``, outermost first.
 
     Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library)
-    are left out. With no user frame at all, the innermost frame is kept.
+    are left out; with no user frame at all, the innermost frame is kept.
 
     Args:
       frames: Objects with ``filename``, ``lineno`` and ``name`` (an ``op.traceback``), or
         ``(filename, lineno, name, line)`` tuples; outermost first.
       limit: The most frames to keep (the innermost ones).
-
-    Returns:
-      Strings, outermost first.
     """
     parsed = []
     for frame in frames:
@@ -296,8 +246,7 @@ def where(traceback_lines: Sequence[str]) -> str:
     """``file.py:42`` from the innermost line `user_frames` gave ('' if none)."""
     if not traceback_lines:
         return ""
-    location = traceback_lines[-1].split(" in ", 1)[0]
-    return os.path.basename(location)
+    return os.path.basename(traceback_lines[-1].split(" in ", 1)[0])
 
 
 def explain(
@@ -307,11 +256,8 @@ def explain(
     error: Optional[str] = None,
     batch_size: int = 0,
 ) -> str:
-    """The autopsy in one sentence.
-
-    For example ``first non-finite value: fc2/Log (Log) at model.py:42, input fc2/Softmax
-    holds a 0; examples 3, 17 of the batch``.
-    """
+    """The autopsy in one sentence, such as ``first non-finite value: fc2/Log (Log) at
+    model.py:42, input fc2/Softmax holds a 0; examples 3, 17 of the batch``."""
     if reproduced is False:
         return (
             "the replay of the step from the same weights and batch is finite: the bad "
@@ -345,25 +291,23 @@ def explain(
 
 def _cause(op: Mapping[str, Any]) -> str:
     """What about the inputs of the first bad op explains it, as a clause."""
-    inputs = op.get("inputs") or []
-    outputs = op.get("output") or []
+    inputs, outputs = op.get("inputs") or [], op.get("output") or []
     if not inputs:
-        kinds = _kinds(outputs[0]) if outputs else ""
+        kinds = ", ".join(non_finite_counts(outputs[0])) if outputs else ""
         # An op of the batch itself: a non-finite value there was in the data.
         if op["type"] in _ops.BATCH_OP_TYPES:
             return f"the batch itself holds {kinds}" if kinds else "the batch itself"
         return f"which makes {kinds} from no float input" if kinds else ""
     for h in inputs:
         if not is_finite_health(h):
-            return f"input {_short(h['name'])} holds {_kinds(h)}"
+            return f"input {_short(h['name'])} holds {', '.join(non_finite_counts(h))}"
     for index in _ZERO_INPUTS.get(op["type"], ()):
         if index < len(inputs) and inputs[index].get("zeros"):
             return f"input {_short(inputs[index]['name'])} holds a 0"
-    if op["type"] in _NEGATIVE_INPUTS and inputs:
-        h = inputs[0]
-        low = h.get("finite_min")
+    if op["type"] in _NEGATIVE_INPUTS:
+        low = inputs[0].get("finite_min")
         if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
-            return f"input {_short(h['name'])} holds {low:.6g}"
+            return f"input {_short(inputs[0]['name'])} holds {low:.6g}"
 
     def extreme(h):  # The finite value of largest magnitude, with its sign.
         low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
@@ -378,24 +322,12 @@ def _short(tensor_name: str) -> str:
     return tensor_name[:-2] if tensor_name.endswith(":0") else tensor_name
 
 
-def _kinds(h: Mapping[str, Any]) -> str:
-    parts = []
-    for key, word in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
-        if h.get(key):
-            parts.append(f"{h[key]} {word}")
-    return ", ".join(parts)
-
-
 def _is_library(filename: str) -> bool:
     if any(part in filename for part in _LIBRARY_PARTS):
         return True
     if os.sep + "slim_nanguard" + os.sep + "_" in filename:  # our private modules
         return True
     return filename.startswith(_STDLIB) and "site-packages" not in filename
-
-
-def _item(x) -> Any:
-    return x.item()  # A NumPy scalar as a Python number.
 
 
 def _json_safe(value: Any) -> Any:
@@ -410,25 +342,559 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-# ---------------------------------------------------------------------- pure parts of a spike
+# ---------------------------------------------------------------------- the replay
+@dataclasses.dataclass
+class _Budget:
+    clock: Callable[[], float]
+    timeout_secs: float
+    start: float = 0.0
+    runs: int = 0
+    peak_bytes: int = 0
+    ops_checked: int = 0
+
+    def check(self, what: str) -> None:
+        spent = self.clock() - self.start
+        if spent > self.timeout_secs:
+            raise AutopsyError(
+                f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), {what}"
+            )
+
+    def run(self, session: tf.compat.v1.Session, fetches: List, feeds: Dict) -> List:
+        self.runs += 1
+        values = session.run(fetches, feeds)
+        fetched = sum(np.asarray(v).nbytes for v in values)
+        fed = sum(np.asarray(v).nbytes for v in feeds.values())
+        self.peak_bytes = max(self.peak_bytes, fetched + fed)
+        return values
+
+    def cost(self) -> Dict[str, Any]:
+        return {
+            "seconds": round(self.clock() - self.start, 4),
+            "peak_bytes": self.peak_bytes,
+            "runs": self.runs,
+            "ops_checked": self.ops_checked,
+        }
+
+
+def replay(
+    session: tf.compat.v1.Session,
+    feeds: Mapping[Any, Any],
+    targets: Sequence[Any],
+    *,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    clock: Callable[[], float] = time.monotonic,
+    step: int = -1,
+    batch_size: Optional[int] = None,
+    cause: str = "non_finite",
+) -> Autopsy:
+    """Replays a step: finds its first non-finite op, or for a spike its examples.
+
+    Args:
+      session: A raw `tf.compat.v1.Session` whose variables hold the step's weights (nothing
+        is written).
+      feeds: The batch: tensor (or name) -> array.
+      targets: The loss and the gradient sums; for a spike, the total loss.
+      timeout_secs: Give up (with ``error`` set) after this many seconds of `clock`.
+      max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
+      clock: The clock of the deadline.
+      step: The global step, recorded in the result.
+      batch_size: The number of examples (default: the most common leading dimension of the
+        fed arrays; pass it when weights are fed too).
+      cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
+
+    Returns:
+      The `Autopsy` (no dump); with ``error`` set and nothing run when the targets read an
+      input op that is not fed. Raises only what `session.run` raises for the reproduction
+      check (`run_autopsy` catches everything).
+    """
+    budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
+    feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
+    targets = [_tensor(session.graph, t) for t in targets]
+    if batch_size is None:
+        batch_size = _batch_size(feeds.values())
+    done = dict(batch_size=batch_size, step=step)
+    try:  # Before any run: a run that reaches an unkept input op would take a new batch.
+        ops = _ops_to_check(targets, feeds)
+    except AutopsyError as err:
+        return Autopsy(cost=budget.cost(), error=str(err), cause=cause, **done)
+    if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
+        return _replay_spike(session, feeds, targets[0], budget, cause=cause, **done)
+    values = budget.run(session, targets, feeds)
+    if all(is_finite_health(health(v)) for v in values):
+        return Autopsy(reproduced=False, cost=budget.cost(), **done)
+    found, error = None, None
+    try:
+        found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)
+    except AutopsyError as err:
+        error = str(err)
+    if found is None:
+        error = error or (
+            "the replay was not finite but no op checked one by one "
+            "was: the step is nondeterministic, or its first non-finite value is "
+            "inside a while loop or a cond"
+        )
+        return Autopsy(reproduced=True, cost=budget.cost(), error=error, **done)
+    described, examples = found
+    return Autopsy(
+        reproduced=True,
+        first_bad_op=described,
+        bad_examples=tuple(examples),
+        cost=budget.cost(),
+        **done,
+    )
+
+
+def _tensor(graph, t):
+    return graph.get_tensor_by_name(t) if isinstance(t, str) else t
+
+
+def _batch_size(arrays) -> int:
+    leading = [np.asarray(a).shape[0] for a in arrays if np.ndim(a) >= 1]
+    return max(set(leading), key=leading.count) if leading else 0
+
+
+def _is_float(tensor) -> bool:
+    return tensor.dtype.base_dtype.is_floating
+
+
+def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
+    """The ops the targets depend on through data edges, in topological order.
+
+    The walk stops at fed ops. An op inside a control-flow context (which cannot be fetched
+    from outside) is not checked, nor one whose value depends on neither the batch nor the
+    weights nor a stateful op: a NaN constant (a mask) is there on purpose, and the first bad
+    op is the one that lets it into the step's values.
+
+    Raises:
+      AutopsyError: The targets depend on an input op or a placeholder that is not fed.
+    """
+    fed_ops = {t.op for t in feeds}
+    seen, found = [], []
+    for op in _ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__):
+        seen.append(op)
+        if op in fed_ops:
+            found.append(op)
+            continue
+        # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
+        if op.type in _ops.BATCH_OP_TYPES and op.type != "PlaceholderWithDefault":
+            raise AutopsyError(
+                f"the step reads {op.name} ({op.type}), which was not kept, so "
+                "it cannot be replayed without taking a new batch"
+            )
+        if op._control_flow_context is None and any(  # pylint: disable=protected-access
+            _is_float(t) for t in op.outputs
+        ):
+            found.append(op)
+    order = _order(targets[0].graph)
+
+    def source(op) -> bool:  # What makes a value change from step to step.
+        return op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
+
+    varies = _reaching(seen, source, order)
+    return sorted((op for op in found if varies[op]), key=order.get)
+
+
+def _order(graph) -> Dict[Any, int]:
+    """Each op of `graph` -> its position (a topological order)."""
+    return {op: i for i, op in enumerate(graph.get_operations())}
+
+
+def _reaching(
+    ops: Sequence[Any],
+    source: Callable[[Any], bool],
+    order: Mapping[Any, int],
+    valueless: frozenset = _SHAPE_TYPES,
+) -> Dict[Any, bool]:
+    """Each of `ops` -> whether a value that a `source` op makes reaches it.
+
+    `ops` must hold every input of each op that can reach it (what a walk back gives). An
+    input of a `valueless` type passes on no value (fill(shape(x), nan) is a constant).
+    """
+    reaches = {}
+    for op in sorted(ops, key=order.get):
+        reaches[op] = source(op) or any(
+            reaches.get(t.op, False) for t in op.inputs if t.op.type not in valueless
+        )
+    return reaches
+
+
+def _is_stateful(op) -> bool:
+    try:
+        return bool(op.op_def.is_stateful)
+    except Exception:  # pylint: disable=broad-except  (an op without an OpDef)
+        return False
+
+
+def _estimate_bytes(op, batch_size: int) -> int:
+    total = 0
+    for t in filter(_is_float, op.outputs):
+        dims = t.shape.as_list() if t.shape.rank is not None else [batch_size or 1]
+        size = math.prod(d if d is not None else max(batch_size, 1) for d in dims)
+        total += size * t.dtype.base_dtype.size
+    return total
+
+
+def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[Any]]:
+    chunks, current, size = [], [], 0
+    for op in ops:
+        estimate = _estimate_bytes(op, batch_size)
+        if current and size + estimate > max_bytes:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(op)
+        size += estimate
+    return chunks + [current] if current else chunks
+
+
+def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
+    """``(described, examples)`` of the first op with a non-finite output, or None."""
+    fed = {t.op for t in feeds}
+    for op in ops:  # The batch first: a NaN in the data is found without running anything.
+        if op in fed:
+            budget.ops_checked += 1
+            values = [feeds[t] for t in op.outputs if t in feeds]
+            if any(
+                not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind in "fcV"
+            ):
+                return _describe(session, op, feeds, budget, batch_size)
+    computed = [op for op in ops if op not in fed]
+    chunks = _chunks(computed, batch_size, max_chunk_bytes)
+    for number, chunk in enumerate(chunks):
+        budget.check(
+            f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
+            f"of {len(chunks)})"
+        )
+        fetches = [t for op in chunk for t in op.outputs if _is_float(t)]
+        values = dict(zip(fetches, budget.run(session, fetches, feeds)))
+        for index, op in enumerate(chunk):
+            budget.ops_checked += 1
+            if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
+                downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
+                del values
+                return _describe(session, op, feeds, budget, batch_size, downstream)
+    return None
+
+
+def _first_bad_rows(ops, values, batch_size: int):
+    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
+    for op in ops:
+        rows = sorted(
+            {i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)}
+        )
+        if rows:
+            return op.name, rows
+    return None
+
+
+def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
+    """``(described, examples)``: fetches the inputs and outputs of `op` and describes them.
+
+    A fed op has no inputs in the replay (what is behind it would take a new batch). When the
+    output of `op` is not batch-major, the examples are the `downstream` ``(op name, rows)``.
+    """
+    is_fed = any(t in feeds for t in op.outputs)
+    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
+    outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
+    wanted = [t for t in inputs + outputs if t not in feeds]
+    values = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
+    values.update((t, feeds[t]) for t in inputs + outputs if t in feeds)
+    frames = user_frames(_traceback(op))
+    described = {
+        "name": op.name,
+        "type": op.type,
+        "where": where(frames),
+        "traceback": frames,
+        "inputs": [{"name": t.name, **health(values[t])} for t in inputs],
+        "output": [{"name": t.name, **health(values[t])} for t in outputs],
+    }
+    examples = sorted({i for t in outputs for i in bad_rows(values[t], batch_size)})
+    if not examples and downstream is not None:
+        described["examples_at"], examples = downstream
+    return described, examples
+
+
+def _traceback(op) -> Sequence[Any]:
+    try:
+        return list(op.traceback or ())
+    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
+        return []
+
+
+# ---------------------------------------------------------------------- in training
+def autopsy_bad_step(
+    session: tf.compat.v1.Session,
+    capture: Capture,
+    targets: Sequence[Any],
+    *,
+    step: int = -1,
+    dump_dir: Optional[str] = None,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    cause: str = "non_finite",
+    spike_over: Sequence[str] = (),
+) -> Autopsy:
+    """`run_autopsy` on the batch the bad step kept (`Capture`); never raises (but
+    KeyboardInterrupt): a failure is the result's ``error``. The arguments are
+    `run_autopsy`'s, `capture` standing for the batch."""
+    from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
+
+    try:
+        values = _capture.read_kept_batch(session, capture)
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
+        return _failure(step, f"reading the kept batch failed: {error_line(err)}", cause=cause)
+    return run_autopsy(
+        session,
+        capture.tensors,
+        values,
+        targets,
+        step=step,
+        dump_dir=dump_dir,
+        timeout_secs=timeout_secs,
+        cause=cause,
+        spike_over=spike_over,
+    )
+
+
+def run_autopsy(
+    session: tf.compat.v1.Session,
+    batch_tensors: Sequence[Any],
+    batch_values: Sequence[Any],
+    targets: Sequence[Any],
+    *,
+    step: int = -1,
+    dump_dir: Optional[str] = None,
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
+    clock: Callable[[], float] = time.monotonic,
+    cause: str = "non_finite",
+    spike_over: Sequence[str] = (),
+) -> Autopsy:
+    """`replay` of a bad step right after it, and its dump; never raises (but
+    KeyboardInterrupt): a failure is the result's ``error``, and is logged.
+
+    Args:
+      batch_tensors: The batch tensors (`Capture.tensors`).
+      batch_values: The values the bad step kept, in the same order.
+      dump_dir: The training directory (the dump goes to its ``nanguard_autopsy/``), or None.
+      max_dump_weight_bytes: The weights the step read go into the dump up to this size.
+      spike_over: For a spike, the values it was caught on (`Autopsy.spike_over`).
+      The others: as `replay`'s.
+    """
+    start = clock()
+    try:
+        feeds = dict(zip(batch_tensors, batch_values))
+        result = replay(
+            session,
+            feeds,
+            targets,
+            timeout_secs=timeout_secs,
+            max_chunk_bytes=max_chunk_bytes,
+            clock=clock,
+            step=step,
+            cause=cause,
+        )
+        result = dataclasses.replace(result, spike_over=tuple(spike_over))
+        if dump_dir:
+            weights = {}
+            reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
+            if sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes:
+                weights = dict(zip(reads, session.run(reads)))
+            path = write_dump(dump_dir, result, feeds, weights, targets)
+            result = dataclasses.replace(result, dump=path)
+        return result
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
+        cost = {"seconds": round(clock() - start, 4)}
+        return _failure(step, error_line(err), cause=cause, cost=cost)
+
+
+def _failure(step: int, message: str, **fields) -> Autopsy:
+    """Logs that the autopsy of `step` failed, and returns an `Autopsy` that says why."""
+    logging.warning(
+        "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
+    )
+    return Autopsy(error=message, step=step, **fields)
+
+
+def error_line(err: BaseException) -> str:
+    """``KeyError: the first line of its message`` (the type's name again when it has none)."""
+    text = str(getattr(err, "message", "") or err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else type(err).__name__}"
+
+
+def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
+    """The tensors through which the targets read variables (what the step's weights are)."""
+    fed_ops = {t.op for t in feeds}
+
+    def stop(op) -> bool:
+        return op in fed_ops or _is_variable_read(op)
+
+    reads = []
+    for op in _ops.walk([t.op for t in targets], control=False, stop=stop):
+        if op not in fed_ops and _is_variable_read(op):
+            reads += [t for t in op.outputs if _is_float(t)]
+    return sorted(reads, key=lambda t: t.name)
+
+
+def _is_variable_read(op) -> bool:
+    """A resource variable's read, or a reference variable's "read" Identity (a reference
+    tensor cannot be fed), outside any control-flow context."""
+    return op._control_flow_context is None and (  # pylint: disable=protected-access
+        op.type in _VARIABLE_READ_TYPES
+        or (op.type == "Identity" and bool(op.inputs) and op.inputs[0].dtype._is_ref_dtype)
+    )
+
+
+# ---------------------------------------------------------------------- the dump
+def write_dump(
+    dump_dir: str,
+    result: Autopsy,
+    feeds: Mapping[Any, Any],
+    weights: Mapping[Any, Any],
+    targets: Sequence[Any],
+) -> str:
+    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
+
+    Returns:
+      The path of the JSON report. An existing dump of the same step (a rollback can bring a
+      step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
+    """
+    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
+
+    directory = _paths.join(dump_dir, DUMP_DIRNAME)
+    tf.io.gfile.makedirs(directory)
+    base = _paths.join(directory, f"step{result.step}")
+    suffix = 1
+    while tf.io.gfile.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
+        suffix += 1
+    base = f"{base}-{suffix}" if suffix > 1 else base
+    arrays = {}
+
+    def keep(prefix: str, values: Mapping[Any, Any]) -> List[Dict[str, str]]:
+        entries = []
+        for i, (tensor, value) in enumerate(values.items()):
+            arrays[f"{prefix}_{i}"] = np.asarray(value)
+            entries.append({"key": f"{prefix}_{i}", "tensor": _name(tensor)})
+        return entries
+
+    batch, read = keep("batch", feeds), keep("weight", weights)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    with tf.io.gfile.GFile(base + ".npz", "wb") as f:
+        f.write(buffer.getvalue())
+    report = dict(
+        result.to_json(),
+        dump=base + ".json",
+        batch=batch,
+        weights=read,
+        targets=[_name(t) for t in targets],
+        arrays=_paths.basename(base) + ".npz",
+        written=time.time(),  # The order `remove_old_dumps` keeps them by.
+    )
+    with tf.io.gfile.GFile(base + ".json", "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+    return base + ".json"
+
+
+def _name(t) -> str:
+    return t if isinstance(t, str) else t.name
+
+
+def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
+    """Bounds the dumps' disk use: keeps the first `keep_first` and the last `keep_last`.
+
+    The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by their ``written`` time
+    (an older dump without one: first, by name); a dump removed loses its report and arrays.
+
+    Returns:
+      One ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
+    """
+    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
+
+    directory = _paths.join(dump_dir, DUMP_DIRNAME)
+    reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
+    if len(reports) <= keep_first + keep_last:
+        return []
+    dumps = []
+    for path in reports:
+        try:
+            with tf.io.gfile.GFile(path, "r") as f:
+                report = json.load(f)
+        except (ValueError, tf.errors.OpError):  # Half written, or gone: not ours to judge.
+            continue
+        dumps.append((report.get("written", 0.0), path, report))
+    dumps.sort(key=lambda d: d[:2])
+    removed = []
+    for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
+        arrays = _paths.join(directory, report.get("arrays") or "")
+        for doomed in (arrays, path) if report.get("arrays") else (path,):
+            try:
+                tf.io.gfile.remove(doomed)
+            except tf.errors.NotFoundError:  # Removed already (another task of a cluster).
+                pass
+        removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
+    return removed
+
+
+def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+    """Reads a dump written by `write_dump` from its JSON report (or its ``.npz``).
+
+    Returns:
+      ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
+      and for the weights the step read (empty if they were too big to keep).
+    """
+    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
+
+    if path.endswith(".npz"):
+        path = path[: -len(".npz")] + ".json"
+    with tf.io.gfile.GFile(path, "r") as f:
+        report = json.load(f)
+    with tf.io.gfile.GFile(_paths.join(_paths.dirname(path), report["arrays"]), "rb") as f:
+        arrays = io.BytesIO(f.read())
+    with np.load(arrays) as data:
+        batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
+        weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}
+    return report, batch, weights
+
+
+# ---------------------------------------------------------------------- a spike's autopsy
+# Everything below is what a spike's autopsy says: the examples whose per-example loss carried
+# it, found by walking back from the total loss (`find_per_example_loss`), fetched in one run
+# (`_replay_spike`) and judged from the figures its sentence prints (`explain_spike`).
+
+# How many of a spike's examples an autopsy keeps, highest per-example loss first.
+TOP_EXAMPLES = 5
+# An example stands out of a spike's batch when its loss is this many times the next one's.
+STAND_OUT_RATIO = 4.0
+# How a spike's per-example losses and median are printed; `standing_out` judges these figures.
+LOSS_FORMAT = ".4g"
+# The words for a value a spike may be caught on (`_spike.COLUMNS`), in "the ... spike".
+_SPIKE_VALUES = {"loss": "loss", "grad_norm": "gradient-norm"}
+# Ops that pass a loss on unchanged, and those that add losses of one shape.
+_LOSS_PASS_TYPES = frozenset({"Identity", "Cast"})
+_LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
+_LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
+# Ops whose output holds no value of their input, only its shape.
+_LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
+# The most terms a walk back from a loss looks at.
+_MAX_LOSS_TERMS = 10_000
+
+
 def per_example_values(
     split: Sequence[Any], whole: Sequence[float], batch_size: int
 ) -> Optional[np.ndarray]:
     """The per-example losses of a batch, from the contributions of the loss's terms.
 
     Args:
-      split: For each term that may be split per example, the contribution of each of its
-        elements to the total loss (an array; a term whose leading dimension turns out not
-        to be the batch's joins `whole`).
-      whole: The contribution to the total loss of each term that depends on the batch but
-        cannot be split per example.
+      split: For each term that may be split per example, each element's contribution to the
+        total loss (a term whose leading dimension is not the batch's joins `whole`).
+      whole: The contribution of each term that depends on the batch but cannot be split.
       batch_size: The number of examples.
 
     Returns:
-      One loss per example (float64), the split terms summed per example and scaled by
-      `batch_size`, so that their mean is the batch's part of the total loss; None when no
-      term can be split, or when a term that cannot carries a larger part of the loss than
-      the split ones together (the largest contribution is not per example).
+      One float64 loss per example: the split terms summed per example, times `batch_size`
+      (their mean is the batch's part of the total loss). None when no term can be split, or
+      when one that cannot carries more of the loss than the split ones together.
     """
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
@@ -446,15 +912,8 @@ def per_example_values(
 
 
 def rank_examples(per_example: Any, k: int = TOP_EXAMPLES) -> List[Tuple[int, float]]:
-    """The `k` examples with the highest loss, highest first (a tie: the lower index first).
-
-    Args:
-      per_example: One loss per example.
-      k: How many to keep.
-
-    Returns:
-      ``(index, loss)`` pairs; an example whose loss is NaN is left out.
-    """
+    """The `k` ``(index, loss)`` pairs of highest loss, highest first (on a tie the lower
+    index first); an example whose loss is NaN is left out."""
     a = np.asarray(per_example, dtype=np.float64).reshape(-1)
     order = [i for i in np.argsort(-a, kind="stable") if not np.isnan(a[i])]
     return [(int(i), float(a[i])) for i in order[:k]]
@@ -479,13 +938,10 @@ def standing_out(
 ) -> int:
     """How many of the top examples stand out of the batch: the ones that carried a spike.
 
-    Judged from the figures a reader sees (each loss as `explain_spike` prints it): the
-    losses, highest first and then the batch's median, are the chain, cut at its largest ratio
-    from one figure to the next; the examples above the cut stand out when that ratio is at
-    least `ratio`. Zero and negative losses (a saturated softmax gives exactly 0) are the
-    bottom of the chain, one step of `ratio` below its lowest positive loss: the positive
-    losses stand out of them unless a larger ratio sets fewer apart. Infinite losses stand out
-    of finite ones.
+    Judged from the figures the sentence prints: the losses, highest first, then the median,
+    are a chain cut at its largest ratio from one figure to the next; the examples above the
+    cut stand out when that ratio is at least `ratio`. Zero and negative losses count as one
+    step of `ratio` below the lowest positive one; infinite losses stand out of finite ones.
 
     Args:
       top_examples: ``(index, loss)`` pairs, highest loss first (`rank_examples`).
@@ -493,8 +949,8 @@ def standing_out(
       ratio: The least ratio that sets examples apart.
 
     Returns:
-      The number of leading examples of `top_examples` that stand out (0: none, also when no
-      loss is above 0).
+      The number of leading examples of `top_examples` that stand out (0 also when no loss is
+      above 0).
     """
     if median is None or not top_examples:
         return 0
@@ -522,11 +978,10 @@ def explain_spike(
 ) -> str:
     """A spike's autopsy in one sentence.
 
-    For example ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
-    highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``: the examples named are those
-    that `standing_out` picks from the figures shown. When the spike was caught on values
-    other than the loss (`over` without ``"loss"``, e.g. on the gradient norm alone), the
-    examples with the highest loss are a guess, and the sentence says so.
+    Such as ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
+    highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``, naming the examples
+    `standing_out` picks. When `over` (the values the spike was caught on) lacks ``"loss"``,
+    the sentence says the examples are a guess.
 
     Args:
       top_examples: ``(index, loss)`` pairs, highest loss first.
@@ -534,10 +989,7 @@ def explain_spike(
       median: The batch's median loss, or None.
       per_example_loss: The per-example loss tensor's name; None when the loss cannot be split.
       error: Why the replay failed or stopped early, or None.
-      over: The values the spike was caught on (``"loss"``, ``"grad_norm"``); empty if unknown.
-
-    Returns:
-      The sentence.
+      over: ``"loss"``, ``"grad_norm"``; empty if unknown.
     """
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
@@ -593,335 +1045,38 @@ def _hedge(over: Sequence[str]) -> str:
     return f"{words} spike (only the {values} {verb} over spike_sigma)"
 
 
-# ---------------------------------------------------------------------- the replay
-@dataclasses.dataclass
-class _Budget:
-    clock: Callable[[], float]
-    timeout_secs: float
-    start: float = 0.0
-    runs: int = 0
-    peak_bytes: int = 0
-    ops_checked: int = 0
-
-    def check(self, what: str) -> None:
-        spent = self.clock() - self.start
-        if spent > self.timeout_secs:
-            raise AutopsyError(
-                f"gave up after {spent:.1f} s (timeout {self.timeout_secs:g} s), {what}"
-            )
-
-    def run(self, session: tf.compat.v1.Session, fetches: List, feeds: Dict) -> List:
-        self.runs += 1
-        values = session.run(fetches, feeds)
-        fetched = sum(np.asarray(v).nbytes for v in values)
-        fed = sum(np.asarray(v).nbytes for v in feeds.values())
-        self.peak_bytes = max(self.peak_bytes, fetched + fed)
-        return values
-
-    def cost(self) -> Dict[str, Any]:
-        return {
-            "seconds": round(self.clock() - self.start, 4),
-            "peak_bytes": self.peak_bytes,
-            "runs": self.runs,
-            "ops_checked": self.ops_checked,
-        }
-
-
-def replay(
-    session: tf.compat.v1.Session,
-    feeds: Mapping[Any, Any],
-    targets: Sequence[Any],
-    *,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    clock: Callable[[], float] = time.monotonic,
-    step: int = -1,
-    batch_size: Optional[int] = None,
-    cause: str = "non_finite",
+def _replay_spike(
+    session, feeds, loss, budget: _Budget, batch_size: int, step: int, cause: str
 ) -> Autopsy:
-    """Replays a step and finds the first op whose output is not finite (or, for a spike, the
-    examples with the highest per-example loss).
-
-    Args:
-      session: A raw `tf.compat.v1.Session` over the graph (its variables hold the weights of
-        the step; nothing is written).
-      feeds: The batch: tensor -> array.
-      targets: The tensors the step computed (the loss and the gradient sums); for a spike,
-        the total loss.
-      timeout_secs: Give up (with `error` set) after this many seconds.
-      max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
-      clock: The clock the deadline is measured on.
-      step: The global step, recorded in the result.
-      batch_size: The number of examples (default: the most common leading dimension of the
-        fed arrays; pass it when weights are fed too).
-      cause: ``"non_finite"`` (a NaN or Inf step) or ``"spike"`` (see `Autopsy.cause`).
-
-    Returns:
-      The `Autopsy` (without a dump); when the targets read an input op that is not fed, one
-      with ``error`` set and nothing run. Raises nothing but what `session.run` raises for
-      the reproduction check itself; `run_autopsy` catches every error.
-    """
-    budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
-    feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
-    targets = [_tensor(session.graph, t) for t in targets]
-    if batch_size is None:
-        batch_size = _batch_size(feeds.values())
-    try:  # Before any run: a run that reaches an unkept input op would take a new batch.
-        ops = _ops_to_check(targets, feeds)
-    except AutopsyError as err:
-        return Autopsy(
-            batch_size=batch_size, cost=budget.cost(), error=str(err), step=step, cause=cause
-        )
-    if cause != NON_FINITE:  # Finite by nature: no reproduction to judge, no first bad op.
-        return _replay_spike(session, feeds, targets[0], budget, batch_size, step, cause)
-    values = budget.run(session, targets, feeds)
-    if all(is_finite_health(health(v)) for v in values):
-        return Autopsy(reproduced=False, batch_size=batch_size, cost=budget.cost(), step=step)
-    error = None
-    try:
-        found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)
-    except AutopsyError as err:
-        found, error = None, str(err)
+    """The spike part of `replay`: fetches the per-example losses and ranks the examples."""
+    spike = dict(cause=cause, batch_size=batch_size, step=step)
+    found = find_per_example_loss(loss)
     if found is None:
-        return Autopsy(
-            reproduced=True,
-            batch_size=batch_size,
-            cost=budget.cost(),
-            error=error
-            or "the replay was not finite but no op checked one by one "
-            "was: the step is nondeterministic, or its first non-finite value is "
-            "inside a while loop or a cond",
-            step=step,
-        )
-    op, described, examples = found
-    return Autopsy(
-        reproduced=True,
-        first_bad_op=described,
-        bad_examples=tuple(examples),
-        batch_size=batch_size,
-        cost=budget.cost(),
-        step=step,
+        return Autopsy(cost=budget.cost(), **spike)
+    try:
+        budget.check("before fetching the per-example losses")
+    except AutopsyError as err:
+        return Autopsy(cost=budget.cost(), error=str(err), **spike)
+    fetches = found.fetches()
+    per_example = found.evaluate(
+        dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
     )
-
-
-def _tensor(graph, t):
-    return graph.get_tensor_by_name(t) if isinstance(t, str) else t
-
-
-def _batch_size(arrays) -> int:
-    leading = [np.asarray(a).shape[0] for a in arrays if np.ndim(a) >= 1]
-    if not leading:
-        return 0
-    return max(set(leading), key=leading.count)
-
-
-def _is_float(tensor) -> bool:
-    dtype = tensor.dtype.base_dtype
-    return dtype.is_floating
-
-
-def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on, through data edges, in topological order.
-
-    The walk stops at fed ops. An op inside a control-flow context cannot be fetched from
-    outside: it is passed through but not checked. Neither is an op whose value depends on
-    neither the batch nor the weights nor a stateful op (a constant, say): a NaN or -Inf
-    constant is there on every step on purpose (a mask, a fault injector's value), and the
-    first bad op is then the one that lets it into the step's values.
-
-    Raises:
-      AutopsyError: The targets depend on an input op or a placeholder that is not fed.
-    """
-    fed_ops = {t.op for t in feeds}
-    seen, found = [], []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__):
-        seen.append(op)
-        if op in fed_ops:
-            found.append(op)
-            continue
-        # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
-        if op.type in _ops.BATCH_OP_TYPES and op.type != "PlaceholderWithDefault":
-            raise AutopsyError(
-                f"the step reads {op.name} ({op.type}), which was not kept, so "
-                "it cannot be replayed without taking a new batch"
-            )
-        if op._control_flow_context is None and any(  # pylint: disable=protected-access
-            _is_float(t) for t in op.outputs
-        ):
-            found.append(op)
-    order = _order(targets[0].graph)
-
-    def source(op) -> bool:  # What makes a value change from step to step.
-        return op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
-
-    varies = _reaching(seen, source, order)
-    return sorted((op for op in found if varies[op]), key=order.get)
-
-
-def _order(graph) -> Dict[Any, int]:
-    """Each op of `graph` -> its position (a topological order)."""
-    return {op: i for i, op in enumerate(graph.get_operations())}
-
-
-def _reaching(
-    ops: Sequence[Any],
-    source: Callable[[Any], bool],
-    order: Mapping[Any, int],
-    valueless: frozenset = _SHAPE_TYPES,
-) -> Dict[Any, bool]:
-    """Each of `ops` -> whether a value that a `source` op makes reaches it.
-
-    `ops` must hold every input of each op that can reach it (what a walk back gives). An
-    input of a `valueless` type passes on no value: fill(shape(x), nan) is a constant NaN
-    whatever x holds.
-    """
-    reaches = {}
-    for op in sorted(ops, key=order.get):
-        reaches[op] = source(op) or any(
-            reaches.get(t.op, False) for t in op.inputs if t.op.type not in valueless
-        )
-    return reaches
-
-
-def _is_stateful(op) -> bool:
-    try:
-        return bool(op.op_def.is_stateful)
-    except Exception:  # pylint: disable=broad-except  (an op without an OpDef)
-        return False
-
-
-def _estimate_bytes(op, batch_size: int) -> int:
-    total = 0
-    for t in op.outputs:
-        if not _is_float(t):
-            continue
-        dims = t.shape.as_list() if t.shape.rank is not None else [batch_size or 1]
-        size = 1
-        for d in dims:
-            size *= d if d is not None else max(batch_size, 1)
-        total += size * t.dtype.base_dtype.size
-    return total
-
-
-def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[Any]]:
-    chunks, current, size = [], [], 0
-    for op in ops:
-        estimate = _estimate_bytes(op, batch_size)
-        if current and size + estimate > max_bytes:
-            chunks.append(current)
-            current, size = [], 0
-        current.append(op)
-        size += estimate
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def _first_bad_op(
-    session: tf.compat.v1.Session,
-    ops,
-    feeds,
-    budget: _Budget,
-    max_chunk_bytes: int,
-    batch_size: int,
-):
-    fed = {t.op: t for t in feeds}
-    # The batch first: a NaN in the data is found without running anything.
-    for op in ops:
-        if op in fed:
-            budget.ops_checked += 1
-            outputs = [t for t in op.outputs if t in feeds]
-            values = [feeds[t] for t in outputs]
-            if any(
-                not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind in "fcV"
-            ):
-                return _describe(session, op, feeds, budget, batch_size)
-    computed = [op for op in ops if op not in fed]
-    chunks = _chunks(computed, batch_size, max_chunk_bytes)
-    for number, chunk in enumerate(chunks):
-        budget.check(
-            f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
-            f"of {len(chunks)})"
-        )
-        fetches = [t for op in chunk for t in op.outputs if _is_float(t)]
-        values = dict(zip(fetches, budget.run(session, fetches, feeds)))
-        for index, op in enumerate(chunk):
-            budget.ops_checked += 1
-            if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
-                downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
-                del values
-                return _describe(session, op, feeds, budget, batch_size, downstream)
-    return None
-
-
-def _first_bad_rows(ops, values, batch_size: int):
-    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
-    for op in ops:
-        rows = sorted(
-            {i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)}
-        )
-        if rows:
-            return op.name, rows
-    return None
-
-
-def _describe(
-    session: tf.compat.v1.Session, op, feeds, budget: _Budget, batch_size: int, downstream=None
-):
-    """Fetches the inputs and outputs of `op` and describes them.
-
-    A fed op (the batch) has no inputs in the replay: fetching what is behind it (the
-    iterator behind a ``placeholder_with_default``) would take a new batch. When the output
-    of `op` is not batch-major (a scalar, a weight), the examples are those `downstream`
-    found: ``(op name, rows)`` at the first later op with non-finite rows of the batch.
-    """
-    is_fed = any(t in feeds for t in op.outputs)
-    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
-    outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
-    wanted = [t for t in inputs + outputs if t not in feeds]
-    fetched = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
-    value = lambda t: feeds[t] if t in feeds else fetched[t]  # noqa: E731
-    frames = user_frames(_traceback(op))
-    described = {
-        "name": op.name,
-        "type": op.type,
-        "where": where(frames),
-        "traceback": frames,
-        "inputs": [{"name": t.name, **health(value(t))} for t in inputs],
-        "output": [{"name": t.name, **health(value(t))} for t in outputs],
-    }
-    examples = sorted({i for t in outputs for i in bad_rows(value(t), batch_size)})
-    if not examples and downstream is not None:
-        described["examples_at"], examples = downstream
-    return op, described, examples
-
-
-def _traceback(op) -> Sequence[Any]:
-    try:
-        return list(op.traceback or ())
-    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
-        return []
-
-
-# ---------------------------------------------------------------------- a spike's per-example loss
-# Ops that pass a loss on unchanged, and those that add losses of one shape.
-_LOSS_PASS_TYPES = frozenset({"Identity", "Cast"})
-_LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
-_LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
-# Ops whose output holds no value of their input, only its shape.
-_LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
-# The most terms a walk back from a loss looks at.
-_MAX_LOSS_TERMS = 10_000
+    if per_example is None:
+        return Autopsy(cost=budget.cost(), **spike)
+    return Autopsy(
+        top_examples=tuple(rank_examples(per_example)),
+        per_example_loss=found.name,
+        median_loss=median_loss(per_example),
+        cost=budget.cost(),
+        **spike,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Term:
-    """A tensor behind the total loss, and how its elements add up into it.
-
-    Every op between them is linear in the tensor: each element's part of the total loss is
-    its value times the scalar ``factors`` (a tensor or a number, and ``mul``, ``div`` or
-    ``div_no_nan``), divided by the reduction ratio of each ``Mean`` op in ``means``.
-    """
+    """A tensor behind the total loss, through ops linear in it: each element's part of the
+    total loss is its value times the scalar ``factors`` (a tensor or a number, and ``mul``,
+    ``div`` or ``div_no_nan``), divided by the reduction ratio of each ``Mean`` in ``means``."""
 
     tensor: Any
     factors: Tuple[Tuple[Any, str], ...] = ()
@@ -937,11 +1092,8 @@ class _Term:
     def fetches(self) -> List[Any]:
         """The tensors the term's part of the loss is computed from."""
         factors = [f for f, _ in self.factors if not isinstance(f, float)]
-        return (
-            [self.tensor]
-            + factors
-            + [t for op in self.means for t in (op.inputs[0], op.outputs[0])]
-        )
+        means = [t for op in self.means for t in (op.inputs[0], op.outputs[0])]
+        return [self.tensor] + factors + means
 
     def contribution(self, values: Mapping[Any, Any]) -> np.ndarray:
         """Each element's part of the total loss (float64), from the fetched `values`."""
@@ -992,23 +1144,18 @@ class PerExampleLoss:
 
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """Finds the per-example losses behind a total loss, walking back from it.
+    """The per-example losses behind a total loss, found by walking back from it.
 
-    The walk goes through the ops that add losses up (``AddN``, ``Add``, ``Sub``), average or
-    sum them (``Mean``, ``Sum``), and weight them by a scalar (``Mul``, ``RealDiv``,
-    ``DivNoNan``: what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build), to the
-    first float tensor whose leading dimension is the batch's (the output of
-    ``SparseSoftmaxCrossEntropyWithLogits``, or a weighted loss per example). Every op on the
-    way is linear in that tensor, so each example's part of the total loss is known exactly.
-    A term that does not depend on the batch (a regularization loss) is left out; one that
-    does but is not per example (a loss on the batch's mean) is kept apart.
-
-    Args:
-      loss: The total loss tensor.
+    The walk goes through the ops that add losses (``AddN``, ``Add``, ``Sub``), reduce them
+    (``Mean``, ``Sum``) and weight them by a scalar (``Mul``, ``RealDiv``, ``DivNoNan``: what
+    ``tf.compat.v1.losses``, tf-slim's and Keras' losses build) to the first float tensors
+    whose leading dimension is the batch's. Every op on the way is linear, so each example's
+    part of the total loss is exact. A term that does not depend on the batch (a
+    regularization loss) is left out; one that does but is not per example is kept apart.
 
     Returns:
-      The `PerExampleLoss`, or None when no term of the loss is per example (or the loss
-      reads no batch, or it adds up more than ten thousand terms).
+      The `PerExampleLoss`, or None when no term is per example, the loss reads no batch, or
+      it adds up more than `_MAX_LOSS_TERMS` terms.
     """
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     if not batch_ops:
@@ -1039,10 +1186,8 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
-    """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value).
-
-    A leading dimension known statically while the batch's is not is not the batch's.
-    """
+    """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value);
+    one known statically while the batch's is not is not."""
     if not tensor.shape.rank:
         return False
     leading = tensor.shape.as_list()[0]
@@ -1053,21 +1198,17 @@ def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optiona
     """The terms `term` adds up from, through one linear op; None at any other op.
 
     A batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
-    weighting (to name the examples' own loss rather than a weighted copy); sums, differences
-    and reductions are looked past only above the batch-major tensors.
+    weighting (to name the examples' own loss); sums and reductions only above it.
     """
     tensor = term.tensor
-    op, shape = tensor.op, tensor.shape
-    inputs = list(op.inputs)
-    major = _batch_major(tensor, batch_dim)
+    op, shape, inputs = tensor.op, tensor.shape, list(tensor.op.inputs)
     if op.type in _LOSS_PASS_TYPES and inputs and _is_float(inputs[0]):
         return [term.through(inputs[0])]
     if op.type in _LOSS_SCALE_TYPES and len(inputs) == 2:
         kind = _LOSS_SCALE_TYPES[op.type]
         a, b = inputs
-        pairs = [(a, b), (b, a)] if kind == "mul" else [(a, b)]
-        for value, scale in pairs:  # The weighted term first, then its scalar weight.
-            if (
+        for value, scale in [(a, b), (b, a)] if kind == "mul" else [(a, b)]:
+            if (  # The weighted term first, then its scalar weight.
                 scale.shape.rank == 0
                 and value.shape.is_compatible_with(shape)
                 and depends.get(value.op, False)
@@ -1076,7 +1217,7 @@ def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optiona
             ):
                 return [term.through(value, factor=(scale, kind))]
         return None
-    if major:
+    if _batch_major(tensor, batch_dim):
         return None
     if op.type in _LOSS_SUM_TYPES and all(t.shape == shape for t in inputs):
         below = [term.through(t) for t in inputs]
@@ -1088,296 +1229,3 @@ def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optiona
     if op.type in ("Sum", "Mean") and _is_float(inputs[0]):
         return [term.through(inputs[0], mean=op if op.type == "Mean" else None)]
     return None
-
-
-def _replay_spike(
-    session, feeds, loss, budget: _Budget, batch_size: int, step: int, cause: str
-) -> Autopsy:
-    """The part of `replay` for a finite step (a spike): fetches the per-example losses and
-    ranks the examples."""
-    spike = dict(cause=cause, batch_size=batch_size, step=step)
-    found = find_per_example_loss(loss)
-    if found is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    try:
-        budget.check("before fetching the per-example losses")
-    except AutopsyError as err:
-        return Autopsy(cost=budget.cost(), error=str(err), **spike)
-    fetches = found.fetches()
-    per_example = found.evaluate(
-        dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
-    )
-    if per_example is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    return Autopsy(
-        top_examples=tuple(rank_examples(per_example)),
-        per_example_loss=found.name,
-        median_loss=median_loss(per_example),
-        cost=budget.cost(),
-        **spike,
-    )
-
-
-# ---------------------------------------------------------------------- in training
-def autopsy_bad_step(
-    session: tf.compat.v1.Session,
-    capture: Capture,
-    targets: Sequence[Any],
-    *,
-    step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-    cause: str = "non_finite",
-    spike_over: Sequence[str] = (),
-) -> Autopsy:
-    """Reads the batch a bad step kept (`slim_nanguard._capture`) and replays the step.
-
-    Never raises (but KeyboardInterrupt): a failure is the result's ``error``.
-
-    Args:
-      session: A raw `tf.compat.v1.Session`, right after the bad step.
-      capture: The `Capture` of the train op.
-      targets: The loss and gradient sums; for a spike, the total loss.
-      step: The global step of the bad step.
-      dump_dir: Where to write the dump (see `run_autopsy`), or None.
-      timeout_secs: The deadline of the replay.
-      cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
-      spike_over: For a spike, the values it was caught on (see `Autopsy.spike_over`).
-    """
-    from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
-
-    try:
-        values = _capture.read_kept_batch(session, capture)
-    except Exception as err:  # pylint: disable=broad-except  (never into training)
-        message = f"reading the kept batch failed: {type(err).__name__}: {_first_line(err)}"
-        logging.warning(
-            "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
-        )
-        return Autopsy(error=message, step=step, cause=cause)
-    return run_autopsy(
-        session,
-        capture.tensors,
-        values,
-        targets,
-        step=step,
-        dump_dir=dump_dir,
-        timeout_secs=timeout_secs,
-        cause=cause,
-        spike_over=spike_over,
-    )
-
-
-def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The tensors through which the targets read variables (what the step's weights are)."""
-    fed_ops = {t.op for t in feeds}
-
-    def stop(op) -> bool:
-        return op in fed_ops or _is_variable_read(op)
-
-    reads = []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=stop):
-        if op not in fed_ops and _is_variable_read(op):
-            reads += [t for t in op.outputs if _is_float(t)]
-    return sorted(reads, key=lambda t: t.name)
-
-
-def _is_variable_read(op) -> bool:
-    """A resource variable's read, or a reference variable's "read" Identity (a reference
-    tensor cannot be fed), outside any control-flow context."""
-    return op._control_flow_context is None and (  # pylint: disable=protected-access
-        op.type in _VARIABLE_READ_TYPES
-        or (op.type == "Identity" and bool(op.inputs) and op.inputs[0].dtype._is_ref_dtype)
-    )
-
-
-def run_autopsy(
-    session: tf.compat.v1.Session,
-    batch_tensors: Sequence[Any],
-    batch_values: Sequence[Any],
-    targets: Sequence[Any],
-    *,
-    step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
-    clock: Callable[[], float] = time.monotonic,
-    cause: str = "non_finite",
-    spike_over: Sequence[str] = (),
-) -> Autopsy:
-    """Replays a bad step and writes its dump; never raises (but KeyboardInterrupt).
-
-    Args:
-      session: A raw `tf.compat.v1.Session`, right after the bad step.
-      batch_tensors: The batch tensors (`Capture.tensors`).
-      batch_values: The values the bad step kept, in the same order.
-      targets: The loss and gradient sums; for a spike (`cause`), the total loss.
-      step: The global step of the bad step.
-      dump_dir: The training directory: the dump goes to its ``nanguard_autopsy/``; None for
-        no dump.
-      timeout_secs: The deadline of the replay.
-      max_chunk_bytes: About how many bytes one run fetches.
-      max_dump_weight_bytes: The weights the step read go into the dump up to this size.
-      clock: The clock of the deadline.
-      cause: ``"non_finite"`` (a NaN or Inf step: the first op that made one) or ``"spike"``
-        (the examples with the highest per-example loss); see `Autopsy.cause`.
-      spike_over: For a spike, the values it was caught on (its record's ``over``): kept as
-        `Autopsy.spike_over`, in the dump too.
-
-    Returns:
-      The `Autopsy`; on failure one with ``error`` set.
-    """
-    start = clock()
-    try:
-        feeds = dict(zip(batch_tensors, batch_values))
-        result = replay(
-            session,
-            feeds,
-            targets,
-            timeout_secs=timeout_secs,
-            max_chunk_bytes=max_chunk_bytes,
-            clock=clock,
-            step=step,
-            cause=cause,
-        )
-        result = dataclasses.replace(result, spike_over=tuple(spike_over))
-        if dump_dir:
-            weights = {}
-            reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
-            if sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes:
-                weights = dict(zip(reads, session.run(reads)))
-            path = write_dump(dump_dir, result, feeds, weights, targets)
-            result = dataclasses.replace(result, dump=path)
-        return result
-    except Exception as err:  # pylint: disable=broad-except  (never into training)
-        message = f"{type(err).__name__}: {_first_line(err)}"
-        logging.warning(
-            "slim_nanguard: the autopsy of step %d failed (training goes on): %s", step, message
-        )
-        return Autopsy(
-            error=message, step=step, cost={"seconds": round(clock() - start, 4)}, cause=cause
-        )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(getattr(err, "message", "") or err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-# ---------------------------------------------------------------------- the dump
-def write_dump(
-    dump_dir: str,
-    result: Autopsy,
-    feeds: Mapping[Any, Any],
-    weights: Mapping[Any, Any],
-    targets: Sequence[Any],
-) -> str:
-    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
-
-    Returns:
-      The path of the JSON report. An existing dump of the same step (a rollback can bring a
-      step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
-    """
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
-    directory = _paths.join(dump_dir, DUMP_DIRNAME)
-    tf.io.gfile.makedirs(directory)
-    base = _paths.join(directory, f"step{result.step}")
-    suffix = 1
-    while tf.io.gfile.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
-        suffix += 1
-    base = f"{base}-{suffix}" if suffix > 1 else base
-    arrays, batch, read = {}, [], []
-    for i, (tensor, value) in enumerate(feeds.items()):
-        arrays[f"batch_{i}"] = np.asarray(value)
-        batch.append({"key": f"batch_{i}", "tensor": _name(tensor)})
-    for i, (tensor, value) in enumerate(weights.items()):
-        arrays[f"weight_{i}"] = np.asarray(value)
-        read.append({"key": f"weight_{i}", "tensor": _name(tensor)})
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    with tf.io.gfile.GFile(base + ".npz", "wb") as f:
-        f.write(buffer.getvalue())
-    report = dict(
-        result.to_json(),
-        dump=base + ".json",
-        batch=batch,
-        weights=read,
-        targets=[_name(t) for t in targets],
-        arrays=_paths.basename(base) + ".npz",
-        written=time.time(),  # The order `remove_old_dumps` keeps them by.
-    )
-    with tf.io.gfile.GFile(base + ".json", "w") as f:
-        json.dump(report, f, indent=1, sort_keys=True)
-    return base + ".json"
-
-
-def _name(t) -> str:
-    return t if isinstance(t, str) else t.name
-
-
-def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
-    """Bounds the dumps' disk use: keeps the first `keep_first` and the last `keep_last`.
-
-    The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by when they were written
-    (a dump older than that field: first, by name); each one removed loses its report and
-    its arrays. Through `tf.io.gfile`, so any file system TensorFlow knows.
-
-    Args:
-      dump_dir: The training directory (as given to `write_dump`).
-      keep_first: How many of the oldest dumps stay.
-      keep_last: How many of the newest dumps stay.
-
-    Returns:
-      One ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
-    """
-    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
-
-    directory = _paths.join(dump_dir, DUMP_DIRNAME)
-    reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
-    if len(reports) <= keep_first + keep_last:
-        return []
-    dumps = []
-    for path in reports:
-        try:
-            with tf.io.gfile.GFile(path, "r") as f:
-                report = json.load(f)
-        except (ValueError, tf.errors.OpError):  # Half written, or gone: not ours to judge.
-            continue
-        dumps.append((report.get("written", 0.0), path, report))
-    dumps.sort(key=lambda d: d[:2])
-    removed = []
-    for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
-        arrays = _paths.join(directory, report.get("arrays") or "")
-        for doomed in (arrays, path) if report.get("arrays") else (path,):
-            try:
-                tf.io.gfile.remove(doomed)
-            except tf.errors.NotFoundError:  # Removed already (another task of a cluster).
-                pass
-        removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
-    return removed
-
-
-def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """Reads a dump written by `write_dump`.
-
-    Args:
-      path: The JSON report (or its ``.npz``).
-
-    Returns:
-      ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
-      and for the weights the step read (empty if they were too big to keep).
-    """
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
-    if path.endswith(".npz"):
-        path = path[: -len(".npz")] + ".json"
-    with tf.io.gfile.GFile(path, "r") as f:
-        report = json.load(f)
-    arrays = _paths.join(_paths.dirname(path), report["arrays"])
-    with tf.io.gfile.GFile(arrays, "rb") as f:
-        arrays = io.BytesIO(f.read())
-    with np.load(arrays) as data:
-        batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
-        weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}
-    return report, batch, weights

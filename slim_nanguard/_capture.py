@@ -1,15 +1,10 @@
 """Keeping the batch of a bad step, at no cost to a good one.
 
-An autopsy replays a bad step from the weights it left unchanged and the batch it was given.
-The weights are still in the variables (the guard is atomic); the batch is gone once the step
-is over, unless the graph kept it. `keep_batch` builds that keeping: one store per batch
-tensor, each on the branch of a ``Switch`` that runs on bad steps only, so a good step
-stores nothing (the ``Switch`` forwards its input to an output no op consumes).
-
-"The batch" is the frontier of the loss's inputs that are not variables: the outputs of
-placeholders (a fed batch, or a ``placeholder_with_default`` over an iterator) and of input
-ops (``IteratorGetNext``, queue dequeues). The walk back from the loss stops at a placeholder,
-so a fed placeholder never pulls the iterator behind its default into the step.
+An autopsy replays a bad step from the weights it left unchanged (the guard is atomic) and its
+batch, which is gone once the step is over unless the graph kept it. `keep_batch` keeps it:
+one store per batch tensor, on the branch of a ``Switch`` that runs on bad steps only, so a
+good step stores nothing. "The batch" is the outputs of the placeholders and input ops the
+loss reads (`batch_tensors`).
 """
 
 from __future__ import annotations
@@ -32,12 +27,11 @@ class Capture:
 
     Attributes:
       tensors: The batch tensors, in a stable order (fed back in the same order at replay).
-      variables: One local resource variable per tensor (in no collection: never saved, never
-        initialised, read only after a bad step wrote it).
+      variables: One resource variable per tensor, in no collection (never saved nor
+        initialised; read only after a bad step wrote it).
       stores: The assignments, each on the bad branch of the finiteness test.
-      done: A tensor that is live on every step: on a good step through a no-op, on a bad
-        step only after the stores ran. Check_numerics mode makes its check wait on it.
-        None when there is nothing to keep.
+      done: A tensor live on every step, on a bad step only after the stores ran (what
+        check_numerics mode's check waits on), or None when there is nothing to keep.
     """
 
     tensors: Tuple[tf.Tensor, ...] = ()
@@ -52,18 +46,12 @@ class Capture:
 
 
 def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
-    """The tensors that make the batch of `loss`: placeholders and input-op outputs it reads.
+    """The outputs of the placeholders and input ops `loss` reads through data edges, by the
+    position of their op in the graph, then output index.
 
-    The walk follows data edges back from `loss` and stops at a placeholder or an input op, so
-    variables, constants and everything behind a placeholder's default are left out. Tensors
-    inside a control-flow context (a while loop, a v1 cond) cannot be kept from outside and are
-    left out too.
-
-    Args:
-      loss: The loss tensor.
-
-    Returns:
-      The tensors, ordered by the position of their op in the graph, then output index.
+    The walk back stops at a placeholder, so a fed placeholder never pulls the iterator behind
+    its default into the step. An op inside a control-flow context cannot be kept from outside
+    and is left out, as are resource and variant outputs.
     """
     found = _ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False)
     order = {op: i for i, op in enumerate(loss.graph.get_operations())}
@@ -77,11 +65,8 @@ def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
 
 @contextlib.contextmanager
 def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
-    """Builds in `graph` with no control-flow context and no control dependencies.
-
-    Variables made here live at the top level of the graph even when the train op is built
-    inside a while loop or a cond.
-    """
+    """Builds in `graph` with no control-flow context and no control dependencies (at the
+    top level of the graph, even when the train op is built in a while loop or a cond)."""
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     graph._set_control_flow_context(None)  # pylint: disable=protected-access
     try:
@@ -95,12 +80,10 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
 def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
     """Where the guard makes a variable of its own (sums, a kept batch, the judged flag).
 
-    Outside any control-flow construct and any function body, so that a train op built in a
-    while loop still builds; and colocated with `near`, a tensor of the step, so that the
-    variable stays on the worker that computes it. A `replica_device_setter` would otherwise
-    put it on a parameter server, shared by every worker, which would overwrite each other's.
-    A tensor of a function body cannot be colocated with from outside it: there the variable
-    takes the device scope in force.
+    Outside any control-flow construct and function body, and colocated with `near`, a tensor
+    of the step, so that the variable stays on the worker that computes it (a
+    `replica_device_setter` would put it on a parameter server, shared by every worker). In a
+    function body, which cannot be colocated with from outside, it takes the device in force.
     """
     in_function = getattr(graph, "building_function", False)
     with outside_control_flow(graph), tf.init_scope():
@@ -119,19 +102,15 @@ def keep_batch(
     tensors: Optional[Sequence[tf.Tensor]] = None,
     merge: bool = True,
 ) -> Capture:
-    """Builds the stores that keep the batch of `loss` on a bad step only.
+    """Builds the `Capture` whose stores keep the batch of `loss` on a bad step only.
 
     Args:
-      loss: The loss tensor; its batch is found with `batch_tensors`.
-      ok: The scalar boolean finiteness test (True on a good step), or a function that
-        builds it: called only when there is a batch to keep.
+      loss: The loss tensor.
+      ok: The scalar boolean test (True on a good step), or a function that builds it (called
+        only when there is a batch to keep).
       enabled: False builds nothing (an empty `Capture`): autopsies are off.
       tensors: The batch tensors, when not those `batch_tensors` finds.
-      merge: Whether to build ``done`` (check_numerics mode waits on it; hook mode puts the
-        stores on its own bad branch and needs none).
-
-    Returns:
-      The `Capture`. Its ``stores`` run on bad steps only; ``done`` is live on every step.
+      merge: Whether to build ``done`` (hook mode puts the stores on its own bad branch).
     """
     if not enabled:
         return Capture()

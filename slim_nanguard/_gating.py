@@ -2,25 +2,18 @@
 
 What a bad step must not change, and how each kind of write is held back:
 
-* the optimizer's update (weights, slots and accumulators, ``global_step``): every write op
-  ``apply_gradients`` builds gets the gate as a control input (`apply_gradients`);
-* the writes the ``update_ops`` run (batch-norm moving statistics): the same edge, added to
-  the user's ops already built, leaving out what the test itself needs (`apply_gradients`);
-* with a dynamic loss-scale optimizer: the scale's own update waits on the gate, which an
-  overflow step opens; every other write also waits on the finite gate, which it does not;
+* the optimizer's writes (weights, slots, accumulators, ``global_step``) and those the
+  ``update_ops`` run (batch-norm statistics) get the gate as a control input
+  (`apply_gradients`); with a dynamic loss-scale optimizer, every write but the scale's own
+  update also waits on the finite gate, which an overflow step does not open;
 * writes the forward pass makes before the test (``slim.batch_norm`` with
-  ``updates_collections=None``) cannot wait on it: each waits on a copy of its variable's
-  value, which a bad step writes back (`snapshot_forward_writes`, `ForwardWrites.put_back`);
+  ``updates_collections=None``) wait on a copy of their variable, which a bad step writes back
+  (`snapshot_forward_writes`, `ForwardWrites.put_back`);
 * hook mode: writes built later under ``tf.control_dependencies([train_op])`` (an EMA of the
-  weights), gated when the hook begins (`gate_writes_after`);
-* `SyncReplicasOptimizer` (a ps/worker cluster, see `_cluster`): only the worker's
-  accumulator applies wait on the test, and the chief's write of the aggregated gradient
-  waits on a check of its own (`apply_sync_replicas`).
-
-The edges are added with TensorFlow's private ``Operation._add_control_input``: the ops are
-already built (by the optimizer, or by the user), and no public API adds an input to one.
-
-`SyncReplicasOptimizer` splits a step in two, and only the first half is a worker's::
+  weights) are gated when the hook begins (`gate_writes_after`);
+* `SyncReplicasOptimizer` (see `_cluster`): the worker's accumulator applies wait on the test
+  (so a bad step accumulates nothing and takes no token), and the chief's write of the
+  aggregated gradient waits on a check of its own (`apply_sync_replicas`)::
 
     worker (the train op):   accumulate(grad, local_step) for each variable   # gated
                              token = token_queue.dequeue()                     # after them
@@ -29,14 +22,13 @@ already built (by the optimizer, or by the user), and no public API adds an inpu
                              check(aggregated) -> apply(aggregated); global_step += 1
                              token_queue.enqueue_many(global_step x tokens_per_step)
 
-`apply_sync_replicas` builds it with no control dependency on the guard's test: the
-optimizer's init ops, its ready check and the chief's queue runner do not depend on the test
-or on the input, so no run but the train op takes a batch. Only the accumulators' apply ops
-wait on the test; the token dequeue waits on them, so on a bad step the worker accumulates
-nothing and takes no token. The aggregated update waits on a check of its own (placed with
-the global step): the mean of finite gradients is non-finite only when it overflows, and then
-the chief's queue runner stops with that check's error and nothing is written. What a skip
-means for the token queue and for stale gradients: see `_cluster`.
+  The optimizer's init ops, ready check and queue runner stay ungated, so no run but the
+  train op takes a batch. The mean of finite gradients is non-finite only when it overflows:
+  then the chief's queue runner stops with its check's error, and nothing is written.
+
+The ops are already built (by the optimizer, or by the user), and no public API adds an input
+to one: the edges are added with TensorFlow's private ``Operation._add_control_input``. A
+write gated so also runs the forward and backward pass when fetched alone.
 """
 
 from __future__ import annotations
@@ -83,7 +75,7 @@ def apply_gradients(
       The optimizer's update op.
     """
     graph = gate.graph
-    if is_sync_replicas(optimizer):  # Its own init and chief ops stay ungated.
+    if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
         grad_updates, gated = apply_sync_replicas(optimizer, grads_and_vars, global_step, gate)
         new_ops = []
     else:
@@ -97,27 +89,29 @@ def apply_gradients(
     if finite_gate is not None:
         # The loss scale's own update runs on an overflow step; every other write does not.
         scale_ops = {v.op for v in unless_bad}
-        _gate_writes(
-            graph, [op for op in new_ops if _written_variable(op) not in scale_ops], finite_gate
-        )
-        for op in gated_updates:
-            op._add_control_input(finite_gate.op)  # pylint: disable=protected-access
+        writes = [op for op in new_ops if _written_variable(op) not in scale_ops]
+        _gate_writes(graph, writes, finite_gate)
+        _wait_on(finite_gate, gated_updates)
     logging.vlog(1, "slim_nanguard: %d variable writes wait on the finiteness test", len(gated))
     return grad_updates
 
 
 def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tensor) -> list:
-    """Makes every variable write among `new_ops` wait on `gate`.
+    """Makes every variable write among `new_ops` but initialisers wait on `gate`; returns them.
 
-    `apply_gradients` runs under ``control_dependencies([gate])``, but TensorFlow drops that
-    edge from ops that already consume an op made in the block, and graph rewrites may fold
-    such producers away. An explicit edge on each write keeps the gate whatever the optimizer.
-    Variable initialisers (of slots made on the fly) are left alone.
+    TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
+    in the block, and graph rewrites may fold such producers away: an edge on each write keeps
+    the gate whatever the optimizer.
     """
-    initializers = {v.initializer for v in _variables(graph)}
+    initializers = _initializers(graph)
+    return _wait_on(gate, [op for op in new_ops if _ops.is_write(op) and op not in initializers])
+
+
+def _wait_on(gate: tf.Tensor, ops: Iterable[tf.Operation]) -> List[tf.Operation]:
+    """Makes each of `ops` that does not wait on `gate` yet wait on it; returns those."""
     gated = []
-    for op in new_ops:
-        if _ops.is_write(op) and op not in initializers and gate.op not in op.control_inputs:
+    for op in ops:
+        if gate.op not in op.control_inputs:
             op._add_control_input(gate.op)  # pylint: disable=protected-access
             gated.append(op)
     return gated
@@ -126,25 +120,18 @@ def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tens
 def _gate_update_ops(
     update_ops: Sequence, gate: tf.Tensor, restored: frozenset = frozenset()
 ) -> list:
-    """Makes the variable writes that `update_ops` run wait on `gate`.
+    """Makes the variable writes that `update_ops` run wait on `gate`; returns them.
 
-    The writes are found by walking back from each update op, leaving out everything the
-    finiteness test itself needs (the forward pass), which must run before it; those are
-    put back on a bad step when they are among `restored`.
-
-    What it changes for the caller: a write an update op runs now waits on the finiteness
-    test, so fetching that update op alone (outside the train op) also runs the forward and
-    backward pass.
+    What the test itself needs (the forward pass) runs before it and is left out, with a
+    warning for a write among it that is not in `restored` (put back on a bad step).
     """
     roots = [op for op in (_ops.as_op(u) for u in update_ops) if op is not None]
     if not roots:
         return []
     needed_by_gate = _ops.ancestors([gate.op])
-    gated = []
-    for op in _ops.ancestors(roots) - needed_by_gate:
-        if _ops.is_write(op) and gate.op not in op.control_inputs:
-            op._add_control_input(gate.op)  # pylint: disable=protected-access
-            gated.append(op)
+    gated = _wait_on(
+        gate, [op for op in _ops.ancestors(roots) - needed_by_gate if _ops.is_write(op)]
+    )
     for op in roots:
         if op in needed_by_gate and any(
             _ops.is_write(w) and w not in restored for w in _ops.walk([op])
@@ -157,11 +144,6 @@ def _gate_update_ops(
     return gated
 
 
-def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
-    """The variable op (or handle op) a write op writes to, through cond's Switch ops."""
-    return _ops.source(op.inputs[0]).op if op.inputs else None
-
-
 def _variables(graph: tf.Graph) -> List[tf.Variable]:
     """The graph's global and local variables."""
     return graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
@@ -169,35 +151,35 @@ def _variables(graph: tf.Graph) -> List[tf.Variable]:
     )
 
 
+def _initializers(graph: tf.Graph) -> set:
+    return {v.initializer for v in _variables(graph)}
+
+
+def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
+    """The variable op (or handle op) a write op writes to, through cond's Switch ops."""
+    return _ops.source(op.inputs[0]).op if op.inputs else None
+
+
 # ------------------------------------------------------------------------- after the train op
 
 
 def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
-    """Hook mode: gates the variable writes built after the train op that wait on it.
+    """Gates the variable writes built after the train op that wait on it (an EMA of the
+    weights under ``tf.control_dependencies([train_op])``), and so whatever waits on them.
 
-    The train op yields the loss on a bad step too (the hook and the caller see it), so an op
-    made under ``tf.control_dependencies([train_op])``, such as an `ExponentialMovingAverage`
-    of the weights in the pattern of its docstring, would still run. Each variable write
-    downstream of the train op gets the pivot of the finiteness test as a control input, so
-    it is skipped on a bad step, as the train op's own writes are. So is whatever waits on
-    such a write: on a bad step, fetch the train op (or run the op as a target); a tensor
-    computed after the write has no value then. `NanLossHook.begin` calls this, before the
-    graph is finalized; calling it again gates only what was built since.
-
-    This edits ops already built with TensorFlow's private ``Operation._add_control_input``
-    (there is no public way to add an input to an existing op): each write gains a control
-    input on the pivot, so a run that fetches that write alone now also runs the forward and
-    backward pass and the finiteness test.
+    The train op yields the loss on a bad step too, so such a write would still run: it gets
+    the guard's pivot as a control input (on a bad step a tensor computed after it has no
+    value; fetch the train op). `NanLossHook.begin` calls this before the graph is finalized;
+    a second call gates only what was built since. With a finalized graph it gates nothing
+    and logs a warning.
 
     Args:
       guard: The guard of a train op made by `create_train_op`.
 
     Returns:
-      The write ops gated by this call. In hook mode they wait on the hook-mode pivot. In
-      check_numerics mode a bad step raises before anything after the train op can run, so
-      there is nothing to gate, except with a dynamic loss-scale optimizer: an overflow step
-      does not raise, and the writes wait on the gate that lets only the loss scale's own
-      update run on it.
+      The write ops gated by this call: in hook mode behind its pivot; in check_numerics mode
+      (a bad step raises first) none, but with a dynamic loss-scale optimizer, whose overflow
+      step does not raise, behind the gate that lets only the scale's update run then.
     """
     pivot = guard.pivot
     if pivot is None:
@@ -216,10 +198,7 @@ def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
             guard.train_op.name,
         )
         return []
-    gated = []
-    for op in writes:
-        op._add_control_input(pivot.op)  # pylint: disable=protected-access
-        gated.append(op)
+    gated = _wait_on(pivot, writes)
     if gated:
         logging.vlog(
             1,
@@ -248,10 +227,8 @@ class ForwardWrites:
     def put_back(self, ok: tf.Tensor) -> List[tf.Operation]:
         """The writes that put each snapshot back; they run only when `ok` is False.
 
-        Built on the TF1 ``Switch`` of the private ``control_flow_ops`` module, as the train
-        op's gate is: an op fed by the untaken side of a ``Switch`` is dead, so skipped, in
-        the same run; `tf.cond` would build functions (control flow v2) that no control edge
-        from outside can gate this way.
+        On a TF1 ``Switch``, as the gate is: an op fed by its untaken side is skipped in the
+        same run (`tf.cond` would build functions no control edge from outside can gate).
         """
         restores = []
         for variable, value in self.snapshots:
@@ -261,19 +238,14 @@ class ForwardWrites:
 
 
 def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
-    """Takes each variable's value before the writes the loss or the gradients wait on.
-
-    Such a write (a moving average that slim.batch_norm with ``updates_collections=None``
-    updates inside the forward pass) runs before the finiteness test, so it cannot be gated;
-    instead it is made to wait on a copy of its variable's value, which a bad step puts back.
-    The wait is a control input added with TensorFlow's private
-    ``Operation._add_control_input`` (the write is the user's, already built): the write
-    then also runs the copy, which is all it changes.
+    """Makes each write the loss or the gradients wait on (``slim.batch_norm`` with
+    ``updates_collections=None``), which runs before the test and cannot be gated, wait on a
+    copy of its variable's value, which a bad step puts back.
 
     Returns:
-      The snapshots and the write ops they cover. A write whose variable is not in the
-      graph's variable collections (or that sits in a loop body of its own) is logged as one
-      that cannot be undone.
+      The snapshots and the write ops they cover. A write whose variable is in no variable
+      collection, or that sits in a loop body of its own, is logged as one that cannot be
+      undone.
     """
     variables = {}
     for v in _variables(graph):
@@ -287,8 +259,7 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
             variable = variables[variable_op]
             # A copy: a write in place (a ref variable) must not change it.
             value = tf.raw_ops.DeepCopy(x=variable.value())
-            for op in ops:
-                op._add_control_input(value.op)  # pylint: disable=protected-access
+            _wait_on(value, ops)
             snapshots.append((variable, value))
             restored.update(ops)
     return ForwardWrites(tuple(snapshots), frozenset(restored))
@@ -297,13 +268,10 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
 def _forward_writes(
     graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
 ) -> Optional[Dict[tf.Operation, List[tf.Operation]]]:
-    """The writes `grad_sums` waits on that a snapshot can undo, by variable op.
-
-    None when it waits on no write at all. A functional tf.cond or while loop (control flow
-    v2: slim.batch_norm with a tensor is_training) writes in a body of its own: the op that
-    calls the body stands for its writes.
-    """
-    initializers = {v.initializer for v in _variables(graph)}
+    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; None when it
+    waits on none. The op that calls a body of control flow v2 (``slim.batch_norm`` with a
+    tensor ``is_training``) stands for the writes in it."""
+    initializers = _initializers(graph)
     ancestors = _ops.ancestors([grad_sums.op])
     writes = sorted(
         (op for op in ancestors if _ops.is_write(op) and op not in initializers),
@@ -316,7 +284,7 @@ def _forward_writes(
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
     for op in writes:
-        variable = variables.get(_ops.source(op.inputs[0]).op) if op.inputs else None
+        variable = variables.get(_written_variable(op))
         why = _why_not_undone(op, variable, context)
         if why:
             logging.warning(
@@ -362,14 +330,10 @@ def _why_not_undone(op: tf.Operation, variable: Optional[tf.Variable], context) 
 
 def _body_graphs(op: tf.Operation) -> list:
     """The function bodies of a control-flow-v2 op (cond_v2 and while_v2 keep them on it)."""
-    return [
-        g
-        for g in (
-            getattr(op, attr, None)
-            for attr in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
-        )
-        if g is not None
-    ]
+    bodies = (
+        getattr(op, a, None) for a in ("_true_graph", "_false_graph", "_cond_graph", "_body_graph")
+    )
+    return [g for g in bodies if g is not None]
 
 
 def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
@@ -414,21 +378,11 @@ AGGREGATE_CHECK_MESSAGE = (
 )
 
 
-def is_sync_replicas(optimizer) -> bool:
-    """Whether `optimizer` is a `tf.compat.v1.train.SyncReplicasOptimizer`."""
-    return isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer)
-
-
 def apply_sync_replicas(
     optimizer, grads_and_vars, global_step, gate: tf.Tensor
 ) -> Tuple[tf.Operation, List[tf.Operation]]:
-    """Builds ``optimizer.apply_gradients`` with its worker-side writes behind `gate`.
-
-    Args:
-      optimizer: A `SyncReplicasOptimizer`.
-      grads_and_vars: The (gradient, variable) pairs of this worker.
-      global_step: The global step variable (the optimizer needs one).
-      gate: The guard's test: its op must run (hook mode: be live) for a write to happen.
+    """Builds a `SyncReplicasOptimizer`'s ``apply_gradients`` of this worker's
+    `grads_and_vars` with its worker-side writes behind `gate` (see the module docstring).
 
     Returns:
       ``(train_op, gated)``: the optimizer's train op (token dequeue) and the ops made to wait
@@ -446,11 +400,7 @@ def apply_sync_replicas(
     first_new_op = len(graph.get_operations())
     train_op = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
     new_ops = graph.get_operations()[first_new_op:]
-    gated = []
-    for op in new_ops:
-        if op.type in _ACCUMULATE_OP_TYPES and gate.op not in op.control_inputs:
-            op._add_control_input(gate.op)  # pylint: disable=protected-access
-            gated.append(op)
+    gated = _wait_on(gate, [op for op in new_ops if op.type in _ACCUMULATE_OP_TYPES])
     if not gated:
         raise ValueError(
             "SyncReplicasOptimizer.apply_gradients made no accumulator op to "
@@ -469,16 +419,6 @@ def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation], global_step) ->
         # A sum may overflow over finite values: the verdict confirms a non-finite one exactly.
         verdict = _verdict.Verdict(taken)
         check = tf.debugging.check_numerics(verdict.checked, AGGREGATE_CHECK_MESSAGE)
-    writes = _writes_before(list(runner.enqueue_ops), stop_at=set(t.op for t in taken))
-    for op in writes:
-        op._add_control_input(check.op)  # pylint: disable=protected-access
-    return writes
-
-
-def _writes_before(roots: Sequence[tf.Operation], stop_at: set) -> List[tf.Operation]:
-    """The variable writes `roots` wait on, not looking past the ops in `stop_at`."""
-    return [
-        op
-        for op in _ops.walk(roots, stop=stop_at.__contains__)
-        if op not in stop_at and _ops.is_write(op)
-    ]
+    stop_at = {t.op for t in taken}  # The writes the queue runner waits on, after the take.
+    writes = _ops.walk(list(runner.enqueue_ops), stop=stop_at.__contains__)
+    return _wait_on(check, [op for op in writes if op not in stop_at and _ops.is_write(op)])

@@ -1,13 +1,9 @@
 """The graph vocabulary of the guard: which op types mean what, and the one walk over a graph.
 
-`Guard` runs the input ops to skip batches after a rollback, `_capture` keeps the outputs of
-placeholders and input ops on a bad step, and the autopsy calls a non-finite value made there
-"the batch itself" and does not replay past them. `is_write` names the ops that write a
-variable (what the gate holds back), `source` sees through the ops a cond, a while loop or a
-function body pass a tensor through, and `walk` is the one traversal every module uses (the
-ancestors of a test, the writes after a train op, the batch of a loss, the ops a replay
-checks). `RunsOp` tells the runs of a train op from the session's other runs (a hook adds
-nothing to those).
+The op types of the batch (what `_capture` keeps, the autopsy does not replay past, a rollback
+skips batches with), `is_write` (what the gate holds back), `source` (seeing through the ops
+that pass a tensor on), `walk` (the one traversal every module uses), and `RunsOp` (which runs
+of a session run a train op).
 """
 
 from __future__ import annotations
@@ -18,19 +14,9 @@ import tensorflow as tf
 
 # Ops that fetch the next batch when run: iterators, queues and readers.
 INPUT_OP_TYPES = frozenset(
-    {
-        "IteratorGetNext",
-        "IteratorGetNextSync",
-        "IteratorGetNextAsOptional",
-        "QueueDequeueV2",
-        "QueueDequeueManyV2",
-        "QueueDequeueUpToV2",
-        "QueueDequeue",
-        "QueueDequeueMany",
-        "QueueDequeueUpTo",
-        "ReaderReadV2",
-        "ReaderReadUpToV2",
-    }
+    "IteratorGetNext IteratorGetNextSync IteratorGetNextAsOptional QueueDequeueV2 "
+    "QueueDequeueManyV2 QueueDequeueUpToV2 QueueDequeue QueueDequeueMany QueueDequeueUpTo "
+    "ReaderReadV2 ReaderReadUpToV2".split()
 )
 
 # Ops whose output is a fed batch (a placeholder_with_default may sit over an iterator).
@@ -41,16 +27,9 @@ BATCH_OP_TYPES = PLACEHOLDER_TYPES | INPUT_OP_TYPES
 
 
 # Prefixes of the op types that write to a variable.
-_WRITE_OP_PREFIXES = (
-    "Assign",
-    "Apply",
-    "ResourceApply",
-    "SparseApply",
-    "ResourceSparseApply",
-    "Scatter",
-    "ResourceScatter",
-    "StridedSliceAssign",
-    "ResourceStridedSliceAssign",
+_WRITE_OP_PREFIXES = tuple(
+    "Assign Apply ResourceApply SparseApply ResourceSparseApply Scatter ResourceScatter "
+    "StridedSliceAssign ResourceStridedSliceAssign".split()
 )
 
 # Ops that pass a tensor through unchanged: into a TF1 tf.cond (Switch) or while loop (Enter).
@@ -69,21 +48,12 @@ def walk(
     control: bool = True,
     stop: Optional[Callable[[tf.Operation], bool]] = None,
 ) -> Iterator[tf.Operation]:
-    """Each op reachable from `roots`, once, depth first (`roots` included).
+    """Each op reachable from `roots` (included), once, depth first.
 
-    Backward (the default), an op leads to the ops of its inputs and, when `control`, to its
-    control inputs; forward, to the consumers of its outputs and, when `control`, to the ops
-    that wait on it. An op is yielded before the walk looks past it, so the caller may raise
-    on it; the walk does not look past an op for which `stop` is true.
-
-    Args:
-      roots: The ops to start from.
-      forward: Whether to walk towards the ops that use an op instead of those it uses.
-      control: Whether control edges count as edges.
-      stop: The ops not to look past (a placeholder, an input op, a fed op).
-
-    Yields:
-      The ops, in the order the walk meets them.
+    Backward (the default) an op leads to its inputs' ops, forward to its outputs' consumers;
+    with `control`, control edges count too. An op is yielded before the walk looks past it
+    (the caller may raise on it), and the walk does not look past an op for which `stop` is
+    true.
     """
     seen, stack = set(), list(roots)
     while stack:
@@ -112,19 +82,9 @@ def ancestors(roots: Iterable[tf.Operation]) -> set:
 def sources(
     roots: Iterable[tf.Operation], types: frozenset, *, control_inputs: bool = True
 ) -> List[tf.Operation]:
-    """The ops of `types` that `roots` depend on, without looking past them.
-
-    The walk goes back over data edges (and control edges when `control_inputs`) and stops
-    at an op of `types`: what lies behind an input op or a placeholder is not the batch.
-
-    Args:
-      roots: The ops to start from (a loss's op, for one).
-      types: The op types to find.
-      control_inputs: Whether control dependencies count as edges.
-
-    Returns:
-      The ops found, in the order the walk met them.
-    """
+    """The ops of `types` that `roots` depend on (through control edges too when
+    `control_inputs`), in the order the walk meets them, not looking past them: what lies
+    behind an input op or a placeholder is not the batch."""
 
     def of_types(op: tf.Operation) -> bool:
         return op.type in types
@@ -155,10 +115,8 @@ def as_op(item) -> Optional[tf.Operation]:
 
 
 def read_once_written(variable: tf.Variable, fill, name: Optional[str] = None) -> tf.Tensor:
-    """`variable`'s value once something wrote it, else a tensor of its shape full of `fill`.
-
-    For the guard's variables in no collection (no initializer runs them): they are written
-    by a step, and a read before any such step would fail the run."""
+    """`variable`'s value once something wrote it, else a tensor of its shape full of `fill`
+    (for the guard's variables in no collection, which no initializer runs)."""
     return tf.cond(
         variable.is_initialized(),
         variable.read_value,
@@ -175,18 +133,12 @@ def control_flow_contexts(context) -> Iterator:
 
 
 class RunsOp:
-    """Tells whether a ``session.run(fetches)`` runs one of some ops (a guarded train op).
+    """Tells whether a ``session.run(fetches)`` runs one of `ops` (a guarded train op).
 
-    A run runs an op when its fetches depend on it, through data or control edges: the train
-    op itself, its op or either's name, a structure (list, tuple, dict, namedtuple, attrs
-    class) holding one of those, an op built under ``tf.control_dependencies([train_op])``,
-    or the output of a while loop whose body holds the train op. A run of anything else (a
-    weight read for logging, the loss alone, an evaluation) does not. An op inside a function
-    body (a control flow v2 loop) is stood for by the op of the session's graph that calls
-    the function. The answer is cached per list of fetched ops.
-
-    Args:
-      *ops: The ops; a run that runs any of them counts.
+    A run runs an op when its fetches (a tensor, an op, a name, or a structure of those, as
+    `Session` reads it) depend on it through data or control edges: the train op, an op built
+    under ``tf.control_dependencies([train_op])``, a while loop whose body holds it. An op in a
+    function body is stood for by the op that calls the function. Cached per list of fetches.
     """
 
     def __init__(self, *ops: tf.Operation):

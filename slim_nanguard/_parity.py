@@ -1,12 +1,10 @@
 """What `create_train_op` does as tf-slim's does: its arguments, checks and gradient steps.
 
-tf-slim 1.1.0's ``create_train_op`` resolves its update ops and variables, computes the
-gradients, multiplies them (``gradient_multipliers``), clips them (``clip_gradient_norm``),
-hands them to ``transform_grads_fn`` (`tf_slim.training.create_train_op`'s argument) and
-adds their summaries. This module does the same, in the same order, on current TensorFlow
-(where tf-slim's own helpers fail on names TensorFlow removed), and refuses what tf-slim
-would fail on late (a Keras optimizer, a loss that is no scalar) with a message that says
-what to pass instead. Nothing here knows of the guard.
+As tf-slim 1.1.0's ``create_train_op``, in the same order and on current TensorFlow (where
+tf-slim's own helpers fail on names TensorFlow removed): resolve the update ops and variables,
+compute the gradients, multiply, clip, transform (``transform_grads_fn``) and summarize them.
+What tf-slim would fail on late (a Keras optimizer, a loss that is no scalar) is refused at
+once, with what to pass instead. Nothing here knows of the guard.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import tensorflow as tf
 
 from slim_nanguard import _log as logging
 
-# Same value (and, for small ints, the same object) as tf_slim's sentinel, so a caller that
-# passes `slim.learning._USE_GLOBAL_STEP` gets the same meaning.
+# tf_slim's sentinel (`slim.learning._USE_GLOBAL_STEP`), so that passing it means the same.
 USE_GLOBAL_STEP = 0
 
 GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
@@ -55,10 +52,8 @@ def compute_gradients(
     transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]],
     summarize_gradients: bool,
 ) -> GradsAndVars:
-    """The (gradient, variable) pairs tf-slim's train op applies, built as it builds them.
-
-    The arguments are `create_train_op`'s (tf-slim's). The multipliers, the clipping, the
-    transform and the summaries come in tf-slim's order.
+    """The (gradient, variable) pairs tf-slim's train op applies, built in its order from
+    `create_train_op`'s (tf-slim's) arguments.
 
     Raises:
       ValueError: The loss has no gradient with respect to any of `variables_to_train`.
@@ -109,11 +104,8 @@ def _check_loss(total_loss) -> None:
 
 
 def _check_optimizer(optimizer) -> None:
-    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` (nor works like one).
-
-    Keras optimizers (Keras 3, tf-keras and its ``legacy`` ones) have other signatures and fail
-    deep inside graph construction; one message names them all.
-    """
+    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` nor works like one
+    (Keras optimizers, which fail deep inside graph construction, are named)."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return
     compute = getattr(optimizer, "compute_gradients", None)
@@ -147,10 +139,8 @@ def _check_optimizer(optimizer) -> None:
 
 
 def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
-    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, in a stable order (by name).
-
-    As tf-slim, warns when given ops leave out some of the ``UPDATE_OPS`` collection.
-    """
+    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, by name (two builds of one graph
+    are the same); as tf-slim, warns when given ops leave out some of ``UPDATE_OPS``."""
     global_update_ops = set(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
     resolved = global_update_ops if update_ops is None else set(update_ops)
     if not global_update_ops.issubset(resolved):
@@ -158,7 +148,6 @@ def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
             "update_ops in create_train_op does not contain all the update_ops in "
             "GraphKeys.UPDATE_OPS"
         )
-    # A stable order, so that two builds of the same graph are the same.
     return sorted(resolved, key=lambda u: getattr(u, "name", str(u)))
 
 
@@ -190,16 +179,9 @@ def resolve_variables(variables_to_train) -> list:
 
 
 def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict) -> GradsAndVars:
-    """Multiplies the gradients of the variables named in `gradient_multipliers`.
-
-    Same contract as `tf_slim.learning.multiply_gradients`, on current TensorFlow.
-
-    Args:
-      grads_and_vars: A list of (gradient, variable).
-      gradient_multipliers: Dict from `Variable` or variable op name to a number or tensor.
-
-    Returns:
-      The list with the named gradients scaled.
+    """`tf_slim.learning.multiply_gradients` on current TensorFlow: `grads_and_vars` (a list)
+    with the gradients of the variables `gradient_multipliers` names (a `Variable` or its op's
+    name -> a number or tensor) multiplied.
 
     Raises:
       ValueError: If the arguments have the wrong type, or a named variable has no gradient.
@@ -221,35 +203,30 @@ def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict)
             multiplier = gradient_multipliers[key]
             if not isinstance(multiplier, tf.Tensor):
                 multiplier = tf.constant(multiplier, dtype=grad.dtype)
-            if isinstance(grad, tf.IndexedSlices):
-                grad = tf.IndexedSlices(grad.values * multiplier, grad.indices, grad.dense_shape)
-            else:
-                grad = grad * multiplier
+            grad = _on_values(grad, lambda values: values * multiplier)  # noqa: B023 (called at once)
         result.append((grad, var))
     return result
 
 
 def clip_gradient_norms(grads_and_vars: GradsAndVars, max_norm: float) -> GradsAndVars:
     """Clips each gradient to `max_norm` (as `tf_slim.learning.clip_gradient_norms`)."""
-    result = []
-    for grad, var in grads_and_vars:
-        if isinstance(grad, tf.IndexedSlices):
-            grad = tf.IndexedSlices(
-                tf.clip_by_norm(grad.values, max_norm), grad.indices, grad.dense_shape
-            )
-        elif grad is not None:
-            grad = tf.clip_by_norm(grad, max_norm)
-        result.append((grad, var))
-    return result
+    return [
+        (None if g is None else _on_values(g, lambda v: tf.clip_by_norm(v, max_norm)), var)
+        for g, var in grads_and_vars
+    ]
+
+
+def _on_values(grad, fn: Callable[[tf.Tensor], tf.Tensor]):
+    """`fn` of a gradient, or of a `tf.IndexedSlices`' values (indices kept)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
 
 
 def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
-    """Adds a histogram and a norm summary of each gradient.
-
-    As `tf_slim.learning.add_gradients_summaries`, except that the histogram shows only the
-    finite values: TensorFlow's histogram op raises on NaN, which would turn a skipped step
-    into a crash.
-    """
+    """`tf_slim.learning.add_gradients_summaries`: a histogram and a norm summary of each
+    gradient, the histogram of its finite values only (TensorFlow's raises on a NaN, which
+    would turn a skipped step into a crash)."""
     summaries = []
     for grad, var in grads_and_vars:
         if grad is None:

@@ -1,14 +1,11 @@
 """An exact finiteness verdict and the global gradient norm, from one cheap reduction pass.
 
 A square is NaN or Inf whenever its element is, so a finite sum of squares proves every
-element finite: that is the fast test, and it never misses a bad value. The same sum is the
-global gradient norm's. A good step pays one ``L2Loss`` per group of gradients (those of one
-dtype and shape are stacked into one), not one reduction per gradient. The converse does not
-hold: finite elements can square and add up past the float range (1,000 elements of 1e36 in
-float32), so a non-finite sum only says "maybe". The verdict is exact all the same: when the
-fast test fails, and only then, each tensor is tested element by element
-(``reduce_any(is_nan)``, ``reduce_any(is_inf)``), which also says what it holds, and the norm
-is summed again in float64. A good step runs none of that.
+element finite: that is the fast test, it never misses a bad value, and the same sum gives the
+global gradient norm. The converse does not hold (finite elements can square and add up past
+the float range), so a non-finite sum only says "maybe": then, and only then, each tensor is
+tested element by element, which also says what it holds, and the norm is summed again in
+float64. A good step runs none of that.
 
 Kinds are small integers, one per tensor: ``0`` finite, ``1`` NaN, ``2`` Inf, ``3`` both
 (`kind_name` turns them into the names a record carries).
@@ -47,8 +44,7 @@ def kind_word(kind: str) -> str:
 
 def kind_code(tensor: tf.Tensor) -> tf.Tensor:
     """Scalar int32: 1 if `tensor` holds a NaN, plus 2 if it holds an Inf (exact)."""
-    if isinstance(tensor, tf.IndexedSlices):
-        tensor = tensor.values
+    tensor = _values(tensor)
     nan = tf.cast(tf.reduce_any(tf.math.is_nan(tensor)), tf.int32)
     inf = tf.cast(tf.reduce_any(tf.math.is_inf(tensor)), tf.int32)
     return nan + 2 * inf
@@ -92,20 +88,17 @@ def _widened(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tensor if tensor.dtype.base_dtype == dtype else tf.cast(tensor, dtype)
 
 
-# The largest stack of same-shape tensors `half_squares` makes, in bytes. A stack copies its
-# tensors; above about 128 KiB the allocator maps fresh pages for it on every step, and the
-# copy costs more than the reductions it saves (docs/performance.md has the measurements).
+# The largest stack of same-shape tensors `half_squares` makes, in bytes: a larger copy costs
+# more than the reductions it saves (docs/performance.md, "One reduction pass").
 _STACK_BYTES = 1 << 16
 
 
 def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
     """Scalars in `dtype` that add up to half the sum of squares of every element of `tensors`.
 
-    Each scalar is one `tf.nn.l2_loss` (one kernel: square, add, halve) over a group of
-    tensors, so a step runs one reduction per group rather than one per tensor: tensors of
-    one dtype and one static shape are stacked, up to `_STACK_BYTES` a stack; any other is
-    reduced alone. Half-precision groups are widened to `dtype` first. A scalar is NaN or Inf
-    when an element of its group is, or when the squares add up past `dtype`'s range.
+    One `tf.nn.l2_loss` per group: tensors of one dtype and static shape are stacked, up to
+    `_STACK_BYTES` a stack; any other is reduced alone, widened to `dtype`. A scalar is NaN or
+    Inf when an element of its group is, or when the squares add up past `dtype`'s range.
     """
     by_shape: Dict[object, List[tf.Tensor]] = {}
     for i, t in enumerate(tensors):
@@ -126,18 +119,10 @@ def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
 class Verdict:
     """The finiteness test of a step and its global gradient norm, from one reduction pass.
 
-    The fast test is one sum: the loss plus half the sum of squares of every gradient element
-    (`half_squares`: one ``L2Loss`` per group of gradients, not one reduction per gradient).
-    A square is NaN or Inf when its element is, so a finite total proves every value finite.
-    The converse does not hold: finite squares can add up past the float range (float32
-    squares overflow from 1.8e19, and 1,000 gradients of 1e36 do), so a non-finite total only
-    says "maybe". The verdict is exact all the same: when the fast test fails, and only then,
-    each tensor is tested element by element (`kind_code`), which also says what it holds.
-
-    A good step runs the group reductions, one ``AddN``, an ``IsFinite``, a ``Switch`` and
-    a ``Merge`` (and the ``IsFinite`` of `ok` where it is used). (A ``Switch`` of the test on
-    itself would save an ``IsFinite``, but TensorFlow's constant folding turns its outputs
-    into constants with a control edge each, which costs more.)
+    The fast test is the loss plus half the sum of squares of every gradient element
+    (`half_squares`); when it fails, and only then, each tensor is tested by `kind_code`. A
+    good step runs the group reductions, one ``AddN``, an ``IsFinite``, a ``Switch`` and a
+    ``Merge`` (and the ``IsFinite`` of `ok` where it is used).
 
     Attributes:
       tensors: The loss (if given), then the gradients: what `kinds` describes, in order.
@@ -151,12 +136,11 @@ class Verdict:
       ok: Scalar bool, exact: ``is_finite(checked)``, True when every value of `tensors` is
         finite.
       global_norm: Float64 scalar, the square root of the sum of squares of every gradient
-        element (`tf.IndexedSlices` by their values, as `tf.clip_by_global_norm` takes them).
-        It comes from the fast test's reductions when that passes (nothing more is reduced);
-        when it fails, it is summed again in float64 on that branch only, so it is finite
-        whenever every element is (float32 and float16 squares cannot overflow float64;
-        float64 gradients beyond about 1e154 still can), and NaN or Inf when one is.
-        Nothing runs for it on a step that does not fetch it.
+        element (`tf.IndexedSlices` by their values, as `tf.clip_by_global_norm` takes them):
+        the fast test's reductions when that passes; else summed again in float64 on that
+        branch only, so finite whenever every element is (but float64 gradients beyond about
+        1e154), NaN or Inf when one is. Built on first use, in the graph and control-flow
+        context of the verdict; nothing runs for it on a step that does not fetch it.
     """
 
     def __init__(
@@ -166,7 +150,7 @@ class Verdict:
         loss: Optional[tf.Tensor] = None,
         kinds_variable: Optional[tf.Variable] = None,
     ):
-        """Builds the test.
+        """Builds the test in the current graph and control-flow context.
 
         Args:
           gradients: The gradients judged (`tf.IndexedSlices` are judged by their values).
@@ -212,9 +196,7 @@ class Verdict:
 
     @property
     def global_norm(self) -> tf.Tensor:
-        """The global gradient norm (see the class docstring); built on first use, so a train
-        op that never asks for it has none of its ops. Ask for it in the graph and the
-        control-flow context the verdict was built in."""
+        """The global gradient norm (see the class docstring)."""
         if self._global_norm is None:
             with tf.name_scope(self._scope), tf.name_scope("global_norm"):
                 _, cheap = control_flow_ops.switch(tf.math.add_n(list(self._halves)), self.fast)
@@ -235,9 +217,8 @@ class Verdict:
             yield
 
     def confirm_after(self, ops: Sequence) -> None:
-        """Makes the exact test wait on `ops`, built in `when_failed`: on a step whose fast
-        test failed they run before `checked` has a value (a check of it raises only after
-        them), and on any other step they do not run. No op is added to a good step."""
+        """Makes the exact test wait on `ops` (built in `when_failed`): they run before
+        `checked` has a value on a step whose fast test failed, and not on any other step."""
         # The confirmed value's op is already built: TensorFlow has no public API that adds
         # an input to it.
         self._confirmed.op._add_control_inputs([getattr(op, "op", op) for op in ops])  # pylint: disable=protected-access

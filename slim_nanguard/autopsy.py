@@ -1,23 +1,18 @@
 """Reading a run's autopsies after the fact: the report, the offline replay, the plot.
 
 What ``slim-nanguard-autopsy TRAIN_DIR`` prints and does, as library functions (the command
-only parses flags and calls these):
-
-* `find_bad_step` picks the record of a bad step from ``nanguard_events.jsonl``;
-* `format_report` turns it into a few lines for a terminal;
-* `replay_dump` rebuilds the graph from the checkpoint's meta graph and replays the step from
-  the dump alone (the batch and the weights it read), on any machine;
-* `plot_run` draws the loss over steps (`loss_pieces`: the TensorBoard events, and the losses
-  of the steps before each bad step that its record keeps), with every bad step, skip and
-  rollback of the record marked on it (needs matplotlib: the ``plot`` extra).
+only parses flags and calls these): `find_bad_step` picks a bad step's record from
+``nanguard_events.jsonl``, `format_report` turns it into lines for a terminal, `replay_dump`
+replays the step from its dump alone (the batch and the weights it read) on any machine, and
+`plot_run` draws the loss over steps with the guard's events marked (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
-import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard import _autopsy
@@ -25,11 +20,6 @@ from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
 from slim_nanguard._reasons import NON_FINITE
-
-
-def bad_steps(train_dir: str) -> List[Dict[str, Any]]:
-    """The ``bad_step`` records of a run, oldest first."""
-    return [r for r in _record.read_events(train_dir) if r.get("kind") == "bad_step"]
 
 
 def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
@@ -41,14 +31,12 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
         latest bad step).
 
     Returns:
-      The record (the last one of that step: a rollback can bring a step back). When its
-      autopsy dump was removed since (`GuardConfig.autopsy_keep_first` and
-      ``autopsy_keep_last`` bound the dumps' disk use), ``dump_removed`` holds the record
-      that says so.
+      The last record of that step (a rollback can bring a step back); ``dump_removed`` holds
+      the record of its autopsy dump's removal, if it was removed since.
 
     Raises:
-      ValueError: The directory has no event record, no bad step, or none at `step`; the
-        message lists the bad steps there are.
+      ValueError: No event record, no bad step, or none at `step` (the message lists those
+        there are).
     """
     import tensorflow as tf  # Local, as elsewhere here.
 
@@ -77,7 +65,7 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
 
 
 def format_report(record: Mapping[str, Any]) -> str:
-    """A few lines on one bad step and its autopsy, for a terminal."""
+    """A few lines on one bad step (its `find_bad_step` record) and its autopsy."""
     lines = [
         f"bad step at global step {record.get('step')} ({record.get('mode')} mode): loss "
         f"{record.get('loss')} ({record.get('loss_kind')}), action {record.get('action')}"
@@ -86,40 +74,12 @@ def format_report(record: Mapping[str, Any]) -> str:
         culprits, kinds = record["culprits"], record.get("culprit_kinds") or []
         held = f" ({_verdict.describe(list(zip(culprits, kinds)))})" if kinds else ""
         lines.append(f"  culprits    non-finite gradients of {', '.join(culprits)}{held}")
-    autopsy = record.get("autopsy")
-    if not autopsy:
+    if not record.get("autopsy"):
         lines.append("  autopsy     none (autopsies off, or past autopsy_max_steps)")
         return "\n".join(lines)
-    result = with_spike_over(_autopsy.Autopsy.from_json(autopsy), record)
+    result = with_spike_over(_autopsy.Autopsy.from_json(record["autopsy"]), record)
     lines.append(f"  autopsy     {result.describe()}")
-    if result.top_examples:  # A spike's examples, highest per-example loss first.
-        median = result.median_loss
-        lines.append(f"  per example {result.per_example_loss}")
-        lines.append(
-            "  highest     "
-            + ", ".join(f"example {i}: {loss:.6g}" for i, loss in result.top_examples)
-            + (f" (batch of {result.batch_size}" if result.batch_size else " (batch")
-            + (f", median {median:.6g})" if median is not None else ")")
-        )
-    op = result.first_bad_op
-    if op:
-        lines.append(f"  op          {op['name']} ({op['type']})")
-        for number, frame in enumerate(op.get("traceback") or []):
-            lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
-        for h in op.get("inputs") or []:
-            lines.append(f"  input       {describe_health(h)}")
-        for h in op.get("output") or []:
-            lines.append(f"  output      {describe_health(h)}")
-    if result.bad_examples:
-        examples = list(result.bad_examples)
-        shown = (
-            f"all {len(examples)}"
-            if len(examples) == result.batch_size
-            else ", ".join(map(str, examples[:20]))
-            + (f" and {len(examples) - 20} more" if len(examples) > 20 else "")
-        )
-        at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
-        lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
+    lines += _spike_example_lines(result) + _first_bad_op_lines(result)
     removed = record.get("dump_removed")
     if result.dump and removed:
         lines.append(
@@ -137,30 +97,62 @@ def format_report(record: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _spike_example_lines(result: _autopsy.Autopsy) -> List[str]:
+    """A spike's examples in the report: the per-example loss, the highest losses first."""
+    if not result.top_examples:
+        return []
+    median = result.median_loss
+    return [
+        f"  per example {result.per_example_loss}",
+        "  highest     "
+        + ", ".join(f"example {i}: {loss:.6g}" for i, loss in result.top_examples)
+        + (f" (batch of {result.batch_size}" if result.batch_size else " (batch")
+        + (f", median {median:.6g})" if median is not None else ")"),
+    ]
+
+
+def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
+    """The first non-finite op in the report: where it was built, its inputs and output, and
+    the examples of the batch behind it."""
+    op, lines = result.first_bad_op, []
+    if op:
+        lines.append(f"  op          {op['name']} ({op['type']})")
+        for number, frame in enumerate(op.get("traceback") or []):
+            lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
+        lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
+        lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
+    if result.bad_examples:
+        examples = list(result.bad_examples)
+        shown = (
+            f"all {len(examples)}"
+            if len(examples) == result.batch_size
+            else ", ".join(map(str, examples[:20]))
+            + (f" and {len(examples) - 20} more" if len(examples) > 20 else "")
+        )
+        at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
+        lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
+    return lines
+
+
 def with_spike_over(result: _autopsy.Autopsy, record: Mapping[str, Any]) -> _autopsy.Autopsy:
-    """`result`, knowing what its spike was caught on from the bad step's `record` (its
-    ``spike.over``) when its own ``spike_over`` is empty (a dump written before it had one),
-    so that its sentence hedges a guess as the log line did."""
+    """`result`, with the values its spike was caught on taken from the bad step's `record`
+    (its ``spike.over``) when a dump older than ``spike_over`` left it empty."""
     over = (record.get(str(record.get("cause"))) or {}).get("over")
     if result.cause == NON_FINITE or result.spike_over or not over:
         return result
-    return _replace(result, spike_over=tuple(over))
+    return dataclasses.replace(result, spike_over=tuple(over))
 
 
 def describe_health(h: Mapping[str, Any]) -> str:
     """``name [6] float32: 1 -Inf, 1 zero, finite in [0, 5.17]`` for a health dict."""
-    counts = [
-        f"{h[k]} {w}"
-        for k, w in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf"))
-        if h.get(k)
-    ]
+    counts = _autopsy.non_finite_counts(h)
     if h.get("zeros"):
         counts.append(f"{h['zeros']} zero{'s' if h['zeros'] > 1 else ''}")
     low, high = h.get("finite_min"), h.get("finite_max")
     span = (
         f"finite in [{low:.6g}, {high:.6g}]"
         if low is not None and high is not None
-        else ("no finite value")
+        else "no finite value"
     )
     shape = "x".join(str(d) for d in h.get("shape") or []) or "scalar"
     return f"{h.get('name', '?')} [{shape}] {h.get('dtype', '')}: {', '.join(counts + [span])}"
@@ -172,9 +164,8 @@ def replay_dump(
     """Replays a bad step offline, from the checkpoint's meta graph and the dump.
 
     The graph comes from the ``.meta`` file of the latest checkpoint of `train_dir` (every
-    checkpoint of a run has the same graph). The batch and, when the dump holds them, the
-    weights the step read are fed; the checkpoint is restored first, for whatever the dump
-    does not hold.
+    checkpoint of a run has the same graph), which is restored first; the dump's batch and,
+    when it holds them, the weights the step read are fed.
 
     Args:
       dump_path: The JSON report of the dump (the record's ``autopsy.dump``).
@@ -196,9 +187,23 @@ def replay_dump(
             f"the dump {dump_path} does not exist (was the run's directory "
             "moved? pass the directory the dump sits in)."
         )
+    report, batch, weights = _autopsy.read_dump(dump_path)
+    checkpoint, meta = _checkpoint_and_meta_graph(train_dir)
+    return _replay_from(meta, checkpoint, report, batch, weights, timeout_secs)
+
+
+def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
+    """The latest checkpoint of `train_dir` (None if none) and the meta graph to replay in:
+    the checkpoint's, else the last ``*.meta`` of the directory.
+
+    Raises:
+      ValueError: No meta graph.
+      UnreadableCheckpointError: The checkpoint cannot be read.
+    """
+    import tensorflow as tf  # Local, as elsewhere here.
+
     from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
 
-    report, batch, weights = _autopsy.read_dump(dump_path)
     checkpoint = _checkpoints.latest_checkpoint(train_dir)
     if checkpoint and tf.io.gfile.exists(checkpoint + ".index"):
         _checkpoints.non_finite_variables(checkpoint)  # Raises if it cannot be read.
@@ -211,16 +216,31 @@ def replay_dump(
                 "the graph from; replay needs the run's checkpoint directory."
             )
         meta = metas[-1]
+    return checkpoint, meta
+
+
+def _replay_from(
+    meta: str,
+    checkpoint: Optional[str],
+    report: Mapping[str, Any],
+    batch: Mapping[str, Any],
+    weights: Mapping[str, Any],
+    timeout_secs: float,
+) -> _autopsy.Autopsy:
+    """`_autopsy.replay` of the dump's `report` in the graph of `meta`, restored from
+    `checkpoint`, feeding its `batch` and `weights` (tensor name -> array); a graph that is
+    not the run's or a tensor that cannot be fed makes an `Autopsy` whose ``error`` says so."""
+    import tensorflow as tf  # Local, as elsewhere here.
+
     graph = tf.Graph()
     with graph.as_default():
         saver = tf.compat.v1.train.import_meta_graph(meta, clear_devices=True)
-    step = int(report.get("step", -1))
+    step, cause = int(report.get("step", -1)), report.get("cause", "non_finite")
     with tf.compat.v1.Session(graph=graph) as sess:
         try:
             if checkpoint and saver is not None:
                 saver.restore(sess, checkpoint)
-            feeds = {graph.get_tensor_by_name(name): value for name, value in batch.items()}
-            feeds.update({graph.get_tensor_by_name(name): value for name, value in weights.items()})
+            feeds = {graph.get_tensor_by_name(name): v for name, v in {**batch, **weights}.items()}
             result = _autopsy.replay(
                 sess,
                 feeds,
@@ -228,36 +248,32 @@ def replay_dump(
                 timeout_secs=timeout_secs,
                 step=step,
                 batch_size=int(report.get("batch_size") or 0) or None,
-                cause=report.get("cause", "non_finite"),
+                cause=cause,
             )
-            result = _replace(result, spike_over=tuple(report.get("spike_over") or ()))
         except (KeyError, ValueError, tf.errors.OpError) as err:
-            # A graph that is not the run's, a tensor that cannot be fed.
-            return _autopsy.Autopsy(
-                step=step,
-                cause=report.get("cause", "non_finite"),
-                error=f"{type(err).__name__}: "
-                f"{str(getattr(err, 'message', '') or err).splitlines()[0]}",
-            )
-    op = result.first_bad_op
-    recorded = report.get("first_bad_op") or {}
+            return _autopsy.Autopsy(step=step, cause=cause, error=_autopsy.error_line(err))
+    return _with_what_the_dump_says(result, report, bool(weights), checkpoint)
+
+
+def _with_what_the_dump_says(
+    result: _autopsy.Autopsy, report: Mapping[str, Any], has_weights: bool, checkpoint
+) -> _autopsy.Autopsy:
+    """`result` with what its dump's `report` knows: the values a spike was caught on, the
+    first bad op's traceback (an imported graph has none), and a note when the dump held no
+    weights, so that the replay read the `checkpoint`'s."""
+    result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
+    op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
-        # An imported graph has no Python tracebacks: the recorded one is the same op's.
         op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
-        result = _replace(result, first_bad_op=op)
-    if not weights:
+        result = dataclasses.replace(result, first_bad_op=op)
+    if not has_weights:
         note = (
             f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
             "which may predate the bad step"
         )
-        result = _replace(result, error=f"{result.error}; {note}" if result.error else note)
+        error = f"{result.error}; {note}" if result.error else note
+        result = dataclasses.replace(result, error=error)
     return result
-
-
-def _replace(result: _autopsy.Autopsy, **changes) -> _autopsy.Autopsy:
-    import dataclasses
-
-    return dataclasses.replace(result, **changes)
 
 
 # ---------------------------------------------------------------------- the plot
@@ -269,13 +285,9 @@ Point = Tuple[int, float]
 
 
 def read_scalars(train_dir: str, tags: Sequence[str] = LOSS_TAGS) -> Tuple[str, List[Point]]:
-    """The loss series of the TensorBoard event files of `train_dir`.
-
-    Of `tags`, the one with the most points (the first in `tags` on a tie).
-
-    Returns:
-      ``(tag, [(step, value), ...])`` in the order they were written: after a rollback the
-      steps start again from the checkpoint's.
+    """``(tag, [(step, value), ...])``: the series of `tags` with the most points (the first on
+    a tie) in the TensorBoard event files of `train_dir`, in the order written (after a
+    rollback the steps start again from the checkpoint's).
 
     Raises:
       ValueError: No event file, or none of the tags in it.
@@ -316,21 +328,16 @@ def _scalar_events(
 
 
 def split_at_rollbacks(points: Sequence[Point]) -> List[Tuple[List[Point], List[Point]]]:
-    """Splits a series written in order into ``(kept, dropped)`` runs.
-
-    A step that does not exceed the one before starts a new run (a rollback went back). In
-    each run, the points from that restart's step on were undone: ``dropped``. The point
-    before them is in both, so that the lines join.
-    """
+    """Splits a series written in order into ``(kept, dropped)`` runs: a step that does not
+    exceed the one before starts a run, and the points of the run before from that step on
+    were undone (``dropped``, which starts with the last kept point, so the lines join)."""
     return _split(_runs([(None, point) for point in points]))
 
 
 def _runs(points: Sequence[Tuple[Optional[int], Point]]) -> List[Tuple[Optional[int], List]]:
-    """Cuts ``(restart, point)`` items written in order into ``(restart, points)`` runs.
-
-    An item whose ``restart`` is not None (the first point after a rollback to that step)
-    starts a new run; so does a step that does not exceed the one before.
-    """
+    """Cuts ``(restart, point)`` items written in order into ``(restart, points)`` runs: an
+    item with a ``restart`` step (the first after a rollback) starts one, and so does a step
+    that does not exceed the one before."""
     runs: List[Tuple[Optional[int], List[Point]]] = []
     for restart, point in points:
         if runs and restart is None and point[0] > runs[-1][1][-1][0]:
@@ -360,16 +367,10 @@ def _split(runs: Sequence[Tuple[Optional[int], List[Point]]]) -> List[Tuple[List
 def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point]]]]:
     """The loss over steps as `plot_run` draws it, cut where the run went back.
 
-    Two sources: the TensorBoard scalars (`read_scalars`), and the losses of the steps before
-    each bad step that its record keeps (``losses_before``: every step, so a divergence
-    between two summaries shows). Where a record's losses cover a stretch of steps, they
-    stand for the summaries there. The run goes back at each rollback, to the step of the
-    checkpoint it restored (the points from there on were undone), and wherever a summary's
-    step does not exceed the one before (a resumed run). NaN and Inf are left out: the bad
-    steps are marked on the plot instead.
-
-    Args:
-      train_dir: The training directory.
+    From the TensorBoard scalars (`read_scalars`) and the losses each bad step's record keeps
+    (``losses_before``), which stand for the summaries of the steps they cover. The run goes
+    back at each rollback, to the step of the checkpoint it restored, and wherever a step
+    does not exceed the one before (a resumed run). NaN and Inf are left out.
 
     Returns:
       ``(tag, pieces)``: the TensorBoard tag drawn (`RECORD_TAG` when the record alone has
@@ -378,6 +379,8 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
     Raises:
       ValueError: No TensorBoard loss and no record of losses.
     """
+    from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
+
     records = _record.read_events(train_dir)
     kept_losses = [r for r in records if r.get("kind") == "bad_step" and r.get("losses_before")]
     try:
@@ -388,7 +391,7 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
         tag, written = RECORD_TAG, []
     # Each rollback starts a stretch: the time it was decided, the step it went back to.
     rollbacks = sorted(
-        (float(r["time"]), _restored_step(r))
+        (float(r["time"]), _checkpoints.checkpoint_step(str(r.get("checkpoint") or "")))
         for r in records
         if r.get("kind") == "rollback" and "time" in r
     )
@@ -425,20 +428,10 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
     return tag, _split(_runs(marked))
 
 
-def _restored_step(record: Mapping[str, Any]) -> Optional[int]:
-    """The global step of the checkpoint a rollback record restored (``model.ckpt-40``)."""
-    match = re.search(r"-(\d+)$", str(record.get("checkpoint") or ""))
-    return int(match.group(1)) if match else None
-
-
 def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, float]:
-    """The steps a close look at one bad step shows: from the first loss its record kept
-    before it (`margin` steps before it when none), and a quarter of that span past it.
-
-    Args:
-      record: The bad step's record.
-      margin: The steps shown before a bad step whose record kept no loss.
-    """
+    """The steps a close look at one bad step (its `record`) shows: from the first loss its
+    record kept before it (`margin` steps before it when none), and a quarter of that span
+    past it."""
     step = int(record.get("step", 0))
     before = [s for s, _ in record.get("losses_before") or ()]
     first = min(before) if before else step - margin
@@ -447,19 +440,11 @@ def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, flo
 
 
 def plot_run(train_dir: str, out_path: str) -> str:
-    """Draws the loss over steps with the bad steps, skips and rollbacks marked.
+    """Draws `run_figure` of `train_dir` into the image `out_path` (a URL too); returns it.
 
-    Each bad step is marked at its own loss (a spike, or NaN gradients under a finite loss);
-    one whose loss is NaN or Inf at the top of the plot, its legend entry saying which. The
-    axis is logarithmic where the values drawn are far apart. A spike (a bad step whose
-    record's ``cause`` is ``"spike"``) has a marker of its own, apart from a non-finite step.
-
-    Args:
-      train_dir: The training directory.
-      out_path: The image to write (``.png``).
-
-    Returns:
-      `out_path`.
+    Each bad step is marked at its own loss, one whose loss is NaN or Inf at the top of the
+    plot (its legend entry says which), and a spike with a marker of its own. The axis is
+    logarithmic where the values drawn are far apart.
 
     Raises:
       ImportError: matplotlib is not installed (install the ``plot`` extra).
@@ -494,12 +479,9 @@ def _pyplot():
 def run_figure(train_dir: str):
     """The figure `plot_run` saves: the whole run, and a close look at the first bad step.
 
-    Args:
-      train_dir: The training directory.
-
     Returns:
-      A matplotlib ``Figure``; its first axes is the whole run, with the legend. The caller
-      closes it (``matplotlib.pyplot.close(figure)``).
+      A matplotlib ``Figure`` (the caller closes it); its first axes, with the legend, is the
+      whole run.
 
     Raises:
       ImportError: matplotlib is not installed.
@@ -525,14 +507,19 @@ def run_figure(train_dir: str):
     if bad:
         low, high = zoom_window(bad[0])
         close.set_xlim(low, high)
-        curve = [v for run in pieces for part in run for _, v in part]
-        shown = [v for run in pieces for part in run for s, v in part if low <= s <= high]
-        shown += [y for s, y, *_ in _event_marks(records, curve) if low <= s <= high]
+        points = [p for run in pieces for part in run for p in part]
+        shown = [v for s, v in points if low <= s <= high]
+        shown += [y for s, y, *_ in _event_marks(records, _values(pieces)) if low <= s <= high]
         if shown:  # The loss and the marks in the window, not the whole run.
             close.set_ylim(*_padded(close, min(shown), max(shown)))
         close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
     return figure
+
+
+def _values(pieces) -> List[float]:
+    """The losses of `loss_pieces`' pieces."""
+    return [v for run in pieces for part in run for _, v in part]
 
 
 def _padded(axes, low: float, high: float) -> Tuple[float, float]:
@@ -614,19 +601,13 @@ def _draw(axes, tag: str, pieces, records) -> None:
 
     for kept, dropped in pieces:
         if dropped:
-            axes.plot(
-                [s for s, _ in dropped],
-                [v for _, v in dropped],
-                color="0.6",
-                lw=1.2,
-                ls="--",
-                label=once("dropped by a rollback"),
-            )
+            label = once("dropped by a rollback")
+            axes.plot(*zip(*dropped), color="0.6", lw=1.2, ls="--", label=label)
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
-    marks = _event_marks(records, [v for run in pieces for part in run for _, v in part])
-    values = [v for run in pieces for part in run for _, v in part] + [m[1] for m in marks]
+    marks = _event_marks(records, _values(pieces))
+    values = _values(pieces) + [m[1] for m in marks]
     if values and min(values) > 0 and max(values) / min(values) > _LOG_SCALE_RATIO:
         axes.set_yscale("log")  # a divergence, or a spike, spans orders of magnitude
     for step, value, marker, color, label in marks:
