@@ -239,6 +239,9 @@ def _loss_scale_skip(loss, optimizer):
 # repeated batch after about 300 steps, and skips that same step from then on, so that the
 # run would time bad steps, not the guard.
 _SPIKE_SIGMA = 1000.0
+# The fewest untraced steps before a profile: a good step of the spike test past its warm-up
+# (20 accepted steps by default, whose writes trim the warm-up's outliers) is what it measures.
+PROFILE_WARMUP_STEPS = 30
 
 
 def _ours(
@@ -1145,7 +1148,8 @@ def profile_step(
     """A per-op profile of one step of each variant, against its unguarded reference.
 
     Builds every variant of ``settings.all_variants()`` (one session each), warms each up
-    with ``settings.warmup_steps`` steps and one traced step, then traces `steps` steps of
+    with ``settings.warmup_steps`` steps (at least `PROFILE_WARMUP_STEPS`: past the spike
+    test's warm-up, whose writes trim outliers) and one traced step, then traces `steps` steps of
     each (``RunOptions(trace_level=FULL_TRACE)``, run as the variant's loop runs it, hooks
     included), the variants taking turns so that they share the machine's moments. Per
     variant and step, averaged over the steps: the nodes executed, the sum of their times
@@ -1180,7 +1184,7 @@ def profile_step(
         ):
             trainers[name] = trainer
         for trainer in trainers.values():
-            for _ in range(settings.warmup_steps):
+            for _ in range(max(settings.warmup_steps, PROFILE_WARMUP_STEPS)):
                 trainer.step()
             _traced_step(trainer.session, trainer.train_op)  # Tracing's own first-run costs.
         traces = {name: _Trace() for name in names}
