@@ -30,8 +30,9 @@ import dataclasses
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-# The values a spike is judged on, in the order of a spike record's fields.
-COLUMNS = ("loss", "grad_norm")
+from slim_nanguard._spike import COLUMNS
+from slim_nanguard._spike import NAMES
+
 # How many of the window's deviations (of the logarithms) a new level's values may spread
 # over, and its later half lie above its earlier half.
 SPREAD = 2.0
@@ -68,7 +69,7 @@ class LevelShift:
     def describe(self) -> str:
         """One sentence for the log: what moved, from what to what, over which steps."""
         moved = ", ".join(
-            f"{_NAMES[c]} {self.old[c]:.4g} -> {self.new[c]:.4g}" for c in COLUMNS if c in self.new
+            f"{NAMES[c]} {self.old[c]:.4g} -> {self.new[c]:.4g}" for c in COLUMNS if c in self.new
         )
         first, last = self.steps[0], self.steps[-1]
         where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
@@ -93,9 +94,6 @@ class LevelShift:
             "new": dict(self.new),
             "floor": list(self.floor),
         }
-
-
-_NAMES = {"loss": "loss", "grad_norm": "gradient norm"}
 
 
 def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:

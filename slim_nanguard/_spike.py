@@ -42,21 +42,18 @@ SPIKE_WINDOW = 128
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
 FLOOR = 0.05
-COLUMNS = ("loss", "norm")
+# The values a step is judged on (a column of the statistics each), and their words.
+COLUMNS = ("loss", "grad_norm")
+NAMES = {"loss": "loss", "grad_norm": "gradient norm"}
+
+
+def _fields(*prefixes: str) -> Tuple[str, ...]:
+    return tuple(f"{prefix}{column}" for prefix in prefixes for column in COLUMNS)
+
+
 # What `SpikeTest.report_vector` holds, in order (float64): the step's values, their z-scores,
 # the mean and deviation of the logarithms they were measured against, the accepted steps.
-REPORT_FIELDS = (
-    "loss",
-    "grad_norm",
-    "z_loss",
-    "z_grad_norm",
-    "log_mean_loss",
-    "log_mean_grad_norm",
-    "log_std_loss",
-    "log_std_grad_norm",
-    "accepted_steps",
-    "window_steps",
-)
+REPORT_FIELDS = _fields("", "z_", "log_mean_", "log_std_") + ("accepted_steps", "window_steps")
 
 
 class SpikeTest:
@@ -258,16 +255,7 @@ class SpikeTest:
 
 # What `SpikeTest.judged` holds (float64): a step's values, the mean and deviation of the
 # logarithms its z-scores are measured against, and 1 where a column's warm-up is over.
-JUDGED_FIELDS = (
-    "loss",
-    "grad_norm",
-    "log_mean_loss",
-    "log_mean_grad_norm",
-    "log_std_loss",
-    "log_std_grad_norm",
-    "live_loss",
-    "live_grad_norm",
-)
+JUDGED_FIELDS = _fields("", "log_mean_", "log_std_", "live_")
 
 
 def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
@@ -299,9 +287,9 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     report["accepted_steps"] = int(report["accepted_steps"])
     report["window_steps"] = int(report["window_steps"])
     report["sigma"] = float(sigma)
-    for column in ("loss", "grad_norm"):
+    for column in COLUMNS:
         report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
-    report["over"] = [c for c in ("loss", "grad_norm") if report[f"z_{c}"] > sigma]
+    report["over"] = [c for c in COLUMNS if report[f"z_{c}"] > sigma]
     return report
 
 
@@ -355,14 +343,16 @@ class Spike(_reasons.Reason):
         return phrase(figures)
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """``grad_norm``, ``z_loss`` and ``z_grad_norm`` of the last accepted step."""
+        """The values but the loss (``grad_norm``), and the z-score of each (``z_loss``,
+        ``z_grad_norm``), of the last accepted step."""
         z = z_of_judged(judged)
-        return {"grad_norm": judged[1], "z_loss": z[0], "z_grad_norm": z[1]}
+        shown = {c: judged[i] for i, c in enumerate(COLUMNS) if c != "loss"}
+        return shown | {f"z_{c}": z[i] for i, c in enumerate(COLUMNS)}
 
 
 def phrase(report: Dict[str, Any]) -> str:
     """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
-    names = {"loss": "loss", "grad_norm": "gradient norm"}
+    names = NAMES
     sigma = float(report["sigma"])
     over = report.get("over") or ()
     parts = [
