@@ -13,6 +13,7 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              #               checkpoint see the last good weights
                              #   skip     -> nothing; the next run takes the next batch
                              #   rollback -> restore the latest good checkpoint, skip input
+                             # max_consecutive_bad_steps in a row: persistent_nan_policy
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
 

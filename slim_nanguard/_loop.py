@@ -162,14 +162,8 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
 
 
 class _Progress:
-    """Logs a progress line every `every` global steps.
-
-    Args:
-      every: Steps between lines (0: none).
-      last_step: The step the run ends at, for the time left (None: unknown).
-      recorder: Where the TensorBoard scalars go.
-      clock: Seconds from an arbitrary origin.
-    """
+    """Logs a progress line every `every` global steps (0: none), with the time left to
+    `last_step` when given, and writes the TensorBoard scalars to `recorder`."""
 
     def __init__(
         self,

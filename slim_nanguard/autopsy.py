@@ -170,7 +170,7 @@ def replay_dump(
       The `Autopsy` of the replay (``error`` says if it could not be done).
 
     Raises:
-      ValueError: No checkpoint (so no meta graph) in `train_dir`, or no such dump.
+      ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
       UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
         garbled.
     """
