@@ -1,27 +1,12 @@
 """The guard on TensorFlow's ps/worker cluster: a stop, a rollback and the ps's exit, for all.
 
-Between-graph replication builds the same graph in every worker under a
-`tf.compat.v1.train.replica_device_setter`: the model variables live on the ps tasks, the
-forward and backward pass on each worker. The guard's own variable (the gradient sums a bad
-step leaves for its report) is colocated with the sums, so it stays on its worker
-(`create_train_op` does that); nothing a worker keeps for a report is shared through the ps.
-
-Asynchronous training needs nothing more: every write a worker's train op makes (to the ps
-variables) waits on that worker's finiteness test, so a bad step pushes nothing to the ps.
-
-`SyncReplicasOptimizer` splits a step in two: a worker's train op adds its gradients to the
-accumulators and takes a token, and the chief's queue runner applies their aggregate. Only the
-worker's accumulator applies wait on its test, and the chief's update waits on a check of the
-aggregate of its own (`_gating.apply_sync_replicas`, where the split is drawn).
-
-What a skip means for the token queue and for stale gradients: a worker that skips a step
-keeps its local step and tries its next batch with it. The round still completes: the
-accumulators count gradients, not workers, and the tokens a round releases go to whichever
-worker asks, so the other workers fill the round (each takes another token), with or without
-backup workers. If the round completed meanwhile, the skipping worker's next gradient carries
-an old local step and the accumulators drop it as stale (TensorFlow's own rule); the worker
-then takes a fresh token and is current again. A skip so costs at most one more batch of
-that worker, and nothing waits on it.
+Gating needs nothing cluster-specific: `create_train_op` keeps the guard's report variable on
+its worker, and every write a worker's train op makes (to the ps variables, or with
+`SyncReplicasOptimizer` to the accumulators; the chief's aggregated update has its own check,
+`_gating.apply_sync_replicas`) waits on that worker's finiteness test, so a bad step pushes
+nothing to the ps. A skip under sync replicas costs the skipping worker at most one batch
+and holds no one up (docs/guide.md, the cluster section). This module adds the coordination
+of `slim_nanguard.cluster`.
 """
 
 from __future__ import annotations
@@ -42,28 +27,20 @@ from slim_nanguard import _policy
 from slim_nanguard import _types
 
 # ------------------------------------------------------------------------------------------
-# Cluster-wide decisions: a stop anywhere stops every worker; a rollback anywhere is the
-# chief's; a ps exits when every worker is done (or, killed, can no longer say so).
+# FIFO queues shared by name (no variable: nothing to initialise, checkpoint or restore),
+# built the same way by every task:
 #
-# Three FIFO queues on ps task 0 (and a done queue on each ps), shared by name, carry them (no
-# variable, so nothing is initialised, checkpointed or restored); every task builds them the
-# same way:
-#
-#   stop queue      a worker that stops or gives up enqueues its task id once per worker;
-#                   every worker's `ClusterStopHook` fetches its size each step, and a worker
-#                   it stopped takes one id to name the task that stopped it (so some stay)
-#   rollback queue  a non-chief whose policy rolls back enqueues (task, step, loss) and
-#                   carries on; the chief's `ChiefRollbackHook` fetches its size each step
-#                   and answers every request queued by then with one restore
-#   done queue      every worker, last thing, enqueues its task id on each ps's; `serve_ps`
-#                   reads it, and watches the port of every worker that has not said so
+#   stop queue      (ps 0) a worker that stops or gives up enqueues its task id once per
+#                   worker; each worker a stop reaches takes one, to name who stopped it
+#   rollback queue  (ps 0) a non-chief's rollback requests (task, step, loss), answered by
+#                   the chief's `ChiefRollbackHook`
+#   done queue      (each ps) every worker's task id, last thing; read by `serve_ps`
 
 STOP_QUEUE = "nanguard_cluster_stop"
 ROLLBACK_QUEUE = "nanguard_cluster_rollback"
 DONE_QUEUE = "nanguard_cluster_done"
 
-# TrainResult.stop_reason (and the stop record's reason) of a worker that another worker's
-# stop, or failure, stopped; the record names that worker in ``stopped_by``.
+# The stop reason of a worker another worker's stop or failure stopped (``stopped_by`` names it).
 STOP_CLUSTER = _types.StopReason.CLUSTER_STOP
 
 
@@ -103,13 +80,11 @@ def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     """Stops this worker's loop once any worker of the cluster asked for a stop.
 
-    Each step fetches, with the train op, the size of the stop queue on ps task 0 (a run of
-    no guarded train op, such as a read of the weights, is left alone). When this
-    worker's guard stopped it, `end` asks the others to stop before the session closes (a
-    sync-replicas chief's close ends the token queue, and the workers waiting on it with it).
-    When another worker stopped it (seen in a step, or at `end`: a sync-replicas worker the
-    chief's close woke from its token wait), ``stop_reason`` is ``cluster_stop`` and
-    ``stop_fields`` names that worker; `slim_nanguard.train` puts both in its result and record.
+    Each run of a guarded train op also fetches the stop queue's size (other runs get
+    nothing added). When this worker's guard stopped it, `end` asks the others to stop before
+    the session closes. When another worker stopped it (seen in a step or at `end`),
+    ``stop_reason`` is ``cluster_stop`` and ``stop_fields`` names that worker
+    (``stopped_by``); `slim_nanguard.train` puts both in its result and record.
 
     Args:
       task: This worker's task id.
@@ -129,7 +104,6 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     def begin(self):
         queue = _stop_queue()
         self._size = queue.size()
-        # One id per worker: each worker a stop reaches takes one, and the queue never empties.
         self._ask = queue.enqueue_many([[self._task] * self._num_workers])
         self._take = queue.dequeue()
         guards = _guard.guards()
@@ -169,13 +143,10 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
 class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
     """A non-chief worker's rollback: a request to the chief, not a restore of its own.
 
-    The model lives on the ps, so one task restores it: the chief (`ChiefRollbackHook`). This
-    hook makes the guards of the graph send their rollbacks (the ``rollback`` policy, or
-    ``persistent_nan_policy="rollback"``) here: the request (task, global step, loss of the
-    bad step) goes on the rollback queue on ps task 0, the guard records
-    ``rollback_requested``, this worker skips its ``rollback_skip_batches`` batches of input
-    and carries on (its bad step changed nothing). It counts no rollback of its own: the chief
-    counts the rollbacks it carries out against ``max_rollbacks``.
+    From `begin` to `end`, every rollback of the graph's guards puts (task, global step, loss)
+    on the rollback queue for `ChiefRollbackHook`; the guard records ``rollback_requested``,
+    this worker skips ``rollback_skip_batches`` batches and carries on. It counts no rollback
+    (``requests`` counts the requests); the chief counts them against ``max_rollbacks``.
 
     Args:
       task: This worker's task id.
@@ -219,30 +190,17 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
 class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     """The chief's side of a rollback: answers the other workers' requests.
 
-    Each step fetches, with the train op, the size of the rollback queue on ps task 0 (a run
-    of no guarded train op, such as a read of the weights, is left alone). When requests
-    wait, it takes them all and carries out one rollback for all of them (requests queued
-    before a restore are answered by it: coalesced) with the chief's guard: walk back to the
-    last good checkpoint (further when the requested step is the one the previous rollback
-    restored), restore it on the ps, scale the learning rate by ``rollback_lr_factor``. The
-    chief skips no input of its own (its batches were fine). The ``rollback`` record (the
-    chief's) names the requesting tasks in ``requested_by``, and ``requests`` says how many
-    requests it answered.
-
-    The chief's guard counts the rollbacks it carries out, its own and requested ones,
-    against ``max_rollbacks`` (`_policy.decide`, told `RollbackRequested`); a request past it
-    makes the chief give up as ``raise`` does (`_actions.carry_out` raises `NanLossError`
-    naming the requesting tasks), and so the cluster stops.
-
-    With `SyncReplicasOptimizer`, a restore takes the global step back, but the accumulators
-    keep counting from where they were, and would drop every later gradient as stale: after
-    each restore (requested, or the chief's own, seen at its next step) the hook runs
-    `after_restore`, the optimizer's ``chief_init_op``, which sets their step to the global
-    step restored.
+    Each run of a guarded train op also fetches the rollback queue's size. After a run with
+    requests waiting, it takes them all and answers them with one rollback of the chief's
+    guard (as the chief's own, but skipping no input); the ``rollback`` record names the tasks
+    in ``requested_by`` and counts ``requests``. The chief counts every rollback against
+    ``max_rollbacks``; a request past it raises `NanLossError` (see `answer`).
 
     Args:
       checkpoint_dir: Where the chief saves checkpoints.
-      after_restore: Ops to run after every restore the chief does, or None.
+      after_restore: Ops to run after every restore of the chief's guard (requested, or its
+        own, seen at its next step), or None. With `SyncReplicasOptimizer`, its
+        ``chief_init_op``, which resets the accumulators' step to the restored global step.
     """
 
     def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
@@ -366,6 +324,7 @@ def finish(
       num_ps: How many ps tasks.
       stop: Whether this worker stopped or gave up, so that every other worker stops too.
       timeout_secs: How long to wait for the ps.
+      job: ``"worker"``, or ``"ps"`` when `target` is ps 0's.
       num_workers: How many workers the cluster has (a stop is one task id for each).
 
     Returns:
@@ -421,11 +380,9 @@ def serve_ps(
 ) -> List[int]:
     """Serves as ps task `task` until every worker said it is done (see `finish`), or is gone.
 
-    A worker that was killed (SIGKILL, a lost machine) never says it is done. So, while it
-    waits, the ps checks the port of each worker that has not said so: a worker whose port
-    refused connections for `timeout_secs` in a row counts as gone, once its port answered
-    before (it had started) or another worker said it is done (the run is over). A worker
-    that never started is waited for as long as no worker is done: the cluster is starting.
+    A worker that has not said so counts as gone once its port has refused connections for
+    `timeout_secs` in a row, and it had started (its port answered) or another worker is
+    done. A worker that never started is waited for while no worker is done.
 
     Args:
       target: This ps's server target.
@@ -471,10 +428,15 @@ def serve_ps(
 def wait_for_model(
     graph: tf.Graph, target: str, config, timeout_secs: float, poll_secs: float = 0.25
 ) -> None:
-    """Waits until the chief has initialised or restored the model on the ps.
+    """Waits until the chief has initialised or restored the model on the ps (polling every
+    `poll_secs`, so a non-chief `MonitoredTrainingSession` then finds it ready at once).
 
-    A non-chief `MonitoredTrainingSession` checks every 30 s; polling here first means it
-    finds the model ready at once.
+    Args:
+      graph: The worker's graph.
+      target: The worker's server target.
+      config: The session `ConfigProto` (see `session_config`).
+      timeout_secs: How long to wait.
+      poll_secs: How often to check.
 
     Raises:
       tf.errors.DeadlineExceededError: The model was not ready within `timeout_secs`.

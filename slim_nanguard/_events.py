@@ -43,36 +43,27 @@ class NanEvent:
     """What the guard saw on one step whose loss or gradients were not finite.
 
     Attributes:
-      step: The global step the bad step was attempted at. The step did not advance it, so
-        the next step is attempted at the same value. -1 when the train op has no global step.
-      loss: The loss value of the bad step (may be NaN, +/-Inf, or finite when only gradients
-        went bad).
+      step: The global step the bad step was attempted at (it did not advance it); -1 when
+        the train op has no global step.
+      loss: The step's loss (NaN, +/-Inf, or finite when only gradients went bad).
       loss_kind: ``"nan"``, ``"inf"`` or ``"finite"``.
-      culprits: Names of the variables whose gradients held NaN or Inf, in the order of the
-        train op's gradient list. Empty when the gradients were finite (only the loss was bad)
-        or unknown.
-      consecutive: How many bad steps came in a row, this one included.
-      total: How many bad steps this guard has seen in this process, this one included.
-      mode: ``"check_numerics"`` or ``"hook"`` (a `Mode`): which mode caught the step.
-      action: What the policy decided (an `Action`, equal to its name): ``"raise"``,
-        ``"stop"``, ``"skip"`` or ``"rollback"``;
-        ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer,
-        which is no bad step (no policy applies, and it is not counted in ``consecutive`` or
-        ``total``).
+      culprits: Variables whose gradients held NaN or Inf, in the train op's gradient order;
+        empty when the gradients were finite or unknown.
+      consecutive: Bad steps in a row, this one included.
+      total: Bad steps this guard has seen in this process, this one included.
+      mode: The `Mode` that caught the step.
+      action: The `Action` the policy decided, or ``"loss_scale_overflow"`` for an overflow
+        step of a dynamic loss-scale optimizer (no bad step: no policy, not counted).
       time: Wall-clock time (seconds since the epoch) the step was seen.
-      loss_scale: With a dynamic loss-scale optimizer, the loss scale the step used; else None.
-      autopsy: The replay of the step (an `Autopsy`: the first op that made a non-finite
-        value and the examples behind it), or None (autopsies off, or past
+      loss_scale: The dynamic loss scale the step used, or None.
+      autopsy: The step's replay (an `Autopsy`), or None (off, or past
         ``autopsy_max_steps``).
-      culprit_kinds: What each culprit's gradient held, in the order of ``culprits``:
-        ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` (tested element by element). Empty when
-        not known.
-      cause: What made the step bad: ``"non_finite"`` (NaN or Inf in the loss or a
-        gradient) or the name of the `Reason` that rejected it (``"spike"``: all finite, but
-        the loss or the global gradient norm far above those of the accepted steps).
-      figures: What that reason stored of the step (`Reason.figures`; a spike's: ``loss``,
-        ``grad_norm``, their z-scores, the statistics they were measured against, ``sigma``
-        and ``over``), recorded under the cause's name. None for a non-finite step.
+      culprit_kinds: Per culprit, ``"nan"``, ``"inf"`` or ``"nan_and_inf"``; empty when
+        unknown.
+      cause: ``"non_finite"``, or the name of the `Reason` that rejected an all-finite step
+        (``"spike"``).
+      figures: What that reason stored of the step (`Reason.figures`), recorded under the
+        cause's name; None for a non-finite step.
       reason: The `Reason` that rejected the step, or None for a non-finite step.
     """
 
@@ -168,24 +159,16 @@ def _json_float(value: float) -> Any:
     return str(value)
 
 
-# The sentence of `tf.compat.v1.train.NanTensorHook`, which scripts and alerting grep
-# TensorFlow's logs for. A bad step's line starts with it when the loss is NaN; otherwise with
-# the same opening naming what was bad (`diverged`), so a grep for "Model diverged" finds every
-# bad step, and "loss = NaN" is never said of a loss that was not NaN.
+# `NanTensorHook`'s sentence, which logs are grepped for. Every bad step's line opens with
+# "Model diverged" (`diverged`); "loss = NaN" only when the loss was NaN.
 DIVERGED = "Model diverged with loss = NaN."
 
 
 def diverged(event: NanEvent) -> str:
-    """The opening sentence of a bad step's log line: which value was bad.
-
-    Args:
-      event: The bad step's event.
-
-    Returns:
-      `DIVERGED` for a NaN loss, ``Model diverged with loss = Inf.`` (or ``-Inf``) for an
-      infinite one, and for a finite loss ``Model diverged with non-finite gradients; the
-      loss is finite.``
-    """
+    """The opening sentence of `event`'s log line: `DIVERGED` for a NaN loss, ``Model
+    diverged with loss = Inf.`` (or ``-Inf``), ``Model diverging: <reason>; all values
+    finite.`` for a rejected finite step, else ``Model diverged with non-finite gradients; the
+    loss is finite.``"""
     if event.loss_kind == LOSS_NAN:
         return DIVERGED
     if event.loss_kind == LOSS_INF:
@@ -196,18 +179,15 @@ def diverged(event: NanEvent) -> str:
 
 
 def log_event(event: NanEvent, level: Optional[int] = None) -> None:
-    """Logs `event` as one line on TensorFlow's logger, where `NanTensorHook` logs.
+    """Logs `event` on TensorFlow's logger, as `NanTensorHook` does.
 
-    A bad step's line starts with `diverged` (`NanTensorHook`'s ``Model diverged with loss =
-    NaN.`` when the loss is NaN), through ``tf_logging.error`` when training gives up (action
-    ``raise``) and ``tf_logging.warning`` otherwise, the calls `NanTensorHook` makes when it
-    raises or stops (so a test or an alert that patches them sees the guard's lines too). An
-    overflow step of a dynamic loss-scale optimizer is no divergence: it is logged at info
-    level, without that sentence.
+    A bad step's line opens with `diverged` and goes through ``tf_logging.error`` when the
+    action is ``raise``, ``tf_logging.warning`` otherwise; a loss-scale overflow is logged at
+    info, without that sentence. An autopsy adds one line at the same level.
 
     Args:
       event: The event.
-      level: A Python `logging` level, to override the above.
+      level: A Python `logging` level that overrides the above.
     """
     if event.action == LOSS_SCALE_OVERFLOW:
         tf_logging.log(

@@ -1,47 +1,30 @@
 """`NanLossHook`: the hook-mode half of the guard, for `MonitoredTrainingSession`.
 
-Life cycle, as `tf.compat.v1.train.SessionRunHook` defines it, and what the hook does in it::
+Life cycle (`tf.compat.v1.train.SessionRunHook`)::
 
     begin()                  # finds the guard of its loss; builds the rollback saver
-    after_create_session()   # forgets per-session state (also after a session recovery);
-                             #   marks the session judged (else a bad step fails in-graph)
+    after_create_session()   # resets per-session state; marks the session judged
     while not stop:
-      before_run()           # asks for one boolean: were the loss and all gradients finite
+      before_run()           # fetches one boolean: were the loss and all gradients finite
       run(train_op)          # a bad step writes no variable (create_train_op's gate)
-      after_run()            # finite: note a good step. Not finite: read the sums the bad
-                             #   step stored (loss first); an overflow of a dynamic
-                             #   loss-scale optimizer is recorded and is no bad step
-                             #   (the optimizer lowered its scale). Else build a NanEvent,
-                             #   and _actions.carry_out acts on the guard's decision:
-                             #   raise  -> raise NanLossError (end() is then not called:
-                             #             no closing checkpoint, none is needed)
-                             #   stop   -> run_context.request_stop(); end() runs and the
-                             #             closing checkpoint holds the last good weights
-                             #   skip   -> nothing; the next run takes the next batch
+      after_run()            # bad step: NanEvent, then the decided action:
+                             #   raise    -> NanLossError (end() is not called)
+                             #   stop     -> request_stop(); end() and the closing
+                             #               checkpoint see the last good weights
+                             #   skip     -> nothing; the next run takes the next batch
                              #   rollback -> restore the latest good checkpoint, skip input
-                             # (max_consecutive_bad_steps bad steps in a row under skip or
-                             # rollback: the action is persistent_nan_policy's)
+                             # max_consecutive_bad_steps in a row: persistent_nan_policy
+                             # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
 
-Which runs a hook judges: a hook of a guarded train op judges only the runs that run that
-train op (their fetches hold it, its op or its name, or something that waits on it), and adds
-nothing to any other run: ``before_run`` returns None and ``after_run`` does nothing. So a
-weight read for logging between steps (``sess.run(w)``) pulls no batch from the input
-pipeline, runs no backward pass, and is never judged as a step; nor is a run of the loss
-alone, or of another guarded train op (a GAN's generator and discriminator each have their
-own hook). The loss-only form, ``NanLossHook(loss)`` with a loss no guarded train op made,
-fetches its loss on every run, as `NanTensorHook` does. A train op built in a
-`tf.while_loop` cannot be fetched from: the hook then reads the sums a bad iteration stored
-after each run of the loop (one extra small run per step) and reports one event per run,
-whatever the number of bad iterations in it; the bad iterations wrote nothing, the others
-trained.
-
-After a bad step the weights, the optimizer slots, ``global_step`` and the batch-norm moving
-statistics are as they were before it, because the train op gated every write (see
-`create_train_op`); so whatever a `CheckpointSaverHook` saves, before or after this hook runs,
-holds finite values. With a loss that no guarded train op produced (for example one from
-`tf_slim.learning.create_train_op`) the hook still catches NaN *and* Inf loss, but it cannot
-undo an update that already happened, and it sees no gradient.
+- After a bad step the weights, optimizer slots, ``global_step`` and batch-norm moving
+  statistics are as before it, so any `CheckpointSaverHook` save holds finite values.
+- A guarded train op's hook judges only runs that run its train op; other runs (a weight read,
+  the loss alone, another guarded train op) get nothing added and are not judged.
+- ``NanLossHook(loss)`` on a loss no guarded train op made fetches the loss on every run, as
+  `NanTensorHook`: it catches NaN and Inf loss but sees no gradient and undoes nothing.
+- A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a
+  bad iteration stored and reports one event per run; bad iterations wrote nothing.
 """
 
 from __future__ import annotations
@@ -67,33 +50,26 @@ from slim_nanguard._types import Mode
 class NanLossHook(tf.compat.v1.train.NanTensorHook):
     """Catches NaN and Inf loss and gradients and applies the guard's policy in `after_run`.
 
-    A drop-in for `tf.compat.v1.train.NanTensorHook` (same first two arguments). With a loss
-    or train op made by `slim_nanguard.create_train_op(..., check_numerics=False)` it uses that
-    train op's guard: the same policy, counters and culprits as the hook
-    ``slim_nanguard.nan_hook(train_op)`` returns, so building it by hand or taking the ready
-    one is the same.
+    A drop-in for `tf.compat.v1.train.NanTensorHook` (same first two arguments). Given a loss
+    or train op of `create_train_op(..., check_numerics=False)` it shares that train op's
+    guard (policy, counters), as the hook of `nan_hook` does.
 
-    Which policy applies: ``nan_policy`` when given; else the guard's policy (except that
-    ``fail_on_nan_loss=False`` turns a guard's ``raise`` into ``stop``, as it does for
-    `NanTensorHook`); with no guard, ``raise`` if ``fail_on_nan_loss`` else ``stop``.
+    The policy: ``nan_policy`` when given; else the guard's, with ``raise`` turned into
+    ``stop`` by ``fail_on_nan_loss=False``; with no guard, ``raise`` if ``fail_on_nan_loss``
+    else ``stop``.
 
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.
       fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
-      nan_policy: Optional policy name that overrides the above. ``skip`` and ``rollback``
-        need a guarded train op (nothing else can undo the step's update). It is for
-        non-finite steps: a spike keeps the train op's ``spike_policy``.
-      checkpoint_dir: Where the loop saves checkpoints; needed by the ``rollback`` policy and
-        by ``persistent_nan_policy="rollback"``.
-      event_listener: Optional ``fn(record)`` called for each bad step and rollback (see
-        `Guard.add_listener`).
+      nan_policy: Policy name that overrides the above, for non-finite steps (a spike
+        keeps ``spike_policy``). ``skip`` and ``rollback`` need a guarded train op.
+      checkpoint_dir: Where the loop saves checkpoints; needed when the policy may roll back.
+      event_listener: ``fn(record)`` called for each bad step and rollback.
 
     Raises:
       ValueError: `nan_policy` is no policy, or is ``skip`` or ``rollback`` for a loss that
-        no guarded train op made (yet: build the train op first).
-
-    Every action, a bare loss's included, is carried out by `_actions.carry_out`; a rollback
-    takes the guard's one route (a cluster's non-chief asks its chief: `_cluster`).
+        no guarded train op made (yet: build the train op first). In `begin`: the policy
+        rolls back and no `checkpoint_dir` was given.
     """
 
     def __init__(
@@ -149,15 +125,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     @property
     def last_outcome(self) -> Optional[_actions.Outcome]:
-        """What the last run this hook judged came to (`Outcome`; ``GOOD`` for a finite
-        step), or None when the last run was not judged (another guard's train op). A loop
-        reads it after each run instead of comparing counters."""
+        """What the last run came to (`Outcome`; ``GOOD`` for a finite step), or None when
+        this hook did not judge it."""
         return self._last_outcome
 
     @property
     def session_bad_steps(self) -> int:
-        """Bad steps of this hook's guard since the current session was created (judged by
-        this hook or by the loop it runs in: the guard's one tally)."""
+        """Bad steps of this hook's guard (by whoever judged them) since the current session
+        was created."""
         if self._guard is None:
             return self._unguarded_state.total_bad_steps
         return self._guard.state.total_bad_steps - self._session_start
@@ -232,9 +207,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         return self._run_args if self._judging else None
 
     def _fetches_train_op(self, fetches) -> bool:
-        """Whether a run fetches the train op itself, whose value is the loss: asking for it
-        too costs nothing (the session fetches a tensor once), and the guard keeps it for the
-        record of the next bad step."""
+        """Whether `fetches` hold the train op itself (whose value is the loss, fetched free)."""
         try:
             return any(f is self._guard.train_op for f in tf.nest.flatten(fetches))
         except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
@@ -330,10 +303,9 @@ def nan_hook(
 
     Args:
       train_op: The tensor `create_train_op(..., check_numerics=False)` returned.
-      checkpoint_dir: The directory checkpoints are saved to (needed by ``rollback``, and by
-        ``persistent_nan_policy="rollback"``). The record of bad steps
-        (``nanguard_events.jsonl``) and the autopsy dumps go there too.
-      event_listener: Optional ``fn(record)`` for each bad step and rollback.
+      checkpoint_dir: The directory checkpoints are saved to; needed when the policy may roll
+        back. The record of bad steps (``nanguard_events.jsonl``) and autopsy dumps go there too.
+      event_listener: ``fn(record)`` called for each bad step and rollback.
 
     Raises:
       ValueError: If `train_op` was not made by `slim_nanguard.create_train_op`, or its

@@ -1,19 +1,11 @@
 """absl logging that leaves Python's logging as the user set it up.
 
-absl.logging's functions (``info``, ``vlog``, ...) call ``logging.basicConfig()`` whenever
-Python's root logger has no handler yet, whatever the level and whether or not the line is
-shown: in a plain script, where no ``app.run`` installed absl's handler, the first call puts a
-handler on the root logger. Each TensorFlow log line then prints twice (TensorFlow's own
-handler and the root's) and the user's own ``basicConfig()`` does nothing.
-
-The package logs through absl's logger itself instead: the same logger and levels
-(``absl.logging.set_verbosity`` applies) and the same output where a handler is installed (the
-launchers, or the user's). With no handler at all, warnings and errors reach stderr through
-Python's last-resort handler and nothing is configured; only a line below warning that the
-user asked absl for (``set_verbosity(INFO)`` or more) goes through absl's own call, which sets
-up the handler that shows it, as absl always did.
-
-Modules import it as ``from slim_nanguard import _log as logging`` and call it as absl.logging.
+Modules import it as ``from slim_nanguard import _log as logging`` and call it as absl.logging:
+same logger, levels (``absl.logging.set_verbosity`` applies) and output where a handler is
+installed. Unlike absl.logging's functions, it never calls ``logging.basicConfig()`` (which
+would double every TensorFlow line and void the user's own ``basicConfig()``), except for a
+line below warning that the user asked absl to show when no handler exists. With no handler,
+warnings and errors reach stderr through Python's last-resort handler.
 """
 
 import logging as _logging

@@ -1,18 +1,16 @@
 """`train`: the guarded training loop over `tf.compat.v1.train.MonitoredTrainingSession`.
 
-What a run looks like::
+A run::
 
-    pick the latest readable checkpoint of logdir (warn past a corrupt one)
-    create the session: restore it, or initialise (and run the scaffold's init_fn)
+    restore the latest readable checkpoint of logdir, or initialise (scaffold's init_fn)
     refuse to go on if any variable is NaN or Inf
-    while not stopped (and the global step is below number_of_steps: a finished run trains
-                       nothing):
-        run(train_op)            # a bad step writes no variable (create_train_op's gate)
+    while not stopped and global step < number_of_steps:
+        run(train_op)            # a bad step writes no variable
         bad step? -> policy      # hook mode: NanLossHook.after_run; check_numerics mode: here
         every log_every_n_steps: a progress line and TensorBoard scalars
         Ctrl-C or SIGTERM: stop after this step
-    end(): closing checkpoint (FiniteSaver: never one with NaN or Inf), final values
-    the policy raises (or gives up): first save the state the bad step left, which is good
+    end(): closing checkpoint (FiniteSaver), final values
+    giving up: first save the (good) state the bad step left, then raise
 
 Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 """
@@ -46,7 +44,7 @@ from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
 
-# The stop reasons as module constants (each equals its value: STOP_POLICY == "nan_policy_stop").
+# The stop reasons as module constants.
 STOP_STEP_LIMIT = StopReason.STEP_LIMIT
 STOP_POLICY = StopReason.POLICY
 STOP_INTERRUPTED = StopReason.INTERRUPTED
@@ -67,23 +65,17 @@ class TrainResult:
       bad_steps: Bad steps seen by this call.
       skips: Bad steps skipped by this call.
       rollbacks: Rollbacks done by this call.
-      stop_reason: A `StopReason` (equal to its string): ``step_limit``,
-        ``nan_policy_stop`` (the ``stop`` policy, or
-        ``persistent_nan_policy="stop"``), ``interrupted`` (Ctrl-C), ``terminated``
-        (SIGTERM), ``end_of_data``, ``stop_requested`` (a hook asked) or ``cluster_stop``
-        (another worker of the cluster stopped it; the stop record names it).
+      stop_reason: Why the call ended, a `StopReason` (``cluster_stop``: the stop record
+        names the worker that stopped).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
-      learning_rate_scale: The product of the rollback learning-rate factors applied so far,
-        as the model holds it at the end (so a resumed run reports the scale it carried on).
-      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer in this call (not
-        bad steps: the optimizer skipped them and lowered its scale).
+      learning_rate_scale: The product of the rollback learning-rate factors, as the model
+        holds it at the end (a resumed run's includes what it carried on).
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (not bad steps).
       rollback_requests: Bad steps of a cluster's non-chief worker whose rollback it asked the
-        chief to carry out (the chief counts the rollback in its own ``rollbacks``).
-      spikes: The bad steps of this call that were spikes (``spike_policy``; all finite, but
-        the loss or the gradient norm far above those of the accepted steps).
-      rejected: The bad steps of this call each reason rejected (finite), by its name
-        (``{"spike": 2}``); non-finite steps are not in it.
+        chief to carry out (the chief counts the rollback).
+      spikes: The bad steps that were spikes (``spike_policy``).
+      rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
     """
 
     final_loss: float
@@ -119,9 +111,8 @@ class TrainResult:
 
 
 def check_logdir(logdir: str) -> str:
-    """Creates `logdir` if missing and checks it is writable; returns its absolute path.
-
-    A URL (``gs://bucket/run``) is returned as it is; both go through `tf.io.gfile`.
+    """Creates `logdir` if missing and checks it is writable; returns its absolute path (a URL
+    such as ``gs://bucket/run`` as it is).
 
     Raises:
       ValueError: `logdir` is empty, is a file, or cannot be created or written to.
@@ -171,14 +162,8 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
 
 
 class _Progress:
-    """Logs a progress line every `every` global steps.
-
-    Args:
-      every: Steps between lines (0: none).
-      last_step: The step the run ends at, for the time left (None: unknown).
-      recorder: Where the TensorBoard scalars go.
-      clock: Seconds from an arbitrary origin; `time.monotonic` unless a test gives another.
-    """
+    """Logs a progress line every `every` global steps (0: none), with the time left to
+    `last_step` when given, and writes the TensorBoard scalars to `recorder`."""
 
     def __init__(
         self,
@@ -198,8 +183,8 @@ class _Progress:
         self._mark = (self._clock(), step)
 
     def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
-        """Logs a line at every `every`-th step, with ``counts()`` (this run's,
-        `GuardState.since`: read only when a line is due, not on every step)."""
+        """Logs a line at every `every`-th step, with this run's ``counts()`` (called only
+        when a line is due)."""
         if self._every <= 0 or step % self._every:
             return
         counts = counts()
@@ -238,11 +223,8 @@ def _duration(seconds: float) -> str:
 
 
 class _SigintStop:
-    """While active, Ctrl-C or SIGTERM asks the loop to stop cleanly; a second one interrupts.
-
-    SIGTERM is what a cluster manager sends on preemption: it ends the run as Ctrl-C does,
-    after the current step, with a final checkpoint and the event record closed.
-    """
+    """While active (main thread only), Ctrl-C or SIGTERM (a preemption) asks the loop to stop
+    after the current step; a second one raises KeyboardInterrupt."""
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -304,11 +286,10 @@ def train(
 ) -> TrainResult:
     """Runs a guarded train op until a step limit, a stop, or the end of the data.
 
-    The arguments follow `tf_slim.training.train`. The loop works in both modes: in hook mode
-    it attaches the `NanLossHook` the train op needs (unless `hooks` has one); in
-    check_numerics mode it catches the guard's numerics error, lets every other error through,
-    and applies the policy itself. Checkpoints are written by a `FiniteSaver`, so none ever
-    holds NaN or Inf. A run started again in the same `logdir` resumes from the latest
+    The arguments follow `tf_slim.training.train`. Either mode works: in hook mode it adds
+    the train op's `NanLossHook` unless `hooks` has one; in check_numerics mode it applies the
+    policy to the guard's numerics error and lets every other error through. No checkpoint it
+    writes holds NaN or Inf. A run started again in the same `logdir` resumes from the latest
     readable checkpoint and appends to the same event record.
 
     Args:
@@ -317,9 +298,8 @@ def train(
       number_of_steps: Stop once the global step reaches this (None: until stopped).
       master: The TensorFlow master.
       is_chief: Whether this process initialises, restores and saves.
-      scaffold: Optional `Scaffold`; its saver, if None, becomes a `FiniteSaver`; a saver of
-        your own is used as given, behind the same check (it refuses to write NaN or Inf).
-        Its ``init_fn`` runs only when there is no checkpoint to resume from (fine-tuning).
+      scaffold: A `Scaffold`. Its saver (default: a `FiniteSaver`) is made to refuse NaN or
+        Inf; its ``init_fn`` runs only when there is no checkpoint to resume from.
       hooks: More `SessionRunHook`s.
       chief_only_hooks: Hooks run on the chief only.
       save_checkpoint_secs: Seconds between checkpoints (None or 0: not by time).
@@ -331,10 +311,9 @@ def train(
       max_checkpoints_to_keep: Checkpoints kept on disk.
       handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
         summary; ``stop_reason`` ``interrupted`` or ``terminated``).
-      stop_grace_period_secs: How long the session's end waits for its threads (a sync-replicas
-        chief's queue runner blocks in take_grad until the session closes).
-      task: The task id in a cluster: records name it, and task N > 0 writes its own record
-        (see `read_events`); only the chief writes TensorBoard scalars. None: no cluster.
+      stop_grace_period_secs: How long the session's end waits for its threads.
+      task: The task id in a cluster (None: no cluster): records name it, and task N > 0
+        writes its own record (see `read_events`). Only the chief writes TensorBoard scalars.
 
     Returns:
       A `TrainResult`.
@@ -342,9 +321,8 @@ def train(
     Raises:
       ValueError: Bad arguments (an unguarded train op, a logdir that cannot be written, a
         negative step count).
-      NanLossError: The policy is ``raise``, or training gave up. Before it is raised, the
-        chief saves the state of the bad step, which the guard kept good (the last good
-        weights), so giving up costs no good step; the error's ``checkpoint`` names it.
+      NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
+        last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
         no checkpoint.
@@ -442,8 +420,8 @@ class _Loop:
 
     Attributes:
       start: The guard's state when the call began; the call's counts are the state since.
-      judge_hook: The `NanLossHook` of the guard whose outcome the loop reads after each run
-        (hook mode, a dynamic loss-scale optimizer, or one the caller passed), else None.
+      judge_hook: The guard's `NanLossHook` whose outcome the loop reads after each run, or
+        None (check_numerics mode without a dynamic loss-scale optimizer).
       final_hook: Reads the global step and the learning-rate scale at the end, or None.
     """
 
@@ -469,10 +447,8 @@ class _Loop:
         """The caller's hooks, the judging hook, the step limit and the final values."""
         guard = self.guard
         self.hooks = list(hooks or [])
-        # A hook of this guard the caller passed judges the runs; in hook mode, and in
-        # check_numerics mode with a dynamic loss-scale optimizer (the hook records its
-        # overflow steps, which do not raise), one is added if none was. The loop reads its
-        # outcomes.
+        # The caller's hook of this guard, else a new one, judges the runs (hook mode; and a
+        # dynamic loss-scale optimizer, whose overflow steps do not raise).
         if guard.mode == Mode.HOOK or guard.ok is not None:
             self.judge_hook = next(
                 (
@@ -558,11 +534,9 @@ def _make_scaffold(
 ) -> tf.compat.v1.train.Scaffold:
     """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
 
-    The init_fn runs for every session the MonitoredSession creates: the first one, and a new
-    one after a recoverable error (AbortedError, UnavailableError). Each time it restores the
-    newest good checkpoint of `logdir` as it is then (at first `resume_from`), so a recovered
-    session carries on from the last save, not from where the run started. With no checkpoint
-    yet it runs the given scaffold's own init_fn. `logdir` None (not the chief): no restore.
+    The init_fn runs for every session created (a recovered one too) and restores `logdir`'s
+    newest good checkpoint as it is then, or runs the given scaffold's init_fn when there is
+    none. `logdir` None (not the chief): no restore.
     """
     saver = scaffold.saver if scaffold is not None else None
     if saver is None:
@@ -595,15 +569,9 @@ def _make_scaffold(
 def _resume_saver(
     saver: tf.compat.v1.train.Saver, checkpoint: str, handles: GraphHandles
 ) -> tf.compat.v1.train.Saver:
-    """`saver`, or one that leaves out the guard's own variables missing from `checkpoint`.
-
-    The guard makes some variables only with some options (`GraphHandles.optional_variables`:
-    the learning-rate scale when a rollback can lower the learning rate, the spike
-    statistics with a spike policy), so a run resumed with other guard options may find them
-    missing (the spike guard turned on after a divergence, from the checkpoints of the run
-    that diverged); they then keep their initial values (the spike statistics warm up
-    again). Any other missing variable fails the restore as usual.
-    """
+    """`saver`, or one that leaves out the guard's optional variables missing from
+    `checkpoint` (`GraphHandles.optional_variables`: options turned on since), which keep
+    their initial values. Any other missing variable fails the restore as usual."""
     missing = handles.missing_from(checkpoint)
     if not missing:
         return saver
@@ -653,11 +621,7 @@ def _run(
     config: Optional[tf.compat.v1.ConfigProto],
     stop_grace_period_secs: float,
 ) -> Tuple[float, StopReason, int]:
-    """The loop itself: runs steps until a stop; returns (final loss, stop reason, step).
-
-    Each run comes to an `Outcome` (`_step`); the counts are the guard's state since
-    ``loop.start``.
-    """
+    """The loop itself: runs steps until a stop; returns (final loss, stop reason, step)."""
     final_loss, stop_reason = float("nan"), None
     with (
         _SigintStop(loop.handle_sigint) as sigint,
@@ -717,12 +681,8 @@ def _read_step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> int:
 
 
 def _finished_before_start(loop: _Loop, step: int) -> bool:
-    """Whether the global step already reaches the step limit, so that nothing is trained.
-
-    StopAtStepHook only looks after a step: without this, one more would run. Only the start
-    is checked here; after it the hook, which reads global_step, ends the loop (`step`
-    counts this task's steps, which in a cluster is not the global step).
-    """
+    """Whether the global step already reaches the step limit, so that nothing is trained
+    (StopAtStepHook only looks after a step; it ends the loop after the start)."""
     finished = loop.number_of_steps is not None and step >= loop.number_of_steps
     if finished:
         logging.info(
@@ -734,9 +694,8 @@ def _finished_before_start(loop: _Loop, step: int) -> bool:
 
 
 def _step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> Tuple[Any, _actions.Outcome]:
-    """Runs the train op once; returns its value (None after a numerics error) and what the
-    run came to: from `_actions.judge` when the check raised (check_numerics mode), else from
-    the judging hook (hook mode, or a dynamic loss-scale optimizer), else a good step."""
+    """Runs the train op once; returns its value (None after a numerics error) and its
+    `Outcome` (from `_actions.judge`, the judging hook, or a good step)."""
     guard = loop.guard
     try:
         loss = sess.run(loop.train_op)
@@ -758,12 +717,9 @@ def _step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> Tuple[Any, 
 def _save_good_state(
     sess: tf.compat.v1.train.MonitoredSession, loop: _Loop, error: _errors.NanLossError
 ) -> _errors.NanLossError:
-    """Saves the state the guard kept at a bad step before giving up; returns `error`.
-
-    A bad step wrote nothing, so the model is still at its last good step: saving it now
-    means that giving up (``raise``, or an escalation that raises) loses no good step.
-    ``error.checkpoint`` is set to the checkpoint, or to the latest one if the save fails.
-    """
+    """On the chief, saves the model (still at its last good step) before giving up; sets
+    ``error.checkpoint`` to that save, or to the latest checkpoint if it fails; returns
+    `error`."""
     guard, logdir = loop.guard, loop.logdir
     path = None
     if loop.is_chief:

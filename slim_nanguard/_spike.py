@@ -1,26 +1,19 @@
 """The spike test: is this step's loss or gradient norm far above those of the accepted steps?
 
-A NaN is the end of a divergence, not its start: the loss or the gradient norm jumps first. The
-spike test is one more reason to close the gate that keeps a bad step from writing anything.
+- Once `warmup_steps` steps were accepted, a step is a spike when the logarithm of its loss or
+  gradient norm is more than `sigma` deviations above the mean of the logarithms of the last
+  `window` accepted steps; the deviation is at least `floor` (`FLOOR`, or after a new level the
+  old level's).
+- Only accepted steps enter the statistics; a value that is not positive is never a spike and
+  never counted; the warm-up's outliers (`_warmup_outliers`) are left out. A run of spikes is
+  for `_level_shift` and `_policy.decide`.
+- The statistics are graph variables under ``nanguard_spike/`` (``history``: a ring of
+  `window` ``[loss, norm]`` rows, 0 where a value does not count, a warm-up outlier negated;
+  ``count``; ``floor``), checkpointed and restored by a rollback. The writes to the warm-up's
+  rows re-mark its outliers, so a step's test sorts nothing.
 
-Contract. A step is a spike when, once `warmup_steps` steps were accepted, the logarithm of its
-loss or of its gradient norm is more than `sigma` deviations above the mean of the logarithms
-of the last `window` accepted steps. Only accepted steps enter the statistics; a run of spikes
-is left to `_level_shift` and `_policy.decide` (a new level, or the escalation). A value that is
-not positive has no logarithm: it is never a spike and never enters its column. The deviation
-is at least `floor` (`FLOOR`, or after a new level the old level's). The warm-up's outliers
-(`_warmup_outliers`) are left out of the mean and the deviation.
-
-The statistics are graph variables (``nanguard_spike/history``: a ring of `window` rows of
-``[loss, norm]``, a value that does not count stored as 0 and a warm-up outlier negated;
-``/count``: the accepted steps; ``/floor``): saved with each checkpoint, restored by a
-rollback, read on the device. Which warm-up entries are outliers is decided by the writes
-that change the warm-up's rows, so a step's test reads the positive entries and sorts
-nothing. Why the logarithms, a window and these figures, with the measurements: docs/guide.md,
-"The spike guard", and docs/performance.md.
-
-`reference_z_scores` is the same arithmetic in NumPy, pure, for tests and for reading a
-record back.
+`reference_z_scores` is the same arithmetic in NumPy. Why the logarithms, a window and these
+figures: docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
@@ -87,35 +80,25 @@ class SpikeTest:
 
         Args:
           loss: The step's scalar loss.
-          norm: The step's global gradient norm (a scalar; float64 keeps a finite norm
-            finite, float32 is widened).
-          sigma: How many deviations above the mean make a spike (> 0; `GuardConfig`
-            checks the settings).
+          norm: The step's scalar global gradient norm (widened to float64).
+          sigma: How many deviations above the mean make a spike (> 0, unchecked here).
           warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
           window: How many accepted steps the statistics cover.
-          variable_scope: A context the two variables are made in (outside a loop body).
+          variable_scope: A context the variables are made in (outside a loop body).
         """
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
-        # One set per train op: a second train op of the graph (a GAN's other half) gets
-        # ``nanguard_spike_1/``, never the first one's statistics.
+        # One set per train op: a second one gets ``nanguard_spike_1/``.
         with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
             self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
             self.count = _variable("count", [], tf.int64)
-            # The least deviation of each column: `FLOOR`, or after a new level the deviation
-            # of the level before it (a level judged at once by a few values is not judged
-            # more narrowly than the old one was).
+            # Per column: `FLOOR`, or after a new level the old level's deviation (a level
+            # judged at once on a few values is judged no more narrowly than the old one).
             self.floor = _variable("floor", [len(COLUMNS)], tf.float64, FLOOR)
         with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
-            # The statistics depend on the variables alone: they are ready before the step's
-            # values are, and the test itself is one comparison per value, with the threshold
-            # of the logarithm taken back to a value (exp is increasing; a value <= 0 or a NaN
-            # compares as no spike). An Inf is over any threshold: a loss or a gradient that
-            # is Inf fails the finiteness test anyway, and a float64 norm that overflowed
-            # over finite gradients (past about 1e154) is the largest spike there is.
-            # The rows not written yet hold 0 and the warm-up's outliers are stored negated
-            # (`_trim_warmup`, run by the writes that change the warm-up's rows): the positive
-            # entries are the statistics' entries, and a good step's test sorts nothing.
+            # The statistics read the variables alone, so they are ready before the step's
+            # values; the test is one comparison per value against exp(threshold of the logs)
+            # (a value <= 0 or NaN is no spike; an Inf, e.g. an overflowed norm, always is).
             count = self.count.read_value()
             self.mean, self.std, kept = _log_statistics(
                 self.history.read_value(), self.floor.read_value()
@@ -137,11 +120,8 @@ class SpikeTest:
     @property
     def z(self) -> tf.Tensor:
         """Float64 ``[2]``: the step's z-scores of loss and norm (0 during a column's warm-up
-        and for a value that is NaN or not positive; +Inf for +Inf).
-
-        Built on first use, where it is first asked for (nothing computes it on a step that
-        does not need it: a good step runs the comparison of `spike` only); `z_scores`
-        builds another copy."""
+        and for a value that is NaN or not positive; +Inf for +Inf). Built on first use, in
+        that control context; `z_scores` builds another copy."""
         if self._z is None:
             self._z = self.z_scores()
         return self._z
@@ -152,9 +132,8 @@ class SpikeTest:
             return _z_scores(self.values, self.mean, self.std, self._live)
 
     def judged(self) -> tf.Tensor:
-        """Float64 vector of `JUDGED_FIELDS`: the step's values and the statistics its
-        z-scores are measured against (before the step's own update), which a train op
-        stores on an accepted step for the summaries to read (`z_of_judged`). New ops."""
+        """New ops: float64 vector of `JUDGED_FIELDS`, the step's values and the statistics
+        (before its own update) its z-scores are measured against (`z_of_judged`)."""
         with tf.name_scope(self._scope):
             live = tf.cast(self._live, tf.float64)
             return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
@@ -163,10 +142,9 @@ class SpikeTest:
         """The write of an accepted step's values into the statistics.
 
         Args:
-          accepted: Scalar bool, True when the step's update was applied: a step not
-            accepted writes back what was there (no value changes), so the op may run on
-            every step. None: the step is accepted whenever the op runs (a train op builds
-            it behind its gate, like every other write).
+          accepted: Scalar bool, True when the step's update was applied (else the op
+            changes nothing, so it may run on every step). None: the step is accepted
+            whenever the op runs (built behind the train op's gate).
         """
         # After this step's statistics are read: the write must not race the reads.
         with (
@@ -174,16 +152,15 @@ class SpikeTest:
             tf.control_dependencies([self.spike, self.std]),
         ):
             step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
-            # The row is the count's value after this step's increment, read with it: two
-            # workers of a cluster that share the statistics write two rows, not one.
+            # The row comes from the increment's own result: two workers sharing the
+            # statistics write two rows, not one.
             count = self.count.assign_add(step)
             row = tf.math.floormod(count - 1, self.window)
             new = _entries(self.values)
             if accepted is not None:
                 new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
-            # Only a write to one of the warm-up's rows, while the window still holds them,
-            # can change which of them are outliers: the warm-up and the window's turn over it.
+            # Only a write to a warm-up row still in the window can change the outliers.
             warm = (row < self.warmup_steps) & (count <= self.window + self.warmup_steps)
             if accepted is not None:
                 warm = tf.logical_and(warm, accepted)
@@ -197,11 +174,9 @@ class SpikeTest:
             return tf.group(written, trimmed, name="update")
 
     def _trim_warmup(self, count: tf.Tensor) -> tf.Tensor:
-        """Negates the warm-up's outliers in the window and restores the sign of the other
-        warm-up entries, for a window of `count` accepted steps. Returns True once written.
-
-        Only signs change (a product with 1 or -1): a row another worker writes meanwhile
-        keeps its value."""
+        """Negates the warm-up's outliers and un-negates the other warm-up entries, for a window
+        of `count` accepted steps; returns True once written. Only signs change (a product),
+        so a row another worker writes meanwhile keeps its value."""
         rows = self.history.read_value()[: self.warmup_steps]
         outliers = _warmup_outliers(
             tf.abs(rows), count, self.window, self.sigma, self.floor.read_value()
@@ -216,10 +191,8 @@ class SpikeTest:
 
     def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
         """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
-        statistics, with `floor` the least deviation of each column: the window holds them
-        alone (the warm-up's outliers among them negated, as `update` leaves them) and the
-        count is n (`_level_shift`: a new level of training; n at least the warm-up makes
-        the test judge the next step at once)."""
+        statistics (count n, warm-up outliers negated), with `floor` (at least `FLOOR`) the
+        least deviation of each column. For `_level_shift`'s new level."""
         n = tf.shape(values, out_type=tf.int64)[0]
         zeros = tf.zeros([self.window, len(COLUMNS)], tf.float64)
         rows = tf.concat([values, zeros], 0)[: self.window]
@@ -240,11 +213,10 @@ class SpikeTest:
         return tf.group(written, floors, count, name="reseed")
 
     def report_vector(self) -> tf.Tensor:
-        """Float64 vector of `REPORT_FIELDS`: what a spike's record holds (`read_report`).
-
-        New ops, in the current control context: build it on the bad branch."""
+        """New ops (build them on the bad branch): float64 vector of `REPORT_FIELDS`, what a
+        spike's record holds (`read_report`)."""
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
-        # The steps the figures are over: the window's entries (the fewer of the columns').
+        # The window's entries (the fewer of the columns').
         window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
         return tf.concat(
             [self.values, self.z_scores(), self.mean, self.std, count, window_steps],
@@ -259,9 +231,8 @@ JUDGED_FIELDS = _fields("", "log_mean_", "log_std_", "live_")
 
 
 def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
-    """Float64 ``[2]``: the z-scores of loss and norm of a stored `SpikeTest.judged` vector,
-    as `SpikeTest.z` gives them on its step (0 for a column in its warm-up, and for a vector
-    of zeros: nothing stored yet)."""
+    """Float64 ``[2]``: `SpikeTest.z` from a stored `SpikeTest.judged` vector (0 in a column's
+    warm-up, and for a vector of zeros: nothing stored yet)."""
     values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
     return _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
 
@@ -277,12 +248,9 @@ def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tenso
 
 
 def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
-    """The record of a spike from the values of `SpikeTest.report_vector`. Pure.
-
-    Adds ``sigma``, the ``typical_loss`` and ``typical_grad_norm`` (the exponential of the
-    mean logarithm: the geometric mean of the window) and ``over``: the values whose z-score
-    exceeded ``sigma``, loss first.
-    """
+    """The record of a spike from a `SpikeTest.report_vector`, plus ``sigma``,
+    ``typical_<column>`` (the window's geometric mean) and ``over`` (the columns whose z-score
+    exceeded ``sigma``, loss first). Pure."""
     report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
     report["accepted_steps"] = int(report["accepted_steps"])
     report["window_steps"] = int(report["window_steps"])
@@ -295,8 +263,7 @@ def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Spike(_reasons.Reason):
-    """The spike test as a reason to reject a step (`SpikeTest`); `GuardConfig` checks its
-    settings (``spike_sigma``, ``spike_warmup_steps``).
+    """The spike test as a reason to reject a step; `GuardConfig` checks its settings.
 
     Attributes:
       policy: ``spike_policy``.
@@ -371,8 +338,8 @@ def phrase(report: Dict[str, Any]) -> str:
 
 
 def deviations(z: float, sigma: float) -> str:
-    """`z` to one decimal, or to as many as it takes to stand on its side of `sigma` (a z of
-    6.04 over ``spike_sigma=6`` is not written 6.0). Pure."""
+    """`z` to one decimal, or as many as keep it on its side of `sigma` (6.04 over 6 is not
+    written 6.0). Pure."""
     for digits in range(1, 5):
         text = f"{z:.{digits}f}"
         if (float(text) > sigma) == (z > sigma) and float(text) != sigma:
@@ -396,19 +363,17 @@ def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Var
 MAD_SCALE = 1.4826
 # The fewest warm-up entries among which an outlier is told.
 MIN_WARMUP_ENTRIES = 5
-# How many times `sigma` robust deviations from the warm-up's median make an outlier of it:
-# twice the spike test's bar, so that a heavy tail (a batch in ten at 10 times the loss, late
-# in training) stays in, and a spike the test would have rejected does not.
+# Times `sigma` robust deviations from the warm-up's median that make an outlier (twice the
+# test's bar: a heavy tail stays in, a spike the test would reject does not).
 OUTLIER_SIGMAS = 2.0
-# And at least this factor from the median: twenty warm-up values cannot tell a heavy tail
-# from a spike when the tail shows once among them.
+# And at least this factor from the median (twenty values cannot tell a tail seen once from
+# a spike).
 OUTLIER_RATIO = 100.0
 
 
 def _entries(values: tf.Tensor) -> tf.Tensor:
-    """`values` as the statistics store them: a value that is not finite or not positive as
-    0, which no statistic counts (nor a checkpoint refuses: under the warm-up an overflowed
-    norm is accepted), so that a negative entry is always a trimmed outlier."""
+    """`values` as the statistics store them: a non-finite or non-positive value as 0 (never
+    counted, and finite for the checkpoint), so a negative entry is always a trimmed outlier."""
     return tf.where(tf.math.is_finite(values), tf.nn.relu(values), tf.zeros_like(values))
 
 
@@ -421,13 +386,11 @@ def _warmup_outliers(
 ) -> tf.Tensor:
     """Bool ``[warmup, 2]``: the warm-up's entries left out of the statistics.
 
-    `rows` are the magnitudes of the window's first ``warmup`` rows, which hold the values
-    accepted before the test began (until the ring overwrites them, once `count` passes
-    `window`), without any test: a spike among them would widen the deviation and hide the
-    next spike for a whole window. An entry among them more than `OUTLIER_SIGMAS` times
-    `sigma` robust deviations (`MAD_SCALE` times the median absolute deviation, at least
-    `floor`), and more than `OUTLIER_RATIO` times, from their median is left out, once there
-    are `MIN_WARMUP_ENTRIES`.
+    `rows` are the magnitudes of the window's first ``warmup`` rows (accepted untested, until
+    the ring overwrites them once `count` passes `window`). With `MIN_WARMUP_ENTRIES` or more,
+    an entry farther from their median than `OUTLIER_SIGMAS` times `sigma` robust deviations
+    (`MAD_SCALE` times the median absolute deviation, at least `floor`) and than a factor
+    `OUTLIER_RATIO` is left out.
     """
     warmup = rows.shape[0]
     index = tf.range(warmup, dtype=tf.int64)
@@ -472,10 +435,9 @@ def reference_z_scores(
     warmup: int = 20,
     sigma: float = 6.0,
 ) -> np.ndarray:
-    """The z-scores of ``value = (loss, norm)`` against the last `window` of the `accepted`
-    ``(loss, norm)`` pairs (all of them since the statistics began), in NumPy: of the
-    logarithms of the positive values, the warm-up's outliers left out (`_warmup_outliers`),
-    population deviation floored at `FLOOR`; NaN for a value that is not positive."""
+    """`SpikeTest`'s z-scores in NumPy: ``value = (loss, norm)`` against the last `window` of
+    all `accepted` ``(loss, norm)`` pairs (warm-up outliers left out, deviation floored at
+    `FLOOR`, no warm-up gate); NaN for a value that is not positive or a column with no entry."""
     accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
     count = len(accepted)
     keep = np.ones(count, bool)

@@ -1,9 +1,7 @@
-"""The closed vocabularies of the guard, and the types its functions take.
+"""The guard's closed vocabularies and the types its functions take.
 
-Each vocabulary is a `str`-valued enum: a member equals its string (``Action.SKIP == "skip"``),
-formats as it (``f"{Action.SKIP}"`` is ``skip``, ``f"{Action.SKIP!r}"`` is ``'skip'``) and is
-written to JSON as it, so records and user code that compare with plain strings keep working.
-This module imports nothing of the package, so that every other module can use it.
+Each vocabulary is a `str` enum: a member equals, formats and serializes to JSON as its string
+(``Action.SKIP == "skip"``). This module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -15,10 +13,8 @@ import tensorflow as tf
 
 
 class _StrEnum(str, enum.Enum):
-    """A `str` enum whose `str`, `format` and `repr` are its value's (Python 3.11 would say
-    ``Action.SKIP`` and ``<Action.SKIP: 'skip'>``): a message that quotes a setting, as in
-    ``f"nan_policy={config.nan_policy!r}"``, reads ``nan_policy='skip'`` whether the user gave
-    the string or the default is a member."""
+    """A `str` enum whose `str`, `format` and `repr` are its value's, on every Python: a
+    member reads like the plain string it equals (``'skip'``, not ``<Action.SKIP: 'skip'>``)."""
 
     def __str__(self) -> str:
         return str.__str__(self)
@@ -31,11 +27,8 @@ class _StrEnum(str, enum.Enum):
 
 
 class Action(_StrEnum):
-    """What is done about a bad step: the policies.
-
-    Adding a policy means a member here, its rule in `slim_nanguard._policy.decide` and its
-    effect in `slim_nanguard._actions.carry_out`.
-    """
+    """What is done about a bad step: the policies (rule in `_policy.decide`, effect in
+    `_actions.carry_out`)."""
 
     RAISE = "raise"
     STOP = "stop"

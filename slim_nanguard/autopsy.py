@@ -1,10 +1,8 @@
-"""Reading a run's autopsies after the fact: the report, the offline replay, the plot.
+"""Reading a run's autopsies after the fact: what ``slim-nanguard-autopsy TRAIN_DIR`` does.
 
-What ``slim-nanguard-autopsy TRAIN_DIR`` prints and does, as library functions (the command
-only parses flags and calls these): `find_bad_step` picks a bad step's record from
-``nanguard_events.jsonl``, `format_report` turns it into lines for a terminal, `replay_dump`
-replays the step from its dump alone (the batch and the weights it read) on any machine, and
-`plot_run` draws the loss over steps with the guard's events marked (needs matplotlib).
+`find_bad_step` picks a bad step's record, `format_report` renders it, `replay_dump` replays
+the step from its dump on any machine, `plot_run` draws the loss with the guard's events
+(needs matplotlib).
 """
 
 from __future__ import annotations
@@ -31,14 +29,14 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
         latest bad step).
 
     Returns:
-      The last record of that step (a rollback can bring a step back); ``dump_removed`` holds
-      the record of its autopsy dump's removal, if it was removed since.
+      The step's last record, with ``dump_removed`` (the removal's record) when its autopsy
+      dump was removed since.
 
     Raises:
       ValueError: No event record, no bad step, or none at `step` (the message lists those
         there are).
     """
-    import tensorflow as tf  # Local, as elsewhere here.
+    import tensorflow as tf
 
     events = _record.read_events(train_dir)
     records = [r for r in events if r.get("kind") == "bad_step"]
@@ -135,8 +133,7 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
 
 
 def with_spike_over(result: _autopsy.Autopsy, record: Mapping[str, Any]) -> _autopsy.Autopsy:
-    """`result`, with the values its spike was caught on taken from the bad step's `record`
-    (its ``spike.over``) when a dump older than ``spike_over`` left it empty."""
+    """`result`, with ``spike_over`` filled from `record`'s ``spike.over`` when empty."""
     over = (record.get(str(record.get("cause"))) or {}).get("over")
     if result.cause == NON_FINITE or result.spike_over or not over:
         return result
@@ -161,11 +158,8 @@ def describe_health(h: Mapping[str, Any]) -> str:
 def replay_dump(
     dump_path: str, train_dir: str, *, timeout_secs: float = _autopsy.DEFAULT_TIMEOUT_SECS
 ) -> _autopsy.Autopsy:
-    """Replays a bad step offline, from the checkpoint's meta graph and the dump.
-
-    The graph comes from the ``.meta`` file of the latest checkpoint of `train_dir` (every
-    checkpoint of a run has the same graph), which is restored first; the dump's batch and,
-    when it holds them, the weights the step read are fed.
+    """Replays a bad step offline: restores `train_dir`'s latest checkpoint in its meta graph
+    and feeds the dump's batch and, when it holds them, the weights the step read.
 
     Args:
       dump_path: The JSON report of the dump (the record's ``autopsy.dump``).
@@ -176,7 +170,7 @@ def replay_dump(
       The `Autopsy` of the replay (``error`` says if it could not be done).
 
     Raises:
-      ValueError: No checkpoint (so no meta graph) in `train_dir`, or no such dump.
+      ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
       UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
         garbled.
     """
@@ -193,16 +187,12 @@ def replay_dump(
 
 
 def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
-    """The latest checkpoint of `train_dir` (None if none) and the meta graph to replay in:
-    the checkpoint's, else the last ``*.meta`` of the directory.
+    """The latest checkpoint of `train_dir` (or None) and the meta graph to replay in: the
+    checkpoint's, else the directory's last ``*.meta``; ValueError when there is none,
+    UnreadableCheckpointError when the checkpoint cannot be read."""
+    import tensorflow as tf
 
-    Raises:
-      ValueError: No meta graph.
-      UnreadableCheckpointError: The checkpoint cannot be read.
-    """
-    import tensorflow as tf  # Local, as elsewhere here.
-
-    from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
+    from slim_nanguard import _checkpoints
 
     checkpoint = _checkpoints.latest_checkpoint(train_dir)
     if checkpoint and tf.io.gfile.exists(checkpoint + ".index"):
@@ -227,10 +217,9 @@ def _replay_from(
     weights: Mapping[str, Any],
     timeout_secs: float,
 ) -> _autopsy.Autopsy:
-    """`_autopsy.replay` of the dump's `report` in the graph of `meta`, restored from
-    `checkpoint`, feeding its `batch` and `weights` (tensor name -> array); a graph that is
-    not the run's or a tensor that cannot be fed makes an `Autopsy` whose ``error`` says so."""
-    import tensorflow as tf  # Local, as elsewhere here.
+    """`_autopsy.replay` of `report` in `meta`'s graph restored from `checkpoint`, feeding
+    `batch` and `weights` (tensor name -> array); a failure is the `Autopsy`'s ``error``."""
+    import tensorflow as tf
 
     graph = tf.Graph()
     with graph.as_default():
@@ -258,9 +247,8 @@ def _replay_from(
 def _with_what_the_dump_says(
     result: _autopsy.Autopsy, report: Mapping[str, Any], has_weights: bool, checkpoint
 ) -> _autopsy.Autopsy:
-    """`result` with what its dump's `report` knows: the values a spike was caught on, the
-    first bad op's traceback (an imported graph has none), and a note when the dump held no
-    weights, so that the replay read the `checkpoint`'s."""
+    """`result` with what `report` knows: ``spike_over``, the first bad op's traceback (an
+    imported graph has none), and a note when the replay read the `checkpoint`'s weights."""
     result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
     op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
@@ -286,8 +274,7 @@ Point = Tuple[int, float]
 
 def read_scalars(train_dir: str, tags: Sequence[str] = LOSS_TAGS) -> Tuple[str, List[Point]]:
     """``(tag, [(step, value), ...])``: the series of `tags` with the most points (the first on
-    a tie) in the TensorBoard event files of `train_dir`, in the order written (after a
-    rollback the steps start again from the checkpoint's).
+    a tie) in `train_dir`'s TensorBoard event files, in the order written.
 
     Raises:
       ValueError: No event file, or none of the tags in it.
@@ -300,7 +287,7 @@ def _scalar_events(
     train_dir: str, tags: Sequence[str]
 ) -> Tuple[str, List[Tuple[float, int, float]]]:
     """`read_scalars`, each point with its wall time first."""
-    import tensorflow as tf  # Local: only the plot needs it.
+    import tensorflow as tf
 
     files = sorted(tf.io.gfile.glob(_paths.join(train_dir, "events.out.tfevents.*")))
     if not files:
@@ -328,9 +315,9 @@ def _scalar_events(
 
 
 def split_at_rollbacks(points: Sequence[Point]) -> List[Tuple[List[Point], List[Point]]]:
-    """Splits a series written in order into ``(kept, dropped)`` runs: a step that does not
-    exceed the one before starts a run, and the points of the run before from that step on
-    were undone (``dropped``, which starts with the last kept point, so the lines join)."""
+    """Splits a series written in order into ``(kept, dropped)`` runs: a step not above the
+    one before starts a run and undoes the previous run's points from that step on
+    (``dropped``, led by the last kept point so the lines join)."""
     return _split(_runs([(None, point) for point in points]))
 
 
@@ -365,12 +352,10 @@ def _split(runs: Sequence[Tuple[Optional[int], List[Point]]]) -> List[Tuple[List
 
 
 def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point]]]]:
-    """The loss over steps as `plot_run` draws it, cut where the run went back.
-
-    From the TensorBoard scalars (`read_scalars`) and the losses each bad step's record keeps
-    (``losses_before``), which stand for the summaries of the steps they cover. The run goes
-    back at each rollback, to the step of the checkpoint it restored, and wherever a step
-    does not exceed the one before (a resumed run). NaN and Inf are left out.
+    """The loss over steps as `plot_run` draws it, cut where the run went back (a rollback,
+    to its checkpoint's step, or a resumed run). From the TensorBoard scalars and the records'
+    ``losses_before`` (which replace the summaries of the steps they cover); NaN and Inf are
+    left out.
 
     Returns:
       ``(tag, pieces)``: the TensorBoard tag drawn (`RECORD_TAG` when the record alone has
@@ -379,7 +364,7 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
     Raises:
       ValueError: No TensorBoard loss and no record of losses.
     """
-    from slim_nanguard import _checkpoints  # Local, as TensorFlow is.
+    from slim_nanguard import _checkpoints
 
     records = _record.read_events(train_dir)
     kept_losses = [r for r in records if r.get("kind") == "bad_step" and r.get("losses_before")]
@@ -407,8 +392,7 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
         # Up to the bad step: a summary there holds the last good loss, or the bad one.
         covered.setdefault(number, []).append((pairs[0][0], record.get("step", pairs[-1][0])))
         for back, (step, value) in enumerate(reversed(pairs), start=1):
-            # Seen before the record was written, in this order; a step that an earlier
-            # record of the stretch holds (bad steps close together) is drawn once.
+            # Each step once per stretch, though close bad steps' records overlap.
             if (number, step) not in seen and math.isfinite(value):
                 seen.add((number, step))
                 items.append((time - back * 1e-6, number, int(step), value))
@@ -429,9 +413,8 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
 
 
 def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, float]:
-    """The steps a close look at one bad step (its `record`) shows: from the first loss its
-    record kept before it (`margin` steps before it when none), and a quarter of that span
-    past it."""
+    """``(low, high)`` steps of a close look at `record`'s bad step: from its first kept loss
+    (or `margin` steps before), to a quarter of that span past it."""
     step = int(record.get("step", 0))
     before = [s for s, _ in record.get("losses_before") or ()]
     first = min(before) if before else step - margin
@@ -442,15 +425,11 @@ def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, flo
 def plot_run(train_dir: str, out_path: str) -> str:
     """Draws `run_figure` of `train_dir` into the image `out_path` (a URL too); returns it.
 
-    Each bad step is marked at its own loss, one whose loss is NaN or Inf at the top of the
-    plot (its legend entry says which), and a spike with a marker of its own. The axis is
-    logarithmic where the values drawn are far apart.
-
     Raises:
       ImportError: matplotlib is not installed (install the ``plot`` extra).
       ValueError: No loss to plot.
     """
-    import tensorflow as tf  # Local, as elsewhere here.
+    import tensorflow as tf
 
     figure = run_figure(train_dir)
     try:
@@ -478,6 +457,9 @@ def _pyplot():
 
 def run_figure(train_dir: str):
     """The figure `plot_run` saves: the whole run, and a close look at the first bad step.
+
+    Each bad step is marked at its loss (a NaN or Inf one at the top, labelled so), a spike
+    with a marker of its own; the axis is logarithmic when the values are far apart.
 
     Returns:
       A matplotlib ``Figure`` (the caller closes it); its first axes, with the legend, is the
@@ -538,8 +520,7 @@ _ACTION_MARKS = {
     "stop": ("s", "tab:purple", "stopped"),
     "raise": ("X", "black", "gave up"),
 }
-# A step a reason rejected with finite values (a spike: the loss or gradient norm far above the
-# usual) is marked apart from a non-finite step: a diamond, in the colour of what was done.
+# A step a reason rejected with finite values (a spike): a diamond, in the action's colour.
 _SPIKE_MARKER = "D"
 
 
@@ -559,12 +540,8 @@ _LOG_SCALE_RATIO = 100.0
 def _event_marks(
     records: Sequence[Mapping[str, Any]], curve: Sequence[float]
 ) -> List[Tuple[int, float, str, str, str]]:
-    """``(step, y, marker, colour, label)`` for each bad step of `records`.
-
-    A bad step with a finite loss (a spike, or NaN gradients under a finite loss) is marked
-    at its loss. A NaN or Inf loss has no place on the axis: it is marked at the top of
-    everything drawn (`curve` and the finite marks), and its label says so and which it was.
-    """
+    """``(step, y, marker, colour, label)`` per bad step of `records`: at its loss, or for a
+    NaN or Inf loss at the top of `curve` and the finite marks, labelled so."""
     bad = [r for r in records if r.get("kind") == "bad_step"]
     losses = [_record_loss(r) for r in bad]
     finite = [v for v in list(curve) + losses if math.isfinite(v)]

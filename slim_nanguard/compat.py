@@ -1,73 +1,21 @@
-"""Compatibility layer that lets tf-slim 1.1.0 run on current TensorFlow.
+"""Makes tf-slim 1.1.0 run on current TensorFlow; tf-slim's gradient helpers.
 
-tf-slim's last release (1.1.0, 2020) reaches into TensorFlow's private
-``tensorflow.python.*`` modules. Several names it uses there have since been
-moved or deleted, so on TensorFlow 2.21 large parts of tf-slim raise
-``AttributeError`` / ``ModuleNotFoundError`` the first time they are called
-(importing ``tf_slim`` itself still works, which is why the breakage shows up
-late, inside model building or ``create_train_op``).
+tf-slim 1.1.0 uses private ``tensorflow.python.*`` names that TensorFlow has since moved or
+deleted (``slim.batch_norm`` and the ``tf_slim.nets`` models, ``slim.local_variable``, the
+gradient helpers, ``optimize_loss``, metrics and ``tfexample_decoder`` then fail when called).
+`install` restores them (`_RESTORES` lists each name and its tf-slim users). Each patch:
 
-`install` fixes this with *narrow* patches. Every patch
+* applies only where the name is missing on the running TensorFlow;
+* binds it to the object TensorFlow now provides (its public ``tf`` symbol, or tf-keras'
+  legacy ``tf.layers`` batch normalization);
+* modifies no TensorFlow or tf-keras module: the tf-slim module's reference (e.g.
+  ``tf_slim.learning.ops``) becomes a proxy that adds the names and forwards the rest.
 
-* first detects whether the original is actually broken on the running
-  TensorFlow (``hasattr`` on the TensorFlow module, or an import probe), and does
-  nothing if it is not, so behaviour on a TensorFlow where tf-slim works is
-  unchanged;
-* restores only the missing name, bound to the object TensorFlow now provides
-  under a new location (normally its public ``tf.compat.v1`` / ``tf`` symbol, the
-  very object the old private name used to refer to);
-* never modifies TensorFlow's or tf-keras' own modules: the affected tf-slim
-  modules get their module reference (e.g. ``tf_slim.learning.ops``) replaced by
-  a thin proxy of the TensorFlow module that adds the missing names and forwards
-  everything else to the real module.
+`multiply_gradients`, `clip_gradient_norms` and `add_gradients_summaries` keep tf-slim's
+contracts on current TensorFlow; the summaries' histograms show finite values only
+(TensorFlow's histogram op raises on NaN, which would turn a skipped step into a crash).
 
-What is restored, and which tf-slim code needs it (found by running tf-slim
-1.1.0 on TensorFlow 2.21 and by scanning every tf-slim module for attribute
-accesses on TensorFlow modules that no longer exist):
-
-``tensorflow.python.layers.normalization.BatchNormalization``
-    TensorFlow dropped its private Keras copy of the legacy ``tf.layers``
-    batch normalization and now lazy-loads it from
-    ``tf_keras.legacy_tf_layers.normalization``; tf-keras 2.21 ships that module
-    only as ``tf_keras.src.legacy_tf_layers.normalization``, so the lazy import
-    fails. Breaks ``slim.batch_norm`` (fused and not) and therefore every
-    ``tf_slim.nets`` model that uses it (resnet_v1/v2 with their arg scopes,
-    inception_v1/v2/v3, ...).
-``tensorflow.python.framework.ops.Tensor``
-    ``Tensor`` moved to ``tensorflow.python.framework.tensor`` and the ``ops``
-    alias was removed. Breaks ``layers.utils.constant_value`` (hence
-    ``slim.batch_norm`` again), ``learning.multiply_gradients`` (hence
-    ``create_train_op(gradient_multipliers=...)``), ``optimize_loss`` and
-    ``rev_block_lib.recompute_grad``.
-``tensorflow.python.framework.ops.IndexedSlices``
-    ``IndexedSlices`` moved to ``tensorflow.python.framework.indexed_slices``.
-    Breaks ``clip_gradient_norms``, ``multiply_gradients`` and
-    ``add_gradients_summaries`` in both ``tf_slim.learning`` and
-    ``tf_slim.training.training`` (hence ``create_train_op`` with
-    ``clip_gradient_norm`` / ``summarize_gradients``) and ``optimize_loss``.
-``tensorflow.python.ops.variable_scope.variable``
-    The private ``variable_scope.variable`` function was deleted (its public
-    face, ``tf.compat.v1.Variable``, remains). Breaks ``slim.local_variable``
-    and ``slim.global_variable``.
-``tensorflow.python.ops.control_flow_ops.{cond, case, while_loop, Assert}``
-    Split out into ``cond``, ``control_flow_case``, ``while_loop`` and
-    ``control_flow_assert``. Breaks ``layers.utils.smart_cond``, several
-    streaming metrics and ``auc_using_histogram``, the clustering losses in
-    ``losses.metric_learning`` and image / bounding-box decoding in
-    ``data.tfexample_decoder``.
-``tensorflow.python.ops.array_ops.{stack, unstack}``
-    Moved to ``array_ops_stack``. Breaks ``legacy_fully_connected``,
-    ``streaming_concat`` / curve metrics and ``tfexample_decoder``.
-
-tf-slim's gradient helpers are here too, as `create_train_op` uses them: `multiply_gradients`,
-`clip_gradient_norms` and `add_gradients_summaries` keep tf-slim's contracts on current
-TensorFlow (the summaries' histograms show the finite values only: TensorFlow's histogram op
-raises on NaN, which would turn a skipped step into a crash).
-
-Declared support: TensorFlow >=2.16,<2.22 with the tf-keras of the same
-release and tf-slim 1.1.0. Tested: TensorFlow 2.21.0 / tf-keras 2.21.0 only.
-On a TensorFlow where a name still exists the corresponding patch is skipped;
-`patched` tells which ones were applied.
+Supported: TensorFlow >=2.16,<2.22 with the tf-keras of the same release, and tf-slim 1.1.0.
 """
 
 import importlib
@@ -95,21 +43,14 @@ _PATCHED: Tuple[str, ...] = ()
 
 
 class _ModuleProxy(types.ModuleType):
-    """A stand-in for a TensorFlow module inside one tf-slim module's namespace.
+    """A TensorFlow module plus restored names, for one tf-slim module's namespace.
 
-    Names restored by the compatibility layer live in the proxy's own
-    ``__dict__``; every other attribute is looked up on the wrapped module, so
-    the proxy behaves exactly like the module it wraps plus the restored names.
-    The wrapped module itself is left untouched.
+    Args:
+      wrapped: The real TensorFlow module; left untouched, every other name is looked up on it.
+      restored: ``{removed name: replacement}``.
     """
 
     def __init__(self, wrapped: types.ModuleType, restored: Dict[str, Any]) -> None:
-        """Initializes the proxy.
-
-        Args:
-          wrapped: The real TensorFlow module.
-          restored: Mapping from removed attribute name to its replacement.
-        """
         super().__init__(wrapped.__name__, wrapped.__doc__)
         self.__dict__["_slim_nanguard_wrapped"] = wrapped
         self.__dict__.update(restored)
@@ -137,8 +78,7 @@ def _tf() -> Any:
 
 def _legacy_batch_normalization_module() -> Optional[types.ModuleType]:
     """Returns tf-keras' legacy ``tf.layers`` normalization module, or None."""
-    # The first path is the one TensorFlow's own lazy loader asks for; the second is
-    # where tf-keras 2.21 actually keeps the module.
+    # The path TensorFlow's lazy loader asks for, then where tf-keras 2.21 keeps it.
     for name in (
         "tf_keras.legacy_tf_layers.normalization",
         "tf_keras.src.legacy_tf_layers.normalization",
@@ -232,13 +172,11 @@ def _public(**names: str) -> Callable[[], Dict[str, Any]]:
     return load
 
 
-# The table of patches. ``users`` lists every tf-slim 1.1.0 module that references the
-# name (found by an AST scan of tf_slim for attribute accesses on TensorFlow modules).
+# The patches. ``users``: every tf-slim 1.1.0 module that references the name (an AST scan of
+# tf_slim for attribute accesses on TensorFlow modules).
 _RESTORES: Tuple[_Restore, ...] = (
-    # TensorFlow removed its private keras copy of legacy tf.layers BatchNormalization;
-    # tensorflow.python.layers.normalization now lazy-loads
-    # tf_keras.legacy_tf_layers.normalization, a path tf-keras 2.21 does not provide
-    # (it ships tf_keras.src.legacy_tf_layers.normalization). Breaks slim.batch_norm.
+    # tensorflow.python.layers.normalization lazy-loads tf_keras.legacy_tf_layers.normalization,
+    # which tf-keras 2.21 ships only under tf_keras.src. Breaks slim.batch_norm.
     _Restore(
         "tensorflow.python.layers.normalization",
         ("BatchNormalization",),
@@ -246,8 +184,7 @@ _RESTORES: Tuple[_Restore, ...] = (
         (("tf_slim.layers.layers", "normalization_layers"),),
         is_broken=_batch_normalization_is_broken,
     ),
-    # TensorFlow moved Tensor to tensorflow.python.framework.tensor and removed the
-    # tensorflow.python.framework.ops.Tensor alias.
+    # Moved to tensorflow.python.framework.tensor.
     _Restore(
         "tensorflow.python.framework.ops",
         ("Tensor",),
@@ -259,8 +196,7 @@ _RESTORES: Tuple[_Restore, ...] = (
             ("tf_slim.layers.rev_block_lib", "framework_ops"),  # recompute_grad
         ),
     ),
-    # TensorFlow moved IndexedSlices to tensorflow.python.framework.indexed_slices and
-    # removed the tensorflow.python.framework.ops.IndexedSlices alias.
+    # Moved to tensorflow.python.framework.indexed_slices.
     _Restore(
         "tensorflow.python.framework.ops",
         ("IndexedSlices",),
@@ -271,16 +207,14 @@ _RESTORES: Tuple[_Restore, ...] = (
             ("tf_slim.layers.optimizers", "ops"),  # optimize_loss gradient transforms
         ),
     ),
-    # TensorFlow deleted the private function variable_scope.variable; its public
-    # entry point tf.compat.v1.Variable (VariableV1, same creator stack) remains.
+    # Deleted; its public face tf.compat.v1.Variable (same creator stack) remains.
     _Restore(
         "tensorflow.python.ops.variable_scope",
         ("variable",),
         _public(variable="compat.v1.Variable"),
         (("tf_slim.ops.variables", "variable_scope"),),  # local_variable, global_variable
     ),
-    # TensorFlow split cond/case/while_loop/Assert out of control_flow_ops into the
-    # cond, control_flow_case, while_loop and control_flow_assert modules.
+    # Split out into the cond, control_flow_case, while_loop and control_flow_assert modules.
     _Restore(
         "tensorflow.python.ops.control_flow_ops",
         ("cond",),
@@ -309,7 +243,7 @@ _RESTORES: Tuple[_Restore, ...] = (
         _public(Assert="compat.v1.Assert"),
         (("tf_slim.metrics.histogram_ops", "control_flow_ops"),),
     ),
-    # TensorFlow moved stack/unstack from array_ops to array_ops_stack.
+    # Moved to array_ops_stack.
     _Restore(
         "tensorflow.python.ops.array_ops",
         ("stack", "unstack"),
@@ -372,12 +306,10 @@ def _apply() -> Tuple[str, ...]:
 
 
 def install() -> None:
-    """Makes tf-slim 1.1.0 work on the running TensorFlow.
+    """Makes tf-slim 1.1.0 work on the running TensorFlow (see the module docstring).
 
-    Idempotent and thread-safe: the first call detects which TensorFlow names that
-    tf-slim uses are gone, restores them inside tf-slim's own module namespaces and
-    logs (once, at INFO) what it patched; later calls return immediately. On a
-    TensorFlow where tf-slim works unmodified this is a no-op.
+    Idempotent and thread-safe: the first call patches what is missing and logs at INFO what
+    it patched; later calls return at once. A no-op where tf-slim works unmodified.
     """
     global _INSTALLED, _PATCHED
     if _INSTALLED:
@@ -394,19 +326,12 @@ def install() -> None:
 
 
 def is_installed() -> bool:
-    """Returns whether `install` has run in this process.
-
-    Returns:
-      True once `install` has completed.
-    """
+    """Returns True once `install` has completed in this process."""
     return _INSTALLED
 
 
 def patched() -> Tuple[str, ...]:
-    """Returns the TensorFlow names that `install` restored for tf-slim.
-
-    Returns:
-      Dotted ``module.name`` strings, e.g. ``"tensorflow.python.framework.ops.Tensor"``;
-      empty before `install` or when nothing needed patching.
-    """
+    """Returns the names `install` restored, as dotted ``module.name`` strings (e.g.
+    ``"tensorflow.python.framework.ops.Tensor"``); empty before `install` or when nothing
+    needed patching."""
     return _PATCHED
