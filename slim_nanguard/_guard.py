@@ -316,7 +316,7 @@ class Guard:
           or used up, or no batch kept.
 
         Raises:
-          ValueError: `cause` is neither ``"non_finite"`` nor a reason's name.
+          ValueError: `cause` is none of ``"non_finite"``, ``"spike"`` and the reasons' names.
         """
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 

@@ -46,14 +46,16 @@ class Test:
     """One reason's test in a train op's graph.
 
     Attributes:
-      reject: Scalar bool, True to reject the step. It runs before any write of the step.
+      reject: Scalar bool, True to reject the step; it may read the reason's state (it runs
+        before any write of the step).
       report: Builds the float64 vector of `Reason.report_fields` a rejected step stores;
         called once, in the bad branch's control context.
       judged: Builds the float64 vector of `Reason.judged_fields` an accepted step stores for
         the summaries; called once, behind the gate. None: no summaries.
       writes: Builds what an accepted step writes into the reason's state; called once, behind
         the gate.
-      variables: The reason's checkpointed state (a rollback restores it with the weights).
+      variables: The reason's checkpointed state (a rollback restores it with the weights; a
+        checkpoint without it restores the rest).
       handles: What the reason's own policy steps need of the graph, or None.
     """
 
@@ -79,7 +81,8 @@ class Reason(abc.ABC):
       judged_fields: The floats an accepted step stores for the summaries (`Test.judged`).
 
     Attributes:
-      policy: The action for a step it rejects; it escalates as any bad step does.
+      policy: The action for a step it rejects (``raise``, ``stop``, ``skip``, ``rollback``);
+        it escalates as any bad step's does.
     """
 
     name: ClassVar[str]
