@@ -1,29 +1,10 @@
 """Reading, recording and carrying out a bad step: the one place the guard acts on a session.
 
-A run the guard found not finite goes through `judge`: it reads what the step stored through
-the guard, tells the guard what happened (`Guard.observe`, over the pure `_policy.decide`,
-which owns every count and every rule), records the event, and hands the decision to
-`carry_out`, the only code that raises, stops, skips or rolls back. Every caller goes through
-them: `NanLossHook.after_run` (hook mode, and a bare loss's bad step), `train_step` and
-`handle_numerics_error` (any loop), `slim_nanguard.train`, and a cluster's chief answering
-rollback requests. What each action does::
-
-    raise    -> NanLossError(event, reason, cause, limit), chained to the numerics error
-                (its message now saying that the policy was applied)
-    stop     -> request_stop() (the hook's run_context, a MonitoredSession's coordinator,
-                or nothing: the caller reads Outcome.stop)
-    skip     -> nothing: the bad step wrote nothing, the next run takes the next batch
-    rollback -> restore the latest good checkpoint (`_rollback`), or, on a cluster's
-                non-chief worker, the guard's one rollback route: a request to the chief
-                (`Guard.rollback_request`); then the global step is read again
-
-One rule for the saver: a rollback restores with the guard's own (`Guard.saver`: built by
-`create_train_op` when the config may roll back, or by `NanLossHook.begin` for a policy
-override that may). One rule for the checkpoint directory (`checkpoint_dir_for`): the one
-the caller gives, else the one the session's `CheckpointSaverHook` saves to, else the loop's
-log directory.
-
-`Outcome` says what a judged run came to, so a loop reads it instead of comparing counters.
+Every loop hands a run the guard found not finite to `judge`, which reads it, records it
+(`record_bad_step`: the guard decides, over `_policy.decide`) and acts on it (`carry_out`, the
+only code that raises, stops, skips or rolls back); the loop reads the `Outcome`. A rollback
+restores with the guard's saver (`Guard.saver`) from the directory `checkpoint_dir_for` names.
+docs/design.md ("One state, one transition, one place that acts") walks the path.
 """
 
 from __future__ import annotations
@@ -57,10 +38,9 @@ class Outcome:
     Attributes:
       event: The bad step's (or the loss-scale overflow's) `NanEvent`; None for a good step.
       action: The `Action` carried out; None for a good step and for an overflow.
-      overflow: True for an overflow step of a dynamic loss-scale optimizer (no bad step:
-        the optimizer skipped the update and lowered its scale).
+      overflow: True for an overflow step of a dynamic loss-scale optimizer (no bad step).
       stop: True when the loop is to stop (the ``stop`` action).
-      step: The global step after a rollback (None otherwise, or without a global step).
+      step: The global step after a rollback, else None.
       checkpoint: The checkpoint a rollback restored, else None.
     """
 
@@ -112,22 +92,13 @@ def checkpoint_dir_for(
 ) -> Optional[str]:
     """The checkpoint directory a rollback of `guard` uses: the one rule.
 
-    `checkpoint_dir` when given, else the directory `session`'s `CheckpointSaverHook` saves
-    to, else `logdir`. Autopsy dumps go there too (the first directory a guard is given).
-
-    Args:
-      guard: The guard.
-      checkpoint_dir: The directory the caller gave, or None.
-      session: The session, to look for a `CheckpointSaverHook` in.
-      logdir: The loop's log directory, the last resort.
-      policy: The policy applied, when a hook overrides the configured one.
-      advice: What to pass, said when the directory is needed and unknown.
-
-    Returns:
-      The directory, or None when none is known and none is needed.
+    `checkpoint_dir` when given, else the one `session`'s `CheckpointSaverHook` saves to, else
+    `logdir`; it becomes the guard's autopsy directory too, unless it has one. None when none is
+    known and the policy (`policy`, a hook's override, else the configured one) never rolls back.
 
     Raises:
-      ValueError: The policy rolls back (`_policy.rolls_back`) and no directory is known.
+      ValueError: The policy rolls back (`_policy.rolls_back`) and no directory is known; the
+        message says `advice`.
     """
     if not checkpoint_dir and session is not None:
         checkpoint_dir = session_checkpoint_dir(session)
@@ -141,16 +112,10 @@ def checkpoint_dir_for(
 
 
 def stop_session(session: SessionLike) -> None:
-    """Asks a `MonitoredSession` to stop: its ``should_stop()`` is True afterwards.
-
-    TensorFlow's public route, ``run_step_fn(lambda step_context:
-    step_context.request_stop())``, raises `StopIteration` out of ``run_step_fn`` and leaves
-    ``should_stop()`` False (TensorFlow 2.21): a caller looping ``while not
-    sess.should_stop()`` would not stop, and one inside ``with MonitoredSession()`` would
-    leave the block without the event. So this asks the session's coordinator, which only
-    the session's private ``_coordinated_creator`` reaches. A raw session has no stop to
-    ask: the caller reads `Outcome.stop`.
-    """
+    """Asks a `MonitoredSession` to stop (its ``should_stop()`` is then True); a raw session
+    has nothing to ask. Through its private coordinator: the public route,
+    ``step_context.request_stop()`` in ``run_step_fn``, raises `StopIteration` and leaves
+    ``should_stop()`` False (TensorFlow 2.21)."""
     creator = getattr(session, "_coordinated_creator", None)  # pylint: disable=protected-access
     if creator is not None and getattr(creator, "coord", None) is not None:
         creator.coord.request_stop()
@@ -161,8 +126,8 @@ def no_stop() -> None:
 
 
 def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
-    """Tells `guard` a step went through; keeps its loss, when known, for the record of the
-    next bad step (the last ``losses_before`` of them)."""
+    """Tells `guard` a step went through, and keeps its `loss` (when known) for the record
+    of the next bad step."""
     guard.observe(_policy.GoodStep())
     if loss is not None:
         guard.history.add(float(loss))
@@ -171,21 +136,9 @@ def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
 def record_overflow(
     guard: "Guard", *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
 ) -> _events.NanEvent:
-    """Records an overflow step of a dynamic loss-scale optimizer; no policy applies.
-
-    The optimizer skipped the update and lowered its scale; nothing else was written. The
-    step counts neither as a bad step nor toward ``max_consecutive_bad_steps``.
-
-    Args:
-      guard: The guard of the train op that ran.
-      step: The global step the overflow happened at (-1 if unknown).
-      sums: What the step stored: the loss, the gradient sums, the loss scale.
-      kinds: What the loss and each gradient held (`StepReport.kinds`), or None.
-
-    Returns:
-      The event, with ``action`` ``"loss_scale_overflow"``; listeners get a record of kind
-      ``"loss_scale_overflow"``.
-    """
+    """Records an overflow step of a dynamic loss-scale optimizer (no bad step, no policy)
+    and returns its event, whose ``action`` (and record ``kind``) is ``"loss_scale_overflow"``.
+    `sums` holds the loss, the gradient sums and the loss scale; `kinds` as in `StepReport`."""
     guard.observe(_policy.LossScaleOverflow())
     guard.history.anchor(int(step))  # The good steps before it end one step before.
     event = _new_event(guard, guard.state, step, sums, kinds, _events.LOSS_SCALE_OVERFLOW)
@@ -207,25 +160,14 @@ def record_bad_step(
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
     """Records a bad step and has the guard decide about it; carries nothing out.
 
-    The ``on_nan`` callback sees the event first (with the counts this step makes,
-    `_policy.counted`) and may choose the action; `Guard.observe` then decides, over
-    `_policy.decide`. The event is logged and sent to the listeners (kind ``bad_step``).
-
-    Args:
-      guard: The guard of the train op that ran.
-      step: The global step the bad step was attempted at (-1 if unknown).
-      sums: What the step stored: the loss, then the sum of each gradient.
-      policy: The policy to apply instead of the configured one (a hook may say so).
-      autopsy: The step's `Autopsy` (see `Guard.autopsy`), put in the event, or None.
-      kinds: What the loss and each gradient held (`StepReport.kinds`), or None: the
-        culprits then come from the sums.
-      reason: The `Reason` that rejected the step (`StepReport.reason`), or None for a
-        non-finite step. A rejected step gets the reason's policy (a hook's `policy` is for
-        non-finite steps).
-      figures: What the reason stored of the step (`StepReport.figures`).
+    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action;
+    the event is then logged and sent to the listeners (kind ``bad_step``). A non-finite step
+    gets `policy` (a hook's override) or ``nan_policy``; a step `reason` rejected gets that
+    reason's policy. `sums` is the loss, then each gradient's sum; without `kinds`
+    (`StepReport.kinds`) the culprits come from the sums. `step` is -1 if unknown.
 
     Returns:
-      ``(event, decision)``: the event's ``action`` is the decision's, escalation included.
+      ``(event, decision)``; the event's ``action`` is the decision's.
     """
     config = guard.config
     if reason is None:
@@ -293,11 +235,8 @@ def _new_event(
 def give_up(
     event: _events.NanEvent, decision: _policy.Decision, error: Optional[BaseException] = None
 ) -> NoReturn:
-    """Raises the `NanLossError` of a decision to raise, chained to `error` if given.
-
-    The policy was applied, so a numerics error is chained as `_errors.caught_numerics_error`
-    tells it: its advice for an error nothing caught does not hold here.
-    """
+    """Raises the `NanLossError` of a decision to raise, chained to `error` if given (as
+    `_errors.caught_numerics_error` words it: the policy was applied)."""
     nan_error = _errors.NanLossError(
         event, decision.reason, cause=decision.cause, limit=decision.limit
     )
@@ -320,18 +259,11 @@ def carry_out(
 ) -> Outcome:
     """Carries out `decision` about `event` against `session`: the only code that acts.
 
-    Args:
-      guard: The guard that decided (None for a loss no guarded train op made: it can only
-        raise or stop).
-      session: A raw session or a `MonitoredSession` (a rollback goes around its hooks).
-      event: The bad step's event.
-      decision: What the guard decided (`Guard.observe`).
-      checkpoint_dir: Where the loop saves checkpoints (see `checkpoint_dir_for`).
-      request_stop: How to ask the loop to stop; default: `stop_session` on `session`.
-      error: The numerics error of the bad step (check_numerics mode), chained to a raise.
-      skip_batches: Batches of input a rollback skips (default: ``rollback_skip_batches``;
-        a cluster's chief answering requests skips none).
-      **record: More fields for the ``rollback`` record (a cluster chief's answer).
+    `guard` is None for a loss no guarded train op made (it can only raise or stop). A rollback
+    goes around a `MonitoredSession`'s hooks, restores from `checkpoint_dir`, skips
+    `skip_batches` batches (default ``rollback_skip_batches``) and adds `record` to its
+    ``rollback`` record (a cluster chief's answer). A stop calls `request_stop` (default
+    `stop_session`); a raise is chained to `error`, the step's numerics error.
 
     Returns:
       The `Outcome`.
@@ -393,13 +325,9 @@ def _roll_back(
     record: dict,
     before_step: Optional[int] = None,
 ) -> str:
-    """Rolls back after `event`: the one route. Returns the checkpoint restored, or "" when
-    the guard's `rollback_request` sent the rollback to a cluster's chief instead.
-
-    A restore walks back over the checkpoints (`_rollback.Rollback.restore`), skips input
-    and scales the learning rate; the guard observes it, the listeners get a ``rollback``
-    record (a request: ``rollback_requested``).
-    """
+    """Rolls back after `event`, the one route: restores (`_rollback.Rollback.restore`) and
+    records ``rollback``, or on a cluster's non-chief sends the guard's `rollback_request`
+    (record ``rollback_requested``). Returns the checkpoint restored, or "" for a request."""
     if before_step is None:
         before_step, why = _rollback.onset(
             guard.state.run_start, event.consecutive, guard.history.points()
@@ -458,24 +386,18 @@ def judge(
 ) -> Outcome:
     """Handles a run the guard found not finite: reads it, records it, acts on it.
 
-    Reads what the step stored (the global step and the sums), tells an overflow of a dynamic
-    loss-scale optimizer from a bad step, autopsies a bad step (before any rollback), has
-    the guard decide (`record_bad_step`) and carries the decision out (`carry_out`).
-
-    Args:
-      guard: The guard of the train op that ran.
-      session: A raw session or a `MonitoredSession` (its hooks are not run).
-      checkpoint_dir: Where the loop saves checkpoints.
-      policy: The policy to apply instead of the configured one (a hook's override).
-      stored: ``(step, sums)`` already read, or None to read them.
-      error: The numerics error of the step (check_numerics mode).
-      request_stop: See `carry_out`.
+    An overflow of a dynamic loss-scale optimizer is only recorded (`record_overflow`); a bad
+    step is autopsied (before any rollback), decided (`record_bad_step`) and carried out
+    (`carry_out`, with `checkpoint_dir`, `error` and `request_stop`). `session` may be a
+    `MonitoredSession` (its hooks are not run); `policy` is a hook's override of ``nan_policy``;
+    `stored` is ``(step, sums)`` already read, or None to read them.
 
     Returns:
       The `Outcome`.
 
     Raises:
-      NanLossError: The decision is ``raise`` (chained to `error`).
+      NanLossError: The decision is ``raise``.
+      CheckpointNotFoundError: A rollback found no good checkpoint.
     """
 
     def record(raw: tf.compat.v1.Session):

@@ -1,13 +1,9 @@
-"""The run-time side of a guarded train op: a holder of its graph handles and its state.
+"""The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state.
 
-`create_train_op` builds the graph side (the finiteness test and the gate in front of every
-variable update, kept as `GraphHandles`) and registers one `Guard` for the train op with its
-graph. The hook (hook mode) and the training loops (check_numerics mode) look it up with
-`get_guard`. A guard decides nothing and acts on nothing: `_actions` reads a bad step through
-it, tells it what happened (`Guard.observe`, over the pure `_policy.decide`), and carries the
-decision out. The registry is a weak mapping from graph to guards rather than a graph
-collection: a collection of Python objects makes every meta-graph export (each checkpoint) warn
-that it cannot be serialised.
+`create_train_op` registers one `Guard` per train op with its graph; the loops and the hook
+find it with `get_guard`. A guard decides nothing and acts on nothing (`_actions` does, over
+`_policy.decide`). The registry is a weak mapping from graph to guards: a graph collection of
+Python objects would make every meta-graph export warn that it cannot be serialised.
 """
 
 from __future__ import annotations
@@ -65,19 +61,13 @@ RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Di
 class Guard:
     """One guarded train op: its graph handles, its config and its state.
 
-    Instances are made by `create_train_op`; get them with `get_guard`. A guard holds; it
-    neither decides nor acts. What a user reads: the config, the state (`GuardState`), the
-    last event, the saver, and the graph handles (``train_op``, ``loss``, ``ok``,
-    ``grad_sums``, ...; also readable as attributes of the guard, see `GraphHandles`). Its
-    reads (`read_step_report`, `culprits_and_kinds`) look at a session
-    through those handles, and `autopsy` replays a bad step from them. Its state changes in
-    one way, `observe`, which asks the pure `_policy.decide` for the next state; the rest is
-    wiring the loops and hooks set up once: listeners, the autopsy directory, the rollback
-    Saver, the sessions marked judged, and a cluster worker's rollback request.
+    Made by `create_train_op`; get it with `get_guard`. It holds and reads; it neither decides
+    nor acts, and its state changes only through `observe`. Each `GraphHandles` field
+    (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) is readable as an attribute.
 
     Args:
       config: The `GuardConfig` the train op was built with.
-      handles: What `create_train_op` built (`GraphHandles`).
+      handles: What `create_train_op` built.
       saver: The Saver rollbacks restore with, if `create_train_op` built one.
     """
 
@@ -153,28 +143,17 @@ class Guard:
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
     ) -> Optional[_policy.Decision]:
-        """Tells the guard what happened; the one way its state changes.
-
-        Args:
-          observation: What happened (see `_policy.Observation`).
-          event: The bad step's event: kept as `last_event`, with the action decided.
-
-        Returns:
-          What `_policy.decide` decided (None for an observation that needs no decision).
-        """
+        """Tells the guard what happened: the one way its state changes. Returns the decision
+        of `_policy.decide` (None if none is needed); a bad step's `event` is kept as `last_event`,
+        with the action decided."""
         decision, self._state = _policy.decide(self._config, self._state, observation)
         if event is not None and decision is not None:
             self._last_event = dataclasses.replace(event, action=decision.action)
         return decision
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
-        """Sends autopsy dumps to `path` (the checkpoint directory); the first one given
-        stays unless `replace`.
-
-        The record of bad steps goes there too (``nanguard_events.jsonl``), unless a listener
-        keeps one already (an `EventRecorder`: `train`'s own, or the caller's), so that every
-        loop that knows a directory leaves a record there, and each bad step is recorded once.
-        """
+        """Sends autopsy dumps to `path`, and the guard's own record of bad steps unless a
+        listener is an `EventRecorder`; the first path given stays unless `replace`."""
         if path and (replace or self._autopsy_dir is None):
             self._autopsy_dir = path
 
@@ -212,17 +191,15 @@ class Guard:
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener(record)`` for each bad step and each rollback.
+        """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
+        counts this guard's state from now on.
 
-        A record is a JSON-ready dict: ``kind`` (``"bad_step"`` or ``"rollback"``, and
-        ``"loss_scale_overflow"`` for an overflow step of a dynamic loss-scale optimizer) and
-        the fields of the `NanEvent` (``step``, ``loss``, ``culprits``, ``action``, ...). A bad
-        step whose action came from ``persistent_nan_policy`` adds ``escalation`` (why, e.g.
-        ``"5 bad steps in a row reached max_consecutive_bad_steps=5"``); a rollback adds
-        ``checkpoint`` and ``skipped_batches`` (and, a cluster chief's rollback for other
-        workers, ``requested_by`` and ``requests``). A cluster's non-chief worker sends
-        ``"rollback_requested"`` (with ``chief`` and ``skipped_batches``) instead of
-        ``"rollback"``.
+        A record is a JSON-ready dict: its ``kind`` and the `NanEvent`'s fields. Kinds:
+        ``bad_step`` (with ``escalation`` when ``persistent_nan_policy`` acted, and
+        ``losses_before``), ``rollback`` (``checkpoint``, ``skipped_batches``; a cluster chief's
+        ``requested_by`` and ``requests``), ``rollback_requested`` (a non-chief worker's, with
+        ``chief``), ``loss_scale_overflow``, ``level_shift``, and ``autopsy_dump_removed`` (no
+        event fields).
         """
         if listener not in self._listeners:
             self._listeners.append(listener)
@@ -272,16 +249,10 @@ class Guard:
         return self._recorder
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
-        """Says that the caller applies the policy to this guard's bad steps in `session`.
-
-        Hook mode only (a no-op in check_numerics mode): without it, a bad step fails with an
-        error that names what to add. `NanLossHook` calls it when its session is created and
-        `train_step` at its first step in a session; a hand-written hook-mode loop that
-        checks ``ok`` itself calls it once after creating its session.
-
-        Args:
-          session: A raw `tf.compat.v1.Session` (a MonitoredSession's hooks would run).
-        """
+        """Says that the caller applies the policy to this guard's bad steps in `session` (a raw
+        session). Hook mode only (else a no-op): without it a bad step fails with an error naming
+        what to add. `NanLossHook` and `train_step` call it; a hand-written hook-mode loop that
+        checks ``ok`` itself calls it once per session."""
         if self.judged is None:
             return
         try:
@@ -300,13 +271,9 @@ class Guard:
         return _verdict.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step was an overflow of a dynamic loss-scale optimizer (not a
-        bad step), by the train op's own rule on what it stored
-        (`_verdict.stored_overflow`).
-
-        Args:
-          sums: What a non-finite step stored: the loss, the gradient sums, the loss scale.
-        """
+        """Whether a non-finite step that stored `sums` (the loss, the gradient sums, the loss
+        scale) was an overflow of a dynamic loss-scale optimizer, by the train op's own rule
+        (`_verdict.stored_overflow`)."""
         if self.loss_scale_floor is None:
             return False
         return _verdict.stored_overflow(sums, len(self.variable_names))
@@ -316,11 +283,9 @@ class Guard:
     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
         """Names of the variables whose gradients held NaN or Inf, and what each held.
 
-        Args:
-          sums: The loss, then the sum of each gradient.
-          kinds: What the loss and each gradient held (`StepReport.kinds`): exact, and used
-            when given. Without it a non-finite sum names its variable, which a sum that
-            overflowed over finite values does too; the kinds are then empty.
+        Exact from `kinds` (`StepReport.kinds`) when given; else from `sums` (the loss, then each
+        gradient's sum): a non-finite sum names its variable (an overflow of finite values too), and
+        the kinds are empty.
         """
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
@@ -341,23 +306,17 @@ class Guard:
     ):
         """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
 
-        Call it right after the bad step, before any rollback: the variables still hold the
-        weights that produced it, and the train op kept its batch.
-
-        Args:
-          session: A raw `tf.compat.v1.Session`.
-          step: The global step of the bad step.
-          cause: ``"non_finite"`` (a NaN or Inf: the autopsy finds the first op that made
-            one), or the name of the reason that rejected the step (``"spike"``; its values
-            are finite: the examples of the batch with the highest per-example loss).
-          over: The values a finite step was caught on (a spike's record's ``over``).
+        Call it right after the bad step, before any rollback: the variables still hold the weights
+        that produced it, and the train op kept its batch. A non-finite step's autopsy finds the
+        first op that made a NaN or Inf; a step a reason rejected (`cause`, its name; `over`, the
+        values it was caught on) gets the examples with the highest per-example loss.
 
         Returns:
-          The `Autopsy` (its ``error`` says why if it failed: it never raises), or None when
-          autopsies are off, past their count, or the train op keeps no batch.
+          The `Autopsy` (its ``error`` says why it failed: it never raises), or None: autopsies off
+          or used up, or no batch kept.
 
         Raises:
-          ValueError: `cause` is none of those.
+          ValueError: `cause` is none of ``"non_finite"``, ``"spike"`` and the reasons' names.
         """
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
@@ -440,15 +399,8 @@ class Guard:
         session: tf.compat.v1.Session,
         stored: Optional[Tuple[int, Sequence[float]]] = None,
     ) -> "StepReport":
-        """Everything the guard needs about the bad step just seen, in one ``session.run``.
-
-        Args:
-          session: A raw `tf.compat.v1.Session`, right after the bad step.
-          stored: ``(step, sums)`` already read (a loop body's step), or None to read them.
-
-        Returns:
-          The `StepReport`.
-        """
+        """Everything about the bad step just seen (a `StepReport`), in one ``session.run`` of
+        the raw `session`; `stored` is ``(step, sums)`` already read, or None to read them."""
         fetches: Dict[str, Any] = {}
         if stored is None:
             fetches["sums"] = self.diagnostics
@@ -472,14 +424,8 @@ class Guard:
         return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
-        """Reads what a bad step left: the global step (-1 if none) and the gradient sums.
-
-        Args:
-          session: A raw `tf.compat.v1.Session`, right after the bad step.
-
-        Returns:
-          ``(step, sums)``: the sums vector the bad step stored, the loss first.
-        """
+        """``(step, sums)`` the bad step just seen left in the raw `session`: the global step
+        (-1 without one) and the sums vector it stored, the loss first."""
         fetches = {"sums": self.diagnostics}
         if self.global_step is not None:
             fetches["step"] = self.global_step
@@ -530,14 +476,10 @@ class StepReport:
 def is_numerics_error(error: BaseException) -> bool:
     """Says whether `error` was raised by a guard's check (check_numerics mode).
 
-    The test is on the failing op, not on the message, so any other `InvalidArgumentError`
-    (a bad reshape, a bad feed, an out-of-range label, a user's own ``Assert``) is never
-    mistaken for a numerics error: a CheckNumerics or CheckNumericsV2 op, or the ``Assert``
-    a guard with a spike policy checks with (its op is the guard's check op). A check
-    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op (or
-    on no op the graph knows); then the message must carry what the check says
-    (CheckNumerics' ``" : Tensor had NaN values"``, or the guard's "slim_nanguard rejected
-    the step") and name the inner node.
+    The test is on the failing op, so no other `InvalidArgumentError` (a bad reshape, feed or
+    label, a user's ``Assert``) passes: a CheckNumerics op, or a guard's own check op. A check
+    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op: then
+    the message must say what the check says and name the inner node.
 
     Args:
       error: Any exception.

@@ -1,27 +1,12 @@
 """A new level: a run of spikes that is where training now lives, told from a divergence. Pure.
 
-The spike test compares a step with the accepted steps before it, and only accepted steps
-enter its statistics: a one-off spike is rejected and forgotten. But when the data changes
-(new, noisier data; a resume on other data or augmentation) or the model's own state makes
-the same jump again and again (a fixed batch that the frozen weights judge alike each time),
-every step is a "spike" and nothing adapts: without more, the run would end in the escalation
-of ``max_consecutive_bad_steps`` although nothing is wrong.
-
-`judge_run` takes a run of ``spike_level_shift_steps`` spikes in a row as a **new level** when,
-in each value that was over the threshold, the run's values hold together: the deviation of
-their logarithms is at most `SPREAD` times the window's, and the later half of the run is not
-above the earlier by more than `SPREAD` window deviations either; and no more than `MAX_RISE`
-times the typical value before the run. The step that completes the
-run is still rejected (a burst of corrupted batches shorter than the run changes nothing); the
-guard then re-seeds the spike statistics with the run's values, with the old level's deviation
-as the least one, so that the next step is judged at once.
-
-Rejected steps do not move the weights, so the values of a divergence's rejected steps hold
-together as well as a new level's do: a learning rate raised a thousandfold after an accepted
-step gives a run as flat as new data does. What tells them apart is what follows. A new level
-is on **probation** for ``spike_warmup_steps`` accepted steps: a spike then means the new level
-was a divergence (`_policy.decide` applies ``persistent_nan_policy`` at once, and a rollback
-goes back before the run that was taken for a level).
+When the data changes for good, or the model's state makes the same jump again and again,
+every step is a spike and nothing adapts. `judge_run` takes ``spike_level_shift_steps``
+spikes in a row as a new level when, in each value over its threshold, they hold together
+(`holds_together`) and lie at most `MAX_RISE` times above the typical value before them.
+The guard re-seeds the spike statistics with them (the old deviation as the least) and puts
+the level on probation for ``spike_warmup_steps`` global steps: a spike then means it was a
+divergence (`_policy.decide`). docs/guide.md ("A new level is not a spike") says why.
 """
 
 from __future__ import annotations
@@ -36,10 +21,8 @@ from slim_nanguard._spike import NAMES
 # How many of the window's deviations (of the logarithms) a new level's values may spread
 # over, and its later half lie above its earlier half.
 SPREAD = 2.0
-# The most a new level may lie above the old one (typical values): a loss or gradient norm a
-# hundred times the run's is no level a run lives with (new data four times noisier moves the
-# loss of a regression about 16 times; a learning rate raised a thousandfold, 600 times and
-# more: docs/guide.md's bench).
+# The most a new level's typical value may lie above the old one's (docs/guide.md's bench: a
+# learning rate raised a thousandfold moves the loss 600 times and more).
 MAX_RISE = 100.0
 # The least deviation of the logarithms (`_spike.FLOOR`).
 _FLOOR = 0.05
@@ -51,13 +34,12 @@ class LevelShift:
 
     Attributes:
       steps: The global steps of the run, oldest first.
-      values: The run's ``(loss, grad_norm)`` pairs, oldest first: what the statistics are
-        re-seeded with.
-      old: The typical value of each column before the run (the geometric mean of the
-        statistics' window), by name (``loss``, ``grad_norm``).
-      new: The typical value of each column over the run (its geometric mean).
-      floor: The deviation of the logarithms of each column before the run: the least
-        deviation the re-seeded statistics judge with.
+      values: The run's ``(loss, grad_norm)`` pairs, oldest first: the statistics' new rows.
+      old: The typical value (geometric mean of the statistics' window) of each column before
+        the run, by name (``loss``, ``grad_norm``).
+      new: The typical value of each column over the run.
+      floor: The deviation of the logarithms of each column before the run: the least one the
+        re-seeded statistics judge with.
     """
 
     steps: Tuple[int, ...]
@@ -100,10 +82,10 @@ def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[Leve
     """Whether the last `needed` spikes in a row are a new level of training.
 
     Args:
-      spikes: The spike records of the current run of bad steps, oldest first: each has the
-        ``step``, and the spike's figures (``loss``, ``grad_norm``, ``over``, ``log_mean_*``,
-        ``log_std_*``) as `_spike.read_report` gives them.
-      needed: How many spikes in a row it takes (``spike_level_shift_steps``); 0: never.
+      spikes: The current run's spike records, oldest first: each the ``step`` and the figures
+        of `_spike.read_report` (``loss``, ``grad_norm``, ``over``, ``log_mean_*``,
+        ``log_std_*``).
+      needed: ``spike_level_shift_steps``; 0: never.
 
     Returns:
       The `LevelShift`, or None: too few spikes, they do not hold together, or they lie more

@@ -1,47 +1,12 @@
-"""Recovery policies: what happens after a step whose loss or gradients were not finite.
+"""Recovery policies, the guard's counters and its one transition, `decide`: pure, no TensorFlow.
 
-The same names mean the same thing in both modes (check_numerics and hook):
+* A bad step (non-finite values, or a step a `Reason` rejects) gets its policy: ``raise``,
+  ``stop``, ``skip`` or ``rollback``. ``on_nan`` sees every event first and may override it.
+* Under ``skip`` or ``rollback``, ``max_consecutive_bad_steps`` bad steps in a row escalate to
+  ``persistent_nan_policy`` (never ``skip``); a rollback past ``max_rollbacks`` raises.
 
-* ``raise``: log the event and raise `NanLossError` (a `NanLossDuringTrainingError`).
-* ``stop``: log the event and ask the loop to stop; it ends cleanly with the last good weights.
-* ``skip``: log the event and carry on with the next batch. The bad step changed nothing. After
-  ``max_consecutive_bad_steps`` bad steps in a row, apply ``persistent_nan_policy`` (below).
-* ``rollback``: restore the latest good checkpoint, skip ``rollback_skip_batches`` batches of
-  input, optionally scale the learning rate by ``rollback_lr_factor``, and carry on. After
-  ``max_rollbacks`` rollbacks, give up as ``raise`` does; after ``max_consecutive_bad_steps``
-  bad steps in a row, apply ``persistent_nan_policy``. The checkpoint is the newest readable
-  one of the checkpoint directory; but when the step right after a rollback is bad again (no
-  step went through since), the state restored did not hold up (its weights may be finite yet
-  already diverging), and the rollback goes to an earlier step's checkpoint. Every checkpoint
-  the guard lets through is finite, and a `CheckpointSaverHook` saves one when the session
-  starts, so there is one from the first step on. With checkpointing off there is none: the
-  rollback then fails with `CheckpointNotFoundError` (it does not silently fall back to the
-  initial weights, which would throw away the whole run).
-
-Escalation, ``persistent_nan_policy``: ``skip`` is for transient faults (a corrupt record, an
-overflow in one batch). When ``max_consecutive_bad_steps`` bad steps come in a row under
-``skip`` or ``rollback``, the batch is not to blame: the state is (typically finite steps at too
-high a learning rate sent the weights to huge values before the loss overflowed), and no skip
-can undo that. The guard then applies ``persistent_nan_policy`` to that event instead:
-
-* ``raise`` (the default): give up with `NanLossError`, naming ``max_consecutive_bad_steps``.
-* ``stop``: end cleanly with the last good weights, as the ``stop`` policy does.
-* ``rollback``: restore the latest good checkpoint as the ``rollback`` policy does (with
-  ``rollback_skip_batches``, ``rollback_lr_factor``, and ``max_rollbacks``: at that bound it
-  gives up as ``raise`` does, naming both limits). The consecutive count then starts over, so
-  the run does not escalate again at its next bad step.
-
-``skip`` is not allowed there: it would step over a bad state for ever. The event's ``action``
-is what was done (``stop`` or ``rollback``), and the event record marks it as an escalation.
-
-The spike guard (``spike_policy``, off by default) rejects a step whose values are finite but
-whose loss or global gradient norm is more than ``spike_sigma`` deviations above those of the
-accepted steps (`_spike`): the step changes nothing, as a non-finite one, and ``spike_policy``
-(any policy) applies to it. It is a bad step like the others: it counts toward
-``max_consecutive_bad_steps``, so a run of spikes escalates to ``persistent_nan_policy``.
-
-A user callback, ``on_nan``, sees every event first and may return one of these names to
-override the policy for that event (or None to keep it); escalation applies after it.
+docs/guide.md ("Policies and escalation") says what each policy does to a run; `_actions`
+carries a `Decision` out.
 """
 
 from __future__ import annotations
@@ -75,66 +40,43 @@ class OnNanCallback(Protocol):
     """A user callback that sees each bad step before the policy acts."""
 
     def __call__(self, event: NanEvent) -> Optional[str]:
-        """Handles one bad step.
-
-        Args:
-          event: The bad step (its ``action`` field holds the configured policy).
-
-        Returns:
-          None to apply the configured policy, or one of ``"raise"``, ``"stop"``, ``"skip"``,
-          ``"rollback"`` to apply that one to this event instead.
-        """
+        """Returns None to keep the configured policy for `event` (its ``action``), or the name
+        of the policy to apply to it instead."""
 
 
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
-    """How a guarded train op reacts to a non-finite step.
+    """How a guarded train op reacts to a bad step; every setting is checked on construction.
 
     Attributes:
-      nan_policy: One of ``raise``, ``stop``, ``skip``, ``rollback``.
-      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
-        ``persistent_nan_policy`` once this many bad steps came in a row.
-      persistent_nan_policy: What happens once ``max_consecutive_bad_steps`` bad steps came in
-        a row under ``skip`` or ``rollback`` (the state is bad, not the batch): ``raise`` (the
-        default) gives up with `NanLossError`; ``stop`` ends cleanly with the last good
-        weights; ``rollback`` restores the latest good checkpoint as the ``rollback`` policy
-        does (bounded by ``max_rollbacks``) and starts the consecutive count over. Not
-        ``skip``, which would never end.
-      on_nan: Optional `OnNanCallback` called with every bad step.
-      rollback_skip_batches: Batches of input to throw away after a rollback, on top of the
-        bad batch itself.
-      rollback_lr_factor: Multiplies the learning rate at each rollback; 1.0 keeps it.
-      max_rollbacks: Give up (raise) at the rollback after this many.
-      autopsy_max_steps: How many bad steps get an autopsy (the step replayed from the batch
-        it kept, to find the first op that made a non-finite value): the first ones the guard
-        sees in this process. 0 turns autopsies off, and then the train op keeps no batch.
+      nan_policy: One of ``raise``, ``stop``, ``skip``, ``rollback``, for non-finite steps.
+      max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
+        to ``persistent_nan_policy``.
+      persistent_nan_policy: ``raise``, ``stop`` or ``rollback`` (bounded by ``max_rollbacks``;
+        it starts the count of bad steps in a row over). Not ``skip``.
+      on_nan: Optional `OnNanCallback`, called with every bad step.
+      rollback_skip_batches: Batches of input a rollback throws away besides the bad one.
+      rollback_lr_factor: Multiplies the learning rate at each rollback, in (0, 1].
+      max_rollbacks: Rollbacks allowed; the next one raises instead.
+      autopsy_max_steps: How many of the guard's first bad steps in this process get an
+        autopsy (a replay of the batch the train op kept); 0: none, and no batch is kept.
       autopsy_timeout_secs: The longest one autopsy may take.
-      autopsy_keep_first: How many of the oldest autopsy dumps of the training directory are
-        kept (each holds a batch and the weights the step read: megabytes). With
-        ``autopsy_keep_last``, a bound on their disk use: a new dump past the bound removes
-        the oldest dump after the first ``autopsy_keep_first``, and the record says so.
-      autopsy_keep_last: How many of the newest autopsy dumps are kept (at least 1: the dump
-        just written).
-      losses_before: How many losses of the good steps before a bad step its record keeps
-        (``losses_before``, ``[step, loss]`` pairs, oldest first), so that a plot shows the
-        climb to the bad step between TensorBoard summaries; 0 keeps none.
-      spike_policy: The policy for a spike step (finite, but its loss or global gradient
-        norm more than ``spike_sigma`` deviations above those of the accepted steps), or None
-        (the default): no spike test is built, and the train op is the same as without it.
-      spike_sigma: How many deviations (of the logarithms, over the last 128 accepted steps)
-        above their mean make a spike.
-      spike_warmup_steps: How many steps must be accepted before a step can be a spike
-        (2 to 128).
-      spike_level_shift_steps: How many spikes in a row that hold together (`_level_shift`)
-        make a new level of training rather than spikes: the guard says so, re-seeds the
-        spike statistics with them and carries on (under ``spike_policy="skip"``). Only a
-        number below ``max_consecutive_bad_steps`` can act (the run escalates first
-        otherwise); 0 never takes a new level.
+      autopsy_keep_first: The oldest autopsy dumps of the directory that are never removed.
+      autopsy_keep_last: The newest ones kept (at least 1); the record names each one removed.
+      losses_before: Losses of the good steps before a bad step that its record keeps; 0: none.
+      spike_policy: The policy for a spike (finite, but the loss or global gradient norm more
+        than ``spike_sigma`` deviations above the accepted steps'), or None: no spike test.
+      spike_sigma: Deviations (of the logarithms, over the last `SPIKE_WINDOW` accepted steps)
+        above the mean that make a spike.
+      spike_warmup_steps: Steps accepted before a step can be a spike (2 to `SPIKE_WINDOW`).
+      spike_level_shift_steps: Spikes in a row that hold together taken as a new level of
+        training (`_level_shift`), under ``spike_policy="skip"``; acts only below
+        ``max_consecutive_bad_steps``; 0: never.
+      reasons: More `Reason`s to reject a step, judged after the spike test.
 
     Raises:
-      ValueError: A setting is out of range. Each setting is checked here and only here (the
-        launcher's flags map onto these fields); the message begins with the setting's name,
-        which is how the launcher names the flag.
+      ValueError: A setting is out of range; the message names it. This is the only check (the
+        launcher's flags map onto these fields).
     """
 
     nan_policy: str = Action.RAISE
@@ -212,8 +154,8 @@ class GuardConfig:
 
     @property
     def all_reasons(self) -> Tuple[Reason, ...]:
-        """The reasons to reject a step besides non-finite values, in the order they are
-        judged: the spike test (with a ``spike_policy``), then `reasons`."""
+        """The reasons to reject a finite step, in the order they are judged: the spike test
+        (with a ``spike_policy``), then `reasons`."""
         spike = ()
         if self.spike_policy is not None:
             spike = (_spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps),)
@@ -221,44 +163,26 @@ class GuardConfig:
 
     @property
     def may_roll_back(self) -> bool:
-        """Whether a bad step can lead to a rollback, so that one needs a Saver: see
-        `may_roll_back` (the function), with the configured policy."""
+        """`may_roll_back` of this config: whether a Saver is needed."""
         return may_roll_back(self)
 
     @property
     def needs_checkpoint_dir(self) -> bool:
-        """Whether a bad step rolls back without any callback choosing it, so that a loop
-        must know the checkpoint directory: see `rolls_back`, with the configured policy."""
+        """`rolls_back` of this config: whether a loop must know the checkpoint directory."""
         return rolls_back(self)
 
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step under `policy` leads to a rollback with no callback choosing it.
-
-    True for ``rollback``, and for ``skip`` with ``persistent_nan_policy="rollback"`` (the
-    escalation of a run of bad steps), under the policy of non-finite steps or that of spikes.
-    ``raise`` and ``stop`` never escalate. A loop must then know the checkpoint directory, and
-    can refuse to start without it.
-
-    Args:
-      config: The guard's configuration.
-      policy: The policy applied to non-finite steps (a hook may override the configured
-        one); default ``config.nan_policy``.
-    """
+    """Whether a bad step can roll back with no callback choosing it (`what_rolls_back`), so
+    that a loop must know the checkpoint directory. `policy` replaces ``config.nan_policy`` (a
+    hook's override); the reasons keep theirs."""
     return bool(what_rolls_back(config, policy))
 
 
 def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[str, ...]:
-    """The settings that make a bad step roll back with no callback choosing it (none: ()).
-
-    Every message about what a rollback needs is built from these phrases, so that it names
-    the policy that rolls back: ``spike_policy='rollback'``, or ``nan_policy='skip' with
-    persistent_nan_policy='rollback'``.
-
-    Args:
-      config: The guard's configuration.
-      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
-    """
+    """The settings that make a bad step roll back with no callback choosing it, or (), as
+    messages name them: ``spike_policy='rollback'``, ``nan_policy='skip' with
+    persistent_nan_policy='rollback'``. `policy` replaces ``config.nan_policy``."""
     policy = config.nan_policy if policy is None else policy
     named = []
     policies = [("nan_policy", policy)]
@@ -272,13 +196,8 @@ def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[
 
 
 def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
-    """The error of a loop that would roll back but knows no checkpoint directory.
-
-    Args:
-      config: The guard's configuration (`rolls_back` is true of it).
-      advice: What to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``.
-      policy: The policy applied to non-finite steps; default ``config.nan_policy``.
-    """
+    """The error of a loop that would roll back (`rolls_back`) but knows no checkpoint
+    directory. `advice` says what to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``."""
     named = what_rolls_back(config, policy)
     verb = "rolls back" if len(named) == 1 else "roll back"
     return (
@@ -288,14 +207,8 @@ def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[st
 
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step under `policy` can lead to a rollback, so that a Saver is needed.
-
-    `rolls_back`, or an ``on_nan`` callback (it may choose ``rollback`` for any event).
-
-    Args:
-      config: The guard's configuration.
-      policy: The policy applied; default ``config.nan_policy``.
-    """
+    """Whether a bad step can roll back, so that a Saver is needed: `rolls_back`, or an
+    ``on_nan`` callback (it may choose ``rollback``). `policy` as in `rolls_back`."""
     return rolls_back(config, policy) or config.on_nan is not None
 
 
@@ -326,37 +239,27 @@ def validate_action(action: object, source: str) -> Action:
 
 @dataclasses.dataclass(frozen=True)
 class GuardState:
-    """Counters of one guard, kept for the life of the process (across sessions).
-
-    The one tally of the package: `decide` makes each new one from the last, a loop's
-    `TrainResult` is the difference of two (`since`), and the record's TensorBoard counters
-    are read from it.
+    """The guard's counters for the life of the process (across sessions), made by `decide`.
 
     Attributes:
-      total_bad_steps: Bad steps seen so far.
+      total_bad_steps: Bad steps so far.
       consecutive_bad_steps: Bad steps since the last good one.
-      skips: Bad steps the ``skip`` policy stepped over.
+      skips: Bad steps skipped.
       rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
-      stops: Stops requested by the ``stop`` policy.
+      stops: Stops decided.
       last_bad_step: Global step of the last bad step, or None.
       learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
-      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer: not bad steps
-        (the optimizer skipped them and lowered its scale), counted apart.
-      steps: Good steps seen so far.
-      rollback_requests: Rollbacks a cluster's non-chief worker asked its chief for (the
-        chief counts the rollback in its own ``rollbacks``).
-      autopsies: Bad steps replayed by an autopsy (the first ``autopsy_max_steps``).
-      rejected: The bad steps each reason rejected (finite, counted in ``total_bad_steps``
-        too): ``(name, count)`` pairs, in the order first seen (`spikes` reads the spike's).
-      level_shifts: Runs of spikes taken as a new level of training (`_level_shift`).
-      run_start: Global step of the first bad step of the current run of bad steps, or None.
-      spike_run: The spike records of the current run of bad steps, while it is all spikes
-        (the figures of `_spike.read_report` and the ``step``), oldest first.
-      level_taken_at: The global step at which the last new level was taken, or None: its
-        probation lasts ``spike_warmup_steps`` global steps (counted from the global step,
-        which every loop reads on a bad step, not from good steps, which not all report).
-      level_start: The global step of the first spike of the run last taken as a new level
-        (a rollback after its probation failed goes back before it), or None.
+      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (no bad steps).
+      steps: Good steps so far.
+      rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
+      autopsies: Bad steps autopsied.
+      rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
+      level_shifts: Runs of spikes taken as a new level (`_level_shift`).
+      run_start: Global step of the first bad step of the current run, or None.
+      spike_run: The current run's spike records (figures and ``step``), while it is all spikes.
+      level_taken_at: Global step the last new level was taken at (its probation lasts
+        ``spike_warmup_steps`` global steps), or None.
+      level_start: Global step of the first spike of the run last taken as a new level, or None.
     """
 
     total_bad_steps: int = 0
@@ -383,8 +286,8 @@ class GuardState:
         return dict(self.rejected).get(Fault.SPIKE, 0)
 
     def since(self, start: "GuardState") -> "GuardState":
-        """What happened between `start` and this state: each count the difference, the
-        rest (consecutive count, last bad step, learning-rate scale) as it is now."""
+        """What happened since `start`: each count the difference, the rest (consecutive
+        count, last bad step, learning-rate scale) as now."""
         before = dict(start.rejected)
         return dataclasses.replace(
             self,
@@ -423,18 +326,15 @@ class LossScaleOverflow:
 
 @dataclasses.dataclass(frozen=True)
 class BadStep:
-    """A step whose loss or gradients were not finite, or a spike.
+    """A step whose loss or gradients were not finite, or that a reason rejected.
 
     Attributes:
       step: The global step it was attempted at (-1 if unknown).
       chosen: The action the policy (or a hook's override, or ``on_nan``) chose.
-      guarded: False for a loss no guarded train op made (`NanLossHook` on a bare loss): the
-        update has happened, so only ``raise`` and ``stop`` mean anything, and ``raise``
-        says why.
-      cause: What made it bad: ``"non_finite"`` or the name of the reason that rejected it
-        (decided and counted alike; spikes counted apart too).
-      figures: What that reason stored (`_reasons.Reason.figures`), or None: a spike's tell
-        a new level.
+      guarded: False for a loss no guarded train op made: its update happened, so only
+        ``raise`` (which says so) and ``stop`` mean anything.
+      cause: ``"non_finite"`` or the name of the reason that rejected it.
+      figures: What that reason stored (`_reasons.Reason.figures`), or None.
     """
 
     step: int
@@ -451,11 +351,7 @@ class Autopsied:
 
 @dataclasses.dataclass(frozen=True)
 class RolledBack:
-    """A rollback restored a checkpoint.
-
-    Attributes:
-      learning_rate_scale: The learning-rate scale the model trains with from now on.
-    """
+    """A rollback restored a checkpoint; the model trains at `learning_rate_scale` from now on."""
 
     learning_rate_scale: float
 
@@ -467,11 +363,7 @@ class RollbackAsked:
 
 @dataclasses.dataclass(frozen=True)
 class RollbackRequested:
-    """A cluster's chief got rollback requests from other workers.
-
-    Attributes:
-      workers: The task ids that asked, sorted, each once.
-    """
+    """A cluster's chief got rollback requests from `workers` (task ids, sorted, distinct)."""
 
     workers: Tuple[int, ...]
 
@@ -486,17 +378,15 @@ class Decision:
     """What to do about one bad step, and why: the result of `decide`.
 
     Attributes:
-      action: The `Action` the caller carries out (``raise`` gives up).
-      escalation: Why ``persistent_nan_policy`` replaced the chosen action (the count of bad
-        steps in a row reached its bound), or "" if it did not.
-      reason: Why training gives up, when ``action`` is ``raise``; "" otherwise.
-      cause: Why training gives up, as a `Cause`, when ``action`` is ``raise``; else None.
-      limit: The bound that was reached (``max_consecutive_bad_steps`` or ``max_rollbacks``)
-        when ``cause`` names one; else None.
-      level_shift: The new level this spike completes (`_level_shift.LevelShift`): the
-        action is ``skip``, and the spike statistics are to be re-seeded with it; else None.
-      before_step: A rollback goes to a checkpoint saved below this global step (a new
-        level's probation failed: back before the run taken for it); None: its own rule.
+      action: The `Action` the caller carries out.
+      escalation: Why ``persistent_nan_policy`` replaced the chosen action, or "".
+      reason: Why training gives up, when ``action`` is ``raise``; else "".
+      cause: The `Cause` of giving up, when ``action`` is ``raise``; else None.
+      limit: The bound ``cause`` names (``max_consecutive_bad_steps``, ``max_rollbacks``), or None.
+      level_shift: The new level this spike completes (the action is ``skip``; the spike
+        statistics are re-seeded with it), or None.
+      before_step: A rollback goes to a checkpoint saved below this global step (a new level
+        failed its probation), or None.
     """
 
     action: Action
@@ -514,12 +404,9 @@ def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
 
 
 def counted(state: GuardState, step: int) -> GuardState:
-    """The state once a bad step at global step `step` is counted, before any decision.
-
-    The count of bad steps in a row starts over when the global step moved on since the last
-    bad one (a step went through that no loop reported). `decide` starts from this; a caller
-    that shows the counts to ``on_nan`` before it decides reads them here.
-    """
+    """The state once a bad step at global step `step` is counted, before any decision: the
+    run of bad steps starts over when the global step moved since the last bad one. A caller
+    that shows ``on_nan`` the counts before `decide` reads them here."""
     consecutive, run_start, spike_run = (
         state.consecutive_bad_steps,
         state.run_start,
@@ -542,25 +429,20 @@ def counted(state: GuardState, step: int) -> GuardState:
 def decide(
     config: GuardConfig, state: GuardState, observation: Observation
 ) -> Tuple[Optional[Decision], GuardState]:
-    """The guard's one transition: what an observation leads to, and the next state. Pure.
+    """The guard's one transition: the decision an observation leads to, and the next state.
 
-    Every counting rule is here: a good step ends a run of bad steps; a bad step is counted
-    (`counted`) and decided (a ``skip`` or ``rollback`` at ``max_consecutive_bad_steps`` in a
-    row becomes ``persistent_nan_policy``; a ``rollback`` past ``max_rollbacks`` becomes
-    ``raise``); an escalated ``rollback`` starts the count of bad steps in a row over (or the
-    first bad step after it, at the same global step, would escalate again); a cluster's
-    chief holds its workers' requests to the same ``max_rollbacks``. No TensorFlow and no
-    session: `_actions` observes and carries the decision out.
-
-    Args:
-      config: The guard's configuration.
-      state: The state before the observation.
-      observation: What happened (`GoodStep`, `BadStep`, `LossScaleOverflow`, `Autopsied`,
-        `RolledBack`, `RollbackAsked`, `RollbackRequested`).
+    Pure, and every counting rule is here: a good step ends a run of bad steps; under ``skip``
+    or ``rollback`` the ``max_consecutive_bad_steps``-th bad step in a row escalates to
+    ``persistent_nan_policy``, and an escalated rollback starts the count over; a rollback past
+    ``max_rollbacks`` (a chief's answers to requests included) becomes ``raise``; a run of
+    spikes may be a new level (`_level_shift`), and a spike on its probation a divergence.
 
     Returns:
-      ``(decision, next_state)``: the `Decision` for a `BadStep` or a `RollbackRequested`
-      (else None).
+      ``(decision, next_state)``; the decision is None but for a `BadStep` or a
+      `RollbackRequested`.
+
+    Raises:
+      TypeError: `observation` is none of `Observation`.
     """
     replace = dataclasses.replace
     if isinstance(observation, GoodStep):
@@ -644,9 +526,8 @@ def _one_more(counts: Tuple[Tuple[str, int], ...], name: str) -> Tuple[Tuple[str
 def _new_level(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Optional[_level_shift.LevelShift]:
-    """`_level_shift.judge_run` of the run of spikes this spike ends, where one may be taken:
-    a guarded spike that is skipped (a rollback moves the global step back, and the run of
-    spikes a level needs never forms); else None."""
+    """`_level_shift.judge_run` of the run of spikes this one ends, or None where no level
+    may be taken: only a guarded spike that is skipped (a rollback moves the global step back)."""
     if (
         observation.cause != Fault.SPIKE
         or not observation.guarded

@@ -1,15 +1,9 @@
-"""A reason to reject a step: the one interface the guard takes every test through.
+"""A reason to reject a step: the one interface every test besides NaN/Inf goes through.
 
-A step is rejected when one of its train op's reasons says so, and the first that does names
-the cause. Non-finite values are the test every guard runs first (`_verdict`: the promise,
-cause `NON_FINITE`, policy ``nan_policy``); a spike (`_spike.Spike`, with ``spike_policy``) is
-a reason; a user adds their own with ``create_train_op(reasons=[...])``. The gate, the
-record, the log line, the summaries, the autopsy and the launcher know a reason only through
-this interface.
-
-A reason is a frozen config object (its settings and its `policy`), pure, so `GuardConfig`
-holds it and checks it. `Reason.build` makes its test in the train op's graph (`Test`): what
-rejects, what a rejected step stores for the record, what an accepted step writes.
+Non-finite values are the test every guard runs first (`_verdict`; cause `NON_FINITE`,
+``nan_policy``). The spike test (`_spike.Spike`) and a user's ``create_train_op(reasons=...)``
+are `Reason`s; the first that rejects a step names its cause. The gate, the record, the log
+line, the summaries, the autopsy and the launcher know a reason only through this interface.
 """
 
 from __future__ import annotations
@@ -31,10 +25,10 @@ class StepValues:
     Attributes:
       loss: The step's total loss (scalar).
       grads: The gradients the train op applies (those that are not None).
-      global_norm: Float64 scalar: the global norm of `grads` (exact: a finite float32 norm
-        that would overflow is finite here).
-      state_scope: A context to make the reason's own variables in: outside any loop body,
-        and on a cluster on the ps with the model (one state for all workers).
+      global_norm: Float64 scalar: the exact global norm of `grads` (finite where a float32
+        norm would overflow).
+      state_scope: A context to make the reason's own variables in: outside any loop body, and
+        on a cluster on the ps with the model.
     """
 
     loss: tf.Tensor
@@ -52,18 +46,17 @@ class Test:
     """One reason's test in a train op's graph.
 
     Attributes:
-      reject: Scalar bool, True when the step must be rejected. It may read the reason's
-        state (it runs before any write of the step).
+      reject: Scalar bool, True to reject the step; it may read the reason's state (it runs
+        before any write of the step).
       report: Builds the float64 vector of `Reason.report_fields` a rejected step stores;
         called once, in the bad branch's control context.
       judged: Builds the float64 vector of `Reason.judged_fields` an accepted step stores for
         the summaries; called once, behind the gate. None: no summaries.
-      writes: Builds what an accepted step writes into the reason's state; called once,
-        behind the gate (a rejected step writes nothing).
-      variables: The reason's state in the checkpoints (a rollback restores it with the
-        weights; a checkpoint without it restores the rest).
-      handles: What the reason's own policy steps need of the graph (the spike's re-seed of
-        a new level), or None.
+      writes: Builds what an accepted step writes into the reason's state; called once, behind
+        the gate.
+      variables: The reason's checkpointed state (a rollback restores it with the weights; a
+        checkpoint without it restores the rest).
+      handles: What the reason's own policy steps need of the graph, or None.
     """
 
     reject: tf.Tensor
@@ -78,8 +71,8 @@ class Reason(abc.ABC):
     """A reason to reject a step. Subclasses are frozen dataclasses with a ``policy`` field.
 
     Class attributes:
-      name: The cause it gives a rejected step, in the record (``cause``, and the key of its
-        `figures`), the log and the summaries (``nanguard/<field>``).
+      name: The cause it gives a rejected step: the record's ``cause`` and the key of its
+        `figures`, the log line, the summaries (``nanguard/<field>``).
       what: What a rejected step had, for a sentence (``"a spike in the loss or the gradient
         norm"``).
       finite: True when the values it rejects are finite (the autopsy then looks for the
@@ -88,8 +81,8 @@ class Reason(abc.ABC):
       judged_fields: The floats an accepted step stores for the summaries (`Test.judged`).
 
     Attributes:
-      policy: The action for a step it rejects (``"raise"``, ``"stop"``, ``"skip"``,
-        ``"rollback"``); its escalation is ``persistent_nan_policy``'s, as for any bad step.
+      policy: The action for a step it rejects (``raise``, ``stop``, ``skip``, ``rollback``);
+        it escalates as any bad step's does.
     """
 
     name: ClassVar[str]

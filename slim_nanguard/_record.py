@@ -41,20 +41,15 @@ def events_filename(task: Optional[int] = None) -> str:
 
 
 class EventRecorder:
-    """Appends records to the event file and writes counters as TensorBoard scalars.
-
-    Use it as a guard listener: ``guard.add_listener(recorder)``.
+    """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
+    event file and writes the counters of the guards it follows as TensorBoard scalars.
 
     Args:
       logdir: The training directory.
-      summary_writer: Where the scalars go; default: the `FileWriterCache` writer of
-        `logdir` (the one the training session's summaries use). None-able for tests.
+      summary_writer: Where the scalars go; default: the `FileWriterCache` writer of `logdir`.
       write_summaries: False to write the JSON lines only.
-      task: The task id in a cluster: each record gets a ``task`` field, and task N > 0
-        writes its own file (`events_filename`). None: no cluster.
-
-    The counters it writes are those of the guards it listens to (`Guard.add_listener`
-    calls `follow`), counted from when it began listening.
+      task: The task id in a cluster: each record gets a ``task`` field, and task N > 0 writes
+        its own file (`events_filename`). None: no cluster.
     """
 
     def __init__(
@@ -93,11 +88,8 @@ class EventRecorder:
             self.write_scalars(int(record["step"]))
 
     def append(self, record: Dict[str, Any]) -> None:
-        """Appends one record as one line, flushed and synced to disk.
-
-        If an earlier run died mid-line, the partial line is closed first, so that it stays
-        one unreadable line instead of swallowing this one.
-        """
+        """Appends one record as one line, flushed (and, on a local disk, synced); a partial
+        line an earlier run left is closed first, so that it stays one unreadable line."""
         if self.task is not None:
             record = {"task": self.task, **record}
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"

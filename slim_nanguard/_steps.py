@@ -1,15 +1,6 @@
-"""Applying the policy to a bad step, in any loop.
-
-`train_step` plugs the guard into `tf_slim.learning.train`, in both modes;
-`handle_numerics_error` does the same for a hand-written check_numerics-mode loop over a
-`tf.compat.v1.Session` or a `MonitoredTrainingSession`.
-
-A loop whose policy rolls back needs the checkpoint directory, and each of these refuses to go
-on without it as early as it can tell: `make_train_step` when it is called, `train_step` (which
-finds `tf_slim.learning.train`'s ``logdir`` by itself) at the first step,
-`handle_numerics_error` (which finds the directory of a `MonitoredTrainingSession` by itself)
-before it applies the policy to the first bad step.
-"""
+"""Applying the policy to a bad step in tf-slim's loops and your own: `train_step` (or
+`make_train_step`) plugs the guard into `tf_slim.learning.train`, in both modes;
+`handle_numerics_error` into a hand-written check_numerics-mode loop."""
 
 from __future__ import annotations
 
@@ -47,19 +38,18 @@ def handle_numerics_error(
     Args:
       session: A `tf.compat.v1.Session` or a `MonitoredSession` (its hooks are not run).
       error: The exception ``session.run`` raised.
-      checkpoint_dir: Where checkpoints are saved; needed for the ``rollback`` policy and
-        for ``persistent_nan_policy="rollback"``. Default: the directory a
-        `MonitoredTrainingSession`'s checkpoint hook saves to.
+      checkpoint_dir: Where checkpoints are saved, for a policy that rolls back; default: the
+        directory a `MonitoredTrainingSession`'s checkpoint hook saves to.
 
     Returns:
-      The event; its ``action`` (``stop``, ``skip`` or ``rollback``) has been carried out,
-      except ``stop``, which the caller carries out by leaving the loop (a MonitoredSession is
-      also asked to stop).
+      The event, its ``action`` carried out; for ``stop``, a `MonitoredSession` is asked to
+      stop, and the caller leaves its loop.
 
     Raises:
-      NanLossError: The policy is ``raise`` or training gives up.
-      ValueError: The policy rolls back and no checkpoint directory is known; raised at the
-        first bad step, before the policy is applied.
+      NanLossError: The policy is ``raise``, or training gives up.
+      CheckpointNotFoundError: A rollback found no good checkpoint.
+      ValueError: The policy rolls back and no checkpoint directory is known (before the
+        policy is applied).
       Exception: `error` itself, re-raised untouched, when no guard's check raised it.
     """
     graph = getattr(getattr(error, "op", None), "graph", None)
@@ -77,11 +67,8 @@ def handle_numerics_error(
 
 
 class _JudgingSession:
-    """The session `tf_slim.learning.train_step` runs a train op through, to read ``ok``.
-
-    A run of the train op also fetches the guard's ``ok`` boolean, kept in `ok`. Every other
-    run passes through as is.
-    """
+    """The session `tf_slim.learning.train_step` runs through: a run of the train op also
+    fetches the guard's ``ok`` (kept in `ok`); every other run passes through as is."""
 
     def __init__(self, session: tf.compat.v1.Session, guard: _guard.Guard):
         self._session = session
@@ -115,33 +102,31 @@ def train_step(
     *,
     checkpoint_dir: Optional[str] = None,
 ) -> Tuple[float, bool]:
-    """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy.
+    """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy, in either mode.
 
-    Use it as ``tf_slim.learning.train(train_op, logdir, train_step_fn=slim_nanguard.train_step)``
-    in either mode. It finds ``logdir`` in what `tf_slim.learning.train` passes
-    (`learning_train_logdir`): the record of bad steps (``nanguard_events.jsonl``), the autopsy
-    dumps and a rollback's checkpoints are there. Without it (``summary_writer=None``, a
-    non-chief task) it logs one line saying no record is kept, and a policy that rolls back
-    refuses at the first step; ``make_train_step(logdir)`` names the directory. A bad step of
-    `train_op` is handled by the policy: ``skip`` returns the bad loss and carries on, ``stop``
-    returns ``should_stop=True``, ``raise`` raises `NanLossError`. An overflow step of a
-    dynamic loss-scale optimizer (either mode) is recorded as a ``loss_scale_overflow`` and is
-    no bad step. Every other error propagates untouched.
+    Use it as ``tf_slim.learning.train(..., train_step_fn=slim_nanguard.train_step)``. It finds
+    the loop's ``logdir`` (`learning_train_logdir`) for the record of bad steps, the autopsy
+    dumps and a rollback's checkpoints; without one (``summary_writer=None``, a non-chief task)
+    it keeps no record and says so once, and a policy that rolls back needs `make_train_step`.
+    A bad step returns its loss (``stop``: with ``should_stop=True``); a loss-scale overflow is
+    recorded and is no bad step. A train op no guard has runs as tf-slim's; other errors
+    propagate untouched.
 
     Args:
       sess: The session `tf_slim.learning.train` passes.
       train_op: The train op from `create_train_op`.
       global_step: The global step tensor.
       train_step_kwargs: The dict `tf_slim.learning.train` passes.
-      checkpoint_dir: Where checkpoints are saved; default: `learning_train_logdir`. The
-        record of bad steps (``nanguard_events.jsonl``) and the autopsy dumps go there too.
+      checkpoint_dir: Where checkpoints are saved; default: `learning_train_logdir`.
 
     Returns:
-      ``(total_loss, should_stop)`` as tf-slim's `train_step`.
+      ``(total_loss, should_stop)``, as tf-slim's `train_step`.
 
     Raises:
-      ValueError: At the first step, when the policy rolls back and no checkpoint directory
-        is known (use `make_train_step`).
+      NanLossError: The policy is ``raise``, or training gives up.
+      CheckpointNotFoundError: A rollback found no good checkpoint.
+      ValueError: At the first step: the policy rolls back and no checkpoint directory is
+        known, or a hook-mode train op was built in a loop body (no run can fetch its verdict).
     """
     guard = _guard.get_guard(train_op)
     if guard is None:
@@ -193,13 +178,9 @@ def train_step(
 
 
 def learning_train_logdir(train_step_kwargs: Dict[str, Any]) -> Optional[str]:
-    """The ``logdir`` of the `tf_slim.learning.train` call that passed `train_step_kwargs`.
-
-    tf-slim puts ``logdir`` in the dict only with ``trace_every_n_steps``; otherwise its
-    ``summary_writer``, the `Supervisor`'s, writes to ``logdir`` (the directory the
-    Supervisor's checkpoints go to as well). None when neither is there: a non-chief task, or
-    ``learning.train(..., summary_writer=None)``.
-    """
+    """The ``logdir`` of the `tf_slim.learning.train` call that passed `train_step_kwargs`: its
+    ``logdir`` entry (there only with ``trace_every_n_steps``), else its summary writer's
+    directory; None with neither (a non-chief task, ``summary_writer=None``)."""
     logdir = train_step_kwargs.get("logdir")
     writer = train_step_kwargs.get("summary_writer")
     if not logdir and writer is not None and hasattr(writer, "get_logdir"):
@@ -223,11 +204,11 @@ def _say_no_record_once(guard: _guard.Guard) -> None:
 
 
 def make_train_step(checkpoint_dir: str):
-    """A `train_step` bound to `checkpoint_dir`: for a `tf_slim.learning.train` call that
-    passes no summary writer (``summary_writer=None``), or whose checkpoints are elsewhere.
+    """A `train_step` bound to `checkpoint_dir`, for a `tf_slim.learning.train` call with no
+    summary writer (``summary_writer=None``) or whose checkpoints are elsewhere.
 
     Raises:
-      ValueError: `checkpoint_dir` is empty.
+      ValueError: `checkpoint_dir` is empty or not a path.
     """
     if (
         not checkpoint_dir
