@@ -15,22 +15,9 @@ Contract of a guarded train op (both modes)::
         global_step and the variables update_ops assign all keep their values
     return loss
 
-The bad step by mode:
-
-* check_numerics mode: ``session.run(train_op)`` raises the `InvalidArgumentError` of a check
-  op before any update ran (`is_numerics_error`); `train`, `train_step` and
-  `handle_numerics_error` apply the policy.
-* hook mode: the run returns the non-finite loss and `NanLossHook.after_run` applies the
-  policy. A bad step in a session nothing judges (`Guard.mark_judged`) fails on the bad branch
-  with an error naming what to add.
-
-With a dynamic loss-scale optimizer, a step whose loss is finite but whose gradients
-overflowed above the minimum loss scale is no bad step: only the scale's update runs, the run
-returns normally in both modes, and the hook records a ``loss_scale_overflow``.
-
-`create_train_op` calls `_parity` (what tf-slim's train op does), `_finiteness` (the test and
-the mode's gate), `_gating` (every write behind it) and `_learning_rate`, and registers the
-`Guard` that the loops and the hook find.
+How a bad step shows in each mode: `create_train_op`. It calls `_parity` (what tf-slim's
+train op does), `_finiteness` (the test and the mode's gate), `_gating` (every write behind
+it) and `_learning_rate`, and registers the `Guard` that the loops and the hook find.
 """
 
 from __future__ import annotations
@@ -115,14 +102,16 @@ def create_train_op(
       `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` (for
       `tf_slim.learning.train`) and `handle_numerics_error` (your own loop) apply the policy.
     * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and the
-      `NanLossHook` of ``nan_hook(train_op)`` applies the policy (`train` attaches it). Writes
-      built later under ``tf.control_dependencies([train_op])`` are gated too, when the hook
-      begins (`gate_writes_after`).
+      `NanLossHook` of ``nan_hook(train_op)`` applies the policy (`train` attaches it); a bad
+      step in a session no hook judges fails with an error naming what to add. Writes built
+      later under ``tf.control_dependencies([train_op])`` are gated too, when the hook begins
+      (`gate_writes_after`).
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
-      optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one (see the
-        module docstring).
+      optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one: a step whose
+        loss is finite but whose gradients overflowed above the minimum scale is then no bad
+        step (only the scale's update runs; the hook records a ``loss_scale_overflow``).
       global_step: The global step variable; by default `get_or_create_global_step()`; None to
         not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
