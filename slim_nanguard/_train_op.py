@@ -170,7 +170,7 @@ def create_train_op(
             global_step = tf.compat.v1.train.get_or_create_global_step()
         update_ops = _parity.resolve_update_ops(graph, update_ops)
         variables_to_train = _parity.resolve_variables(variables_to_train)
-        # Before the gradients, as the graph always had them.
+        # Made before the gradients.
         scales = (
             _finiteness.dynamic_loss_scale(optimizer),
             _learning_rate.scale_variable(optimizer, config.rollback_lr_factor),
