@@ -1,12 +1,10 @@
-"""Checkpoints that are known to be readable and finite.
+"""Checkpoints known to be readable and finite.
 
-`FiniteSaver` refuses to write a checkpoint that holds NaN or Inf (`finite_saver` puts the same
-check in front of a user's own `Saver`); `latest_good_checkpoint`
-finds the newest checkpoint of a directory that can be read, falling back past a corrupt one
-(or past a damaged ``checkpoint`` state file, by listing the directory) with a warning;
-`non_finite_variables` says which values of a checkpoint are not finite. A checkpoint whose
-files are missing, cut short or garbled is told from any other failure in one place
-(`unreadable`), and reported as an `UnreadableCheckpointError` naming the file.
+* `FiniteSaver` (and `finite_saver`, for a user's own `Saver`) never writes NaN or Inf.
+* `latest_good_checkpoint` returns the newest readable checkpoint of a directory, passing
+  over a damaged checkpoint or state file with a warning.
+* `non_finite_variables` names a checkpoint's non-finite tensors.
+* `unreadable` alone tells a damaged checkpoint from any other failure.
 """
 
 from __future__ import annotations
@@ -29,21 +27,15 @@ from slim_nanguard import _verdict
 # The state file a `Saver` writes next to its checkpoints: the latest one, and those kept.
 STATE_FILENAME = "checkpoint"
 
-# The checkpoints read lately: path -> (the size and mtime of each of its files, the names of
-# its non-finite tensors, or the error that says it cannot be read). A rollback walks back over
-# the same few checkpoints again and again, and a run's start reads its newest ones several
-# times (the launcher, `train`, the session's init_fn): a damaged one is read, and reported,
-# once. A file rewritten since (any shard, not just the index) changes the key: read anew.
+# The checkpoints read lately: path -> (`_files_key`, verdict). A checkpoint is read, and its
+# damage reported, once while its files are unchanged (a run's start and a rollback ask often).
 _Verdict = Union[Tuple[str, ...], _errors.UnreadableCheckpointError]
 _VERIFIED: "collections.OrderedDict[str, Tuple[tuple, _Verdict]]" = collections.OrderedDict()
 _VERIFIED_MAX = 32
 
 # What TensorFlow raises on a checkpoint whose files are missing, cut short or garbled
-# (tests/test_damaged_checkpoints.py damages real ones): its reader raises an `OpError` of code
-# UNKNOWN (a garbled or cut index, a data shard whose checksum fails), `NotFoundError` (no
-# index) or a bare `IndexError` (a data shard cut short); a `Saver`'s restore raises
-# `DataLossError` or `OutOfRangeError`. Other errors (permissions, an unreachable file system)
-# say nothing about the files and are not called damage.
+# (tests/test_damaged_checkpoints.py), besides the reader's `OpError` of code UNKNOWN. Other
+# errors (permissions, an unreachable file system) are not damage.
 _DAMAGE_ERRORS = (
     IndexError,
     tf.errors.DataLossError,
@@ -53,11 +45,7 @@ _DAMAGE_ERRORS = (
 
 
 def _files_key(checkpoint_path: str) -> tuple:
-    """The name, size and mtime of every file of a checkpoint: its index and data shards.
-
-    Through `tf.io.gfile`, so that a checkpoint on a remote file system (``gs://``) has a key
-    that changes when its files do.
-    """
+    """The name, size and mtime of every file of a checkpoint, local or remote."""
     files = [
         checkpoint_path + ".index",
         *sorted(tf.io.gfile.glob(checkpoint_path + ".data-*")),
@@ -76,7 +64,7 @@ def _files_key(checkpoint_path: str) -> tuple:
 def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     """Names of the floating-point tensors of a checkpoint that hold NaN or Inf.
 
-    Every tensor is read (an integer one too), so a checkpoint this accepts can be restored.
+    Every tensor is read, so a checkpoint this accepts can be restored.
 
     Args:
       checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns).
@@ -94,9 +82,8 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
 
 
 def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
-    """`non_finite_variables`' verdict on a checkpoint (an error when it cannot be read), and
-    whether it was read just now (False: the files are unchanged since a read, see _VERIFIED).
-    """
+    """`non_finite_variables`' verdict (the error when unreadable), and whether it was read
+    now rather than taken from `_VERIFIED`."""
     key = _files_key(checkpoint_path)
     cached = _VERIFIED.get(checkpoint_path)
     if cached is not None and cached[0] == key:
@@ -127,8 +114,7 @@ def _non_finite(checkpoint_path: str) -> Tuple[str, ...]:
 
 @contextlib.contextmanager
 def _damage_named(checkpoint_path: str, *, data: bool = False) -> Iterator[None]:
-    """Raises what reading `checkpoint_path` raised in the block as the
-    `UnreadableCheckpointError` naming the file, when `unreadable` calls it damage."""
+    """Re-raises damage (`unreadable`) raised in the block as its `UnreadableCheckpointError`."""
     try:
         yield
     except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
@@ -141,19 +127,9 @@ def _damage_named(checkpoint_path: str, *, data: bool = False) -> Iterator[None]
 def unreadable(
     checkpoint_path: str, error: BaseException, *, data: bool = False
 ) -> Optional[_errors.UnreadableCheckpointError]:
-    """What `error`, raised reading or restoring `checkpoint_path`, says about its files.
-
-    The one place that tells a damaged checkpoint from any other failure.
-
-    Args:
-      checkpoint_path: The checkpoint prefix.
-      error: What TensorFlow's reader (or a `Saver`'s restore) raised.
-      data: The error came reading a tensor (a ``.data`` shard), not opening the checkpoint.
-
-    Returns:
-      The error naming the damaged file, or None when `error` is not one a missing, cut or
-      garbled file raises (a permission, a file system that cannot be reached).
-    """
+    """The `UnreadableCheckpointError` naming the damaged file of `checkpoint_path`, or None
+    when `error` (raised by its reader, or a `Saver`'s restore; `data`: reading a tensor of a
+    ``.data`` shard) is not damage."""
     reader_error = type(error) is tf.errors.OpError and error.error_code == tf.errors.UNKNOWN
     if not (isinstance(error, _DAMAGE_ERRORS) or reader_error):
         return None
@@ -179,14 +155,11 @@ def unreadable(
 
 
 def checkpoint_reader(path: str) -> Any:
-    """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one.
-
-    TensorFlow's takes a path that is a directory for a training directory and reads its
-    latest checkpoint; some file systems (the in-process ``ram://``) call any prefix of a file
-    name a directory, which would send a checkpoint prefix down that road.
+    """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one
+    (``ram://`` calls any prefix of a file name a directory).
 
     Returns:
-      TensorFlow's checkpoint reader (``get_tensor``, ``get_variable_to_shape_map``, ...).
+      TensorFlow's checkpoint reader.
 
     Raises:
       UnreadableCheckpointError: The checkpoint's index is missing, cut short or garbled.
@@ -210,22 +183,19 @@ def latest_good_checkpoint(
     before_step: Optional[int] = None,
     repair_state: bool = False,
 ) -> Optional[str]:
-    """The newest checkpoint in `checkpoint_dir` that can be read, or None if there is none.
+    """The newest checkpoint in `checkpoint_dir` that can be read.
 
-    A newer checkpoint that cannot be read (a file missing, cut short or garbled) is passed
-    over with one warning naming the file and the checkpoint used instead; asked again while
-    its files are unchanged (a run's start asks several times, a rollback walks back), it is
-    passed over without another. A ``checkpoint`` state file that cannot be parsed is passed
-    over too: the checkpoints (``<name>-<step>`` of the newest name) are found by listing the
-    directory, with a warning saying so.
+    A newer unreadable checkpoint is passed over with one warning naming the damaged file (no
+    second one while its files are unchanged). A state file that cannot be parsed is passed
+    over with a warning: the run's checkpoints are found by listing the directory
+    (`_listed`).
 
     Args:
       checkpoint_dir: The directory (may be None or missing: no checkpoint).
-      before_step: Only consider checkpoints saved at a global step below this one (their
-        names end in ``-<step>``).
+      before_step: Only consider checkpoints saved below this global step (names ending in
+        ``-<step>``).
       repair_state: Rewrite a damaged state file to name the checkpoints found. Only the run
-        that trains in `checkpoint_dir` should (`train` does): its `Saver` is the file's
-        writer, and a reader beside it (an evaluation) must not race it.
+        that trains in `checkpoint_dir` may (its `Saver` writes the file).
 
     Returns:
       The checkpoint prefix, or None when the directory holds no checkpoint at all.
@@ -281,19 +251,11 @@ def candidates(checkpoint_dir: Optional[str]) -> List[str]:
 
 
 def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
-    """Checkpoint prefixes of a directory, newest first, all inside that directory.
+    """The checkpoint prefixes of a directory, newest first, and whether its state file is
+    there but cannot be parsed (the directory is then listed, `_listed`).
 
-    The ``checkpoint`` state file may hold absolute paths (any `Saver` without
-    ``save_relative_paths``), which point into the directory where the run was trained. Each
-    is re-rooted into `checkpoint_dir` by its file name, so a training directory that was
-    moved or copied reads its own checkpoints, never the ones of the place it came from.
-
-    A state file that cannot be parsed (a crash while it was rewritten garbles, truncates or
-    empties it) names nothing: the checkpoints are then found by listing the directory's
-    ``*.index`` files, the highest global step first.
-
-    Returns:
-      The prefixes, and whether the state file is there but could not be parsed.
+    Each path is re-rooted into `checkpoint_dir` by its file name, so a moved or copied
+    directory reads its own checkpoints.
     """
     if not checkpoint_dir or not tf.io.gfile.isdir(checkpoint_dir):
         return [], False
@@ -318,13 +280,11 @@ def _state_file(checkpoint_dir: str) -> str:
 
 
 def _listed(checkpoint_dir: str) -> List[str]:
-    """The checkpoints of a directory that a `Saver` wrote, by its ``*.index`` files: those
-    named ``<name>-<step>`` for the name of the highest global step, highest step first.
+    """The run's checkpoints, by the directory's ``*.index`` files, highest step first.
 
-    Other checkpoints in the directory (a ``pretrained.ckpt`` kept beside the run) are not the
-    run's: a state file that named them would hand them to the run's `Saver`, which deletes
-    the oldest it manages past ``max_to_keep``. Only when no checkpoint has a step are the
-    others listed (by name), so that such a directory still has something to read.
+    Only ``<name>-<step>`` of the name of the highest step: a ``pretrained.ckpt`` beside them
+    must never reach the run's `Saver`, which deletes past ``max_to_keep``. When no checkpoint
+    has a step, all are listed, by name.
     """
     prefixes = [
         _paths.join(checkpoint_dir, name[: -len(".index")])
@@ -345,18 +305,14 @@ def _stem(path: str) -> str:
 
 
 def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool) -> None:
-    """Says in one warning line that the state file cannot be parsed and which checkpoint was
-    found instead; with `repair`, rewrites it to name `found` (newest first).
+    """Warns that the state file cannot be parsed and names the checkpoint found instead.
 
-    The file holds names relative to the directory, as `FiniteSaver` writes it. A state file
-    that cannot be rewritten (a read-only directory) is left as it is: the next call lists
-    the directory again. Neither is one whose newest checkpoint has no step (its `Saver`
-    would manage, and delete, a checkpoint that is not its own).
+    With `repair`, rewrites the file to name `found` (newest first; names relative to the
+    directory), unless `found[0]` has no step or the file cannot be written.
     """
     path = _state_file(checkpoint_dir)
-    # update_checkpoint_state keeps the paths it is given when the directory is an absolute
-    # local one, and makes them relative to any other (a URL too): names in the one case,
-    # paths in the other, so that either way the file holds names only.
+    # update_checkpoint_state keeps the paths of an absolute local directory and makes those
+    # of any other relative: either way the file holds names only.
     local = not _paths.is_url(checkpoint_dir) and os.path.isabs(checkpoint_dir)
     names = [_paths.basename(p) if local else p for p in reversed(found)]
     if not repair or checkpoint_step(found[0]) is None:
@@ -379,13 +335,9 @@ def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool
 
 
 def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
-    """`tf.train.latest_checkpoint`, re-rooted into `checkpoint_dir` (see `_candidates`).
-
-    Unlike TensorFlow's, it finds the checkpoint of a training directory that was moved
-    (whose ``checkpoint`` file names the old place) and of one that was copied (whose file
-    names the source, which must not be read), and of one whose state file is damaged (by
-    listing the directory, with a warning; a reader leaves the file to the run that trains
-    there). Returns None when there is none.
+    """`tf.train.latest_checkpoint`, re-rooted into `checkpoint_dir` (`_candidates`): a moved
+    or copied directory finds its own checkpoint, and a damaged state file is passed over by
+    listing the directory, with a warning (the file is not repaired). None when there is none.
     """
     candidates, damaged = _candidates(checkpoint_dir)
     for number, path in enumerate(candidates):
@@ -402,12 +354,9 @@ def _short(err: BaseException) -> str:
 
 
 class FinitenessTest:
-    """Which of some variables hold NaN or Inf, and which of the two: exact, cheap when all is
-    finite.
+    """Which of some variables hold NaN or Inf, and which: exact, one sum per variable when
+    all is finite (a non-finite sum, which may be an overflow, is confirmed element-wise).
 
-    One sum per variable is the fast test (a finite sum proves a variable finite); a variable
-    whose sum is not finite (the sum may have overflowed over finite weights: LeNet at a
-    learning rate of 1e36 leaves weights of 5e36) is then tested element by element, alone.
     Build it before the graph is finalized; `non_finite` runs it.
 
     Attributes:
@@ -420,14 +369,12 @@ class FinitenessTest:
         if not variables:
             self._fast, self._kinds = None, []
             return
-        # One reduction per variable; the element-wise tests are built now and run only for
-        # the variables whose sum is not finite.
+        # The element-wise tests run only for the variables whose sum is not finite.
         self._fast = tf.math.is_finite(tf.stack([_wide_sum(v) for v in variables]))
         self._kinds = [_verdict.kind_code(v) for v in variables]
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
-        """``(name, kind)`` of each variable that holds NaN or Inf now (kinds as
-        `_verdict.kind_name` gives them: ``"nan"``, ``"inf"`` or ``"nan_and_inf"``)."""
+        """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_name`)."""
         if self._fast is None:
             return []
         flagged = [i for i, ok in enumerate(sess.run(self._fast)) if not ok]
@@ -439,9 +386,7 @@ class FinitenessTest:
 
 
 def _wide_sum(variable: tf.Variable) -> tf.Tensor:
-    """The sum of a variable as float64; a half-precision one is summed in float32, so that
-    finite float16 weights (max 65504) rarely overflow their own sum and send the test to
-    the element-wise branch."""
+    """The sum of a variable as float64 (a half-precision one summed in float32)."""
     if variable.dtype.base_dtype in (tf.float16, tf.bfloat16):
         return tf.cast(tf.reduce_sum(tf.cast(variable, tf.float32)), tf.float64)
     return tf.cast(tf.reduce_sum(variable), tf.float64)
@@ -466,8 +411,7 @@ class _FinitenessCheck:
     def _refuse(
         self, sess: tf.compat.v1.Session, save_path: str, global_step: Union[int, tf.Tensor, None]
     ) -> bool:
-        """True (after counting and logging it) if no save may happen now: a value is not
-        finite."""
+        """True, counted and logged, if a value is not finite: no save may happen now."""
         bad = self._test.non_finite(sess)
         if not bad:
             return False
@@ -483,7 +427,7 @@ class _FinitenessCheck:
 
 
 def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, None]) -> str:
-    """``"step 1200"``: the step a save was asked for (a tensor or variable is read)."""
+    """``"step 1200"``: the step a save was asked for."""
     if global_step is None:
         return "no global step given"
     if hasattr(global_step, "dtype"):
@@ -495,19 +439,12 @@ def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, No
 
 
 class ResumingSaver(tf.compat.v1.train.Saver):
-    """A `Saver` that also restores a checkpoint written without the guard's optional variables.
+    """A `Saver` that also restores a checkpoint lacking the guard's optional variables.
 
-    The guard makes some variables only with some options (`GraphHandles.optional_variables`:
-    the spike statistics with a spike policy, the learning-rate scale with
-    ``rollback_lr_factor`` < 1), so a job checkpointed without those options and resumed with
-    them meets a checkpoint that lacks them. `restore` then restores every other variable,
-    restores the optional ones the checkpoint has, starts those it lacks from their initial
-    values (the spike statistics warm up afresh) and says so in one log line. A checkpoint that
-    lacks any other variable fails the restore as TensorFlow's `Saver` does.
-
-    What it restores with is built with the saver (at ``build``, for ``defer_build=True``), and
-    only when the graph holds a guarded train op with optional variables that this saver saves:
-    build it after `create_train_op`. Otherwise it is TensorFlow's `Saver`, op for op.
+    `restore` of a checkpoint without some of `GraphHandles.optional_variables` restores the
+    rest, starts those from their initial values and says so in one log line. A checkpoint
+    lacking any other variable fails as with TensorFlow's `Saver`. Build it after
+    `create_train_op`; without optional variables it is TensorFlow's `Saver`, op for op.
 
     Args:
       *args: As `tf.compat.v1.train.Saver`.
@@ -515,8 +452,7 @@ class ResumingSaver(tf.compat.v1.train.Saver):
     """
 
     def build(self) -> None:
-        """As `tf.compat.v1.train.Saver.build`, and the restore of a checkpoint without the
-        guard's optional variables (once)."""
+        """As `tf.compat.v1.train.Saver.build`, plus `_OptionalRestore` (once)."""
         super().build()
         if not hasattr(self, "_resume"):
             self._resume = _OptionalRestore.build(self._var_list, self._sharded)
@@ -527,8 +463,11 @@ class ResumingSaver(tf.compat.v1.train.Saver):
         return super().save(sess, save_path, *args, **kwargs)
 
     def _built_for(self, graph: tf.Graph) -> None:
-        """Builds a deferred saver that nothing built (a `Supervisor` does not, unlike a
-        `Scaffold`), or says what to do when its graph is finalized already."""
+        """Builds a deferred saver that nothing built (a `Supervisor` does not).
+
+        Raises:
+          RuntimeError: It is unbuilt and its graph is finalized.
+        """
         if getattr(self, "_is_built", True) or tf.executing_eagerly():
             return
         if not graph.finalized:
@@ -542,8 +481,7 @@ class ResumingSaver(tf.compat.v1.train.Saver):
         )
 
     def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
-        """As `tf.compat.v1.train.Saver.restore`, except that the guard's optional variables
-        may be missing from the checkpoint (see the class docstring)."""
+        """As `tf.compat.v1.train.Saver.restore`; the optional variables may be missing."""
         self._built_for(sess.graph)
         resume = getattr(self, "_resume", None)
         if resume is None or not resume.restore_without_missing(sess, save_path):
@@ -551,23 +489,17 @@ class ResumingSaver(tf.compat.v1.train.Saver):
 
 
 class _OptionalRestore:
-    """The ops that restore a checkpoint lacking some of the guard's optional variables: a
-    `Saver` of every other variable, and for each optional variable a placeholder and an
-    assign op that set it from the checkpoint's value.
-
-    Args:
-      rest: The `Saver` of the variables that are not optional.
-      optional: ``(variable, name in the checkpoint, placeholder, assign op)`` of each
-        optional variable.
-    """
+    """The ops that restore a checkpoint lacking some of the guard's optional variables: the
+    `Saver` of the `rest`, and ``(variable, name in the checkpoint, placeholder, assign op)``
+    of each `optional` one."""
 
     def __init__(self, rest: tf.compat.v1.train.Saver, optional: List[Tuple[Any, str, Any, Any]]):
         self._rest, self._optional = rest, optional
 
     @classmethod
     def build(cls, var_list: Any, sharded: bool) -> Optional["_OptionalRestore"]:
-        """The ops for a `Saver` of `var_list` (what it saves, after its build), or None when
-        it saves none of the optional variables of the default graph's guards."""
+        """The ops for a `Saver` of `var_list`, or None when it saves none of the default
+        graph's guards' optional variables."""
         from slim_nanguard import _guard  # Local: the guard's module needs this one.
 
         optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
@@ -590,9 +522,8 @@ class _OptionalRestore:
         return cls(rest, setters)
 
     def restore_without_missing(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
-        """Restores `save_path` if it lacks an optional variable (and logs which); returns
-        False, having done nothing, when it lacks none or cannot be read (the `Saver`'s own
-        restore then reports it)."""
+        """True after restoring `save_path` when it lacks an optional variable (logged); False,
+        doing nothing, when it lacks none or cannot be read."""
         if save_path is None:
             return False
         try:
@@ -624,13 +555,11 @@ class _OptionalRestore:
 class FiniteSaver(_FinitenessCheck, ResumingSaver):
     """A `Saver` that refuses to write a checkpoint holding NaN or Inf.
 
-    Before each save it runs one fused finiteness test over the variables it saves (one
-    reduction per variable, at save time only). If a value is not finite the save is skipped
-    with an error in the log and `save` returns None, so the latest checkpoint on disk stays
-    the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
-    ``tf_slim.learning.train(..., saver=FiniteSaver())``. Made after `create_train_op`, it
-    also restores a checkpoint written without the guard's optional variables
-    (`ResumingSaver`).
+    Before each save it tests the variables it saves (`FinitenessTest`). If a value is not
+    finite, the save is skipped with an error in the log and `save` returns None: the latest
+    checkpoint stays the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
+    ``tf_slim.learning.train(..., saver=FiniteSaver())``. Made after `create_train_op`, it also
+    restores a checkpoint lacking the guard's optional variables (`ResumingSaver`).
 
     Args:
       *args: As `tf.compat.v1.train.Saver`.
@@ -664,11 +593,8 @@ def _saved_variables(var_list: Union[Sequence, Dict[str, Any], None]) -> List[tf
 
 
 class _FiniteSaving(_FinitenessCheck):
-    """A user's `Saver` with `FiniteSaver`'s check in front of `save`.
-
-    Everything else (``restore``, ``saver_def``, ``last_checkpoints``, ``build``, ...) is the
-    user's saver's own, so its variable list, sharding, file names and ``max_to_keep`` all
-    hold. Made by `finite_saver`.
+    """A user's `Saver` with `FiniteSaver`'s check in front of `save`; everything else is the
+    user's saver's own. Made by `finite_saver`.
 
     Attributes:
       saver: The user's saver.
@@ -699,17 +625,13 @@ class _FiniteSaving(_FinitenessCheck):
 def finite_saver(saver: Optional[Any]) -> Optional[Any]:
     """`saver`, made to refuse a checkpoint that holds NaN or Inf, as `FiniteSaver` does.
 
-    A `FiniteSaver` comes back as it is, and so does anything that is not a
-    `tf.compat.v1.train.Saver` (a `tf.train.Checkpoint`, which `Scaffold` converts itself). Any
-    other `Saver` comes back wrapped: the same saver, with the finiteness check over the
-    variables it saves in front of each ``save``. Call it before the graph is finalized (it adds
-    the check's ops).
+    Call it before the graph is finalized (it adds the check's ops).
 
     Args:
       saver: A `tf.compat.v1.train.Saver` (or None, or a `tf.train.Checkpoint`).
 
     Returns:
-      The saver to save with: `saver` itself, or the user's saver behind the check.
+      `saver` itself when it is a `FiniteSaver` or not a `Saver`; else `saver` behind the check.
     """
     if isinstance(saver, (FiniteSaver, _FiniteSaving)) or not isinstance(
         saver, tf.compat.v1.train.Saver

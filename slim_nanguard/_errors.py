@@ -1,9 +1,7 @@
 """Error types of slim_nanguard.
 
-Every error the library raises on purpose derives from `NanGuardError`, so a caller can catch
-them all with one clause. The error raised when training gives up on a non-finite step also
-derives from TensorFlow's `NanLossDuringTrainingError`, so existing ``except`` clauses written
-for `tf.compat.v1.train.NanTensorHook` keep working.
+Every error the library raises on purpose derives from `NanGuardError`; `NanLossError` also
+derives from TensorFlow's `NanLossDuringTrainingError` (what `NanTensorHook` raises).
 """
 
 from __future__ import annotations
@@ -19,12 +17,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._events import NanEvent
 
 
-# How the message of the guard's check opens (`create_train_op`, check_numerics mode). TensorFlow
-# logs a failing run's message whether or not a loop catches the error, so the message says only
-# what holds either way: the step was rejected, and why.
+# How the message of the guard's check opens (check_numerics mode).
 REJECTED = "slim_nanguard rejected the step"
-# How the advice that follows it opens: what a loop does when it catches the error, then which
-# loops do. True whether or not one did.
+# How the advice that follows it opens (`caught_numerics_error` rewrites it).
 LOOP_ADVICE = "A loop applies"
 # That advice, up to what CheckNumerics appends (" : Tensor had NaN values"), the bracket an
 # Assert's message closes with, or the line's end.
@@ -40,27 +35,21 @@ class NanGuardError(Exception):
 
 
 class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError):
-    """Training gave up on a step whose loss or gradients were NaN or Inf, or on a spike.
+    """Training gave up on a bad step (NaN or Inf, or a rejected finite step such as a spike).
 
-    Unlike TensorFlow's `NanLossDuringTrainingError`, whose message is a fixed sentence, the
-    message names the global step, the loss value and the variables whose gradients were not
-    finite (for a spike, ``spike_policy``: the values and how far above the usual they were).
+    The message names the global step, the loss and the variables whose gradients were not
+    finite (for a spike, its values and how far above the usual they were).
 
     Attributes:
-      event: The `NanEvent` of the step that made training give up, or None when the error
-        was raised without one.
-      reason: Why training gave up, as a sentence (for example the policy was ``raise``,
-        or too many bad steps came in a row).
-      cause: Why training gave up, as a `Cause` to branch on (advice, exit codes):
-        ``Cause.POLICY`` (the policy, a hook's override or ``on_nan`` said ``raise``),
-        ``Cause.MAX_CONSECUTIVE_BAD_STEPS`` (an escalation to ``raise``),
-        ``Cause.MAX_ROLLBACKS`` (a rollback past the bound), ``Cause.UNGUARDED_LOSS`` (a
-        `NanLossHook` on a loss no guarded train op made: the update may have happened), or
-        None when the error was raised without one.
-      limit: The bound named by ``cause`` (the value of ``max_consecutive_bad_steps`` or
-        ``max_rollbacks``), else None.
-      checkpoint: The checkpoint holding the last good state, when the loop saved one
-        before raising (`slim_nanguard.train` does), else None.
+      event: The `NanEvent` of the step that made training give up, or None.
+      reason: Why training gave up, as a sentence.
+      cause: Why training gave up, as a `Cause` to branch on, or None. After
+        ``UNGUARDED_LOSS`` (a `NanLossHook` on a loss no guarded train op made) the bad
+        update may have happened.
+      limit: The bound ``cause`` names (``max_consecutive_bad_steps`` or ``max_rollbacks``),
+        else None.
+      checkpoint: The checkpoint of the last good state the loop saved before raising
+        (`slim_nanguard.train` does), else None.
     """
 
     def __init__(
@@ -78,8 +67,7 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         super().__init__(str(self))
 
     def __reduce__(self):
-        # Rebuilt from its fields (not from the message, as Exception would): an error sent
-        # to another process, or kept by a test runner, reads the same.
+        # Rebuilt from its fields, not its message: a pickled error reads the same.
         return (
             type(self),
             (self.event, self.reason, self.cause, self.limit),
@@ -108,9 +96,8 @@ class CheckpointNotFoundError(NanGuardError):
 
 
 class UnreadableCheckpointError(NanGuardError):
-    """A checkpoint's files are missing, cut short or garbled: it cannot be read.
-
-    The message names the damaged file and says what to do, in one line.
+    """A checkpoint's files are missing, cut short or garbled; the one-line message names
+    the damaged file and says what to do.
 
     Attributes:
       checkpoint: The checkpoint prefix (``.../model.ckpt-2000``).
@@ -148,11 +135,8 @@ class UnreadableCheckpointError(NanGuardError):
 
 
 def op_error_cause(error: BaseException) -> str:
-    """The line of a TensorFlow error that says what went wrong.
-
-    A graph error's message opens with ``Graph execution error:`` and the stack where the op
-    was defined; the cause is the line after ``Node: '...'``. Other errors: their first line.
-    """
+    """The line of a TensorFlow error that says what went wrong: for a ``Graph execution
+    error``, the line after ``Node: '...'``; else the first line."""
     text = getattr(error, "message", None) or str(error) or type(error).__name__
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if lines and lines[0].startswith("Graph execution error"):
@@ -172,19 +156,15 @@ def op_error_cause(error: BaseException) -> str:
 
 
 def caught_numerics_error(error: BaseException) -> BaseException:
-    """`error`, the numerics error of a bad step, as it reads once the policy was applied.
-
-    The message of a check_numerics-mode check says which loops apply the policy when they
-    catch the error. A `NanLossError` raised after a loop caught it and applied the policy is
-    chained to this copy instead, whose message says that it did: same op, same node, same
-    traceback, so `is_numerics_error` still recognises it. Any other error is returned as it
-    is.
+    """`error`, the numerics error of a bad step, as it reads once a loop applied the policy.
 
     Args:
       error: The error ``session.run(train_op)`` raised.
 
     Returns:
-      A new `InvalidArgumentError`, or `error` itself.
+      A copy of the guard's `InvalidArgumentError` (same op, node and traceback, so
+      `is_numerics_error` still recognises it) whose message says the policy was applied, for
+      a `NanLossError` to chain to; any other error itself.
     """
     message = getattr(error, "message", None)
     if not isinstance(error, tf.errors.InvalidArgumentError) or REJECTED not in (message or ""):

@@ -1,8 +1,5 @@
-"""The graph side of a guarded train op: the tensors and ops `create_train_op` built.
-
-`GraphHandles` is a frozen value: made once, by the train-op builder, and read by the guard,
-the hook, the loops and the rollback. Nothing here runs a session.
-"""
+"""`GraphHandles`: the tensors and ops `create_train_op` built, frozen. Nothing here runs a
+session."""
 
 from __future__ import annotations
 
@@ -27,49 +24,40 @@ class GraphHandles:
       train_op: The train op tensor `create_train_op` returned.
       loss: The user's total loss tensor.
       global_step: The global step variable, or None.
-      grad_sums: The loss, then the sum of each gradient, as one vector. The train op does
-        not run it (a good step reduces stacks of gradients, `_verdict.Verdict`): it is
-        computed when fetched.
-      ok: Hook mode: the boolean the hook fetches each step (loss and gradients all finite).
-        None in check_numerics mode, whose check raises instead, unless the optimizer scales
-        the loss dynamically: then it is False on an overflow step, which does not raise.
-        None too when the train op was built in a loop body (``in_loop``).
-      diagnostics: The variable a bad step leaves its ``grad_sums`` in, summed and stored only
-        on a step whose fast test failed (check_numerics mode before its check raises; hook
-        mode on the bad branch); with a dynamic loss-scale optimizer the loss scale of the
-        step follows the sums.
-      check_op_name: The name of the check_numerics op (check_numerics mode), else None.
+      grad_sums: The loss, then the sum of each gradient, as one vector; run only when
+        fetched.
+      ok: The boolean the hook fetches (loss and gradients all finite): hook mode, or any
+        mode with a dynamic loss-scale optimizer (False on an overflow step). Else None, and
+        None when ``in_loop``.
+      diagnostics: The variable a step whose fast test failed leaves its ``grad_sums`` in
+        (then, with a dynamic loss-scale optimizer, the step's loss scale).
+      check_op_name: The name of the op a bad step raises from (check_numerics mode), else
+        None.
       variable_names: The variables trained, in the order of ``grad_sums[1:]``.
-      lr_scale: The variable the learning rate is multiplied by (a rollback lowers it), or
-        None when ``rollback_lr_factor`` is 1.
+      lr_scale: The variable a rollback lowers the learning rate with, or None when
+        ``rollback_lr_factor`` is 1.
       lr_scale_value: The placeholder a rollback feeds the new scale through, or None.
       lr_scale_assign: The op that assigns it to ``lr_scale``, or None.
-      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer (an overflow
-        there is a bad step), or None without one.
-      in_loop: True when the train op was built inside a `tf.while_loop` (or another function
-        body), whose tensors a run cannot fetch.
+      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer, or None.
+      in_loop: True when the train op was built in a `tf.while_loop` or function body, whose
+        tensors a run cannot fetch.
       judged: Hook mode: the variable whatever applies the policy initialises in its session
-        (`Guard.mark_judged`); None in check_numerics mode.
-      pivot: The tensor a write built later after the train op must wait on to be skipped on
-        a bad step (`gate_writes_after`): the hook-mode gate, or, with a dynamic loss-scale
-        optimizer, the gate of every write but the scale's. None otherwise.
+        (`Guard.mark_judged`); else None.
+      pivot: What a write built after the train op waits on to be skipped on a bad step
+        (`gate_writes_after`): the hook-mode gate, or with a dynamic loss-scale optimizer the
+        gate of every write but the scale's; else None.
       capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      value_kinds: The int32 variable a step whose fast test failed leaves the exact
-        kind of the loss and of each gradient in, in the order of ``grad_sums`` (see
-        `_verdict.kind_name`), or None.
-      kinds_read: What a bad step's one read fetches for ``value_kinds``: the variable, or
-        with reasons (whose rejected finite steps do not write it) its value once written and -1s
-        before; None without ``value_kinds``.
-      report: With reasons to reject besides non-finite values, the float64 variable a bad
-        step leaves its cause and the reasons' reports in (`_finiteness.StepTest.report`);
-        else None.
+      value_kinds: The int32 variable a step whose fast test failed leaves the kind
+        (`_verdict.kind_name`) of each value of ``grad_sums`` in, or None.
+      kinds_read: What a bad step fetches for ``value_kinds``: the variable, or with reasons
+        its value once written and -1s before (`kinds_read`); None without it.
+      report: With reasons, the variable a bad step leaves its cause and the reasons' reports
+        in (`_finiteness.StepTest.report`); else None.
       reasons: Those reasons (`_reasons.Reason`), in the order of the report.
-      reason_handles: Each reason's `_reasons.Test.handles`, by its name (the spike's
-        `_spike.SpikeTest`, which re-seeds the statistics with a new level).
-      optional_variables: The guard's variables that only some of its options make (the
-        learning-rate scale, the spike statistics): a checkpoint written without them (by a
-        run with other options) still restores the rest, and these keep their values.
+      reason_handles: Each reason's `_reasons.Test.handles`, by its name.
+      optional_variables: The guard's variables only some options make (the learning-rate
+        scale, the spike statistics); a checkpoint without them still restores the rest.
     """
 
     mode: Mode
@@ -126,8 +114,8 @@ def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
 
 
 def kinds_read(kinds: Optional[tf.Variable], reasons: bool) -> Optional[tf.Tensor]:
-    """`GraphHandles.kinds_read` for the `value_kinds` variable `kinds`, with `reasons` to
-    reject besides non-finite values or not."""
+    """`GraphHandles.kinds_read` of `kinds`, with or without `reasons` (a rejected finite step
+    does not write it)."""
     if kinds is None or not reasons:
         return kinds
     with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):

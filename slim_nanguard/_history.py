@@ -1,15 +1,7 @@
-"""The losses of the good steps before a bad step, kept for its record.
+"""The losses of the good steps before a bad step, kept for its record (``losses_before``).
 
-TensorBoard summaries come every hundred steps or so, so a divergence that takes a few steps
-falls between two of them. The loops see the loss of every step anyway (it is the value of
-the train op they fetch), so the guard keeps the last few in a ring buffer, at the cost of a
-list append on a good step, and a bad step's record carries them (``losses_before``).
-
-A loop gives the loss of a good step, not its step: the global step is read exactly only on
-a bad step. The good steps since the previous bad step (or overflow step, or rollback) each
-moved the global step by one, so they are numbered back from the bad step: the last one was
-attempted at the bad step's global step minus 1. (In a cluster the other workers move the
-global step too: the steps are then this worker's count back from the bad step.)
+A good step gives its loss, not its step: `LossHistory.anchor` numbers the points back from
+the global step of the next bad step, one per good step (in a cluster: this worker's count).
 """
 
 from __future__ import annotations
@@ -37,11 +29,8 @@ class LossHistory:
             self._unnumbered = min(self._unnumbered + 1, len(self._points))
 
     def anchor(self, step: int) -> List[Tuple[int, float]]:
-        """Numbers the good steps before a step attempted at global `step` (a bad step, or an
-        overflow step: neither moves the global step); returns every point kept, oldest
-        first.
-
-        Without a global step (`step` < 0) the points stay unnumbered and none is returned.
+        """Numbers the unnumbered points back from global `step` (a bad or overflow step's);
+        returns every numbered point, oldest first. With `step` < 0 (no global step), none.
         """
         if step < 0:
             return []
@@ -67,11 +56,8 @@ CLIMB_FACTOR = 2.0
 def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
     """The step at which the losses started climbing to a bad step at `before`, or None. Pure.
 
-    The typical loss is the median of the older half of the points before `before`; the
-    climb is the run of the newest points each above `CLIMB_FACTOR` times it, ending right
-    before `before` (a learning rate that jumped: accepted steps whose loss grew, then the bad
-    ones). None when the last point before `before` is not part of a climb, or there are
-    fewer than four points.
+    The climb is the run of the newest points before `before` each above `CLIMB_FACTOR` times
+    the median of the older half. None without one, or with fewer than four points.
 
     Args:
       losses: ``(step, loss)`` of good steps, oldest first.

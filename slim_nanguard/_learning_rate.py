@@ -1,9 +1,7 @@
 """The learning rate the rollback policy lowers: one variable the optimizer's rate is scaled by.
 
-With ``rollback_lr_factor`` below 1, each rollback multiplies a variable of the graph (the
-scale, 1 at first) by the factor, and the optimizer's update reads ``rate * scale``. The
-optimizer is left as the caller made it: its rate attribute holds the scaled rate only while
-`create_train_op` builds the update (`scaled`).
+With ``rollback_lr_factor`` below 1, the update reads ``rate * scale``; each rollback
+multiplies the scale (1 at first) by the factor. The caller's optimizer is left unchanged.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from typing import Iterator, Optional, Tuple
 
 import tensorflow as tf
 
-# Attributes through which an optimizer wraps another one: a loss-scale optimizer's
-# ``_optimizer``, SyncReplicasOptimizer's ``_opt``. The learning rate is the inner one's.
+# Attributes through which an optimizer wraps another one (loss-scale, SyncReplicas).
 _WRAPPED_OPTIMIZER_ATTRS = ("_optimizer", "_opt")
 # Attributes a tf.compat.v1 optimizer keeps its learning rate in (Adam: ``_lr``).
 _LEARNING_RATE_ATTRS = ("_learning_rate", "_lr")
@@ -51,8 +48,7 @@ def scale_variable(optimizer, factor: float) -> Optional[tf.Variable]:
       The variable, or None when `factor` is 1.0.
 
     Raises:
-      ValueError: The optimizer has no learning rate to scale (checked now, before any graph
-        is built around it).
+      ValueError: The optimizer has no learning rate to scale.
     """
     if factor == 1.0:
         return None
@@ -70,17 +66,15 @@ def scale_variable(optimizer, factor: float) -> Optional[tf.Variable]:
 
 @contextlib.contextmanager
 def scaled(optimizer, scale: Optional[tf.Variable]) -> Iterator[None]:
-    """While active, the optimizer's learning rate is multiplied by `scale`.
+    """While active, the optimizer's learning rate is multiplied by `scale`: build the update
+    (``apply_gradients``) inside it.
 
-    A tf.compat.v1 optimizer reads its learning rate attribute when ``apply_gradients``
-    builds the update (``_prepare``), and has no public way to change it. So the attribute
-    (``_learning_rate`` or ``_lr``, of the innermost optimizer of a loss-scale or
-    SyncReplicas wrapper) is set to ``rate * scale`` for the build only and put back after:
-    the caller's optimizer is left as it was, and a second `create_train_op` with the same
-    optimizer scales its rate once, not twice. A callable rate is called here, as the
-    optimizer itself would. During the build the attribute holds the scaled rate: two threads
-    building train ops with one optimizer object at once would see each other's (build a
-    graph from one thread, as TensorFlow's graph building asks anyway).
+    The rate attribute of the (innermost) optimizer holds ``rate * scale`` in the block and
+    its own value after (a callable rate is called here, once). Not thread-safe for one
+    optimizer object.
+
+    Raises:
+      ValueError: The optimizer has no learning rate to scale (`scale` not None).
     """
     if scale is None:
         yield

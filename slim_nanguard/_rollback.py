@@ -1,9 +1,6 @@
 """Rollback: the walk back over checkpoints, the restore, the learning-rate scale, input skipping.
 
-`Rollback` belongs to one guard. It owns the one Saver every rollback of that guard restores
-with (built by `create_train_op` when the config may roll back, or by `NanLossHook.begin` for
-a hook whose policy override may), and remembers the step it restored last, so that a bad
-step right at that step walks back further.
+A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore with.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ def onset(
 ) -> Tuple[Optional[int], str]:
     """Where a run of bad steps began, so that a rollback goes back before it. Pure.
 
-    A rollback after a run of more than one bad step goes to a checkpoint older than the
-    run's first step (its state made them); and if the losses of the accepted steps before it
-    were already climbing (`_history.climb_start`), older than the climb.
+    Before the climb of the losses that led to it (`_history.climb_start`), if any; else
+    before the run's first step if it had more than one bad step.
 
     Args:
       run_start: The global step of the run's first bad step (None: unknown).
@@ -78,7 +74,7 @@ class Rollback:
 
     Args:
       handles: The guard's graph handles.
-      config: The guard's config (``rollback_lr_factor``, ``rollback_skip_batches``).
+      config: The guard's config.
       saver: The Saver to restore with, if `create_train_op` built one.
     """
 
@@ -112,11 +108,9 @@ class Rollback:
         return self._saver
 
     def _build_saver_without_optional(self) -> None:
-        """With a spike test, a Saver of every variable but the guard's optional ones
-        (`GraphHandles`): a rollback to a checkpoint written before the spike guard was turned
-        on restores the model, and those keep their values. Without one none is built, so
-        that ``spike_policy=None`` builds the graph it built before the spike guard existed
-        (a checkpoint without the learning-rate scale fails the restore, as it did)."""
+        """With reasons, a Saver of every variable but `GraphHandles.optional_variables`, for
+        a checkpoint that lacks them. Without reasons none is built (the graph stays as it
+        was), and a checkpoint lacking the learning-rate scale fails the restore."""
         if self._handles.report is None:
             return
         optional = set(self._handles.optional_variables)
@@ -139,10 +133,8 @@ class Rollback:
     ) -> Restored:
         """Restores the latest good checkpoint, skips input and scales the learning rate.
 
-        When the bad step came at the very step the previous rollback restored (no step went
-        through since), that state did not hold up: this rollback goes to the newest
-        checkpoint of an earlier step instead, and so on, one further back each time, as long
-        as older readable checkpoints are kept (then the oldest one is restored again).
+        A bad step at the very step the previous rollback restored goes one checkpoint
+        further back each time, while older readable ones are kept (then the oldest again).
 
         Args:
           session: A raw `tf.compat.v1.Session`.
@@ -150,9 +142,9 @@ class Rollback:
           bad_step: The global step of the bad step (-1 if unknown).
           learning_rate_scale: The scale the guard has applied so far in this process.
           skip_batches: Batches of input to skip after the restore (default:
-            ``rollback_skip_batches``; a cluster's chief answering a request skips none).
-          before_step: Restore the newest good checkpoint saved below this global step (see
-            `onset`), if one is kept; None: the newest.
+            ``rollback_skip_batches``).
+          before_step: Restore the newest good checkpoint saved below this global step
+            (`onset`), if one is kept; None: the newest.
           why: Why `before_step`, said in the log and kept in `Restored.why`.
 
         Returns:
@@ -183,8 +175,7 @@ class Rollback:
             )
         handles = self._handles
         if handles.lr_scale is not None:
-            # The scale the session trains with: in a resumed process, the one the checkpoint
-            # brought back; after a session recovery, the lower of it and this process's own.
+            # The lower of the session's (a resumed or recovered one) and this process's.
             learning_rate_scale = min(learning_rate_scale, float(session.run(handles.lr_scale)))
         saver = self._saver
         missing = self._handles.missing_from(path) if self._without_optional else ()
@@ -231,9 +222,7 @@ class Rollback:
         elif (
             path is not None and self._restored_step is not None and bad_step == self._restored_step
         ):
-            # No step went through since the last rollback restored this step: the state it
-            # restored went bad at once (finite weights can already be diverging). Go back to
-            # an earlier step's checkpoint, if one is kept.
+            # The state the last rollback restored went bad at once: go further back.
             older = _checkpoints.latest_good_checkpoint(
                 checkpoint_dir, before_step=self._restored_step
             )

@@ -15,40 +15,9 @@ Contract of a guarded train op (both modes)::
         global_step and the variables update_ops assign all keep their values
     return loss
 
-How the bad branch shows itself depends on the mode:
-
-* check_numerics mode (``check_numerics=True``): the test is a `tf.debugging.check_numerics`
-  op, and ``session.run(train_op)`` raises its `InvalidArgumentError` before any update ran.
-  `is_numerics_error` recognises it; `train`, `train_step` and `handle_numerics_error`
-  apply the policy.
-* hook mode (``check_numerics=False``): the test feeds a switch; the run returns normally with
-  the non-finite loss, and `NanLossHook.after_run` applies the policy. The hook fetches one
-  boolean per step; only the bad branch stores the sums for it to read. The hook (or
-  `train_step`) marks each session it judges (`Guard.mark_judged`, once per session); a bad
-  step in a session nothing judges (no hook: a loop that would skip it unseen) fails on the
-  bad branch with an error naming what to add.
-
-With a dynamic loss-scale optimizer
-(`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), a step whose loss is finite
-but whose gradients overflowed while the loss scale is above its minimum is the scaler's
-business, not a bad step: the scale's own update still runs (the scale drops, as the optimizer
-intends), no other variable is written, the run returns normally in both modes, and the
-`NanLossHook` records it as a ``loss_scale_overflow``. At the minimum scale it is a bad step.
-
-How it is built, one module per idea: `_parity` does what tf-slim's train op does (the
-argument checks, the gradients, multipliers, clipping and summaries); `_finiteness` builds the
-per-step test and puts it in front of the writes in the mode's way; `_gating` makes every
-variable write wait on it (and puts back what the forward pass wrote); `_learning_rate` holds
-the scale a rollback lowers the learning rate by. `create_train_op` calls them in that order
-and registers the `Guard` that the loops and the hook find.
-
-A square is NaN or Inf when its element is, so a finite sum of squares proves the gradients
-finite: a good step pays one ``L2Loss`` per stack of same-shape gradients (and one ``AddN``
-with the loss) instead of an element-wise `is_finite` and its boolean tensor, and the same sum
-gives the global gradient norm (`_verdict.Verdict.global_norm`). Finite squares can also add up
-past the float range (1,000 elements of 1e36 in float32), so a non-finite sum is confirmed
-element by element before the step is called bad (`_verdict.Verdict`); that test also says what
-each value held (NaN, Inf), and only that branch sums each gradient for the record.
+How a bad step shows in each mode: `create_train_op`. It calls `_parity` (what tf-slim's
+train op does), `_finiteness` (the test and the mode's gate), `_gating` (every write behind
+it) and `_learning_rate`, and registers the `Guard` that the loops and the hook find.
 """
 
 from __future__ import annotations
@@ -117,59 +86,39 @@ def create_train_op(
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
 
-    The first twelve arguments are tf-slim 1.1.0's, in its order and with its meaning, and the
-    return value is the same: a tensor that runs one update and evaluates to the loss, added to
-    the ``TRAIN_OP`` collection. ``transform_grads_fn`` is the argument of
-    `tf_slim.training.create_train_op`; it runs after the multipliers and the clipping.
+    The first twelve arguments and the return value are tf-slim 1.1.0's (the train op is added
+    to the ``TRAIN_OP`` collection); ``transform_grads_fn`` is
+    `tf_slim.training.create_train_op`'s, run after the multipliers and the clipping.
 
-    What runs on a step whose loss or any gradient is NaN or Inf: the forward and backward pass,
-    one sum-of-squares reduction per stack of same-shape gradients and the test, then (that
-    sum being non-finite) an element-wise test that confirms it and says what each value held,
-    and the sum of each gradient for the record. A step whose values are all finite
-    trains, even when its sums overflow (a huge gradient). What does not run: every variable
-    update. The
-    trainable variables, the optimizer's slots and accumulators, ``global_step`` and every
-    variable the ``update_ops`` assign (batch-norm moving mean and variance) keep their values,
-    so any checkpoint saved afterwards holds the last good state. A finite step computes what
-    tf-slim's train op computes. Writes the loss itself waits on (``slim.batch_norm`` with
-    ``updates_collections=None``) run before the test: each waits on a copy of its variable's
-    value, which a bad step writes back before the check raises (or on the hook-mode branch).
+    A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
+    variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
+    ``update_ops`` assign keep their values, so any later checkpoint holds the last good state.
+    Writes the forward pass makes (``slim.batch_norm`` with ``updates_collections=None``) are
+    put back. A step whose values are all finite computes what tf-slim's train op computes,
+    even when its sums of squares overflow. Built inside a `tf.while_loop`, each iteration is
+    judged on its own (hook mode applies the policy once after the run).
 
-    * ``check_numerics=True`` (the default, as in slim): ``session.run(train_op)`` raises the
-      `tf.errors.InvalidArgumentError` of a `tf.debugging.check_numerics` op;
-      `is_numerics_error` tells it from any other error. `slim_nanguard.train`,
-      `slim_nanguard.train_step` (for `tf_slim.learning.train`) and
-      `slim_nanguard.handle_numerics_error` (for a loop of your own) apply the policy.
-    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and a
-      `NanLossHook` applies the policy in ``after_run``. The hook the train op needs is ready
-      made: ``slim_nanguard.nan_hook(train_op)`` returns it (``get_guard(train_op)`` finds the
-      guard registered with the graph), `slim_nanguard.train` attaches it by itself, and a
-      ``NanLossHook(total_loss)`` built by hand finds the same guard and behaves the same.
-      Variable writes built later under ``tf.control_dependencies([train_op])`` (an EMA of
-      the weights) are gated too, when the hook begins; see `gate_writes_after`.
-
-    Built inside a `tf.while_loop` (several steps per ``session.run``), each iteration is
-    judged on its own and a bad one writes nothing: check_numerics mode raises there; in hook
-    mode the other iterations train and the hook applies the policy once after the run.
-
-    The policy (``nan_policy``) is the same in both modes: ``raise`` raises `NanLossError`,
-    ``stop`` ends the loop cleanly, ``skip`` carries on with the next batch, ``rollback``
-    restores the latest good checkpoint; see `GuardConfig`. When ``max_consecutive_bad_steps``
-    bad steps come in a row under ``skip`` or ``rollback``, ``persistent_nan_policy`` decides
-    (``raise``, ``stop`` or ``rollback``).
+    * ``check_numerics=True``: ``session.run(train_op)`` raises a
+      `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` (for
+      `tf_slim.learning.train`) and `handle_numerics_error` (your own loop) apply the policy.
+    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and the
+      `NanLossHook` of ``nan_hook(train_op)`` applies the policy (`train` attaches it); a bad
+      step in a session no hook judges fails with an error naming what to add. Writes built
+      later under ``tf.control_dependencies([train_op])`` are gated too, when the hook begins
+      (`gate_writes_after`).
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
-      optimizer: A `tf.compat.v1.train.Optimizer`; also a dynamic loss-scale one
-        (`tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer`), whose overflow
-        steps lower the scale and count as no bad step (see the module docstring).
+      optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one: a step whose
+        loss is finite but whose gradients overflowed above the minimum scale is then no bad
+        step (only the scale's update runs; the hook records a ``loss_scale_overflow``).
       global_step: The global step variable; by default `get_or_create_global_step()`; None to
         not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
       variables_to_train: Variables to train; None means all trainable variables.
       clip_gradient_norm: If > 0, each gradient is clipped to this norm.
-      summarize_gradients: Whether to add histogram and norm summaries of each gradient
-        (histograms show the finite values only, so a bad step cannot break the summary op).
+      summarize_gradients: Whether to add histogram (of the finite values) and norm
+        summaries of each gradient.
       gate_gradients: As in `Optimizer.compute_gradients`.
       aggregation_method: As in `Optimizer.compute_gradients`.
       colocate_gradients_with_ops: As in `Optimizer.compute_gradients`.
@@ -177,38 +126,27 @@ def create_train_op(
         `Tensor` that multiplies its gradient.
       check_numerics: True for check_numerics mode, False for hook mode.
       transform_grads_fn: Optional function from and to a list of (gradient, variable).
-      nan_policy: ``"raise"``, ``"stop"``, ``"skip"`` or ``"rollback"``.
+      nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
+        (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
       max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
         ``persistent_nan_policy`` once this many bad steps came in a row.
-      persistent_nan_policy: ``"raise"`` (give up with `NanLossError`, the default),
-        ``"stop"`` (end cleanly with the last good weights) or ``"rollback"`` (restore the
-        latest good checkpoint, as the ``rollback`` policy does, within ``max_rollbacks``):
-        what happens once ``max_consecutive_bad_steps`` bad steps came in a row, which means
-        the weights, not a batch, went bad.
+      persistent_nan_policy: ``"raise"``, ``"stop"`` or ``"rollback"`` (`GuardConfig`).
       on_nan: Optional callback ``fn(event) -> policy name or None`` called on each bad step.
       rollback_skip_batches: Batches to skip after a rollback.
       rollback_lr_factor: Learning-rate multiplier applied at each rollback (0 < f <= 1).
       max_rollbacks: Give up (raise) rather than roll back more often than this.
-      spike_policy: The policy for a spike step, or None (the default: no spike test, the
-        same graph as without it). A spike step has a finite loss and finite gradients, but
-        its loss or its global gradient norm is more than ``spike_sigma`` deviations above
-        those of the last 128 accepted steps (of their logarithms), once
-        ``spike_warmup_steps`` steps were accepted. It changes no variable, as a non-finite
-        step, does not enter the statistics, and counts toward
-        ``max_consecutive_bad_steps``. Not inside a `tf.while_loop` (a ValueError says
-        so). The statistics are variables of the graph (``nanguard_spike/``): saved in
-        checkpoints and restored by a rollback.
-        The norm tested is that of the gradients the optimizer applies: after
-        ``gradient_multipliers``, ``clip_gradient_norm`` and ``transform_grads_fn`` (a
-        clipped gradient's spike shows less in it; the loss's does not).
+      spike_policy: The policy for a spike step, or None (no spike test; the graph is the
+        same as without it). A spike step has finite values, but its loss or the global norm
+        of the gradients applied (after multipliers, clipping and ``transform_grads_fn``) is
+        more than ``spike_sigma`` deviations above those of the last 128 accepted steps (of
+        their logarithms). It writes no variable, stays out of the statistics (checkpointed
+        ``nanguard_spike/`` variables) and counts toward ``max_consecutive_bad_steps``.
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
-      spike_level_shift_steps: Spikes in a row that hold together make a new level of
-        training, not spikes: the guard says so, starts its statistics again from them and
-        carries on (with ``spike_policy="skip"``; `GuardConfig.spike_level_shift_steps`;
-        0: never).
-      reasons: More reasons to reject a step (`slim_nanguard.Reason` objects, each with its
-        policy), judged after non-finite values and the spike test.
+      spike_level_shift_steps: Spikes in a row that hold together are a new level of
+        training (`GuardConfig.spike_level_shift_steps`; 0: never).
+      reasons: More reasons to reject a step (`Reason` objects, each with its policy), judged
+        after non-finite values and the spike test.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
@@ -216,11 +154,10 @@ def create_train_op(
       finite and returns the total loss.
 
     Raises:
-      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
-        `tf.compat.v1.train.Optimizer` (a Keras one, for example), an empty
-        ``variables_to_train``, a variable to train that is not trainable, a policy argument
-        out of range, or a spike policy for a train op built in a loop body. The message
-        names the argument and the value.
+      ValueError: A loss that is not a floating-point scalar tensor, an optimizer that is not
+        a `tf.compat.v1.train.Optimizer`, an empty ``variables_to_train``, a variable to train
+        that is not trainable, a policy argument out of range, a ``config`` that is not a
+        `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
     """
     # First, while the locals are the arguments.
     policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
@@ -233,7 +170,7 @@ def create_train_op(
             global_step = tf.compat.v1.train.get_or_create_global_step()
         update_ops = _parity.resolve_update_ops(graph, update_ops)
         variables_to_train = _parity.resolve_variables(variables_to_train)
-        # Before the gradients, as the graph always had them.
+        # Made before the gradients.
         scales = (
             _finiteness.dynamic_loss_scale(optimizer),
             _learning_rate.scale_variable(optimizer, config.rollback_lr_factor),
@@ -258,8 +195,7 @@ def create_train_op(
 def _gated(
     config, total_loss, optimizer, grads, global_step, update_ops, loss_scale, lr_scale, check
 ):
-    """The train op of `grads`: the test, the mode's gate (check_numerics mode if `check`),
-    every write behind it, registered with its guard (in the loss's graph)."""
+    """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
     check_numerics = check
     test, forward, gate = _test_and_gate(
         config, total_loss, grads, loss_scale, check_numerics=check_numerics
@@ -286,8 +222,7 @@ def _gated(
 
 
 def _check_reasons_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -> None:
-    """Raises ValueError for a reason to reject (a spike policy) on a train op built in a
-    loop body."""
+    """Raises ValueError for reasons (a spike policy) on a train op built in a loop body."""
     reasons = config.all_reasons
     if reasons and _in_loop(graph):
         names = ", ".join(r.policy_name for r in reasons)
@@ -306,14 +241,12 @@ def _test_and_gate(
     *,
     check_numerics: bool,
 ):
-    """The step's test (`_finiteness.StepTest`), the forward pass's writes it puts back on a
-    bad step, and the mode's gate, in the ``nanguard`` name scope: ``(test, forward, gate)``."""
+    """``(test, forward, gate)``: the step's `_finiteness.StepTest`, the forward pass's writes
+    a bad step puts back, and the mode's gate, in the ``nanguard`` name scope."""
     graph = total_loss.graph
     with tf.name_scope("nanguard"):
         reasons = config.all_reasons
         test = _finiteness.StepTest(total_loss, grads, loss_scale, reasons)
-        # Writes the forward pass makes (slim.batch_norm with updates_collections=None) run
-        # before the test: each variable's pre-step value is put back on a bad step.
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
         gate = _finiteness.build_gate(
             test,
@@ -348,12 +281,8 @@ def _register(
     global_step,
     lr_scale: Optional[tf.Variable],
 ) -> None:
-    """Registers `train_op` with its graph: in the ``TRAIN_OP`` collection (as tf-slim does),
-    and its `Guard`, what the loops and the hook read.
-
-    With a policy that may roll back (the rollback policy, an escalation to it, or
-    ``on_nan``), the guard gets the saver every rollback restores with.
-    """
+    """Adds `train_op` to the ``TRAIN_OP`` collection and registers its `Guard` (with the
+    rollback saver when the config may roll back)."""
     graph = train_op.graph
     train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
     if train_op not in train_ops:
@@ -397,15 +326,9 @@ def _register(
 
 
 def _register_default_saver(graph: tf.Graph) -> None:
-    """Makes a `ResumingSaver` the graph's default saver, when it has none yet.
-
-    `Scaffold` (so `MonitoredTrainingSession` and `tf_slim.training.train`) saves and restores
-    with the saver of the ``SAVERS`` collection, and makes one when it is empty. This one is
-    that default (sharded, empty allowed, built when the scaffold is finalized, so it saves
-    every variable made by then), except that it also resumes from checkpoints written
-    without the guard's optional variables. A saver already in the collection, or one given
-    to the `Scaffold`, is left as it is.
-    """
+    """Puts a `ResumingSaver` in the ``SAVERS`` collection, when it is empty: the default
+    saver a `Scaffold` would make, which also resumes from checkpoints lacking the guard's
+    optional variables."""
     if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
         return
     saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
@@ -413,12 +336,8 @@ def _register_default_saver(graph: tf.Graph) -> None:
 
 
 def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:
-    """Whether the train op keeps a bad step's batch for an autopsy (`GuardConfig`).
-
-    Not when the forward pass writes variables (`slim.batch_norm` with
-    ``updates_collections=None``): a replay would run those writes again, with the bad batch,
-    after the guard put their values back. Not inside a loop body either, whose tensors a
-    replay cannot fetch. Either way the guard says so once, at build time.
+    """Whether the train op keeps a bad step's batch for an autopsy: not when the forward
+    pass writes variables (a replay would write them again) or in a loop body, with a warning.
     """
     if config.autopsy_max_steps <= 0:
         return False
