@@ -170,7 +170,7 @@ def create_train_op(
             global_step = tf.compat.v1.train.get_or_create_global_step()
         update_ops = _parity.resolve_update_ops(graph, update_ops)
         variables_to_train = _parity.resolve_variables(variables_to_train)
-        # Made before the gradients.
+        # Made before the gradients: the ops keep their order, so the GraphDef is unchanged.
         scales = (
             _finiteness.dynamic_loss_scale(optimizer),
             _learning_rate.scale_variable(optimizer, config.rollback_lr_factor),
