@@ -67,7 +67,8 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     Every tensor is read, so a checkpoint this accepts can be restored.
 
     Args:
-      checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns).
+      checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns), or a
+        directory: its latest checkpoint.
 
     Returns:
       The names, sorted; empty when every value is finite.
@@ -75,7 +76,7 @@ def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
     Raises:
       UnreadableCheckpointError: A file of the checkpoint is missing, cut short or garbled.
     """
-    verdict, _ = _check(checkpoint_path)
+    verdict, _ = _check(_prefix_of(checkpoint_path))
     if isinstance(verdict, _errors.UnreadableCheckpointError):
         raise copy.copy(verdict) from None  # A fresh one: no traceback of an earlier raise.
     return verdict
@@ -154,6 +155,14 @@ def unreadable(
     )
 
 
+def _prefix_of(path: str) -> str:
+    """`path`, or the latest checkpoint of the directory `path` (so that an error names that
+    checkpoint's files, not the directory's)."""
+    if tf.io.gfile.isdir(path) and not tf.io.gfile.exists(path + ".index"):
+        return latest_checkpoint(path) or path
+    return path
+
+
 def checkpoint_reader(path: str) -> Any:
     """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one
     (``ram://`` calls any prefix of a file name a directory).
@@ -165,6 +174,7 @@ def checkpoint_reader(path: str) -> Any:
       UnreadableCheckpointError: The checkpoint's index is missing, cut short or garbled.
       ValueError: `path` is a directory that holds no checkpoint.
     """
+    path = _prefix_of(path)
     with _damage_named(path):
         if tf.io.gfile.isdir(path) and tf.io.gfile.exists(path + ".index"):
             return tf.compat.v1.train.NewCheckpointReader(path)

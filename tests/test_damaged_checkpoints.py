@@ -181,6 +181,22 @@ def test_the_readers_raise_one_error_naming_the_damaged_file(train_dir, how):
     assert _files(train_dir) == before
 
 
+@pytest.mark.parametrize("how", ["data cut", "index garbled"])
+def test_asked_about_the_directory_the_readers_name_its_latest_checkpoints_file(train_dir, how):
+    """`non_finite_variables` and `storage.checkpoint_reader` take a directory for its latest
+    checkpoint: the error names that checkpoint and its damaged file, not the directory."""
+    prefix = f"{train_dir}/model.ckpt-6"
+    damaged = _damage(prefix, how)
+    with pytest.raises(slim_nanguard.UnreadableCheckpointError) as raised:
+        slim_nanguard.non_finite_variables(train_dir)
+    assert (raised.value.checkpoint, raised.value.file) == (prefix, damaged)
+    assert "move model.ckpt-6.* out of its directory" in str(raised.value)
+    if how.startswith("index"):
+        with pytest.raises(slim_nanguard.UnreadableCheckpointError) as opened:
+            storage.checkpoint_reader(train_dir)
+        assert opened.value.file == damaged
+
+
 @pytest.mark.parametrize("how", DAMAGES)
 def test_latest_good_checkpoint_passes_over_it_with_one_warning(train_dir, caplog, how):
     """Asked three times, as a launcher's start asks (the launcher, `train`, the session's
