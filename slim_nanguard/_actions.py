@@ -363,12 +363,12 @@ def _roll_back(
         **record,
     )
     logging.warning(
-        "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %d batches, "
+        "slim_nanguard: rolled back to %s (rollback %d of at most %d), skipped %s, "
         "learning-rate scale now %g",
         restored.checkpoint,
         state.rollbacks,
         guard.config.max_rollbacks,
-        restored.skipped_batches,
+        logging.batches(restored.skipped_batches),
         state.learning_rate_scale,
     )
     return restored.checkpoint

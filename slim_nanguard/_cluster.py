@@ -179,10 +179,10 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
         skipped = guard.restorer.skip_input(session, guard.config.rollback_skip_batches)
         logging.warning(
             "slim_nanguard: worker %d asked the chief to roll back the model (bad step at "
-            "global step %d); skipped %d batches, carrying on",
+            "global step %d); skipped %s, carrying on",
             self._task,
             event.step,
-            skipped,
+            logging.batches(skipped),
         )
         return {"chief": 0, "skipped_batches": skipped}
 

@@ -12,7 +12,7 @@ import logging as _logging
 
 from absl import logging as _absl_logging
 
-__all__ = ["error", "info", "vlog", "warning"]
+__all__ = ["batches", "error", "info", "vlog", "warning"]
 
 _LOGGER = _absl_logging.get_absl_logger()
 
@@ -42,6 +42,11 @@ def info(msg: str, *args) -> None:
 def vlog(level: int, msg: str, *args) -> None:
     """absl.logging.vlog: verbosity `level` 1 is Python's DEBUG, each level above one lower."""
     _log(_logging.DEBUG - (level - 1), msg, *args)
+
+
+def batches(count: int) -> str:
+    """``'1 batch'``, ``'3 batches'``: a count of batches as a line says it."""
+    return f"{count} batch" if count == 1 else f"{count} batches"
 
 
 # A line's caller is the module that called these, not this file.

@@ -61,7 +61,9 @@ def _eval_dataset(config: config_lib.EvalConfig, purpose: str = "evaluation data
 
 
 def check_eval_dataset(
-    config: config_lib.EvalConfig, split_flag: str = "--dataset_split_name"
+    config: config_lib.EvalConfig,
+    split_flag: str = "--dataset_split_name",
+    purpose: str = "checking the evaluation split",
 ) -> datasets.DatasetInfo:
     """Builds the evaluation input of `config` in a scratch graph, to fail early on bad input.
 
@@ -69,13 +71,14 @@ def check_eval_dataset(
       config: An `EvalConfig`.
       split_flag: The flag that set ``config.dataset_split_name``, named in the error (the
         training launcher's evaluation split is ``--eval_split_name``).
+      purpose: What the check is for, said first in its log line.
 
     Raises:
       datasets.DatasetError: The split cannot be read.
     """
     try:
         with tf.Graph().as_default():
-            _, info = _eval_dataset(config, "check of the evaluation input")
+            _, info = _eval_dataset(config, purpose)
     except datasets.DatasetError as err:
         if split_flag == "--dataset_split_name":
             raise

@@ -104,10 +104,15 @@ def train_and_evaluate(
         )
         # The training split first, so that its errors name --dataset_split_name.
         evaluate.check_eval_dataset(
-            dataclasses.replace(eval_config, dataset_split_name=config.dataset_split_name)
+            dataclasses.replace(eval_config, dataset_split_name=config.dataset_split_name),
+            purpose="checking the training split before training",
         )
         try:
-            evaluate.check_eval_dataset(eval_config, split_flag="--eval_split_name")
+            evaluate.check_eval_dataset(
+                eval_config,
+                split_flag="--eval_split_name",
+                purpose="checking the evaluation split before training",
+            )
         except ValueError as err:
             raise config_lib.LaunchError(
                 f"--eval_split_name={eval_split_name}: {err} "
