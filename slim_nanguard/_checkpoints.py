@@ -155,6 +155,19 @@ def unreadable(
     )
 
 
+def say_restored_without(save_path: str, names: Sequence[str]) -> None:
+    """Logs the one line of a restore of `save_path` without the guard's variables `names`."""
+    warm_up = any(name.endswith(("/history", "/count")) for name in names)
+    logging.info(
+        "slim_nanguard: %s was written without %s (guard options turned on since, or a "
+        "release that had no such variable); restoring the rest, these start from their "
+        "initial values%s.",
+        save_path,
+        ", ".join(names),
+        " (the spike statistics warm up afresh)" if warm_up else "",
+    )
+
+
 def _prefix_of(path: str) -> str:
     """`path`, or the latest checkpoint of the directory `path` (so that an error names that
     checkpoint's files, not the directory's)."""
@@ -543,16 +556,7 @@ class _OptionalRestore:
         missing = [s for s in self._optional if not reader.has_tensor(s[1])]
         if not missing:
             return False
-        names = [name for _, name, _, _ in missing]
-        warm_up = any(name.endswith(("/history", "/count")) for name in names)
-        logging.info(
-            "slim_nanguard: %s was written without %s (guard options turned on since, or a "
-            "release that had no such variable); restoring the rest, these start from their "
-            "initial values%s.",
-            save_path,
-            ", ".join(names),
-            " (the spike statistics warm up afresh)" if warm_up else "",
-        )
+        say_restored_without(save_path, [name for _, name, _, _ in missing])
         self._rest.restore(sess, save_path)
         for variable, name, value, assign in self._optional:
             if reader.has_tensor(name):

@@ -576,11 +576,7 @@ def _resume_saver(
     if not missing:
         return saver
     variables = tf.compat.v1.global_variables()
-    logging.info(
-        "slim_nanguard: %s has no %s; starting from the initial values.",
-        checkpoint,
-        ", ".join(v.op.name for v in missing),
-    )
+    _checkpoints.say_restored_without(checkpoint, [v.op.name for v in missing])
     return tf.compat.v1.train.Saver([v for v in variables if v not in missing], sharded=True)
 
 
