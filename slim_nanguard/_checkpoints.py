@@ -156,9 +156,10 @@ def unreadable(
 
 
 def say_restored_without(save_path: str, names: Sequence[str]) -> None:
-    """Logs the one line of a restore of `save_path` without the guard's variables `names`."""
+    """Logs the one line of a restore of `save_path` without the guard's variables `names`
+    (a warning: shown by default, as the guard starts some of its state afresh)."""
     warm_up = any(name.endswith(("/history", "/count")) for name in names)
-    logging.info(
+    logging.warning(
         "slim_nanguard: %s was written without %s (guard options turned on since, or a "
         "release that had no such variable); restoring the rest, these start from their "
         "initial values%s.",

@@ -188,6 +188,7 @@ class Guard:
     report = _handle("report")
     reasons = _handle("reasons")
     reason_handles = _handle("reason_handles")
+    optional_variables = _handle("optional_variables")
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:

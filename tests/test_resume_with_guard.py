@@ -150,3 +150,23 @@ def test_a_supervisor_with_its_default_saver_is_told_to_pass_a_finite_saver(tmp_
             sess.run(model.train_op)
             with pytest.raises(RuntimeError, match=r"pass saver=slim_nanguard\.FiniteSaver\(\)"):
                 supervisor.saver.save(sess, str(tmp_path / "model.ckpt"), global_step=1)
+
+
+def test_the_launcher_resumes_a_run_with_the_spike_guard_turned_on(tmp_path, caplog):
+    """The launcher's run of 6 steps without the spike guard, resumed in its --train_dir with
+    ``--spike_policy=skip``: no refusal (the checkpoint lacks only the guard's statistics),
+    the global step carries on, and the one line says the statistics warm up afresh."""
+    from test_faults import _config
+
+    from slim_nanguard import app
+
+    caplog.set_level(logging.INFO)
+    first = app.run_training(_config(tmp_path / "run", max_number_of_steps=FIRST))
+    assert first.global_step == FIRST
+    resumed = app.run_training(
+        _config(tmp_path / "run", max_number_of_steps=SECOND, spike_policy="skip")
+    )
+    assert (resumed.global_step, resumed.stop_reason) == (SECOND, "step_limit")
+    (line,) = _resume_lines(caplog)
+    assert "nanguard_spike/history" in line and "warm up afresh" in line
+    assert slim_nanguard.non_finite_variables(resumed.checkpoint) == ()

@@ -224,12 +224,20 @@ def fine_tune_scaffold(config: config_lib.TrainConfig, path: str) -> tf.compat.v
     return tf.compat.v1.train.Scaffold(init_fn=init_fn)
 
 
-def check_resume(config: config_lib.TrainConfig, graph: tf.Graph, checkpoint: str) -> None:
-    """Raises LaunchError unless `checkpoint` (in train_dir) fits the model in `graph`."""
+def check_resume(
+    config: config_lib.TrainConfig, graph: tf.Graph, checkpoint: str, train_op: tf.Tensor
+) -> None:
+    """Raises LaunchError unless `checkpoint` (in train_dir) fits the model in `graph`.
+
+    The guard's own variables may be missing: those of guard options turned on since
+    (`slim_nanguard.train` restores around them, and they start afresh).
+    """
+    optional = {v.op.name for v in slim_nanguard.get_guard(train_op).optional_variables}
     with graph.as_default():
-        # The guard's own variables may be missing (slim_nanguard.train restores around them).
         variables = [
-            v for v in tf.compat.v1.global_variables() if not v.op.name.startswith("nanguard/")
+            v
+            for v in tf.compat.v1.global_variables()
+            if not v.op.name.startswith("nanguard/") and v.op.name not in optional
         ]
     shapes = checkpoint_shapes(checkpoint, "--train_dir")
     check_fits(

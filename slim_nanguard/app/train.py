@@ -78,7 +78,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
         )
     built = build.build_training(config, resume=existing is not None, cluster=cluster)
     if existing:
-        checkpoints.check_resume(config, built.graph, existing)
+        checkpoints.check_resume(config, built.graph, existing, built.train_op)
 
     created = not tf.io.gfile.exists(train_dir)
     try:
