@@ -311,8 +311,13 @@ def _take_new_level(
     repeats = -(-guard.config.spike_warmup_steps // len(level.values))
     rows = ([list(v) for v in level.values] * repeats)[: test.window]
     session.run(reseed, {values: rows, floor: level.floor})
+    test.note_reseed(event.step, len(level.values), repeats)
     guard.history.clear()  # The losses before the new level climb to it: no divergence.
-    logging.warning("slim_nanguard: global step %d: %s.", event.step, level.describe())
+    logging.warning(
+        "slim_nanguard: global step %d: %s.",
+        event.step,
+        level.describe(repeats=repeats, probation_steps=guard.config.spike_warmup_steps),
+    )
     guard.notify("level_shift", event, level_shift=level.to_json())
 
 

@@ -417,6 +417,10 @@ class Guard:
         reason, figures = None, None
         if "report" in values:
             reason, figures = read_report(self.reasons, np.asarray(values["report"]))
+        if reason is not None:  # What the reason's graph handles know beyond the graph.
+            annotate = getattr(self.reason_handles.get(reason.name), "annotate", None)
+            if annotate is not None:
+                figures = annotate(figures, int(stored[0]))
         kinds = None
         codes = np.asarray(values["kinds"]) if "kinds" in values else None
         if reason is None and codes is not None and codes.min(initial=0) >= 0:

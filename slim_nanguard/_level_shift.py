@@ -48,8 +48,13 @@ class LevelShift:
     new: Dict[str, float]
     floor: Tuple[float, float] = (_FLOOR, _FLOOR)
 
-    def describe(self) -> str:
-        """One sentence for the log: what moved, from what to what, over which steps."""
+    def describe(self, repeats: int = 1, probation_steps: Optional[int] = None) -> str:
+        """One sentence for the log: what moved, from what to what, over which steps.
+
+        Args:
+          repeats: How many times each value is written into the re-seeded statistics.
+          probation_steps: The global steps of the probation (None: not said).
+        """
         moved = ", ".join(
             f"{NAMES[c]} {self.old[c]:.4g} -> {self.new[c]:.4g}" for c in COLUMNS if c in self.new
         )
@@ -60,11 +65,13 @@ class LevelShift:
             if len(set(self.values)) == 1
             else ""
         )
+        taken = f" (each taken {repeats} times, to fill the warm-up)" if repeats > 1 else ""
+        within = "steps " if probation_steps is None else f"{probation_steps} global steps "
         return (
             f"a new level, not a spike: {len(self.steps)} spikes in a row ({where}) hold "
             f"together at {moved} (typical values, before -> now); {why}the spike "
-            "statistics start again from these values, and a spike in the next accepted "
-            "steps will be taken for a divergence"
+            f"statistics start again from these {len(self.values)} values{taken}, and a spike "
+            f"in the next {within}will be taken for a divergence"
         )
 
     def to_json(self) -> Dict[str, object]:

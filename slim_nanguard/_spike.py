@@ -110,6 +110,8 @@ class SpikeTest:
             self._count_now = count
             self._window_steps = kept
             self._z = None
+        # After a new level: (global step, rows written, distinct values, times each).
+        self._seeded: Optional[Tuple[int, int, int, int]] = None
         with variable_scope(), tf.name_scope("nanguard/spike/reseed"):
             self.reseed_values = tf.compat.v1.placeholder(
                 tf.float64, [None, len(COLUMNS)], name="values"
@@ -211,6 +213,31 @@ class SpikeTest:
         with tf.control_dependencies([written, floors]):
             count = self.count.assign(n, read_value=False)
         return tf.group(written, floors, count, name="reseed")
+
+    def note_reseed(self, step: int, values: int, repeats: int) -> None:
+        """Remembers that `reseed` ran at global `step` with `values` distinct values, each
+        written `repeats` times, so that `annotate` can say what the window then holds."""
+        self._seeded = (step, values * repeats, values, repeats)
+
+    def annotate(self, figures: Dict[str, Any], step: int) -> Dict[str, Any]:
+        """`figures` of a spike at global `step`, plus, while the window still holds a new
+        level's re-seeded values, ``level_entries`` (how many), ``level_values`` and
+        ``level_repeats`` (its distinct values, each written that many times). Pure but for
+        the note of `note_reseed`; a spike before that step (after a rollback) gets none."""
+        if self._seeded is None:
+            return figures
+        at, rows, values, repeats = self._seeded
+        since = figures["accepted_steps"] - rows
+        if step < at or since < 0:
+            return figures
+        entries = figures["window_steps"] - min(since, figures["window_steps"])
+        if entries <= 0:
+            return figures
+        return figures | {
+            "level_entries": entries,
+            "level_values": values,
+            "level_repeats": repeats,
+        }
 
     def report_vector(self) -> tf.Tensor:
         """New ops (build them on the bad branch): float64 vector of `REPORT_FIELDS`, what a
@@ -330,11 +357,17 @@ def phrase(report: Dict[str, Any]) -> str:
     others = [c for c in names if c not in over]
     tail = ", ".join(f"{names[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
     head = "; ".join(parts) or "no value above spike_sigma"
-    return (
-        f"spike: {head} (spike_sigma={report['sigma']:g}, over the last "
-        f"{report.get('window_steps', report['accepted_steps'])} accepted steps"
-        f"{'; ' + tail if tail else ''})"
-    )
+    window = report.get("window_steps", report["accepted_steps"])
+    over_what = f"over the last {window} accepted steps"
+    level = report.get("level_entries")
+    if level:
+        over_what = (
+            f"over the {window} values of its window: {level} from a new level's "
+            f"{report['level_values']} spikes, each taken {report['level_repeats']} times, "
+            f"and {window - level} accepted since"
+        )
+    tail = f"; {tail}" if tail else ""
+    return f"spike: {head} (spike_sigma={report['sigma']:g}, {over_what}{tail})"
 
 
 def deviations(z: float, sigma: float) -> str:

@@ -2,7 +2,7 @@
 
 A regression model trains on clean data; at step 150 the data turns four times noisier and
 stays so: the loss moves from about 1 to about 16 for good. Every step is then a "spike", and
-without more the run would end in the escalation of ``max_consecutive_bad_steps``. Five spikes
+without more the run would end in the escalation of ``max_consecutive_bad_steps``. Eight spikes
 in a row that hold together are a new level: the guard logs one line, records it (cause
 ``level_shift``, the typical values before and after), starts its statistics again from them
 and trains on, in every loop. A learning rate raised a thousandfold still never ends normally,
@@ -166,22 +166,25 @@ def test_a_run_escalates_first_when_the_new_level_would_need_as_many_spikes():
 # ------------------------------------------------------------------ stories, every loop
 
 
-def _data(shift=SHIFT, steps=STEPS + 20):
-    """Regression batches whose noise turns four times larger at batch `shift`."""
+def _data(shift=SHIFT, steps=STEPS + 20, spike_at=None):
+    """Regression batches whose noise turns four times larger at batch `shift`; the batch
+    `spike_at`, if any, is scaled x100 (a one-off spike)."""
     rng = np.random.RandomState(0)
     w = rng.randn(8, 1).astype(np.float32)
     xs = rng.randn(steps, 64, 8).astype(np.float32)
     noise = np.where(np.arange(steps)[:, None, None] < shift, 1.0, 4.0)
     ys = (xs @ w + noise * rng.randn(steps, 64, 1)).astype(np.float32)
+    if spike_at is not None:
+        xs[spike_at] *= 100.0
     return xs, ys
 
 
-def _build(mode, learning_rate=0.05, jump_at=None, optimizer="sgd", **guard):
+def _build(mode, learning_rate=0.05, jump_at=None, optimizer="sgd", spike_at=None, **guard):
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(1)
         x, y = tf.compat.v1.data.make_one_shot_iterator(
-            tf.data.Dataset.from_tensor_slices(_data())
+            tf.data.Dataset.from_tensor_slices(_data(spike_at=spike_at))
         ).get_next()
         hidden = slim.fully_connected(x, 16, activation_fn=tf.nn.relu, scope="hidden")
         prediction = slim.fully_connected(hidden, 1, activation_fn=None, scope="out")
@@ -233,6 +236,46 @@ def test_train_lives_with_a_new_level_of_the_loss_and_learns_on_it(mode, tmp_pat
     assert result.spikes == 8 and result.bad_steps == 8
     _assert_new_level_taken(_records(tmp_path), slim_nanguard.get_guard(train_op))
     assert 8 < result.final_loss < 40  # Trained on the new level: the noise's 16.
+
+
+@lib.each_mode
+def test_a_spike_after_the_new_level_says_what_its_window_holds(mode, tmp_path, caplog):
+    """The new level's eight values fill the statistics' warm-up three times over; a one-off
+    spike 50-odd steps later is rejected, and its line and record count the window as it is:
+    24 entries from the new level's spikes and one per step accepted since, not "accepted
+    steps" it never had."""
+    graph, train_op, _ = _build(mode, spike_at=SHIFT + 70)
+    with graph.as_default():
+        result = slim_nanguard.train(
+            train_op, logdir=str(tmp_path), number_of_steps=STEPS, save_checkpoint_steps=100
+        )
+    assert result.stop_reason == "step_limit" and result.spikes == 9
+    records = _records(tmp_path)
+    (shift,) = [r for r in records if r["kind"] == "level_shift"]
+    taken_at = shift["step"]
+    (spike,) = [r for r in records if r["kind"] == "bad_step" and r["step"] > taken_at]
+    figures = spike["spike"]
+    since = spike["step"] - taken_at  # The eight spikes did not move the global step.
+    assert (figures["level_entries"], figures["level_values"], figures["level_repeats"]) == (
+        24,
+        8,
+        3,
+    )
+    assert figures["window_steps"] == 24 + since
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if f"global step {spike['step']}" in r.getMessage() and "spike:" in r.getMessage()
+    ]
+    assert (
+        f"over the {24 + since} values of its window: 24 from a new level's 8 spikes, each "
+        f"taken 3 times, and {since} accepted since" in line
+    ), line
+    (said,) = [
+        r.getMessage() for r in caplog.records if "a new level, not a spike" in r.getMessage()
+    ]
+    assert "start again from these 8 values (each taken 3 times, to fill the warm-up)" in said
+    assert "a spike in the next 20 global steps will be taken for a divergence" in said
 
 
 @lib.each_mode
