@@ -556,7 +556,7 @@ def _decide_divergence(
     ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
     since = observation.step - state.level_taken_at
     reason = (
-        f"a spike {since} steps after taking a new level at global step "
+        f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
         f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
         "that level was a divergence"
     )

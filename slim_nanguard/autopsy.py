@@ -90,7 +90,8 @@ def format_report(record: Mapping[str, Any]) -> str:
     if cost:
         lines.append(
             f"  cost        {cost.get('seconds', 0):.3g} s, {cost.get('runs', '?')} "
-            f"runs, at most {cost.get('peak_bytes', 0)} bytes fetched at once"
+            f"run{'' if cost.get('runs') == 1 else 's'}, at most {cost.get('peak_bytes', 0)} "
+            "bytes fetched at once"
         )
     return "\n".join(lines)
 
