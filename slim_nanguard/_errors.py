@@ -48,7 +48,7 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         update may have happened.
       limit: The bound ``cause`` names (``max_consecutive_bad_steps`` or ``max_rollbacks``),
         else None.
-      checkpoint: The checkpoint of the last good state the loop saved before raising
+      checkpoint: The checkpoint of the last accepted step the loop saved before raising
         (`slim_nanguard.train` does), else None.
     """
 

@@ -735,9 +735,11 @@ def _save_good_state(
         except Exception as err:  # pylint: disable=broad-except
             # The NaN error is what the caller must see; a failed save only loses progress.
             logging.error(
-                "slim_nanguard: could not save the last good state before giving up: %s", err
+                "slim_nanguard: could not save the last accepted state before giving up: %s", err
             )
         if path:
-            logging.warning("slim_nanguard: giving up; the last good state is saved as %s", path)
+            logging.warning(
+                "slim_nanguard: giving up; the state of the last accepted step is saved as %s", path
+            )
     error.checkpoint = path or _checkpoints.latest_checkpoint(logdir)
     return error

@@ -400,3 +400,27 @@ def test_eval_refuses_a_missing_or_empty_checkpoint(tmp_path):
         app.run_eval(app.EvalConfig(checkpoint_path=str(tmp_path / "nope")))
     with pytest.raises(app.LaunchError, match="without a checkpoint"):
         app.run_eval(app.EvalConfig(checkpoint_path=str(tmp_path)))
+
+
+def test_giving_up_after_a_run_of_spikes_says_what_the_kept_state_is(tmp_path):
+    """Every batch from step 12 on is a spike (x1000): after max_consecutive_bad_steps the
+    run gives up with the state of the last accepted step saved, and the message calls it
+    that (not "good": a run of bad steps may follow a climb) and does not claim NaN or Inf."""
+    train_dir = tmp_path / "run"
+    spikes = ",".join(f"spike_input:{step}" for step in range(24, 40))
+    with pytest.raises(slim_nanguard.NanLossError) as info:
+        app.run_training(
+            _config(
+                train_dir,
+                spike_policy="skip",
+                max_consecutive_bad_steps=3,
+                max_number_of_steps=45,
+                inject_faults=spikes,
+            )
+        )
+    assert info.value.cause == "max_consecutive_bad_steps"
+    message = app.error_message(info.value)
+    assert "The state of the last accepted step (global step 24) is saved as " in message
+    assert "an older checkpoint of the directory may be the better start" in message
+    assert "NaN or Inf" not in message.splitlines()[-1]
+    assert "rejected (NaN, Inf or a spike)" in message

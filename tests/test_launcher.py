@@ -416,15 +416,15 @@ def test_spike_skip_steps_over_the_planted_spike_that_derails_the_unguarded_run(
 
 
 def test_every_flag_reaches_the_library_and_every_setting_has_a_flag():
-    """The launcher copies flags into TrainConfig (and its GuardConfig) by name, so a mismatch
-    would be silent."""
+    """The launcher copies flags into TrainConfig (and its GuardConfig, whose ``reasons`` the
+    ``--reasons`` flag loads) by name, so a mismatch would be silent."""
     code = (
         "import dataclasses, json, runpy; from absl import flags; "
         f"runpy.run_path({str(TRAIN)!r}, run_name='launcher'); "
-        "from slim_nanguard import app; "
+        "from slim_nanguard import app; from slim_nanguard.app import config; "
         "print(json.dumps([sorted(f.name for f in flags.FLAGS.flags_by_module_dict()"
         "['launcher']), sorted([f.name for f in dataclasses.fields(app.TrainConfig) "
-        "if f.name != 'guard'] + list(app.GUARD_FLAGS))]))"
+        "if f.name != 'guard'] + list(app.GUARD_FLAGS) + [config.REASONS_FLAG])]))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()

@@ -115,8 +115,8 @@ def eval_command(config: config_lib.EvalConfig) -> str:
 # What to do, by why training gave up (`NanLossError.cause`).
 _GIVE_UP_ADVICE = {
     Cause.MAX_CONSECUTIVE_BAD_STEPS: (
-        "Every batch now gives NaN or Inf, so the weights went bad before the loss "
-        "did (a learning rate too high?). After that many bad steps in a row, "
+        "Every batch is now rejected (NaN, Inf or a spike), so the weights went bad in the "
+        "steps before (a learning rate too high?). After that many bad steps in a row, "
         "--persistent_nan_policy=rollback restores the last good checkpoint (with "
         "--rollback_lr_factor to lower the learning rate), and "
         "--persistent_nan_policy=stop ends the run cleanly."
@@ -149,7 +149,14 @@ def error_message(err: BaseException) -> str:
         if checkpoint:
             step = storage.checkpoint_step(checkpoint)
             kept = f" (global step {step})" if step is not None else ""
-            advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
+            if err.cause == Cause.POLICY:  # One bad step: the state before it is good.
+                advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
+            else:  # A run of bad steps: the accepted steps before it may have climbed.
+                advice = (
+                    f"The state of the last accepted step{kept} is saved as {checkpoint}; "
+                    "it may be on the climb that led to the bad steps, so an older checkpoint "
+                    f"of the directory may be the better start. {advice}"
+                )
         return f"{err}\n{advice}"
     if isinstance(err, tf.errors.NotFoundError):
         return f"{storage.op_error_cause(err)}\nCheck the file and directory flags."
