@@ -980,8 +980,9 @@ def explain_spike(
 
     Such as ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
     highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``, naming the examples
-    `standing_out` picks. When `over` (the values the spike was caught on) lacks ``"loss"``,
-    the sentence says the examples are a guess.
+    `standing_out` picks; when those are all the examples shown, of a larger batch, it says
+    that others with lower losses may have carried it too. When `over` (the values the spike
+    was caught on) lacks ``"loss"``, the sentence says the examples are a guess.
 
     Args:
       top_examples: ``(index, loss)`` pairs, highest loss first.
@@ -1013,6 +1014,10 @@ def explain_spike(
             + note
         )
     indices, losses = _figures(top_examples[:count])
+    # Every example shown stands out of the median, but the batch has more: the figures cannot
+    # tell where the carriers end.
+    if count == len(top_examples) and batch_size > count:
+        of += " and perhaps others with lower losses"
     rest = ""
     if top_examples[count:]:
         others, figures = _figures(top_examples[count:])

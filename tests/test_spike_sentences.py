@@ -31,7 +31,8 @@ from slim_nanguard.app import report
 
 _LIST = r"\d+(?:, \d+)*"
 _NAMED = re.compile(
-    rf"examples? (?P<named>{_LIST}) of (?P<batch>\d+)(?P<carried> carried the spike)? "
+    rf"examples? (?P<named>{_LIST}) of (?P<batch>\d+)"
+    r"(?P<open> and perhaps others with lower losses)?(?P<carried> carried the spike)? "
     rf"\(per-example loss (?P<losses>[^;]+)"
     rf"(?:; next highest: examples? (?P<others>{_LIST}) at (?P<other_losses>[^;]+))?"
     r"; batch median (?P<median>[^)]+)\)"
@@ -59,6 +60,7 @@ class Reading:
     median: float
     batch: int
     hedged: bool  # says the examples are a guess at the spike's carriers
+    open_end: bool = False  # says others with lower losses may have carried it too
 
 
 def _numbers(text: Optional[str]) -> Tuple[float, ...]:
@@ -89,6 +91,7 @@ def read(sentence: str) -> Reading:
         median=float(found["median"]),
         batch=int(found["batch"]),
         hedged=hedged,
+        open_end=bool(not none and found["open"]),
     )
 
 
@@ -176,6 +179,22 @@ def test_zeros_negative_and_infinite_losses_are_judged_as_a_reader_would():
             assert stand_apart(reading), (top, reading)
 
 
+def test_when_every_example_shown_stands_out_the_sentence_leaves_the_end_open():
+    """A batch made noisier as a whole (a new level's): the five highest losses are far above
+    the median, but the figures shown cannot say whether the sixth (35, not shown) is one of
+    them, so the sentence names the five and says others with lower losses may be too. A
+    batch of five has no others."""
+    top = ((25, 141.0), (30, 117.3), (1, 45.99), (2, 43.06), (29, 38.0))
+    sentence = _sentence(top, 5.848, over=("loss",))
+    reading = read(sentence)
+    assert reading.named == (25, 30, 1, 2, 29) and reading.open_end and stand_apart(reading)
+    assert "examples 25, 30, 1, 2, 29 of 32 and perhaps others with lower losses carried" in (
+        sentence
+    )
+    assert not read(_sentence(top, 5.848, over=("loss",), batch=5)).open_end
+    assert read(_sentence(top, 5.848)).open_end  # hedged, too
+
+
 def test_on_many_batches_the_examples_named_are_those_the_figures_set_apart():
     """Batches of 32 with saturated zeros, ties, heavy tails and a planted example or two:
     each sentence, read back, names exactly the examples its own figures set apart, shows the
@@ -199,6 +218,8 @@ def test_on_many_batches_the_examples_named_are_those_the_figures_set_apart():
         assert reading.median == _autopsy.shown_loss(_autopsy.median_loss(losses))
         assert reading.batch == 32 and reading.hedged == (over == ("grad_norm",))
         assert stand_apart(reading), reading
+        # Every example shown named, of a larger batch: the sentence leaves the end open.
+        assert reading.open_end == (reading.named != () and reading.others == ()), reading
         named_some += bool(reading.named)
         named_none += not reading.named
     assert named_some > 50 and named_none > 50  # both sentences were read, many times
