@@ -142,6 +142,8 @@ class NanEvent:
             d[str(self.cause)] = {
                 k: _json_float(v) if isinstance(v, float) else v for k, v in self.figures.items()
             }
+            if self.reason is not None:  # The log line's words for them.
+                d["why"] = self.reason.phrase(self.figures)
         d["culprits"] = list(self.culprits)
         d["culprit_kinds"] = list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)

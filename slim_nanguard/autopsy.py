@@ -68,6 +68,8 @@ def format_report(record: Mapping[str, Any]) -> str:
         f"bad step at global step {record.get('step')} ({record.get('mode')} mode): loss "
         f"{record.get('loss')} ({record.get('loss_kind')}), action {record.get('action')}"
     ]
+    if record.get("why"):  # A step a reason rejected: what its log line said of it.
+        lines.append(f"  rejected    {record['why']}")
     if record.get("culprits"):
         culprits, kinds = record["culprits"], record.get("culprit_kinds") or []
         held = f" ({_verdict.describe(list(zip(culprits, kinds)))})" if kinds else ""

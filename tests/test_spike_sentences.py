@@ -348,6 +348,9 @@ def test_a_runs_autopsy_reads_the_same_in_the_log_the_record_the_dump_and_the_co
         assert json.load(f)["summary"] == sentence
     shown = autopsy_reader.format_report(autopsy_reader.find_bad_step(str(train_dir), SPIKE_STEP))
     assert f"  autopsy     {sentence}\n" in shown
+    # Why the finite step was rejected: the log line's own words, in the record and the command.
+    assert record["why"].startswith("spike: ") and record["why"] in _line(lines, "Model diverging")
+    assert f"  rejected    {record['why']}\n" in shown
     replayed = autopsy_reader.replay_dump(autopsy["dump"], str(train_dir))
     assert replayed.describe() == sentence
     # Its words agree with its figures and with the record's.
