@@ -57,7 +57,8 @@ class SpikeTest:
         steps (a ring, oldest overwritten): 0 for a value that is not finite or not
         positive, the negative of a warm-up outlier; the positive entries are the ones the
         statistics count.
-      count: int64 variable, the number of steps accepted since the statistics began.
+      count: int64 variable, the rows written since the statistics began (one an accepted
+        step) or were re-seeded (`reseed` counts the rows it writes).
       mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
       std: float64 ``[2]``, their deviation, floored at `FLOOR`.
       threshold: float64 ``[2]``, the loss and norm above which a step is a spike:
