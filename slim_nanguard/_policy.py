@@ -250,7 +250,9 @@ class GuardState:
       last_bad_step: Global step of the last bad step, or None.
       learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (no bad steps).
-      steps: Good steps so far.
+      steps: Good steps so far, as the loops that see them count them (`train`, `train_step`,
+        a `NanLossHook`); a check_numerics-mode loop of your own that only calls
+        `handle_numerics_error` sees bad steps alone, and leaves it at 0.
       rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
       autopsies: Bad steps autopsied.
       rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
