@@ -56,7 +56,10 @@ class Test:
         the gate.
       variables: The reason's checkpointed state (a rollback restores it with the weights; a
         checkpoint without it restores the rest).
-      handles: What the reason's own policy steps need of the graph, or None.
+      handles: What the reason's own policy steps need of the graph, or None. If it has
+        ``annotate(figures, step) -> figures``, `Guard.read_step_report` passes it the figures
+        of each step the reason rejected (at that global step), for what the graph does not
+        hold (the spike test's window after a new level).
     """
 
     reject: tf.Tensor
