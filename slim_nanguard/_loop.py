@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -43,15 +43,6 @@ from slim_nanguard._handles import GraphHandles
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
-
-# The stop reasons as module constants.
-STOP_STEP_LIMIT = StopReason.STEP_LIMIT
-STOP_POLICY = StopReason.POLICY
-STOP_INTERRUPTED = StopReason.INTERRUPTED
-STOP_TERMINATED = StopReason.TERMINATED
-STOP_END_OF_DATA = StopReason.END_OF_DATA
-STOP_REQUESTED = StopReason.REQUESTED
-STOP_NAN_ERROR = StopReason.NAN_ERROR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,42 +215,33 @@ def _duration(seconds: float) -> str:
 
 class _SigintStop:
     """While active (main thread only), Ctrl-C or SIGTERM (a preemption) asks the loop to stop
-    after the current step; a second one raises KeyboardInterrupt."""
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    after the current step (`stop_reason` set); a second one raises KeyboardInterrupt."""
 
     def __init__(self, enabled: bool):
-        self.requested = False
-        self.signum: Optional[int] = None
+        self.stop_reason: Optional[StopReason] = None
         self._enabled = enabled and threading.current_thread() is threading.main_thread()
         self._previous = {}
 
     def __enter__(self):
         if self._enabled:
-            for signum in self._SIGNALS:
+            for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    @property
-    def stop_reason(self) -> StopReason:
-        return STOP_TERMINATED if self.signum == signal.SIGTERM else STOP_INTERRUPTED
-
     def _handle(self, signum, frame):
-        if self.requested:
+        if self.stop_reason:
             raise KeyboardInterrupt
-        self.requested = True
-        self.signum = signum
-        what = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+        terminated = signum == signal.SIGTERM
+        self.stop_reason = StopReason.TERMINATED if terminated else StopReason.INTERRUPTED
         logging.warning(
             "slim_nanguard: %s; stopping after this step with a final "
             "checkpoint (a second signal aborts at once).",
-            what,
+            "terminated (SIGTERM)" if terminated else "interrupted",
         )
 
     def __exit__(self, *exc):
-        if self._enabled:
-            for signum, previous in self._previous.items():
-                signal.signal(signum, previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
         return False
 
 
@@ -315,9 +297,6 @@ def train(
       task: The task id in a cluster (None: no cluster): records name it, and task N > 0
         writes its own record (see `read_events`). Only the chief writes TensorBoard scalars.
 
-    Returns:
-      A `TrainResult`.
-
     Raises:
       ValueError: Bad arguments (an unguarded train op, a logdir that cannot be written, a
         negative step count).
@@ -336,25 +315,11 @@ def train(
     recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
+    progress = _Progress(log_every_n_steps, number_of_steps, recorder)
+    loop = _Loop(train_op, guard, logdir, is_chief, number_of_steps, progress, guard.state)
     try:
         with train_op.graph.as_default():
-            loop = _Loop(
-                train_op=train_op,
-                guard=guard,
-                logdir=logdir,
-                scaffold=_make_scaffold(
-                    scaffold,
-                    logdir if is_chief else None,
-                    resume_from,
-                    max_checkpoints_to_keep,
-                    guard.handles,
-                ),
-                is_chief=is_chief,
-                number_of_steps=number_of_steps,
-                handle_sigint=handle_sigint,
-                progress=_Progress(log_every_n_steps, number_of_steps, recorder),
-                start=guard.state,
-            )
+            loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
             loop.add_hooks(hooks, chief_only_hooks, resume_from)
             loop.chief_hooks += _saving_hooks(
                 logdir,
@@ -366,27 +331,13 @@ def train(
             )
             if resume_from:
                 logging.info("slim_nanguard: resuming from %s", resume_from)
-            final_loss, stop_reason, last_step = _run(
-                loop,
-                master=master,
-                config=config,
-                stop_grace_period_secs=stop_grace_period_secs,
-            )
+            loop.run(master, config, stop_grace_period_secs, handle_sigint)
     except _errors.NanLossError as err:
-        _record_stop(recorder, STOP_NAN_ERROR, message=str(err), checkpoint=err.checkpoint)
+        _record_stop(recorder, StopReason.NAN_ERROR, message=str(err), checkpoint=err.checkpoint)
         raise
     finally:
         guard.remove_listener(recorder)
-    result, stop_fields = loop.result(final_loss, stop_reason, last_step, recorder.path)
-    _record_stop(
-        recorder,
-        result.stop_reason,
-        step=result.global_step,
-        final_loss=_record_float(final_loss),
-        **stop_fields,
-    )
-    logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
-    return result
+    return loop.finish(recorder)
 
 
 def _guard_of(train_op: tf.Tensor) -> _guard.Guard:
@@ -414,34 +365,77 @@ def _check_counts(number_of_steps: Optional[int], log_every_n_steps: int) -> Non
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
 
 
+def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
+    """Appends the record of how the run ended (kind ``stop``)."""
+    recorder.append({"kind": "stop", "reason": str(reason), "time": time.time(), **fields})
+
+
 @dataclasses.dataclass
 class _Loop:
-    """What one call of `train` runs: its train op and guard, its hooks, and where it began.
+    """One call of `train`: its train op and guard, its hooks, where it began (`start`: the
+    call's counts are the guard's state since) and where it is.
 
-    Attributes:
-      start: The guard's state when the call began; the call's counts are the state since.
-      judge_hook: The guard's `NanLossHook` whose outcome the loop reads after each run, or
-        None (check_numerics mode without a dynamic loss-scale optimizer).
-      final_hook: Reads the global step and the learning-rate scale at the end, or None.
+    ``judge_hook`` is the guard's `NanLossHook` whose outcome the loop reads after each run
+    (None: check_numerics mode without a dynamic loss-scale optimizer); ``final_hook`` reads
+    the global step and the learning-rate scale at the end.
     """
 
     train_op: tf.Tensor
     guard: _guard.Guard
     logdir: str
-    scaffold: tf.compat.v1.train.Scaffold
     is_chief: bool
     number_of_steps: Optional[int]
-    handle_sigint: bool
     progress: _Progress
     start: _policy.GuardState
+    scaffold: Optional[tf.compat.v1.train.Scaffold] = None
     hooks: List[tf.compat.v1.train.SessionRunHook] = dataclasses.field(default_factory=list)
     chief_hooks: List[tf.compat.v1.train.SessionRunHook] = dataclasses.field(default_factory=list)
     judge_hook: Optional[_hook.NanLossHook] = None
     final_hook: Optional[tf.compat.v1.train.FinalOpsHook] = None
+    step: int = 0
+    final_loss: float = math.nan
+    stop_reason: Optional[StopReason] = None
 
     def counts(self) -> _policy.GuardState:
         """What this call has seen so far: the guard's state since `start`."""
         return self.guard.state.since(self.start)
+
+    def _at_limit(self, step: int) -> bool:
+        return self.number_of_steps is not None and step >= self.number_of_steps
+
+    def make_scaffold(
+        self,
+        given: Optional[tf.compat.v1.train.Scaffold],
+        resume_from: Optional[str],
+        max_to_keep: int,
+    ) -> None:
+        """Sets `scaffold`: `given` with a saver that never writes NaN or Inf and, on the chief,
+        an init_fn that runs for every session created (a recovered one too) and restores
+        `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none."""
+        given = given if given is not None else tf.compat.v1.train.Scaffold()
+        if given.saver is None:
+            # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
+            saver = _checkpoints.FiniteSaver(
+                max_to_keep=max_to_keep, sharded=True, allow_empty=True, save_relative_paths=True
+            )
+        else:  # The user's saver, as given, but it never writes NaN or Inf either.
+            saver = _checkpoints.finite_saver(given.saver)
+        init_fn = None
+        if self.is_chief:
+            restorer = (
+                _resume_saver(saver, resume_from, self.guard.handles) if resume_from else saver
+            )
+
+            def init_fn(unused_scaffold, session: tf.compat.v1.Session) -> None:
+                latest = _checkpoints.latest_good_checkpoint(self.logdir, repair_state=True)
+                if latest is not None:
+                    (restorer if latest == resume_from else saver).restore(session, latest)
+                elif given.init_fn is not None:
+                    given.init_fn(session)
+
+        self.scaffold = tf.compat.v1.train.Scaffold(
+            saver=saver, init_fn=init_fn, copy_from_scaffold=given
+        )
 
     def add_hooks(self, hooks, chief_only_hooks, resume_from: Optional[str]) -> None:
         """The caller's hooks, the judging hook, the step limit and the final values."""
@@ -463,42 +457,155 @@ class _Loop:
                 self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
-        final_values = {}
-        if guard.global_step is not None:
-            final_values["global_step"] = guard.global_step
-        if guard.lr_scale is not None:
-            final_values["learning_rate_scale"] = guard.lr_scale
+        final_values = {
+            name: tensor
+            for name, tensor in (
+                ("global_step", guard.global_step),
+                ("learning_rate_scale", guard.lr_scale),
+            )
+            if tensor is not None
+        }
         if final_values:
             self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
             self.hooks.append(self.final_hook)
         self.chief_hooks = [_FiniteModelHook(resume_from or "initialisation")]
         self.chief_hooks += list(chief_only_hooks or [])
 
-    def result(
-        self, final_loss: float, stop_reason: StopReason, last_step: int, events_path: str
-    ) -> Tuple[TrainResult, Dict[str, Any]]:
-        """The `TrainResult` of the call, and the fields its stop record adds."""
+    def run(self, master: str, config, stop_grace_period_secs: float, handle_sigint: bool) -> None:
+        """Runs steps until a stop; sets `step`, `final_loss` and `stop_reason`."""
+        with (
+            _SigintStop(handle_sigint) as sigint,
+            tf.compat.v1.train.MonitoredTrainingSession(
+                master=master,
+                is_chief=self.is_chief,
+                checkpoint_dir=None,
+                scaffold=self.scaffold,
+                hooks=self.hooks,
+                chief_only_hooks=self.chief_hooks,
+                save_checkpoint_secs=None,
+                save_summaries_steps=None,
+                save_summaries_secs=None,
+                config=config,
+                log_step_count_steps=None,
+                stop_grace_period_secs=stop_grace_period_secs,
+            ) as sess,
+        ):
+            self.step = self._read_step(sess)
+            self.progress.start(self.step)
+            # StopAtStepHook only looks after a step; it ends the loop after the start.
+            finished = self._at_limit(self.step)
+            if finished:
+                logging.info(
+                    "slim_nanguard: global step %d already reaches number_of_steps=%d; "
+                    "nothing to train.",
+                    self.step,
+                    self.number_of_steps,
+                )
+            while not finished and self.stop_reason is None and not sess.should_stop():
+                self.stop_reason = self._step(sess, sigint)
+        if self.stop_reason is None:
+            limit = self._at_limit(self.step)
+            self.stop_reason = StopReason.STEP_LIMIT if limit else StopReason.REQUESTED
+
+    def _step(self, sess: tf.compat.v1.train.MonitoredSession, sigint: _SigintStop):
+        """Runs one step, unless a signal came; returns why the loop stops, or None."""
+        if sigint.stop_reason:
+            return sigint.stop_reason
+        try:
+            loss, outcome = self._run_train_op(sess)
+        except tf.errors.OutOfRangeError:
+            return StopReason.END_OF_DATA
+        except _errors.NanLossError as nan_error:  # The policy gave up (either mode).
+            self._save_good_state(sess, nan_error)
+            raise
+        if outcome.stop:
+            return StopReason.POLICY
+        if outcome.action == Action.ROLLBACK:
+            self.step = outcome.step if outcome.step is not None else self._read_step(sess)
+        if outcome.good:  # Not a bad step nor an overflow: global_step moved on.
+            self.step += 1
+            self.final_loss = float(np.asarray(loss))
+            self.progress(self.step, self.final_loss, self.counts)
+        return None
+
+    def _read_step(self, sess: tf.compat.v1.train.MonitoredSession) -> int:
+        """The global step (around the session's hooks), or this call's good steps without one."""
+        if self.guard.global_step is None:
+            return self.counts().steps
+        return int(_actions.raw_call(sess, lambda raw: raw.run(self.guard.global_step)))
+
+    def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
+        """Runs the train op once; returns its value (None after a numerics error) and its
+        `Outcome` (from `_actions.judge`, the judging hook, or a good step)."""
+        try:
+            loss = sess.run(self.train_op)
+        except tf.errors.InvalidArgumentError as err:
+            if not self.guard.owns_error(err):
+                raise
+            # The loop stops by itself on a stop: nothing to ask the session.
+            outcome = _actions.judge(
+                self.guard,
+                sess,
+                checkpoint_dir=self.logdir,
+                error=err,
+                request_stop=_actions.no_stop,
+            )
+            return None, outcome
+        outcome = self.judge_hook.last_outcome if self.judge_hook is not None else None
+        if outcome is None:  # No hook judged this run: the check let it through.
+            _actions.good_step(self.guard, loss)  # (A hook that judged kept the loss itself.)
+            outcome = _actions.GOOD
+        return loss, outcome
+
+    def _save_good_state(
+        self, sess: tf.compat.v1.train.MonitoredSession, error: _errors.NanLossError
+    ) -> None:
+        """On the chief, saves the model (still at its last good step) before giving up; sets
+        ``error.checkpoint`` to that save, or to the latest checkpoint if it fails."""
+        path = None
+        if self.is_chief:
+            global_step = self.guard.global_step
+
+            def save(session: tf.compat.v1.Session) -> str:
+                step = int(session.run(global_step)) if global_step is not None else None
+                prefix = _paths.join(self.logdir, "model.ckpt")
+                return self.scaffold.saver.save(session, prefix, global_step=step)
+
+            try:
+                path = _actions.raw_call(sess, save)
+            except Exception as err:  # pylint: disable=broad-except
+                # The NaN error is what the caller must see; a failed save only loses progress.
+                logging.error(
+                    "slim_nanguard: could not save the last accepted state before giving up: %s",
+                    err,
+                )
+            if path:
+                logging.warning(
+                    "slim_nanguard: giving up; the state of the last accepted step is saved as %s",
+                    path,
+                )
+        error.checkpoint = path or _checkpoints.latest_checkpoint(self.logdir)
+
+    def finish(self, recorder: _record.EventRecorder) -> TrainResult:
+        """The call's `TrainResult`, once its stop record is written and logged."""
         counts = self.counts()
+        stop_reason, last_step = self.stop_reason, self.step
         lr_scale = self.guard.state.learning_rate_scale
         final = self.final_hook.final_ops_values if self.final_hook is not None else None
         if final is not None:
             last_step = int(final["global_step"])
             # The scale the model holds: in a resumed run, the one its checkpoint carried on.
             lr_scale = float(final.get("learning_rate_scale", lr_scale))
-        if (
-            stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA)
-            and self.number_of_steps is not None
-            and last_step >= self.number_of_steps
-        ):
-            # The global step reached the limit; other workers (a cluster) made part of it.
-            stop_reason = STOP_STEP_LIMIT
         stop_fields = {}
-        told = [h for h in self.hooks if getattr(h, "stop_reason", None)]
-        if stop_reason in (STOP_REQUESTED, STOP_END_OF_DATA) and told:
-            # The hook that stopped the run says why (a cluster's: another worker stopped it).
-            stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
+        if stop_reason in (StopReason.REQUESTED, StopReason.END_OF_DATA):
+            if self._at_limit(last_step):
+                # The global step reached the limit; other workers (a cluster) made part of it.
+                stop_reason = StopReason.STEP_LIMIT
+            elif told := [h for h in self.hooks if getattr(h, "stop_reason", None)]:
+                # The hook that stopped the run says why (a cluster's: another worker stopped it).
+                stop_reason, stop_fields = told[0].stop_reason, dict(told[0].stop_fields)
         result = TrainResult(
-            final_loss=final_loss,
+            final_loss=self.final_loss,
             global_step=last_step,
             steps=counts.steps,
             bad_steps=counts.total_bad_steps,
@@ -506,78 +613,36 @@ class _Loop:
             rollbacks=counts.rollbacks,
             stop_reason=stop_reason,
             checkpoint=_checkpoints.latest_checkpoint(self.logdir),
-            events_path=events_path,
+            events_path=recorder.path,
             learning_rate_scale=lr_scale,
             loss_scale_overflows=counts.loss_scale_overflows,
             rollback_requests=counts.rollback_requests,
             spikes=counts.spikes,
             rejected=dict(counts.rejected),
         )
-        return result, stop_fields
-
-
-def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
-    """Appends the record of how the run ended (kind ``stop``)."""
-    recorder.append({"kind": "stop", "reason": str(reason), "time": time.time(), **fields})
-
-
-def _record_float(value: float):
-    return value if math.isfinite(value) else str(value)
-
-
-def _make_scaffold(
-    scaffold: Optional[tf.compat.v1.train.Scaffold],
-    logdir: Optional[str],
-    resume_from: Optional[str],
-    max_to_keep: int,
-    handles: GraphHandles,
-) -> tf.compat.v1.train.Scaffold:
-    """A scaffold whose saver never writes NaN or Inf and whose init_fn restores from `logdir`.
-
-    The init_fn runs for every session created (a recovered one too) and restores `logdir`'s
-    newest good checkpoint as it is then, or runs the given scaffold's init_fn when there is
-    none. `logdir` None (not the chief): no restore.
-    """
-    saver = scaffold.saver if scaffold is not None else None
-    if saver is None:
-        # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
-        saver = _checkpoints.FiniteSaver(
-            max_to_keep=max_to_keep, sharded=True, allow_empty=True, save_relative_paths=True
+        final_loss = self.final_loss
+        _record_stop(
+            recorder,
+            stop_reason,
+            step=last_step,
+            final_loss=final_loss if math.isfinite(final_loss) else str(final_loss),
+            **stop_fields,
         )
-    else:  # The user's saver, as given, but it never writes NaN or Inf either.
-        saver = _checkpoints.finite_saver(saver)
-    kwargs = {"saver": saver}
-    if logdir is not None:
-        restorer = _resume_saver(saver, resume_from, handles) if resume_from else saver
-        given_init_fn = scaffold.init_fn if scaffold is not None else None
-
-        def init_fn(
-            unused_scaffold: tf.compat.v1.train.Scaffold, session: tf.compat.v1.Session
-        ) -> None:
-            latest = _checkpoints.latest_good_checkpoint(logdir, repair_state=True)
-            if latest is not None:
-                (restorer if latest == resume_from else saver).restore(session, latest)
-            elif given_init_fn is not None:
-                given_init_fn(session)
-
-        kwargs["init_fn"] = init_fn
-    if scaffold is not None:
-        return tf.compat.v1.train.Scaffold(copy_from_scaffold=scaffold, **kwargs)
-    return tf.compat.v1.train.Scaffold(**kwargs)
+        logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
+        return result
 
 
 def _resume_saver(
     saver: tf.compat.v1.train.Saver, checkpoint: str, handles: GraphHandles
 ) -> tf.compat.v1.train.Saver:
     """`saver`, or one that leaves out the guard's optional variables missing from
-    `checkpoint` (`GraphHandles.optional_variables`: options turned on since), which keep
-    their initial values. Any other missing variable fails the restore as usual."""
+    `checkpoint` (options turned on since), which keep their initial values."""
     missing = handles.missing_from(checkpoint)
     if not missing:
         return saver
-    variables = tf.compat.v1.global_variables()
     _checkpoints.say_restored_without(checkpoint, [v.op.name for v in missing])
-    return tf.compat.v1.train.Saver([v for v in variables if v not in missing], sharded=True)
+    variables = [v for v in tf.compat.v1.global_variables() if v not in missing]
+    return tf.compat.v1.train.Saver(variables, sharded=True)
 
 
 def _saving_hooks(
@@ -608,138 +673,3 @@ def _saving_hooks(
             )
         )
     return hooks
-
-
-def _run(
-    loop: _Loop,
-    *,
-    master: str,
-    config: Optional[tf.compat.v1.ConfigProto],
-    stop_grace_period_secs: float,
-) -> Tuple[float, StopReason, int]:
-    """The loop itself: runs steps until a stop; returns (final loss, stop reason, step)."""
-    final_loss, stop_reason = float("nan"), None
-    with (
-        _SigintStop(loop.handle_sigint) as sigint,
-        tf.compat.v1.train.MonitoredTrainingSession(
-            master=master,
-            is_chief=loop.is_chief,
-            checkpoint_dir=None,
-            scaffold=loop.scaffold,
-            hooks=loop.hooks,
-            chief_only_hooks=loop.chief_hooks,
-            save_checkpoint_secs=None,
-            save_summaries_steps=None,
-            save_summaries_secs=None,
-            config=config,
-            log_step_count_steps=None,
-            stop_grace_period_secs=stop_grace_period_secs,
-        ) as sess,
-    ):
-        step = _read_step(loop, sess)
-        loop.progress.start(step)
-        finished = _finished_before_start(loop, step)
-        while not finished and not sess.should_stop():
-            if sigint.requested:
-                stop_reason = sigint.stop_reason
-                break
-            try:
-                loss, outcome = _step(loop, sess)
-            except tf.errors.OutOfRangeError:
-                stop_reason = STOP_END_OF_DATA
-                break
-            except _errors.NanLossError as nan_error:  # The policy gave up (either mode).
-                _save_good_state(sess, loop, nan_error)
-                raise
-            if outcome.stop:
-                stop_reason = STOP_POLICY
-                break
-            if outcome.action == Action.ROLLBACK:
-                step = outcome.step if outcome.step is not None else _read_step(loop, sess)
-            if not outcome.good:
-                continue  # A bad step, or an overflow: global_step did not move.
-            step += 1
-            final_loss = float(np.asarray(loss))
-            loop.progress(step, final_loss, loop.counts)
-    if stop_reason is None:
-        if loop.number_of_steps is not None and step >= loop.number_of_steps:
-            stop_reason = STOP_STEP_LIMIT
-        else:
-            stop_reason = STOP_REQUESTED
-    return final_loss, stop_reason, step
-
-
-def _read_step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> int:
-    """The global step (around the session's hooks), or this call's good steps without one."""
-    if loop.guard.global_step is None:
-        return loop.counts().steps
-    return int(_actions.raw_call(sess, lambda raw: raw.run(loop.guard.global_step)))
-
-
-def _finished_before_start(loop: _Loop, step: int) -> bool:
-    """Whether the global step already reaches the step limit, so that nothing is trained
-    (StopAtStepHook only looks after a step; it ends the loop after the start)."""
-    finished = loop.number_of_steps is not None and step >= loop.number_of_steps
-    if finished:
-        logging.info(
-            "slim_nanguard: global step %d already reaches number_of_steps=%d; nothing to train.",
-            step,
-            loop.number_of_steps,
-        )
-    return finished
-
-
-def _step(loop: _Loop, sess: tf.compat.v1.train.MonitoredSession) -> Tuple[Any, _actions.Outcome]:
-    """Runs the train op once; returns its value (None after a numerics error) and its
-    `Outcome` (from `_actions.judge`, the judging hook, or a good step)."""
-    guard = loop.guard
-    try:
-        loss = sess.run(loop.train_op)
-    except tf.errors.InvalidArgumentError as err:
-        if not guard.owns_error(err):
-            raise
-        # The loop stops by itself on a stop: nothing to ask the session.
-        outcome = _actions.judge(
-            guard, sess, checkpoint_dir=loop.logdir, error=err, request_stop=_actions.no_stop
-        )
-        return None, outcome
-    outcome = loop.judge_hook.last_outcome if loop.judge_hook is not None else None
-    if outcome is None:  # No hook judged this run: the check let it through.
-        _actions.good_step(guard, loss)  # (A hook that judged kept the loss itself.)
-        outcome = _actions.GOOD
-    return loss, outcome
-
-
-def _save_good_state(
-    sess: tf.compat.v1.train.MonitoredSession, loop: _Loop, error: _errors.NanLossError
-) -> _errors.NanLossError:
-    """On the chief, saves the model (still at its last good step) before giving up; sets
-    ``error.checkpoint`` to that save, or to the latest checkpoint if it fails; returns
-    `error`."""
-    guard, logdir = loop.guard, loop.logdir
-    path = None
-    if loop.is_chief:
-
-        def save(step_context):
-            step = (
-                int(step_context.session.run(guard.global_step))
-                if guard.global_step is not None
-                else None
-            )
-            return loop.scaffold.saver.save(
-                step_context.session, _paths.join(logdir, "model.ckpt"), global_step=step
-            )
-
-        try:
-            path = sess.run_step_fn(save)
-        except Exception as err:  # pylint: disable=broad-except
-            # The NaN error is what the caller must see; a failed save only loses progress.
-            logging.error(
-                "slim_nanguard: could not save the last accepted state before giving up: %s", err
-            )
-        if path:
-            logging.warning(
-                "slim_nanguard: giving up; the state of the last accepted step is saved as %s", path
-            )
-    error.checkpoint = path or _checkpoints.latest_checkpoint(logdir)
-    return error
