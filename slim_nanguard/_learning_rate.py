@@ -18,11 +18,8 @@ _LEARNING_RATE_ATTRS = ("_learning_rate", "_lr")
 
 
 def _rate_owner(optimizer) -> Tuple[object, str]:
-    """The optimizer object that holds the learning rate, and the attribute it is in.
-
-    Raises:
-      ValueError: Neither `optimizer` nor one it wraps has a learning rate attribute.
-    """
+    """The optimizer object (`optimizer` or one it wraps) that holds the learning rate, and the
+    attribute it is in; a ValueError when there is none."""
     for attr in _LEARNING_RATE_ATTRS:
         if getattr(optimizer, attr, None) is not None:
             return optimizer, attr
@@ -38,18 +35,8 @@ def _rate_owner(optimizer) -> Tuple[object, str]:
 
 
 def scale_variable(optimizer, factor: float) -> Optional[tf.Variable]:
-    """The variable the rollback policy lowers the learning rate with (one per graph).
-
-    Args:
-      optimizer: The optimizer whose learning rate is scaled.
-      factor: ``rollback_lr_factor``; 1.0 scales nothing, and makes no variable.
-
-    Returns:
-      The variable, or None when `factor` is 1.0.
-
-    Raises:
-      ValueError: The optimizer has no learning rate to scale.
-    """
+    """The variable (one per graph) the rollback policy lowers `optimizer`'s learning rate with;
+    None when `factor` (``rollback_lr_factor``) is 1.0. ValueError: no learning rate to scale."""
     if factor == 1.0:
         return None
     _rate_owner(optimizer)
@@ -66,15 +53,12 @@ def scale_variable(optimizer, factor: float) -> Optional[tf.Variable]:
 
 @contextlib.contextmanager
 def scaled(optimizer, scale: Optional[tf.Variable]) -> Iterator[None]:
-    """While active, the optimizer's learning rate is multiplied by `scale`: build the update
-    (``apply_gradients``) inside it.
+    """While active, the optimizer's learning rate is multiplied by `scale` (None: unchanged):
+    build the update (``apply_gradients``) inside it.
 
     The rate attribute of the (innermost) optimizer holds ``rate * scale`` in the block and
     its own value after (a callable rate is called here, once). Not thread-safe for one
-    optimizer object.
-
-    Raises:
-      ValueError: The optimizer has no learning rate to scale (`scale` not None).
+    optimizer object. ValueError: the optimizer has no learning rate to scale.
     """
     if scale is None:
         yield

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -102,12 +102,8 @@ class TrainResult:
 
 
 def check_logdir(logdir: str) -> str:
-    """Creates `logdir` if missing and checks it is writable; returns its absolute path (a URL
-    such as ``gs://bucket/run`` as it is).
-
-    Raises:
-      ValueError: `logdir` is empty, is a file, or cannot be created or written to.
-    """
+    """Creates `logdir` if missing and checks it is writable (else ValueError); returns its
+    absolute path (a URL such as ``gs://bucket/run`` as it is)."""
     if not logdir or not isinstance(logdir, (str, os.PathLike)):
         raise ValueError(f"logdir must name a directory; got {logdir!r}.")
     logdir = _paths.absolute(logdir)
@@ -152,56 +148,46 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             )
 
 
+@dataclasses.dataclass
 class _Progress:
     """Logs a progress line every `every` global steps (0: none), with the time left to
     `last_step` when given, and writes the TensorBoard scalars to `recorder`."""
 
-    def __init__(
-        self,
-        every: int,
-        last_step: Optional[int],
-        recorder: Optional[_record.EventRecorder],
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self._every = every
-        self._last_step = last_step
-        self._recorder = recorder
-        self._clock = clock
-        self._mark = None  # (time, step) at the previous line
+    every: int
+    last_step: Optional[int]
+    recorder: Optional[_record.EventRecorder]
+    clock: Callable[[], float] = time.monotonic
+    mark: Optional[Tuple[float, int]] = None  # (time, step) at the start or the previous line
 
     def start(self, step: int) -> None:
-        """Marks where the loop starts, so that the first line has a rate too."""
-        self._mark = (self._clock(), step)
+        self.mark = (self.clock(), step)
 
     def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
         """Logs a line at every `every`-th step, with this run's ``counts()`` (called only
         when a line is due)."""
-        if self._every <= 0 or step % self._every:
+        if self.every <= 0 or step % self.every:
             return
         counts = counts()
-        now = self._clock()
-        rate = None
-        if self._mark is not None and step > self._mark[1]:
-            rate = (step - self._mark[1]) / max(now - self._mark[0], 1e-9)
-        self._mark = (now, step)
-        total = f"/{self._last_step}" if self._last_step else ""
-        speed = f"{rate:.1f} steps/s" if rate else "-- steps/s"
+        now = self.clock()
+        then, before = self.mark
+        rate = (step - before) / max(now - then, 1e-9) if step > before else None
+        self.mark = (now, step)
         left = ""
-        if rate and self._last_step:
-            left = f", {_duration((self._last_step - step) / rate)} left"
+        if rate and self.last_step:
+            left = f", {_duration((self.last_step - step) / rate)} left"
         logging.info(
             "step %d%s: loss %.4f, %s%s; bad steps %d (skipped %d, rolled back %d)",
             step,
-            total,
+            f"/{self.last_step}" if self.last_step else "",
             loss,
-            speed,
+            f"{rate:.1f} steps/s" if rate else "-- steps/s",
             left,
             counts.total_bad_steps,
             counts.skips,
             counts.rollbacks,
         )
-        if self._recorder is not None:
-            self._recorder.write_scalars(step, loss if math.isfinite(loss) else None)
+        if self.recorder is not None:
+            self.recorder.write_scalars(step, loss if math.isfinite(loss) else None)
 
 
 def _duration(seconds: float) -> str:
@@ -444,49 +430,36 @@ class _Loop:
         # The caller's hook of this guard, else a new one, judges the runs (hook mode; and a
         # dynamic loss-scale optimizer, whose overflow steps do not raise).
         if guard.mode == Mode.HOOK or guard.ok is not None:
-            self.judge_hook = next(
-                (
-                    h
-                    for h in self.hooks
-                    if isinstance(h, _hook.NanLossHook) and _guard.get_guard(h.loss) is guard
-                ),
-                None,
-            )
+            theirs = (h for h in self.hooks if isinstance(h, _hook.NanLossHook))
+            self.judge_hook = next((h for h in theirs if _guard.get_guard(h.loss) is guard), None)
             if self.judge_hook is None:
                 self.judge_hook = _hook.NanLossHook(guard.train_op, checkpoint_dir=self.logdir)
                 self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
-        final_values = {
-            name: tensor
-            for name, tensor in (
-                ("global_step", guard.global_step),
-                ("learning_rate_scale", guard.lr_scale),
-            )
-            if tensor is not None
-        }
+        final_values = {}
+        if guard.global_step is not None:
+            final_values["global_step"] = guard.global_step
+        if guard.lr_scale is not None:
+            final_values["learning_rate_scale"] = guard.lr_scale
         if final_values:
             self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
             self.hooks.append(self.final_hook)
-        self.chief_hooks = [_FiniteModelHook(resume_from or "initialisation")]
-        self.chief_hooks += list(chief_only_hooks or [])
+        finite_model = _FiniteModelHook(resume_from or "initialisation")
+        self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
 
     def run(self, master: str, config, stop_grace_period_secs: float, handle_sigint: bool) -> None:
         """Runs steps until a stop; sets `step`, `final_loss` and `stop_reason`."""
+        # No checkpoint_dir: the session saves nothing itself (the chief's hooks do).
         with (
             _SigintStop(handle_sigint) as sigint,
             tf.compat.v1.train.MonitoredTrainingSession(
                 master=master,
                 is_chief=self.is_chief,
-                checkpoint_dir=None,
                 scaffold=self.scaffold,
                 hooks=self.hooks,
                 chief_only_hooks=self.chief_hooks,
-                save_checkpoint_secs=None,
-                save_summaries_steps=None,
-                save_summaries_secs=None,
                 config=config,
-                log_step_count_steps=None,
                 stop_grace_period_secs=stop_grace_period_secs,
             ) as sess,
         ):

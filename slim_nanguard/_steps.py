@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
@@ -18,6 +19,9 @@ from slim_nanguard import _guard
 from slim_nanguard import _log as logging
 from slim_nanguard._types import Mode
 from slim_nanguard._types import SessionLike
+
+# The guards `train_step` said it keeps no record for (once each).
+_TOLD_NO_RECORD: "weakref.WeakSet[_guard.Guard]" = weakref.WeakSet()
 
 
 def handle_numerics_error(
@@ -78,15 +82,8 @@ class _JudgingSession:
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         items = fetches if isinstance(fetches, (list, tuple)) else [fetches]
         if not any(item is self._guard.train_op for item in items):
-            return self._session.run(
-                fetches, feed_dict=feed_dict, options=options, run_metadata=run_metadata
-            )
-        values, ok = self._session.run(
-            [fetches, self._guard.ok],
-            feed_dict=feed_dict,
-            options=options,
-            run_metadata=run_metadata,
-        )
+            return self._session.run(fetches, feed_dict, options, run_metadata)
+        values, ok = self._session.run([fetches, self._guard.ok], feed_dict, options, run_metadata)
         self.ok = bool(np.asarray(ok))
         return values
 
@@ -104,23 +101,14 @@ def train_step(
 ) -> Tuple[float, bool]:
     """Drop-in for `tf_slim.learning.train_step` that applies the guard's policy, in either mode.
 
-    Use it as ``tf_slim.learning.train(..., train_step_fn=slim_nanguard.train_step)``. It finds
-    the loop's ``logdir`` (`learning_train_logdir`) for the record of bad steps, the autopsy
-    dumps and a rollback's checkpoints; without one (``summary_writer=None``, a non-chief task)
-    it keeps no record and says so once, and a policy that rolls back needs `make_train_step`.
-    A bad step returns its loss (``stop``: with ``should_stop=True``); a loss-scale overflow is
-    recorded and is no bad step. A train op no guard has runs as tf-slim's; other errors
-    propagate untouched.
-
-    Args:
-      sess: The session `tf_slim.learning.train` passes.
-      train_op: The train op from `create_train_op`.
-      global_step: The global step tensor.
-      train_step_kwargs: The dict `tf_slim.learning.train` passes.
-      checkpoint_dir: Where checkpoints are saved; default: `learning_train_logdir`.
-
-    Returns:
-      ``(total_loss, should_stop)``, as tf-slim's `train_step`.
+    Use it as ``tf_slim.learning.train(..., train_step_fn=slim_nanguard.train_step)``; it
+    returns ``(total_loss, should_stop)`` as tf-slim's. The record of bad steps, the autopsy
+    dumps and a rollback's checkpoints go to `checkpoint_dir`, by default the loop's ``logdir``
+    (its summary writer's); without one (``summary_writer=None``, a non-chief task) it keeps no
+    record and says so once, and a policy that rolls back needs `make_train_step`. A bad step
+    returns its loss (``stop``: with ``should_stop=True``); a loss-scale overflow is recorded
+    and is no bad step. A train op no guard has runs as tf-slim's; other errors propagate
+    untouched.
 
     Raises:
       NanLossError: The policy is ``raise``, or training gives up.
@@ -131,15 +119,22 @@ def train_step(
     guard = _guard.get_guard(train_op)
     if guard is None:
         return tf_slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
-    logdir = learning_train_logdir(train_step_kwargs)
+    # tf_slim.learning.train's logdir: train_step_kwargs has it only with trace_every_n_steps.
+    logdir, writer = train_step_kwargs.get("logdir"), train_step_kwargs.get("summary_writer")
+    if not logdir and hasattr(writer, "get_logdir"):
+        logdir = writer.get_logdir()
     checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,
-        logdir=logdir,
+        logdir=logdir or None,
         advice="pass train_step_fn=slim_nanguard.make_train_step(logdir) to tf_slim.learning.train",
     )
-    if not checkpoint_dir:
-        _say_no_record_once(guard)
+    if not checkpoint_dir and guard not in _TOLD_NO_RECORD:
+        _TOLD_NO_RECORD.add(guard)
+        logging.warning(
+            "slim_nanguard: train_step knows no directory, so bad steps leave no "
+            "nanguard_events.jsonl; pass train_step_fn=slim_nanguard.make_train_step(logdir)."
+        )
     if guard.mode == Mode.HOOK:
         if guard.ok is None:
             raise ValueError(
@@ -177,32 +172,6 @@ def train_step(
     return outcome.event.loss, should_stop
 
 
-def learning_train_logdir(train_step_kwargs: Dict[str, Any]) -> Optional[str]:
-    """The ``logdir`` of the `tf_slim.learning.train` call that passed `train_step_kwargs`: its
-    ``logdir`` entry (there only with ``trace_every_n_steps``), else its summary writer's
-    directory; None with neither (a non-chief task, ``summary_writer=None``)."""
-    logdir = train_step_kwargs.get("logdir")
-    writer = train_step_kwargs.get("summary_writer")
-    if not logdir and writer is not None and hasattr(writer, "get_logdir"):
-        logdir = writer.get_logdir()
-    return logdir or None
-
-
-# The guards `train_step` said it keeps no record for (once each).
-_TOLD_NO_RECORD: "weakref.WeakSet[_guard.Guard]" = weakref.WeakSet()
-
-
-def _say_no_record_once(guard: _guard.Guard) -> None:
-    """Logs once per guard that `train_step` knows no directory to keep the record in."""
-    if guard in _TOLD_NO_RECORD:
-        return
-    _TOLD_NO_RECORD.add(guard)
-    logging.warning(
-        "slim_nanguard: train_step knows no directory, so bad steps leave no "
-        "nanguard_events.jsonl; pass train_step_fn=slim_nanguard.make_train_step(logdir)."
-    )
-
-
 def make_train_step(checkpoint_dir: str):
     """A `train_step` bound to `checkpoint_dir`, for a `tf_slim.learning.train` call with no
     summary writer (``summary_writer=None``) or whose checkpoints are elsewhere.
@@ -210,11 +179,7 @@ def make_train_step(checkpoint_dir: str):
     Raises:
       ValueError: `checkpoint_dir` is empty or not a path.
     """
-    if (
-        not checkpoint_dir
-        or not isinstance(checkpoint_dir, (str, bytes))
-        and not hasattr(checkpoint_dir, "__fspath__")
-    ):
+    if not checkpoint_dir or not isinstance(checkpoint_dir, (str, bytes, os.PathLike)):
         raise ValueError(
             f"make_train_step needs the directory tf_slim.learning.train saves "
             f"checkpoints to (its logdir); got {checkpoint_dir!r}."
