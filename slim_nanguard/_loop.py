@@ -39,7 +39,6 @@ from slim_nanguard import _paths
 from slim_nanguard import _policy
 from slim_nanguard import _record
 from slim_nanguard import _verdict
-from slim_nanguard._handles import GraphHandles
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
@@ -134,9 +133,7 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
         with tf.name_scope("nanguard_finite_model"):
             self._test = _checkpoints.FinitenessTest(tf.compat.v1.global_variables())
 
-    def after_create_session(
-        self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
-    ) -> None:
+    def after_create_session(self, session, coord):
         bad = self._test.non_finite(session)
         if bad:
             names = [name for name, _ in bad]
@@ -205,13 +202,11 @@ class _SigintStop:
 
     def __init__(self, enabled: bool):
         self.stop_reason: Optional[StopReason] = None
-        self._enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._previous = {}
+        main = threading.current_thread() is threading.main_thread()
+        self._signals = (signal.SIGINT, signal.SIGTERM) if enabled and main else ()
 
     def __enter__(self):
-        if self._enabled:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in self._signals}
         return self
 
     def _handle(self, signum, frame):
@@ -228,7 +223,6 @@ class _SigintStop:
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
-        return False
 
 
 def train(
@@ -264,22 +258,14 @@ def train(
       train_op: A train op from `slim_nanguard.create_train_op`.
       logdir: Where checkpoints, summaries and the event record go (created if missing).
       number_of_steps: Stop once the global step reaches this (None: until stopped).
-      master: The TensorFlow master.
       is_chief: Whether this process initialises, restores and saves.
-      scaffold: A `Scaffold`. Its saver (default: a `FiniteSaver`) is made to refuse NaN or
-        Inf; its ``init_fn`` runs only when there is no checkpoint to resume from.
-      hooks: More `SessionRunHook`s.
-      chief_only_hooks: Hooks run on the chief only.
-      save_checkpoint_secs: Seconds between checkpoints (None or 0: not by time).
-      save_checkpoint_steps: Steps between checkpoints (None or 0: not by steps).
-      save_summaries_steps: Steps between summaries (None or 0: not by steps).
-      save_summaries_secs: Seconds between summaries.
-      config: Optional session `ConfigProto`.
+      scaffold: Its saver (default: a `FiniteSaver`) is made to refuse NaN or Inf; its
+        ``init_fn`` runs only when there is no checkpoint to resume from.
+      save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: None or 0 turns each
+        off.
       log_every_n_steps: Steps between progress lines (0: none).
-      max_checkpoints_to_keep: Checkpoints kept on disk.
       handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
         summary; ``stop_reason`` ``interrupted`` or ``terminated``).
-      stop_grace_period_secs: How long the session's end waits for its threads.
       task: The task id in a cluster (None: no cluster): records name it, and task N > 0
         writes its own record (see `read_events`). Only the chief writes TensorBoard scalars.
 
@@ -292,8 +278,7 @@ def train(
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
         no checkpoint.
     """
-    guard = _guard_of(train_op)
-    _check_counts(number_of_steps, log_every_n_steps)
+    guard = _check_arguments(train_op, number_of_steps, log_every_n_steps)
     logdir = check_logdir(logdir)
     resume_from = (
         _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
@@ -326,19 +311,17 @@ def train(
     return loop.finish(recorder)
 
 
-def _guard_of(train_op: tf.Tensor) -> _guard.Guard:
-    """The guard of `train_op`; a ValueError naming it when `create_train_op` made none."""
+def _check_arguments(
+    train_op: tf.Tensor, number_of_steps: Optional[int], log_every_n_steps: int
+) -> _guard.Guard:
+    """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make, or
+    a step count or a logging interval `train` cannot use."""
     guard = _guard.get_guard(train_op)
     if guard is None:
         raise ValueError(
             f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
             "slim_nanguard.create_train_op."
         )
-    return guard
-
-
-def _check_counts(number_of_steps: Optional[int], log_every_n_steps: int) -> None:
-    """Raises ValueError for a step count or a logging interval `train` cannot use."""
     if number_of_steps is not None and (
         isinstance(number_of_steps, bool)
         or not isinstance(number_of_steps, int)
@@ -349,6 +332,7 @@ def _check_counts(number_of_steps: Optional[int], log_every_n_steps: int) -> Non
         )
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
+    return guard
 
 
 def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
@@ -358,13 +342,9 @@ def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) ->
 
 @dataclasses.dataclass
 class _Loop:
-    """One call of `train`: its train op and guard, its hooks, where it began (`start`: the
-    call's counts are the guard's state since) and where it is.
-
-    ``judge_hook`` is the guard's `NanLossHook` whose outcome the loop reads after each run
-    (None: check_numerics mode without a dynamic loss-scale optimizer); ``final_hook`` reads
-    the global step and the learning-rate scale at the end.
-    """
+    """One call of `train`: its train op and guard, its hooks, where it began (`start`) and
+    where it is. ``judge_hook``: the guard's `NanLossHook` whose outcome the loop reads after
+    each run (None: check_numerics mode without a dynamic loss-scale optimizer)."""
 
     train_op: tf.Tensor
     guard: _guard.Guard
@@ -389,12 +369,7 @@ class _Loop:
     def _at_limit(self, step: int) -> bool:
         return self.number_of_steps is not None and step >= self.number_of_steps
 
-    def make_scaffold(
-        self,
-        given: Optional[tf.compat.v1.train.Scaffold],
-        resume_from: Optional[str],
-        max_to_keep: int,
-    ) -> None:
+    def make_scaffold(self, given, resume_from: Optional[str], max_to_keep: int) -> None:
         """Sets `scaffold`: `given` with a saver that never writes NaN or Inf and, on the chief,
         an init_fn that runs for every session created (a recovered one too) and restores
         `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none."""
@@ -408,9 +383,12 @@ class _Loop:
             saver = _checkpoints.finite_saver(given.saver)
         init_fn = None
         if self.is_chief:
-            restorer = (
-                _resume_saver(saver, resume_from, self.guard.handles) if resume_from else saver
-            )
+            restorer = saver
+            missing = self.guard.handles.missing_from(resume_from) if resume_from else None
+            if missing:  # The guard's options turned on since: they keep their initial values.
+                _checkpoints.say_restored_without(resume_from, [v.op.name for v in missing])
+                kept = [v for v in tf.compat.v1.global_variables() if v not in missing]
+                restorer = tf.compat.v1.train.Saver(kept, sharded=True)
 
             def init_fn(unused_scaffold, session: tf.compat.v1.Session) -> None:
                 latest = _checkpoints.latest_good_checkpoint(self.logdir, repair_state=True)
@@ -516,23 +494,17 @@ class _Loop:
             if not self.guard.owns_error(err):
                 raise
             # The loop stops by itself on a stop: nothing to ask the session.
-            outcome = _actions.judge(
-                self.guard,
-                sess,
-                checkpoint_dir=self.logdir,
-                error=err,
-                request_stop=_actions.no_stop,
+            stop = _actions.no_stop
+            return None, _actions.judge(
+                self.guard, sess, checkpoint_dir=self.logdir, error=err, request_stop=stop
             )
-            return None, outcome
         outcome = self.judge_hook.last_outcome if self.judge_hook is not None else None
         if outcome is None:  # No hook judged this run: the check let it through.
             _actions.good_step(self.guard, loss)  # (A hook that judged kept the loss itself.)
             outcome = _actions.GOOD
         return loss, outcome
 
-    def _save_good_state(
-        self, sess: tf.compat.v1.train.MonitoredSession, error: _errors.NanLossError
-    ) -> None:
+    def _save_good_state(self, sess, error: _errors.NanLossError) -> None:
         """On the chief, saves the model (still at its last good step) before giving up; sets
         ``error.checkpoint`` to that save, or to the latest checkpoint if it fails."""
         path = None
@@ -605,27 +577,8 @@ class _Loop:
         return result
 
 
-def _resume_saver(
-    saver: tf.compat.v1.train.Saver, checkpoint: str, handles: GraphHandles
-) -> tf.compat.v1.train.Saver:
-    """`saver`, or one that leaves out the guard's optional variables missing from
-    `checkpoint` (options turned on since), which keep their initial values."""
-    missing = handles.missing_from(checkpoint)
-    if not missing:
-        return saver
-    _checkpoints.say_restored_without(checkpoint, [v.op.name for v in missing])
-    variables = [v for v in tf.compat.v1.global_variables() if v not in missing]
-    return tf.compat.v1.train.Saver(variables, sharded=True)
-
-
-def _saving_hooks(
-    logdir: str,
-    scaffold: tf.compat.v1.train.Scaffold,
-    checkpoint_secs: Optional[float],
-    checkpoint_steps: Optional[int],
-    summary_steps: Optional[int],
-    summary_secs: Optional[float],
-) -> List[tf.compat.v1.train.SessionRunHook]:
+def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
+    """The chief's step counter, checkpoint and summary hooks."""
     hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
     if checkpoint_secs or checkpoint_steps:
         hooks.append(

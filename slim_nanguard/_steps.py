@@ -27,9 +27,9 @@ _TOLD_NO_RECORD: "weakref.WeakSet[_guard.Guard]" = weakref.WeakSet()
 def handle_numerics_error(
     session: SessionLike, error: BaseException, *, checkpoint_dir: Optional[str] = None
 ) -> _events.NanEvent:
-    """Applies the guard's policy to an error raised by ``session.run(train_op)``.
-
-    For a hand-written check_numerics-mode loop::
+    """Applies the guard's policy to an error raised by ``session.run(train_op)``; returns the
+    event, its ``action`` carried out (``stop``: a `MonitoredSession` is asked to stop, and the
+    caller leaves its loop). For a hand-written check_numerics-mode loop::
 
         while not sess.should_stop():
             try:
@@ -41,13 +41,8 @@ def handle_numerics_error(
 
     Args:
       session: A `tf.compat.v1.Session` or a `MonitoredSession` (its hooks are not run).
-      error: The exception ``session.run`` raised.
       checkpoint_dir: Where checkpoints are saved, for a policy that rolls back; default: the
         directory a `MonitoredTrainingSession`'s checkpoint hook saves to.
-
-    Returns:
-      The event, its ``action`` carried out; for ``stop``, a `MonitoredSession` is asked to
-      stop, and the caller leaves its loop.
 
     Raises:
       NanLossError: The policy is ``raise``, or training gives up.
