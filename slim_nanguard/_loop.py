@@ -51,10 +51,8 @@ class TrainResult:
     Attributes:
       final_loss: Loss of the last good step (NaN if none went through).
       global_step: The global step at the end.
-      steps: Good steps done by this call.
-      bad_steps: Bad steps seen by this call.
-      skips: Bad steps skipped by this call.
-      rollbacks: Rollbacks done by this call.
+      steps, bad_steps, skips, rollbacks: This call's good steps, bad steps, skipped bad steps
+        and rollbacks.
       stop_reason: Why the call ended, a `StopReason` (``cluster_stop``: the stop record
         names the worker that stopped).
       checkpoint: The latest checkpoint in the log directory after the run, or None.
@@ -85,11 +83,8 @@ class TrainResult:
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
-        overflows = (
-            f", {self.loss_scale_overflows} loss-scale overflows"
-            if self.loss_scale_overflows
-            else ""
-        )
+        n = self.loss_scale_overflows
+        overflows = f", {n} loss-scale overflows" if n else ""
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
         spikes = "".join(f"{n} of them {name}s, " for name, n in self.rejected.items() if n)
         return (
