@@ -1,25 +1,18 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
 The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
-kept its batch. The autopsy replays the step from both::
-
-    run(loss and gradient sums, feeding the kept batch)
-    all finite?  -> reproduced: False (dropout, a transient fault: not the model); done
-    for each chunk of ops, in topological order (the batch's own ops first):
-        run(their float outputs, feeding the kept batch)     # memory: one chunk at a time
-        the first op whose output holds NaN or Inf, all its inputs being finite, is the
-        first bad op: its name, type, the user's line that built it, the health of its
-        inputs and output, and the rows of the batch that are non-finite there
-        past the deadline? -> stop, say so
-
-A NaN already in the data makes the fed op itself the first bad op. A spike's step is finite:
-its replay is not judged for reproduction, it names the examples whose per-example loss
-carried the spike (the last section). Every failure is caught into `Autopsy.error`: an autopsy
-never takes training down. The pure parts take arrays and dicts and need no graph.
+kept its batch. The replay runs the loss and gradient sums on that batch: all finite, the step
+does not reproduce (dropout, a transient fault: not the model). Else it fetches the float
+outputs of the ops in topological order (the batch's own first), a chunk at a time to bound the
+memory, up to the first op whose output holds NaN or Inf while its inputs are finite (a NaN in
+the data makes it the fed op), and stops at a deadline. A spike's step is finite: its replay
+names the examples whose per-example loss carried the spike instead. Every failure is caught
+into `Autopsy.error`: an autopsy never takes training down. The pure parts need no graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -59,11 +52,12 @@ _ZERO_INPUTS = {
 }
 # Ops for which a negative input (below -1 for Log1p) is the usual cause.
 _NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
-# Library code, left out of an op's traceback: the user's frame is what builds the model.
+# Library code and our private modules, left out of an op's traceback: the user's frame is what
+# builds the model.
 _LIBRARY_PARTS = tuple(
     os.sep + part + os.sep
     for part in ("tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy")
-)
+) + (os.sep + "slim_nanguard" + os.sep + "_",)
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 # The non-finite values a health dict counts: its key, the word for it, the test.
 _NON_FINITE = (
@@ -74,7 +68,7 @@ _NON_FINITE = (
 
 
 class AutopsyError(Exception):
-    """Why a replay could not go on (caught by `run_autopsy` and put in `Autopsy.error`)."""
+    """Why a replay could not go on (caught by `replay` into `Autopsy.error`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +76,16 @@ class Autopsy:
     """What the replay of one bad step found.
 
     Attributes:
-      reproduced: True if the replay was not finite, False if it was (not the model), None if
-        the replay failed first (and for a spike).
-      first_bad_op: The first op in topological order whose output is not finite while its
-        float inputs are: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the
-        user's frames, outermost first), ``inputs`` and ``output`` (a `health` dict with its
-        ``name`` per float tensor); ``examples_at`` when the examples are a later op's. None
-        if not found.
-      bad_examples: Indices in the batch of the examples whose rows are non-finite there.
+      reproduced: Whether the replay was not finite (False: not the model); None if the replay
+        failed first, and for a spike.
+      first_bad_op: The first op in topological order with a non-finite output and finite float
+        inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's
+        frames, outermost first), ``inputs`` and ``output`` (a `health` dict with its ``name``
+        per float tensor); ``examples_at`` when the examples are a later op's. None if not found.
+      bad_examples: The batch indices of the examples whose rows are non-finite there.
       batch_size: The number of examples in the kept batch (0 if unknown).
       dump: The dump's JSON report (its ``.npz`` holds the batch), or None.
-      cost: ``seconds``, ``peak_bytes`` (most bytes fetched by one run), ``runs``,
-        ``ops_checked``.
+      cost: ``seconds``, ``peak_bytes`` (most bytes fetched by one run), ``runs``, ``ops_checked``.
       error: Why the autopsy failed or stopped early, or None.
       step: The global step of the bad step.
       cause: ``"non_finite"``, or the name of the reason that rejected a finite step
@@ -101,8 +93,8 @@ class Autopsy:
       top_examples: A spike's ``(index, per-example loss)`` pairs, highest first, at most
         `TOP_EXAMPLES`; empty when the loss cannot be split per example.
       per_example_loss: The per-example loss tensors' names (joined by `` + ``), or None.
-      median_loss: The median per-example loss of a spike's batch, or None. The per-example
-        losses are scaled so that their mean is the batch's part of the total loss.
+      median_loss: The median per-example loss of a spike's batch, or None (the per-example
+        losses are scaled so that their mean is the batch's part of the total loss).
       spike_over: The values a spike was caught on (``"loss"``, ``"grad_norm"``); empty when
         unknown. Without ``"loss"``, `describe` says its examples are a guess.
     """
@@ -123,23 +115,19 @@ class Autopsy:
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict (no NaN or Inf floats)."""
-        d = dataclasses.asdict(self)
-        d["bad_examples"] = list(self.bad_examples)
-        d["summary"] = self.describe()
-        return _json_safe(d)
+        return _json_safe(dict(dataclasses.asdict(self), summary=self.describe()))
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Autopsy":
         """The inverse of `to_json` (extra keys are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs["bad_examples"] = tuple(kwargs.get("bad_examples") or ())
+        kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        for key in ("bad_examples", "spike_over"):
+            kwargs[key] = tuple(kwargs.get(key) or ())
         # JSON keeps a non-finite float as a string ("inf"); float() reads it back.
         top = kwargs.get("top_examples") or ()
         kwargs["top_examples"] = tuple((int(i), float(loss)) for i, loss in top)
         if kwargs.get("median_loss") is not None:
             kwargs["median_loss"] = float(kwargs["median_loss"])
-        kwargs["spike_over"] = tuple(kwargs.get("spike_over") or ())
         return cls(**kwargs)
 
     @property
@@ -167,12 +155,9 @@ class Autopsy:
 
 # ---------------------------------------------------------------------- pure parts
 def health(value: Any) -> Dict[str, Any]:
-    """How finite an array (anything `np.asarray` takes) is.
-
-    Returns:
-      ``shape``, ``dtype``, ``size``, and for a numeric dtype ``nan``, ``posinf``, ``neginf``
-      and ``zeros`` counts and ``finite_min`` / ``finite_max`` (None when none is finite).
-    """
+    """How finite an array (anything `np.asarray` takes) is: ``shape``, ``dtype``, ``size``,
+    and for a numeric dtype ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
+    ``finite_min`` / ``finite_max`` (None when none is finite)."""
     a = np.asarray(value)
     d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
     if a.dtype.kind not in "fciubV":
@@ -218,28 +203,22 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
     """The user's frames of an op's traceback, as ``file.py:42 in fn: code``, outermost first.
 
-    Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library)
-    are left out; with no user frame at all, the innermost frame is kept.
-
-    Args:
-      frames: Objects with ``filename``, ``lineno`` and ``name`` (an ``op.traceback``), or
-        ``(filename, lineno, name, line)`` tuples; outermost first.
-      limit: The most frames to keep (the innermost ones).
+    `frames` (outermost first) have ``filename``, ``lineno`` and ``name`` (an ``op.traceback``)
+    or are ``(filename, lineno, name, line)`` tuples. Library frames (TensorFlow, Keras,
+    tf-slim, absl, NumPy, pytest, the standard library) are left out, and all but the innermost
+    `limit`; with no user frame at all, the innermost frame is kept.
     """
-    parsed = []
-    for frame in frames:
-        if isinstance(frame, (tuple, list)):
-            filename, lineno, name = frame[0], frame[1], frame[2]
-        else:
-            filename, lineno, name = frame.filename, frame.lineno, frame.name
-        parsed.append((str(filename), int(lineno), str(name)))
+    parsed = [
+        (str(f[0]), int(f[1]), str(f[2]))
+        if isinstance(f, (tuple, list))
+        else (str(f.filename), int(f.lineno), str(f.name))
+        for f in frames
+    ]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
-    lines = []
-    for filename, lineno, name in mine[-limit:]:
-        code = linecache.getline(filename, lineno).strip()
-        text = f"{filename}:{lineno} in {name}"
-        lines.append(f"{text}: {code}" if code else text)
-    return lines
+    return [
+        ": ".join(filter(None, [f"{file}:{line} in {name}", linecache.getline(file, line).strip()]))
+        for file, line, name in mine[-limit:]
+    ]
 
 
 def where(traceback_lines: Sequence[str]) -> str:
@@ -269,24 +248,19 @@ def explain(
             return f"autopsy failed: {error}"
         return "the replay is not finite, but no single op could be named as the first"
     text = f"first non-finite value: {first_bad_op['name']} ({first_bad_op['type']})"
-    if first_bad_op.get("where"):
-        text += f" at {first_bad_op['where']}"
+    text += f" at {first_bad_op['where']}" if first_bad_op.get("where") else ""
     cause = _cause(first_bad_op)
-    if cause:
-        text += f", {cause}"
-    if bad_examples:
+    text += f", {cause}" if cause else ""
+    if batch_size and len(bad_examples) == batch_size:
+        text += f"; all {batch_size} examples of the batch"
+    elif bad_examples:
         shown = ", ".join(str(i) for i in list(bad_examples)[:10])
         more = f" and {len(bad_examples) - 10} more" if len(bad_examples) > 10 else ""
-        if batch_size and len(bad_examples) == batch_size:
-            text += f"; all {batch_size} examples of the batch"
-        else:
-            noun = "example" if len(bad_examples) == 1 else "examples"
-            text += f"; {noun} {shown}{more} of the batch"
-        if first_bad_op.get("examples_at"):
-            text += f" (from {first_bad_op['examples_at']} on)"
-    if error:
-        text += f" ({error})"
-    return text
+        noun = "example" if len(bad_examples) == 1 else "examples"
+        text += f"; {noun} {shown}{more} of the batch"
+    if bad_examples and first_bad_op.get("examples_at"):
+        text += f" (from {first_bad_op['examples_at']} on)"
+    return text + (f" ({error})" if error else "")
 
 
 def _cause(op: Mapping[str, Any]) -> str:
@@ -323,11 +297,9 @@ def _short(tensor_name: str) -> str:
 
 
 def _is_library(filename: str) -> bool:
-    if any(part in filename for part in _LIBRARY_PARTS):
-        return True
-    if os.sep + "slim_nanguard" + os.sep + "_" in filename:  # our private modules
-        return True
-    return filename.startswith(_STDLIB) and "site-packages" not in filename
+    return any(part in filename for part in _LIBRARY_PARTS) or (
+        filename.startswith(_STDLIB) and "site-packages" not in filename
+    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -368,12 +340,8 @@ class _Budget:
         return values
 
     def cost(self) -> Dict[str, Any]:
-        return {
-            "seconds": round(self.clock() - self.start, 4),
-            "peak_bytes": self.peak_bytes,
-            "runs": self.runs,
-            "ops_checked": self.ops_checked,
-        }
+        counts = {k: getattr(self, k) for k in ("peak_bytes", "runs", "ops_checked")}
+        return {"seconds": round(self.clock() - self.start, 4), **counts}
 
 
 def replay(
@@ -390,59 +358,36 @@ def replay(
 ) -> Autopsy:
     """Replays a step: finds its first non-finite op, or for a spike its examples.
 
-    Args:
-      session: A raw `tf.compat.v1.Session` whose variables hold the step's weights (nothing
-        is written).
-      feeds: The batch: tensor (or name) -> array.
-      targets: The loss and the gradient sums; for a spike, the total loss.
-      timeout_secs: Give up (with ``error`` set) after this many seconds of `clock`.
-      max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
-      clock: The clock of the deadline.
-      step: The global step, recorded in the result.
-      batch_size: The number of examples (default: the most common leading dimension of the
-        fed arrays; pass it when weights are fed too).
-      cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
+    `session`'s variables hold the step's weights (nothing is written), `feeds` is the batch
+    (tensor or name -> array), `targets` the loss and the gradient sums (for a spike, the total
+    loss). The replay gives up (with ``error`` set) after `timeout_secs` of `clock`, and
+    fetches about `max_chunk_bytes` per run (estimated from static shapes). `batch_size`
+    defaults to the most common leading dimension of the fed arrays (pass it when weights are
+    fed too); `step` and `cause` (see `Autopsy.cause`) go into the result.
 
     Returns:
       The `Autopsy` (no dump); with ``error`` set and nothing run when the targets read an
-      input op that is not fed. Raises only what `session.run` raises for the reproduction
-      check (`run_autopsy` catches everything).
+      input op that is not fed. Raises only what `session.run` raises (`run_autopsy` catches
+      everything).
     """
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
     if batch_size is None:
         batch_size = _batch_size(feeds.values())
-    done = dict(batch_size=batch_size, step=step)
+    found: Dict[str, Any] = {}
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
+        if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
+            found = _replay_spike(session, feeds, targets[0], budget, batch_size)
+        elif all(is_finite_health(health(v)) for v in budget.run(session, targets, feeds)):
+            found = {"reproduced": False}
+        else:
+            found["reproduced"] = True
+            found.update(_first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size))
     except AutopsyError as err:
-        return Autopsy(cost=budget.cost(), error=str(err), cause=cause, **done)
-    if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
-        return _replay_spike(session, feeds, targets[0], budget, cause=cause, **done)
-    values = budget.run(session, targets, feeds)
-    if all(is_finite_health(health(v)) for v in values):
-        return Autopsy(reproduced=False, cost=budget.cost(), **done)
-    found, error = None, None
-    try:
-        found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)
-    except AutopsyError as err:
-        error = str(err)
-    if found is None:
-        error = error or (
-            "the replay was not finite but no op checked one by one "
-            "was: the step is nondeterministic, or its first non-finite value is "
-            "inside a while loop or a cond"
-        )
-        return Autopsy(reproduced=True, cost=budget.cost(), error=error, **done)
-    described, examples = found
-    return Autopsy(
-        reproduced=True,
-        first_bad_op=described,
-        bad_examples=tuple(examples),
-        cost=budget.cost(),
-        **done,
-    )
+        found["error"] = str(err)
+    return Autopsy(cost=budget.cost(), batch_size=batch_size, step=step, cause=cause, **found)
 
 
 def _tensor(graph, t):
@@ -464,10 +409,8 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
     The walk stops at fed ops. An op inside a control-flow context (which cannot be fetched
     from outside) is not checked, nor one whose value depends on neither the batch nor the
     weights nor a stateful op: a NaN constant (a mask) is there on purpose, and the first bad
-    op is the one that lets it into the step's values.
-
-    Raises:
-      AutopsyError: The targets depend on an input op or a placeholder that is not fed.
+    op is the one that lets it into the step's values. Raises AutopsyError when the targets
+    depend on an input op or a placeholder that is not fed.
     """
     fed_ops = {t.op for t in feeds}
     seen, found = [], []
@@ -506,11 +449,9 @@ def _reaching(
     order: Mapping[Any, int],
     valueless: frozenset = _SHAPE_TYPES,
 ) -> Dict[Any, bool]:
-    """Each of `ops` -> whether a value that a `source` op makes reaches it.
-
-    `ops` must hold every input of each op that can reach it (what a walk back gives). An
-    input of a `valueless` type passes on no value (fill(shape(x), nan) is a constant).
-    """
+    """Each of `ops` (which hold every input of each op that can reach it: a walk back) ->
+    whether a value a `source` op makes reaches it; a `valueless` op passes on none (fill(shape(x),
+    nan) is a constant)."""
     reaches = {}
     for op in sorted(ops, key=order.get):
         reaches[op] = source(op) or any(
@@ -548,18 +489,14 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
 
 
 def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
-    """``(described, examples)`` of the first op with a non-finite output, or None."""
+    """`_describe` of the first op with a non-finite output; AutopsyError when there is none."""
     fed = {t.op for t in feeds}
     for op in ops:  # The batch first: a NaN in the data is found without running anything.
         if op in fed:
             budget.ops_checked += 1
-            values = [feeds[t] for t in op.outputs if t in feeds]
-            if any(
-                not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind in "fcV"
-            ):
+            if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
                 return _describe(session, op, feeds, budget, batch_size)
-    computed = [op for op in ops if op not in fed]
-    chunks = _chunks(computed, batch_size, max_chunk_bytes)
+    chunks = _chunks([op for op in ops if op not in fed], batch_size, max_chunk_bytes)
     for number, chunk in enumerate(chunks):
         budget.check(
             f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
@@ -573,7 +510,10 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
                 downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
-    return None
+    raise AutopsyError(
+        "the replay was not finite but no op checked one by one was: the step is "
+        "nondeterministic, or its first non-finite value is inside a while loop or a cond"
+    )
 
 
 def _first_bad_rows(ops, values, batch_size: int):
@@ -588,7 +528,7 @@ def _first_bad_rows(ops, values, batch_size: int):
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
-    """``(described, examples)``: fetches the inputs and outputs of `op` and describes them.
+    """The `Autopsy` fields of first bad op `op`: fetches its inputs and outputs.
 
     A fed op has no inputs in the replay (what is behind it would take a new batch). When the
     output of `op` is not batch-major, the examples are the `downstream` ``(op name, rows)``.
@@ -611,7 +551,7 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
     examples = sorted({i for t in outputs for i in bad_rows(values[t], batch_size)})
     if not examples and downstream is not None:
         described["examples_at"], examples = downstream
-    return described, examples
+    return {"first_bad_op": described, "bad_examples": tuple(examples)}
 
 
 def _traceback(op) -> Sequence[Any]:
@@ -673,13 +613,10 @@ def run_autopsy(
     """`replay` of a bad step right after it, and its dump; never raises (but
     KeyboardInterrupt): a failure is the result's ``error``, and is logged.
 
-    Args:
-      batch_tensors: The batch tensors (`Capture.tensors`).
-      batch_values: The values the bad step kept, in the same order.
-      dump_dir: The training directory (the dump goes to its ``nanguard_autopsy/``), or None.
-      max_dump_weight_bytes: The weights the step read go into the dump up to this size.
-      spike_over: For a spike, the values it was caught on (`Autopsy.spike_over`).
-      The others: as `replay`'s.
+    `batch_values` are the values the bad step kept of `batch_tensors` (`Capture.tensors`).
+    The dump goes to `dump_dir`'s ``nanguard_autopsy/`` (none when None), with the weights the
+    step read up to `max_dump_weight_bytes`. `spike_over`: `Autopsy.spike_over`. The others
+    are `replay`'s.
     """
     start = clock()
     try:
@@ -725,14 +662,18 @@ def error_line(err: BaseException) -> str:
 def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
     """The tensors through which the targets read variables (what the step's weights are)."""
     fed_ops = {t.op for t in feeds}
-
-    def stop(op) -> bool:
-        return op in fed_ops or _is_variable_read(op)
-
-    reads = []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=stop):
-        if op not in fed_ops and _is_variable_read(op):
-            reads += [t for t in op.outputs if _is_float(t)]
+    walk = _ops.walk(
+        [t.op for t in targets],
+        control=False,
+        stop=lambda op: op in fed_ops or _is_variable_read(op),
+    )
+    reads = [
+        t
+        for op in walk
+        if op not in fed_ops and _is_variable_read(op)
+        for t in op.outputs
+        if _is_float(t)
+    ]
     return sorted(reads, key=lambda t: t.name)
 
 
@@ -753,31 +694,24 @@ def write_dump(
     weights: Mapping[Any, Any],
     targets: Sequence[Any],
 ) -> str:
-    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
-
-    Returns:
-      The path of the JSON report. An existing dump of the same step (a rollback can bring a
-      step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
-    """
+    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``, and
+    returns the JSON report's path. An existing dump of the same step (a rollback can bring a
+    step back) is kept: the new one gets a ``-2``, ``-3``... suffix."""
     import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
 
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     tf.io.gfile.makedirs(directory)
-    base = _paths.join(directory, f"step{result.step}")
+    base = stem = _paths.join(directory, f"step{result.step}")
     suffix = 1
-    while tf.io.gfile.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
+    while tf.io.gfile.exists(base + ".json"):
         suffix += 1
-    base = f"{base}-{suffix}" if suffix > 1 else base
-    arrays = {}
-
-    def keep(prefix: str, values: Mapping[Any, Any]) -> List[Dict[str, str]]:
-        entries = []
-        for i, (tensor, value) in enumerate(values.items()):
-            arrays[f"{prefix}_{i}"] = np.asarray(value)
-            entries.append({"key": f"{prefix}_{i}", "tensor": _name(tensor)})
-        return entries
-
-    batch, read = keep("batch", feeds), keep("weight", weights)
+        base = f"{stem}-{suffix}"
+    kept = {"batch": feeds, "weight": weights}
+    listed = {
+        p: [{"key": f"{p}_{i}", "tensor": _name(t)} for i, t in enumerate(d)]
+        for p, d in kept.items()
+    }
+    arrays = {f"{p}_{i}": np.asarray(v) for p, d in kept.items() for i, v in enumerate(d.values())}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(base + ".npz", "wb") as f:
@@ -785,8 +719,8 @@ def write_dump(
     report = dict(
         result.to_json(),
         dump=base + ".json",
-        batch=batch,
-        weights=read,
+        batch=listed["batch"],
+        weights=listed["weight"],
         targets=[_name(t) for t in targets],
         arrays=_paths.basename(base) + ".npz",
         written=time.time(),  # The order `remove_old_dumps` keeps them by.
@@ -805,9 +739,7 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
 
     The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by their ``written`` time
     (an older dump without one: first, by name); a dump removed loses its report and arrays.
-
-    Returns:
-      One ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
+    Returns one ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
@@ -826,12 +758,11 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     dumps.sort(key=lambda d: d[:2])
     removed = []
     for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
-        arrays = _paths.join(directory, report.get("arrays") or "")
-        for doomed in (arrays, path) if report.get("arrays") else (path,):
-            try:
+        arrays = [_paths.join(directory, report["arrays"])] if report.get("arrays") else []
+        for doomed in arrays + [path]:
+            # NotFoundError: removed already (another task of a cluster).
+            with contextlib.suppress(tf.errors.NotFoundError):
                 tf.io.gfile.remove(doomed)
-            except tf.errors.NotFoundError:  # Removed already (another task of a cluster).
-                pass
         removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
     return removed
 
@@ -852,16 +783,14 @@ def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[st
     with tf.io.gfile.GFile(_paths.join(_paths.dirname(path), report["arrays"]), "rb") as f:
         arrays = io.BytesIO(f.read())
     with np.load(arrays) as data:
-        batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
-        weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}
+        batch, weights = (
+            {e["tensor"]: data[e["key"]] for e in report.get(part, [])}
+            for part in ("batch", "weights")
+        )
     return report, batch, weights
 
 
 # ---------------------------------------------------------------------- a spike's autopsy
-# Everything below is what a spike's autopsy says: the examples whose per-example loss carried
-# it, found by walking back from the total loss (`find_per_example_loss`), fetched in one run
-# (`_replay_spike`) and judged from the figures its sentence prints (`explain_spike`).
-
 # How many of a spike's examples an autopsy keeps, highest per-example loss first.
 TOP_EXAMPLES = 5
 # An example stands out of a spike's batch when its loss is this many times the next one's.
@@ -885,16 +814,12 @@ def per_example_values(
 ) -> Optional[np.ndarray]:
     """The per-example losses of a batch, from the contributions of the loss's terms.
 
-    Args:
-      split: For each term that may be split per example, each element's contribution to the
-        total loss (a term whose leading dimension is not the batch's joins `whole`).
-      whole: The contribution of each term that depends on the batch but cannot be split.
-      batch_size: The number of examples.
-
-    Returns:
-      One float64 loss per example: the split terms summed per example, times `batch_size`
-      (their mean is the batch's part of the total loss). None when no term can be split, or
-      when one that cannot carries more of the loss than the split ones together.
+    `split` holds, for each term that may be split per example, each element's contribution to
+    the total loss (a term whose leading dimension is not `batch_size` joins `whole`); `whole`
+    the contribution of each term that depends on the batch but cannot be split. Returns one
+    float64 loss per example: the split terms summed per example, times `batch_size` (their
+    mean is the batch's part of the total loss); None when no term can be split, or when one
+    that cannot carries more of the loss than the split ones together.
     """
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
@@ -936,21 +861,14 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples stand out of the batch: the ones that carried a spike.
+    """How many of the top examples (`rank_examples`' pairs) stand out of the batch: the ones
+    that carried a spike.
 
     Judged from the figures the sentence prints: the losses, highest first, then the median,
     are a chain cut at its largest ratio from one figure to the next; the examples above the
-    cut stand out when that ratio is at least `ratio`. Zero and negative losses count as one
-    step of `ratio` below the lowest positive one; infinite losses stand out of finite ones.
-
-    Args:
-      top_examples: ``(index, loss)`` pairs, highest loss first (`rank_examples`).
-      median: The batch's median loss.
-      ratio: The least ratio that sets examples apart.
-
-    Returns:
-      The number of leading examples of `top_examples` that stand out (0 also when no loss is
-      above 0).
+    cut stand out when that ratio is at least `ratio` (else none does, nor when no loss is
+    above 0). Zero and negative losses count as one step of `ratio` below the lowest positive
+    one; infinite losses stand out of finite ones.
     """
     if median is None or not top_examples:
         return 0
@@ -976,21 +894,14 @@ def explain_spike(
     *,
     over: Sequence[str] = (),
 ) -> str:
-    """A spike's autopsy in one sentence.
+    """A spike's autopsy in one sentence, such as ``examples 3, 17 of 32 carried the spike
+    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``.
 
-    Such as ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
-    highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``, naming the examples
-    `standing_out` picks; when those are all the examples shown, of a larger batch, it says
-    that others with lower losses may have carried it too. When `over` (the values the spike
-    was caught on) lacks ``"loss"``, the sentence says the examples are a guess.
-
-    Args:
-      top_examples: ``(index, loss)`` pairs, highest loss first.
-      batch_size: The number of examples in the batch (0 if unknown).
-      median: The batch's median loss, or None.
-      per_example_loss: The per-example loss tensor's name; None when the loss cannot be split.
-      error: Why the replay failed or stopped early, or None.
-      over: ``"loss"``, ``"grad_norm"``; empty if unknown.
+    It names the examples `standing_out` picks; when those are all the examples shown, of a
+    larger batch, it says that others with lower losses may have carried it too. When `over`
+    (the values the spike was caught on) lacks ``"loss"``, it says the examples are a guess.
+    `per_example_loss` is None when the loss cannot be split; `error` says why the replay
+    failed or stopped early.
     """
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
@@ -1045,36 +956,27 @@ def _hedge(over: Sequence[str]) -> str:
     if not over or "loss" in over:
         return ""
     words = " and ".join(_SPIKE_VALUES.get(c, c) for c in over)
-    values = " and ".join(_SPIKE_VALUES.get(c, c).replace("-", " ") for c in over)
     verb = "was" if len(over) == 1 else "were"
-    return f"{words} spike (only the {values} {verb} over spike_sigma)"
+    return f"{words} spike (only the {words.replace('-', ' ')} {verb} over spike_sigma)"
 
 
-def _replay_spike(
-    session, feeds, loss, budget: _Budget, batch_size: int, step: int, cause: str
-) -> Autopsy:
-    """The spike part of `replay`: fetches the per-example losses and ranks the examples."""
-    spike = dict(cause=cause, batch_size=batch_size, step=step)
+def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int) -> Dict[str, Any]:
+    """The spike part of `replay`: the `Autopsy` fields of the examples that carried it."""
     found = find_per_example_loss(loss)
     if found is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    try:
-        budget.check("before fetching the per-example losses")
-    except AutopsyError as err:
-        return Autopsy(cost=budget.cost(), error=str(err), **spike)
+        return {}
+    budget.check("before fetching the per-example losses")
     fetches = found.fetches()
     per_example = found.evaluate(
         dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
     )
     if per_example is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    return Autopsy(
-        top_examples=tuple(rank_examples(per_example)),
-        per_example_loss=found.name,
-        median_loss=median_loss(per_example),
-        cost=budget.cost(),
-        **spike,
-    )
+        return {}
+    return {
+        "top_examples": tuple(rank_examples(per_example)),
+        "per_example_loss": found.name,
+        "median_loss": median_loss(per_example),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1120,15 +1022,10 @@ class _Term:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleLoss:
-    """The per-example losses behind a total loss (`find_per_example_loss`).
+    """The per-example losses behind a total loss (`find_per_example_loss`): the ``terms``
+    whose leading dimension is the batch's (summed per example), and the ``others`` that depend
+    on the batch but cannot be split per example."""
 
-    Attributes:
-      loss: The total loss.
-      terms: The terms whose leading dimension is the batch's (summed per example).
-      others: The terms that depend on the batch but cannot be split per example.
-    """
-
-    loss: Any
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
 
@@ -1157,10 +1054,8 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
     whose leading dimension is the batch's. Every op on the way is linear, so each example's
     part of the total loss is exact. A term that does not depend on the batch (a
     regularization loss) is left out; one that does but is not per example is kept apart.
-
-    Returns:
-      The `PerExampleLoss`, or None when no term is per example, the loss reads no batch, or
-      it adds up more than `_MAX_LOSS_TERMS` terms.
+    None when no term is per example, the loss reads no batch, or it adds up more than
+    `_MAX_LOSS_TERMS` terms.
     """
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     if not batch_ops:
@@ -1187,16 +1082,13 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
             others.append(term)
     if stack:
         return None
-    return PerExampleLoss(loss, tuple(terms), tuple(others)) if terms else None
+    return PerExampleLoss(tuple(terms), tuple(others)) if terms else None
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
     """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value);
-    one known statically while the batch's is not is not."""
-    if not tensor.shape.rank:
-        return False
-    leading = tensor.shape.as_list()[0]
-    return leading is None or leading == batch_dim
+    not when it is known statically while the batch's is not."""
+    return bool(tensor.shape.rank) and tensor.shape.as_list()[0] in (None, batch_dim)
 
 
 def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optional[List[_Term]]:
