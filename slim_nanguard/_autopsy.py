@@ -73,30 +73,21 @@ class AutopsyError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Autopsy:
-    """What the replay of one bad step found.
+    """What the replay of one bad step found (a bad step's record holds its `to_json`).
 
-    Attributes:
-      reproduced: Whether the replay was not finite (False: not the model); None if the replay
-        failed first, and for a spike.
-      first_bad_op: The first op in topological order with a non-finite output and finite float
-        inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's
-        frames, outermost first), ``inputs`` and ``output`` (a `health` dict with its ``name``
-        per float tensor); ``examples_at`` when the examples are a later op's. None if not found.
-      bad_examples: The batch indices of the examples whose rows are non-finite there.
-      batch_size: The number of examples in the kept batch (0 if unknown).
-      dump: The dump's JSON report (its ``.npz`` holds the batch), or None.
-      cost: ``seconds``, ``peak_bytes`` (most bytes fetched by one run), ``runs``, ``ops_checked``.
-      error: Why the autopsy failed or stopped early, or None.
-      step: The global step of the bad step.
-      cause: ``"non_finite"``, or the name of the reason that rejected a finite step
-        (``"spike"``: far above the running statistics).
-      top_examples: A spike's ``(index, per-example loss)`` pairs, highest first, at most
-        `TOP_EXAMPLES`; empty when the loss cannot be split per example.
-      per_example_loss: The per-example loss tensors' names (joined by `` + ``), or None.
-      median_loss: The median per-example loss of a spike's batch, or None (the per-example
-        losses are scaled so that their mean is the batch's part of the total loss).
-      spike_over: The values a spike was caught on (``"loss"``, ``"grad_norm"``); empty when
-        unknown. Without ``"loss"``, `describe` says its examples are a guess.
+    ``reproduced``: whether the replay was not finite (False: not the model; None: the replay
+    failed first, or a spike). ``first_bad_op``: the first op in topological order with a
+    non-finite output and finite float inputs (None if not found): ``name``, ``type``, ``where``
+    (``file.py:42``), ``traceback`` (the user's frames, outermost first), ``inputs`` and
+    ``output`` (`health` dicts with a ``name``), and ``examples_at`` when ``bad_examples`` (the
+    batch rows non-finite there) are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (most
+    bytes one run fetched), ``runs``, ``ops_checked``. ``cause``: ``"non_finite"`` or the name
+    of the reason that rejected a finite step (``"spike"``), whose replay gives
+    ``top_examples`` (``(index, per-example loss)`` pairs, highest first, at most
+    `TOP_EXAMPLES`; empty when the loss cannot be split), ``per_example_loss`` (the tensors'
+    names joined by `` + ``) and ``median_loss`` (the per-example losses are scaled so that
+    their mean is the batch's part of the total loss); ``spike_over`` are the values it was
+    caught on (without ``"loss"``, `describe` says its examples are a guess).
     """
 
     reproduced: Optional[bool] = None
@@ -201,19 +192,13 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
-    """The user's frames of an op's traceback, as ``file.py:42 in fn: code``, outermost first.
+    """The innermost `limit` user's frames of `frames` (``(filename, lineno, name, ...)``, as
+    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``, outermost first.
 
-    `frames` (outermost first) have ``filename``, ``lineno`` and ``name`` (an ``op.traceback``)
-    or are ``(filename, lineno, name, line)`` tuples. Library frames (TensorFlow, Keras,
-    tf-slim, absl, NumPy, pytest, the standard library) are left out, and all but the innermost
-    `limit`; with no user frame at all, the innermost frame is kept.
+    Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library) are
+    left out; with no user frame at all, the innermost frame is kept.
     """
-    parsed = [
-        (str(f[0]), int(f[1]), str(f[2]))
-        if isinstance(f, (tuple, list))
-        else (str(f.filename), int(f.lineno), str(f.name))
-        for f in frames
-    ]
+    parsed = [(str(f[0]), int(f[1]), str(f[2])) for f in frames]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
     return [
         ": ".join(filter(None, [f"{file}:{line} in {name}", linecache.getline(file, line).strip()]))
@@ -356,19 +341,15 @@ def replay(
     batch_size: Optional[int] = None,
     cause: str = "non_finite",
 ) -> Autopsy:
-    """Replays a step: finds its first non-finite op, or for a spike its examples.
+    """Replays a step in `session` (its variables hold the step's weights; nothing is written)
+    on `feeds` (tensor or name -> array): the first non-finite op behind `targets` (the loss and
+    the gradient sums), or for a spike (`targets`: the total loss) its examples.
 
-    `session`'s variables hold the step's weights (nothing is written), `feeds` is the batch
-    (tensor or name -> array), `targets` the loss and the gradient sums (for a spike, the total
-    loss). The replay gives up (with ``error`` set) after `timeout_secs` of `clock`, and
-    fetches about `max_chunk_bytes` per run (estimated from static shapes). `batch_size`
-    defaults to the most common leading dimension of the fed arrays (pass it when weights are
-    fed too); `step` and `cause` (see `Autopsy.cause`) go into the result.
-
-    Returns:
-      The `Autopsy` (no dump); with ``error`` set and nothing run when the targets read an
-      input op that is not fed. Raises only what `session.run` raises (`run_autopsy` catches
-      everything).
+    The replay gives up (``error`` says where) after `timeout_secs` of `clock`, and fetches
+    about `max_chunk_bytes` per run (from static shapes). `batch_size` defaults to the most
+    common leading dimension of `feeds` (pass it when weights are fed too). Nothing runs when
+    the targets read an input op that is not fed (``error`` says so). Raises only what
+    `session.run` raises.
     """
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
@@ -404,37 +385,32 @@ def _is_float(tensor) -> bool:
 
 
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on through data edges, in topological order.
+    """The ops the targets depend on through data edges up to the fed ops, in topological order.
 
-    The walk stops at fed ops. An op inside a control-flow context (which cannot be fetched
-    from outside) is not checked, nor one whose value depends on neither the batch nor the
-    weights nor a stateful op: a NaN constant (a mask) is there on purpose, and the first bad
-    op is the one that lets it into the step's values. Raises AutopsyError when the targets
-    depend on an input op or a placeholder that is not fed.
+    Left out: an op inside a control-flow context (which cannot be fetched from outside), and
+    one whose value depends on neither the batch nor the weights nor a stateful op (a NaN
+    constant, a mask, is there on purpose: the first bad op is the one that lets it in). Raises
+    AutopsyError when the targets depend on an input op or a placeholder that is not fed.
     """
     fed_ops = {t.op for t in feeds}
-    seen, found = [], []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__):
-        seen.append(op)
-        if op in fed_ops:
-            found.append(op)
-            continue
+    seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
+    for op in seen:
         # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
-        if op.type in _ops.BATCH_OP_TYPES and op.type != "PlaceholderWithDefault":
+        if op.type in _ops.BATCH_OP_TYPES - {"PlaceholderWithDefault"} and op not in fed_ops:
             raise AutopsyError(
                 f"the step reads {op.name} ({op.type}), which was not kept, so "
                 "it cannot be replayed without taking a new batch"
             )
-        if op._control_flow_context is None and any(  # pylint: disable=protected-access
-            _is_float(t) for t in op.outputs
-        ):
-            found.append(op)
     order = _order(targets[0].graph)
-
-    def source(op) -> bool:  # What makes a value change from step to step.
-        return op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
-
-    varies = _reaching(seen, source, order)
+    varies = _reaching(  # What makes a value change from step to step.
+        seen, lambda op: op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op), order
+    )
+    found = [
+        op
+        for op in seen
+        if op in fed_ops  # pylint: disable-next=protected-access
+        or (op._control_flow_context is None and any(map(_is_float, op.outputs)))
+    ]
     return sorted((op for op in found if varies[op]), key=order.get)
 
 
@@ -449,9 +425,8 @@ def _reaching(
     order: Mapping[Any, int],
     valueless: frozenset = _SHAPE_TYPES,
 ) -> Dict[Any, bool]:
-    """Each of `ops` (which hold every input of each op that can reach it: a walk back) ->
-    whether a value a `source` op makes reaches it; a `valueless` op passes on none (fill(shape(x),
-    nan) is a constant)."""
+    """Each of `ops` (a walk back: every input of each op that can reach it) -> whether a value
+    a `source` op makes reaches it; a `valueless` input passes on none (fill(shape(x), nan))."""
     reaches = {}
     for op in sorted(ops, key=order.get):
         reaches[op] = source(op) or any(
@@ -533,8 +508,7 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
     A fed op has no inputs in the replay (what is behind it would take a new batch). When the
     output of `op` is not batch-major, the examples are the `downstream` ``(op name, rows)``.
     """
-    is_fed = any(t in feeds for t in op.outputs)
-    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
+    inputs = [] if any(t in feeds for t in op.outputs) else list(filter(_is_float, op.inputs))
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
     values = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
@@ -610,14 +584,9 @@ def run_autopsy(
     cause: str = "non_finite",
     spike_over: Sequence[str] = (),
 ) -> Autopsy:
-    """`replay` of a bad step right after it, and its dump; never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``, and is logged.
-
-    `batch_values` are the values the bad step kept of `batch_tensors` (`Capture.tensors`).
-    The dump goes to `dump_dir`'s ``nanguard_autopsy/`` (none when None), with the weights the
-    step read up to `max_dump_weight_bytes`. `spike_over`: `Autopsy.spike_over`. The others
-    are `replay`'s.
-    """
+    """`replay` on the values the bad step kept of `batch_tensors`, dumped (with the weights
+    the step read, up to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless
+    it is None; never raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
@@ -667,13 +636,10 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
         control=False,
         stop=lambda op: op in fed_ops or _is_variable_read(op),
     )
-    reads = [
-        t
-        for op in walk
-        if op not in fed_ops and _is_variable_read(op)
-        for t in op.outputs
-        if _is_float(t)
-    ]
+    reads = []
+    for op in walk:
+        if op not in fed_ops and _is_variable_read(op):
+            reads += filter(_is_float, op.outputs)
     return sorted(reads, key=lambda t: t.name)
 
 
@@ -735,12 +701,9 @@ def _name(t) -> str:
 
 
 def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
-    """Bounds the dumps' disk use: keeps the first `keep_first` and the last `keep_last`.
-
-    The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by their ``written`` time
-    (an older dump without one: first, by name); a dump removed loses its report and arrays.
-    Returns one ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
-    """
+    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``
+    time; an old dump without one first, by name) of `dump_dir`'s ``nanguard_autopsy/``, and
+    returns a ``{"dump": report path, "step": global step}`` per dump removed, oldest first."""
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
@@ -768,12 +731,8 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
 
 
 def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """Reads a dump written by `write_dump` from its JSON report (or its ``.npz``).
-
-    Returns:
-      ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
-      and for the weights the step read (empty if they were too big to keep).
-    """
+    """``(report, batch, weights)`` of a `write_dump` from its JSON report (or ``.npz``): the
+    batch and the weights the step read (empty if too big to keep) as tensor name -> array."""
     import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
 
     if path.endswith(".npz"):
@@ -812,15 +771,10 @@ _MAX_LOSS_TERMS = 10_000
 def per_example_values(
     split: Sequence[Any], whole: Sequence[float], batch_size: int
 ) -> Optional[np.ndarray]:
-    """The per-example losses of a batch, from the contributions of the loss's terms.
-
-    `split` holds, for each term that may be split per example, each element's contribution to
-    the total loss (a term whose leading dimension is not `batch_size` joins `whole`); `whole`
-    the contribution of each term that depends on the batch but cannot be split. Returns one
-    float64 loss per example: the split terms summed per example, times `batch_size` (their
-    mean is the batch's part of the total loss); None when no term can be split, or when one
-    that cannot carries more of the loss than the split ones together.
-    """
+    """Each example's loss (float64): its elements' contributions to the total loss in the
+    `split` terms, summed and times `batch_size` (so that their mean is the batch's part of the
+    loss). A term not batch-major joins `whole` (the contributions of the terms that cannot be
+    split); None when no term is split, or one in `whole` carries more than the split ones."""
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
         c = np.asarray(contribution, dtype=np.float64)
@@ -861,14 +815,12 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples (`rank_examples`' pairs) stand out of the batch: the ones
-    that carried a spike.
+    """How many of the top examples (`rank_examples`' pairs) stand out: carried the spike.
 
-    Judged from the figures the sentence prints: the losses, highest first, then the median,
-    are a chain cut at its largest ratio from one figure to the next; the examples above the
-    cut stand out when that ratio is at least `ratio` (else none does, nor when no loss is
-    above 0). Zero and negative losses count as one step of `ratio` below the lowest positive
-    one; infinite losses stand out of finite ones.
+    The figures the sentence prints (the losses, then the median) are a chain cut at its
+    largest ratio from one to the next; the examples above stand out if it is `ratio` or more
+    (none if no loss is above 0). Zero and negative losses count one step of `ratio` below the
+    lowest positive one; infinite losses stand out of finite ones.
     """
     if median is None or not top_examples:
         return 0
@@ -895,14 +847,9 @@ def explain_spike(
     over: Sequence[str] = (),
 ) -> str:
     """A spike's autopsy in one sentence, such as ``examples 3, 17 of 32 carried the spike
-    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``.
-
-    It names the examples `standing_out` picks; when those are all the examples shown, of a
-    larger batch, it says that others with lower losses may have carried it too. When `over`
-    (the values the spike was caught on) lacks ``"loss"``, it says the examples are a guess.
-    `per_example_loss` is None when the loss cannot be split; `error` says why the replay
-    failed or stopped early.
-    """
+    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``:
+    the examples `standing_out` picks (if those are all shown, of a larger batch, perhaps others
+    too), hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
     if per_example_loss is None or not top_examples:
@@ -966,15 +913,18 @@ def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int) -> Dic
     if found is None:
         return {}
     budget.check("before fetching the per-example losses")
-    fetches = found.fetches()
-    per_example = found.evaluate(
-        dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
+    fetches = list(dict.fromkeys(t for term in found.terms + found.others for t in term.fetches()))
+    values = dict(zip(fetches, budget.run(session, fetches, feeds)))
+    per_example = per_example_values(
+        [term.contribution(values) for term in found.terms],
+        [float(np.sum(term.contribution(values))) for term in found.others],
+        batch_size,
     )
     if per_example is None:
         return {}
     return {
         "top_examples": tuple(rank_examples(per_example)),
-        "per_example_loss": found.name,
+        "per_example_loss": " + ".join(term.tensor.name for term in found.terms),
         "median_loss": median_loss(per_example),
     }
 
@@ -1029,21 +979,6 @@ class PerExampleLoss:
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
 
-    @property
-    def name(self) -> str:
-        """The per-example loss tensors' names, joined by `` + ``."""
-        return " + ".join(term.tensor.name for term in self.terms)
-
-    def fetches(self) -> List[Any]:
-        """What one run fetches to compute the per-example losses (each tensor once)."""
-        return list(dict.fromkeys(t for term in self.terms + self.others for t in term.fetches()))
-
-    def evaluate(self, values: Mapping[Any, Any], batch_size: int) -> Optional[np.ndarray]:
-        """The per-example losses (`per_example_values`) from the fetched `values`, or None."""
-        split = [term.contribution(values) for term in self.terms]
-        whole = [float(np.sum(term.contribution(values))) for term in self.others]
-        return per_example_values(split, whole, batch_size)
-
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
     """The per-example losses behind a total loss, found by walking back from it.
@@ -1051,15 +986,11 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
     The walk goes through the ops that add losses (``AddN``, ``Add``, ``Sub``), reduce them
     (``Mean``, ``Sum``) and weight them by a scalar (``Mul``, ``RealDiv``, ``DivNoNan``: what
     ``tf.compat.v1.losses``, tf-slim's and Keras' losses build) to the first float tensors
-    whose leading dimension is the batch's. Every op on the way is linear, so each example's
-    part of the total loss is exact. A term that does not depend on the batch (a
-    regularization loss) is left out; one that does but is not per example is kept apart.
-    None when no term is per example, the loss reads no batch, or it adds up more than
-    `_MAX_LOSS_TERMS` terms.
+    whose leading dimension is the batch's: linear ops, so each example's part is exact. A term
+    that reads no batch (a regularization loss) is left out. None when no term is per example
+    or there are over `_MAX_LOSS_TERMS`.
     """
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
-    if not batch_ops:
-        return None
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(
         seen, batch_ops.__contains__, _order(loss.graph), valueless=_LOSS_VALUELESS_TYPES
@@ -1092,11 +1023,9 @@ def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
 
 
 def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optional[List[_Term]]:
-    """The terms `term` adds up from, through one linear op; None at any other op.
-
-    A batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
-    weighting (to name the examples' own loss); sums and reductions only above it.
-    """
+    """The terms `term` adds up from, through one linear op; None at any other op. A
+    batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
+    weighting (to name the examples' own loss); sums and reductions only above it."""
     tensor = term.tensor
     op, shape, inputs = tensor.op, tensor.shape, list(tensor.op.inputs)
     if op.type in _LOSS_PASS_TYPES and inputs and _is_float(inputs[0]):
