@@ -1,13 +1,11 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
 The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
-kept its batch. The replay runs the loss and gradient sums on that batch: all finite, the step
-does not reproduce (dropout, a transient fault: not the model). Else it fetches the float
-outputs of the ops in topological order (the batch's own first), a chunk at a time to bound the
-memory, up to the first op whose output holds NaN or Inf while its inputs are finite (a NaN in
-the data makes it the fed op), and stops at a deadline. A spike's step is finite: its replay
-names the examples whose per-example loss carried the spike instead. Every failure is caught
-into `Autopsy.error`: an autopsy never takes training down. The pure parts need no graph.
+kept its batch: a replay of the loss and gradient sums that is finite does not reproduce (not
+the model); else the ops' float outputs are fetched in topological order (the batch first), a
+chunk at a time, up to the first NaN or Inf from finite inputs, or a deadline. A spike's replay
+names the examples whose per-example loss carried it. Every failure goes into `Autopsy.error`:
+an autopsy never takes training down.
 """
 
 from __future__ import annotations
@@ -124,9 +122,9 @@ class Autopsy:
     @property
     def failed(self) -> bool:
         """Whether the replay itself failed (``error`` says why) rather than found something."""
-        if self.cause != NON_FINITE:
-            return self.error is not None and not self.top_examples
-        return self.reproduced is None
+        if self.cause == NON_FINITE:
+            return self.reproduced is None
+        return self.error is not None and not self.top_examples
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
@@ -208,9 +206,7 @@ def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
 
 def where(traceback_lines: Sequence[str]) -> str:
     """``file.py:42`` from the innermost line `user_frames` gave ('' if none)."""
-    if not traceback_lines:
-        return ""
-    return os.path.basename(traceback_lines[-1].split(" in ", 1)[0])
+    return os.path.basename(traceback_lines[-1].split(" in ", 1)[0]) if traceback_lines else ""
 
 
 def explain(
@@ -319,9 +315,8 @@ class _Budget:
     def run(self, session: tf.compat.v1.Session, fetches: List, feeds: Dict) -> List:
         self.runs += 1
         values = session.run(fetches, feeds)
-        fetched = sum(np.asarray(v).nbytes for v in values)
-        fed = sum(np.asarray(v).nbytes for v in feeds.values())
-        self.peak_bytes = max(self.peak_bytes, fetched + fed)
+        moved = sum(np.asarray(v).nbytes for v in [*values, *feeds.values()])
+        self.peak_bytes = max(self.peak_bytes, moved)
         return values
 
     def cost(self) -> Dict[str, Any]:
@@ -602,10 +597,9 @@ def run_autopsy(
         )
         result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
-            weights = {}
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
-            if sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes:
-                weights = dict(zip(reads, session.run(reads)))
+            small = sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes
+            weights = dict(zip(reads, session.run(reads))) if small else {}
             path = write_dump(dump_dir, result, feeds, weights, targets)
             result = dataclasses.replace(result, dump=path)
         return result
@@ -827,7 +821,7 @@ def standing_out(
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
     if np.isposinf(chain[0]):
         infinite = int(np.count_nonzero(np.isposinf(chain)))
-        return infinite if infinite < len(top_examples) + 1 else 0
+        return infinite if infinite < len(chain) else 0
     if not chain[0] > 0:  # No loss above 0 (or a NaN): no ratio to judge by.
         return 0
     positive = chain > 0
@@ -960,10 +954,8 @@ class _Term:
                 f = float(np.asarray(values.get(factor, factor)))
                 if kind == "mul":
                     part = part * f
-                elif kind == "div" or f != 0:
-                    part = part / f
-                else:  # div_no_nan by 0
-                    part = np.zeros_like(part)
+                else:  # div_no_nan by 0 makes 0
+                    part = part / f if kind == "div" or f != 0 else np.zeros_like(part)
             for op in self.means:
                 ratio = np.size(values[op.inputs[0]]) / max(np.size(values[op.outputs[0]]), 1)
                 part = part / ratio
