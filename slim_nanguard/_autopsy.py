@@ -73,19 +73,15 @@ class AutopsyError(Exception):
 class Autopsy:
     """What the replay of one bad step found (a bad step's record holds its `to_json`).
 
-    ``reproduced``: whether the replay was not finite (False: not the model; None: the replay
-    failed first, or a spike). ``first_bad_op``: the first op in topological order with a
-    non-finite output and finite float inputs (None if not found): ``name``, ``type``, ``where``
-    (``file.py:42``), ``traceback`` (the user's frames, outermost first), ``inputs`` and
-    ``output`` (`health` dicts with a ``name``), and ``examples_at`` when ``bad_examples`` (the
-    batch rows non-finite there) are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (most
-    bytes one run fetched), ``runs``, ``ops_checked``. ``cause``: ``"non_finite"`` or the name
-    of the reason that rejected a finite step (``"spike"``), whose replay gives
-    ``top_examples`` (``(index, per-example loss)`` pairs, highest first, at most
-    `TOP_EXAMPLES`; empty when the loss cannot be split), ``per_example_loss`` (the tensors'
-    names joined by `` + ``) and ``median_loss`` (the per-example losses are scaled so that
-    their mean is the batch's part of the total loss); ``spike_over`` are the values it was
-    caught on (without ``"loss"``, `describe` says its examples are a guess).
+    ``reproduced`` is False when the replay is finite (not the model), None when it failed
+    first (``error`` says why) and for a finite step a reason rejected (``cause``, such as
+    ``"spike"``). ``first_bad_op``: the first op with a non-finite output from finite float
+    inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's frames),
+    ``inputs`` and ``output`` (`health` dicts with a ``name``), and ``examples_at`` when the
+    ``bad_examples`` are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (of the largest
+    run), ``runs``, ``ops_checked``. A spike's ``top_examples`` are ``(index, loss)`` pairs,
+    highest first, of the ``per_example_loss`` tensors (their mean is the batch's part of the
+    total loss), and ``spike_over`` what it was caught on (without ``"loss"``, a guess).
     """
 
     reproduced: Optional[bool] = None
@@ -349,8 +345,9 @@ def replay(
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
-    if batch_size is None:
-        batch_size = _batch_size(feeds.values())
+    if batch_size is None:  # The most common leading dimension.
+        leading = [a.shape[0] for a in feeds.values() if a.ndim >= 1]
+        batch_size = max(set(leading), key=leading.count) if leading else 0
     found: Dict[str, Any] = {}
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
@@ -368,11 +365,6 @@ def replay(
 
 def _tensor(graph, t):
     return graph.get_tensor_by_name(t) if isinstance(t, str) else t
-
-
-def _batch_size(arrays) -> int:
-    leading = [np.asarray(a).shape[0] for a in arrays if np.ndim(a) >= 1]
-    return max(set(leading), key=leading.count) if leading else 0
 
 
 def _is_float(tensor) -> bool:
@@ -396,32 +388,27 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
                 f"the step reads {op.name} ({op.type}), which was not kept, so "
                 "it cannot be replayed without taking a new batch"
             )
-    order = _order(targets[0].graph)
     varies = _reaching(  # What makes a value change from step to step.
-        seen, lambda op: op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op), order
+        seen, lambda op: op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
     )
-    found = [
+    return [
         op
-        for op in seen
-        if op in fed_ops  # pylint: disable-next=protected-access
-        or (op._control_flow_context is None and any(map(_is_float, op.outputs)))
+        for op, reached in varies.items()
+        if reached
+        and (
+            op in fed_ops  # pylint: disable-next=protected-access
+            or (op._control_flow_context is None and any(map(_is_float, op.outputs)))
+        )
     ]
-    return sorted((op for op in found if varies[op]), key=order.get)
-
-
-def _order(graph) -> Dict[Any, int]:
-    """Each op of `graph` -> its position (a topological order)."""
-    return {op: i for i, op in enumerate(graph.get_operations())}
 
 
 def _reaching(
-    ops: Sequence[Any],
-    source: Callable[[Any], bool],
-    order: Mapping[Any, int],
-    valueless: frozenset = _SHAPE_TYPES,
+    ops: Sequence[Any], source: Callable[[Any], bool], valueless: frozenset = _SHAPE_TYPES
 ) -> Dict[Any, bool]:
-    """Each of `ops` (a walk back: every input of each op that can reach it) -> whether a value
-    a `source` op makes reaches it; a `valueless` input passes on none (fill(shape(x), nan))."""
+    """Each of `ops` (a walk back: every input of each op that can reach it), in topological
+    order -> whether a value a `source` op makes reaches it; a `valueless` input passes on none
+    (fill(shape(x), nan) is a constant)."""
+    order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
     reaches = {}
     for op in sorted(ops, key=order.get):
         reaches[op] = source(op) or any(
@@ -668,7 +655,7 @@ def write_dump(
         base = f"{stem}-{suffix}"
     kept = {"batch": feeds, "weight": weights}
     listed = {
-        p: [{"key": f"{p}_{i}", "tensor": _name(t)} for i, t in enumerate(d)]
+        p: [{"key": f"{p}_{i}", "tensor": getattr(t, "name", t)} for i, t in enumerate(d)]
         for p, d in kept.items()
     }
     arrays = {f"{p}_{i}": np.asarray(v) for p, d in kept.items() for i, v in enumerate(d.values())}
@@ -681,17 +668,13 @@ def write_dump(
         dump=base + ".json",
         batch=listed["batch"],
         weights=listed["weight"],
-        targets=[_name(t) for t in targets],
+        targets=[getattr(t, "name", t) for t in targets],
         arrays=_paths.basename(base) + ".npz",
         written=time.time(),  # The order `remove_old_dumps` keeps them by.
     )
     with tf.io.gfile.GFile(base + ".json", "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)
     return base + ".json"
-
-
-def _name(t) -> str:
-    return t if isinstance(t, str) else t.name
 
 
 def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
@@ -870,11 +853,9 @@ def explain_spike(
     # tell where the carriers end.
     if count == len(top_examples) and batch_size > count:
         of += " and perhaps others with lower losses"
-    rest = ""
-    if top_examples[count:]:
-        others, figures = _figures(top_examples[count:])
-        plural = "s" if len(top_examples) - count > 1 else ""
-        rest = f"; next highest: example{plural} {others} at {figures}"
+    others, figures = _figures(top_examples[count:])
+    plural = "s" if len(top_examples) - count > 1 else ""
+    rest = f"; next highest: example{plural} {others} at {figures}" if others else ""
     figures = f"(per-example loss {losses}{rest}{at_median})"
     one = count == 1
     if hedge:
@@ -984,9 +965,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
     """
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
-    depends = _reaching(
-        seen, batch_ops.__contains__, _order(loss.graph), valueless=_LOSS_VALUELESS_TYPES
-    )
+    depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)
     leading = {t.shape.as_list()[0] for op in batch_ops for t in op.outputs if t.shape.rank}
     batch_dim = leading.pop() if len(leading) == 1 else None
     terms, others, stack = [], [], [_Term(loss)]
