@@ -50,8 +50,7 @@ _ZERO_INPUTS = {
 }
 # Ops for which a negative input (below -1 for Log1p) is the usual cause.
 _NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
-# Library code and our private modules, left out of an op's traceback: the user's frame is what
-# builds the model.
+# Library code and our private modules, left out of an op's traceback: the user's builds the model.
 _LIBRARY_PARTS = tuple(
     os.sep + part + os.sep
     for part in ("tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy")
@@ -653,12 +652,13 @@ def write_dump(
     while tf.io.gfile.exists(base + ".json"):
         suffix += 1
         base = f"{stem}-{suffix}"
-    kept = {"batch": feeds, "weight": weights}
-    listed = {
-        p: [{"key": f"{p}_{i}", "tensor": getattr(t, "name", t)} for i, t in enumerate(d)]
-        for p, d in kept.items()
-    }
-    arrays = {f"{p}_{i}": np.asarray(v) for p, d in kept.items() for i, v in enumerate(d.values())}
+    arrays, listed = {}, {"batch": [], "weight": []}
+    for prefix, kept in (("batch", feeds), ("weight", weights)):
+        for i, (tensor, value) in enumerate(kept.items()):
+            arrays[f"{prefix}_{i}"] = np.asarray(value)
+            listed[prefix].append(
+                {"key": f"{prefix}_{i}", "tensor": getattr(tensor, "name", tensor)}
+            )
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(base + ".npz", "wb") as f:
@@ -700,8 +700,7 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
         arrays = [_paths.join(directory, report["arrays"])] if report.get("arrays") else []
         for doomed in arrays + [path]:
-            # NotFoundError: removed already (another task of a cluster).
-            with contextlib.suppress(tf.errors.NotFoundError):
+            with contextlib.suppress(tf.errors.NotFoundError):  # Another task removed it.
                 tf.io.gfile.remove(doomed)
         removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
     return removed
@@ -741,7 +740,6 @@ _LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
 _LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
 # Ops whose output holds no value of their input, only its shape.
 _LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
-# The most terms a walk back from a loss looks at.
 _MAX_LOSS_TERMS = 10_000
 
 
@@ -849,8 +847,7 @@ def explain_spike(
             + note
         )
     indices, losses = _figures(top_examples[:count])
-    # Every example shown stands out of the median, but the batch has more: the figures cannot
-    # tell where the carriers end.
+    # All shown stand out, but the batch has more: the figures cannot tell where the carriers end.
     if count == len(top_examples) and batch_size > count:
         of += " and perhaps others with lower losses"
     others, figures = _figures(top_examples[count:])
@@ -954,15 +951,12 @@ class PerExampleLoss:
 
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """The per-example losses behind a total loss, found by walking back from it.
-
-    The walk goes through the ops that add losses (``AddN``, ``Add``, ``Sub``), reduce them
-    (``Mean``, ``Sum``) and weight them by a scalar (``Mul``, ``RealDiv``, ``DivNoNan``: what
-    ``tf.compat.v1.losses``, tf-slim's and Keras' losses build) to the first float tensors
-    whose leading dimension is the batch's: linear ops, so each example's part is exact. A term
-    that reads no batch (a regularization loss) is left out. None when no term is per example
-    or there are over `_MAX_LOSS_TERMS`.
-    """
+    """The per-example losses behind a total loss, found by walking back from it through linear
+    ops (what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build: ``AddN``, ``Add``,
+    ``Sub``, ``Mean``, ``Sum``, scalar ``Mul``, ``RealDiv``, ``DivNoNan``) to the first float
+    tensors whose leading dimension is the batch's, so each example's part is exact. A term that
+    reads no batch (a regularization loss) is left out; None when no term is per example, or
+    there are over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)
