@@ -186,11 +186,8 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
     """The innermost `limit` user's frames of `frames` (``(filename, lineno, name, ...)``, as
-    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``, outermost first.
-
-    Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library) are
-    left out; with no user frame at all, the innermost frame is kept.
-    """
+    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``; library frames are left
+    out (with no user frame at all, the innermost frame is kept)."""
     parsed = [(str(f[0]), int(f[1]), str(f[2])) for f in frames]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
     return [
@@ -258,13 +255,10 @@ def _cause(op: Mapping[str, Any]) -> str:
         low = inputs[0].get("finite_min")
         if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
             return f"input {_short(inputs[0]['name'])} holds {low:.6g}"
-
-    def extreme(h):  # The finite value of largest magnitude, with its sign.
-        low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
-        return low if abs(low) > abs(high) else high
-
-    largest = max(inputs, key=lambda h: abs(extreme(h)))
-    return f"input {_short(largest['name'])} reaches {extreme(largest):.3g}"
+    # Each input's finite value of largest magnitude, with its sign; the first largest of those.
+    extremes = [max(h.get("finite_max") or 0, h.get("finite_min") or 0, key=abs) for h in inputs]
+    largest = max(extremes, key=abs)
+    return f"input {_short(inputs[extremes.index(largest)]['name'])} reaches {largest:.3g}"
 
 
 def _short(tensor_name: str) -> str:
@@ -331,16 +325,12 @@ def replay(
     batch_size: Optional[int] = None,
     cause: str = "non_finite",
 ) -> Autopsy:
-    """Replays a step in `session` (its variables hold the step's weights; nothing is written)
-    on `feeds` (tensor or name -> array): the first non-finite op behind `targets` (the loss and
-    the gradient sums), or for a spike (`targets`: the total loss) its examples.
-
-    The replay gives up (``error`` says where) after `timeout_secs` of `clock`, and fetches
-    about `max_chunk_bytes` per run (from static shapes). `batch_size` defaults to the most
-    common leading dimension of `feeds` (pass it when weights are fed too). Nothing runs when
-    the targets read an input op that is not fed (``error`` says so). Raises only what
-    `session.run` raises.
-    """
+    """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
+    the step's weights (nothing is written): the first non-finite op behind `targets` (the loss
+    and the gradient sums), or for a spike (the total loss) its examples. It gives up after
+    `timeout_secs` of `clock`, fetches about `max_chunk_bytes` per run, and runs nothing when
+    the targets read an unfed input op (``error`` says either); `batch_size` defaults to the
+    most common leading dimension of `feeds`. Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
@@ -371,13 +361,10 @@ def _is_float(tensor) -> bool:
 
 
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on through data edges up to the fed ops, in topological order.
-
-    Left out: an op inside a control-flow context (which cannot be fetched from outside), and
-    one whose value depends on neither the batch nor the weights nor a stateful op (a NaN
-    constant, a mask, is there on purpose: the first bad op is the one that lets it in). Raises
-    AutopsyError when the targets depend on an input op or a placeholder that is not fed.
-    """
+    """The ops the targets depend on through data edges up to the fed ops, in topological order,
+    less those in a control-flow context (not fetchable) and those no value of the batch, the
+    weights or a stateful op reaches (a NaN constant, a mask, is on purpose: the first bad op
+    lets it in). AutopsyError when the targets depend on an input op or placeholder not fed."""
     fed_ops = {t.op for t in feeds}
     seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
     for op in seen:
@@ -484,11 +471,9 @@ def _first_bad_rows(ops, values, batch_size: int):
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
-    """The `Autopsy` fields of first bad op `op`: fetches its inputs and outputs.
-
-    A fed op has no inputs in the replay (what is behind it would take a new batch). When the
-    output of `op` is not batch-major, the examples are the `downstream` ``(op name, rows)``.
-    """
+    """The `Autopsy` fields of first bad op `op`, from its inputs (none for a fed op: what is
+    behind it would take a new batch) and outputs, or the examples of `downstream`'s ``(op
+    name, rows)`` when they are not batch-major."""
     inputs = [] if any(t in feeds for t in op.outputs) else list(filter(_is_float, op.inputs))
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
@@ -792,11 +777,10 @@ def standing_out(
 ) -> int:
     """How many of the top examples (`rank_examples`' pairs) stand out: carried the spike.
 
-    The figures the sentence prints (the losses, then the median) are a chain cut at its
-    largest ratio from one to the next; the examples above stand out if it is `ratio` or more
-    (none if no loss is above 0). Zero and negative losses count one step of `ratio` below the
-    lowest positive one; infinite losses stand out of finite ones.
-    """
+    The figures the sentence prints (the losses, then the median) are a chain cut at its largest
+    ratio from one to the next: the examples above stand out if it is `ratio` or more (none if
+    no loss is above 0). Losses of 0 or less count one step of `ratio` below the lowest positive
+    one; infinite losses stand out of finite ones."""
     if median is None or not top_examples:
         return 0
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
