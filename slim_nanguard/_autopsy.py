@@ -1,25 +1,16 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
 The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
-kept its batch. The autopsy replays the step from both::
-
-    run(loss and gradient sums, feeding the kept batch)
-    all finite?  -> reproduced: False (dropout, a transient fault: not the model); done
-    for each chunk of ops, in topological order (the batch's own ops first):
-        run(their float outputs, feeding the kept batch)     # memory: one chunk at a time
-        the first op whose output holds NaN or Inf, all its inputs being finite, is the
-        first bad op: its name, type, the user's line that built it, the health of its
-        inputs and output, and the rows of the batch that are non-finite there
-        past the deadline? -> stop, say so
-
-A NaN already in the data makes the fed op itself the first bad op. A spike's step is finite:
-its replay is not judged for reproduction, it names the examples whose per-example loss
-carried the spike (the last section). Every failure is caught into `Autopsy.error`: an autopsy
-never takes training down. The pure parts take arrays and dicts and need no graph.
+kept its batch: a replay of the loss and gradient sums that is finite does not reproduce (not
+the model); else the ops' float outputs are fetched in topological order (the batch first), a
+chunk at a time, up to the first NaN or Inf from finite inputs, or a deadline. A spike's replay
+names the examples whose per-example loss carried it. Every failure goes into `Autopsy.error`:
+an autopsy never takes training down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -59,11 +50,11 @@ _ZERO_INPUTS = {
 }
 # Ops for which a negative input (below -1 for Log1p) is the usual cause.
 _NEGATIVE_INPUTS = {"Log": 0.0, "Sqrt": 0.0, "Rsqrt": 0.0, "Log1p": -1.0, "Pow": 0.0}
-# Library code, left out of an op's traceback: the user's frame is what builds the model.
+# Library code and our private modules, left out of an op's traceback: the user's builds the model.
 _LIBRARY_PARTS = tuple(
     os.sep + part + os.sep
     for part in ("tensorflow", "tf_keras", "keras", "tf_slim", "absl", "numpy", "_pytest", "pluggy")
-)
+) + (os.sep + "slim_nanguard" + os.sep + "_",)
 _STDLIB = sysconfig.get_paths().get("stdlib", "\0")
 # The non-finite values a health dict counts: its key, the word for it, the test.
 _NON_FINITE = (
@@ -74,37 +65,22 @@ _NON_FINITE = (
 
 
 class AutopsyError(Exception):
-    """Why a replay could not go on (caught by `run_autopsy` and put in `Autopsy.error`)."""
+    """Why a replay could not go on (caught by `replay` into `Autopsy.error`)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Autopsy:
-    """What the replay of one bad step found.
+    """What the replay of one bad step found (a bad step's record holds its `to_json`).
 
-    Attributes:
-      reproduced: True if the replay was not finite, False if it was (not the model), None if
-        the replay failed first (and for a spike).
-      first_bad_op: The first op in topological order whose output is not finite while its
-        float inputs are: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the
-        user's frames, outermost first), ``inputs`` and ``output`` (a `health` dict with its
-        ``name`` per float tensor); ``examples_at`` when the examples are a later op's. None
-        if not found.
-      bad_examples: Indices in the batch of the examples whose rows are non-finite there.
-      batch_size: The number of examples in the kept batch (0 if unknown).
-      dump: The dump's JSON report (its ``.npz`` holds the batch), or None.
-      cost: ``seconds``, ``peak_bytes`` (most bytes fetched by one run), ``runs``,
-        ``ops_checked``.
-      error: Why the autopsy failed or stopped early, or None.
-      step: The global step of the bad step.
-      cause: ``"non_finite"``, or the name of the reason that rejected a finite step
-        (``"spike"``: far above the running statistics).
-      top_examples: A spike's ``(index, per-example loss)`` pairs, highest first, at most
-        `TOP_EXAMPLES`; empty when the loss cannot be split per example.
-      per_example_loss: The per-example loss tensors' names (joined by `` + ``), or None.
-      median_loss: The median per-example loss of a spike's batch, or None. The per-example
-        losses are scaled so that their mean is the batch's part of the total loss.
-      spike_over: The values a spike was caught on (``"loss"``, ``"grad_norm"``); empty when
-        unknown. Without ``"loss"``, `describe` says its examples are a guess.
+    ``reproduced`` is False when the replay is finite (not the model), None when it failed
+    first (``error`` says why) and for a finite step a reason rejected (``cause``, such as
+    ``"spike"``). ``first_bad_op``: the first op with a non-finite output from finite float
+    inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's frames),
+    ``inputs`` and ``output`` (`health` dicts with a ``name``), and ``examples_at`` when the
+    ``bad_examples`` are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (of the largest
+    run), ``runs``, ``ops_checked``. A spike's ``top_examples`` are ``(index, loss)`` pairs,
+    highest first, of the ``per_example_loss`` tensors (their mean is the batch's part of the
+    total loss), and ``spike_over`` what it was caught on (without ``"loss"``, a guess).
     """
 
     reproduced: Optional[bool] = None
@@ -123,31 +99,27 @@ class Autopsy:
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict (no NaN or Inf floats)."""
-        d = dataclasses.asdict(self)
-        d["bad_examples"] = list(self.bad_examples)
-        d["summary"] = self.describe()
-        return _json_safe(d)
+        return _json_safe(dict(dataclasses.asdict(self), summary=self.describe()))
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Autopsy":
         """The inverse of `to_json` (extra keys are ignored)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs["bad_examples"] = tuple(kwargs.get("bad_examples") or ())
+        kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        for key in ("bad_examples", "spike_over"):
+            kwargs[key] = tuple(kwargs.get(key) or ())
         # JSON keeps a non-finite float as a string ("inf"); float() reads it back.
         top = kwargs.get("top_examples") or ()
         kwargs["top_examples"] = tuple((int(i), float(loss)) for i, loss in top)
         if kwargs.get("median_loss") is not None:
             kwargs["median_loss"] = float(kwargs["median_loss"])
-        kwargs["spike_over"] = tuple(kwargs.get("spike_over") or ())
         return cls(**kwargs)
 
     @property
     def failed(self) -> bool:
         """Whether the replay itself failed (``error`` says why) rather than found something."""
-        if self.cause != NON_FINITE:
-            return self.error is not None and not self.top_examples
-        return self.reproduced is None
+        if self.cause == NON_FINITE:
+            return self.reproduced is None
+        return self.error is not None and not self.top_examples
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
@@ -167,12 +139,9 @@ class Autopsy:
 
 # ---------------------------------------------------------------------- pure parts
 def health(value: Any) -> Dict[str, Any]:
-    """How finite an array (anything `np.asarray` takes) is.
-
-    Returns:
-      ``shape``, ``dtype``, ``size``, and for a numeric dtype ``nan``, ``posinf``, ``neginf``
-      and ``zeros`` counts and ``finite_min`` / ``finite_max`` (None when none is finite).
-    """
+    """How finite an array (anything `np.asarray` takes) is: ``shape``, ``dtype``, ``size``,
+    and for a numeric dtype ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
+    ``finite_min`` / ``finite_max`` (None when none is finite)."""
     a = np.asarray(value)
     d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
     if a.dtype.kind not in "fciubV":
@@ -216,37 +185,20 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
-    """The user's frames of an op's traceback, as ``file.py:42 in fn: code``, outermost first.
-
-    Library frames (TensorFlow, Keras, tf-slim, absl, NumPy, pytest, the standard library)
-    are left out; with no user frame at all, the innermost frame is kept.
-
-    Args:
-      frames: Objects with ``filename``, ``lineno`` and ``name`` (an ``op.traceback``), or
-        ``(filename, lineno, name, line)`` tuples; outermost first.
-      limit: The most frames to keep (the innermost ones).
-    """
-    parsed = []
-    for frame in frames:
-        if isinstance(frame, (tuple, list)):
-            filename, lineno, name = frame[0], frame[1], frame[2]
-        else:
-            filename, lineno, name = frame.filename, frame.lineno, frame.name
-        parsed.append((str(filename), int(lineno), str(name)))
+    """The innermost `limit` user's frames of `frames` (``(filename, lineno, name, ...)``, as
+    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``; library frames are left
+    out (with no user frame at all, the innermost frame is kept)."""
+    parsed = [(str(f[0]), int(f[1]), str(f[2])) for f in frames]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
-    lines = []
-    for filename, lineno, name in mine[-limit:]:
-        code = linecache.getline(filename, lineno).strip()
-        text = f"{filename}:{lineno} in {name}"
-        lines.append(f"{text}: {code}" if code else text)
-    return lines
+    return [
+        ": ".join(filter(None, [f"{file}:{line} in {name}", linecache.getline(file, line).strip()]))
+        for file, line, name in mine[-limit:]
+    ]
 
 
 def where(traceback_lines: Sequence[str]) -> str:
     """``file.py:42`` from the innermost line `user_frames` gave ('' if none)."""
-    if not traceback_lines:
-        return ""
-    return os.path.basename(traceback_lines[-1].split(" in ", 1)[0])
+    return os.path.basename(traceback_lines[-1].split(" in ", 1)[0]) if traceback_lines else ""
 
 
 def explain(
@@ -269,24 +221,19 @@ def explain(
             return f"autopsy failed: {error}"
         return "the replay is not finite, but no single op could be named as the first"
     text = f"first non-finite value: {first_bad_op['name']} ({first_bad_op['type']})"
-    if first_bad_op.get("where"):
-        text += f" at {first_bad_op['where']}"
+    text += f" at {first_bad_op['where']}" if first_bad_op.get("where") else ""
     cause = _cause(first_bad_op)
-    if cause:
-        text += f", {cause}"
-    if bad_examples:
+    text += f", {cause}" if cause else ""
+    if batch_size and len(bad_examples) == batch_size:
+        text += f"; all {batch_size} examples of the batch"
+    elif bad_examples:
         shown = ", ".join(str(i) for i in list(bad_examples)[:10])
         more = f" and {len(bad_examples) - 10} more" if len(bad_examples) > 10 else ""
-        if batch_size and len(bad_examples) == batch_size:
-            text += f"; all {batch_size} examples of the batch"
-        else:
-            noun = "example" if len(bad_examples) == 1 else "examples"
-            text += f"; {noun} {shown}{more} of the batch"
-        if first_bad_op.get("examples_at"):
-            text += f" (from {first_bad_op['examples_at']} on)"
-    if error:
-        text += f" ({error})"
-    return text
+        noun = "example" if len(bad_examples) == 1 else "examples"
+        text += f"; {noun} {shown}{more} of the batch"
+    if bad_examples and first_bad_op.get("examples_at"):
+        text += f" (from {first_bad_op['examples_at']} on)"
+    return text + (f" ({error})" if error else "")
 
 
 def _cause(op: Mapping[str, Any]) -> str:
@@ -308,13 +255,10 @@ def _cause(op: Mapping[str, Any]) -> str:
         low = inputs[0].get("finite_min")
         if low is not None and low < _NEGATIVE_INPUTS[op["type"]]:
             return f"input {_short(inputs[0]['name'])} holds {low:.6g}"
-
-    def extreme(h):  # The finite value of largest magnitude, with its sign.
-        low, high = h.get("finite_min") or 0, h.get("finite_max") or 0
-        return low if abs(low) > abs(high) else high
-
-    largest = max(inputs, key=lambda h: abs(extreme(h)))
-    return f"input {_short(largest['name'])} reaches {extreme(largest):.3g}"
+    # Each input's finite value of largest magnitude, with its sign; the first largest of those.
+    extremes = [max(h.get("finite_max") or 0, h.get("finite_min") or 0, key=abs) for h in inputs]
+    largest = max(extremes, key=abs)
+    return f"input {_short(inputs[extremes.index(largest)]['name'])} reaches {largest:.3g}"
 
 
 def _short(tensor_name: str) -> str:
@@ -323,11 +267,9 @@ def _short(tensor_name: str) -> str:
 
 
 def _is_library(filename: str) -> bool:
-    if any(part in filename for part in _LIBRARY_PARTS):
-        return True
-    if os.sep + "slim_nanguard" + os.sep + "_" in filename:  # our private modules
-        return True
-    return filename.startswith(_STDLIB) and "site-packages" not in filename
+    return any(part in filename for part in _LIBRARY_PARTS) or (
+        filename.startswith(_STDLIB) and "site-packages" not in filename
+    )
 
 
 def _json_safe(value: Any) -> Any:
@@ -362,18 +304,13 @@ class _Budget:
     def run(self, session: tf.compat.v1.Session, fetches: List, feeds: Dict) -> List:
         self.runs += 1
         values = session.run(fetches, feeds)
-        fetched = sum(np.asarray(v).nbytes for v in values)
-        fed = sum(np.asarray(v).nbytes for v in feeds.values())
-        self.peak_bytes = max(self.peak_bytes, fetched + fed)
+        moved = sum(np.asarray(v).nbytes for v in [*values, *feeds.values()])
+        self.peak_bytes = max(self.peak_bytes, moved)
         return values
 
     def cost(self) -> Dict[str, Any]:
-        return {
-            "seconds": round(self.clock() - self.start, 4),
-            "peak_bytes": self.peak_bytes,
-            "runs": self.runs,
-            "ops_checked": self.ops_checked,
-        }
+        counts = {k: getattr(self, k) for k in ("peak_bytes", "runs", "ops_checked")}
+        return {"seconds": round(self.clock() - self.start, 4), **counts}
 
 
 def replay(
@@ -388,70 +325,35 @@ def replay(
     batch_size: Optional[int] = None,
     cause: str = "non_finite",
 ) -> Autopsy:
-    """Replays a step: finds its first non-finite op, or for a spike its examples.
-
-    Args:
-      session: A raw `tf.compat.v1.Session` whose variables hold the step's weights (nothing
-        is written).
-      feeds: The batch: tensor (or name) -> array.
-      targets: The loss and the gradient sums; for a spike, the total loss.
-      timeout_secs: Give up (with ``error`` set) after this many seconds of `clock`.
-      max_chunk_bytes: Fetch about this many bytes per run (estimated from static shapes).
-      clock: The clock of the deadline.
-      step: The global step, recorded in the result.
-      batch_size: The number of examples (default: the most common leading dimension of the
-        fed arrays; pass it when weights are fed too).
-      cause: ``"non_finite"`` or ``"spike"`` (see `Autopsy.cause`).
-
-    Returns:
-      The `Autopsy` (no dump); with ``error`` set and nothing run when the targets read an
-      input op that is not fed. Raises only what `session.run` raises for the reproduction
-      check (`run_autopsy` catches everything).
-    """
+    """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
+    the step's weights (nothing is written): the first non-finite op behind `targets` (the loss
+    and the gradient sums), or for a spike (the total loss) its examples. It gives up after
+    `timeout_secs` of `clock`, fetches about `max_chunk_bytes` per run, and runs nothing when
+    the targets read an unfed input op (``error`` says either); `batch_size` defaults to the
+    most common leading dimension of `feeds`. Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
-    if batch_size is None:
-        batch_size = _batch_size(feeds.values())
-    done = dict(batch_size=batch_size, step=step)
+    if batch_size is None:  # The most common leading dimension.
+        leading = [a.shape[0] for a in feeds.values() if a.ndim >= 1]
+        batch_size = max(set(leading), key=leading.count) if leading else 0
+    found: Dict[str, Any] = {}
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
+        if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
+            found = _replay_spike(session, feeds, targets[0], budget, batch_size)
+        elif all(is_finite_health(health(v)) for v in budget.run(session, targets, feeds)):
+            found = {"reproduced": False}
+        else:
+            found["reproduced"] = True
+            found.update(_first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size))
     except AutopsyError as err:
-        return Autopsy(cost=budget.cost(), error=str(err), cause=cause, **done)
-    if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
-        return _replay_spike(session, feeds, targets[0], budget, cause=cause, **done)
-    values = budget.run(session, targets, feeds)
-    if all(is_finite_health(health(v)) for v in values):
-        return Autopsy(reproduced=False, cost=budget.cost(), **done)
-    found, error = None, None
-    try:
-        found = _first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size)
-    except AutopsyError as err:
-        error = str(err)
-    if found is None:
-        error = error or (
-            "the replay was not finite but no op checked one by one "
-            "was: the step is nondeterministic, or its first non-finite value is "
-            "inside a while loop or a cond"
-        )
-        return Autopsy(reproduced=True, cost=budget.cost(), error=error, **done)
-    described, examples = found
-    return Autopsy(
-        reproduced=True,
-        first_bad_op=described,
-        bad_examples=tuple(examples),
-        cost=budget.cost(),
-        **done,
-    )
+        found["error"] = str(err)
+    return Autopsy(cost=budget.cost(), batch_size=batch_size, step=step, cause=cause, **found)
 
 
 def _tensor(graph, t):
     return graph.get_tensor_by_name(t) if isinstance(t, str) else t
-
-
-def _batch_size(arrays) -> int:
-    leading = [np.asarray(a).shape[0] for a in arrays if np.ndim(a) >= 1]
-    return max(set(leading), key=leading.count) if leading else 0
 
 
 def _is_float(tensor) -> bool:
@@ -459,58 +361,40 @@ def _is_float(tensor) -> bool:
 
 
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on through data edges, in topological order.
-
-    The walk stops at fed ops. An op inside a control-flow context (which cannot be fetched
-    from outside) is not checked, nor one whose value depends on neither the batch nor the
-    weights nor a stateful op: a NaN constant (a mask) is there on purpose, and the first bad
-    op is the one that lets it into the step's values.
-
-    Raises:
-      AutopsyError: The targets depend on an input op or a placeholder that is not fed.
-    """
+    """The ops the targets depend on through data edges up to the fed ops, in topological order,
+    less those in a control-flow context (not fetchable) and those no value of the batch, the
+    weights or a stateful op reaches (a NaN constant, a mask, is on purpose: the first bad op
+    lets it in). AutopsyError when the targets depend on an input op or placeholder not fed."""
     fed_ops = {t.op for t in feeds}
-    seen, found = [], []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__):
-        seen.append(op)
-        if op in fed_ops:
-            found.append(op)
-            continue
+    seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
+    for op in seen:
         # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
-        if op.type in _ops.BATCH_OP_TYPES and op.type != "PlaceholderWithDefault":
+        if op.type in _ops.BATCH_OP_TYPES - {"PlaceholderWithDefault"} and op not in fed_ops:
             raise AutopsyError(
                 f"the step reads {op.name} ({op.type}), which was not kept, so "
                 "it cannot be replayed without taking a new batch"
             )
-        if op._control_flow_context is None and any(  # pylint: disable=protected-access
-            _is_float(t) for t in op.outputs
-        ):
-            found.append(op)
-    order = _order(targets[0].graph)
-
-    def source(op) -> bool:  # What makes a value change from step to step.
-        return op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
-
-    varies = _reaching(seen, source, order)
-    return sorted((op for op in found if varies[op]), key=order.get)
-
-
-def _order(graph) -> Dict[Any, int]:
-    """Each op of `graph` -> its position (a topological order)."""
-    return {op: i for i, op in enumerate(graph.get_operations())}
+    varies = _reaching(  # What makes a value change from step to step.
+        seen, lambda op: op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
+    )
+    return [
+        op
+        for op, reached in varies.items()
+        if reached
+        and (
+            op in fed_ops  # pylint: disable-next=protected-access
+            or (op._control_flow_context is None and any(map(_is_float, op.outputs)))
+        )
+    ]
 
 
 def _reaching(
-    ops: Sequence[Any],
-    source: Callable[[Any], bool],
-    order: Mapping[Any, int],
-    valueless: frozenset = _SHAPE_TYPES,
+    ops: Sequence[Any], source: Callable[[Any], bool], valueless: frozenset = _SHAPE_TYPES
 ) -> Dict[Any, bool]:
-    """Each of `ops` -> whether a value that a `source` op makes reaches it.
-
-    `ops` must hold every input of each op that can reach it (what a walk back gives). An
-    input of a `valueless` type passes on no value (fill(shape(x), nan) is a constant).
-    """
+    """Each of `ops` (a walk back: every input of each op that can reach it), in topological
+    order -> whether a value a `source` op makes reaches it; a `valueless` input passes on none
+    (fill(shape(x), nan) is a constant)."""
+    order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
     reaches = {}
     for op in sorted(ops, key=order.get):
         reaches[op] = source(op) or any(
@@ -548,18 +432,14 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
 
 
 def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
-    """``(described, examples)`` of the first op with a non-finite output, or None."""
+    """`_describe` of the first op with a non-finite output; AutopsyError when there is none."""
     fed = {t.op for t in feeds}
     for op in ops:  # The batch first: a NaN in the data is found without running anything.
         if op in fed:
             budget.ops_checked += 1
-            values = [feeds[t] for t in op.outputs if t in feeds]
-            if any(
-                not is_finite_health(health(v)) for v in values if np.asarray(v).dtype.kind in "fcV"
-            ):
+            if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
                 return _describe(session, op, feeds, budget, batch_size)
-    computed = [op for op in ops if op not in fed]
-    chunks = _chunks(computed, batch_size, max_chunk_bytes)
+    chunks = _chunks([op for op in ops if op not in fed], batch_size, max_chunk_bytes)
     for number, chunk in enumerate(chunks):
         budget.check(
             f"after checking {budget.ops_checked} of {len(ops)} ops (chunk {number + 1} "
@@ -573,7 +453,10 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
                 downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
-    return None
+    raise AutopsyError(
+        "the replay was not finite but no op checked one by one was: the step is "
+        "nondeterministic, or its first non-finite value is inside a while loop or a cond"
+    )
 
 
 def _first_bad_rows(ops, values, batch_size: int):
@@ -588,13 +471,10 @@ def _first_bad_rows(ops, values, batch_size: int):
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
-    """``(described, examples)``: fetches the inputs and outputs of `op` and describes them.
-
-    A fed op has no inputs in the replay (what is behind it would take a new batch). When the
-    output of `op` is not batch-major, the examples are the `downstream` ``(op name, rows)``.
-    """
-    is_fed = any(t in feeds for t in op.outputs)
-    inputs = [] if is_fed else [t for t in op.inputs if _is_float(t)]
+    """The `Autopsy` fields of first bad op `op`, from its inputs (none for a fed op: what is
+    behind it would take a new batch) and outputs, or the examples of `downstream`'s ``(op
+    name, rows)`` when they are not batch-major."""
+    inputs = [] if any(t in feeds for t in op.outputs) else list(filter(_is_float, op.inputs))
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
     values = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
@@ -611,7 +491,7 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
     examples = sorted({i for t in outputs for i in bad_rows(values[t], batch_size)})
     if not examples and downstream is not None:
         described["examples_at"], examples = downstream
-    return described, examples
+    return {"first_bad_op": described, "bad_examples": tuple(examples)}
 
 
 def _traceback(op) -> Sequence[Any]:
@@ -670,17 +550,9 @@ def run_autopsy(
     cause: str = "non_finite",
     spike_over: Sequence[str] = (),
 ) -> Autopsy:
-    """`replay` of a bad step right after it, and its dump; never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``, and is logged.
-
-    Args:
-      batch_tensors: The batch tensors (`Capture.tensors`).
-      batch_values: The values the bad step kept, in the same order.
-      dump_dir: The training directory (the dump goes to its ``nanguard_autopsy/``), or None.
-      max_dump_weight_bytes: The weights the step read go into the dump up to this size.
-      spike_over: For a spike, the values it was caught on (`Autopsy.spike_over`).
-      The others: as `replay`'s.
-    """
+    """`replay` on the values the bad step kept of `batch_tensors`, dumped (with the weights
+    the step read, up to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless
+    it is None; never raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
@@ -696,10 +568,9 @@ def run_autopsy(
         )
         result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
-            weights = {}
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
-            if sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes:
-                weights = dict(zip(reads, session.run(reads)))
+            small = sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes
+            weights = dict(zip(reads, session.run(reads))) if small else {}
             path = write_dump(dump_dir, result, feeds, weights, targets)
             result = dataclasses.replace(result, dump=path)
         return result
@@ -725,14 +596,15 @@ def error_line(err: BaseException) -> str:
 def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
     """The tensors through which the targets read variables (what the step's weights are)."""
     fed_ops = {t.op for t in feeds}
-
-    def stop(op) -> bool:
-        return op in fed_ops or _is_variable_read(op)
-
+    walk = _ops.walk(
+        [t.op for t in targets],
+        control=False,
+        stop=lambda op: op in fed_ops or _is_variable_read(op),
+    )
     reads = []
-    for op in _ops.walk([t.op for t in targets], control=False, stop=stop):
+    for op in walk:
         if op not in fed_ops and _is_variable_read(op):
-            reads += [t for t in op.outputs if _is_float(t)]
+            reads += filter(_is_float, op.outputs)
     return sorted(reads, key=lambda t: t.name)
 
 
@@ -753,31 +625,25 @@ def write_dump(
     weights: Mapping[Any, Any],
     targets: Sequence[Any],
 ) -> str:
-    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``.
-
-    Returns:
-      The path of the JSON report. An existing dump of the same step (a rollback can bring a
-      step back) is kept: the new one gets a ``-2``, ``-3``... suffix.
-    """
+    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``, and
+    returns the JSON report's path. An existing dump of the same step (a rollback can bring a
+    step back) is kept: the new one gets a ``-2``, ``-3``... suffix."""
     import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
 
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     tf.io.gfile.makedirs(directory)
-    base = _paths.join(directory, f"step{result.step}")
+    base = stem = _paths.join(directory, f"step{result.step}")
     suffix = 1
-    while tf.io.gfile.exists((f"{base}-{suffix}" if suffix > 1 else base) + ".json"):
+    while tf.io.gfile.exists(base + ".json"):
         suffix += 1
-    base = f"{base}-{suffix}" if suffix > 1 else base
-    arrays = {}
-
-    def keep(prefix: str, values: Mapping[Any, Any]) -> List[Dict[str, str]]:
-        entries = []
-        for i, (tensor, value) in enumerate(values.items()):
+        base = f"{stem}-{suffix}"
+    arrays, listed = {}, {"batch": [], "weight": []}
+    for prefix, kept in (("batch", feeds), ("weight", weights)):
+        for i, (tensor, value) in enumerate(kept.items()):
             arrays[f"{prefix}_{i}"] = np.asarray(value)
-            entries.append({"key": f"{prefix}_{i}", "tensor": _name(tensor)})
-        return entries
-
-    batch, read = keep("batch", feeds), keep("weight", weights)
+            listed[prefix].append(
+                {"key": f"{prefix}_{i}", "tensor": getattr(tensor, "name", tensor)}
+            )
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(base + ".npz", "wb") as f:
@@ -785,9 +651,9 @@ def write_dump(
     report = dict(
         result.to_json(),
         dump=base + ".json",
-        batch=batch,
-        weights=read,
-        targets=[_name(t) for t in targets],
+        batch=listed["batch"],
+        weights=listed["weight"],
+        targets=[getattr(t, "name", t) for t in targets],
         arrays=_paths.basename(base) + ".npz",
         written=time.time(),  # The order `remove_old_dumps` keeps them by.
     )
@@ -796,19 +662,10 @@ def write_dump(
     return base + ".json"
 
 
-def _name(t) -> str:
-    return t if isinstance(t, str) else t.name
-
-
 def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
-    """Bounds the dumps' disk use: keeps the first `keep_first` and the last `keep_last`.
-
-    The dumps of `dump_dir`'s ``nanguard_autopsy/`` are ordered by their ``written`` time
-    (an older dump without one: first, by name); a dump removed loses its report and arrays.
-
-    Returns:
-      One ``{"dump": report path, "step": global step}`` per dump removed, oldest first.
-    """
+    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``
+    time; an old dump without one first, by name) of `dump_dir`'s ``nanguard_autopsy/``, and
+    returns a ``{"dump": report path, "step": global step}`` per dump removed, oldest first."""
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
@@ -826,23 +683,17 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     dumps.sort(key=lambda d: d[:2])
     removed = []
     for _, path, report in dumps[keep_first : len(dumps) - keep_last]:
-        arrays = _paths.join(directory, report.get("arrays") or "")
-        for doomed in (arrays, path) if report.get("arrays") else (path,):
-            try:
+        arrays = [_paths.join(directory, report["arrays"])] if report.get("arrays") else []
+        for doomed in arrays + [path]:
+            with contextlib.suppress(tf.errors.NotFoundError):  # Another task removed it.
                 tf.io.gfile.remove(doomed)
-            except tf.errors.NotFoundError:  # Removed already (another task of a cluster).
-                pass
         removed.append({"dump": report.get("dump") or path, "step": report.get("step")})
     return removed
 
 
 def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """Reads a dump written by `write_dump` from its JSON report (or its ``.npz``).
-
-    Returns:
-      ``(report, batch, weights)``: the report dict, and tensor name -> array for the batch
-      and for the weights the step read (empty if they were too big to keep).
-    """
+    """``(report, batch, weights)`` of a `write_dump` from its JSON report (or ``.npz``): the
+    batch and the weights the step read (empty if too big to keep) as tensor name -> array."""
     import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
 
     if path.endswith(".npz"):
@@ -852,16 +703,14 @@ def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[st
     with tf.io.gfile.GFile(_paths.join(_paths.dirname(path), report["arrays"]), "rb") as f:
         arrays = io.BytesIO(f.read())
     with np.load(arrays) as data:
-        batch = {e["tensor"]: data[e["key"]] for e in report.get("batch", [])}
-        weights = {e["tensor"]: data[e["key"]] for e in report.get("weights", [])}
+        batch, weights = (
+            {e["tensor"]: data[e["key"]] for e in report.get(part, [])}
+            for part in ("batch", "weights")
+        )
     return report, batch, weights
 
 
 # ---------------------------------------------------------------------- a spike's autopsy
-# Everything below is what a spike's autopsy says: the examples whose per-example loss carried
-# it, found by walking back from the total loss (`find_per_example_loss`), fetched in one run
-# (`_replay_spike`) and judged from the figures its sentence prints (`explain_spike`).
-
 # How many of a spike's examples an autopsy keeps, highest per-example loss first.
 TOP_EXAMPLES = 5
 # An example stands out of a spike's batch when its loss is this many times the next one's.
@@ -876,26 +725,16 @@ _LOSS_SUM_TYPES = frozenset({"AddN", "Add", "AddV2", "Sub"})
 _LOSS_SCALE_TYPES = {"Mul": "mul", "RealDiv": "div", "Div": "div", "DivNoNan": "div_no_nan"}
 # Ops whose output holds no value of their input, only its shape.
 _LOSS_VALUELESS_TYPES = _SHAPE_TYPES | {"OnesLike", "ZerosLike"}
-# The most terms a walk back from a loss looks at.
 _MAX_LOSS_TERMS = 10_000
 
 
 def per_example_values(
     split: Sequence[Any], whole: Sequence[float], batch_size: int
 ) -> Optional[np.ndarray]:
-    """The per-example losses of a batch, from the contributions of the loss's terms.
-
-    Args:
-      split: For each term that may be split per example, each element's contribution to the
-        total loss (a term whose leading dimension is not the batch's joins `whole`).
-      whole: The contribution of each term that depends on the batch but cannot be split.
-      batch_size: The number of examples.
-
-    Returns:
-      One float64 loss per example: the split terms summed per example, times `batch_size`
-      (their mean is the batch's part of the total loss). None when no term can be split, or
-      when one that cannot carries more of the loss than the split ones together.
-    """
+    """Each example's loss (float64): its elements' contributions to the total loss in the
+    `split` terms, summed and times `batch_size` (so that their mean is the batch's part of the
+    loss). A term not batch-major joins `whole` (the contributions of the terms that cannot be
+    split); None when no term is split, or one in `whole` carries more than the split ones."""
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
         c = np.asarray(contribution, dtype=np.float64)
@@ -936,28 +775,18 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples stand out of the batch: the ones that carried a spike.
+    """How many of the top examples (`rank_examples`' pairs) stand out: carried the spike.
 
-    Judged from the figures the sentence prints: the losses, highest first, then the median,
-    are a chain cut at its largest ratio from one figure to the next; the examples above the
-    cut stand out when that ratio is at least `ratio`. Zero and negative losses count as one
-    step of `ratio` below the lowest positive one; infinite losses stand out of finite ones.
-
-    Args:
-      top_examples: ``(index, loss)`` pairs, highest loss first (`rank_examples`).
-      median: The batch's median loss.
-      ratio: The least ratio that sets examples apart.
-
-    Returns:
-      The number of leading examples of `top_examples` that stand out (0 also when no loss is
-      above 0).
-    """
+    The figures the sentence prints (the losses, then the median) are a chain cut at its largest
+    ratio from one to the next: the examples above stand out if it is `ratio` or more (none if
+    no loss is above 0). Losses of 0 or less count one step of `ratio` below the lowest positive
+    one; infinite losses stand out of finite ones."""
     if median is None or not top_examples:
         return 0
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
     if np.isposinf(chain[0]):
         infinite = int(np.count_nonzero(np.isposinf(chain)))
-        return infinite if infinite < len(top_examples) + 1 else 0
+        return infinite if infinite < len(chain) else 0
     if not chain[0] > 0:  # No loss above 0 (or a NaN): no ratio to judge by.
         return 0
     positive = chain > 0
@@ -976,22 +805,10 @@ def explain_spike(
     *,
     over: Sequence[str] = (),
 ) -> str:
-    """A spike's autopsy in one sentence.
-
-    Such as ``examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next
-    highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``, naming the examples
-    `standing_out` picks; when those are all the examples shown, of a larger batch, it says
-    that others with lower losses may have carried it too. When `over` (the values the spike
-    was caught on) lacks ``"loss"``, the sentence says the examples are a guess.
-
-    Args:
-      top_examples: ``(index, loss)`` pairs, highest loss first.
-      batch_size: The number of examples in the batch (0 if unknown).
-      median: The batch's median loss, or None.
-      per_example_loss: The per-example loss tensor's name; None when the loss cannot be split.
-      error: Why the replay failed or stopped early, or None.
-      over: ``"loss"``, ``"grad_norm"``; empty if unknown.
-    """
+    """A spike's autopsy in one sentence, such as ``examples 3, 17 of 32 carried the spike
+    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``:
+    the examples `standing_out` picks (if those are all shown, of a larger batch, perhaps others
+    too), hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
     if per_example_loss is None or not top_examples:
@@ -1014,15 +831,12 @@ def explain_spike(
             + note
         )
     indices, losses = _figures(top_examples[:count])
-    # Every example shown stands out of the median, but the batch has more: the figures cannot
-    # tell where the carriers end.
+    # All shown stand out, but the batch has more: the figures cannot tell where the carriers end.
     if count == len(top_examples) and batch_size > count:
         of += " and perhaps others with lower losses"
-    rest = ""
-    if top_examples[count:]:
-        others, figures = _figures(top_examples[count:])
-        plural = "s" if len(top_examples) - count > 1 else ""
-        rest = f"; next highest: example{plural} {others} at {figures}"
+    others, figures = _figures(top_examples[count:])
+    plural = "s" if len(top_examples) - count > 1 else ""
+    rest = f"; next highest: example{plural} {others} at {figures}" if others else ""
     figures = f"(per-example loss {losses}{rest}{at_median})"
     one = count == 1
     if hedge:
@@ -1045,36 +859,30 @@ def _hedge(over: Sequence[str]) -> str:
     if not over or "loss" in over:
         return ""
     words = " and ".join(_SPIKE_VALUES.get(c, c) for c in over)
-    values = " and ".join(_SPIKE_VALUES.get(c, c).replace("-", " ") for c in over)
     verb = "was" if len(over) == 1 else "were"
-    return f"{words} spike (only the {values} {verb} over spike_sigma)"
+    return f"{words} spike (only the {words.replace('-', ' ')} {verb} over spike_sigma)"
 
 
-def _replay_spike(
-    session, feeds, loss, budget: _Budget, batch_size: int, step: int, cause: str
-) -> Autopsy:
-    """The spike part of `replay`: fetches the per-example losses and ranks the examples."""
-    spike = dict(cause=cause, batch_size=batch_size, step=step)
+def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int) -> Dict[str, Any]:
+    """The spike part of `replay`: the `Autopsy` fields of the examples that carried it."""
     found = find_per_example_loss(loss)
     if found is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    try:
-        budget.check("before fetching the per-example losses")
-    except AutopsyError as err:
-        return Autopsy(cost=budget.cost(), error=str(err), **spike)
-    fetches = found.fetches()
-    per_example = found.evaluate(
-        dict(zip(fetches, budget.run(session, fetches, feeds))), batch_size
+        return {}
+    budget.check("before fetching the per-example losses")
+    fetches = list(dict.fromkeys(t for term in found.terms + found.others for t in term.fetches()))
+    values = dict(zip(fetches, budget.run(session, fetches, feeds)))
+    per_example = per_example_values(
+        [term.contribution(values) for term in found.terms],
+        [float(np.sum(term.contribution(values))) for term in found.others],
+        batch_size,
     )
     if per_example is None:
-        return Autopsy(cost=budget.cost(), **spike)
-    return Autopsy(
-        top_examples=tuple(rank_examples(per_example)),
-        per_example_loss=found.name,
-        median_loss=median_loss(per_example),
-        cost=budget.cost(),
-        **spike,
-    )
+        return {}
+    return {
+        "top_examples": tuple(rank_examples(per_example)),
+        "per_example_loss": " + ".join(term.tensor.name for term in found.terms),
+        "median_loss": median_loss(per_example),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1108,10 +916,8 @@ class _Term:
                 f = float(np.asarray(values.get(factor, factor)))
                 if kind == "mul":
                     part = part * f
-                elif kind == "div" or f != 0:
-                    part = part / f
-                else:  # div_no_nan by 0
-                    part = np.zeros_like(part)
+                else:  # div_no_nan by 0 makes 0
+                    part = part / f if kind == "div" or f != 0 else np.zeros_like(part)
             for op in self.means:
                 ratio = np.size(values[op.inputs[0]]) / max(np.size(values[op.outputs[0]]), 1)
                 part = part / ratio
@@ -1120,55 +926,24 @@ class _Term:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleLoss:
-    """The per-example losses behind a total loss (`find_per_example_loss`).
+    """The per-example losses behind a total loss (`find_per_example_loss`): the ``terms``
+    whose leading dimension is the batch's (summed per example), and the ``others`` that depend
+    on the batch but cannot be split per example."""
 
-    Attributes:
-      loss: The total loss.
-      terms: The terms whose leading dimension is the batch's (summed per example).
-      others: The terms that depend on the batch but cannot be split per example.
-    """
-
-    loss: Any
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
 
-    @property
-    def name(self) -> str:
-        """The per-example loss tensors' names, joined by `` + ``."""
-        return " + ".join(term.tensor.name for term in self.terms)
-
-    def fetches(self) -> List[Any]:
-        """What one run fetches to compute the per-example losses (each tensor once)."""
-        return list(dict.fromkeys(t for term in self.terms + self.others for t in term.fetches()))
-
-    def evaluate(self, values: Mapping[Any, Any], batch_size: int) -> Optional[np.ndarray]:
-        """The per-example losses (`per_example_values`) from the fetched `values`, or None."""
-        split = [term.contribution(values) for term in self.terms]
-        whole = [float(np.sum(term.contribution(values))) for term in self.others]
-        return per_example_values(split, whole, batch_size)
-
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """The per-example losses behind a total loss, found by walking back from it.
-
-    The walk goes through the ops that add losses (``AddN``, ``Add``, ``Sub``), reduce them
-    (``Mean``, ``Sum``) and weight them by a scalar (``Mul``, ``RealDiv``, ``DivNoNan``: what
-    ``tf.compat.v1.losses``, tf-slim's and Keras' losses build) to the first float tensors
-    whose leading dimension is the batch's. Every op on the way is linear, so each example's
-    part of the total loss is exact. A term that does not depend on the batch (a
-    regularization loss) is left out; one that does but is not per example is kept apart.
-
-    Returns:
-      The `PerExampleLoss`, or None when no term is per example, the loss reads no batch, or
-      it adds up more than `_MAX_LOSS_TERMS` terms.
-    """
+    """The per-example losses behind a total loss, found by walking back from it through linear
+    ops (what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build: ``AddN``, ``Add``,
+    ``Sub``, ``Mean``, ``Sum``, scalar ``Mul``, ``RealDiv``, ``DivNoNan``) to the first float
+    tensors whose leading dimension is the batch's, so each example's part is exact. A term that
+    reads no batch (a regularization loss) is left out; None when no term is per example, or
+    there are over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
-    if not batch_ops:
-        return None
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
-    depends = _reaching(
-        seen, batch_ops.__contains__, _order(loss.graph), valueless=_LOSS_VALUELESS_TYPES
-    )
+    depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)
     leading = {t.shape.as_list()[0] for op in batch_ops for t in op.outputs if t.shape.rank}
     batch_dim = leading.pop() if len(leading) == 1 else None
     terms, others, stack = [], [], [_Term(loss)]
@@ -1187,24 +962,19 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
             others.append(term)
     if stack:
         return None
-    return PerExampleLoss(loss, tuple(terms), tuple(others)) if terms else None
+    return PerExampleLoss(tuple(terms), tuple(others)) if terms else None
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
     """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value);
-    one known statically while the batch's is not is not."""
-    if not tensor.shape.rank:
-        return False
-    leading = tensor.shape.as_list()[0]
-    return leading is None or leading == batch_dim
+    not when it is known statically while the batch's is not."""
+    return bool(tensor.shape.rank) and tensor.shape.as_list()[0] in (None, batch_dim)
 
 
 def _terms_below(term: _Term, depends: Mapping[Any, bool], batch_dim) -> Optional[List[_Term]]:
-    """The terms `term` adds up from, through one linear op; None at any other op.
-
-    A batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
-    weighting (to name the examples' own loss); sums and reductions only above it.
-    """
+    """The terms `term` adds up from, through one linear op; None at any other op. A
+    batch-major tensor is looked past only through an ``Identity``, a ``Cast`` or a scalar
+    weighting (to name the examples' own loss); sums and reductions only above it."""
     tensor = term.tensor
     op, shape, inputs = tensor.op, tensor.shape, list(tensor.op.inputs)
     if op.type in _LOSS_PASS_TYPES and inputs and _is_float(inputs[0]):
