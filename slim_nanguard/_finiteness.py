@@ -26,11 +26,9 @@ class StepTest:
     """The test of one train op, the same for both modes.
 
     Attributes:
-      present: The (gradient, variable) pairs that have a gradient, in order.
       grad_sums: The loss, then the sum of each gradient of `present`; run only when fetched.
       kinds: Int32 variable, the `_verdict` kind codes a step whose fast test failed stores.
-      kept: What a bad step stores in the variable `diagnostics`: the sums, then with a loss
-        scale (`scaler`) the step's scale.
+      kept: What a bad step stores in `diagnostics`: the sums (then a loss scale's scale).
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
       cause: With reasons, int32: 0 for a non-finite step, else 1 + the index of the first
@@ -164,13 +162,10 @@ class Gate:
     Attributes:
       gate: What every write waits on: the check's output, or hook mode's pivot; with a
         loss-scale optimizer, open on an overflow step too (the scale's writes wait on it).
-      capture: The batch a bad step keeps, for the autopsy.
       finite_gate: With a loss-scale optimizer, open on a finite step only: every write but
-        the scale's waits on it too. Else None.
-      ok: The boolean the hook fetches (True on a finite step), or None.
-      bad_done: Live on a step that is not finite, after the bad branch's work, or None.
-      check_op_name: The name of the op that raises a bad step's error, or None.
-      judged: Hook mode's `GraphHandles.judged`, or None.
+        the scale's waits on it too.
+      ok: The boolean the hook fetches (True on a finite step).
+      bad_done: Live on a step that is not finite, after the bad branch's work.
     """
 
     mode: Mode
@@ -298,11 +293,8 @@ def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.Dynam
     """The `DynamicLossScale` of a loss-scale optimizer, or None (a fixed scale too: under it
     an overflow is a bad step)."""
     loss_scale = getattr(optimizer, "_loss_scale", None)
-    if hasattr(optimizer, "_optimizer") and isinstance(
-        loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale
-    ):
-        return loss_scale
-    return None
+    dynamic = isinstance(loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale)
+    return loss_scale if dynamic and hasattr(optimizer, "_optimizer") else None
 
 
 def loss_scale_variables(loss_scale) -> list:
@@ -318,14 +310,7 @@ def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
 class _OverflowTest:
     """The test of a train op whose optimizer scales the loss dynamically: a finite step runs
     every write; an overflow (`_verdict.overflow_rule`) the scale's only; any other none.
-
-    Attributes:
-      sums_and_scale: The loss, the sum of each gradient, then the step's loss scale (what
-        `StepTest.kept` becomes).
-      finite: Scalar bool, the loss and all gradients finite (and no reason rejects).
-      overflow: Scalar bool, an overflow step.
-      unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
-    """
+    `unless_overflow` is what check_numerics mode checks: finite on an overflow step."""
 
     floor = _verdict.LOSS_SCALE_FLOOR
 
@@ -419,9 +404,5 @@ def _scratch(graph: tf.Graph, anchor: tf.Tensor, shape, name: str, dtype=tf.floa
     replica_device_setter would share it among workers)."""
     with _capture.guard_variable_scope(graph, anchor):
         return tf.compat.v1.Variable(
-            tf.zeros(shape, dtype),
-            trainable=False,
-            collections=[],
-            use_resource=True,
-            name=name,
+            tf.zeros(shape, dtype), trainable=False, collections=[], use_resource=True, name=name
         )

@@ -1,11 +1,9 @@
 """The spike test: is this step's loss or gradient norm far above those of the accepted steps?
 
-Once `warmup_steps` steps were accepted, a step is a spike when the logarithm of its loss or
-gradient norm is more than `sigma` deviations (at least its column's floor) above the mean of
-the logarithms of the last `window` accepted steps. Values that are not positive never count;
-the warm-up's outliers are left out (negated in ``history``, re-marked by the writes to its
-rows, so a step's test sorts nothing). `reference_z_scores` is the same arithmetic in NumPy.
-Why: docs/guide.md, "The spike guard".
+After `warmup_steps` accepted steps, a step is a spike when the logarithm of its loss or norm
+is more than `sigma` deviations above the mean of those of the last `window` accepted steps
+(warm-up outliers left out). `reference_z_scores` is the same arithmetic in NumPy. Why:
+docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
@@ -45,17 +43,16 @@ class SpikeTest:
     """The spike test of a step, against the statistics of the accepted steps before it.
 
     Attributes:
-      history: float64 variable ``[window, 2]``, the ``[loss, norm]`` of the last accepted
-        steps (a ring): 0 for a value not finite or not positive, a warm-up outlier negated;
-        the statistics count the positive entries.
+      history: float64 variable ``[window, 2]``, a ring of the last accepted ``[loss, norm]``:
+        0 for a value not finite or not positive, a warm-up outlier negated (the writes to the
+        warm-up's rows re-mark them, so a step's test sorts nothing).
       count: int64 variable, the rows written since the statistics began (one an accepted
         step) or were re-seeded (`reseed` counts the rows it writes).
       floor: float64 variable ``[2]``, each column's least deviation: `FLOOR`, or after a new
         level the old level's (a level judged on a few values is judged no more narrowly).
-      mean, std: float64 ``[2]``, the mean and deviation (at least `floor`) of the logarithms
-        of the window's losses and norms.
-      threshold: float64 ``[2]``: ``exp(mean + sigma * std)``.
-      spike: Scalar bool, True when warm-up is over and a value exceeds its threshold.
+      mean, std: float64 ``[2]``, of the logarithms of the window's positive entries.
+      spike: Scalar bool, True when warm-up is over and a value exceeds ``threshold``,
+        ``exp(mean + sigma * std)``.
     """
 
     def __init__(
@@ -99,8 +96,8 @@ class SpikeTest:
 
     @functools.cached_property
     def z(self) -> tf.Tensor:
-        """Float64 ``[2]``: the step's z-scores of loss and norm (0 during a column's warm-up
-        and for a value that is NaN or not positive; +Inf for +Inf). Built on first use."""
+        """Float64 ``[2]``: the step's z-scores (0 in a column's warm-up and for a NaN or a value
+        not positive; +Inf for +Inf)."""
         return self.z_scores()
 
     def z_scores(self) -> tf.Tensor:
@@ -109,8 +106,7 @@ class SpikeTest:
             return _z_scores(self.values, self.mean, self.std, self._live)
 
     def judged(self) -> tf.Tensor:
-        """New ops: float64 vector of `JUDGED_FIELDS`, the step's values and the statistics
-        (before its update) its z-scores are measured against (`z_of_judged`)."""
+        """New ops: float64 vector of `JUDGED_FIELDS` (the statistics before the step's update)."""
         with tf.name_scope(self._scope):
             live = tf.cast(self._live, tf.float64)
             return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
@@ -146,9 +142,8 @@ class SpikeTest:
             return tf.group(written, trimmed, name="update")
 
     def _trim_warmup(self, count: tf.Tensor) -> tf.Tensor:
-        """Re-marks the warm-up's outliers (negated) for a window of `count` accepted steps;
-        True once written. Only signs change (a product): a row another worker writes
-        meanwhile keeps its value."""
+        """Re-marks the warm-up's outliers for `count` accepted steps; True once written. Only
+        signs change (a product): a row another worker writes meanwhile keeps its value."""
         rows = self.history.read_value()[: self.warmup_steps]
         outliers = _warmup_outliers(
             tf.abs(rows), count, self.window, self.sigma, self.floor.read_value()
@@ -216,13 +211,6 @@ class SpikeTest:
 JUDGED_FIELDS = _fields("", "log_mean_", "log_std_", "live_")
 
 
-def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
-    """Float64 ``[2]``: `SpikeTest.z` from a stored `SpikeTest.judged` vector (0 in a column's
-    warm-up, and for a vector of zeros: nothing stored yet)."""
-    values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
-    return _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
-
-
 def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tensor) -> tf.Tensor:
     """The z-scores of `values`' logarithms, 0 where not `live`, for a NaN or a value <= 0."""
     usable = values > 0
@@ -286,8 +274,10 @@ class Spike(_reasons.Reason):
         return phrase(figures)
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """The last accepted step's ``grad_norm``, ``z_loss`` and ``z_grad_norm``."""
-        z = z_of_judged(judged)
+        """The last accepted step's ``grad_norm``, ``z_loss`` and ``z_grad_norm`` (z 0 in a
+        column's warm-up and before any step is stored)."""
+        values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
+        z = _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
         shown = {c: judged[i] for i, c in enumerate(COLUMNS) if c != "loss"}
         return shown | {f"z_{c}": z[i] for i, c in enumerate(COLUMNS)}
 
@@ -329,14 +319,10 @@ def deviations(z: float, sigma: float) -> str:
 
 def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Variable:
     """A statistics variable: saved with the model, not trained."""
-    return tf.compat.v1.get_variable(
-        name,
-        shape,
-        dtype,
-        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer(),
-        trainable=False,
-        use_resource=True,
+    init = (
+        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer()
     )
+    return tf.compat.v1.get_variable(name, shape, dtype, init, trainable=False, use_resource=True)
 
 
 # A robust deviation of normal data: 1.4826 times the median absolute deviation.
