@@ -47,19 +47,17 @@ class StepTest:
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
-        self.grad_sums = _gradient_sums(loss, [g for g, _ in self.present])
-        kinds_shape = [len(self.present) + 1]
-        self.kinds = _scratch(graph, self.grad_sums, kinds_shape, "value_kinds", tf.int32)
-        self.verdict = _verdict.Verdict(
-            [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
-        )
+        grads = [g for g, _ in self.present]
+        self.grad_sums = _gradient_sums(loss, grads)
+        self.kinds = _scratch(graph, self.grad_sums, [len(grads) + 1], "value_kinds", tf.int32)
+        self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
         self.reasons, self.tests = (), ()
         if reasons:
             self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
-            self.kept = _gradient_sums(loss, [g for g, _ in self.present])
+            self.kept = _gradient_sums(loss, grads)
         self.scaler = None
         if loss_scale is not None:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)

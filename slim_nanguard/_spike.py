@@ -293,6 +293,7 @@ def phrase(report: Dict[str, Any]) -> str:
     ]
     others = [c for c in NAMES if c not in over]
     tail = ", ".join(f"{NAMES[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
+    tail = f"; {tail}" if tail else ""
     head = "; ".join(parts) or "no value above spike_sigma"
     window = report.get("window_steps", report["accepted_steps"])
     over_what = f"over the last {window} accepted steps"
@@ -303,7 +304,6 @@ def phrase(report: Dict[str, Any]) -> str:
             f"{report['level_values']} spikes, each taken {report['level_repeats']} times, "
             f"and {window - level} accepted since"
         )
-    tail = f"; {tail}" if tail else ""
     return f"spike: {head} (spike_sigma={report['sigma']:g}, {over_what}{tail})"
 
 
@@ -396,13 +396,12 @@ def reference_z_scores(
     """`SpikeTest`'s z-scores in NumPy of ``value = (loss, norm)`` against the last `window`
     `accepted` pairs (no warm-up gate); NaN for a value not positive or a column with no entry."""
     accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
-    count = len(accepted)
-    keep = np.ones(count, bool)
-    keep[: max(count - window, 0)] = False
+    index = np.arange(len(accepted))
+    keep = index >= len(accepted) - window
     scores = []
     for column, current in enumerate(value):
         positive = keep & (accepted[:, column] > 0)
-        warm = positive & (np.arange(count) < warmup)
+        warm = positive & (index < warmup)
         logs = np.log(np.where(positive, accepted[:, column], 1.0))
         entries = int(warm.sum())
         if entries >= MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
