@@ -207,10 +207,7 @@ def build_gate(
     `autopsy`, keeps `loss`'s batch. `config` names the policy in the errors."""
     build = _check_numerics_gate if check_numerics else _hook_gate
     gate = build(test, config, forward, loss, autopsy)
-    if test.scaler is None:
-        return gate
-    pivot, finite_gate, ok, bad_done = test.scaler.gates(gate.gate, gate.ok, gate.bad_done)
-    return dataclasses.replace(gate, gate=pivot, finite_gate=finite_gate, ok=ok, bad_done=bad_done)
+    return gate if test.scaler is None else test.scaler.gated(gate)
 
 
 def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
@@ -229,7 +226,15 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
     checked = test.checked if test.scaler is None else test.scaler.unless_overflow
     with tf.control_dependencies(ready + capture.control_inputs):
-        check, check_op = _check(test, checked, config)
+        if not test.reasons:
+            check = tf.debugging.check_numerics(checked, _check_message(config))
+            return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
+        # An Assert whose message names the cause (CheckNumerics: "Tensor had NaN values").
+        messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
+        message = tf.gather(tf.constant(messages), test.cause, name="check_message")
+        check_op = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
+        with tf.control_dependencies([check_op]):
+            check = tf.identity(checked, name="checked")
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
 
 
@@ -238,19 +243,6 @@ def _after(ops: Sequence, bad: tf.Tensor, good: tf.Tensor) -> tf.Tensor:
     with tf.control_dependencies(ops):
         done = tf.identity(bad)
     return control_flow_ops.merge([tf.identity(good), done])[0]
-
-
-def _check(test: StepTest, checked: tf.Tensor, config) -> Tuple[tf.Tensor, tf.Operation]:
-    """``(checked once checked finite, the op that raises)``. With reasons an Assert whose
-    message names the step's cause (CheckNumerics would say "Tensor had NaN values")."""
-    if not test.reasons:
-        check = tf.debugging.check_numerics(checked, _check_message(config))
-        return check, check.op
-    messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
-    message = tf.gather(tf.constant(messages), test.cause, name="check_message")
-    check = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
-    with tf.control_dependencies([check]):
-        return tf.identity(checked, name="checked"), check
 
 
 def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
@@ -328,21 +320,21 @@ class _OverflowTest:
         )
         self.unless_overflow = tf.where(self.overflow, tf.zeros_like(test.checked), test.checked)
 
-    def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
-        """`Gate`'s ``(gate, finite_gate, ok, bad_done)`` from the mode's (`ok` None in
-        check_numerics mode); ``ok`` is False on an overflow step."""
-        if ok is None:  # check_numerics mode
+    def gated(self, gate: Gate) -> Gate:
+        """The mode's `gate` for a loss-scaled train op (its ``ok`` False on an overflow)."""
+        if gate.ok is None:  # check_numerics mode
             untaken, taken = control_flow_ops.switch(self.finite, self.finite)
             finite_gate = tf.identity(taken, name="finite_pivot")
             ok, _ = control_flow_ops.merge(
                 [finite_gate, tf.identity(untaken)], name="all_finite_checked"
             )
             # The check's output, live past the check on a step that is not finite.
-            overflow_done, _ = control_flow_ops.switch(gate, self.finite, name="overflow_done")
-            return gate, finite_gate, ok, overflow_done
+            done, _ = control_flow_ops.switch(gate.gate, self.finite, name="overflow_done")
+            return dataclasses.replace(gate, finite_gate=finite_gate, ok=ok, bad_done=done)
         writable = tf.logical_or(self.finite, self.overflow)
         _, taken = control_flow_ops.switch(writable, writable)
-        return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
+        pivot = tf.identity(taken, name="pivot_unless_bad")
+        return dataclasses.replace(gate, gate=pivot, finite_gate=gate.gate)
 
 
 def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:

@@ -1,10 +1,6 @@
-"""A new level: a run of spikes that is where training now lives, told from a divergence.
-
-`judge_run` takes ``spike_level_shift_steps`` spikes in a row as a new level when, in each
-value over its threshold, they hold together and lie at most `MAX_RISE` times above the
-typical value before them; the guard then re-seeds the spike statistics with them and puts the
-level on probation (`_policy.decide`). Why: docs/guide.md, "A new level is not a spike".
-"""
+"""A new level: a run of spikes that is where training now lives, told from a divergence by
+`judge_run`; the guard re-seeds the spike statistics with it and puts it on probation
+(`_policy.decide`). Why: docs/guide.md, "A new level is not a spike"."""
 
 from __future__ import annotations
 
@@ -78,7 +74,8 @@ class LevelShift:
 
 def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:
     """The `LevelShift` of the last `needed` (0: never) of the run's `spikes` (oldest first,
-    each a ``step`` and `_spike.read_report`'s figures), or None."""
+    each a ``step`` and `_spike.read_report`'s figures), or None: too few, they do not hold
+    together, or they lie more than `MAX_RISE` times above the values before them."""
     if needed <= 0 or len(spikes) < needed:
         return None
     run = list(spikes)[-needed:]

@@ -1,9 +1,6 @@
-"""The spike test: is this step's loss or gradient norm far above those of the accepted steps?
-
-After `warmup_steps` accepted steps, a step is a spike when the logarithm of its loss or norm
-is more than `sigma` deviations above the mean of those of the last `window` accepted steps
-(warm-up outliers left out). `reference_z_scores` is the same arithmetic in NumPy. Why:
-docs/guide.md, "The spike guard".
+"""The spike test: is the logarithm of this step's loss or gradient norm more than `sigma`
+deviations above the mean of the last `window` accepted steps' (warm-up outliers left out)?
+`reference_z_scores` is the same arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
@@ -344,12 +341,9 @@ def _entries(values: tf.Tensor) -> tf.Tensor:
 
 
 def _warmup_outliers(rows, count, window: int, sigma: float, floor) -> tf.Tensor:
-    """Bool ``[warmup, 2]``: the warm-up's outliers among `rows`, the magnitudes of the window's
-    first ``warmup`` rows (until the ring overwrites them once `count` passes `window`).
-
-    With `MIN_WARMUP_ENTRIES` or more, an entry farther from their median than `OUTLIER_SIGMAS`
-    times `sigma` robust deviations (at least `floor`) and than a factor `OUTLIER_RATIO`.
-    """
+    """Bool ``[warmup, 2]``: the outliers among `rows`, the magnitudes of the window's first
+    ``warmup`` rows (until the ring overwrites them once `count` passes `window`), by the
+    constants above (the robust deviation at least `floor`)."""
     warmup = rows.shape[0]
     index = tf.range(warmup, dtype=tf.int64)
     warm = (rows > 0) & (count <= window + index)[:, None]

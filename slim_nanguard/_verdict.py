@@ -107,12 +107,11 @@ class Verdict:
 
     Attributes:
       tensors: The loss (if given), then the gradients: what `kinds` describes, in order.
-      total: The loss plus half the gradients' sum of squares (`half_squares`).
-      fast: ``is_finite(total)``: True proves every value finite; False means "maybe not".
+      fast: ``is_finite(total)``, the loss plus half the gradients' sum of squares: True
+        proves every value finite; False means "maybe not".
       kinds: Int32 vector, the `kind_code` of each of `tensors`, only on a failed fast test.
       checked: Scalar, non-finite exactly when a value of `tensors` is: `total` when the fast
-        test passes, else 0.0, NaN (one is NaN) or Inf.
-      ok: Scalar bool, exact: ``is_finite(checked)``.
+        test passes, else 0.0, NaN (one is NaN) or Inf. `ok` is ``is_finite(checked)``.
     """
 
     def __init__(
