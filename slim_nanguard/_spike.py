@@ -322,15 +322,13 @@ def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Var
     return tf.compat.v1.get_variable(name, shape, dtype, init, trainable=False, use_resource=True)
 
 
-# A robust deviation of normal data: 1.4826 times the median absolute deviation.
+# A warm-up outlier, among at least MIN_WARMUP_ENTRIES entries, is farther from their median
+# than OUTLIER_SIGMAS times `sigma` robust deviations (MAD_SCALE times the median absolute
+# deviation; twice the test's bar: a heavy tail stays in, a spike the test would reject does
+# not) and than a factor OUTLIER_RATIO (twenty values cannot tell a tail seen once from a spike).
 MAD_SCALE = 1.4826
-# The fewest warm-up entries among which an outlier is told.
 MIN_WARMUP_ENTRIES = 5
-# Times `sigma` robust deviations from the warm-up's median that make an outlier (twice the
-# test's bar: a heavy tail stays in, a spike the test would reject does not).
 OUTLIER_SIGMAS = 2.0
-# And at least this factor from the median (twenty values cannot tell a tail seen once from
-# a spike).
 OUTLIER_RATIO = 100.0
 
 
