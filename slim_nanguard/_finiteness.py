@@ -1,16 +1,6 @@
-"""The per-step test (`StepTest`), the same for both modes, and each mode's `Gate`.
-
-`build_gate` puts the test in front of the writes:
-
-* check_numerics mode: the writes wait on a check op; a bad step stores its sums (and report),
-  puts the forward pass's writes back and keeps its batch, then raises before any write.
-* hook mode: the writes wait on the taken side of a ``Switch`` on ``ok`` (the pivot); the
-  untaken side, live on a bad step only, does the same stores and fails a step nothing judges
-  (`Guard.mark_judged`). The hook fetches ``ok``.
-
-With reasons (a spike policy), ``ok`` is "all finite and no reason rejects"; without, none of
-their ops is built.
-"""
+"""The per-step test (`StepTest`), the same for both modes, and each mode's `Gate` in front of
+the writes: a check op that raises, or a ``Switch`` on ``ok`` the hook fetches. A bad step
+stores its sums (and report), puts the forward pass's writes back and keeps its batch."""
 
 from __future__ import annotations
 
@@ -33,27 +23,18 @@ from slim_nanguard._types import Mode
 
 
 class StepTest:
-    """The finiteness test of one train op, the same for both modes.
+    """The test of one train op, the same for both modes.
 
     Attributes:
-      present: The (gradient, variable) pairs that have a gradient, in order.
       grad_sums: The loss, then the sum of each gradient of `present`; run only when fetched.
-      kinds: Int32 variable: the `_verdict` kind code of the loss and of each gradient,
-        stored on a step whose fast test failed.
-      verdict: The exact `_verdict.Verdict` over the loss and the gradients.
-      scaler: The `_OverflowTest` of a dynamic loss-scale optimizer, or None.
-      kept: What a bad step stores in `diagnostics`: the sums (built in `when_bad`), then
-        with a loss scale the step's scale.
-      diagnostics: The variable `kept` is stored in.
-      reasons: The `_reasons.Reason`s besides non-finite values; `tests`, their tests.
+      kinds: Int32 variable, the `_verdict` kind codes a step whose fast test failed stores.
+      kept: What a bad step stores in `diagnostics`: the sums (then a loss scale's scale).
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
       cause: With reasons, int32: 0 for a non-finite step, else 1 + the index of the first
-        reason that rejects it; else None.
-      report: With reasons, the float64 variable a bad step stores ``cause + 1`` and each
-        reason's report in; else None.
-      judged: With reasons, the float64 variable an accepted step stores each reason's
-        judged values in, for the summaries; else None.
+        reason that rejects it.
+      report: With reasons, the variable a bad step stores ``cause + 1`` and the reports in.
+      judged: With reasons, the variable an accepted step stores the judged values in.
     """
 
     def __init__(
@@ -63,55 +44,30 @@ class StepTest:
         loss_scale=None,
         reasons: Sequence[_reasons.Reason] = (),
     ):
-        """Builds the test in the current name scope.
-
-        Args:
-          loss: The total loss.
-          grads_and_vars: The (gradient, variable) pairs the train op applies.
-          loss_scale: The `DynamicLossScale` of a loss-scale optimizer, or None.
-          reasons: The reasons to reject a step besides non-finite values, in order (the
-            first that rejects names the cause); empty for the non-finite test alone.
-        """
+        """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
-        self.grad_sums = _gradient_sums(loss, [g for g, _ in self.present])
-        # In no collection (neither saved nor initialised): only read after a write.
-        with _capture.guard_variable_scope(graph, self.grad_sums):
-            self.kinds = tf.compat.v1.Variable(
-                tf.zeros([len(self.present) + 1], tf.int32),
-                trainable=False,
-                collections=[],
-                use_resource=True,
-                name="value_kinds",
-            )
-        self.verdict = _verdict.Verdict(
-            [g for g, _ in self.present], loss=loss, kinds_variable=self.kinds
-        )
+        grads = [g for g, _ in self.present]
+        self.grad_sums = _gradient_sums(loss, grads)
+        self.kinds = _scratch(graph, self.grad_sums, [len(grads) + 1], "value_kinds", tf.int32)
+        self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
         self.reasons, self.tests = (), ()
         if reasons:
             self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
-            self.kept = _gradient_sums(loss, [g for g, _ in self.present])
+            self.kept = _gradient_sums(loss, grads)
         self.scaler = None
         if loss_scale is not None:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)
             self.kept = self.scaler.sums_and_scale
-        # In no collection, as `kinds`; on this worker, outside any loop: a
-        # replica_device_setter would put it on the ps, shared by all workers.
-        with _capture.guard_variable_scope(graph, self.grad_sums):
-            self.diagnostics = tf.compat.v1.Variable(
-                tf.zeros(self.kept.shape, self.kept.dtype),
-                trainable=False,
-                collections=[],
-                use_resource=True,
-                name="gradient_sums",
-            )
+        self.diagnostics = _scratch(
+            graph, self.grad_sums, self.kept.shape, "gradient_sums", self.kept.dtype
+        )
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
-        """Makes each reason one more way to fail: `ok`, `checked`, the bad branch, `report`
-        and `judged`."""
+        """Makes each reason one more way to fail."""
         graph = loss.graph
         values = _reasons.StepValues(
             loss,
@@ -125,8 +81,8 @@ class StepTest:
         self.tests = tuple(reason.build(values) for reason in self.reasons)
         rejects = [test.reject for test in self.tests]
         rejected = rejects[0] if len(rejects) == 1 else tf.reduce_any(tf.stack(rejects))
-        # A rejection adds a NaN to the checked value: `checked` is non-finite, and `ok`
-        # False, exactly when a value is non-finite or a reason rejects the step.
+        # A rejection adds a NaN: `checked` is non-finite exactly when a value is or a reason
+        # rejects the step.
         dtype = self.verdict.checked.dtype
         penalty = tf.where(rejected, tf.constant(np.nan, dtype), tf.constant(0.0, dtype))
         self.checked = tf.add(self.verdict.checked, penalty, name="checked_no_spike")
@@ -141,12 +97,11 @@ class StepTest:
         self._report_store = self.report.assign(report, read_value=False)
         fields = sum(len(r.judged_fields) for r in self.reasons)
         self.judged = _scratch(graph, self.grad_sums, [fields], "last_accepted_step")
-        # Tagged nanguard/... whatever the scope.
-        with tf.name_scope("nanguard/"):
+        with tf.name_scope("nanguard/"):  # Tagged nanguard/... whatever the scope.
             self._add_summaries()
 
     def accepted_writes(self) -> list:
-        """What an accepted step writes for its reasons; the caller builds it behind the gate."""
+        """What an accepted step writes for its reasons (build behind the gate)."""
         writes = [op for test in self.tests for op in test.writes()]
         judged = [test.judged() for test in self.tests if test.judged is not None]
         if judged:
@@ -155,8 +110,7 @@ class StepTest:
         return writes
 
     def _add_summaries(self) -> None:
-        """Each reason's summaries of the last accepted step (zeros before one), read from
-        `judged`, so that a summary run takes no batch."""
+        """Each reason's summaries of the last accepted step, read from `judged` (no batch)."""
         stored = _ops.read_once_written(self.judged, 0.0)
         start = 0
         for reason in self.reasons:
@@ -173,33 +127,24 @@ class StepTest:
         return tuple(v for test in self.tests for v in test.variables)
 
     def ok_switch(self) -> Tuple[tf.Tensor, tf.Tensor]:
-        """``(untaken, taken)``: `ok` switched on itself, built once and shared; the untaken
-        side is live on a bad step only, the taken side on a good one."""
+        """``(untaken, taken)``: `ok` switched on itself, built once."""
         if self._switch is None:
             self._switch = control_flow_ops.switch(self.ok, self.ok)
         return self._switch
 
-    @contextlib.contextmanager
-    def when_bad(self) -> Iterator[None]:
-        """Ops built in this block run when the fast test failed (without reasons) or `ok` is
-        False (with)."""
+    def when_bad(self):
+        """A block whose ops run on a bad step only (when the fast test failed, without reasons)."""
         if self._bad is None:
-            with self.verdict.when_failed():
-                yield
-        else:
-            with tf.control_dependencies([self._bad]):
-                yield
+            return self.verdict.when_failed()
+        return tf.control_dependencies([self._bad])
 
     def stores(self) -> list:
         """What a bad step stores for the loop besides the sums: the report, with reasons."""
         return [] if self.report is None else [self._report_store]
 
     def after_bad_stores(self, ops: Sequence) -> tf.Tensor:
-        """With reasons: a tensor live on every step, after `ops` (built in `when_bad`) and the
-        report's store on a bad step."""
-        with tf.control_dependencies(list(ops) + self.stores()):
-            done = tf.identity(self._bad)
-        return control_flow_ops.merge([tf.identity(self._good), done])[0]
+        """With reasons: live on every step, after `ops` and the report's store on a bad step."""
+        return _after(list(ops) + self.stores(), self._bad, self._good)
 
 
 @contextlib.contextmanager
@@ -213,16 +158,12 @@ class Gate:
     """The test, put in front of the writes of one mode.
 
     Attributes:
-      mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
-      gate: What every write waits on: the check's output, or hook mode's pivot. With a
+      gate: What every write waits on: the check's output, or hook mode's pivot; with a
         loss-scale optimizer, open on an overflow step too (the scale's writes wait on it).
       finite_gate: With a loss-scale optimizer, open on a finite step only: every write but
-        the scale's waits on it too. Else None.
-      ok: The boolean the hook fetches (True on a finite step), or None.
-      bad_done: Live on a step that is not finite, after the bad branch's work, or None.
-      check_op_name: The name of the op that raises a bad step's error, or None.
-      judged: Hook mode's `GraphHandles.judged`, or None.
-      capture: The batch a bad step keeps, for the autopsy.
+        the scale's waits on it too.
+      ok: The boolean the hook fetches (True on a finite step).
+      bad_done: Live on a step that is not finite, after the bad branch's work.
     """
 
     mode: Mode
@@ -262,19 +203,15 @@ def build_gate(
     loss: tf.Tensor,
     autopsy: bool,
 ) -> Gate:
-    """Puts `test` in front of the writes, in check_numerics mode if `check_numerics`: a bad
-    step puts `forward`'s writes back and, with `autopsy`, keeps `loss`'s batch. `config`
-    names the policy in the errors."""
+    """Puts `test` in front of the writes: a bad step puts `forward`'s writes back and, with
+    `autopsy`, keeps `loss`'s batch. `config` names the policy in the errors."""
     build = _check_numerics_gate if check_numerics else _hook_gate
     gate = build(test, config, forward, loss, autopsy)
-    if test.scaler is None:
-        return gate
-    pivot, finite_gate, ok, bad_done = test.scaler.gates(gate.gate, gate.ok, gate.bad_done)
-    return dataclasses.replace(gate, gate=pivot, finite_gate=finite_gate, ok=ok, bad_done=bad_done)
+    return gate if test.scaler is None else test.scaler.gated(gate)
 
 
 def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
-    """Check_numerics mode: a check op the writes wait on; a bad step raises there."""
+    """A check op the writes wait on; a bad step raises there."""
     # Stored on a step whose fast test failed (or that is a spike), before the check raises.
     store = test.diagnostics.assign(test.kept, read_value=False)
     ready = []
@@ -283,47 +220,43 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
     else:
         ready.append(test.after_bad_stores([store]))
     if forward.snapshots:  # Put back before the check raises.
-        ok = test.ok
         untaken, taken = test.ok_switch()
-        with tf.control_dependencies(forward.put_back(ok)):
-            restored_done = tf.identity(untaken)
-        ready.append(control_flow_ops.merge([tf.identity(taken), restored_done])[0])
+        ready.append(_after(forward.put_back(test.ok), untaken, taken))
     # The batch, kept on a bad step only (for the autopsy).
     capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
     checked = test.checked if test.scaler is None else test.scaler.unless_overflow
     with tf.control_dependencies(ready + capture.control_inputs):
         if not test.reasons:
             check = tf.debugging.check_numerics(checked, _check_message(config))
-            check_op = check.op
-        else:
-            check, check_op = _reasons_check(test, checked, config)
+            return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
+        # An Assert whose message names the cause (CheckNumerics: "Tensor had NaN values").
+        messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
+        message = tf.gather(tf.constant(messages), test.cause, name="check_message")
+        check_op = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
+        with tf.control_dependencies([check_op]):
+            check = tf.identity(checked, name="checked")
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
 
 
-def _reasons_check(test: StepTest, checked: tf.Tensor, config) -> Tuple[tf.Tensor, tf.Operation]:
-    """With reasons: ``(checked once asserted finite, the Assert)``; its message names the
-    step's cause (CheckNumerics would say "Tensor had NaN values" of a finite step)."""
-    messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
-    message = tf.gather(tf.constant(messages), test.cause, name="check_message")
-    check = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
-    with tf.control_dependencies([check]):
-        return tf.identity(checked, name="checked"), check
+def _after(ops: Sequence, bad: tf.Tensor, good: tf.Tensor) -> tf.Tensor:
+    """Live on every step: `good`'s side, or `bad`'s once `ops` ran."""
+    with tf.control_dependencies(ops):
+        done = tf.identity(bad)
+    return control_flow_ops.merge([tf.identity(good), done])[0]
 
 
 def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
-    """Hook mode: a switch whose taken side the writes wait on; the other is the bad step's."""
+    """A switch whose taken side the writes wait on; the other is the bad step's."""
     ok = test.ok
     untaken, taken = test.ok_switch()
-    # Ops that wait on the pivot are dead, so skipped, when `ok` is False. (A control edge
-    # straight from a Switch does not carry deadness; from an Identity of its output it does,
-    # which is how tf.cond gates its branches.)
+    # A control edge from an Identity of a dead Switch output carries deadness (not one
+    # straight from the Switch): what waits on the pivot is skipped when `ok` is False.
     pivot = tf.identity(taken, name="pivot")
     # The other side runs on a bad step only, so a good step costs the hook one boolean.
     bad_sums, _ = control_flow_ops.switch(test.kept, ok)
     store = test.diagnostics.assign(bad_sums, read_value=False)
-    # Whatever applies the policy initialises `judged` in its session (Guard.mark_judged); a
-    # bad step in a session where it is not fails here, naming what to add. In no collection:
-    # no initializer, Saver or readiness check touches it.
+    # Whatever applies the policy initialises `judged` (Guard.mark_judged); a bad step in a
+    # session where it is not fails here. In no collection: no initializer or Saver sees it.
     with _capture.guard_variable_scope(loss.graph, test.grad_sums):
         judged = tf.compat.v1.Variable(
             True, trainable=False, collections=[], use_resource=True, name="judged"
@@ -340,25 +273,22 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     stores = [store, unjudged] + test.stores() + list(capture.stores) + forward.put_back(ok)
     with tf.control_dependencies(stores):
         bad_done = tf.identity(untaken)
-    # What the hook fetches: `ok`, through the store on a bad step, so the sums are there to
-    # read even after a run that did not fetch the train op.
+    # What the hook fetches: through the store on a bad step, so the sums are there to read
+    # even after a run that did not fetch the train op.
     ok, _ = control_flow_ops.merge([pivot, bad_done], name="all_finite_checked")
     return Gate(Mode.HOOK, pivot, capture, ok=ok, bad_done=bad_done, judged=judged)
 
 
 def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.DynamicLossScale]:
-    """The `DynamicLossScale` of a loss-scale optimizer, or None (also for a fixed scale,
-    under which an overflow is a bad step)."""
+    """The `DynamicLossScale` of a loss-scale optimizer, or None (a fixed scale too: under it
+    an overflow is a bad step)."""
     loss_scale = getattr(optimizer, "_loss_scale", None)
-    if hasattr(optimizer, "_optimizer") and isinstance(
-        loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale
-    ):
-        return loss_scale
-    return None
+    dynamic = isinstance(loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale)
+    return loss_scale if dynamic and hasattr(optimizer, "_optimizer") else None
 
 
 def loss_scale_variables(loss_scale) -> list:
-    """The variables a loss scale updates (the current scale and its count of good steps)."""
+    """The variables a loss scale updates (the scale and its count of good steps)."""
     return list(getattr(loss_scale, "_weights", {}).values())
 
 
@@ -368,60 +298,47 @@ def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
 
 
 class _OverflowTest:
-    """The finiteness test of a train op whose optimizer scales the loss dynamically.
-
-    A finite step runs every write; an overflow (`_verdict.overflow_rule`) runs the scale's
-    writes only; any other non-finite step (an overflow at the floor too) runs none.
-
-    Attributes:
-      floor: The smallest loss scale.
-      sums_and_scale: The loss, the sum of each gradient, then the step's loss scale (what
-        `StepTest.kept` becomes).
-      finite: Scalar bool, the loss and all gradients finite (and no reason rejects).
-      overflow: Scalar bool, an overflow step.
-      unless_overflow: The sum check_numerics mode checks: finite on an overflow step.
-    """
+    """The test of a train op whose optimizer scales the loss dynamically: a finite step runs
+    every write; an overflow (`_verdict.overflow_rule`) the scale's only; any other none.
+    `unless_overflow` is what check_numerics mode checks: finite on an overflow step."""
 
     floor = _verdict.LOSS_SCALE_FLOOR
 
     def __init__(self, grad_sums: tf.Tensor, loss_scale, test: StepTest):
-        # The scale this step multiplied the loss by. The scale's writes wait on this test.
+        # The scale this step multiplied the loss by.
         scale = tf.cast(loss_scale(), grad_sums.dtype)
         self.sums_and_scale = tf.concat(
             [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
         )
-        verdict = test.verdict
-        self.finite = test.ok  # And no rejection by a reason, with reasons.
+        self.finite = test.ok
         self.overflow = _verdict.overflow_rule(
-            tf.logical_not(verdict.ok),
-            tf.math.is_finite(verdict.tensors[0]),
+            tf.logical_not(test.verdict.ok),
+            tf.math.is_finite(test.verdict.tensors[0]),
             scale,
             both=tf.logical_and,
             name="loss_scale_overflow",
         )
-        checked = test.checked
-        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(checked), checked)
+        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(test.checked), test.checked)
 
-    def gates(self, gate: tf.Tensor, ok: Optional[tf.Tensor], bad_done: Optional[tf.Tensor]):
-        """The mode's `gate`, `ok` and `bad_done` (None in check_numerics mode) made into
-        `Gate`'s ``(gate, finite_gate, ok, bad_done)`` for a loss-scaled train op; ``ok`` is
-        False on an overflow step."""
-        if ok is None:  # check_numerics mode
+    def gated(self, gate: Gate) -> Gate:
+        """The mode's `gate` for a loss-scaled train op (its ``ok`` False on an overflow)."""
+        if gate.ok is None:  # check_numerics mode
             untaken, taken = control_flow_ops.switch(self.finite, self.finite)
             finite_gate = tf.identity(taken, name="finite_pivot")
             ok, _ = control_flow_ops.merge(
                 [finite_gate, tf.identity(untaken)], name="all_finite_checked"
             )
             # The check's output, live past the check on a step that is not finite.
-            overflow_done, _ = control_flow_ops.switch(gate, self.finite, name="overflow_done")
-            return gate, finite_gate, ok, overflow_done
+            done, _ = control_flow_ops.switch(gate.gate, self.finite, name="overflow_done")
+            return dataclasses.replace(gate, finite_gate=finite_gate, ok=ok, bad_done=done)
         writable = tf.logical_or(self.finite, self.overflow)
         _, taken = control_flow_ops.switch(writable, writable)
-        return tf.identity(taken, name="pivot_unless_bad"), gate, ok, bad_done
+        pivot = tf.identity(taken, name="pivot_unless_bad")
+        return dataclasses.replace(gate, gate=pivot, finite_gate=gate.gate)
 
 
 def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
-    """``(step_fn, hook)``: what tf-slim's learning loop and a hook-mode loop take."""
+    """``(step_fn, hook)`` for tf-slim's learning loop and a hook-mode loop."""
     if config.needs_checkpoint_dir:
         return (
             "slim_nanguard.make_train_step(logdir)",
@@ -431,9 +348,8 @@ def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
 
 
 def _check_message(config: _policy.GuardConfig, reason: Optional[_reasons.Reason] = None) -> str:
-    """The message of check_numerics mode's check on a step that `reason` rejected (None: a
-    non-finite step): true whether or not a loop catches the error (TensorFlow logs it either
-    way); `_errors.caught_numerics_error` rewrites the advice once one did."""
+    """The check's message on a step `reason` (None: a non-finite step) rejected: true whether
+    or not a loop catches it (`_errors.caught_numerics_error` rewrites the advice once one did)."""
     step_fn, hook = _loops(config)
     if reason is not None:
         what = f"{reason.what} (every value finite)"
@@ -466,20 +382,17 @@ def _unjudged_message(config: _policy.GuardConfig) -> str:
 
 
 def _first(flags: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Int32 scalar: the index of the first of `flags` that is True (0 if none is)."""
+    """Int32 scalar: the index of the first True of `flags` (0 if none is)."""
     if len(flags) == 1:
         return tf.constant(0, tf.int32)
     return tf.argmax(tf.cast(tf.stack(flags), tf.int32), output_type=tf.int32)
 
 
-def _scratch(graph: tf.Graph, anchor: tf.Tensor, shape, name: str) -> tf.Variable:
-    """A float64 scratch variable, zeros at first: in no collection (only read after a
-    write), on the worker that computes `anchor`, outside any loop."""
+def _scratch(graph: tf.Graph, anchor: tf.Tensor, shape, name: str, dtype=tf.float64):
+    """A variable of zeros in no collection (neither saved nor initialised: only read after a
+    write), outside any loop, on the worker that computes `anchor` (not on the ps, where a
+    replica_device_setter would share it among workers)."""
     with _capture.guard_variable_scope(graph, anchor):
         return tf.compat.v1.Variable(
-            tf.zeros(shape, tf.float64),
-            trainable=False,
-            collections=[],
-            use_resource=True,
-            name=name,
+            tf.zeros(shape, dtype), trainable=False, collections=[], use_resource=True, name=name
         )

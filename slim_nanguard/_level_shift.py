@@ -1,13 +1,6 @@
-"""A new level: a run of spikes that is where training now lives, told from a divergence. Pure.
-
-When the data changes for good, or the model's state makes the same jump again and again,
-every step is a spike and nothing adapts. `judge_run` takes ``spike_level_shift_steps``
-spikes in a row as a new level when, in each value over its threshold, they hold together
-(`holds_together`) and lie at most `MAX_RISE` times above the typical value before them.
-The guard re-seeds the spike statistics with them (the old deviation as the least) and puts
-the level on probation for ``spike_warmup_steps`` global steps: a spike then means it was a
-divergence (`_policy.decide`). docs/guide.md ("A new level is not a spike") says why.
-"""
+"""A new level: a run of spikes that is where training now lives, told from a divergence by
+`judge_run`; the guard re-seeds the spike statistics with it and puts it on probation
+(`_policy.decide`). Why: docs/guide.md, "A new level is not a spike"."""
 
 from __future__ import annotations
 
@@ -16,6 +9,7 @@ import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard._spike import COLUMNS
+from slim_nanguard._spike import FLOOR
 from slim_nanguard._spike import NAMES
 
 # How many of the window's deviations (of the logarithms) a new level's values may spread
@@ -24,8 +18,6 @@ SPREAD = 2.0
 # The most a new level's typical value may lie above the old one's (docs/guide.md's bench: a
 # learning rate raised a thousandfold moves the loss 600 times and more).
 MAX_RISE = 100.0
-# The least deviation of the logarithms (`_spike.FLOOR`).
-_FLOOR = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +27,9 @@ class LevelShift:
     Attributes:
       steps: The global steps of the run, oldest first.
       values: The run's ``(loss, grad_norm)`` pairs, oldest first: the statistics' new rows.
-      old: The typical value (geometric mean of the statistics' window) of each column before
-        the run, by name (``loss``, ``grad_norm``).
-      new: The typical value of each column over the run.
-      floor: The deviation of the logarithms of each column before the run: the least one the
+      old: Each column's typical value (geometric mean) before the run, by name.
+      new: Each column's typical value over the run.
+      floor: Each column's deviation of the logarithms before the run: the least one the
         re-seeded statistics judge with.
     """
 
@@ -46,15 +37,11 @@ class LevelShift:
     values: Tuple[Tuple[float, float], ...]
     old: Dict[str, float]
     new: Dict[str, float]
-    floor: Tuple[float, float] = (_FLOOR, _FLOOR)
+    floor: Tuple[float, float] = (FLOOR, FLOOR)
 
     def describe(self, repeats: int = 1, probation_steps: Optional[int] = None) -> str:
-        """One sentence for the log: what moved, from what to what, over which steps.
-
-        Args:
-          repeats: How many times each value is written into the re-seeded statistics.
-          probation_steps: The global steps of the probation (None: not said).
-        """
+        """One sentence for the log: what moved, from what to what, over which steps; each
+        value written `repeats` times, a probation of `probation_steps` (None: not said)."""
         moved = ", ".join(
             f"{NAMES[c]} {self.old[c]:.4g} -> {self.new[c]:.4g}" for c in COLUMNS if c in self.new
         )
@@ -75,7 +62,7 @@ class LevelShift:
         )
 
     def to_json(self) -> Dict[str, object]:
-        """The record's fields: ``cause`` ``"level_shift"``, the steps, old and new values."""
+        """The record's fields (``cause`` ``"level_shift"``)."""
         return {
             "cause": "level_shift",
             "steps": list(self.steps),
@@ -86,32 +73,21 @@ class LevelShift:
 
 
 def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:
-    """Whether the last `needed` spikes in a row are a new level of training.
-
-    Args:
-      spikes: The current run's spike records, oldest first: each the ``step`` and the figures
-        of `_spike.read_report` (``loss``, ``grad_norm``, ``over``, ``log_mean_*``,
-        ``log_std_*``).
-      needed: ``spike_level_shift_steps``; 0: never.
-
-    Returns:
-      The `LevelShift`, or None: too few spikes, they do not hold together, or they lie more
-      than `MAX_RISE` times above the values before them.
-    """
+    """The `LevelShift` of the last `needed` (0: never) of the run's `spikes` (oldest first,
+    each a ``step`` and `_spike.read_report`'s figures), or None: too few, they do not hold
+    together, or they lie more than `MAX_RISE` times above the values before them."""
     if needed <= 0 or len(spikes) < needed:
         return None
     run = list(spikes)[-needed:]
     over = {c for spike in run for c in spike.get("over") or ()} or set(COLUMNS)
-    floor = tuple(max(float(run[0].get(f"log_std_{c}", _FLOOR)), _FLOOR) for c in COLUMNS)
-    for index, column in enumerate(COLUMNS):
-        values = [float(spike[column]) for spike in run]
-        if column in over and not holds_together(values, floor[index]):
+    floor = tuple(max(float(run[0].get(f"log_std_{c}", FLOOR)), FLOOR) for c in COLUMNS)
+    for column, deviation in zip(COLUMNS, floor):
+        if column in over and not holds_together([float(s[column]) for s in run], deviation):
             return None
     values = tuple((float(s["loss"]), float(s["grad_norm"])) for s in run)
     new = {}
     for index, column in enumerate(COLUMNS):
-        logs = [math.log(v[index]) for v in values if _usable(v[index])]
-        if logs:
+        if logs := [math.log(v[index]) for v in values if _usable(v[index])]:
             new[column] = math.exp(sum(logs) / len(logs))
     old = {c: math.exp(float(run[0][f"log_mean_{c}"])) for c in new}
     if any(c in over and new[c] > MAX_RISE * old[c] for c in new):
@@ -121,8 +97,8 @@ def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[Leve
 
 def holds_together(values: Sequence[float], deviation: float) -> bool:
     """Whether `values` are one level: all positive and finite, the deviation of their
-    logarithms at most `SPREAD` times `deviation` (the window's, of the logarithms), and
-    the later half not above the earlier by more than that."""
+    logarithms at most `SPREAD` times the window's `deviation`, and the later half not above
+    the earlier by more than that."""
     if len(values) < 2 or not all(_usable(v) for v in values):
         return False
     logs = [math.log(v) for v in values]

@@ -1,10 +1,5 @@
-"""A reason to reject a step: the one interface every test besides NaN/Inf goes through.
-
-Non-finite values are the test every guard runs first (`_verdict`; cause `NON_FINITE`,
-``nan_policy``). The spike test (`_spike.Spike`) and a user's ``create_train_op(reasons=...)``
-are `Reason`s; the first that rejects a step names its cause. The gate, the record, the log
-line, the summaries, the autopsy and the launcher know a reason only through this interface.
-"""
+"""`Reason`: the one interface of every test besides NaN/Inf (`_spike.Spike`, a user's
+``create_train_op(reasons=...)``); the first that rejects a step names its cause."""
 
 from __future__ import annotations
 
@@ -14,7 +9,6 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, Sequence, Tupl
 
 import tensorflow as tf
 
-# The cause of a step with a NaN or an Inf: the reason every guard has.
 NON_FINITE = "non_finite"
 
 
@@ -25,20 +19,16 @@ class StepValues:
     Attributes:
       loss: The step's total loss (scalar).
       grads: The gradients the train op applies (those that are not None).
-      global_norm: Float64 scalar: the exact global norm of `grads` (finite where a float32
+      global_norm: Float64 scalar, the exact global norm of `grads` (finite where a float32
         norm would overflow).
-      state_scope: A context to make the reason's own variables in: outside any loop body, and
-        on a cluster on the ps with the model.
+      state_scope: A context for the reason's own variables: outside any loop body, and on a
+        cluster on the ps with the model.
     """
 
     loss: tf.Tensor
     grads: Tuple[tf.Tensor, ...]
     global_norm: tf.Tensor
     state_scope: Callable[[], ContextManager]
-
-
-def _nothing() -> Sequence[tf.Operation]:
-    return ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,23 +39,21 @@ class Test:
       reject: Scalar bool, True to reject the step; it may read the reason's state (it runs
         before any write of the step).
       report: Builds the float64 vector of `Reason.report_fields` a rejected step stores;
-        called once, in the bad branch's control context.
+        called once, on the bad branch.
       judged: Builds the float64 vector of `Reason.judged_fields` an accepted step stores for
         the summaries; called once, behind the gate. None: no summaries.
-      writes: Builds what an accepted step writes into the reason's state; called once, behind
+      writes: Builds an accepted step's writes into the reason's state; called once, behind
         the gate.
-      variables: The reason's checkpointed state (a rollback restores it with the weights; a
-        checkpoint without it restores the rest).
+      variables: The reason's checkpointed state (a rollback restores it with the weights).
       handles: What the reason's own policy steps need of the graph, or None. If it has
         ``annotate(figures, step) -> figures``, `Guard.read_step_report` passes it the figures
-        of each step the reason rejected (at that global step), for what the graph does not
-        hold (the spike test's window after a new level).
+        of each step the reason rejected, for what the graph does not hold.
     """
 
     reject: tf.Tensor
     report: Callable[[], tf.Tensor]
     judged: Callable[[], tf.Tensor] = None
-    writes: Callable[[], Sequence[tf.Operation]] = _nothing
+    writes: Callable[[], Sequence[tf.Operation]] = lambda: ()
     variables: Tuple[tf.Variable, ...] = ()
     handles: Any = None
 
@@ -74,8 +62,8 @@ class Reason(abc.ABC):
     """A reason to reject a step. Subclasses are frozen dataclasses with a ``policy`` field.
 
     Class attributes:
-      name: The cause it gives a rejected step: the record's ``cause`` and the key of its
-        `figures`, the log line, the summaries (``nanguard/<field>``).
+      name: The cause it gives a rejected step (the record's ``cause``, the log line, the
+        summaries ``nanguard/<field>``).
       what: What a rejected step had, for a sentence (``"a spike in the loss or the gradient
         norm"``).
       finite: True when the values it rejects are finite (the autopsy then looks for the
@@ -121,14 +109,13 @@ class Reason(abc.ABC):
         return f"{self.name}: {shown}" if shown else self.name
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """The scalars TensorBoard shows (``nanguard/<key>``) from the last accepted step's
-        stored `judged` vector (zeros before the first one)."""
+        """TensorBoard's scalars (``nanguard/<key>``) from the last accepted step's `judged`."""
         return {name: judged[i] for i, name in enumerate(self.judged_fields)}
 
 
 def check(reasons: Sequence[Reason], policies: Sequence[str]) -> None:
-    """Raises ValueError unless `reasons` are `Reason`s with distinct names, none
-    `NON_FINITE`, each with a policy among `policies` and valid settings."""
+    """Raises ValueError unless `reasons` are valid `Reason`s with distinct names, none
+    `NON_FINITE`, each with a policy among `policies`."""
     names = set()
     for reason in reasons:
         if not isinstance(reason, Reason):

@@ -1,25 +1,13 @@
-"""The spike test: is this step's loss or gradient norm far above those of the accepted steps?
-
-- Once `warmup_steps` steps were accepted, a step is a spike when the logarithm of its loss or
-  gradient norm is more than `sigma` deviations above the mean of the logarithms of the last
-  `window` accepted steps; the deviation is at least `floor` (`FLOOR`, or after a new level the
-  old level's).
-- Only accepted steps enter the statistics; a value that is not positive is never a spike and
-  never counted; the warm-up's outliers (`_warmup_outliers`) are left out. A run of spikes is
-  for `_level_shift` and `_policy.decide`.
-- The statistics are graph variables under ``nanguard_spike/`` (``history``: a ring of
-  `window` ``[loss, norm]`` rows, 0 where a value does not count, a warm-up outlier negated;
-  ``count``; ``floor``), checkpointed and restored by a rollback. The writes to the warm-up's
-  rows re-mark its outliers, so a step's test sorts nothing.
-
-`reference_z_scores` is the same arithmetic in NumPy. Why the logarithms, a window and these
-figures: docs/guide.md, "The spike guard".
+"""The spike test: is the logarithm of this step's loss or gradient norm more than `sigma`
+deviations above the mean of the last `window` accepted steps' (warm-up outliers left out)?
+`reference_z_scores` is the same arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
 
@@ -31,7 +19,7 @@ from slim_nanguard import _reasons
 
 # How many accepted steps the spike statistics cover (OLMo-core's window).
 SPIKE_WINDOW = 128
-# The variable scope of the statistics (in checkpoints: ``nanguard_spike/history``, ``/count``).
+# The statistics' variable scope (checkpoints: ``nanguard_spike/history``, ``/count``, ``/floor``).
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
 FLOOR = 0.05
@@ -44,8 +32,7 @@ def _fields(*prefixes: str) -> Tuple[str, ...]:
     return tuple(f"{prefix}{column}" for prefix in prefixes for column in COLUMNS)
 
 
-# What `SpikeTest.report_vector` holds, in order (float64): the step's values, their z-scores,
-# the mean and deviation of the logarithms they were measured against, the accepted steps.
+# What `SpikeTest.report_vector` holds, in order (float64).
 REPORT_FIELDS = _fields("", "z_", "log_mean_", "log_std_") + ("accepted_steps", "window_steps")
 
 
@@ -53,18 +40,16 @@ class SpikeTest:
     """The spike test of a step, against the statistics of the accepted steps before it.
 
     Attributes:
-      history: float64 variable ``[window, 2]``, the ``[loss, norm]`` of the last accepted
-        steps (a ring, oldest overwritten): 0 for a value that is not finite or not
-        positive, the negative of a warm-up outlier; the positive entries are the ones the
-        statistics count.
+      history: float64 variable ``[window, 2]``, a ring of the last accepted ``[loss, norm]``:
+        0 for a value not finite or not positive, a warm-up outlier negated (the writes to the
+        warm-up's rows re-mark them, so a step's test sorts nothing).
       count: int64 variable, the rows written since the statistics began (one an accepted
         step) or were re-seeded (`reseed` counts the rows it writes).
-      mean: float64 ``[2]``, the mean of the logarithms of the window's losses and norms.
-      std: float64 ``[2]``, their deviation, floored at `FLOOR`.
-      threshold: float64 ``[2]``, the loss and norm above which a step is a spike:
+      floor: float64 variable ``[2]``, each column's least deviation: `FLOOR`, or after a new
+        level the old level's (a level judged on a few values is judged no more narrowly).
+      mean, std: float64 ``[2]``, of the logarithms of the window's positive entries.
+      spike: Scalar bool, True when warm-up is over and a value exceeds ``threshold``,
         ``exp(mean + sigma * std)``.
-      spike: Scalar bool, True when warm-up is over and a z-score exceeds `sigma` (a value
-        exceeds its threshold).
     """
 
     def __init__(
@@ -77,40 +62,26 @@ class SpikeTest:
         window: int = SPIKE_WINDOW,
         variable_scope: Callable[[], ContextManager] = contextlib.nullcontext,
     ):
-        """Builds the statistics' variables and the test; call `update` for the write.
-
-        Args:
-          loss: The step's scalar loss.
-          norm: The step's scalar global gradient norm (widened to float64).
-          sigma: How many deviations above the mean make a spike (> 0, unchecked here).
-          warmup_steps: Accepted steps before any step can be a spike (>= 2, <= `window`).
-          window: How many accepted steps the statistics cover.
-          variable_scope: A context the variables are made in (outside a loop body).
-        """
+        """Builds the variables (in `variable_scope`) and the test; `update` builds the write.
+        Needs ``sigma > 0`` and ``2 <= warmup_steps <= window`` (unchecked here)."""
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
         # One set per train op: a second one gets ``nanguard_spike_1/``.
         with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
             self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
             self.count = _variable("count", [], tf.int64)
-            # Per column: `FLOOR`, or after a new level the old level's deviation (a level
-            # judged at once on a few values is judged no more narrowly than the old one).
             self.floor = _variable("floor", [len(COLUMNS)], tf.float64, FLOOR)
         with tf.name_scope("nanguard/spike") as self._scope:
             self.values = tf.stack([tf.cast(loss, tf.float64), tf.cast(norm, tf.float64)])
-            # The statistics read the variables alone, so they are ready before the step's
-            # values; the test is one comparison per value against exp(threshold of the logs)
-            # (a value <= 0 or NaN is no spike; an Inf, e.g. an overflowed norm, always is).
-            count = self.count.read_value()
-            self.mean, self.std, kept = _log_statistics(
+            # Read from the variables alone: ready before the step's values. A value <= 0 or
+            # NaN is no spike; an Inf (an overflowed norm) always is.
+            self._count_now = self.count.read_value()
+            self.mean, self.std, self._window_steps = _log_statistics(
                 self.history.read_value(), self.floor.read_value()
             )
-            self._live = kept >= float(self.warmup_steps)
+            self._live = self._window_steps >= float(self.warmup_steps)
             self.threshold = tf.exp(self.mean + self.sigma * self.std, name="threshold")
             over = tf.logical_and(self.values > self.threshold, self._live)
             self.spike = tf.reduce_any(over, name="is_spike")
-            self._count_now = count
-            self._window_steps = kept
-            self._z = None
         # After a new level: (global step, rows written, distinct values, times each).
         self._seeded: Optional[Tuple[int, int, int, int]] = None
         with variable_scope(), tf.name_scope("nanguard/spike/reseed"):
@@ -120,14 +91,11 @@ class SpikeTest:
             self.reseed_floor = tf.compat.v1.placeholder(tf.float64, [len(COLUMNS)], name="floor")
             self.reseed = self._reseed_op(self.reseed_values, self.reseed_floor)
 
-    @property
+    @functools.cached_property
     def z(self) -> tf.Tensor:
-        """Float64 ``[2]``: the step's z-scores of loss and norm (0 during a column's warm-up
-        and for a value that is NaN or not positive; +Inf for +Inf). Built on first use, in
-        that control context; `z_scores` builds another copy."""
-        if self._z is None:
-            self._z = self.z_scores()
-        return self._z
+        """Float64 ``[2]``: the step's z-scores (0 in a column's warm-up and for a NaN or a value
+        not positive; +Inf for +Inf)."""
+        return self.z_scores()
 
     def z_scores(self) -> tf.Tensor:
         """New ops for `z`, in the current control context (a bad branch, a summary)."""
@@ -135,20 +103,14 @@ class SpikeTest:
             return _z_scores(self.values, self.mean, self.std, self._live)
 
     def judged(self) -> tf.Tensor:
-        """New ops: float64 vector of `JUDGED_FIELDS`, the step's values and the statistics
-        (before its own update) its z-scores are measured against (`z_of_judged`)."""
+        """New ops: float64 vector of `JUDGED_FIELDS` (the statistics before the step's update)."""
         with tf.name_scope(self._scope):
             live = tf.cast(self._live, tf.float64)
             return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
 
     def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
-        """The write of an accepted step's values into the statistics.
-
-        Args:
-          accepted: Scalar bool, True when the step's update was applied (else the op
-            changes nothing, so it may run on every step). None: the step is accepted
-            whenever the op runs (built behind the train op's gate).
-        """
+        """The write of an accepted step's values into the statistics: whenever it runs (built
+        behind the gate), or given scalar bool `accepted`, only where True."""
         # After this step's statistics are read: the write must not race the reads.
         with (
             tf.name_scope("nanguard/spike/update"),
@@ -177,9 +139,8 @@ class SpikeTest:
             return tf.group(written, trimmed, name="update")
 
     def _trim_warmup(self, count: tf.Tensor) -> tf.Tensor:
-        """Negates the warm-up's outliers and un-negates the other warm-up entries, for a window
-        of `count` accepted steps; returns True once written. Only signs change (a product),
-        so a row another worker writes meanwhile keeps its value."""
+        """Re-marks the warm-up's outliers for `count` accepted steps; True once written. Only
+        signs change (a product): a row another worker writes meanwhile keeps its value."""
         rows = self.history.read_value()[: self.warmup_steps]
         outliers = _warmup_outliers(
             tf.abs(rows), count, self.window, self.sigma, self.floor.read_value()
@@ -194,21 +155,15 @@ class SpikeTest:
 
     def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
         """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
-        statistics (count n, warm-up outliers negated), with `floor` (at least `FLOOR`) the
-        least deviation of each column. For `_level_shift`'s new level."""
+        statistics, with `floor` (at least `FLOOR`): `_level_shift`'s new level."""
         n = tf.shape(values, out_type=tf.int64)[0]
         zeros = tf.zeros([self.window, len(COLUMNS)], tf.float64)
         rows = tf.concat([values, zeros], 0)[: self.window]
         padded = _entries(tf.ensure_shape(rows, [self.window, len(COLUMNS)]))
         floor = tf.maximum(floor, FLOOR)
-        outliers = _warmup_outliers(padded[: self.warmup_steps], n, self.window, self.sigma, floor)
-        signed = tf.concat(
-            [
-                tf.where(outliers, -padded[: self.warmup_steps], padded[: self.warmup_steps]),
-                padded[self.warmup_steps :],
-            ],
-            0,
-        )
+        w = self.warmup_steps
+        outliers = _warmup_outliers(padded[:w], n, self.window, self.sigma, floor)
+        signed = tf.concat([tf.where(outliers, -padded[:w], padded[:w]), padded[w:]], 0)
         written = self.history.assign(signed, read_value=False)
         floors = self.floor.assign(floor, read_value=False)
         with tf.control_dependencies([written, floors]):
@@ -216,23 +171,20 @@ class SpikeTest:
         return tf.group(written, floors, count, name="reseed")
 
     def note_reseed(self, step: int, values: int, repeats: int) -> None:
-        """Remembers that `reseed` ran at global `step` with `values` distinct values, each
-        written `repeats` times, so that `annotate` can say what the window then holds."""
+        """Notes for `annotate` that `reseed` ran at global `step` with `values` distinct values,
+        each written `repeats` times."""
         self._seeded = (step, values * repeats, values, repeats)
 
     def annotate(self, figures: Dict[str, Any], step: int) -> Dict[str, Any]:
         """`figures` of a spike at global `step`, plus, while the window still holds a new
-        level's re-seeded values, ``level_entries`` (how many), ``level_values`` and
-        ``level_repeats`` (its distinct values, each written that many times). Pure but for
-        the note of `note_reseed`; a spike before that step (after a rollback) gets none."""
+        level's re-seeded values (`note_reseed`, not before its step), ``level_entries`` (how
+        many), ``level_values`` and ``level_repeats``."""
         if self._seeded is None:
             return figures
         at, rows, values, repeats = self._seeded
         since = figures["accepted_steps"] - rows
-        if step < at or since < 0:
-            return figures
-        entries = figures["window_steps"] - min(since, figures["window_steps"])
-        if entries <= 0:
+        entries = figures["window_steps"] - since
+        if step < at or since < 0 or entries <= 0:
             return figures
         return figures | {
             "level_entries": entries,
@@ -241,8 +193,7 @@ class SpikeTest:
         }
 
     def report_vector(self) -> tf.Tensor:
-        """New ops (build them on the bad branch): float64 vector of `REPORT_FIELDS`, what a
-        spike's record holds (`read_report`)."""
+        """New ops (for the bad branch): float64 vector of `REPORT_FIELDS` (`read_report`)."""
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
         # The window's entries (the fewer of the columns').
         window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
@@ -253,22 +204,12 @@ class SpikeTest:
         )
 
 
-# What `SpikeTest.judged` holds (float64): a step's values, the mean and deviation of the
-# logarithms its z-scores are measured against, and 1 where a column's warm-up is over.
+# What `SpikeTest.judged` holds (float64); ``live_``: 1 where a column's warm-up is over.
 JUDGED_FIELDS = _fields("", "log_mean_", "log_std_", "live_")
 
 
-def z_of_judged(judged: tf.Tensor) -> tf.Tensor:
-    """Float64 ``[2]``: `SpikeTest.z` from a stored `SpikeTest.judged` vector (0 in a column's
-    warm-up, and for a vector of zeros: nothing stored yet)."""
-    values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
-    return _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
-
-
 def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tensor) -> tf.Tensor:
-    """The z-scores of `values` against the `mean` and `std` of the logarithms, 0 where not
-    `live`."""
-    # +Inf (a norm that overflowed) scores +Inf; a NaN or a value <= 0 scores 0.
+    """The z-scores of `values`' logarithms, 0 where not `live`, for a NaN or a value <= 0."""
     usable = values > 0
     logs = tf.math.log(tf.where(usable, values, tf.ones_like(values)))
     z = (logs - mean) / std
@@ -278,26 +219,19 @@ def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tenso
 def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
     """The record of a spike from a `SpikeTest.report_vector`, plus ``sigma``,
     ``typical_<column>`` (the window's geometric mean) and ``over`` (the columns whose z-score
-    exceeded ``sigma``, loss first). Pure."""
+    exceeded ``sigma``, loss first)."""
     report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
-    report["accepted_steps"] = int(report["accepted_steps"])
-    report["window_steps"] = int(report["window_steps"])
+    report |= {k: int(report[k]) for k in ("accepted_steps", "window_steps")}
     report["sigma"] = float(sigma)
-    for column in COLUMNS:
-        report[f"typical_{column}"] = math.exp(report[f"log_mean_{column}"])
+    report |= {f"typical_{c}": math.exp(report[f"log_mean_{c}"]) for c in COLUMNS}
     report["over"] = [c for c in COLUMNS if report[f"z_{c}"] > sigma]
     return report
 
 
 @dataclasses.dataclass(frozen=True)
 class Spike(_reasons.Reason):
-    """The spike test as a reason to reject a step; `GuardConfig` checks its settings.
-
-    Attributes:
-      policy: ``spike_policy``.
-      sigma: ``spike_sigma``.
-      warmup_steps: ``spike_warmup_steps``.
-    """
+    """The spike test as a reason (``spike_policy``, ``spike_sigma``, ``spike_warmup_steps``;
+    `GuardConfig` checks them)."""
 
     name: ClassVar[str] = "spike"
     what: ClassVar[str] = "a spike in the loss or the gradient norm"
@@ -308,7 +242,7 @@ class Spike(_reasons.Reason):
     warmup_steps: int = 20
 
     def build(self, values: _reasons.StepValues) -> _reasons.Test:
-        """The `SpikeTest` of the loss and the global norm; its `handles` is the test."""
+        """The `SpikeTest` of the loss and the global norm, also its `handles`."""
         test = SpikeTest(
             values.loss,
             values.global_norm,
@@ -334,29 +268,29 @@ class Spike(_reasons.Reason):
         return read_report(report, self.sigma)
 
     def phrase(self, figures: Dict[str, Any]) -> str:
-        """`phrase`."""
         return phrase(figures)
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """The values but the loss (``grad_norm``), and the z-score of each (``z_loss``,
-        ``z_grad_norm``), of the last accepted step."""
-        z = z_of_judged(judged)
+        """The last accepted step's ``grad_norm``, ``z_loss`` and ``z_grad_norm`` (z 0 in a
+        column's warm-up and before any step is stored)."""
+        values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
+        z = _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
         shown = {c: judged[i] for i, c in enumerate(COLUMNS) if c != "loss"}
         return shown | {f"z_{c}": z[i] for i, c in enumerate(COLUMNS)}
 
 
 def phrase(report: Dict[str, Any]) -> str:
-    """A phrase for a spike's log line: which value jumped, how far, against what. Pure."""
-    names = NAMES
+    """A phrase for a spike's log line: which value jumped, how far, against what."""
     sigma = float(report["sigma"])
     over = report.get("over") or ()
     parts = [
-        f"{names[c]} {report[c]:.4g} is {deviations(report['z_' + c], sigma)} deviations above "
+        f"{NAMES[c]} {report[c]:.4g} is {deviations(report['z_' + c], sigma)} deviations above "
         f"the typical {report['typical_' + c]:.4g}"
         for c in over
     ]
-    others = [c for c in names if c not in over]
-    tail = ", ".join(f"{names[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
+    others = [c for c in NAMES if c not in over]
+    tail = ", ".join(f"{NAMES[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
+    tail = f"; {tail}" if tail else ""
     head = "; ".join(parts) or "no value above spike_sigma"
     window = report.get("window_steps", report["accepted_steps"])
     over_what = f"over the last {window} accepted steps"
@@ -367,13 +301,12 @@ def phrase(report: Dict[str, Any]) -> str:
             f"{report['level_values']} spikes, each taken {report['level_repeats']} times, "
             f"and {window - level} accepted since"
         )
-    tail = f"; {tail}" if tail else ""
     return f"spike: {head} (spike_sigma={report['sigma']:g}, {over_what}{tail})"
 
 
 def deviations(z: float, sigma: float) -> str:
     """`z` to one decimal, or as many as keep it on its side of `sigma` (6.04 over 6 is not
-    written 6.0). Pure."""
+    written 6.0)."""
     for digits in range(1, 5):
         text = f"{z:.{digits}f}"
         if (float(text) > sigma) == (z > sigma) and float(text) != sigma:
@@ -382,50 +315,33 @@ def deviations(z: float, sigma: float) -> str:
 
 
 def _variable(name: str, shape, dtype: tf.DType, initial: float = 0.0) -> tf.Variable:
-    """A statistics variable, `initial` at first: saved with the model, not trained."""
-    return tf.compat.v1.get_variable(
-        name,
-        shape,
-        dtype,
-        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer(),
-        trainable=False,
-        use_resource=True,
+    """A statistics variable: saved with the model, not trained."""
+    init = (
+        tf.compat.v1.constant_initializer(initial) if initial else tf.compat.v1.zeros_initializer()
     )
+    return tf.compat.v1.get_variable(name, shape, dtype, init, trainable=False, use_resource=True)
 
 
-# A robust deviation of normal data: 1.4826 times the median absolute deviation.
+# A warm-up outlier, among at least MIN_WARMUP_ENTRIES entries, is farther from their median
+# than OUTLIER_SIGMAS times `sigma` robust deviations (MAD_SCALE times the median absolute
+# deviation; twice the test's bar: a heavy tail stays in, a spike the test would reject does
+# not) and than a factor OUTLIER_RATIO (twenty values cannot tell a tail seen once from a spike).
 MAD_SCALE = 1.4826
-# The fewest warm-up entries among which an outlier is told.
 MIN_WARMUP_ENTRIES = 5
-# Times `sigma` robust deviations from the warm-up's median that make an outlier (twice the
-# test's bar: a heavy tail stays in, a spike the test would reject does not).
 OUTLIER_SIGMAS = 2.0
-# And at least this factor from the median (twenty values cannot tell a tail seen once from
-# a spike).
 OUTLIER_RATIO = 100.0
 
 
 def _entries(values: tf.Tensor) -> tf.Tensor:
-    """`values` as the statistics store them: a non-finite or non-positive value as 0 (never
-    counted, and finite for the checkpoint), so a negative entry is always a trimmed outlier."""
+    """`values` as stored: a non-finite or non-positive value as 0 (never counted, finite for
+    the checkpoint), so a negative entry is always a trimmed outlier."""
     return tf.where(tf.math.is_finite(values), tf.nn.relu(values), tf.zeros_like(values))
 
 
-def _warmup_outliers(
-    rows: tf.Tensor,
-    count: tf.Tensor,
-    window: int,
-    sigma: float,
-    floor: tf.Tensor,
-) -> tf.Tensor:
-    """Bool ``[warmup, 2]``: the warm-up's entries left out of the statistics.
-
-    `rows` are the magnitudes of the window's first ``warmup`` rows (accepted untested, until
-    the ring overwrites them once `count` passes `window`). With `MIN_WARMUP_ENTRIES` or more,
-    an entry farther from their median than `OUTLIER_SIGMAS` times `sigma` robust deviations
-    (`MAD_SCALE` times the median absolute deviation, at least `floor`) and than a factor
-    `OUTLIER_RATIO` is left out.
-    """
+def _warmup_outliers(rows, count, window: int, sigma: float, floor) -> tf.Tensor:
+    """Bool ``[warmup, 2]``: the outliers among `rows`, the magnitudes of the window's first
+    ``warmup`` rows (until the ring overwrites them once `count` passes `window`), by the
+    constants above (the robust deviation at least `floor`)."""
     warmup = rows.shape[0]
     index = tf.range(warmup, dtype=tf.int64)
     warm = (rows > 0) & (count <= window + index)[:, None]
@@ -449,8 +365,8 @@ def _warmup_outliers(
 
 
 def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
-    """Mean and deviation (at least `floor`) of the logarithms of the positive entries of each
-    column of `history`, and how many entries each column has (float64)."""
+    """Per column of `history`: the mean and deviation (at least `floor`) of the logarithms of
+    its positive entries, and how many (float64)."""
     usable = history > 0
     weight = tf.cast(usable, tf.float64)
     logs = tf.math.log(tf.where(usable, history, tf.ones_like(history)))  # 0 where not usable
@@ -469,17 +385,15 @@ def reference_z_scores(
     warmup: int = 20,
     sigma: float = 6.0,
 ) -> np.ndarray:
-    """`SpikeTest`'s z-scores in NumPy: ``value = (loss, norm)`` against the last `window` of
-    all `accepted` ``(loss, norm)`` pairs (warm-up outliers left out, deviation floored at
-    `FLOOR`, no warm-up gate); NaN for a value that is not positive or a column with no entry."""
+    """`SpikeTest`'s z-scores in NumPy of ``value = (loss, norm)`` against the last `window`
+    `accepted` pairs (no warm-up gate); NaN for a value not positive or a column with no entry."""
     accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
-    count = len(accepted)
-    keep = np.ones(count, bool)
-    keep[: max(count - window, 0)] = False
+    index = np.arange(len(accepted))
+    keep = index >= len(accepted) - window
     scores = []
     for column, current in enumerate(value):
         positive = keep & (accepted[:, column] > 0)
-        warm = positive & (np.arange(count) < warmup)
+        warm = positive & (index < warmup)
         logs = np.log(np.where(positive, accepted[:, column], 1.0))
         entries = int(warm.sum())
         if entries >= MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
