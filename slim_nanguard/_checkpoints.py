@@ -192,7 +192,6 @@ def latest_good_checkpoint(
     over with a warning: the run's checkpoints are found by listing the directory.
 
     Args:
-      checkpoint_dir: The directory.
       before_step: Only consider checkpoints saved below this global step (names ending in
         ``-<step>``).
       repair_state: Rewrite a damaged state file to name the checkpoints found. Only the run
@@ -251,9 +250,8 @@ def candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     except ValueError:  # Empty (it names no checkpoint), or not even text.
         state = None
     if state is None:
-        if tf.io.gfile.exists(_paths.join(checkpoint_dir, STATE_FILENAME)):
-            return _listed(checkpoint_dir), True
-        return [], False
+        damaged = tf.io.gfile.exists(_paths.join(checkpoint_dir, STATE_FILENAME))
+        return (_listed(checkpoint_dir) if damaged else []), damaged
     paths = list(state.all_model_checkpoint_paths or [])
     if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)

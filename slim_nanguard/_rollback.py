@@ -1,7 +1,5 @@
 """Rollback: the walk back over checkpoints, the restore, the learning-rate scale, input skipping.
-
-A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore with.
-"""
+A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore with."""
 
 from __future__ import annotations
 
@@ -92,7 +90,8 @@ class Rollback:
 
     def _build_saver_without_optional(self) -> None:
         """With reasons, a Saver of every variable but `GraphHandles.optional_variables`, for
-        a checkpoint that lacks them (without, the graph stays as it was)."""
+        a checkpoint that lacks them. Without reasons none is built (the graph stays as it
+        was), and a checkpoint lacking the learning-rate scale fails the restore."""
         if self._handles.report is None:
             return
         optional = set(self._handles.optional_variables)
@@ -113,8 +112,9 @@ class Rollback:
         before_step: Optional[int] = None,
         why: str = "",
     ) -> Restored:
-        """Restores the latest good checkpoint of `checkpoint_dir`, skips `skip_batches` of
-        input (default: ``rollback_skip_batches``) and scales the learning rate.
+        """Restores the latest good checkpoint of `checkpoint_dir` into the raw `session`, skips
+        `skip_batches` of input (default: ``rollback_skip_batches``) and scales the learning
+        rate (`learning_rate_scale`: the scale applied so far in this process).
 
         A bad step at the very step the previous rollback restored goes one checkpoint
         further back each time, while older readable ones are kept (then the oldest again).
@@ -168,18 +168,17 @@ class Rollback:
         self, checkpoint_dir: Optional[str], bad_step: int, before_step: Optional[int], why: str
     ) -> Tuple[Optional[str], str]:
         """The checkpoint a rollback restores, and why (see `restore`); None: there is none."""
-        from slim_nanguard._checkpoints import candidates  # Local: only rollback needs it.
-        from slim_nanguard._checkpoints import checkpoint_step
-        from slim_nanguard._checkpoints import latest_good_checkpoint as latest
+        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
 
+        latest = _checkpoints.latest_good_checkpoint
         path = latest(checkpoint_dir)
         if path is None:
             return None, why
         if before_step is not None:
             older = latest(checkpoint_dir, before_step=before_step)
             if older is None:  # The oldest kept is the least far into the run or the climb.
-                steps = [checkpoint_step(p) for p in candidates(checkpoint_dir)[0]]
-                steps = [s for s in steps if s is not None]
+                kept = _checkpoints.candidates(checkpoint_dir)[0]
+                steps = [s for s in map(_checkpoints.checkpoint_step, kept) if s is not None]
                 if steps:
                     older = latest(checkpoint_dir, before_step=min(steps) + 1)
                 why = f"{why}, but no checkpoint older than step {before_step} is kept: the oldest"

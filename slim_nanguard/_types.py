@@ -15,14 +15,9 @@ import tensorflow as tf
 class _StrEnum(str, enum.Enum):
     """A `str` enum whose `str`, `format` and `repr` are its value's (``'skip'``) on any Python."""
 
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __repr__(self) -> str:
-        return str.__repr__(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return str.__format__(str(self), spec)
+    __str__ = str.__str__
+    __repr__ = str.__repr__
+    __format__ = str.__format__
 
 
 class Action(_StrEnum):
