@@ -1,10 +1,7 @@
-"""Checkpoints known to be readable and finite.
-
-* `FiniteSaver` (and `finite_saver`, for a user's own `Saver`) never writes NaN or Inf.
-* `latest_good_checkpoint` returns the newest readable checkpoint of a directory, passing
-  over a damaged checkpoint or state file with a warning.
-* `non_finite_variables` names a checkpoint's non-finite tensors.
-* `unreadable` alone tells a damaged checkpoint from any other failure.
+"""Checkpoints known to be readable and finite: `FiniteSaver` (and `finite_saver`, for a user's
+own `Saver`) never writes NaN or Inf; `latest_good_checkpoint` passes over a damaged checkpoint
+or state file with a warning; `non_finite_variables` names a checkpoint's non-finite tensors;
+`unreadable` alone tells a damaged checkpoint from any other failure.
 """
 
 from __future__ import annotations
@@ -33,6 +30,9 @@ _Verdict = Union[Tuple[str, ...], _errors.UnreadableCheckpointError]
 _VERIFIED: "collections.OrderedDict[str, Tuple[tuple, _Verdict]]" = collections.OrderedDict()
 _VERIFIED_MAX = 32
 
+# The global step a save is asked for.
+_Step = Union[int, tf.Tensor, None]
+
 # What TensorFlow raises on a checkpoint whose files are missing, cut short or garbled
 # (tests/test_damaged_checkpoints.py), besides the reader's `OpError` of code UNKNOWN. Other
 # errors (permissions, an unreachable file system) are not damage.
@@ -44,34 +44,27 @@ _DAMAGE_ERRORS = (
 )
 
 
+def _shards(checkpoint_path: str) -> List[str]:
+    return sorted(tf.io.gfile.glob(checkpoint_path + ".data-*"))
+
+
 def _files_key(checkpoint_path: str) -> tuple:
     """The name, size and mtime of every file of a checkpoint, local or remote."""
-    files = [
-        checkpoint_path + ".index",
-        *sorted(tf.io.gfile.glob(checkpoint_path + ".data-*")),
-    ]
     key = []
-    for name in files:
+    for name in [checkpoint_path + ".index", *_shards(checkpoint_path)]:
         try:
             stat = tf.io.gfile.stat(name)
+            key.append((name, stat.length, stat.mtime_nsec))
         except tf.errors.OpError:
             key.append((name, None, None))
-        else:
-            key.append((name, stat.length, stat.mtime_nsec))
     return tuple(key)
 
 
 def non_finite_variables(checkpoint_path: str) -> Tuple[str, ...]:
-    """Names of the floating-point tensors of a checkpoint that hold NaN or Inf.
+    """The sorted names of the floating-point tensors of a checkpoint (a prefix, or a
+    directory: its latest checkpoint) that hold NaN or Inf; empty when all are finite.
 
     Every tensor is read, so a checkpoint this accepts can be restored.
-
-    Args:
-      checkpoint_path: A checkpoint prefix (as ``tf.train.latest_checkpoint`` returns), or a
-        directory: its latest checkpoint.
-
-    Returns:
-      The names, sorted; empty when every value is finite.
 
     Raises:
       UnreadableCheckpointError: A file of the checkpoint is missing, cut short or garbled.
@@ -91,7 +84,14 @@ def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
         _VERIFIED.move_to_end(checkpoint_path)
         return cached[1], False
     try:
-        verdict: _Verdict = _non_finite(checkpoint_path)
+        reader = checkpoint_reader(checkpoint_path)
+        bad = []
+        for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
+            with _damage_named(checkpoint_path, data=True):
+                value = reader.get_tensor(name)
+            if dtype.is_floating and not np.all(np.isfinite(value)):
+                bad.append(name)
+        verdict: _Verdict = tuple(bad)
     except _errors.UnreadableCheckpointError as err:
         verdict = err
     _VERIFIED[checkpoint_path] = (key, verdict)
@@ -99,18 +99,6 @@ def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
     return verdict, True
-
-
-def _non_finite(checkpoint_path: str) -> Tuple[str, ...]:
-    """Reads every tensor of a checkpoint; the names of the floating-point ones not finite."""
-    reader = checkpoint_reader(checkpoint_path)
-    bad = []
-    for name, dtype in sorted(reader.get_variable_to_dtype_map().items()):
-        with _damage_named(checkpoint_path, data=True):
-            value = reader.get_tensor(name)
-        if dtype.is_floating and not np.all(np.isfinite(value)):
-            bad.append(name)
-    return tuple(bad)
 
 
 @contextlib.contextmanager
@@ -136,28 +124,23 @@ def unreadable(
         return None
     cause = _errors.op_error_cause(error)
     index = checkpoint_path + ".index"
-    shards = sorted(tf.io.gfile.glob(checkpoint_path + ".data-*"))
+    shards = _shards(checkpoint_path)
+    file, problem = index, "is cut short or garbled"
     if not tf.io.gfile.exists(index):
-        return _errors.UnreadableCheckpointError(checkpoint_path, index, "is missing", cause)
-    if not shards:
-        return _errors.UnreadableCheckpointError(
-            checkpoint_path, checkpoint_path + ".data-*", "is missing", cause
-        )
-    file = index
-    if data or "TensorBundle at" in cause:
+        problem = "is missing"
+    elif not shards:
+        file, problem = checkpoint_path + ".data-*", "is missing"
+    elif data or "TensorBundle at" in cause:
         shard = re.search(r"shard (\d+)", cause)
         named = [f for f in shards if shard and f"data-{int(shard.group(1)):05d}-of-" in f]
         file = (named or shards)[0]
         if len(shards) > 1 and not named:
             file = checkpoint_path + ".data-* (one of its shards)"
-    return _errors.UnreadableCheckpointError(
-        checkpoint_path, file, "is cut short or garbled", cause
-    )
+    return _errors.UnreadableCheckpointError(checkpoint_path, file, problem, cause)
 
 
 def say_restored_without(save_path: str, names: Sequence[str]) -> None:
-    """Logs the one line of a restore of `save_path` without the guard's variables `names`
-    (a warning: shown by default, as the guard starts some of its state afresh)."""
+    """Warns that `save_path` is restored without the guard's variables `names`."""
     warm_up = any(name.endswith(("/history", "/count")) for name in names)
     logging.warning(
         "slim_nanguard: %s was written without %s (guard options turned on since, or a "
@@ -178,11 +161,8 @@ def _prefix_of(path: str) -> str:
 
 
 def checkpoint_reader(path: str) -> Any:
-    """`tf.train.load_checkpoint`, except that a checkpoint prefix is always read as one
-    (``ram://`` calls any prefix of a file name a directory).
-
-    Returns:
-      TensorFlow's checkpoint reader.
+    """TensorFlow's checkpoint reader, as `tf.train.load_checkpoint`, except that a checkpoint
+    prefix is always read as one (``ram://`` calls any prefix of a file name a directory).
 
     Raises:
       UnreadableCheckpointError: The checkpoint's index is missing, cut short or garbled.
@@ -202,43 +182,35 @@ def checkpoint_step(checkpoint_path: str) -> Optional[int]:
 
 
 def latest_good_checkpoint(
-    checkpoint_dir: Optional[str],
-    *,
-    before_step: Optional[int] = None,
-    repair_state: bool = False,
+    checkpoint_dir: Optional[str], *, before_step: Optional[int] = None, repair_state: bool = False
 ) -> Optional[str]:
-    """The newest checkpoint in `checkpoint_dir` that can be read.
+    """The prefix of the newest checkpoint in `checkpoint_dir` that can be read, or None when
+    the directory (which may be None or missing) holds no checkpoint at all.
 
     A newer unreadable checkpoint is passed over with one warning naming the damaged file (no
     second one while its files are unchanged). A state file that cannot be parsed is passed
-    over with a warning: the run's checkpoints are found by listing the directory
-    (`_listed`).
+    over with a warning: the run's checkpoints are found by listing the directory.
 
     Args:
-      checkpoint_dir: The directory (may be None or missing: no checkpoint).
       before_step: Only consider checkpoints saved below this global step (names ending in
         ``-<step>``).
       repair_state: Rewrite a damaged state file to name the checkpoints found. Only the run
         that trains in `checkpoint_dir` may (its `Saver` writes the file).
 
-    Returns:
-      The checkpoint prefix, or None when the directory holds no checkpoint at all.
-
     Raises:
       NonFiniteCheckpointError: The newest readable checkpoint holds NaN or Inf.
       CheckpointNotFoundError: Checkpoints exist but none of them can be read.
     """
-    candidates, damaged = _candidates(checkpoint_dir)
+    found, damaged = candidates(checkpoint_dir)
     if before_step is not None:
-        steps = {path: checkpoint_step(path) for path in candidates}
-        candidates = [
-            path for path in candidates if steps[path] is not None and steps[path] < before_step
+        found = [
+            p for p in found if (step := checkpoint_step(p)) is not None and step < before_step
         ]
-    if not candidates:
+    if not found:
         return None
     failures: List[_errors.UnreadableCheckpointError] = []
     reported = True  # Every damage found was reported before (see _VERIFIED).
-    for path in candidates:
+    for number, path in enumerate(found):
         verdict, fresh = _check(path)
         if isinstance(verdict, _errors.UnreadableCheckpointError):
             failures.append(verdict)
@@ -258,9 +230,7 @@ def latest_good_checkpoint(
                 path,
             )
         if damaged and before_step is None:
-            _report_damaged_state(
-                checkpoint_dir, candidates[candidates.index(path) :], repair=repair_state
-            )
+            _report_damaged_state(checkpoint_dir, found[number:], repair=repair_state)
         return path
     raise _errors.CheckpointNotFoundError(
         f"no checkpoint in {checkpoint_dir} can be read: "
@@ -269,18 +239,10 @@ def latest_good_checkpoint(
     )
 
 
-def candidates(checkpoint_dir: Optional[str]) -> List[str]:
-    """The checkpoint prefixes of `checkpoint_dir`, newest first (none may be readable)."""
-    return _candidates(checkpoint_dir)[0]
-
-
-def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
-    """The checkpoint prefixes of a directory, newest first, and whether its state file is
-    there but cannot be parsed (the directory is then listed, `_listed`).
-
-    Each path is re-rooted into `checkpoint_dir` by its file name, so a moved or copied
-    directory reads its own checkpoints.
-    """
+def candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
+    """The checkpoint prefixes of a directory, newest first (none may be readable) and
+    re-rooted into it by file name (a moved or copied directory reads its own), and whether
+    its state file is there but cannot be parsed (the directory is then listed)."""
     if not checkpoint_dir or not tf.io.gfile.isdir(checkpoint_dir):
         return [], False
     try:
@@ -288,28 +250,19 @@ def _candidates(checkpoint_dir: Optional[str]) -> Tuple[List[str], bool]:
     except ValueError:  # Empty (it names no checkpoint), or not even text.
         state = None
     if state is None:
-        if tf.io.gfile.exists(_state_file(checkpoint_dir)):
-            return _listed(checkpoint_dir), True
-        return [], False
+        damaged = tf.io.gfile.exists(_paths.join(checkpoint_dir, STATE_FILENAME))
+        return (_listed(checkpoint_dir) if damaged else []), damaged
     paths = list(state.all_model_checkpoint_paths or [])
     if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)
-    paths = [_paths.join(checkpoint_dir, _paths.basename(p)) for p in paths]
-    return list(reversed(paths)), False
-
-
-def _state_file(checkpoint_dir: str) -> str:
-    """The path of the ``checkpoint`` state file of `checkpoint_dir`."""
-    return _paths.join(checkpoint_dir, STATE_FILENAME)
+    return [_paths.join(checkpoint_dir, _paths.basename(p)) for p in reversed(paths)], False
 
 
 def _listed(checkpoint_dir: str) -> List[str]:
-    """The run's checkpoints, by the directory's ``*.index`` files, highest step first.
-
-    Only ``<name>-<step>`` of the name of the highest step: a ``pretrained.ckpt`` beside them
-    must never reach the run's `Saver`, which deletes past ``max_to_keep``. When no checkpoint
-    has a step, all are listed, by name.
-    """
+    """The run's checkpoints, by the directory's ``*.index`` files, highest step first: only
+    ``<name>-<step>`` of the name of the highest step (a ``pretrained.ckpt`` beside them must
+    never reach the run's `Saver`, which deletes past ``max_to_keep``); all, by name, when
+    none has a step."""
     prefixes = [
         _paths.join(checkpoint_dir, name[: -len(".index")])
         for name in tf.io.gfile.listdir(checkpoint_dir)
@@ -319,22 +272,13 @@ def _listed(checkpoint_dir: str) -> List[str]:
     if not stepped:
         return sorted(prefixes, reverse=True)
     stepped.sort(key=lambda p: (checkpoint_step(p), p), reverse=True)
-    stem = _stem(stepped[0])
-    return [p for p in stepped if _stem(p) == stem]
-
-
-def _stem(path: str) -> str:
-    """``model.ckpt`` of ``.../model.ckpt-1200``."""
-    return re.sub(r"-\d+$", "", _paths.basename(path))
+    stem = stepped[0].rpartition("-")[0]  # ``.../model.ckpt`` of ``.../model.ckpt-1200``
+    return [p for p in stepped if p.rpartition("-")[0] == stem]
 
 
 def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool) -> None:
-    """Warns that the state file cannot be parsed and names the checkpoint found instead.
-
-    With `repair`, rewrites the file to name `found` (newest first; names relative to the
-    directory), unless `found[0]` has no step or the file cannot be written.
-    """
-    path = _state_file(checkpoint_dir)
+    """Warns that the state file cannot be parsed and names the checkpoint found instead;
+    with `repair`, rewrites the file to name `found` unless `found[0]` has no step."""
     # update_checkpoint_state keeps the paths of an absolute local directory and makes those
     # of any other relative: either way the file holds names only.
     local = not _paths.is_url(checkpoint_dir) and os.path.isabs(checkpoint_dir)
@@ -352,22 +296,21 @@ def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool
     logging.warning(
         "slim_nanguard: the checkpoint state file %s cannot be parsed (garbled, cut short or "
         "empty); found the checkpoints by listing the directory: using %s, %s.",
-        path,
+        _paths.join(checkpoint_dir, STATE_FILENAME),
         found[0],
         done,
     )
 
 
 def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
-    """`tf.train.latest_checkpoint`, re-rooted into `checkpoint_dir` (`_candidates`): a moved
+    """`tf.train.latest_checkpoint`, re-rooted into `checkpoint_dir` (`candidates`): a moved
     or copied directory finds its own checkpoint, and a damaged state file is passed over by
-    listing the directory, with a warning (the file is not repaired). None when there is none.
-    """
-    candidates, damaged = _candidates(checkpoint_dir)
-    for number, path in enumerate(candidates):
+    listing the directory, with a warning (the file is not repaired). None when there is none."""
+    found, damaged = candidates(checkpoint_dir)
+    for number, path in enumerate(found):
         if tf.io.gfile.exists(path + ".index") or tf.io.gfile.exists(path):
             if damaged:
-                _report_damaged_state(checkpoint_dir, candidates[number:], repair=False)
+                _report_damaged_state(checkpoint_dir, found[number:], repair=False)
             return path
     return None
 
@@ -380,22 +323,17 @@ def _short(err: BaseException) -> str:
 class FinitenessTest:
     """Which of some variables hold NaN or Inf, and which: exact, one sum per variable when
     all is finite (a non-finite sum, which may be an overflow, is confirmed element-wise).
-
-    Build it before the graph is finalized; `non_finite` runs it.
-
-    Attributes:
-      names: The op names of the floating-point variables tested, in order.
-    """
+    Build it before the graph is finalized; `non_finite` runs it on the floating-point
+    variables, whose op names are `names`."""
 
     def __init__(self, variables: Sequence[tf.Variable]):
         variables = [v for v in variables if v.dtype.base_dtype.is_floating]
         self.names = [v.op.name for v in variables]
-        if not variables:
-            self._fast, self._kinds = None, []
-            return
-        # The element-wise tests run only for the variables whose sum is not finite.
-        self._fast = tf.math.is_finite(tf.stack([_wide_sum(v) for v in variables]))
-        self._kinds = [_verdict.kind_code(v) for v in variables]
+        self._fast = None
+        if variables:
+            # The element-wise tests run only for the variables whose sum is not finite.
+            self._fast = tf.math.is_finite(tf.stack([_wide_sum(v) for v in variables]))
+            self._kinds = [_verdict.kind_code(v) for v in variables]
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
         """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_name`)."""
@@ -412,18 +350,21 @@ class FinitenessTest:
 def _wide_sum(variable: tf.Variable) -> tf.Tensor:
     """The sum of a variable as float64 (a half-precision one summed in float32)."""
     if variable.dtype.base_dtype in (tf.float16, tf.bfloat16):
-        return tf.cast(tf.reduce_sum(tf.cast(variable, tf.float32)), tf.float64)
+        variable = tf.cast(variable, tf.float32)
     return tf.cast(tf.reduce_sum(variable), tf.float64)
 
 
 class _FinitenessCheck:
-    """The check `FiniteSaver` and `finite_saver` put in front of ``save``.
+    """The check `FiniteSaver` and `finite_saver` put in front of a saver's ``save``
+    (`_unchecked_save`); `refused_saves` counts the saves it refused."""
 
-    Attributes:
-      refused_saves: Saves refused so far because a value was not finite.
-    """
-
-    def _build_check(self, variables: Sequence[tf.Variable]) -> None:
+    def _build_check(self, var_list: Union[Sequence, Dict[str, Any], None]) -> None:
+        """Tests the variables a `Saver` of `var_list` saves (None: all global variables)."""
+        if var_list is None:
+            variables = tf.compat.v1.global_variables()
+        else:
+            values = var_list.values() if isinstance(var_list, dict) else var_list
+            variables = [v for v in values if isinstance(v, tf.Variable)]
         with tf.name_scope("nanguard_finite_saver"):
             self._test = FinitenessTest(variables)
         self.refused_saves = 0
@@ -432,34 +373,29 @@ class _FinitenessCheck:
         """Names of the saved variables that hold NaN or Inf now."""
         return [name for name, _ in self._test.non_finite(sess)]
 
-    def _refuse(
-        self, sess: tf.compat.v1.Session, save_path: str, global_step: Union[int, tf.Tensor, None]
-    ) -> bool:
-        """True, counted and logged, if a value is not finite: no save may happen now."""
+    def save(
+        self, sess: tf.compat.v1.Session, save_path: str, global_step: _Step = None, *args, **kwargs
+    ) -> Optional[str]:
+        """As the saver's ``save``, except that it refuses (None, counted and logged) to write
+        a value that is not finite."""
         bad = self._test.non_finite(sess)
         if not bad:
-            return False
+            return self._unchecked_save(sess, save_path, global_step, *args, **kwargs)
         self.refused_saves += 1
+        step = "no global step given" if global_step is None else f"step {global_step}"
+        if hasattr(global_step, "dtype"):
+            try:
+                step = f"step {tf.compat.v1.train.global_step(sess, global_step)}"
+            except (tf.errors.OpError, TypeError, ValueError) as err:
+                step = f"step unknown: {_short(err)}"
         logging.error(
             "slim_nanguard: not saving checkpoint %s (%s): %s. The latest checkpoint stays the "
             "last good one.",
             save_path,
-            _step_text(sess, global_step),
+            step,
             _verdict.describe(bad),
         )
-        return True
-
-
-def _step_text(sess: tf.compat.v1.Session, global_step: Union[int, tf.Tensor, None]) -> str:
-    """``"step 1200"``: the step a save was asked for."""
-    if global_step is None:
-        return "no global step given"
-    if hasattr(global_step, "dtype"):
-        try:
-            global_step = tf.compat.v1.train.global_step(sess, global_step)
-        except (tf.errors.OpError, TypeError, ValueError) as err:
-            return f"step unknown: {_short(err)}"
-    return f"step {global_step}"
+        return None
 
 
 class ResumingSaver(tf.compat.v1.train.Saver):
@@ -468,18 +404,38 @@ class ResumingSaver(tf.compat.v1.train.Saver):
     `restore` of a checkpoint without some of `GraphHandles.optional_variables` restores the
     rest, starts those from their initial values and says so in one log line. A checkpoint
     lacking any other variable fails as with TensorFlow's `Saver`. Build it after
-    `create_train_op`; without optional variables it is TensorFlow's `Saver`, op for op.
-
-    Args:
-      *args: As `tf.compat.v1.train.Saver`.
-      **kwargs: As `tf.compat.v1.train.Saver`.
+    `create_train_op`, with `tf.compat.v1.train.Saver`'s arguments; without optional variables
+    it is TensorFlow's `Saver`, op for op.
     """
 
     def build(self) -> None:
-        """As `tf.compat.v1.train.Saver.build`, plus `_OptionalRestore` (once)."""
+        """As `tf.compat.v1.train.Saver.build`, plus (once) `_optional`: ``(variable, name in
+        the checkpoint, placeholder, assign op)`` of each of the default graph's guards'
+        optional variables it saves, and `_rest`, the `Saver` of the others (when any)."""
         super().build()
-        if not hasattr(self, "_resume"):
-            self._resume = _OptionalRestore.build(self._var_list, self._sharded)
+        if hasattr(self, "_optional"):
+            return
+        from slim_nanguard import _guard  # Local: the guard's module needs this one.
+
+        optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
+        var_list = self._var_list
+        if isinstance(var_list, dict):
+            rest = {name: v for name, v in var_list.items() if id(v) not in optional}
+            named = [(v, name) for name, v in var_list.items() if id(v) in optional]
+        else:
+            rest = [v for v in var_list or () if id(v) not in optional]
+            named = [(v, v.op.name) for v in var_list or () if id(v) in optional]
+        self._optional = []
+        if not named:
+            return
+        with tf.name_scope("nanguard_resume"):
+            for variable, name in named:
+                value = tf.compat.v1.placeholder(variable.dtype.base_dtype, variable.shape)
+                setter = tf.compat.v1.assign(variable, value).op
+                self._optional.append((variable, name, value, setter))
+            self._rest = tf.compat.v1.train.Saver(
+                rest, sharded=self._sharded, allow_empty=True, name="without_optional"
+            )
 
     def save(self, sess: tf.compat.v1.Session, save_path: str, *args, **kwargs) -> Optional[str]:
         """As `tf.compat.v1.train.Saver.save`; a deferred saver is built first if it can be."""
@@ -487,11 +443,8 @@ class ResumingSaver(tf.compat.v1.train.Saver):
         return super().save(sess, save_path, *args, **kwargs)
 
     def _built_for(self, graph: tf.Graph) -> None:
-        """Builds a deferred saver that nothing built (a `Supervisor` does not).
-
-        Raises:
-          RuntimeError: It is unbuilt and its graph is finalized.
-        """
+        """Builds a deferred saver that nothing built (a `Supervisor` does not); a
+        RuntimeError if its graph is finalized."""
         if getattr(self, "_is_built", True) or tf.executing_eagerly():
             return
         if not graph.finalized:
@@ -507,57 +460,22 @@ class ResumingSaver(tf.compat.v1.train.Saver):
     def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
         """As `tf.compat.v1.train.Saver.restore`; the optional variables may be missing."""
         self._built_for(sess.graph)
-        resume = getattr(self, "_resume", None)
-        if resume is None or not resume.restore_without_missing(sess, save_path):
+        if not self._restore_lacking(sess, save_path):
             super().restore(sess, save_path)
 
-
-class _OptionalRestore:
-    """The ops that restore a checkpoint lacking some of the guard's optional variables: the
-    `Saver` of the `rest`, and ``(variable, name in the checkpoint, placeholder, assign op)``
-    of each `optional` one."""
-
-    def __init__(self, rest: tf.compat.v1.train.Saver, optional: List[Tuple[Any, str, Any, Any]]):
-        self._rest, self._optional = rest, optional
-
-    @classmethod
-    def build(cls, var_list: Any, sharded: bool) -> Optional["_OptionalRestore"]:
-        """The ops for a `Saver` of `var_list`, or None when it saves none of the default
-        graph's guards' optional variables."""
-        from slim_nanguard import _guard  # Local: the guard's module needs this one.
-
-        optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
-        if isinstance(var_list, dict):
-            rest = {name: v for name, v in var_list.items() if id(v) not in optional}
-            named = [(v, name) for name, v in var_list.items() if id(v) in optional]
-        else:
-            rest = [v for v in var_list or () if id(v) not in optional]
-            named = [(v, v.op.name) for v in var_list or () if id(v) in optional]
-        if not named:
-            return None
-        setters = []
-        with tf.name_scope("nanguard_resume"):
-            for variable, name in named:
-                value = tf.compat.v1.placeholder(variable.dtype.base_dtype, variable.shape)
-                setters.append((variable, name, value, tf.compat.v1.assign(variable, value).op))
-            rest = tf.compat.v1.train.Saver(
-                rest, sharded=sharded, allow_empty=True, name="without_optional"
-            )
-        return cls(rest, setters)
-
-    def restore_without_missing(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
+    def _restore_lacking(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
         """True after restoring `save_path` when it lacks an optional variable (logged); False,
         doing nothing, when it lacks none or cannot be read."""
-        if save_path is None:
+        if not getattr(self, "_optional", None) or save_path is None:
             return False
         try:
             reader = checkpoint_reader(save_path)
         except Exception:  # pylint: disable=broad-except
             return False
-        missing = [s for s in self._optional if not reader.has_tensor(s[1])]
+        missing = [name for _, name, _, _ in self._optional if not reader.has_tensor(name)]
         if not missing:
             return False
-        say_restored_without(save_path, [name for _, name, _, _ in missing])
+        say_restored_without(save_path, missing)
         self._rest.restore(sess, save_path)
         for variable, name, value, assign in self._optional:
             if reader.has_tensor(name):
@@ -574,82 +492,34 @@ class FiniteSaver(_FinitenessCheck, ResumingSaver):
     finite, the save is skipped with an error in the log and `save` returns None: the latest
     checkpoint stays the last good one. Use it as ``Scaffold(saver=FiniteSaver())`` or
     ``tf_slim.learning.train(..., saver=FiniteSaver())``. Made after `create_train_op`, it also
-    restores a checkpoint lacking the guard's optional variables (`ResumingSaver`).
-
-    Args:
-      *args: As `tf.compat.v1.train.Saver`.
-      **kwargs: As `tf.compat.v1.train.Saver`.
+    restores a checkpoint lacking the guard's optional variables (`ResumingSaver`). It takes
+    `tf.compat.v1.train.Saver`'s arguments.
     """
+
+    _unchecked_save = ResumingSaver.save
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._build_check(_saved_variables(self._var_list))
-
-    def save(
-        self,
-        sess: tf.compat.v1.Session,
-        save_path: str,
-        global_step: Union[int, tf.Tensor, None] = None,
-        *args,
-        **kwargs,
-    ) -> Optional[str]:
-        if self._refuse(sess, save_path, global_step):
-            return None
-        return super().save(sess, save_path, global_step, *args, **kwargs)
-
-
-def _saved_variables(var_list: Union[Sequence, Dict[str, Any], None]) -> List[tf.Variable]:
-    """The variables a `Saver` built with `var_list` saves (None: all global variables)."""
-    if var_list is None:
-        return tf.compat.v1.global_variables()
-    if isinstance(var_list, dict):
-        return [v for v in var_list.values() if isinstance(v, tf.Variable)]
-    return [v for v in var_list if isinstance(v, tf.Variable)]
+        self._build_check(self._var_list)
 
 
 class _FiniteSaving(_FinitenessCheck):
-    """A user's `Saver` with `FiniteSaver`'s check in front of `save`; everything else is the
-    user's saver's own. Made by `finite_saver`.
-
-    Attributes:
-      saver: The user's saver.
-      refused_saves: Saves refused so far because a value was not finite.
-    """
+    """A user's `Saver` (`saver`) with `FiniteSaver`'s check in front of `save`; everything
+    else is the user's saver's own. Made by `finite_saver`."""
 
     def __init__(self, saver: tf.compat.v1.train.Saver):
         self.saver = saver
-        self._build_check(_saved_variables(saver._var_list))  # pylint: disable=protected-access
+        self._unchecked_save = saver.save
+        self._build_check(saver._var_list)  # pylint: disable=protected-access
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.saver, name)
 
-    def save(
-        self,
-        sess: tf.compat.v1.Session,
-        save_path: str,
-        global_step: Union[int, tf.Tensor, None] = None,
-        *args,
-        **kwargs,
-    ) -> Optional[str]:
-        """As the user's saver's ``save``, except that it refuses a non-finite value."""
-        if self._refuse(sess, save_path, global_step):
-            return None
-        return self.saver.save(sess, save_path, global_step, *args, **kwargs)
-
 
 def finite_saver(saver: Optional[Any]) -> Optional[Any]:
-    """`saver`, made to refuse a checkpoint that holds NaN or Inf, as `FiniteSaver` does.
-
-    Call it before the graph is finalized (it adds the check's ops).
-
-    Args:
-      saver: A `tf.compat.v1.train.Saver` (or None, or a `tf.train.Checkpoint`).
-
-    Returns:
-      `saver` itself when it is a `FiniteSaver` or not a `Saver`; else `saver` behind the check.
-    """
-    if isinstance(saver, (FiniteSaver, _FiniteSaving)) or not isinstance(
-        saver, tf.compat.v1.train.Saver
-    ):
-        return saver
-    return _FiniteSaving(saver)
+    """`saver` behind `FiniteSaver`'s check, when it is a `tf.compat.v1.train.Saver` but not
+    a `FiniteSaver`; else `saver` itself (None, or a `tf.train.Checkpoint`). Call it before
+    the graph is finalized (it adds the check's ops)."""
+    if isinstance(saver, tf.compat.v1.train.Saver) and not isinstance(saver, FiniteSaver):
+        return _FiniteSaving(saver)
+    return saver

@@ -138,34 +138,21 @@ def op_error_cause(error: BaseException) -> str:
     """The line of a TensorFlow error that says what went wrong: for a ``Graph execution
     error``, the line after ``Node: '...'``; else the first line."""
     text = getattr(error, "message", None) or str(error) or type(error).__name__
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if lines and lines[0].startswith("Graph execution error"):
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+    if lines[0].startswith("Graph execution error"):
         node = next((i for i, line in enumerate(lines) if line.startswith("Node: ")), None)
-        rest = (
-            lines[node + 1 :]
-            if node is not None
-            else [
-                line
-                for line in lines[1:]
-                if not line.startswith(("Detected at node", "File ", "[[", "Original stack"))
-            ]
-        )
-        if rest:
-            return rest[0]
-    return lines[0] if lines else type(error).__name__
+        if node is not None:
+            return (lines[node + 1 :] or lines)[0]
+        noise = ("Detected at node", "File ", "[[", "Original stack")
+        return next((line for line in lines[1:] if not line.startswith(noise)), lines[0])
+    return lines[0]
 
 
 def caught_numerics_error(error: BaseException) -> BaseException:
-    """`error`, the numerics error of a bad step, as it reads once a loop applied the policy.
-
-    Args:
-      error: The error ``session.run(train_op)`` raised.
-
-    Returns:
-      A copy of the guard's `InvalidArgumentError` (same op, node and traceback, so
-      `is_numerics_error` still recognises it) whose message says the policy was applied, for
-      a `NanLossError` to chain to; any other error itself.
-    """
+    """`error` (what ``session.run(train_op)`` raised) as it reads once a loop applied the
+    policy, for a `NanLossError` to chain to: the guard's `InvalidArgumentError` is copied (same
+    op, node and traceback, so `is_numerics_error` still recognises it) with a message that
+    says the policy was applied; any other error is returned itself."""
     message = getattr(error, "message", None)
     if not isinstance(error, tf.errors.InvalidArgumentError) or REJECTED not in (message or ""):
         return error

@@ -1,7 +1,5 @@
 """Rollback: the walk back over checkpoints, the restore, the learning-rate scale, input skipping.
-
-A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore with.
-"""
+A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore with."""
 
 from __future__ import annotations
 
@@ -19,15 +17,9 @@ from slim_nanguard._policy import GuardConfig
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What one rollback did.
-
-    Attributes:
-      checkpoint: The path of the checkpoint restored.
-      step: The global step it restored (None without a global step).
-      skipped_batches: Batches of input thrown away after the restore.
-      learning_rate_scale: The learning-rate scale after this rollback.
-      why: Why this checkpoint and not the newest, or "" for the newest.
-    """
+    """What one rollback did: the checkpoint restored, its global step (None without a global
+    step), the batches of input thrown away after it, the learning-rate scale after it, and
+    why this checkpoint and not the newest ("" for the newest)."""
 
     checkpoint: str
     step: Optional[int]
@@ -39,19 +31,13 @@ class Restored:
 def onset(
     run_start: Optional[int], run_length: int, losses: Sequence[Tuple[int, float]]
 ) -> Tuple[Optional[int], str]:
-    """Where a run of bad steps began, so that a rollback goes back before it. Pure.
+    """``(before_step, why)``: a rollback restores a checkpoint saved below ``before_step``
+    (None: the newest), so that it goes back before a run of bad steps, for the reason `why`
+    (for the log and the record). Pure.
 
     Before the climb of the losses that led to it (`_history.climb_start`), if any; else
-    before the run's first step if it had more than one bad step.
-
-    Args:
-      run_start: The global step of the run's first bad step (None: unknown).
-      run_length: How many bad steps the run had.
-      losses: ``(step, loss)`` of the good steps before it, oldest first.
-
-    Returns:
-      ``(before_step, why)``: restore a checkpoint saved below ``before_step`` (None: the
-      newest), and why, for the log and the record.
+    before the run's first step (`run_start`, None: unknown) if it had more than one bad step.
+    `losses` are ``(step, loss)`` of the good steps before it, oldest first.
     """
     if run_start is None or run_start < 0:
         return None, ""
@@ -70,13 +56,8 @@ def onset(
 
 
 class Rollback:
-    """Restores a guard's model from its checkpoints.
-
-    Args:
-      handles: The guard's graph handles.
-      config: The guard's config.
-      saver: The Saver to restore with, if `create_train_op` built one.
-    """
+    """Restores a guard's model from its checkpoints, with `saver` if `create_train_op`
+    built one."""
 
     def __init__(
         self,
@@ -131,28 +112,15 @@ class Rollback:
         before_step: Optional[int] = None,
         why: str = "",
     ) -> Restored:
-        """Restores the latest good checkpoint, skips input and scales the learning rate.
+        """Restores the latest good checkpoint of `checkpoint_dir` into the raw `session`, skips
+        `skip_batches` of input (default: ``rollback_skip_batches``) and scales the learning
+        rate (`learning_rate_scale`: the scale applied so far in this process).
 
         A bad step at the very step the previous rollback restored goes one checkpoint
         further back each time, while older readable ones are kept (then the oldest again).
-
-        Args:
-          session: A raw `tf.compat.v1.Session`.
-          checkpoint_dir: Directory the training loop saves checkpoints to.
-          bad_step: The global step of the bad step (-1 if unknown).
-          learning_rate_scale: The scale the guard has applied so far in this process.
-          skip_batches: Batches of input to skip after the restore (default:
-            ``rollback_skip_batches``).
-          before_step: Restore the newest good checkpoint saved below this global step
-            (`onset`), if one is kept; None: the newest.
-          why: Why `before_step`, said in the log and kept in `Restored.why`.
-
-        Returns:
-          What was restored.
-
-        Raises:
-          CheckpointNotFoundError: No good checkpoint to roll back to.
-          ValueError: No Saver was built before the graph was finalized.
+        With `before_step` (`onset`), the newest good checkpoint saved below it is restored
+        if one is kept, and `why` is said in the log and kept in `Restored.why`. Raises
+        CheckpointNotFoundError without a good checkpoint, ValueError without a Saver.
         """
         path, why = self._choose(checkpoint_dir, bad_step, before_step, why)
         if path is None:
@@ -177,16 +145,14 @@ class Rollback:
         if handles.lr_scale is not None:
             # The lower of the session's (a resumed or recovered one) and this process's.
             learning_rate_scale = min(learning_rate_scale, float(session.run(handles.lr_scale)))
-        saver = self._saver
-        missing = self._handles.missing_from(path) if self._without_optional else ()
+        missing = handles.missing_from(path) if self._without_optional else ()
         if missing:
             logging.info(
                 "slim_nanguard: %s has no %s; they keep their values.",
                 path,
                 ", ".join(v.op.name for v in missing),
             )
-            saver = self._without_optional
-        saver.restore(session, path)
+        (self._without_optional if missing else self._saver).restore(session, path)
         self._restored_step = (
             int(session.run(handles.global_step)) if handles.global_step is not None else None
         )
@@ -204,28 +170,23 @@ class Rollback:
         """The checkpoint a rollback restores, and why (see `restore`); None: there is none."""
         from slim_nanguard import _checkpoints  # Local: only rollback needs it.
 
-        path = _checkpoints.latest_good_checkpoint(checkpoint_dir)
-        if path is not None and before_step is not None:
-            older = _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=before_step)
+        latest = _checkpoints.latest_good_checkpoint
+        path = latest(checkpoint_dir)
+        if path is None:
+            return None, why
+        if before_step is not None:
+            older = latest(checkpoint_dir, before_step=before_step)
             if older is None:  # The oldest kept is the least far into the run or the climb.
-                steps = [
-                    _checkpoints.checkpoint_step(p) for p in _checkpoints.candidates(checkpoint_dir)
-                ]
-                steps = [s for s in steps if s is not None]
+                kept = _checkpoints.candidates(checkpoint_dir)[0]
+                steps = [s for s in map(_checkpoints.checkpoint_step, kept) if s is not None]
                 if steps:
-                    older = _checkpoints.latest_good_checkpoint(
-                        checkpoint_dir, before_step=min(steps) + 1
-                    )
+                    older = latest(checkpoint_dir, before_step=min(steps) + 1)
                 why = f"{why}, but no checkpoint older than step {before_step} is kept: the oldest"
             path = older or path
             logging.warning("slim_nanguard: %s: rolling back to %s", why, path)
-        elif (
-            path is not None and self._restored_step is not None and bad_step == self._restored_step
-        ):
+        elif self._restored_step is not None and bad_step == self._restored_step:
             # The state the last rollback restored went bad at once: go further back.
-            older = _checkpoints.latest_good_checkpoint(
-                checkpoint_dir, before_step=self._restored_step
-            )
+            older = latest(checkpoint_dir, before_step=self._restored_step)
             if older is not None:
                 logging.warning(
                     "slim_nanguard: training went bad again at step %d, right "
@@ -235,12 +196,7 @@ class Rollback:
                 )
                 path = older
             else:  # None earlier is kept: the same step again (not a newer, failed one).
-                path = (
-                    _checkpoints.latest_good_checkpoint(
-                        checkpoint_dir, before_step=self._restored_step + 1
-                    )
-                    or path
-                )
+                path = latest(checkpoint_dir, before_step=self._restored_step + 1) or path
         return path, why
 
     def skip_input(self, session: tf.compat.v1.Session, batches: int) -> int:
@@ -248,11 +204,9 @@ class Rollback:
         input_ops = list(self._handles.input_ops)
         if not input_ops or batches <= 0:
             return 0
-        done = 0
-        for _ in range(batches):
+        for done in range(batches):
             try:
                 session.run(input_ops)
             except tf.errors.OutOfRangeError:
-                break
-            done += 1
-        return done
+                return done
+        return batches

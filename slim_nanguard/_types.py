@@ -7,23 +7,17 @@ Each vocabulary is a `str` enum: a member equals, formats and serializes to JSON
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, Protocol, Union
+from typing import Any, Callable, Dict, Union
 
 import tensorflow as tf
 
 
 class _StrEnum(str, enum.Enum):
-    """A `str` enum whose `str`, `format` and `repr` are its value's, on every Python: a
-    member reads like the plain string it equals (``'skip'``, not ``<Action.SKIP: 'skip'>``)."""
+    """A `str` enum whose `str`, `format` and `repr` are its value's (``'skip'``) on any Python."""
 
-    def __str__(self) -> str:
-        return str.__str__(self)
-
-    def __repr__(self) -> str:
-        return str.__repr__(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return str.__format__(str(self), spec)
+    __str__ = str.__str__
+    __repr__ = str.__repr__
+    __format__ = str.__format__
 
 
 class Action(_StrEnum):
@@ -80,9 +74,5 @@ SessionLike = Union[tf.compat.v1.Session, tf.compat.v1.train.MonitoredSession]
 # Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
 Listener = Callable[[Dict[str, Any]], None]
 
-
-class RequestStop(Protocol):
-    """Asks the loop to stop after this step (``run_context.request_stop``, for one)."""
-
-    def __call__(self) -> None:
-        """Requests the stop; returns at once."""
+# Asks the loop to stop after this step, and returns at once (``run_context.request_stop``).
+RequestStop = Callable[[], None]
