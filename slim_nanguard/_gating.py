@@ -1,19 +1,16 @@
 """The gating of writes: every variable write a train op makes waits on the step's test.
 
-What a bad step must not change, and how each kind of write is held back:
-
-* the optimizer's writes (weights, slots, accumulators, ``global_step``) and those the
-  ``update_ops`` run (batch-norm statistics) get the gate as a control input
+* the optimizer's writes and those the ``update_ops`` run get the gate as a control input
   (`apply_gradients`); with a dynamic loss-scale optimizer, every write but the scale's own
   update also waits on the finite gate, which an overflow step does not open;
 * writes the forward pass makes before the test (``slim.batch_norm`` with
   ``updates_collections=None``) wait on a copy of their variable, which a bad step writes back
-  (`snapshot_forward_writes`, `ForwardWrites.put_back`);
-* hook mode: writes built later under ``tf.control_dependencies([train_op])`` (an EMA of the
-  weights) are gated when the hook begins (`gate_writes_after`);
-* `SyncReplicasOptimizer` (see `_cluster`): the worker's accumulator applies wait on the test
-  (so a bad step accumulates nothing and takes no token), and the chief's write of the
-  aggregated gradient waits on a check of its own (`apply_sync_replicas`)::
+  (`snapshot_forward_writes`);
+* hook mode: writes built later under ``tf.control_dependencies([train_op])`` are gated when
+  the hook begins (`gate_writes_after`);
+* `SyncReplicasOptimizer`: the worker's accumulator applies wait on the test (a bad step
+  accumulates nothing and takes no token), and the chief's write of the aggregated gradient
+  waits on a check of its own (`apply_sync_replicas`)::
 
     worker (the train op):   accumulate(grad, local_step) for each variable   # gated
                              token = token_queue.dequeue()                     # after them
@@ -26,9 +23,8 @@ What a bad step must not change, and how each kind of write is held back:
   train op takes a batch. The mean of finite gradients is non-finite only when it overflows:
   then the chief's queue runner stops with its check's error, and nothing is written.
 
-The ops are already built (by the optimizer, or by the user), and no public API adds an input
-to one: the edges are added with TensorFlow's private ``Operation._add_control_input``. A
-write gated so also runs the forward and backward pass when fetched alone.
+The ops are already built, and no public API adds an input to one: the edges are added with
+TensorFlow's private ``Operation._add_control_input``.
 """
 
 from __future__ import annotations
@@ -53,27 +49,14 @@ def apply_gradients(
     global_step,
     gate: tf.Tensor,
     *,
-    update_ops: Sequence = (),
-    restored: frozenset = frozenset(),
-    finite_gate: Optional[tf.Tensor] = None,
-    unless_bad: Iterable[tf.Variable] = (),
+    update_ops: Sequence,
+    restored: frozenset,
+    finite_gate: Optional[tf.Tensor],
+    unless_bad: Iterable[tf.Variable],
 ) -> tf.Operation:
-    """``optimizer.apply_gradients``, with every write it and the `update_ops` make gated.
-
-    Args:
-      optimizer: The optimizer (a `SyncReplicasOptimizer` too, see `apply_sync_replicas`).
-      grads_and_vars: The (gradient, variable) pairs.
-      global_step: The global step variable, or None.
-      gate: The test every write waits on: its op must run (hook mode: be live).
-      update_ops: The update ops; the writes they run wait on `gate` (`_gate_update_ops`).
-      restored: The forward-pass writes a bad step puts back (`ForwardWrites.restored`).
-      finite_gate: With a dynamic loss-scale optimizer, the gate open on finite steps only:
-        every write but those of `unless_bad` waits on it too.
-      unless_bad: The loss scale's variables, whose writes run on an overflow step.
-
-    Returns:
-      The optimizer's update op.
-    """
+    """``optimizer.apply_gradients``, with every write it and the `update_ops` make waiting on
+    `gate`, and with a `finite_gate` (dynamic loss scale) on it too, but those of `unless_bad`
+    (the scale's variables). `restored`: the forward-pass writes a bad step puts back."""
     graph = gate.graph
     if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
         grad_updates, gated = apply_sync_replicas(optimizer, grads_and_vars, global_step, gate)
@@ -97,7 +80,7 @@ def apply_gradients(
 
 
 def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tensor) -> list:
-    """Makes every variable write among `new_ops` but initialisers wait on `gate`; returns them.
+    """Makes every variable write among `new_ops` but initialisers wait on `gate`.
 
     TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
     in the block, and graph rewrites may fold such producers away: an edge on each write keeps
@@ -117,20 +100,15 @@ def _wait_on(gate: tf.Tensor, ops: Iterable[tf.Operation]) -> List[tf.Operation]
     return gated
 
 
-def _gate_update_ops(
-    update_ops: Sequence, gate: tf.Tensor, restored: frozenset = frozenset()
-) -> list:
-    """Makes the variable writes that `update_ops` run wait on `gate`; returns them.
-
-    What the test itself needs (the forward pass) runs before it and is left out, with a
-    warning for a write among it that is not in `restored` (put back on a bad step).
-    """
+def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor, restored: frozenset) -> list:
+    """Makes the writes that `update_ops` run wait on `gate`, but those the test itself needs
+    (the forward pass), with a warning for one of those not in `restored`."""
     roots = [op for op in (_ops.as_op(u) for u in update_ops) if op is not None]
     if not roots:
         return []
-    needed_by_gate = _ops.ancestors([gate.op])
+    needed_by_gate = set(_ops.walk([gate.op]))
     gated = _wait_on(
-        gate, [op for op in _ops.ancestors(roots) - needed_by_gate if _ops.is_write(op)]
+        gate, [op for op in set(_ops.walk(roots)) - needed_by_gate if _ops.is_write(op)]
     )
     for op in roots:
         if op in needed_by_gate and any(
@@ -145,7 +123,6 @@ def _gate_update_ops(
 
 
 def _variables(graph: tf.Graph) -> List[tf.Variable]:
-    """The graph's global and local variables."""
     return graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
         tf.compat.v1.GraphKeys.LOCAL_VARIABLES
     )
@@ -160,26 +137,15 @@ def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
     return _ops.source(op.inputs[0]).op if op.inputs else None
 
 
-# ------------------------------------------------------------------------- after the train op
-
-
 def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
     """Gates the variable writes built after the train op that wait on it (an EMA of the
     weights under ``tf.control_dependencies([train_op])``), and so whatever waits on them.
 
     The train op yields the loss on a bad step too, so such a write would still run: it gets
-    the guard's pivot as a control input (on a bad step a tensor computed after it has no
-    value; fetch the train op). `NanLossHook.begin` calls this before the graph is finalized;
-    a second call gates only what was built since. With a finalized graph it gates nothing
-    and logs a warning.
-
-    Args:
-      guard: The guard of a train op made by `create_train_op`.
-
-    Returns:
-      The write ops gated by this call: in hook mode behind its pivot; in check_numerics mode
-      (a bad step raises first) none, but with a dynamic loss-scale optimizer, whose overflow
-      step does not raise, behind the gate that lets only the scale's update run then.
+    the guard's pivot as a control input. `NanLossHook.begin` calls this before the graph is
+    finalized; a second call gates only what was built since; with a finalized graph it gates
+    nothing and logs a warning. Returns the writes gated (none without a pivot: check_numerics
+    mode but with a dynamic loss-scale optimizer).
     """
     pivot = guard.pivot
     if pivot is None:
@@ -209,17 +175,10 @@ def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
     return gated
 
 
-# ---------------------------------------------------------------------- in the forward pass
-
-
 @dataclasses.dataclass(frozen=True)
 class ForwardWrites:
-    """The writes the loss or the gradients wait on, and the copies that undo them.
-
-    Attributes:
-      snapshots: (variable, its value before the step's writes) pairs.
-      restored: The write ops whose variable a bad step puts back.
-    """
+    """The forward pass's writes: (variable, its value before them) `snapshots`, and the write
+    ops whose variable a bad step puts back (`restored`)."""
 
     snapshots: Tuple[Tuple[tf.Variable, tf.Tensor], ...] = ()
     restored: frozenset = frozenset()
@@ -238,15 +197,10 @@ class ForwardWrites:
 
 
 def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
-    """Makes each write the loss or the gradients wait on (``slim.batch_norm`` with
-    ``updates_collections=None``), which runs before the test and cannot be gated, wait on a
-    copy of its variable's value, which a bad step puts back.
-
-    Returns:
-      The snapshots and the write ops they cover. A write whose variable is in no variable
-      collection, or that sits in a loop body of its own, is logged as one that cannot be
-      undone.
-    """
+    """Makes each write `grad_sums` waits on (which runs before the test and cannot be gated)
+    wait on a copy of its variable's value, which a bad step puts back. A write whose variable
+    is in no variable collection, or that sits in a loop body of its own, is logged as one
+    that cannot be undone."""
     variables = {}
     for v in _variables(graph):
         variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
@@ -272,7 +226,7 @@ def _forward_writes(
     waits on none. The op that calls a body of control flow v2 (``slim.batch_norm`` with a
     tensor ``is_training``) stands for the writes in it."""
     initializers = _initializers(graph)
-    ancestors = _ops.ancestors([grad_sums.op])
+    ancestors = set(_ops.walk([grad_sums.op]))
     writes = sorted(
         (op for op in ancestors if _ops.is_write(op) and op not in initializers),
         key=lambda op: op.name,
@@ -354,16 +308,8 @@ def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
     return handles
 
 
-# ------------------------------------------------------------------ SyncReplicasOptimizer
-
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
-_ACCUMULATE_OP_TYPES = frozenset(
-    {
-        "AccumulatorApplyGradient",
-        "ResourceAccumulatorApplyGradient",
-        "SparseAccumulatorApplyGradient",
-    }
-)
+_ACCUMULATE_OP_TYPES = frozenset(f"{k}AccumulatorApplyGradient" for k in ("", "Resource", "Sparse"))
 
 # The ops that take the aggregated gradient, and which output holds its values.
 _TAKE_OP_OUTPUTS = {
@@ -381,12 +327,8 @@ AGGREGATE_CHECK_MESSAGE = (
 def apply_sync_replicas(
     optimizer, grads_and_vars, global_step, gate: tf.Tensor
 ) -> Tuple[tf.Operation, List[tf.Operation]]:
-    """Builds a `SyncReplicasOptimizer`'s ``apply_gradients`` of this worker's
-    `grads_and_vars` with its worker-side writes behind `gate` (see the module docstring).
-
-    Returns:
-      ``(train_op, gated)``: the optimizer's train op (token dequeue) and the ops made to wait
-      on `gate` or on the aggregate's check.
+    """A `SyncReplicasOptimizer`'s ``apply_gradients`` with its worker-side writes behind
+    `gate`; ``(train_op, the ops made to wait on gate or on the aggregate's check)``.
 
     Raises:
       ValueError: No global step, or no gradient reaches an accumulator.

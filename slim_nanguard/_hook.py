@@ -17,14 +17,12 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
 
-- After a bad step the weights, optimizer slots, ``global_step`` and batch-norm moving
-  statistics are as before it, so any `CheckpointSaverHook` save holds finite values.
 - A guarded train op's hook judges only runs that run its train op; other runs (a weight read,
   the loss alone, another guarded train op) get nothing added and are not judged.
 - ``NanLossHook(loss)`` on a loss no guarded train op made fetches the loss on every run, as
   `NanTensorHook`: it catches NaN and Inf loss but sees no gradient and undoes nothing.
 - A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a
-  bad iteration stored and reports one event per run; bad iterations wrote nothing.
+  bad iteration stored and reports one event per run.
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # guard, keeps a state of its own (one per session).
         self._session_start = 0
         self._unguarded_state = _policy.GuardState()
-        # A guarded train op's hook judges only the runs that run it (set in begin()).
-        self._runs_train_op: Optional[_ops.RunsOp] = None
+        self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
         self._judging = False
 
     @property
@@ -154,9 +151,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 "check raises before this hook could run.",
                 self._loss_tensor.name,
             )
-        # One boolean per step. A bad step stored its gradient sums (the loss first) in the
-        # guard's diagnostics variable, read with the global step on bad steps only.
-        if guard.ok is not None:
+        else:  # One boolean per step; a bad step's sums are read on bad steps only.
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
             if not guard.in_loop:  # The train op's value is the loss of the step.
                 self._loss_args = tf.compat.v1.train.SessionRunArgs(
@@ -185,26 +180,27 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     ) -> None:
         # Per-session state only: the guard's counters describe the whole run.
         self._unguarded_state = _policy.GuardState()
-        if self._guard is not None:
-            self._session_start = self._guard.state.total_bad_steps
-        if self._guard is not None and self._guard.in_loop and (self._guard.mode == Mode.HOOK):
+        guard = self._guard
+        if guard is None:
+            return
+        self._session_start = guard.state.total_bad_steps
+        if guard.in_loop and guard.mode == Mode.HOOK:
             # Zeros until a bad iteration stores its (non-finite) sums.
-            session.run(self._guard.diagnostics.initializer)
-        if self._guard is not None:
-            # This hook applies the policy here: a bad step must not fail as unjudged.
-            self._guard.mark_judged(session)
+            session.run(guard.diagnostics.initializer)
+        # This hook applies the policy here: a bad step must not fail as unjudged.
+        guard.mark_judged(session)
 
     def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
         self._last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
-        self._judging = self._runs_train_op is None or self._runs_train_op(
-            run_context.original_args.fetches
-        )
-        if self._judging and self._loss_args is not None:
-            if self._fetches_train_op(run_context.original_args.fetches):
-                return self._loss_args
-        return self._run_args if self._judging else None
+        fetches = run_context.original_args.fetches
+        self._judging = self._runs_train_op is None or self._runs_train_op(fetches)
+        if not self._judging:
+            return None
+        if self._loss_args is not None and self._fetches_train_op(fetches):
+            return self._loss_args
+        return self._run_args
 
     def _fetches_train_op(self, fetches) -> bool:
         """Whether `fetches` hold the train op itself (whose value is the loss, fetched free)."""
@@ -218,9 +214,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         run_context: tf.compat.v1.train.SessionRunContext,
         run_values: tf.compat.v1.train.SessionRunValues,
     ) -> None:
-        results = run_values.results
         if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
+        results = run_values.results
         guard = self._guard
         if guard is None:
             loss = float(np.asarray(results["loss"]))
@@ -266,12 +262,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         policy = Action(
             self._nan_policy or (Action.RAISE if self._fail_on_nan_loss else Action.STOP)
         )
-        decision, self._unguarded_state = _policy.decide(
+        decision, state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),
             self._unguarded_state,
             _policy.BadStep(-1, policy, guarded=False),
         )
-        state = self._unguarded_state
+        self._unguarded_state = state
         event = _events.NanEvent(
             step=-1,
             loss=loss,

@@ -1,10 +1,7 @@
-"""What `create_train_op` does as tf-slim's does: its arguments, checks and gradient steps.
-
-As tf-slim 1.1.0's ``create_train_op``, in the same order and on current TensorFlow (where
-tf-slim's own helpers fail on names TensorFlow removed): resolve the update ops and variables,
-compute the gradients, multiply, clip, transform (``transform_grads_fn``) and summarize them.
-What tf-slim would fail on late (a Keras optimizer, a loss that is no scalar) is refused at
-once, with what to pass instead. Nothing here knows of the guard.
+"""What `create_train_op` does as tf-slim 1.1.0's does, in the same order and on current
+TensorFlow (where tf-slim's own helpers fail on names TensorFlow removed): the argument checks
+(refusing at once what tf-slim would fail on late), the update ops and variables, and the
+gradients, multiplied, clipped, transformed and summarized. Nothing here knows of the guard.
 """
 
 from __future__ import annotations
@@ -25,13 +22,23 @@ GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
 
 
 def check_arguments(total_loss, optimizer, clip_gradient_norm) -> None:
-    """Refuses a loss, an optimizer or a clipping norm tf-slim's train op cannot use.
-
-    Raises:
-      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
-        `tf.compat.v1.train.Optimizer`, or a negative (or None) ``clip_gradient_norm``.
-    """
-    _check_loss(total_loss)
+    """Raises ValueError for a loss, an optimizer or a clipping norm tf-slim's train op cannot
+    use."""
+    if not isinstance(total_loss, tf.Tensor):
+        raise ValueError(
+            f"total_loss must be a graph-mode tf.Tensor; got "
+            f"{type(total_loss).__name__} {total_loss!r}."
+        )
+    if not total_loss.dtype.is_floating:
+        raise ValueError(
+            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
+            f"dtype {total_loss.dtype.name}."
+        )
+    if total_loss.shape.rank not in (None, 0):
+        raise ValueError(
+            f"total_loss must be a scalar; {total_loss.name!r} has shape "
+            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
+        )
     _check_optimizer(optimizer)
     if clip_gradient_norm is None or clip_gradient_norm < 0:
         raise ValueError(
@@ -44,27 +51,15 @@ def compute_gradients(
     optimizer: tf.compat.v1.train.Optimizer,
     variables_to_train: Sequence[tf.Variable],
     *,
-    gate_gradients: int,
-    aggregation_method,
-    colocate_gradients_with_ops: bool,
     gradient_multipliers: Optional[Dict],
     clip_gradient_norm: float,
     transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]],
     summarize_gradients: bool,
+    **compute_kwargs,
 ) -> GradsAndVars:
-    """The (gradient, variable) pairs tf-slim's train op applies, built in its order from
-    `create_train_op`'s (tf-slim's) arguments.
-
-    Raises:
-      ValueError: The loss has no gradient with respect to any of `variables_to_train`.
-    """
-    grads = optimizer.compute_gradients(
-        total_loss,
-        variables_to_train,
-        gate_gradients=gate_gradients,
-        aggregation_method=aggregation_method,
-        colocate_gradients_with_ops=colocate_gradients_with_ops,
-    )
+    """The (gradient, variable) pairs tf-slim's train op applies, built in its order; raises
+    ValueError when the loss has no gradient with respect to any of `variables_to_train`."""
+    grads = optimizer.compute_gradients(total_loss, variables_to_train, **compute_kwargs)
     if gradient_multipliers:
         with tf.name_scope("multiply_grads"):
             grads = multiply_gradients(grads, gradient_multipliers)
@@ -82,25 +77,6 @@ def compute_gradients(
             "any of variables_to_train; check that the loss depends on them."
         )
     return grads
-
-
-def _check_loss(total_loss) -> None:
-    """Refuses a loss that is not a scalar floating-point graph tensor."""
-    if not isinstance(total_loss, tf.Tensor):
-        raise ValueError(
-            f"total_loss must be a graph-mode tf.Tensor; got "
-            f"{type(total_loss).__name__} {total_loss!r}."
-        )
-    if not total_loss.dtype.is_floating:
-        raise ValueError(
-            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
-            f"dtype {total_loss.dtype.name}."
-        )
-    if total_loss.shape.rank not in (None, 0):
-        raise ValueError(
-            f"total_loss must be a scalar; {total_loss.name!r} has shape "
-            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
-        )
 
 
 def _check_optimizer(optimizer) -> None:
@@ -139,8 +115,8 @@ def _check_optimizer(optimizer) -> None:
 
 
 def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
-    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, by name (two builds of one graph
-    are the same); as tf-slim, warns when given ops leave out some of ``UPDATE_OPS``."""
+    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, sorted by name (two builds of one
+    graph are the same); as tf-slim, warns when given ops leave out some of ``UPDATE_OPS``."""
     global_update_ops = set(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
     resolved = global_update_ops if update_ops is None else set(update_ops)
     if not global_update_ops.issubset(resolved):
@@ -152,28 +128,24 @@ def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
 
 
 def resolve_variables(variables_to_train) -> list:
-    """`variables_to_train`, or every trainable variable when None.
-
-    Raises:
-      ValueError: An empty list, a variable that is not trainable, or no trainable variable.
-    """
+    """`variables_to_train`, or every trainable variable when None; raises ValueError for an
+    empty list, a variable that is not trainable, or no trainable variable."""
     trainable = tf.compat.v1.trainable_variables()
     if variables_to_train is None:
-        variables_to_train = trainable
-    else:
-        variables_to_train = list(variables_to_train)
-        for v in variables_to_train:
-            if not (getattr(v, "trainable", False) or v in trainable):
-                raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
-        if not variables_to_train:
+        if not trainable:
             raise ValueError(
-                "variables_to_train is empty: pass the variables to train, or "
-                "None to train all trainable variables."
+                "the graph has no trainable variables: variables_to_train is None, "
+                "so every trainable variable would be trained, and there is none."
             )
+        return trainable
+    variables_to_train = list(variables_to_train)
+    for v in variables_to_train:
+        if not (getattr(v, "trainable", False) or v in trainable):
+            raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
     if not variables_to_train:
         raise ValueError(
-            "the graph has no trainable variables: variables_to_train is None, "
-            "so every trainable variable would be trained, and there is none."
+            "variables_to_train is empty: pass the variables to train, or "
+            "None to train all trainable variables."
         )
     return variables_to_train
 

@@ -15,13 +15,12 @@ Contract of a guarded train op (both modes)::
         global_step and the variables update_ops assign all keep their values
     return loss
 
-How a bad step shows in each mode: `create_train_op`. It calls `_parity` (what tf-slim's
-train op does), `_finiteness` (the test and the mode's gate), `_gating` (every write behind
-it) and `_learning_rate`, and registers the `Guard` that the loops and the hook find.
+How a bad step shows in each mode: `create_train_op`.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import tensorflow as tf
@@ -37,22 +36,6 @@ from slim_nanguard import _ops
 from slim_nanguard import _parity
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
-
-# The keyword-only arguments of `create_train_op` that are `GuardConfig` fields.
-_POLICY_ARGUMENTS = (
-    "nan_policy",
-    "max_consecutive_bad_steps",
-    "persistent_nan_policy",
-    "on_nan",
-    "rollback_skip_batches",
-    "rollback_lr_factor",
-    "max_rollbacks",
-    "spike_policy",
-    "spike_sigma",
-    "spike_warmup_steps",
-    "spike_level_shift_steps",
-    "reasons",
-)
 
 
 def create_train_op(
@@ -117,8 +100,8 @@ def create_train_op(
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
       variables_to_train: Variables to train; None means all trainable variables.
       clip_gradient_norm: If > 0, each gradient is clipped to this norm.
-      summarize_gradients: Whether to add histogram (of the finite values) and norm
-        summaries of each gradient.
+      summarize_gradients: Whether to add a histogram (of the finite values) and a norm
+        summary of each gradient.
       gate_gradients: As in `Optimizer.compute_gradients`.
       aggregation_method: As in `Optimizer.compute_gradients`.
       colocate_gradients_with_ops: As in `Optimizer.compute_gradients`.
@@ -137,10 +120,9 @@ def create_train_op(
       max_rollbacks: Give up (raise) rather than roll back more often than this.
       spike_policy: The policy for a spike step, or None (no spike test; the graph is the
         same as without it). A spike step has finite values, but its loss or the global norm
-        of the gradients applied (after multipliers, clipping and ``transform_grads_fn``) is
-        more than ``spike_sigma`` deviations above those of the last 128 accepted steps (of
-        their logarithms). It writes no variable, stays out of the statistics (checkpointed
-        ``nanguard_spike/`` variables) and counts toward ``max_consecutive_bad_steps``.
+        of the gradients applied is more than ``spike_sigma`` deviations above those of the
+        last 128 accepted steps (of their logarithms); it writes no variable and counts
+        toward ``max_consecutive_bad_steps``.
       spike_sigma: How many deviations above the mean make a spike.
       spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
       spike_level_shift_steps: Spikes in a row that hold together are a new level of
@@ -150,8 +132,7 @@ def create_train_op(
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
-      A `Tensor` that, when evaluated, computes the gradients, applies them when they are
-      finite and returns the total loss.
+      A `Tensor` that computes the gradients, applies them when finite and returns the loss.
 
     Raises:
       ValueError: A loss that is not a floating-point scalar tensor, an optimizer that is not
@@ -159,9 +140,12 @@ def create_train_op(
         that is not trainable, a policy argument out of range, a ``config`` that is not a
         `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
     """
-    # First, while the locals are the arguments.
-    policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
-    config = _guard_config(config, **policy)
+    if config is None:  # While the locals are the arguments.
+        config = _policy.GuardConfig(
+            **{name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
+        )
+    elif not isinstance(config, _policy.GuardConfig):
+        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
     _check_reasons_outside_loops(config, graph)
@@ -192,14 +176,30 @@ def create_train_op(
         )
 
 
+# The keyword-only arguments of `create_train_op` but ``config``: the `GuardConfig` fields.
+_POLICY_ARGUMENTS = tuple(
+    p.name
+    for p in inspect.signature(create_train_op).parameters.values()
+    if p.kind is p.KEYWORD_ONLY and p.name != "config"
+)
+
+
 def _gated(
     config, total_loss, optimizer, grads, global_step, update_ops, loss_scale, lr_scale, check
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
-    check_numerics = check
-    test, forward, gate = _test_and_gate(
-        config, total_loss, grads, loss_scale, check_numerics=check_numerics
-    )
+    graph = total_loss.graph
+    with tf.name_scope("nanguard"):
+        test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
+        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
+        gate = _finiteness.build_gate(
+            test,
+            config,
+            check_numerics=check,
+            forward=forward,
+            loss=total_loss,
+            autopsy=_autopsy_possible(config, graph, forward.snapshots),
+        )
     with _learning_rate.scaled(optimizer, lr_scale):
         grad_updates = _gating.apply_gradients(
             optimizer,
@@ -233,45 +233,6 @@ def _check_reasons_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -
         )
 
 
-def _test_and_gate(
-    config: _policy.GuardConfig,
-    total_loss: tf.Tensor,
-    grads,
-    loss_scale,
-    *,
-    check_numerics: bool,
-):
-    """``(test, forward, gate)``: the step's `_finiteness.StepTest`, the forward pass's writes
-    a bad step puts back, and the mode's gate, in the ``nanguard`` name scope."""
-    graph = total_loss.graph
-    with tf.name_scope("nanguard"):
-        reasons = config.all_reasons
-        test = _finiteness.StepTest(total_loss, grads, loss_scale, reasons)
-        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
-        gate = _finiteness.build_gate(
-            test,
-            config,
-            check_numerics=check_numerics,
-            forward=forward,
-            loss=total_loss,
-            autopsy=_autopsy_possible(config, graph, forward.snapshots),
-        )
-    return test, forward, gate
-
-
-def _guard_config(config: Optional[_policy.GuardConfig], **policy) -> _policy.GuardConfig:
-    """`config`, or when None the `GuardConfig` of `create_train_op`'s policy arguments.
-
-    Raises:
-      ValueError: `config` is not a `GuardConfig`, or a policy argument is out of range.
-    """
-    if config is None:
-        return _policy.GuardConfig(**policy)
-    if not isinstance(config, _policy.GuardConfig):
-        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
-    return config
-
-
 def _register(
     config: _policy.GuardConfig,
     test: _finiteness.StepTest,
@@ -281,8 +242,7 @@ def _register(
     global_step,
     lr_scale: Optional[tf.Variable],
 ) -> None:
-    """Adds `train_op` to the ``TRAIN_OP`` collection and registers its `Guard` (with the
-    rollback saver when the config may roll back)."""
+    """Adds `train_op` to the ``TRAIN_OP`` collection and registers its `Guard`."""
     graph = train_op.graph
     train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
     if train_op not in train_ops:
@@ -310,7 +270,7 @@ def _register(
         # Hook mode: the tensor a write built later after the train op must also wait on.
         pivot=gate.pivot,
         capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
-        input_ops=tuple(_handles.find_input_ops(loss)),
+        input_ops=tuple(_ops.sources([loss.op], _ops.INPUT_OP_TYPES)),
         report=test.report,
         reasons=test.reasons,
         reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
@@ -321,24 +281,15 @@ def _register(
         with tf.init_scope():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
-    if handles.optional_variables:
-        _register_default_saver(graph)
-
-
-def _register_default_saver(graph: tf.Graph) -> None:
-    """Puts a `ResumingSaver` in the ``SAVERS`` collection, when it is empty: the default
-    saver a `Scaffold` would make, which also resumes from checkpoints lacking the guard's
-    optional variables."""
-    if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
-        return
-    saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
-    graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
+    if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+        # The default saver a `Scaffold` would make, which also resumes from checkpoints
+        # lacking the guard's optional variables.
+        saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
+        graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
 
 
 def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:
-    """Whether the train op keeps a bad step's batch for an autopsy: not when the forward
-    pass writes variables (a replay would write them again) or in a loop body, with a warning.
-    """
+    """Whether the train op keeps a bad step's batch for an autopsy (else warns why not)."""
     if config.autopsy_max_steps <= 0:
         return False
     why = ""
