@@ -1,27 +1,17 @@
 """The gating of writes: every variable write a train op makes waits on the step's test.
 
-* the optimizer's writes and those the ``update_ops`` run get the gate as a control input
-  (`apply_gradients`); with a dynamic loss-scale optimizer, every write but the scale's own
-  update also waits on the finite gate, which an overflow step does not open;
-* writes the forward pass makes before the test (``slim.batch_norm`` with
-  ``updates_collections=None``) wait on a copy of their variable, which a bad step writes back
-  (`snapshot_forward_writes`);
-* hook mode: writes built later under ``tf.control_dependencies([train_op])`` are gated when
-  the hook begins (`gate_writes_after`);
-* `SyncReplicasOptimizer`: the worker's accumulator applies wait on the test (a bad step
-  accumulates nothing and takes no token), and the chief's write of the aggregated gradient
-  waits on a check of its own (`apply_sync_replicas`)::
-
-    worker (the train op):   accumulate(grad, local_step) for each variable   # gated
-                             token = token_queue.dequeue()                     # after them
-                             local_step = token
-    chief (a queue runner):  aggregated = take_grad(replicas_to_aggregate)     # blocks
-                             check(aggregated) -> apply(aggregated); global_step += 1
-                             token_queue.enqueue_many(global_step x tokens_per_step)
-
-  The optimizer's init ops, ready check and queue runner stay ungated, so no run but the
-  train op takes a batch. The mean of finite gradients is non-finite only when it overflows:
-  then the chief's queue runner stops with its check's error, and nothing is written.
+The optimizer's writes and those the ``update_ops`` run get the gate as a control input (with a
+dynamic loss-scale optimizer, all but the scale's own update also wait on the finite gate,
+which an overflow step does not open). Writes the forward pass makes before the test
+(``slim.batch_norm`` with ``updates_collections=None``) wait on a copy of their variable, which
+a bad step writes back. In hook mode, writes built later under
+``tf.control_dependencies([train_op])`` are gated when the hook begins. With
+`SyncReplicasOptimizer`, the worker's accumulator applies wait on the test (a bad step
+accumulates nothing and takes no token: the token dequeue comes after them), and the chief's
+apply of the aggregated gradient, in its queue runner, waits on a check of its own: the mean
+of finite gradients is non-finite only when it overflows, and then the queue runner stops with
+the check's error and nothing is written. The optimizer's init ops, ready check and queue
+runner stay ungated, so no run but the train op takes a batch.
 
 The ops are already built, and no public API adds an input to one: the edges are added with
 TensorFlow's private ``Operation._add_control_input``.
@@ -80,12 +70,10 @@ def apply_gradients(
 
 
 def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tensor) -> list:
-    """Makes every variable write among `new_ops` but initialisers wait on `gate`.
-
-    TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
-    in the block, and graph rewrites may fold such producers away: an edge on each write keeps
-    the gate whatever the optimizer.
-    """
+    """Makes every variable write among `new_ops` but initialisers wait on `gate`."""
+    # TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
+    # in the block, and graph rewrites may fold such producers away: an edge on each write
+    # keeps the gate whatever the optimizer.
     initializers = _initializers(graph)
     return _wait_on(gate, [op for op in new_ops if _ops.is_write(op) and op not in initializers])
 
@@ -138,15 +126,9 @@ def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
 
 
 def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
-    """Gates the variable writes built after the train op that wait on it (an EMA of the
-    weights under ``tf.control_dependencies([train_op])``), and so whatever waits on them.
-
-    The train op yields the loss on a bad step too, so such a write would still run: it gets
-    the guard's pivot as a control input. `NanLossHook.begin` calls this before the graph is
-    finalized; a second call gates only what was built since; with a finalized graph it gates
-    nothing and logs a warning. Returns the writes gated (none without a pivot: check_numerics
-    mode but with a dynamic loss-scale optimizer).
-    """
+    """Makes the variable writes built after the train op that wait on it (an EMA under
+    ``tf.control_dependencies([train_op])``), which a bad step would run too, wait on the
+    guard's pivot; returns them. With a finalized graph it gates nothing and warns."""
     pivot = guard.pivot
     if pivot is None:
         return []
@@ -177,8 +159,8 @@ def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardWrites:
-    """The forward pass's writes: (variable, its value before them) `snapshots`, and the write
-    ops whose variable a bad step puts back (`restored`)."""
+    """(variable, its value before the forward pass's writes) `snapshots`, and the writes whose
+    variable a bad step puts back (`restored`)."""
 
     snapshots: Tuple[Tuple[tf.Variable, tf.Tensor], ...] = ()
     restored: frozenset = frozenset()
@@ -197,10 +179,8 @@ class ForwardWrites:
 
 
 def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
-    """Makes each write `grad_sums` waits on (which runs before the test and cannot be gated)
-    wait on a copy of its variable's value, which a bad step puts back. A write whose variable
-    is in no variable collection, or that sits in a loop body of its own, is logged as one
-    that cannot be undone."""
+    """Makes each write `grad_sums` waits on (before the test: it cannot be gated) wait on a
+    copy of its variable's value, which a bad step puts back; warns of those it cannot undo."""
     variables = {}
     for v in _variables(graph):
         variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
@@ -239,18 +219,27 @@ def _forward_writes(
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
     for op in writes:
         variable = variables.get(_written_variable(op))
-        why = _why_not_undone(op, variable, context)
-        if why:
-            logging.warning(
-                "slim_nanguard: %s writes %s in the forward pass, before the "
-                "finiteness test, and cannot be undone on a bad step (%s), or "
-                "make it an update op the loss does not wait on.",
-                op.name,
-                op.inputs[0].op.name if op.inputs else "a variable",
-                why,
+        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        if write_context is not context and any(
+            c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
+        ):
+            why = "it sits in a loop body of its own"
+        elif variable is None:
+            why = (
+                "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+                "LOCAL_VARIABLES"
             )
+        else:
+            by_variable.setdefault(variable.op, []).append(op)
             continue
-        by_variable.setdefault(variable.op, []).append(op)
+        logging.warning(
+            "slim_nanguard: %s writes %s in the forward pass, before the "
+            "finiteness test, and cannot be undone on a bad step (%s), or "
+            "make it an update op the loss does not wait on.",
+            op.name,
+            op.inputs[0].op.name if op.inputs else "a variable",
+            why,
+        )
     for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
         for handle in handles:
             variable = variables.get(handle.op)
@@ -265,21 +254,6 @@ def _forward_writes(
             elif op not in by_variable.setdefault(variable.op, []):
                 by_variable[variable.op].append(op)
     return by_variable
-
-
-def _why_not_undone(op: tf.Operation, variable: Optional[tf.Variable], context) -> str:
-    """Why a snapshot cannot undo the forward-pass write `op` ("" when it can)."""
-    write_context = op._get_control_flow_context()  # pylint: disable=protected-access
-    if write_context is not context and any(
-        c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
-    ):
-        return "it sits in a loop body of its own"
-    if variable is None:
-        return (
-            "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
-            "LOCAL_VARIABLES"
-        )
-    return ""
 
 
 def _body_graphs(op: tf.Operation) -> list:
@@ -328,11 +302,7 @@ def apply_sync_replicas(
     optimizer, grads_and_vars, global_step, gate: tf.Tensor
 ) -> Tuple[tf.Operation, List[tf.Operation]]:
     """A `SyncReplicasOptimizer`'s ``apply_gradients`` with its worker-side writes behind
-    `gate`; ``(train_op, the ops made to wait on gate or on the aggregate's check)``.
-
-    Raises:
-      ValueError: No global step, or no gradient reaches an accumulator.
-    """
+    `gate`, and the chief's behind a check of the aggregate: ``(train_op, the ops gated)``."""
     if global_step is None:
         raise ValueError(
             "SyncReplicasOptimizer needs a global step: pass global_step (or "
@@ -348,19 +318,17 @@ def apply_sync_replicas(
             "SyncReplicasOptimizer.apply_gradients made no accumulator op to "
             "gate; this TensorFlow version builds it differently."
         )
-    return train_op, gated + _check_aggregate(optimizer, new_ops, global_step)
-
-
-def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation], global_step) -> List[tf.Operation]:
-    """Makes the chief's writes of the aggregated gradient wait on its finiteness check."""
     taken = [op.outputs[_TAKE_OP_OUTPUTS[op.type]] for op in new_ops if op.type in _TAKE_OP_OUTPUTS]
     runner = optimizer.get_chief_queue_runner()
     if not taken or runner is None:
-        return []
+        return train_op, gated
     with tf.device(global_step.device), tf.name_scope("nanguard_aggregate"):
         # A sum may overflow over finite values: the verdict confirms a non-finite one exactly.
-        verdict = _verdict.Verdict(taken)
-        check = tf.debugging.check_numerics(verdict.checked, AGGREGATE_CHECK_MESSAGE)
+        check = tf.debugging.check_numerics(
+            _verdict.Verdict(taken).checked, AGGREGATE_CHECK_MESSAGE
+        )
     stop_at = {t.op for t in taken}  # The writes the queue runner waits on, after the take.
     writes = _ops.walk(list(runner.enqueue_ops), stop=stop_at.__contains__)
-    return _wait_on(check, [op for op in writes if op not in stop_at and _ops.is_write(op)])
+    return train_op, gated + _wait_on(
+        check, [op for op in writes if op not in stop_at and _ops.is_write(op)]
+    )

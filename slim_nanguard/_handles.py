@@ -17,37 +17,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclasses.dataclass(frozen=True)
 class GraphHandles:
-    """What `create_train_op` built for one guarded train op.
+    """What `create_train_op` built for one guarded train op; None for what it did not build.
 
     Attributes:
-      mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
-      train_op: The train op tensor `create_train_op` returned.
-      loss: The user's total loss tensor.
-      global_step: The global step variable, or None.
-      grad_sums: The loss, then the sum of each gradient, as one vector.
+      grad_sums: The loss, then the sum of each gradient (in the order of ``variable_names``).
       ok: The boolean the hook fetches (loss and gradients all finite; False on a loss-scale
-        overflow): hook mode, or a dynamic loss-scale optimizer, when not ``in_loop``; else None.
+        overflow): hook mode, or a dynamic loss-scale optimizer, when not ``in_loop``.
       diagnostics: The variable a step whose fast test failed leaves its ``grad_sums`` in
         (then, with a dynamic loss-scale optimizer, the step's loss scale).
-      check_op_name: The op a bad step raises from in check_numerics mode, else None.
-      variable_names: The variables trained, in the order of ``grad_sums[1:]``.
-      lr_scale: The variable a rollback lowers the learning rate with, or None.
-      lr_scale_value: The placeholder a rollback feeds the new scale through, or None.
-      lr_scale_assign: The op that assigns it to ``lr_scale``, or None.
-      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer, or None.
+      check_op_name: The op a bad step raises from in check_numerics mode.
+      lr_scale: The variable a rollback lowers the learning rate with (fed through the
+        ``lr_scale_value`` placeholder, set by ``lr_scale_assign``).
       in_loop: Built in a `tf.while_loop` or function body, whose tensors a run cannot fetch.
-      judged: Hook mode: the variable whatever applies the policy initialises in its session
-        (`Guard.mark_judged`); else None.
-      pivot: What a write built after the train op waits on (`gate_writes_after`), or None.
-      capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
+      judged: Hook mode: the variable whatever applies the policy initialises in its session.
+      pivot: What a write built after the train op waits on (`gate_writes_after`).
+      capture: The batch a bad step keeps for the autopsy.
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      value_kinds: The int32 variable a step whose fast test failed leaves the kind
-        (`_verdict.kind_name`) of each value of ``grad_sums`` in, or None.
-      kinds_read: What a bad step fetches for ``value_kinds`` (`kinds_read`), or None.
-      report: With reasons, the variable a bad step leaves its cause and the reasons' reports
-        in (`_finiteness.StepTest.report`); else None.
-      reasons: Those reasons (`_reasons.Reason`), in the order of the report.
-      reason_handles: Each reason's `_reasons.Test.handles`, by its name.
+      value_kinds: The variable a step whose fast test failed leaves the kind of each value of
+        ``grad_sums`` in; ``kinds_read`` is what a bad step fetches for it.
+      report: With reasons (`_reasons.Reason`, in its order), the variable a bad step leaves
+        its cause and the reasons' reports in; ``reason_handles``: each `Test.handles`.
       optional_variables: The guard's variables only some options make (the learning-rate
         scale, the spike statistics); a checkpoint without them still restores the rest.
     """

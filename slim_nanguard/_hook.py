@@ -17,12 +17,8 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
 
-- A guarded train op's hook judges only runs that run its train op; other runs (a weight read,
-  the loss alone, another guarded train op) get nothing added and are not judged.
-- ``NanLossHook(loss)`` on a loss no guarded train op made fetches the loss on every run, as
-  `NanTensorHook`: it catches NaN and Inf loss but sees no gradient and undoes nothing.
-- A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a
-  bad iteration stored and reports one event per run.
+A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a bad
+iteration stored and reports one event per run.
 """
 
 from __future__ import annotations
@@ -50,7 +46,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     A drop-in for `tf.compat.v1.train.NanTensorHook` (same first two arguments). Given a loss
     or train op of `create_train_op(..., check_numerics=False)` it shares that train op's
-    guard (policy, counters), as the hook of `nan_hook` does.
+    guard (policy, counters) and judges only the runs that run that train op; given a loss no
+    guarded train op made, it fetches the loss on every run and can only raise or stop.
 
     The policy: ``nan_policy`` when given; else the guard's, with ``raise`` turned into
     ``stop`` by ``fail_on_nan_loss=False``; with no guard, ``raise`` if ``fail_on_nan_loss``
@@ -249,19 +246,15 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
             return Action(self._nan_policy)
-        policy = Action(self._guard.config.nan_policy)
-        if policy == Action.RAISE and not self._fail_on_nan_loss:
-            return Action.STOP
-        return policy
+        policy = Action(self._guard.config.nan_policy if self._guard else Action.RAISE)
+        return Action.STOP if policy == Action.RAISE and not self._fail_on_nan_loss else policy
 
     def _unguarded_bad_step(
         self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
     ) -> None:
         # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop
         # (skip and rollback were refused at construction).
-        policy = Action(
-            self._nan_policy or (Action.RAISE if self._fail_on_nan_loss else Action.STOP)
-        )
+        policy = self._effective_policy()
         decision, state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),
             self._unguarded_state,

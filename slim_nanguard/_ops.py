@@ -70,11 +70,8 @@ def sources(
 ) -> List[tf.Operation]:
     """The ops of `types` that `roots` depend on, in the order the walk meets them, not looking
     past them: what lies behind an input op or a placeholder is not the batch."""
-
-    def of_types(op: tf.Operation) -> bool:
-        return op.type in types
-
-    return list(filter(of_types, walk(roots, control=control_inputs, stop=of_types)))
+    found = walk(roots, control=control_inputs, stop=lambda op: op.type in types)
+    return [op for op in found if op.type in types]
 
 
 def source(tensor: tf.Tensor) -> tf.Tensor:

@@ -85,33 +85,26 @@ def _check_optimizer(optimizer) -> None:
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return
     compute = getattr(optimizer, "compute_gradients", None)
-    works_like_one = False
     if callable(compute) and callable(getattr(optimizer, "apply_gradients", None)):
         try:
             params = inspect.signature(compute).parameters
         except (TypeError, ValueError):
             params = {}
-        works_like_one = "gate_gradients" in params or any(
-            p.kind == p.VAR_KEYWORD for p in params.values()
-        )
-    if not works_like_one:
-        kind = type(optimizer)
-        keras = (
-            " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
-            "in a graph-mode TF-Slim train op."
-            if "keras" in kind.__module__
-            else ""
-        )
-        shown = (
-            repr(optimizer)
-            if kind.__module__ == "builtins"
-            else f"{kind.__module__}.{kind.__qualname__}"
-        )
-        raise ValueError(
-            f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
-            "tf.compat.v1.train optimizer of the same algorithm, for example "
-            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
-        )
+        if "gate_gradients" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return
+    module = type(optimizer).__module__
+    keras = (
+        " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+        "in a graph-mode TF-Slim train op."
+        if "keras" in module
+        else ""
+    )
+    shown = repr(optimizer) if module == "builtins" else f"{module}.{type(optimizer).__qualname__}"
+    raise ValueError(
+        f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
+        "tf.compat.v1.train optimizer of the same algorithm, for example "
+        "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
+    )
 
 
 def resolve_update_ops(graph: tf.Graph, update_ops) -> list:

@@ -140,12 +140,9 @@ def create_train_op(
         that is not trainable, a policy argument out of range, a ``config`` that is not a
         `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
     """
-    if config is None:  # While the locals are the arguments.
-        config = _policy.GuardConfig(
-            **{name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
-        )
-    elif not isinstance(config, _policy.GuardConfig):
-        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
+    # First, while the locals are the arguments.
+    policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
+    config = _guard_config(config, policy)
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
     _check_reasons_outside_loops(config, graph)
@@ -182,6 +179,15 @@ _POLICY_ARGUMENTS = tuple(
     for p in inspect.signature(create_train_op).parameters.values()
     if p.kind is p.KEYWORD_ONLY and p.name != "config"
 )
+
+
+def _guard_config(config: Optional[_policy.GuardConfig], policy: dict) -> _policy.GuardConfig:
+    """`config`, or when None the `GuardConfig` of the `policy` arguments."""
+    if config is None:
+        return _policy.GuardConfig(**policy)
+    if not isinstance(config, _policy.GuardConfig):
+        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
+    return config
 
 
 def _gated(
@@ -233,20 +239,10 @@ def _check_reasons_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -
         )
 
 
-def _register(
-    config: _policy.GuardConfig,
-    test: _finiteness.StepTest,
-    gate: _finiteness.Gate,
-    train_op: tf.Tensor,
-    loss: tf.Tensor,
-    global_step,
-    lr_scale: Optional[tf.Variable],
-) -> None:
-    """Adds `train_op` to the ``TRAIN_OP`` collection and registers its `Guard`."""
+def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None:
+    """Adds `train_op` (a new tensor) to the ``TRAIN_OP`` collection; registers its `Guard`."""
     graph = train_op.graph
-    train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
-    if train_op not in train_ops:
-        train_ops.append(train_op)
+    graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, train_op)
     in_loop = _in_loop(graph)
     lr_scale_value, lr_scale_assign = _handles.lr_scale_setter(lr_scale, graph)
     handles = _handles.GraphHandles(
@@ -267,9 +263,8 @@ def _register(
         loss_scale_floor=None if test.scaler is None else test.scaler.floor,
         in_loop=in_loop,
         judged=gate.judged,
-        # Hook mode: the tensor a write built later after the train op must also wait on.
         pivot=gate.pivot,
-        capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
+        capture=gate.capture,
         input_ops=tuple(_ops.sources([loss.op], _ops.INPUT_OP_TYPES)),
         report=test.report,
         reasons=test.reasons,
@@ -292,15 +287,14 @@ def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -
     """Whether the train op keeps a bad step's batch for an autopsy (else warns why not)."""
     if config.autopsy_max_steps <= 0:
         return False
-    why = ""
     if snapshots:
         why = "its forward pass writes variables, which a replay would write again"
     elif _in_loop(graph):
         why = "it is built inside a loop, whose tensors a replay cannot fetch"
-    if why:
-        logging.warning("slim_nanguard: no autopsy of bad steps for this train op: %s.", why)
-        return False
-    return True
+    else:
+        return True
+    logging.warning("slim_nanguard: no autopsy of bad steps for this train op: %s.", why)
+    return False
 
 
 def _in_loop(graph: tf.Graph) -> bool:
