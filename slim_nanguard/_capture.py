@@ -1,11 +1,6 @@
-"""Keeping the batch of a bad step, at no cost to a good one.
-
-An autopsy replays a bad step from the weights it left unchanged (the guard is atomic) and its
-batch, which is gone once the step is over unless the graph kept it. `keep_batch` keeps it:
-one store per batch tensor, on the branch of a ``Switch`` that runs on bad steps only, so a
-good step stores nothing. "The batch" is the outputs of the placeholders and input ops the
-loss reads (`batch_tensors`).
-"""
+"""Keeping the batch of a bad step, which an autopsy replays from the weights it left
+unchanged, at no cost to a good one: one store per batch tensor, on the branch of a ``Switch``
+that runs on bad steps only."""
 
 from __future__ import annotations
 
@@ -39,13 +34,9 @@ class Capture:
 
 
 def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
-    """The outputs of the placeholders and input ops `loss` reads through data edges, by the
-    position of their op in the graph, then output index.
-
-    The walk back stops at a placeholder, so a fed placeholder never pulls the iterator behind
-    its default into the step. An op inside a control-flow context cannot be kept from outside
-    and is left out, as are resource and variant outputs.
-    """
+    """The outputs of the placeholders and input ops `loss` reads through data edges (not
+    behind a placeholder: a fed one never pulls the iterator behind its default into the
+    step), in graph order; not those in a control-flow context, nor resource or variant ones."""
     found = _ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False)
     order = {op: i for i, op in enumerate(loss.graph.get_operations())}
     tensors = []

@@ -171,19 +171,17 @@ class ForwardWrites:
         On a TF1 ``Switch``, as the gate is: an op fed by its untaken side is skipped in the
         same run (`tf.cond` would build functions no control edge from outside can gate).
         """
-        restores = []
-        for variable, value in self.snapshots:
-            bad_value, _ = control_flow_ops.switch(value, ok)
-            restores.append(variable.assign(bad_value, read_value=False))
-        return restores
+        return [
+            variable.assign(control_flow_ops.switch(value, ok)[0], read_value=False)
+            for variable, value in self.snapshots
+        ]
 
 
 def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
     """Makes each write `grad_sums` waits on (before the test: it cannot be gated) wait on a
     copy of its variable's value, which a bad step puts back; warns of those it cannot undo."""
-    variables = {}
-    for v in _variables(graph):
-        variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
+    # By VarHandleOp (resource) or VariableV2 (ref); the first variable of an op wins.
+    variables = {v.op: v for v in reversed(_variables(graph))}
     by_variable = _forward_writes(graph, grad_sums, variables)
     if by_variable is None:
         return ForwardWrites()

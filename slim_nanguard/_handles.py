@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
-from slim_nanguard import _ops
 from slim_nanguard._types import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,27 +71,3 @@ class GraphHandles:
 
         reader = _checkpoints.checkpoint_reader(checkpoint)
         return tuple(v for v in self.optional_variables if not reader.has_tensor(v.op.name))
-
-
-def lr_scale_setter(
-    lr_scale: Optional[tf.Variable], graph: tf.Graph
-) -> Tuple[Optional[tf.Tensor], Optional[tf.Operation]]:
-    """The placeholder and assign op that set `lr_scale` (None, None without one)."""
-    if lr_scale is None:
-        return None, None
-    # init_scope: in the outermost graph, even for a train op built in a loop body.
-    with graph.as_default(), tf.init_scope():
-        value = tf.compat.v1.placeholder(
-            lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
-        )
-        assign = tf.compat.v1.assign(lr_scale, value)
-    return value, assign.op
-
-
-def kinds_read(kinds: Optional[tf.Variable], reasons: bool) -> Optional[tf.Tensor]:
-    """`kinds`, or with `reasons` (a rejected finite step does not write it) its value once
-    written and -1s before."""
-    if kinds is None or not reasons:
-        return kinds
-    with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):
-        return _ops.read_once_written(kinds, -1, name="nanguard_value_kinds_read")

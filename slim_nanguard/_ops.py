@@ -43,9 +43,7 @@ def walk(
     stop: Optional[Callable[[tf.Operation], bool]] = None,
 ) -> Iterator[tf.Operation]:
     """Each op reachable from `roots` (included), once, depth first: backward to inputs, or
-    `forward` to consumers, through control edges too with `control`. An op is yielded before
-    the walk looks past it (the caller may raise on it); the walk does not look past an op for
-    which `stop` is true."""
+    `forward` to consumers, through control edges too with `control`, not past a `stop` op."""
     seen, stack = set(), list(roots)
     while stack:
         op = stack.pop()
@@ -114,12 +112,8 @@ def control_flow_contexts(context) -> Iterator:
 
 
 class RunsOp:
-    """Tells whether a ``session.run(fetches)`` runs one of `ops` (a guarded train op).
-
-    A run runs an op when its fetches (as `Session` reads them) depend on it through data or
-    control edges. An op in a function body is stood for by the op that calls the function.
-    Cached per list of fetches.
-    """
+    """Tells whether a ``session.run(fetches)`` runs one of `ops` (a guarded train op), through
+    data or control edges, or the op that calls a function body holding it."""
 
     def __init__(self, *ops: tf.Operation):
         callers = [_caller_in_outermost_graph(op) for op in ops]

@@ -149,7 +149,7 @@ def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict)
     name -> a number or tensor) multiplied.
 
     Raises:
-      ValueError: If the arguments have the wrong type, or a named variable has no gradient.
+      ValueError: An argument of the wrong type, or a named variable without a gradient.
     """
     if not isinstance(grads_and_vars, list):
         raise ValueError("grads_and_vars must be a list of (gradient, variable).")
@@ -200,9 +200,6 @@ def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
         finite = tf.boolean_mask(values, tf.math.is_finite(values))
         summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
-        summaries.append(
-            tf.compat.v1.summary.scalar(
-                var.op.name + "/gradient_norm", tf.linalg.global_norm([values])
-            )
-        )
+        norm = tf.linalg.global_norm([values])
+        summaries.append(tf.compat.v1.summary.scalar(var.op.name + "/gradient_norm", norm))
     return summaries

@@ -75,36 +75,33 @@ def create_train_op(
 
     A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
     variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
-    ``update_ops`` assign keep their values, so any later checkpoint holds the last good state.
-    Writes the forward pass makes (``slim.batch_norm`` with ``updates_collections=None``) are
-    put back. A step whose values are all finite computes what tf-slim's train op computes,
-    even when its sums of squares overflow. Built inside a `tf.while_loop`, each iteration is
-    judged on its own (hook mode applies the policy once after the run).
+    ``update_ops`` assign keep their values, and forward-pass writes (``slim.batch_norm`` with
+    ``updates_collections=None``) are put back. A step whose values are all finite computes
+    what tf-slim's train op computes, even when its sums of squares overflow. Built inside a
+    `tf.while_loop`, each iteration is judged on its own.
 
     * ``check_numerics=True``: ``session.run(train_op)`` raises a
-      `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` (for
-      `tf_slim.learning.train`) and `handle_numerics_error` (your own loop) apply the policy.
-    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and the
-      `NanLossHook` of ``nan_hook(train_op)`` applies the policy (`train` attaches it); a bad
-      step in a session no hook judges fails with an error naming what to add. Writes built
-      later under ``tf.control_dependencies([train_op])`` are gated too, when the hook begins
-      (`gate_writes_after`).
+      `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` or
+      `handle_numerics_error` applies the policy.
+    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and
+      ``nan_hook(train_op)`` applies the policy; a bad step in a session no hook judges fails
+      with an error naming what to add. Writes built later under
+      ``tf.control_dependencies([train_op])`` are gated too, when the hook begins.
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
       optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one: a step whose
         loss is finite but whose gradients overflowed above the minimum scale is then no bad
-        step (only the scale's update runs; the hook records a ``loss_scale_overflow``).
-      global_step: The global step variable; by default `get_or_create_global_step()`; None to
-        not count steps.
+        step (only the scale's update runs).
+      global_step: The global step variable (by default `get_or_create_global_step()`), or
+        None to not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
       variables_to_train: Variables to train; None means all trainable variables.
       clip_gradient_norm: If > 0, each gradient is clipped to this norm.
       summarize_gradients: Whether to add a histogram (of the finite values) and a norm
         summary of each gradient.
-      gate_gradients: As in `Optimizer.compute_gradients`.
-      aggregation_method: As in `Optimizer.compute_gradients`.
-      colocate_gradients_with_ops: As in `Optimizer.compute_gradients`.
+      gate_gradients, aggregation_method, colocate_gradients_with_ops: As in
+        `Optimizer.compute_gradients`.
       gradient_multipliers: Dict from `Variable` (or its op name) to a number or scalar
         `Tensor` that multiplies its gradient.
       check_numerics: True for check_numerics mode, False for hook mode.
@@ -135,9 +132,9 @@ def create_train_op(
       A `Tensor` that computes the gradients, applies them when finite and returns the loss.
 
     Raises:
-      ValueError: A loss that is not a floating-point scalar tensor, an optimizer that is not
-        a `tf.compat.v1.train.Optimizer`, an empty ``variables_to_train``, a variable to train
-        that is not trainable, a policy argument out of range, a ``config`` that is not a
+      ValueError: An argument tf-slim's train op cannot use (a loss that is not a scalar
+        floating-point tensor, an optimizer that is not a `tf.compat.v1.train.Optimizer`, no
+        variable to train), a policy argument out of range, a ``config`` that is not a
         `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
     """
     # First, while the locals are the arguments.
@@ -244,7 +241,18 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
     graph = train_op.graph
     graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, train_op)
     in_loop = _in_loop(graph)
-    lr_scale_value, lr_scale_assign = _handles.lr_scale_setter(lr_scale, graph)
+    lr_scale_value = lr_scale_assign = None
+    if lr_scale is not None:
+        # init_scope: in the outermost graph, even for a train op built in a loop body.
+        with graph.as_default(), tf.init_scope():
+            lr_scale_value = tf.compat.v1.placeholder(
+                lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
+            )
+            lr_scale_assign = tf.compat.v1.assign(lr_scale, lr_scale_value).op
+    kinds_read = test.kinds
+    if kinds_read is not None and test.reasons:  # A rejected finite step does not write it.
+        with kinds_read.graph.as_default(), tf.init_scope(), tf.device(kinds_read.device):
+            kinds_read = _ops.read_once_written(kinds_read, -1, name="nanguard_value_kinds_read")
     handles = _handles.GraphHandles(
         mode=gate.mode,
         train_op=train_op,
@@ -252,7 +260,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         global_step=global_step,
         grad_sums=test.grad_sums,
         value_kinds=test.kinds,
-        kinds_read=_handles.kinds_read(test.kinds, bool(test.reasons)),
+        kinds_read=kinds_read,
         ok=None if in_loop else gate.ok,
         diagnostics=test.diagnostics,
         check_op_name=gate.check_op_name,
