@@ -84,9 +84,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
         if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
             # Refused now: at the bad step the update has happened, and skip would do nothing.
-            name = getattr(loss_tensor, "name", loss_tensor)
             raise ValueError(
-                f"NanLossHook got nan_policy={nan_policy!r} for {name!r}, which comes from "
+                f"NanLossHook got nan_policy={nan_policy!r} for "
+                f"{getattr(loss_tensor, 'name', loss_tensor)!r}, which comes from "
                 "no guarded train op (or whose train op is not built yet: build it first): "
                 "by the time the hook sees the loss, the update has happened, so it can only "
                 "raise or stop. Build the train op with slim_nanguard.create_train_op and pass "
@@ -132,8 +132,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         return self._guard.state.total_bad_steps - self._session_start
 
     def begin(self):
-        self._guard = _guard.get_guard(self._loss_tensor)
-        if self._guard is None:
+        guard = self._guard = _guard.get_guard(self._loss_tensor)
+        if guard is None:
             logging.info(
                 "slim_nanguard: %s comes from no guarded train op; the hook checks the "
                 "loss only and cannot undo an update.",
@@ -141,7 +141,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
-        guard = self._guard
         if guard.ok is None:
             logging.info(
                 "slim_nanguard: the train op of %s is in check_numerics mode; its "

@@ -173,9 +173,6 @@ def _caller_in_outermost_graph(op: tf.Operation) -> Optional[tf.Operation]:
 
 
 def _functions_called(op: tf.Operation) -> set:
-    names = set()
-    for attr in op.node_def.attr.values():
-        if attr.HasField("func"):
-            names.add(attr.func.name)
-        names.update(f.name for f in attr.list.func)
-    return names
+    attrs = op.node_def.attr.values()
+    called = {a.func.name for a in attrs if a.HasField("func")}
+    return called | {f.name for a in attrs for f in a.list.func}
