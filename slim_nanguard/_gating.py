@@ -183,7 +183,7 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
     # By VarHandleOp (resource) or VariableV2 (ref); the first variable of an op wins.
     variables = {v.op: v for v in reversed(_variables(graph))}
     by_variable = _forward_writes(graph, grad_sums, variables)
-    if by_variable is None:
+    if not by_variable:
         return ForwardWrites()
     snapshots, restored = [], set()
     with tf.name_scope("snapshots"):
@@ -199,23 +199,15 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
 
 def _forward_writes(
     graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
-) -> Optional[Dict[tf.Operation, List[tf.Operation]]]:
-    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; None when it
-    waits on none. The op that calls a body of control flow v2 (``slim.batch_norm`` with a
-    tensor ``is_training``) stands for the writes in it."""
+) -> Dict[tf.Operation, List[tf.Operation]]:
+    """The writes `grad_sums` waits on that a snapshot can undo, by variable op. The op that
+    calls a body of control flow v2 (``slim.batch_norm`` with a tensor ``is_training``) stands
+    for the writes in it."""
     initializers = _initializers(graph)
-    ancestors = set(_ops.walk([grad_sums.op]))
-    writes = sorted(
-        (op for op in ancestors if _ops.is_write(op) and op not in initializers),
-        key=lambda op: op.name,
-    )
-    calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
-    calls = {op: handles for op, handles in calls.items() if handles}
-    if not writes and not calls:
-        return None
+    ancestors = sorted(_ops.walk([grad_sums.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
-    for op in writes:
+    for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):
         variable = variables.get(_written_variable(op))
         write_context = op._get_control_flow_context()  # pylint: disable=protected-access
         if write_context is not context and any(
@@ -238,8 +230,8 @@ def _forward_writes(
             op.inputs[0].op.name if op.inputs else "a variable",
             why,
         )
-    for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
-        for handle in handles:
+    for op in (op for op in ancestors if _body_graphs(op)):
+        for handle in _handles_written_by(op):
             variable = variables.get(handle.op)
             if variable is None:
                 logging.warning(

@@ -245,7 +245,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
             return Action(self._nan_policy)
-        policy = Action(self._guard.config.nan_policy if self._guard else Action.RAISE)
+        policy = Action(Action.RAISE if self._guard is None else self._guard.config.nan_policy)
         return Action.STOP if policy == Action.RAISE and not self._fail_on_nan_loss else policy
 
     def _unguarded_bad_step(

@@ -108,22 +108,15 @@ def create_train_op(
       transform_grads_fn: Optional function from and to a list of (gradient, variable).
       nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
         (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
-      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
-        ``persistent_nan_policy`` once this many bad steps came in a row.
-      persistent_nan_policy: ``"raise"``, ``"stop"`` or ``"rollback"`` (`GuardConfig`).
-      on_nan: Optional callback ``fn(event) -> policy name or None`` called on each bad step.
-      rollback_skip_batches: Batches to skip after a rollback.
-      rollback_lr_factor: Learning-rate multiplier applied at each rollback (0 < f <= 1).
-      max_rollbacks: Give up (raise) rather than roll back more often than this.
+      max_consecutive_bad_steps: Bad steps in a row (under ``skip`` or ``rollback``) that
+        escalate to ``persistent_nan_policy``: ``"raise"``, ``"stop"`` or ``"rollback"``.
+      persistent_nan_policy, on_nan, rollback_skip_batches, rollback_lr_factor, max_rollbacks,
+        spike_sigma, spike_warmup_steps, spike_level_shift_steps: The `GuardConfig` fields.
       spike_policy: The policy for a spike step, or None (no spike test; the graph is the
         same as without it). A spike step has finite values, but its loss or the global norm
         of the gradients applied is more than ``spike_sigma`` deviations above those of the
         last 128 accepted steps (of their logarithms); it writes no variable and counts
         toward ``max_consecutive_bad_steps``.
-      spike_sigma: How many deviations above the mean make a spike.
-      spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
-      spike_level_shift_steps: Spikes in a row that hold together are a new level of
-        training (`GuardConfig.spike_level_shift_steps`; 0: never).
       reasons: More reasons to reject a step (`Reason` objects, each with its policy), judged
         after non-finite values and the spike test.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
