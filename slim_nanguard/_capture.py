@@ -75,9 +75,8 @@ def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
 
 
 def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = True) -> Capture:
-    """The `Capture` whose stores keep the batch of `loss` when `ok` is False; an empty one
-    when not `enabled` (autopsies off). Without `merge` (hook mode puts the stores on its own
-    bad branch), no ``done``."""
+    """The `Capture` whose stores keep the batch of `loss` when `ok` is False (if `enabled`);
+    without ``done`` unless `merge` (hook mode puts the stores on its own bad branch)."""
     tensors = batch_tensors(loss) if enabled else []
     if not tensors:
         return Capture()

@@ -200,9 +200,8 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
 def _forward_writes(
     graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
 ) -> Dict[tf.Operation, List[tf.Operation]]:
-    """The writes `grad_sums` waits on that a snapshot can undo, by variable op. The op that
-    calls a body of control flow v2 (``slim.batch_norm`` with a tensor ``is_training``) stands
-    for the writes in it."""
+    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; an op calling
+    a control-flow-v2 body (``slim.batch_norm`` with a tensor ``is_training``) stands for it."""
     initializers = _initializers(graph)
     ancestors = sorted(_ops.walk([grad_sums.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access

@@ -159,8 +159,7 @@ def _flatten_fetches(fetches) -> Iterator:
 
 
 def _caller_in_outermost_graph(op: tf.Operation) -> Optional[tf.Operation]:
-    """`op`, or the op of the outermost graph that calls the function body of `op`; None when
-    no op of an outer graph calls it."""
+    """`op`, or the op of the outermost graph that calls its function body (None: no op)."""
     while getattr(op.graph, "outer_graph", None) is not None:
         body = op.graph
         op = next(

@@ -22,8 +22,7 @@ GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
 
 
 def check_arguments(total_loss, optimizer, clip_gradient_norm) -> None:
-    """Raises ValueError for a loss, an optimizer or a clipping norm tf-slim's train op cannot
-    use."""
+    """Raises ValueError for a loss, optimizer or clipping norm tf-slim's train op cannot use."""
     if not isinstance(total_loss, tf.Tensor):
         raise ValueError(
             f"total_loss must be a graph-mode tf.Tensor; got "
@@ -57,8 +56,7 @@ def compute_gradients(
     summarize_gradients: bool,
     **compute_kwargs,
 ) -> GradsAndVars:
-    """The (gradient, variable) pairs tf-slim's train op applies, built in its order; raises
-    ValueError when the loss has no gradient with respect to any of `variables_to_train`."""
+    """The (gradient, variable) pairs tf-slim's train op applies, built in its order."""
     grads = optimizer.compute_gradients(total_loss, variables_to_train, **compute_kwargs)
     if gradient_multipliers:
         with tf.name_scope("multiply_grads"):
@@ -80,8 +78,7 @@ def compute_gradients(
 
 
 def _check_optimizer(optimizer) -> None:
-    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` nor works like one
-    (Keras optimizers, which fail deep inside graph construction, are named)."""
+    """Refuses (naming Keras ones) an optimizer that neither is nor works like a v1 one."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return
     compute = getattr(optimizer, "compute_gradients", None)
@@ -121,8 +118,7 @@ def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
 
 
 def resolve_variables(variables_to_train) -> list:
-    """`variables_to_train`, or every trainable variable when None; raises ValueError for an
-    empty list, a variable that is not trainable, or no trainable variable."""
+    """`variables_to_train`, or every trainable variable when None; never none."""
     trainable = tf.compat.v1.trainable_variables()
     if variables_to_train is None:
         if not trainable:
