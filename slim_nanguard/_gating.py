@@ -1,20 +1,13 @@
-"""The gating of writes: every variable write a train op makes waits on the step's test.
+"""The gating of writes: every variable write a train op makes waits on the step's test, by a
+control input added with TensorFlow's private ``Operation._add_control_input`` (the ops are
+already built, and no public API adds an input to one). A write the forward pass makes before
+the test waits on a copy of its variable instead, which a bad step writes back.
 
-The optimizer's writes and those the ``update_ops`` run get the gate as a control input (with a
-dynamic loss-scale optimizer, all but the scale's own update also wait on the finite gate,
-which an overflow step does not open). Writes the forward pass makes before the test
-(``slim.batch_norm`` with ``updates_collections=None``) wait on a copy of their variable, which
-a bad step writes back. In hook mode, writes built later under
-``tf.control_dependencies([train_op])`` are gated when the hook begins. With
-`SyncReplicasOptimizer`, the worker's accumulator applies wait on the test (a bad step
-accumulates nothing and takes no token: the token dequeue comes after them), and the chief's
-apply of the aggregated gradient, in its queue runner, waits on a check of its own: the mean
-of finite gradients is non-finite only when it overflows, and then the queue runner stops with
-the check's error and nothing is written. The optimizer's init ops, ready check and queue
-runner stay ungated, so no run but the train op takes a batch.
-
-The ops are already built, and no public API adds an input to one: the edges are added with
-TensorFlow's private ``Operation._add_control_input``.
+With `SyncReplicasOptimizer`, the worker's accumulator applies wait on the test (a bad step
+accumulates nothing and takes no token), and the chief's apply of the aggregated gradient waits
+on a check of its own, which stops its queue runner when finite gradients overflow. The
+optimizer's init ops, ready check and queue runner stay ungated, so no run but the train op
+takes a batch.
 """
 
 from __future__ import annotations

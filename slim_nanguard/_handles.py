@@ -20,20 +20,18 @@ class GraphHandles:
 
     Attributes:
       grad_sums: The loss, then the sum of each gradient (in the order of ``variable_names``).
-      ok: The boolean the hook fetches (loss and gradients all finite; False on a loss-scale
-        overflow): hook mode, or a dynamic loss-scale optimizer, when not ``in_loop``.
-      diagnostics: The variable a step whose fast test failed leaves its ``grad_sums`` in
-        (then, with a dynamic loss-scale optimizer, the step's loss scale).
+      ok: The boolean the hook fetches (False on a bad step or a loss-scale overflow): hook
+        mode, or a dynamic loss-scale optimizer, when not ``in_loop``.
+      diagnostics: Where a step whose fast test failed leaves its ``grad_sums`` (then, with a
+        dynamic loss-scale optimizer, its loss scale); ``value_kinds``: the kind of each value,
+        which a bad step fetches as ``kinds_read``.
       check_op_name: The op a bad step raises from in check_numerics mode.
-      lr_scale: The variable a rollback lowers the learning rate with (fed through the
-        ``lr_scale_value`` placeholder, set by ``lr_scale_assign``).
+      lr_scale: The variable a rollback lowers the learning rate with, through the
+        ``lr_scale_value`` placeholder and ``lr_scale_assign``.
       in_loop: Built in a `tf.while_loop` or function body, whose tensors a run cannot fetch.
       judged: Hook mode: the variable whatever applies the policy initialises in its session.
       pivot: What a write built after the train op waits on (`gate_writes_after`).
-      capture: The batch a bad step keeps for the autopsy.
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      value_kinds: The variable a step whose fast test failed leaves the kind of each value of
-        ``grad_sums`` in; ``kinds_read`` is what a bad step fetches for it.
       report: With reasons (`_reasons.Reason`, in its order), the variable a bad step leaves
         its cause and the reasons' reports in; ``reason_handles``: each `Test.handles`.
       optional_variables: The guard's variables only some options make (the learning-rate

@@ -49,9 +49,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     guard (policy, counters) and judges only the runs that run that train op; given a loss no
     guarded train op made, it fetches the loss on every run and can only raise or stop.
 
-    The policy: ``nan_policy`` when given; else the guard's, with ``raise`` turned into
-    ``stop`` by ``fail_on_nan_loss=False``; with no guard, ``raise`` if ``fail_on_nan_loss``
-    else ``stop``.
+    The policy: ``nan_policy`` when given; else the guard's (``raise`` with no guard), with
+    ``raise`` turned into ``stop`` by ``fail_on_nan_loss=False``.
 
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.

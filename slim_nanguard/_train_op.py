@@ -112,11 +112,9 @@ def create_train_op(
         escalate to ``persistent_nan_policy``: ``"raise"``, ``"stop"`` or ``"rollback"``.
       persistent_nan_policy, on_nan, rollback_skip_batches, rollback_lr_factor, max_rollbacks,
         spike_sigma, spike_warmup_steps, spike_level_shift_steps: The `GuardConfig` fields.
-      spike_policy: The policy for a spike step, or None (no spike test; the graph is the
-        same as without it). A spike step has finite values, but its loss or the global norm
-        of the gradients applied is more than ``spike_sigma`` deviations above those of the
-        last 128 accepted steps (of their logarithms); it writes no variable and counts
-        toward ``max_consecutive_bad_steps``.
+      spike_policy: The policy for a spike step (finite values, but the loss or the global norm
+        of the gradients applied more than ``spike_sigma`` deviations above those of the last
+        128 accepted steps), or None: no spike test, and the same graph as without it.
       reasons: More reasons to reject a step (`Reason` objects, each with its policy), judged
         after non-finite values and the spike test.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
