@@ -23,31 +23,25 @@ from slim_nanguard import _ops
 from slim_nanguard import _verdict
 
 if TYPE_CHECKING:
+    from slim_nanguard import _finiteness
     from slim_nanguard import _guard
 
 
 def apply_gradients(
-    optimizer: tf.compat.v1.train.Optimizer,
-    grads_and_vars,
-    global_step,
-    gate: tf.Tensor,
-    *,
-    update_ops: Sequence,
-    restored: frozenset,
-    finite_gate: Optional[tf.Tensor],
-    unless_bad: Iterable[tf.Variable],
+    optimizer, grads, global_step, gates: _finiteness.Gate, update_ops, restored, unless_bad
 ) -> tf.Operation:
     """``optimizer.apply_gradients``, with every write it and the `update_ops` make waiting on
-    `gate`, and with a `finite_gate` (dynamic loss scale) on it too, but those of `unless_bad`
-    (the scale's variables). `restored`: the forward-pass writes a bad step puts back."""
+    ``gates.gate`` and, with a dynamic loss scale, all but those of `unless_bad` on
+    ``gates.finite_gate``. `restored`: the forward-pass writes a bad step puts back."""
+    gate, finite_gate = gates.gate, gates.finite_gate
     graph = gate.graph
     if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
-        grad_updates, gated = apply_sync_replicas(optimizer, grads_and_vars, global_step, gate)
+        grad_updates, gated = apply_sync_replicas(optimizer, grads, global_step, gate)
         new_ops = []
     else:
         first_new_op = len(graph.get_operations())
         with tf.control_dependencies([gate]):
-            grad_updates = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+            grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
         new_ops = graph.get_operations()[first_new_op:]
         gated = _gate_writes(graph, new_ops, gate)
     gated_updates = _gate_update_ops(update_ops, gate, restored)

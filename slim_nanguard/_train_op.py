@@ -186,24 +186,14 @@ def _gated(
     with tf.name_scope("nanguard"):
         test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
+        autopsy = _autopsy_possible(config, graph, forward.snapshots)
         gate = _finiteness.build_gate(
-            test,
-            config,
-            check_numerics=check,
-            forward=forward,
-            loss=total_loss,
-            autopsy=_autopsy_possible(config, graph, forward.snapshots),
+            test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
         )
     with _learning_rate.scaled(optimizer, lr_scale):
+        unless_bad = _finiteness.loss_scale_variables(loss_scale)
         grad_updates = _gating.apply_gradients(
-            optimizer,
-            grads,
-            global_step,
-            gate.gate,
-            update_ops=update_ops,
-            restored=forward.restored,
-            finite_gate=gate.finite_gate,
-            unless_bad=_finiteness.loss_scale_variables(loss_scale),
+            optimizer, grads, global_step, gate, update_ops, forward.restored, unless_bad
         )
     writes = [grad_updates] + list(update_ops)
     if test.reasons:  # An accepted step writes its reasons' state.
