@@ -146,13 +146,11 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 "check raises before this hook could run.",
                 self._loss_tensor.name,
             )
-        else:  # One boolean per step; a bad step's sums are read on bad steps only.
+        else:  # One boolean per step (the loss too when the train op, its value, is fetched).
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
-            if not guard.in_loop:  # The train op's value is the loss of the step.
-                self._loss_args = tf.compat.v1.train.SessionRunArgs(
-                    {"ok": guard.ok, "loss": guard.train_op}
-                )
-        # Writes built after the train op that wait on it (an EMA chained after it).
+            self._loss_args = tf.compat.v1.train.SessionRunArgs(
+                {"ok": guard.ok, "loss": guard.train_op}
+            )
         _gating.gate_writes_after(guard)
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
