@@ -16,8 +16,6 @@ from slim_nanguard import _log as logging
 # tf_slim's sentinel (`slim.learning._USE_GLOBAL_STEP`), so that passing it means the same.
 USE_GLOBAL_STEP = 0
 
-GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
-
 GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
 
 

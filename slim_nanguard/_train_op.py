@@ -14,8 +14,6 @@ Contract of a guarded train op (both modes)::
         nothing is written: weights, optimizer slots and accumulators,
         global_step and the variables update_ops assign all keep their values
     return loss
-
-How a bad step shows in each mode: `create_train_op`.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def create_train_op(
     variables_to_train: Optional[Sequence[tf.Variable]] = None,
     clip_gradient_norm: float = 0,
     summarize_gradients: bool = False,
-    gate_gradients: int = _parity.GATE_OP,
+    gate_gradients: int = tf.compat.v1.train.Optimizer.GATE_OP,
     aggregation_method=None,
     colocate_gradients_with_ops: bool = False,
     gradient_multipliers: Optional[Dict] = None,
