@@ -1,17 +1,12 @@
-"""Keeping the batch of a bad step, at no cost to a good one.
-
-An autopsy replays a bad step from the weights it left unchanged (the guard is atomic) and its
-batch, which is gone once the step is over unless the graph kept it. `keep_batch` keeps it:
-one store per batch tensor, on the branch of a ``Switch`` that runs on bad steps only, so a
-good step stores nothing. "The batch" is the outputs of the placeholders and input ops the
-loss reads (`batch_tensors`).
-"""
+"""Keeping the batch of a bad step, which an autopsy replays from the weights it left
+unchanged, at no cost to a good one: one store per batch tensor, on the branch of a ``Switch``
+that runs on bad steps only."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
@@ -23,16 +18,10 @@ _UNKEPT_DTYPES = (tf.resource, tf.variant)
 
 @dataclasses.dataclass(frozen=True)
 class Capture:
-    """The batch tensors of a guarded train op and the variables a bad step keeps them in.
-
-    Attributes:
-      tensors: The batch tensors, in a stable order (fed back in the same order at replay).
-      variables: One resource variable per tensor, in no collection (never saved nor
-        initialised; read only after a bad step wrote it).
-      stores: The assignments, each on the bad branch of the finiteness test.
-      done: A tensor live on every step, on a bad step only after the stores ran (what
-        check_numerics mode's check waits on), or None when there is nothing to keep.
-    """
+    """The batch `tensors` (in a stable order, fed back in the same order at replay), one
+    resource `variables` per tensor, in no collection (never saved nor initialised), their
+    `stores` on the bad branch of the test, and `done`: live on every step, on a bad step only
+    after the stores ran (what check_numerics mode's check waits on), or None."""
 
     tensors: Tuple[tf.Tensor, ...] = ()
     variables: Tuple[tf.Variable, ...] = ()
@@ -41,18 +30,13 @@ class Capture:
 
     @property
     def control_inputs(self) -> List[tf.Tensor]:
-        """``[done]``, or ``[]`` when nothing is kept: what a check waits on."""
         return [self.done] if self.done is not None else []
 
 
 def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
-    """The outputs of the placeholders and input ops `loss` reads through data edges, by the
-    position of their op in the graph, then output index.
-
-    The walk back stops at a placeholder, so a fed placeholder never pulls the iterator behind
-    its default into the step. An op inside a control-flow context cannot be kept from outside
-    and is left out, as are resource and variant outputs.
-    """
+    """The outputs of the placeholders and input ops `loss` reads through data edges (not
+    behind a placeholder: a fed one never pulls the iterator behind its default into the
+    step), in graph order; not those in a control-flow context, nor resource or variant ones."""
     found = _ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False)
     order = {op: i for i, op in enumerate(loss.graph.get_operations())}
     tensors = []
@@ -65,8 +49,7 @@ def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
 
 @contextlib.contextmanager
 def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
-    """Builds in `graph` with no control-flow context and no control dependencies (at the
-    top level of the graph, even when the train op is built in a while loop or a cond)."""
+    """Builds in `graph` with no control-flow context and no control dependencies."""
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     graph._set_control_flow_context(None)  # pylint: disable=protected-access
     try:
@@ -78,13 +61,10 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
 
 @contextlib.contextmanager
 def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
-    """Where the guard makes a variable of its own (sums, a kept batch, the judged flag).
-
-    Outside any control-flow construct and function body, and colocated with `near`, a tensor
-    of the step, so that the variable stays on the worker that computes it (a
-    `replica_device_setter` would put it on a parameter server, shared by every worker). In a
-    function body, which cannot be colocated with from outside, it takes the device in force.
-    """
+    """Where the guard makes a variable of its own: outside any control flow and function body,
+    colocated with `near`, so that it stays on the worker that computes it (a
+    `replica_device_setter` would put it on a parameter server, shared by every worker), or in
+    a function body (which cannot be colocated with from outside) on the device in force."""
     in_function = getattr(graph, "building_function", False)
     with outside_control_flow(graph), tf.init_scope():
         if in_function:
@@ -94,39 +74,19 @@ def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
                 yield
 
 
-def keep_batch(
-    loss: tf.Tensor,
-    ok: Union[tf.Tensor, Callable[[], tf.Tensor]],
-    *,
-    enabled: bool = True,
-    tensors: Optional[Sequence[tf.Tensor]] = None,
-    merge: bool = True,
-) -> Capture:
-    """Builds the `Capture` whose stores keep the batch of `loss` on a bad step only.
-
-    Args:
-      loss: The loss tensor.
-      ok: The scalar boolean test (True on a good step), or a function that builds it (called
-        only when there is a batch to keep).
-      enabled: False builds nothing (an empty `Capture`): autopsies are off.
-      tensors: The batch tensors, when not those `batch_tensors` finds.
-      merge: Whether to build ``done`` (hook mode puts the stores on its own bad branch).
-    """
-    if not enabled:
-        return Capture()
-    tensors = list(batch_tensors(loss) if tensors is None else tensors)
+def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = True) -> Capture:
+    """The `Capture` whose stores keep the batch of `loss` when `ok` is False (if `enabled`);
+    without ``done`` unless `merge` (hook mode puts the stores on its own bad branch)."""
+    tensors = batch_tensors(loss) if enabled else []
     if not tensors:
         return Capture()
-    if callable(ok):
-        ok = ok()
     graph = loss.graph
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
             with guard_variable_scope(graph, tensor):
-                empty = tf.constant([], dtype=tensor.dtype.base_dtype)
                 variable = tf.compat.v1.Variable(
-                    empty,
+                    tf.constant([], dtype=tensor.dtype.base_dtype),
                     trainable=False,
                     collections=[],
                     validate_shape=False,

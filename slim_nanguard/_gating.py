@@ -1,34 +1,13 @@
-"""The gating of writes: every variable write a train op makes waits on the step's test.
+"""The gating of writes: every variable write a train op makes waits on the step's test, by a
+control input added with TensorFlow's private ``Operation._add_control_input`` (the ops are
+already built, and no public API adds an input to one). A write the forward pass makes before
+the test waits on a copy of its variable instead, which a bad step writes back.
 
-What a bad step must not change, and how each kind of write is held back:
-
-* the optimizer's writes (weights, slots, accumulators, ``global_step``) and those the
-  ``update_ops`` run (batch-norm statistics) get the gate as a control input
-  (`apply_gradients`); with a dynamic loss-scale optimizer, every write but the scale's own
-  update also waits on the finite gate, which an overflow step does not open;
-* writes the forward pass makes before the test (``slim.batch_norm`` with
-  ``updates_collections=None``) wait on a copy of their variable, which a bad step writes back
-  (`snapshot_forward_writes`, `ForwardWrites.put_back`);
-* hook mode: writes built later under ``tf.control_dependencies([train_op])`` (an EMA of the
-  weights) are gated when the hook begins (`gate_writes_after`);
-* `SyncReplicasOptimizer` (see `_cluster`): the worker's accumulator applies wait on the test
-  (so a bad step accumulates nothing and takes no token), and the chief's write of the
-  aggregated gradient waits on a check of its own (`apply_sync_replicas`)::
-
-    worker (the train op):   accumulate(grad, local_step) for each variable   # gated
-                             token = token_queue.dequeue()                     # after them
-                             local_step = token
-    chief (a queue runner):  aggregated = take_grad(replicas_to_aggregate)     # blocks
-                             check(aggregated) -> apply(aggregated); global_step += 1
-                             token_queue.enqueue_many(global_step x tokens_per_step)
-
-  The optimizer's init ops, ready check and queue runner stay ungated, so no run but the
-  train op takes a batch. The mean of finite gradients is non-finite only when it overflows:
-  then the chief's queue runner stops with its check's error, and nothing is written.
-
-The ops are already built (by the optimizer, or by the user), and no public API adds an input
-to one: the edges are added with TensorFlow's private ``Operation._add_control_input``. A
-write gated so also runs the forward and backward pass when fetched alone.
+With `SyncReplicasOptimizer`, the worker's accumulator applies wait on the test (a bad step
+accumulates nothing and takes no token), and the chief's apply of the aggregated gradient waits
+on a check of its own, which stops its queue runner when finite gradients overflow. The
+optimizer's init ops, ready check and queue runner stay ungated, so no run but the train op
+takes a batch.
 """
 
 from __future__ import annotations
@@ -44,44 +23,25 @@ from slim_nanguard import _ops
 from slim_nanguard import _verdict
 
 if TYPE_CHECKING:
+    from slim_nanguard import _finiteness
     from slim_nanguard import _guard
 
 
 def apply_gradients(
-    optimizer: tf.compat.v1.train.Optimizer,
-    grads_and_vars,
-    global_step,
-    gate: tf.Tensor,
-    *,
-    update_ops: Sequence = (),
-    restored: frozenset = frozenset(),
-    finite_gate: Optional[tf.Tensor] = None,
-    unless_bad: Iterable[tf.Variable] = (),
+    optimizer, grads, global_step, gates: _finiteness.Gate, update_ops, restored, unless_bad
 ) -> tf.Operation:
-    """``optimizer.apply_gradients``, with every write it and the `update_ops` make gated.
-
-    Args:
-      optimizer: The optimizer (a `SyncReplicasOptimizer` too, see `apply_sync_replicas`).
-      grads_and_vars: The (gradient, variable) pairs.
-      global_step: The global step variable, or None.
-      gate: The test every write waits on: its op must run (hook mode: be live).
-      update_ops: The update ops; the writes they run wait on `gate` (`_gate_update_ops`).
-      restored: The forward-pass writes a bad step puts back (`ForwardWrites.restored`).
-      finite_gate: With a dynamic loss-scale optimizer, the gate open on finite steps only:
-        every write but those of `unless_bad` waits on it too.
-      unless_bad: The loss scale's variables, whose writes run on an overflow step.
-
-    Returns:
-      The optimizer's update op.
-    """
+    """``optimizer.apply_gradients``, with every write it and the `update_ops` make waiting on
+    ``gates.gate`` and, with a dynamic loss scale, all but those of `unless_bad` on
+    ``gates.finite_gate``. `restored`: the forward-pass writes a bad step puts back."""
+    gate, finite_gate = gates.gate, gates.finite_gate
     graph = gate.graph
     if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
-        grad_updates, gated = apply_sync_replicas(optimizer, grads_and_vars, global_step, gate)
+        grad_updates, gated = apply_sync_replicas(optimizer, grads, global_step, gate)
         new_ops = []
     else:
         first_new_op = len(graph.get_operations())
         with tf.control_dependencies([gate]):
-            grad_updates = optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+            grad_updates = optimizer.apply_gradients(grads, global_step=global_step)
         new_ops = graph.get_operations()[first_new_op:]
         gated = _gate_writes(graph, new_ops, gate)
     gated_updates = _gate_update_ops(update_ops, gate, restored)
@@ -97,12 +57,10 @@ def apply_gradients(
 
 
 def _gate_writes(graph: tf.Graph, new_ops: Sequence[tf.Operation], gate: tf.Tensor) -> list:
-    """Makes every variable write among `new_ops` but initialisers wait on `gate`; returns them.
-
-    TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
-    in the block, and graph rewrites may fold such producers away: an edge on each write keeps
-    the gate whatever the optimizer.
-    """
+    """Makes every variable write among `new_ops` but initialisers wait on `gate`."""
+    # TensorFlow drops a ``control_dependencies`` edge from ops that already consume an op made
+    # in the block, and graph rewrites may fold such producers away: an edge on each write
+    # keeps the gate whatever the optimizer.
     initializers = _initializers(graph)
     return _wait_on(gate, [op for op in new_ops if _ops.is_write(op) and op not in initializers])
 
@@ -117,20 +75,15 @@ def _wait_on(gate: tf.Tensor, ops: Iterable[tf.Operation]) -> List[tf.Operation]
     return gated
 
 
-def _gate_update_ops(
-    update_ops: Sequence, gate: tf.Tensor, restored: frozenset = frozenset()
-) -> list:
-    """Makes the variable writes that `update_ops` run wait on `gate`; returns them.
-
-    What the test itself needs (the forward pass) runs before it and is left out, with a
-    warning for a write among it that is not in `restored` (put back on a bad step).
-    """
+def _gate_update_ops(update_ops: Sequence, gate: tf.Tensor, restored: frozenset) -> list:
+    """Makes the writes that `update_ops` run wait on `gate`, but those the test itself needs
+    (the forward pass), with a warning for one of those not in `restored`."""
     roots = [op for op in (_ops.as_op(u) for u in update_ops) if op is not None]
     if not roots:
         return []
-    needed_by_gate = _ops.ancestors([gate.op])
+    needed_by_gate = set(_ops.walk([gate.op]))
     gated = _wait_on(
-        gate, [op for op in _ops.ancestors(roots) - needed_by_gate if _ops.is_write(op)]
+        gate, [op for op in set(_ops.walk(roots)) - needed_by_gate if _ops.is_write(op)]
     )
     for op in roots:
         if op in needed_by_gate and any(
@@ -145,7 +98,6 @@ def _gate_update_ops(
 
 
 def _variables(graph: tf.Graph) -> List[tf.Variable]:
-    """The graph's global and local variables."""
     return graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + graph.get_collection(
         tf.compat.v1.GraphKeys.LOCAL_VARIABLES
     )
@@ -160,27 +112,10 @@ def _written_variable(op: tf.Operation) -> Optional[tf.Operation]:
     return _ops.source(op.inputs[0]).op if op.inputs else None
 
 
-# ------------------------------------------------------------------------- after the train op
-
-
 def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
-    """Gates the variable writes built after the train op that wait on it (an EMA of the
-    weights under ``tf.control_dependencies([train_op])``), and so whatever waits on them.
-
-    The train op yields the loss on a bad step too, so such a write would still run: it gets
-    the guard's pivot as a control input (on a bad step a tensor computed after it has no
-    value; fetch the train op). `NanLossHook.begin` calls this before the graph is finalized;
-    a second call gates only what was built since. With a finalized graph it gates nothing
-    and logs a warning.
-
-    Args:
-      guard: The guard of a train op made by `create_train_op`.
-
-    Returns:
-      The write ops gated by this call: in hook mode behind its pivot; in check_numerics mode
-      (a bad step raises first) none, but with a dynamic loss-scale optimizer, whose overflow
-      step does not raise, behind the gate that lets only the scale's update run then.
-    """
+    """Makes the variable writes built after the train op that wait on it (an EMA under
+    ``tf.control_dependencies([train_op])``), which a bad step would run too, wait on the
+    guard's pivot; returns them. With a finalized graph it gates nothing and warns."""
     pivot = guard.pivot
     if pivot is None:
         return []
@@ -209,17 +144,10 @@ def gate_writes_after(guard: "_guard.Guard") -> List[tf.Operation]:
     return gated
 
 
-# ---------------------------------------------------------------------- in the forward pass
-
-
 @dataclasses.dataclass(frozen=True)
 class ForwardWrites:
-    """The writes the loss or the gradients wait on, and the copies that undo them.
-
-    Attributes:
-      snapshots: (variable, its value before the step's writes) pairs.
-      restored: The write ops whose variable a bad step puts back.
-    """
+    """(variable, its value before the forward pass's writes) `snapshots`, and the writes whose
+    variable a bad step puts back (`restored`)."""
 
     snapshots: Tuple[Tuple[tf.Variable, tf.Tensor], ...] = ()
     restored: frozenset = frozenset()
@@ -230,28 +158,19 @@ class ForwardWrites:
         On a TF1 ``Switch``, as the gate is: an op fed by its untaken side is skipped in the
         same run (`tf.cond` would build functions no control edge from outside can gate).
         """
-        restores = []
-        for variable, value in self.snapshots:
-            bad_value, _ = control_flow_ops.switch(value, ok)
-            restores.append(variable.assign(bad_value, read_value=False))
-        return restores
+        return [
+            variable.assign(control_flow_ops.switch(value, ok)[0], read_value=False)
+            for variable, value in self.snapshots
+        ]
 
 
 def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
-    """Makes each write the loss or the gradients wait on (``slim.batch_norm`` with
-    ``updates_collections=None``), which runs before the test and cannot be gated, wait on a
-    copy of its variable's value, which a bad step puts back.
-
-    Returns:
-      The snapshots and the write ops they cover. A write whose variable is in no variable
-      collection, or that sits in a loop body of its own, is logged as one that cannot be
-      undone.
-    """
-    variables = {}
-    for v in _variables(graph):
-        variables.setdefault(v.op, v)  # VarHandleOp (resource) or VariableV2 (ref)
+    """Makes each write `grad_sums` waits on (before the test: it cannot be gated) wait on a
+    copy of its variable's value, which a bad step puts back; warns of those it cannot undo."""
+    # By VarHandleOp (resource) or VariableV2 (ref); the first variable of an op wins.
+    variables = {v.op: v for v in reversed(_variables(graph))}
     by_variable = _forward_writes(graph, grad_sums, variables)
-    if by_variable is None:
+    if not by_variable:
         return ForwardWrites()
     snapshots, restored = [], set()
     with tf.name_scope("snapshots"):
@@ -267,38 +186,38 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
 
 def _forward_writes(
     graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
-) -> Optional[Dict[tf.Operation, List[tf.Operation]]]:
-    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; None when it
-    waits on none. The op that calls a body of control flow v2 (``slim.batch_norm`` with a
-    tensor ``is_training``) stands for the writes in it."""
+) -> Dict[tf.Operation, List[tf.Operation]]:
+    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; an op calling
+    a control-flow-v2 body (``slim.batch_norm`` with a tensor ``is_training``) stands for it."""
     initializers = _initializers(graph)
-    ancestors = _ops.ancestors([grad_sums.op])
-    writes = sorted(
-        (op for op in ancestors if _ops.is_write(op) and op not in initializers),
-        key=lambda op: op.name,
-    )
-    calls = {op: _handles_written_by(op) for op in ancestors if _body_graphs(op)}
-    calls = {op: handles for op, handles in calls.items() if handles}
-    if not writes and not calls:
-        return None
+    ancestors = sorted(_ops.walk([grad_sums.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
-    for op in writes:
+    for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):
         variable = variables.get(_written_variable(op))
-        why = _why_not_undone(op, variable, context)
-        if why:
-            logging.warning(
-                "slim_nanguard: %s writes %s in the forward pass, before the "
-                "finiteness test, and cannot be undone on a bad step (%s), or "
-                "make it an update op the loss does not wait on.",
-                op.name,
-                op.inputs[0].op.name if op.inputs else "a variable",
-                why,
+        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        if write_context is not context and any(
+            c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
+        ):
+            why = "it sits in a loop body of its own"
+        elif variable is None:
+            why = (
+                "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
+                "LOCAL_VARIABLES"
             )
+        else:
+            by_variable.setdefault(variable.op, []).append(op)
             continue
-        by_variable.setdefault(variable.op, []).append(op)
-    for op, handles in sorted(calls.items(), key=lambda item: item[0].name):
-        for handle in handles:
+        logging.warning(
+            "slim_nanguard: %s writes %s in the forward pass, before the "
+            "finiteness test, and cannot be undone on a bad step (%s), or "
+            "make it an update op the loss does not wait on.",
+            op.name,
+            op.inputs[0].op.name if op.inputs else "a variable",
+            why,
+        )
+    for op in (op for op in ancestors if _body_graphs(op)):
+        for handle in _handles_written_by(op):
             variable = variables.get(handle.op)
             if variable is None:
                 logging.warning(
@@ -311,21 +230,6 @@ def _forward_writes(
             elif op not in by_variable.setdefault(variable.op, []):
                 by_variable[variable.op].append(op)
     return by_variable
-
-
-def _why_not_undone(op: tf.Operation, variable: Optional[tf.Variable], context) -> str:
-    """Why a snapshot cannot undo the forward-pass write `op` ("" when it can)."""
-    write_context = op._get_control_flow_context()  # pylint: disable=protected-access
-    if write_context is not context and any(
-        c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
-    ):
-        return "it sits in a loop body of its own"
-    if variable is None:
-        return (
-            "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
-            "LOCAL_VARIABLES"
-        )
-    return ""
 
 
 def _body_graphs(op: tf.Operation) -> list:
@@ -354,16 +258,8 @@ def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
     return handles
 
 
-# ------------------------------------------------------------------ SyncReplicasOptimizer
-
 # The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
-_ACCUMULATE_OP_TYPES = frozenset(
-    {
-        "AccumulatorApplyGradient",
-        "ResourceAccumulatorApplyGradient",
-        "SparseAccumulatorApplyGradient",
-    }
-)
+_ACCUMULATE_OP_TYPES = frozenset(f"{k}AccumulatorApplyGradient" for k in ("", "Resource", "Sparse"))
 
 # The ops that take the aggregated gradient, and which output holds its values.
 _TAKE_OP_OUTPUTS = {
@@ -381,16 +277,8 @@ AGGREGATE_CHECK_MESSAGE = (
 def apply_sync_replicas(
     optimizer, grads_and_vars, global_step, gate: tf.Tensor
 ) -> Tuple[tf.Operation, List[tf.Operation]]:
-    """Builds a `SyncReplicasOptimizer`'s ``apply_gradients`` of this worker's
-    `grads_and_vars` with its worker-side writes behind `gate` (see the module docstring).
-
-    Returns:
-      ``(train_op, gated)``: the optimizer's train op (token dequeue) and the ops made to wait
-      on `gate` or on the aggregate's check.
-
-    Raises:
-      ValueError: No global step, or no gradient reaches an accumulator.
-    """
+    """A `SyncReplicasOptimizer`'s ``apply_gradients`` with its worker-side writes behind
+    `gate`, and the chief's behind a check of the aggregate: ``(train_op, the ops gated)``."""
     if global_step is None:
         raise ValueError(
             "SyncReplicasOptimizer needs a global step: pass global_step (or "
@@ -406,19 +294,17 @@ def apply_sync_replicas(
             "SyncReplicasOptimizer.apply_gradients made no accumulator op to "
             "gate; this TensorFlow version builds it differently."
         )
-    return train_op, gated + _check_aggregate(optimizer, new_ops, global_step)
-
-
-def _check_aggregate(optimizer, new_ops: Sequence[tf.Operation], global_step) -> List[tf.Operation]:
-    """Makes the chief's writes of the aggregated gradient wait on its finiteness check."""
     taken = [op.outputs[_TAKE_OP_OUTPUTS[op.type]] for op in new_ops if op.type in _TAKE_OP_OUTPUTS]
     runner = optimizer.get_chief_queue_runner()
     if not taken or runner is None:
-        return []
+        return train_op, gated
     with tf.device(global_step.device), tf.name_scope("nanguard_aggregate"):
         # A sum may overflow over finite values: the verdict confirms a non-finite one exactly.
-        verdict = _verdict.Verdict(taken)
-        check = tf.debugging.check_numerics(verdict.checked, AGGREGATE_CHECK_MESSAGE)
+        check = tf.debugging.check_numerics(
+            _verdict.Verdict(taken).checked, AGGREGATE_CHECK_MESSAGE
+        )
     stop_at = {t.op for t in taken}  # The writes the queue runner waits on, after the take.
     writes = _ops.walk(list(runner.enqueue_ops), stop=stop_at.__contains__)
-    return _wait_on(check, [op for op in writes if op not in stop_at and _ops.is_write(op)])
+    return train_op, gated + _wait_on(
+        check, [op for op in writes if op not in stop_at and _ops.is_write(op)]
+    )

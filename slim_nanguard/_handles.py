@@ -4,11 +4,10 @@ session."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
-from slim_nanguard import _ops
 from slim_nanguard._types import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,45 +16,24 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclasses.dataclass(frozen=True)
 class GraphHandles:
-    """What `create_train_op` built for one guarded train op.
+    """What `create_train_op` built for one guarded train op; None for what it did not build.
 
     Attributes:
-      mode: `Mode.CHECK_NUMERICS` or `Mode.HOOK`.
-      train_op: The train op tensor `create_train_op` returned.
-      loss: The user's total loss tensor.
-      global_step: The global step variable, or None.
-      grad_sums: The loss, then the sum of each gradient, as one vector; run only when
-        fetched.
-      ok: The boolean the hook fetches (loss and gradients all finite): hook mode, or any
-        mode with a dynamic loss-scale optimizer (False on an overflow step). Else None, and
-        None when ``in_loop``.
-      diagnostics: The variable a step whose fast test failed leaves its ``grad_sums`` in
-        (then, with a dynamic loss-scale optimizer, the step's loss scale).
-      check_op_name: The name of the op a bad step raises from (check_numerics mode), else
-        None.
-      variable_names: The variables trained, in the order of ``grad_sums[1:]``.
-      lr_scale: The variable a rollback lowers the learning rate with, or None when
-        ``rollback_lr_factor`` is 1.
-      lr_scale_value: The placeholder a rollback feeds the new scale through, or None.
-      lr_scale_assign: The op that assigns it to ``lr_scale``, or None.
-      loss_scale_floor: The smallest loss scale of a dynamic loss-scale optimizer, or None.
-      in_loop: True when the train op was built in a `tf.while_loop` or function body, whose
-        tensors a run cannot fetch.
-      judged: Hook mode: the variable whatever applies the policy initialises in its session
-        (`Guard.mark_judged`); else None.
-      pivot: What a write built after the train op waits on to be skipped on a bad step
-        (`gate_writes_after`): the hook-mode gate, or with a dynamic loss-scale optimizer the
-        gate of every write but the scale's; else None.
-      capture: The batch a bad step keeps for the autopsy (a `Capture`), or None.
+      grad_sums: The loss, then the sum of each gradient (in the order of ``variable_names``).
+      ok: The boolean the hook fetches (False on a bad step or a loss-scale overflow): hook
+        mode, or a dynamic loss-scale optimizer, when not ``in_loop``.
+      diagnostics: Where a step whose fast test failed leaves its ``grad_sums`` (then, with a
+        dynamic loss-scale optimizer, its loss scale); ``value_kinds``: the kind of each value,
+        which a bad step fetches as ``kinds_read``.
+      check_op_name: The op a bad step raises from in check_numerics mode.
+      lr_scale: The variable a rollback lowers the learning rate with, through the
+        ``lr_scale_value`` placeholder and ``lr_scale_assign``.
+      in_loop: Built in a `tf.while_loop` or function body, whose tensors a run cannot fetch.
+      judged: Hook mode: the variable whatever applies the policy initialises in its session.
+      pivot: What a write built after the train op waits on (`gate_writes_after`).
       input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      value_kinds: The int32 variable a step whose fast test failed leaves the kind
-        (`_verdict.kind_name`) of each value of ``grad_sums`` in, or None.
-      kinds_read: What a bad step fetches for ``value_kinds``: the variable, or with reasons
-        its value once written and -1s before (`kinds_read`); None without it.
-      report: With reasons, the variable a bad step leaves its cause and the reasons' reports
-        in (`_finiteness.StepTest.report`); else None.
-      reasons: Those reasons (`_reasons.Reason`), in the order of the report.
-      reason_handles: Each reason's `_reasons.Test.handles`, by its name.
+      report: With reasons (`_reasons.Reason`, in its order), the variable a bad step leaves
+        its cause and the reasons' reports in; ``reason_handles``: each `Test.handles`.
       optional_variables: The guard's variables only some options make (the learning-rate
         scale, the spike statistics); a checkpoint without them still restores the rest.
     """
@@ -91,32 +69,3 @@ class GraphHandles:
 
         reader = _checkpoints.checkpoint_reader(checkpoint)
         return tuple(v for v in self.optional_variables if not reader.has_tensor(v.op.name))
-
-
-def lr_scale_setter(
-    lr_scale: Optional[tf.Variable], graph: tf.Graph
-) -> Tuple[Optional[tf.Tensor], Optional[tf.Operation]]:
-    """The placeholder and assign op that set `lr_scale` (None, None without one)."""
-    if lr_scale is None:
-        return None, None
-    # init_scope: in the outermost graph, even for a train op built in a loop body.
-    with graph.as_default(), tf.init_scope():
-        value = tf.compat.v1.placeholder(
-            lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
-        )
-        assign = tf.compat.v1.assign(lr_scale, value)
-    return value, assign.op
-
-
-def find_input_ops(loss: tf.Tensor) -> List[tf.Operation]:
-    """The ops among the ancestors of `loss` that produce a new batch when run."""
-    return _ops.sources([loss.op], _ops.INPUT_OP_TYPES)
-
-
-def kinds_read(kinds: Optional[tf.Variable], reasons: bool) -> Optional[tf.Tensor]:
-    """`GraphHandles.kinds_read` of `kinds`, with or without `reasons` (a rejected finite step
-    does not write it)."""
-    if kinds is None or not reasons:
-        return kinds
-    with kinds.graph.as_default(), tf.init_scope(), tf.device(kinds.device):
-        return _ops.read_once_written(kinds, -1, name="nanguard_value_kinds_read")

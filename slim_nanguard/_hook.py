@@ -17,14 +17,8 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
 
-- After a bad step the weights, optimizer slots, ``global_step`` and batch-norm moving
-  statistics are as before it, so any `CheckpointSaverHook` save holds finite values.
-- A guarded train op's hook judges only runs that run its train op; other runs (a weight read,
-  the loss alone, another guarded train op) get nothing added and are not judged.
-- ``NanLossHook(loss)`` on a loss no guarded train op made fetches the loss on every run, as
-  `NanTensorHook`: it catches NaN and Inf loss but sees no gradient and undoes nothing.
-- A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a
-  bad iteration stored and reports one event per run; bad iterations wrote nothing.
+A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a bad
+iteration stored and reports one event per run.
 """
 
 from __future__ import annotations
@@ -52,11 +46,11 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     A drop-in for `tf.compat.v1.train.NanTensorHook` (same first two arguments). Given a loss
     or train op of `create_train_op(..., check_numerics=False)` it shares that train op's
-    guard (policy, counters), as the hook of `nan_hook` does.
+    guard (policy, counters) and judges only the runs that run that train op; given a loss no
+    guarded train op made, it fetches the loss on every run and can only raise or stop.
 
-    The policy: ``nan_policy`` when given; else the guard's, with ``raise`` turned into
-    ``stop`` by ``fail_on_nan_loss=False``; with no guard, ``raise`` if ``fail_on_nan_loss``
-    else ``stop``.
+    The policy: ``nan_policy`` when given; else the guard's (``raise`` with no guard), with
+    ``raise`` turned into ``stop`` by ``fail_on_nan_loss=False``.
 
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.
@@ -89,9 +83,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
         if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
             # Refused now: at the bad step the update has happened, and skip would do nothing.
-            name = getattr(loss_tensor, "name", loss_tensor)
             raise ValueError(
-                f"NanLossHook got nan_policy={nan_policy!r} for {name!r}, which comes from "
+                f"NanLossHook got nan_policy={nan_policy!r} for "
+                f"{getattr(loss_tensor, 'name', loss_tensor)!r}, which comes from "
                 "no guarded train op (or whose train op is not built yet: build it first): "
                 "by the time the hook sees the loss, the update has happened, so it can only "
                 "raise or stop. Build the train op with slim_nanguard.create_train_op and pass "
@@ -109,8 +103,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # guard, keeps a state of its own (one per session).
         self._session_start = 0
         self._unguarded_state = _policy.GuardState()
-        # A guarded train op's hook judges only the runs that run it (set in begin()).
-        self._runs_train_op: Optional[_ops.RunsOp] = None
+        self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
         self._judging = False
 
     @property
@@ -138,8 +131,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         return self._guard.state.total_bad_steps - self._session_start
 
     def begin(self):
-        self._guard = _guard.get_guard(self._loss_tensor)
-        if self._guard is None:
+        guard = self._guard = _guard.get_guard(self._loss_tensor)
+        if guard is None:
             logging.info(
                 "slim_nanguard: %s comes from no guarded train op; the hook checks the "
                 "loss only and cannot undo an update.",
@@ -147,22 +140,17 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
-        guard = self._guard
         if guard.ok is None:
             logging.info(
                 "slim_nanguard: the train op of %s is in check_numerics mode; its "
                 "check raises before this hook could run.",
                 self._loss_tensor.name,
             )
-        # One boolean per step. A bad step stored its gradient sums (the loss first) in the
-        # guard's diagnostics variable, read with the global step on bad steps only.
-        if guard.ok is not None:
+        else:  # One boolean per step (the loss too when the train op, its value, is fetched).
             self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
-            if not guard.in_loop:  # The train op's value is the loss of the step.
-                self._loss_args = tf.compat.v1.train.SessionRunArgs(
-                    {"ok": guard.ok, "loss": guard.train_op}
-                )
-        # Writes built after the train op that wait on it (an EMA chained after it).
+            self._loss_args = tf.compat.v1.train.SessionRunArgs(
+                {"ok": guard.ok, "loss": guard.train_op}
+            )
         _gating.gate_writes_after(guard)
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
@@ -185,26 +173,27 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     ) -> None:
         # Per-session state only: the guard's counters describe the whole run.
         self._unguarded_state = _policy.GuardState()
-        if self._guard is not None:
-            self._session_start = self._guard.state.total_bad_steps
-        if self._guard is not None and self._guard.in_loop and (self._guard.mode == Mode.HOOK):
+        guard = self._guard
+        if guard is None:
+            return
+        self._session_start = guard.state.total_bad_steps
+        if guard.in_loop and guard.mode == Mode.HOOK:
             # Zeros until a bad iteration stores its (non-finite) sums.
-            session.run(self._guard.diagnostics.initializer)
-        if self._guard is not None:
-            # This hook applies the policy here: a bad step must not fail as unjudged.
-            self._guard.mark_judged(session)
+            session.run(guard.diagnostics.initializer)
+        # This hook applies the policy here: a bad step must not fail as unjudged.
+        guard.mark_judged(session)
 
     def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
         self._last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
-        self._judging = self._runs_train_op is None or self._runs_train_op(
-            run_context.original_args.fetches
-        )
-        if self._judging and self._loss_args is not None:
-            if self._fetches_train_op(run_context.original_args.fetches):
-                return self._loss_args
-        return self._run_args if self._judging else None
+        fetches = run_context.original_args.fetches
+        self._judging = self._runs_train_op is None or self._runs_train_op(fetches)
+        if not self._judging:
+            return None
+        if self._loss_args is not None and self._fetches_train_op(fetches):
+            return self._loss_args
+        return self._run_args
 
     def _fetches_train_op(self, fetches) -> bool:
         """Whether `fetches` hold the train op itself (whose value is the loss, fetched free)."""
@@ -218,9 +207,9 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         run_context: tf.compat.v1.train.SessionRunContext,
         run_values: tf.compat.v1.train.SessionRunValues,
     ) -> None:
-        results = run_values.results
         if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
+        results = run_values.results
         guard = self._guard
         if guard is None:
             loss = float(np.asarray(results["loss"]))
@@ -253,25 +242,21 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
             return Action(self._nan_policy)
-        policy = Action(self._guard.config.nan_policy)
-        if policy == Action.RAISE and not self._fail_on_nan_loss:
-            return Action.STOP
-        return policy
+        policy = Action(Action.RAISE if self._guard is None else self._guard.config.nan_policy)
+        return Action.STOP if policy == Action.RAISE and not self._fail_on_nan_loss else policy
 
     def _unguarded_bad_step(
         self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
     ) -> None:
         # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop
         # (skip and rollback were refused at construction).
-        policy = Action(
-            self._nan_policy or (Action.RAISE if self._fail_on_nan_loss else Action.STOP)
-        )
-        decision, self._unguarded_state = _policy.decide(
+        policy = self._effective_policy()
+        decision, state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),
             self._unguarded_state,
             _policy.BadStep(-1, policy, guarded=False),
         )
-        state = self._unguarded_state
+        self._unguarded_state = state
         event = _events.NanEvent(
             step=-1,
             loss=loss,

@@ -1,10 +1,5 @@
-"""The graph vocabulary of the guard: which op types mean what, and the one walk over a graph.
-
-The op types of the batch (what `_capture` keeps, the autopsy does not replay past, a rollback
-skips batches with), `is_write` (what the gate holds back), `source` (seeing through the ops
-that pass a tensor on), `walk` (the one traversal every module uses), and `RunsOp` (which runs
-of a session run a train op).
-"""
+"""The graph vocabulary of the guard: which op types mean what (the batch, a write), what a
+tensor passes on, the one walk over a graph, and `RunsOp` (which runs run a train op)."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithD
 
 # Ops whose outputs are the batch: what a replay feeds and cannot run past.
 BATCH_OP_TYPES = PLACEHOLDER_TYPES | INPUT_OP_TYPES
-
 
 # Prefixes of the op types that write to a variable.
 _WRITE_OP_PREFIXES = tuple(
@@ -48,13 +42,8 @@ def walk(
     control: bool = True,
     stop: Optional[Callable[[tf.Operation], bool]] = None,
 ) -> Iterator[tf.Operation]:
-    """Each op reachable from `roots` (included), once, depth first.
-
-    Backward (the default) an op leads to its inputs' ops, forward to its outputs' consumers;
-    with `control`, control edges count too. An op is yielded before the walk looks past it
-    (the caller may raise on it), and the walk does not look past an op for which `stop` is
-    true.
-    """
+    """Each op reachable from `roots` (included), once, depth first: backward to inputs, or
+    `forward` to consumers, through control edges too with `control`, not past a `stop` op."""
     seen, stack = set(), list(roots)
     while stack:
         op = stack.pop()
@@ -74,28 +63,18 @@ def walk(
                 stack.extend(op.control_inputs)
 
 
-def ancestors(roots: Iterable[tf.Operation]) -> set:
-    """`roots` and every op they depend on, through data and control edges."""
-    return set(walk(roots))
-
-
 def sources(
     roots: Iterable[tf.Operation], types: frozenset, *, control_inputs: bool = True
 ) -> List[tf.Operation]:
-    """The ops of `types` that `roots` depend on (through control edges too when
-    `control_inputs`), in the order the walk meets them, not looking past them: what lies
-    behind an input op or a placeholder is not the batch."""
-
-    def of_types(op: tf.Operation) -> bool:
-        return op.type in types
-
-    return list(filter(of_types, walk(roots, control=control_inputs, stop=of_types)))
+    """The ops of `types` that `roots` depend on, in the order the walk meets them, not looking
+    past them: what lies behind an input op or a placeholder is not the batch."""
+    found = walk(roots, control=control_inputs, stop=lambda op: op.type in types)
+    return [op for op in found if op.type in types]
 
 
 def source(tensor: tf.Tensor) -> tf.Tensor:
-    """What `tensor` passes on: through the ``Switch`` or ``Enter`` of a TF1 tf.cond or while
-    loop and through ``Identity`` ops, and out of a function body (control flow v2) to the
-    tensor it captured; `tensor` itself when it is none of those."""
+    """What `tensor` passes on: through the ``Switch``, ``Enter`` and ``Identity`` ops of TF1
+    control flow, and out of a function body to the tensor it captured."""
     while True:
         if tensor.op.type in _PASS_THROUGH_TYPES:
             tensor = tensor.op.inputs[0]
@@ -133,13 +112,8 @@ def control_flow_contexts(context) -> Iterator:
 
 
 class RunsOp:
-    """Tells whether a ``session.run(fetches)`` runs one of `ops` (a guarded train op).
-
-    A run runs an op when its fetches (a tensor, an op, a name, or a structure of those, as
-    `Session` reads it) depend on it through data or control edges: the train op, an op built
-    under ``tf.control_dependencies([train_op])``, a while loop whose body holds it. An op in a
-    function body is stood for by the op that calls the function. Cached per list of fetches.
-    """
+    """Tells whether a ``session.run(fetches)`` runs one of `ops` (a guarded train op), through
+    data or control edges, or the op that calls a function body holding it."""
 
     def __init__(self, *ops: tf.Operation):
         callers = [_caller_in_outermost_graph(op) for op in ops]
@@ -151,7 +125,6 @@ class RunsOp:
         self._answers = {}
 
     def __call__(self, fetches) -> bool:
-        """Whether a run of `fetches` (as given to ``session.run``) runs one of the ops."""
         if self._every_run:
             return True
         roots = []
@@ -186,10 +159,7 @@ def _flatten_fetches(fetches) -> Iterator:
 
 
 def _caller_in_outermost_graph(op: tf.Operation) -> Optional[tf.Operation]:
-    """`op`, or the op of the outermost graph whose function attribute runs the body of `op`.
-
-    None when no op of an outer graph names that function.
-    """
+    """`op`, or the op of the outermost graph that calls its function body (None: no op)."""
     while getattr(op.graph, "outer_graph", None) is not None:
         body = op.graph
         op = next(
@@ -202,9 +172,6 @@ def _caller_in_outermost_graph(op: tf.Operation) -> Optional[tf.Operation]:
 
 
 def _functions_called(op: tf.Operation) -> set:
-    names = set()
-    for attr in op.node_def.attr.values():
-        if attr.HasField("func"):
-            names.add(attr.func.name)
-        names.update(f.name for f in attr.list.func)
-    return names
+    attrs = op.node_def.attr.values()
+    called = {a.func.name for a in attrs if a.HasField("func")}
+    return called | {f.name for a in attrs for f in a.list.func}

@@ -1,10 +1,7 @@
-"""What `create_train_op` does as tf-slim's does: its arguments, checks and gradient steps.
-
-As tf-slim 1.1.0's ``create_train_op``, in the same order and on current TensorFlow (where
-tf-slim's own helpers fail on names TensorFlow removed): resolve the update ops and variables,
-compute the gradients, multiply, clip, transform (``transform_grads_fn``) and summarize them.
-What tf-slim would fail on late (a Keras optimizer, a loss that is no scalar) is refused at
-once, with what to pass instead. Nothing here knows of the guard.
+"""What `create_train_op` does as tf-slim 1.1.0's does, in the same order and on current
+TensorFlow (where tf-slim's own helpers fail on names TensorFlow removed): the argument checks
+(refusing at once what tf-slim would fail on late), the update ops and variables, and the
+gradients, multiplied, clipped, transformed and summarized. Nothing here knows of the guard.
 """
 
 from __future__ import annotations
@@ -19,19 +16,26 @@ from slim_nanguard import _log as logging
 # tf_slim's sentinel (`slim.learning._USE_GLOBAL_STEP`), so that passing it means the same.
 USE_GLOBAL_STEP = 0
 
-GATE_OP = tf.compat.v1.train.Optimizer.GATE_OP
-
 GradsAndVars = List[Tuple[Optional[tf.Tensor], tf.Variable]]
 
 
 def check_arguments(total_loss, optimizer, clip_gradient_norm) -> None:
-    """Refuses a loss, an optimizer or a clipping norm tf-slim's train op cannot use.
-
-    Raises:
-      ValueError: A non-tensor, non-floating or non-scalar loss, an optimizer that is not a
-        `tf.compat.v1.train.Optimizer`, or a negative (or None) ``clip_gradient_norm``.
-    """
-    _check_loss(total_loss)
+    """Raises ValueError for a loss, optimizer or clipping norm tf-slim's train op cannot use."""
+    if not isinstance(total_loss, tf.Tensor):
+        raise ValueError(
+            f"total_loss must be a graph-mode tf.Tensor; got "
+            f"{type(total_loss).__name__} {total_loss!r}."
+        )
+    if not total_loss.dtype.is_floating:
+        raise ValueError(
+            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
+            f"dtype {total_loss.dtype.name}."
+        )
+    if total_loss.shape.rank not in (None, 0):
+        raise ValueError(
+            f"total_loss must be a scalar; {total_loss.name!r} has shape "
+            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
+        )
     _check_optimizer(optimizer)
     if clip_gradient_norm is None or clip_gradient_norm < 0:
         raise ValueError(
@@ -44,27 +48,14 @@ def compute_gradients(
     optimizer: tf.compat.v1.train.Optimizer,
     variables_to_train: Sequence[tf.Variable],
     *,
-    gate_gradients: int,
-    aggregation_method,
-    colocate_gradients_with_ops: bool,
     gradient_multipliers: Optional[Dict],
     clip_gradient_norm: float,
     transform_grads_fn: Optional[Callable[[GradsAndVars], GradsAndVars]],
     summarize_gradients: bool,
+    **compute_kwargs,
 ) -> GradsAndVars:
-    """The (gradient, variable) pairs tf-slim's train op applies, built in its order from
-    `create_train_op`'s (tf-slim's) arguments.
-
-    Raises:
-      ValueError: The loss has no gradient with respect to any of `variables_to_train`.
-    """
-    grads = optimizer.compute_gradients(
-        total_loss,
-        variables_to_train,
-        gate_gradients=gate_gradients,
-        aggregation_method=aggregation_method,
-        colocate_gradients_with_ops=colocate_gradients_with_ops,
-    )
+    """The (gradient, variable) pairs tf-slim's train op applies, built in its order."""
+    grads = optimizer.compute_gradients(total_loss, variables_to_train, **compute_kwargs)
     if gradient_multipliers:
         with tf.name_scope("multiply_grads"):
             grads = multiply_gradients(grads, gradient_multipliers)
@@ -84,63 +75,36 @@ def compute_gradients(
     return grads
 
 
-def _check_loss(total_loss) -> None:
-    """Refuses a loss that is not a scalar floating-point graph tensor."""
-    if not isinstance(total_loss, tf.Tensor):
-        raise ValueError(
-            f"total_loss must be a graph-mode tf.Tensor; got "
-            f"{type(total_loss).__name__} {total_loss!r}."
-        )
-    if not total_loss.dtype.is_floating:
-        raise ValueError(
-            f"total_loss must be a floating-point tensor; {total_loss.name!r} has "
-            f"dtype {total_loss.dtype.name}."
-        )
-    if total_loss.shape.rank not in (None, 0):
-        raise ValueError(
-            f"total_loss must be a scalar; {total_loss.name!r} has shape "
-            f"{total_loss.shape}. Reduce it first (for example tf.reduce_mean)."
-        )
-
-
 def _check_optimizer(optimizer) -> None:
-    """Refuses an optimizer that is not a `tf.compat.v1.train.Optimizer` nor works like one
-    (Keras optimizers, which fail deep inside graph construction, are named)."""
+    """Refuses (naming Keras ones) an optimizer that neither is nor works like a v1 one."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return
     compute = getattr(optimizer, "compute_gradients", None)
-    works_like_one = False
     if callable(compute) and callable(getattr(optimizer, "apply_gradients", None)):
         try:
             params = inspect.signature(compute).parameters
         except (TypeError, ValueError):
             params = {}
-        works_like_one = "gate_gradients" in params or any(
-            p.kind == p.VAR_KEYWORD for p in params.values()
-        )
-    if not works_like_one:
-        kind = type(optimizer)
-        keras = (
-            " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
-            "in a graph-mode TF-Slim train op."
-            if "keras" in kind.__module__
-            else ""
-        )
-        shown = (
-            repr(optimizer)
-            if kind.__module__ == "builtins"
-            else f"{kind.__module__}.{kind.__qualname__}"
-        )
-        raise ValueError(
-            f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
-            "tf.compat.v1.train optimizer of the same algorithm, for example "
-            "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
-        )
+        if "gate_gradients" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return
+    module = type(optimizer).__module__
+    keras = (
+        " Keras optimizers (Keras 3, tf-keras, tf_keras.optimizers.legacy) do not work "
+        "in a graph-mode TF-Slim train op."
+        if "keras" in module
+        else ""
+    )
+    shown = repr(optimizer) if module == "builtins" else f"{module}.{type(optimizer).__qualname__}"
+    raise ValueError(
+        f"optimizer must be a tf.compat.v1.train.Optimizer; got {shown}.{keras} Use the "
+        "tf.compat.v1.train optimizer of the same algorithm, for example "
+        "tf.compat.v1.train.GradientDescentOptimizer or tf.compat.v1.train.AdamOptimizer."
+    )
 
 
 def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
-    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, by name (two builds of one graph
-    are the same); as tf-slim, warns when given ops leave out some of ``UPDATE_OPS``."""
+    """`update_ops`, or the graph's ``UPDATE_OPS`` when None, sorted by name (two builds of one
+    graph are the same); as tf-slim, warns when given ops leave out some of ``UPDATE_OPS``."""
     global_update_ops = set(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
     resolved = global_update_ops if update_ops is None else set(update_ops)
     if not global_update_ops.issubset(resolved):
@@ -152,28 +116,23 @@ def resolve_update_ops(graph: tf.Graph, update_ops) -> list:
 
 
 def resolve_variables(variables_to_train) -> list:
-    """`variables_to_train`, or every trainable variable when None.
-
-    Raises:
-      ValueError: An empty list, a variable that is not trainable, or no trainable variable.
-    """
+    """`variables_to_train`, or every trainable variable when None; never none."""
     trainable = tf.compat.v1.trainable_variables()
     if variables_to_train is None:
-        variables_to_train = trainable
-    else:
-        variables_to_train = list(variables_to_train)
-        for v in variables_to_train:
-            if not (getattr(v, "trainable", False) or v in trainable):
-                raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
-        if not variables_to_train:
+        if not trainable:
             raise ValueError(
-                "variables_to_train is empty: pass the variables to train, or "
-                "None to train all trainable variables."
+                "the graph has no trainable variables: variables_to_train is None, "
+                "so every trainable variable would be trained, and there is none."
             )
+        return trainable
+    variables_to_train = list(variables_to_train)
+    for v in variables_to_train:
+        if not (getattr(v, "trainable", False) or v in trainable):
+            raise ValueError(f"variables_to_train holds {v.name!r}, which is not trainable.")
     if not variables_to_train:
         raise ValueError(
-            "the graph has no trainable variables: variables_to_train is None, "
-            "so every trainable variable would be trained, and there is none."
+            "variables_to_train is empty: pass the variables to train, or "
+            "None to train all trainable variables."
         )
     return variables_to_train
 
@@ -184,7 +143,7 @@ def multiply_gradients(grads_and_vars: GradsAndVars, gradient_multipliers: Dict)
     name -> a number or tensor) multiplied.
 
     Raises:
-      ValueError: If the arguments have the wrong type, or a named variable has no gradient.
+      ValueError: An argument of the wrong type, or a named variable without a gradient.
     """
     if not isinstance(grads_and_vars, list):
         raise ValueError("grads_and_vars must be a list of (gradient, variable).")
@@ -235,9 +194,6 @@ def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
         finite = tf.boolean_mask(values, tf.math.is_finite(values))
         summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
-        summaries.append(
-            tf.compat.v1.summary.scalar(
-                var.op.name + "/gradient_norm", tf.linalg.global_norm([values])
-            )
-        )
+        norm = tf.linalg.global_norm([values])
+        summaries.append(tf.compat.v1.summary.scalar(var.op.name + "/gradient_norm", norm))
     return summaries

@@ -14,14 +14,11 @@ Contract of a guarded train op (both modes)::
         nothing is written: weights, optimizer slots and accumulators,
         global_step and the variables update_ops assign all keep their values
     return loss
-
-How a bad step shows in each mode: `create_train_op`. It calls `_parity` (what tf-slim's
-train op does), `_finiteness` (the test and the mode's gate), `_gating` (every write behind
-it) and `_learning_rate`, and registers the `Guard` that the loops and the hook find.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import tensorflow as tf
@@ -38,22 +35,6 @@ from slim_nanguard import _parity
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
 
-# The keyword-only arguments of `create_train_op` that are `GuardConfig` fields.
-_POLICY_ARGUMENTS = (
-    "nan_policy",
-    "max_consecutive_bad_steps",
-    "persistent_nan_policy",
-    "on_nan",
-    "rollback_skip_batches",
-    "rollback_lr_factor",
-    "max_rollbacks",
-    "spike_policy",
-    "spike_sigma",
-    "spike_warmup_steps",
-    "spike_level_shift_steps",
-    "reasons",
-)
-
 
 def create_train_op(
     total_loss: tf.Tensor,
@@ -63,7 +44,7 @@ def create_train_op(
     variables_to_train: Optional[Sequence[tf.Variable]] = None,
     clip_gradient_norm: float = 0,
     summarize_gradients: bool = False,
-    gate_gradients: int = _parity.GATE_OP,
+    gate_gradients: int = tf.compat.v1.train.Optimizer.GATE_OP,
     aggregation_method=None,
     colocate_gradients_with_ops: bool = False,
     gradient_multipliers: Optional[Dict] = None,
@@ -92,76 +73,62 @@ def create_train_op(
 
     A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
     variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
-    ``update_ops`` assign keep their values, so any later checkpoint holds the last good state.
-    Writes the forward pass makes (``slim.batch_norm`` with ``updates_collections=None``) are
-    put back. A step whose values are all finite computes what tf-slim's train op computes,
-    even when its sums of squares overflow. Built inside a `tf.while_loop`, each iteration is
-    judged on its own (hook mode applies the policy once after the run).
+    ``update_ops`` assign keep their values, and forward-pass writes (``slim.batch_norm`` with
+    ``updates_collections=None``) are put back. A step whose values are all finite computes
+    what tf-slim's train op computes, even when its sums of squares overflow. Built inside a
+    `tf.while_loop`, each iteration is judged on its own.
 
     * ``check_numerics=True``: ``session.run(train_op)`` raises a
-      `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` (for
-      `tf_slim.learning.train`) and `handle_numerics_error` (your own loop) apply the policy.
-    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and the
-      `NanLossHook` of ``nan_hook(train_op)`` applies the policy (`train` attaches it); a bad
-      step in a session no hook judges fails with an error naming what to add. Writes built
-      later under ``tf.control_dependencies([train_op])`` are gated too, when the hook begins
-      (`gate_writes_after`).
+      `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` or
+      `handle_numerics_error` applies the policy.
+    * ``check_numerics=False`` (hook mode): the run returns the non-finite loss and
+      ``nan_hook(train_op)`` applies the policy; a bad step in a session no hook judges fails
+      with an error naming what to add. Writes built later under
+      ``tf.control_dependencies([train_op])`` are gated too, when the hook begins.
 
     Args:
       total_loss: Scalar floating-point `Tensor`, the total loss.
       optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one: a step whose
         loss is finite but whose gradients overflowed above the minimum scale is then no bad
-        step (only the scale's update runs; the hook records a ``loss_scale_overflow``).
-      global_step: The global step variable; by default `get_or_create_global_step()`; None to
-        not count steps.
+        step (only the scale's update runs).
+      global_step: The global step variable (by default `get_or_create_global_step()`), or
+        None to not count steps.
       update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
       variables_to_train: Variables to train; None means all trainable variables.
       clip_gradient_norm: If > 0, each gradient is clipped to this norm.
-      summarize_gradients: Whether to add histogram (of the finite values) and norm
-        summaries of each gradient.
-      gate_gradients: As in `Optimizer.compute_gradients`.
-      aggregation_method: As in `Optimizer.compute_gradients`.
-      colocate_gradients_with_ops: As in `Optimizer.compute_gradients`.
+      summarize_gradients: Whether to add a histogram (of the finite values) and a norm
+        summary of each gradient.
+      gate_gradients, aggregation_method, colocate_gradients_with_ops: As in
+        `Optimizer.compute_gradients`.
       gradient_multipliers: Dict from `Variable` (or its op name) to a number or scalar
         `Tensor` that multiplies its gradient.
       check_numerics: True for check_numerics mode, False for hook mode.
       transform_grads_fn: Optional function from and to a list of (gradient, variable).
       nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
         (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
-      max_consecutive_bad_steps: Under ``skip`` or ``rollback``, apply
-        ``persistent_nan_policy`` once this many bad steps came in a row.
-      persistent_nan_policy: ``"raise"``, ``"stop"`` or ``"rollback"`` (`GuardConfig`).
-      on_nan: Optional callback ``fn(event) -> policy name or None`` called on each bad step.
-      rollback_skip_batches: Batches to skip after a rollback.
-      rollback_lr_factor: Learning-rate multiplier applied at each rollback (0 < f <= 1).
-      max_rollbacks: Give up (raise) rather than roll back more often than this.
-      spike_policy: The policy for a spike step, or None (no spike test; the graph is the
-        same as without it). A spike step has finite values, but its loss or the global norm
-        of the gradients applied (after multipliers, clipping and ``transform_grads_fn``) is
-        more than ``spike_sigma`` deviations above those of the last 128 accepted steps (of
-        their logarithms). It writes no variable, stays out of the statistics (checkpointed
-        ``nanguard_spike/`` variables) and counts toward ``max_consecutive_bad_steps``.
-      spike_sigma: How many deviations above the mean make a spike.
-      spike_warmup_steps: Accepted steps before a step can be a spike (2 to 128).
-      spike_level_shift_steps: Spikes in a row that hold together are a new level of
-        training (`GuardConfig.spike_level_shift_steps`; 0: never).
+      max_consecutive_bad_steps: Bad steps in a row (under ``skip`` or ``rollback``) that
+        escalate to ``persistent_nan_policy``: ``"raise"``, ``"stop"`` or ``"rollback"``.
+      persistent_nan_policy, on_nan, rollback_skip_batches, rollback_lr_factor, max_rollbacks,
+        spike_sigma, spike_warmup_steps, spike_level_shift_steps: The `GuardConfig` fields.
+      spike_policy: The policy for a spike step (finite values, but the loss or the global norm
+        of the gradients applied more than ``spike_sigma`` deviations above those of the last
+        128 accepted steps), or None: no spike test, and the same graph as without it.
       reasons: More reasons to reject a step (`Reason` objects, each with its policy), judged
         after non-finite values and the spike test.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
-      A `Tensor` that, when evaluated, computes the gradients, applies them when they are
-      finite and returns the total loss.
+      A `Tensor` that computes the gradients, applies them when finite and returns the loss.
 
     Raises:
-      ValueError: A loss that is not a floating-point scalar tensor, an optimizer that is not
-        a `tf.compat.v1.train.Optimizer`, an empty ``variables_to_train``, a variable to train
-        that is not trainable, a policy argument out of range, a ``config`` that is not a
+      ValueError: An argument tf-slim's train op cannot use (a loss that is not a scalar
+        floating-point tensor, an optimizer that is not a `tf.compat.v1.train.Optimizer`, no
+        variable to train), a policy argument out of range, a ``config`` that is not a
         `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
     """
     # First, while the locals are the arguments.
     policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
-    config = _guard_config(config, **policy)
+    config = _guard_config(config, policy)
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
     _check_reasons_outside_loops(config, graph)
@@ -192,24 +159,39 @@ def create_train_op(
         )
 
 
+# The keyword-only arguments of `create_train_op` but ``config``: the `GuardConfig` fields.
+_POLICY_ARGUMENTS = tuple(
+    p.name
+    for p in inspect.signature(create_train_op).parameters.values()
+    if p.kind is p.KEYWORD_ONLY and p.name != "config"
+)
+
+
+def _guard_config(config: Optional[_policy.GuardConfig], policy: dict) -> _policy.GuardConfig:
+    """`config`, or when None the `GuardConfig` of the `policy` arguments."""
+    if config is None:
+        return _policy.GuardConfig(**policy)
+    if not isinstance(config, _policy.GuardConfig):
+        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
+    return config
+
+
 def _gated(
     config, total_loss, optimizer, grads, global_step, update_ops, loss_scale, lr_scale, check
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
-    check_numerics = check
-    test, forward, gate = _test_and_gate(
-        config, total_loss, grads, loss_scale, check_numerics=check_numerics
-    )
+    graph = total_loss.graph
+    with tf.name_scope("nanguard"):
+        test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
+        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
+        autopsy = _autopsy_possible(config, graph, forward.snapshots)
+        gate = _finiteness.build_gate(
+            test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
+        )
     with _learning_rate.scaled(optimizer, lr_scale):
+        unless_bad = _finiteness.loss_scale_variables(loss_scale)
         grad_updates = _gating.apply_gradients(
-            optimizer,
-            grads,
-            global_step,
-            gate.gate,
-            update_ops=update_ops,
-            restored=forward.restored,
-            finite_gate=gate.finite_gate,
-            unless_bad=_finiteness.loss_scale_variables(loss_scale),
+            optimizer, grads, global_step, gate, update_ops, forward.restored, unless_bad
         )
     writes = [grad_updates] + list(update_ops)
     if test.reasons:  # An accepted step writes its reasons' state.
@@ -233,62 +215,23 @@ def _check_reasons_outside_loops(config: _policy.GuardConfig, graph: tf.Graph) -
         )
 
 
-def _test_and_gate(
-    config: _policy.GuardConfig,
-    total_loss: tf.Tensor,
-    grads,
-    loss_scale,
-    *,
-    check_numerics: bool,
-):
-    """``(test, forward, gate)``: the step's `_finiteness.StepTest`, the forward pass's writes
-    a bad step puts back, and the mode's gate, in the ``nanguard`` name scope."""
-    graph = total_loss.graph
-    with tf.name_scope("nanguard"):
-        reasons = config.all_reasons
-        test = _finiteness.StepTest(total_loss, grads, loss_scale, reasons)
-        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
-        gate = _finiteness.build_gate(
-            test,
-            config,
-            check_numerics=check_numerics,
-            forward=forward,
-            loss=total_loss,
-            autopsy=_autopsy_possible(config, graph, forward.snapshots),
-        )
-    return test, forward, gate
-
-
-def _guard_config(config: Optional[_policy.GuardConfig], **policy) -> _policy.GuardConfig:
-    """`config`, or when None the `GuardConfig` of `create_train_op`'s policy arguments.
-
-    Raises:
-      ValueError: `config` is not a `GuardConfig`, or a policy argument is out of range.
-    """
-    if config is None:
-        return _policy.GuardConfig(**policy)
-    if not isinstance(config, _policy.GuardConfig):
-        raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
-    return config
-
-
-def _register(
-    config: _policy.GuardConfig,
-    test: _finiteness.StepTest,
-    gate: _finiteness.Gate,
-    train_op: tf.Tensor,
-    loss: tf.Tensor,
-    global_step,
-    lr_scale: Optional[tf.Variable],
-) -> None:
-    """Adds `train_op` to the ``TRAIN_OP`` collection and registers its `Guard` (with the
-    rollback saver when the config may roll back)."""
+def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None:
+    """Adds `train_op` (a new tensor) to the ``TRAIN_OP`` collection; registers its `Guard`."""
     graph = train_op.graph
-    train_ops = graph.get_collection_ref(tf.compat.v1.GraphKeys.TRAIN_OP)
-    if train_op not in train_ops:
-        train_ops.append(train_op)
+    graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, train_op)
     in_loop = _in_loop(graph)
-    lr_scale_value, lr_scale_assign = _handles.lr_scale_setter(lr_scale, graph)
+    lr_scale_value = lr_scale_assign = None
+    if lr_scale is not None:
+        # init_scope: in the outermost graph, even for a train op built in a loop body.
+        with graph.as_default(), tf.init_scope():
+            lr_scale_value = tf.compat.v1.placeholder(
+                lr_scale.dtype.base_dtype, [], name="nanguard_lr_scale_value"
+            )
+            lr_scale_assign = tf.compat.v1.assign(lr_scale, lr_scale_value).op
+    kinds_read = test.kinds
+    if kinds_read is not None and test.reasons:  # A rejected finite step does not write it.
+        with kinds_read.graph.as_default(), tf.init_scope(), tf.device(kinds_read.device):
+            kinds_read = _ops.read_once_written(kinds_read, -1, name="nanguard_value_kinds_read")
     handles = _handles.GraphHandles(
         mode=gate.mode,
         train_op=train_op,
@@ -296,7 +239,7 @@ def _register(
         global_step=global_step,
         grad_sums=test.grad_sums,
         value_kinds=test.kinds,
-        kinds_read=_handles.kinds_read(test.kinds, bool(test.reasons)),
+        kinds_read=kinds_read,
         ok=None if in_loop else gate.ok,
         diagnostics=test.diagnostics,
         check_op_name=gate.check_op_name,
@@ -307,10 +250,9 @@ def _register(
         loss_scale_floor=None if test.scaler is None else test.scaler.floor,
         in_loop=in_loop,
         judged=gate.judged,
-        # Hook mode: the tensor a write built later after the train op must also wait on.
         pivot=gate.pivot,
-        capture=gate.capture,  # The batch a bad step keeps, for the autopsy.
-        input_ops=tuple(_handles.find_input_ops(loss)),
+        capture=gate.capture,
+        input_ops=tuple(_ops.sources([loss.op], _ops.INPUT_OP_TYPES)),
         report=test.report,
         reasons=test.reasons,
         reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
@@ -321,35 +263,25 @@ def _register(
         with tf.init_scope():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
-    if handles.optional_variables:
-        _register_default_saver(graph)
-
-
-def _register_default_saver(graph: tf.Graph) -> None:
-    """Puts a `ResumingSaver` in the ``SAVERS`` collection, when it is empty: the default
-    saver a `Scaffold` would make, which also resumes from checkpoints lacking the guard's
-    optional variables."""
-    if graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
-        return
-    saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
-    graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
+    if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
+        # The default saver a `Scaffold` would make, which also resumes from checkpoints
+        # lacking the guard's optional variables.
+        saver = _checkpoints.ResumingSaver(sharded=True, allow_empty=True, defer_build=True)
+        graph.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, saver)
 
 
 def _autopsy_possible(config: _policy.GuardConfig, graph: tf.Graph, snapshots) -> bool:
-    """Whether the train op keeps a bad step's batch for an autopsy: not when the forward
-    pass writes variables (a replay would write them again) or in a loop body, with a warning.
-    """
+    """Whether the train op keeps a bad step's batch for an autopsy (else warns why not)."""
     if config.autopsy_max_steps <= 0:
         return False
-    why = ""
     if snapshots:
         why = "its forward pass writes variables, which a replay would write again"
     elif _in_loop(graph):
         why = "it is built inside a loop, whose tensors a replay cannot fetch"
-    if why:
-        logging.warning("slim_nanguard: no autopsy of bad steps for this train op: %s.", why)
-        return False
-    return True
+    else:
+        return True
+    logging.warning("slim_nanguard: no autopsy of bad steps for this train op: %s.", why)
+    return False
 
 
 def _in_loop(graph: tf.Graph) -> bool:
