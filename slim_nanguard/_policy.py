@@ -1,10 +1,5 @@
 """Recovery policies, the guard's counters and its one transition, `decide`: pure, no TensorFlow.
 
-* A bad step (non-finite values, or a step a `Reason` rejects) gets its policy: ``raise``,
-  ``stop``, ``skip`` or ``rollback``. ``on_nan`` sees every event first and may override it.
-* Under ``skip`` or ``rollback``, ``max_consecutive_bad_steps`` bad steps in a row escalate to
-  ``persistent_nan_policy`` (never ``skip``); a rollback past ``max_rollbacks`` raises.
-
 docs/guide.md ("Policies and escalation") says what each policy does to a run; `_actions`
 carries a `Decision` out.
 """
@@ -13,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Protocol, Tuple, Union
+from dataclasses import replace
+from typing import Any, Mapping, Optional, Protocol, Tuple, Union
 
 from slim_nanguard import _level_shift
 from slim_nanguard import _reasons
@@ -42,6 +38,57 @@ class OnNanCallback(Protocol):
     def __call__(self, event: NanEvent) -> Optional[str]:
         """Returns None to keep the configured policy for `event` (its ``action``), or the name
         of the policy to apply to it instead."""
+
+
+def _real(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _integer(minimum: int):
+    """The check of an integer setting: ``(accepts, what it must be)``."""
+    return lambda v: _real(v) and isinstance(v, int) and v >= minimum, f"an integer >= {minimum}"
+
+
+def _number(within, what: str):
+    """The check of a setting that must be a finite number `within` accepts."""
+    return lambda v: _real(v) and math.isfinite(v) and within(v), what
+
+
+# Every check of `GuardConfig`, in the order made: ``(field, accepts, what it must be)``.
+_CHECKS = (
+    ("nan_policy", lambda p: p in POLICIES, f"one of {', '.join(POLICIES)}"),
+    ("max_consecutive_bad_steps", *_integer(1)),
+    (
+        "persistent_nan_policy",
+        lambda p: p in PERSISTENT_POLICIES,
+        f"one of {', '.join(PERSISTENT_POLICIES)} (what happens once max_consecutive_bad_steps "
+        "bad steps came in a row; 'skip' would never end)",
+    ),
+    ("rollback_skip_batches", *_integer(0)),
+    ("max_rollbacks", *_integer(1)),
+    (
+        "rollback_lr_factor",
+        *_number(lambda f: 0.0 < f <= 1.0, "a number in (0, 1] (1 keeps the learning rate)"),
+    ),
+    ("autopsy_max_steps", *_integer(0)),
+    ("autopsy_timeout_secs", *_number(lambda t: t > 0, "a number of seconds > 0")),
+    ("autopsy_keep_first", *_integer(0)),
+    ("autopsy_keep_last", *_integer(1)),
+    ("losses_before", *_integer(0)),
+    (
+        "spike_policy",
+        lambda p: p is None or p in POLICIES,
+        f"one of {', '.join(POLICIES)} or None (no spike test)",
+    ),
+    ("spike_sigma", *_number(lambda s: s > 0, "a number of deviations > 0 (6 is usual)")),
+    ("spike_warmup_steps", *_integer(2)),
+    (
+        "spike_warmup_steps",
+        lambda n: n <= SPIKE_WINDOW,
+        f"at most {SPIKE_WINDOW} (the steps the spike statistics cover)",
+    ),
+    ("spike_level_shift_steps", *_integer(0)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,53 +145,9 @@ class GuardConfig:
     reasons: Tuple[Reason, ...] = ()
 
     def __post_init__(self):
-        if self.nan_policy not in POLICIES:
-            raise ValueError(
-                f"nan_policy must be one of {', '.join(POLICIES)}; got {self.nan_policy!r}."
-            )
-        _check_int("max_consecutive_bad_steps", self.max_consecutive_bad_steps, minimum=1)
-        if self.persistent_nan_policy not in PERSISTENT_POLICIES:
-            raise ValueError(
-                f"persistent_nan_policy must be one of {', '.join(PERSISTENT_POLICIES)} (what "
-                "happens once max_consecutive_bad_steps bad steps came in a row; 'skip' would "
-                f"never end); got {self.persistent_nan_policy!r}."
-            )
-        _check_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
-        _check_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        _check_number(
-            "rollback_lr_factor",
-            self.rollback_lr_factor,
-            lambda f: 0.0 < f <= 1.0,
-            "a number in (0, 1] (1 keeps the learning rate)",
-        )
-        _check_int("autopsy_max_steps", self.autopsy_max_steps, minimum=0)
-        _check_number(
-            "autopsy_timeout_secs",
-            self.autopsy_timeout_secs,
-            lambda t: t > 0,
-            "a number of seconds > 0",
-        )
-        _check_int("autopsy_keep_first", self.autopsy_keep_first, minimum=0)
-        _check_int("autopsy_keep_last", self.autopsy_keep_last, minimum=1)
-        _check_int("losses_before", self.losses_before, minimum=0)
-        if self.spike_policy is not None and self.spike_policy not in POLICIES:
-            raise ValueError(
-                f"spike_policy must be one of {', '.join(POLICIES)} or None (no spike test); "
-                f"got {self.spike_policy!r}."
-            )
-        _check_number(
-            "spike_sigma",
-            self.spike_sigma,
-            lambda s: s > 0,
-            "a number of deviations > 0 (6 is usual)",
-        )
-        _check_int("spike_warmup_steps", self.spike_warmup_steps, minimum=2)
-        if self.spike_warmup_steps > SPIKE_WINDOW:
-            raise ValueError(
-                f"spike_warmup_steps must be at most {SPIKE_WINDOW} (the steps the spike "
-                f"statistics cover); got {self.spike_warmup_steps!r}."
-            )
-        _check_int("spike_level_shift_steps", self.spike_level_shift_steps, minimum=0)
+        for name, accepts, what in _CHECKS:
+            if not accepts(getattr(self, name)):
+                raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):
@@ -173,20 +176,17 @@ class GuardConfig:
 
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step can roll back with no callback choosing it (`what_rolls_back`), so
-    that a loop must know the checkpoint directory. `policy` replaces ``config.nan_policy`` (a
-    hook's override); the reasons keep theirs."""
-    return bool(what_rolls_back(config, policy))
+    """Whether a bad step can roll back with no callback choosing it, so that a loop must know
+    the checkpoint directory. `policy` replaces ``config.nan_policy`` (a hook's override)."""
+    return bool(_what_rolls_back(config, policy))
 
 
-def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[str, ...]:
-    """The settings that make a bad step roll back with no callback choosing it, or (), as
-    messages name them: ``spike_policy='rollback'``, ``nan_policy='skip' with
-    persistent_nan_policy='rollback'``. `policy` replaces ``config.nan_policy``."""
-    policy = config.nan_policy if policy is None else policy
-    named = []
-    policies = [("nan_policy", policy)]
+def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, ...]:
+    """The settings that make a bad step roll back with no callback choosing it, as messages
+    name them: ``spike_policy='rollback'``, ``nan_policy='skip' with persistent_nan_policy=...``."""
+    policies = [("nan_policy", config.nan_policy if policy is None else policy)]
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
+    named = []
     for name, value in policies:
         if value == ROLLBACK:
             named.append(f"{name}={str(value)!r}")
@@ -198,7 +198,7 @@ def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[
 def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
     """The error of a loop that would roll back (`rolls_back`) but knows no checkpoint
     directory. `advice` says what to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``."""
-    named = what_rolls_back(config, policy)
+    named = _what_rolls_back(config, policy)
     verb = "rolls back" if len(named) == 1 else "roll back"
     return (
         f"{' and '.join(named)} {verb}, so the loop needs the directory the session saves "
@@ -208,24 +208,8 @@ def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[st
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
     """Whether a bad step can roll back, so that a Saver is needed: `rolls_back`, or an
-    ``on_nan`` callback (it may choose ``rollback``). `policy` as in `rolls_back`."""
+    ``on_nan`` callback (it may choose ``rollback``)."""
     return rolls_back(config, policy) or config.on_nan is not None
-
-
-def _check_number(name: str, value: object, within: Callable[[float], bool], what: str) -> None:
-    """Raises ValueError naming `name` unless `value` is a finite number `within` allows."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not within(value)
-    ):
-        raise ValueError(f"{name} must be {what}; got {value!r}.")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
 
 
 def validate_action(action: object, source: str) -> Action:
@@ -242,11 +226,8 @@ class GuardState:
     """The guard's counters for the life of the process (across sessions), made by `decide`.
 
     Attributes:
-      total_bad_steps: Bad steps so far.
       consecutive_bad_steps: Bad steps since the last good one.
-      skips: Bad steps skipped.
       rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
-      stops: Stops decided.
       last_bad_step: Global step of the last bad step, or None.
       learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (no bad steps).
@@ -254,7 +235,6 @@ class GuardState:
         a `NanLossHook`); a check_numerics-mode loop of your own that only calls
         `handle_numerics_error` sees bad steps alone, and leaves it at 0.
       rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
-      autopsies: Bad steps autopsied.
       rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
       level_shifts: Runs of spikes taken as a new level (`_level_shift`).
       run_start: Global step of the first bad step of the current run, or None.
@@ -291,7 +271,7 @@ class GuardState:
         """What happened since `start`: each count the difference, the rest (consecutive
         count, last bad step, learning-rate scale) as now."""
         before = dict(start.rejected)
-        return dataclasses.replace(
+        return replace(
             self,
             rejected=tuple((name, n - before.get(name, 0)) for name, n in self.rejected),
             **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS},
@@ -418,7 +398,7 @@ def counted(state: GuardState, step: int) -> GuardState:
         consecutive = 0
     if consecutive == 0:
         run_start, spike_run = step, ()
-    return dataclasses.replace(
+    return replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
         consecutive_bad_steps=consecutive + 1,
@@ -446,7 +426,6 @@ def decide(
     Raises:
       TypeError: `observation` is none of `Observation`.
     """
-    replace = dataclasses.replace
     if isinstance(observation, GoodStep):
         return None, replace(
             state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
@@ -454,11 +433,8 @@ def decide(
     if isinstance(observation, LossScaleOverflow):
         return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
     if isinstance(observation, RolledBack):
-        return None, replace(
-            state,
-            rollbacks=state.rollbacks + 1,
-            learning_rate_scale=observation.learning_rate_scale,
-        )
+        scale = observation.learning_rate_scale
+        return None, replace(state, rollbacks=state.rollbacks + 1, learning_rate_scale=scale)
     if isinstance(observation, Autopsied):
         return None, replace(state, autopsies=state.autopsies + 1)
     if isinstance(observation, RollbackAsked):
@@ -472,57 +448,47 @@ def decide(
 
 def _decide_bad(
     config: GuardConfig, state: GuardState, observation: BadStep
-) -> Tuple[Optional[Decision], GuardState]:
+) -> Tuple[Decision, GuardState]:
     """`decide` for a bad step: counted, then a probation's divergence, a new level, or the
     policy with its escalation."""
-    replace = dataclasses.replace
     state = counted(state, observation.step)
-    if observation.cause != NON_FINITE:
-        state = replace(state, rejected=_one_more(state.rejected, observation.cause))
-    if observation.cause == Fault.SPIKE:
+    cause = observation.cause
+    if cause != NON_FINITE:
+        tally = dict(state.rejected)
+        tally[cause] = tally.get(cause, 0) + 1
+        state = replace(state, rejected=tuple(tally.items()))
+    if cause == Fault.SPIKE:
         spike = {**(observation.figures or {}), "step": observation.step}
         state = replace(state, spike_run=state.spike_run + (spike,))
     else:
         state = replace(state, spike_run=())
     if _on_probation(config, state, observation):
-        return _decide_divergence(config, state, observation)
-    level = _new_level(config, state, observation)
-    if level is not None:
-        return Decision(SKIP, level_shift=level), replace(
-            state,
-            skips=state.skips + 1,
-            level_shifts=state.level_shifts + 1,
-            consecutive_bad_steps=0,
-            run_start=None,
-            spike_run=(),
-            level_taken_at=observation.step,
-            level_start=level.steps[0],
-        )
-    if not observation.guarded:
-        decision = _decide_unguarded(observation.chosen)
+        decision = _decide_divergence(config, state, observation)
+        state = replace(state, level_taken_at=None)
     else:
-        decision = _decide_bad_step(
-            config,
-            observation.chosen,
-            state.consecutive_bad_steps,
-            state.rollbacks,
-            observation.cause,
-        )
-    action = decision.action
-    if action == SKIP:
+        level = _new_level(config, state, observation)
+        if level is not None:
+            return Decision(SKIP, level_shift=level), replace(
+                state,
+                skips=state.skips + 1,
+                level_shifts=state.level_shifts + 1,
+                consecutive_bad_steps=0,
+                run_start=None,
+                spike_run=(),
+                level_taken_at=observation.step,
+                level_start=level.steps[0],
+            )
+        if observation.guarded:
+            decision = _decide_bad_step(config, state, observation)
+        else:
+            decision = _decide_unguarded(observation.chosen)
+    if decision.action == SKIP:
         state = replace(state, skips=state.skips + 1)
-    elif action == STOP:
+    elif decision.action == STOP:
         state = replace(state, stops=state.stops + 1)
-    elif action == ROLLBACK and decision.escalation:
+    elif decision.action == ROLLBACK and decision.escalation:
         state = replace(state, consecutive_bad_steps=0)
     return decision, state
-
-
-def _one_more(counts: Tuple[Tuple[str, int], ...], name: str) -> Tuple[Tuple[str, int], ...]:
-    """`counts` with one more for `name`."""
-    tally = dict(counts)
-    tally[name] = tally.get(name, 0) + 1
-    return tuple(tally.items())
 
 
 def _new_level(
@@ -551,9 +517,11 @@ def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) 
     )
 
 
-def _decide_divergence(
-    config: GuardConfig, state: GuardState, observation: BadStep
-) -> Tuple[Decision, GuardState]:
+def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+    return f"{state.rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
+
+
+def _decide_divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
     """A spike on a new level's probation: the level was a divergence, so
     ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
     since = observation.step - state.level_taken_at
@@ -564,72 +532,59 @@ def _decide_divergence(
     )
     action = Action(config.persistent_nan_policy)
     if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        reason += (
-            f", and {state.rollbacks} rollbacks already done reached "
-            f"max_rollbacks={config.max_rollbacks}"
-        )
+        reason += f", and {_rollbacks_done(config, state)}"
         action = RAISE
-    state = dataclasses.replace(state, level_taken_at=None)
-    if action == STOP:
-        state = dataclasses.replace(state, stops=state.stops + 1)
     if action == ROLLBACK:
-        state = dataclasses.replace(state, consecutive_bad_steps=0)
-        return Decision(action, escalation=reason, before_step=state.level_start), state
+        return Decision(action, escalation=reason, before_step=state.level_start)
     cause = Cause.DIVERGENCE if action == RAISE else None
-    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause), state
+    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause)
 
 
-def _decide_bad_step(
-    config: GuardConfig,
-    chosen: str,
-    consecutive_bad_steps: int,
-    rollbacks: int,
-    fault: str = NON_FINITE,
-) -> Decision:
+def _decide_bad_step(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
     """The decision about a bad step of a guarded train op, from the counts with it."""
-    action, escalation, reason = Action(chosen), "", ""
+    action, escalation, reason = Action(observation.chosen), "", ""
     cause, limit = Cause.POLICY, None
-    if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
+    consecutive = state.consecutive_bad_steps
+    if action in (SKIP, ROLLBACK) and consecutive >= config.max_consecutive_bad_steps:
         # The state is bad, not the batch: escalate (raise by default).
         reason = escalation = (
-            f"{consecutive_bad_steps} bad steps in a row reached "
+            f"{consecutive} bad steps in a row reached "
             f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}"
         )
         action = Action(config.persistent_nan_policy)
         cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
-    if action == ROLLBACK and rollbacks >= config.max_rollbacks:
-        bound = f"{rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
+    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
+        bound = _rollbacks_done(config, state)
         reason = f"{reason}, and {bound}" if reason else bound
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
+    fault = observation.cause
     policy = "nan_policy" if fault == NON_FINITE else f"{fault}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 
 
 def _decide_unguarded(chosen: str) -> Decision:
     """A loss no guarded train op made: nothing was gated, so raise (saying so) or stop."""
-    action = Action(chosen)
-    if action == RAISE:
-        return Decision(
-            action,
-            reason="the loss comes from no guarded train op, so the update of this step may "
-            "already have happened",
-            cause=Cause.UNGUARDED_LOSS,
-        )
-    return Decision(action)
+    if chosen != RAISE:
+        return Decision(Action(chosen))
+    return Decision(
+        RAISE,
+        reason="the loss comes from no guarded train op, so the update of this step may "
+        "already have happened",
+        cause=Cause.UNGUARDED_LOSS,
+    )
 
 
 def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, ...]) -> Decision:
     """A cluster chief's answer to rollback requests: one rollback, within ``max_rollbacks``."""
     if state.rollbacks < config.max_rollbacks:
         return Decision(ROLLBACK)
-    who = ", ".join(str(w) for w in workers)
     return Decision(
         RAISE,
-        reason=f"worker {who} asked for a rollback, and {state.rollbacks} rollbacks already "
-        f"done reached max_rollbacks={config.max_rollbacks}",
+        reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
+        f"{_rollbacks_done(config, state)}",
         cause=Cause.MAX_ROLLBACKS,
         limit=config.max_rollbacks,
     )
