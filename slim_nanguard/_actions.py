@@ -1,16 +1,12 @@
 """Reading, recording and carrying out a bad step: the one place the guard acts on a session.
 
-Every loop hands a run the guard found not finite to `judge`, which reads it, records it
-(`record_bad_step`: the guard decides, over `_policy.decide`) and acts on it (`carry_out`, the
-only code that raises, stops, skips or rolls back); the loop reads the `Outcome`. A rollback
-restores with the guard's saver (`Guard.saver`) from the directory `checkpoint_dir_for` names.
 docs/design.md ("One state, one transition, one place that acts") walks the path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -39,7 +35,6 @@ class Outcome:
       event: The bad step's (or the loss-scale overflow's) `NanEvent`; None for a good step.
       action: The `Action` carried out; None for a good step and for an overflow.
       overflow: True for an overflow step of a dynamic loss-scale optimizer (no bad step).
-      stop: True when the loop is to stop (the ``stop`` action).
       step: The global step after a rollback, else None.
       checkpoint: The checkpoint a rollback restored, else None.
     """
@@ -90,16 +85,10 @@ def checkpoint_dir_for(
     policy: Optional[str] = None,
     advice: str,
 ) -> Optional[str]:
-    """The checkpoint directory a rollback of `guard` uses: the one rule.
-
-    `checkpoint_dir` when given, else the one `session`'s `CheckpointSaverHook` saves to, else
-    `logdir`; it becomes the guard's autopsy directory too, unless it has one. None when none is
-    known and the policy (`policy`, a hook's override, else the configured one) never rolls back.
-
-    Raises:
-      ValueError: The policy rolls back (`_policy.rolls_back`) and no directory is known; the
-        message says `advice`.
-    """
+    """The checkpoint directory a rollback of `guard` uses, the one rule: `checkpoint_dir`,
+    else the one `session`'s `CheckpointSaverHook` saves to, else `logdir` (the guard's autopsy
+    directory too, unless it has one), else None. Raises ValueError, saying `advice`, when none
+    is known and the policy (`policy`, a hook's override, else the configured one) rolls back."""
     if not checkpoint_dir and session is not None:
         checkpoint_dir = session_checkpoint_dir(session)
     checkpoint_dir = checkpoint_dir or logdir
@@ -113,9 +102,9 @@ def checkpoint_dir_for(
 
 def stop_session(session: SessionLike) -> None:
     """Asks a `MonitoredSession` to stop (its ``should_stop()`` is then True); a raw session
-    has nothing to ask. Through its private coordinator: the public route,
-    ``step_context.request_stop()`` in ``run_step_fn``, raises `StopIteration` and leaves
-    ``should_stop()`` False (TensorFlow 2.21)."""
+    has nothing to ask."""
+    # The public route, ``step_context.request_stop()`` in ``run_step_fn``, raises
+    # `StopIteration` and leaves ``should_stop()`` False (TensorFlow 2.21).
     creator = getattr(session, "_coordinated_creator", None)  # pylint: disable=protected-access
     if creator is not None and getattr(creator, "coord", None) is not None:
         creator.coord.request_stop()
@@ -126,8 +115,7 @@ def no_stop() -> None:
 
 
 def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
-    """Tells `guard` a step went through, and keeps its `loss` (when known) for the record
-    of the next bad step."""
+    """Tells `guard` a step went through, and keeps its `loss` (when known)."""
     guard.observe(_policy.GoodStep())
     if loss is not None:
         guard.history.add(float(loss))
@@ -137,8 +125,7 @@ def record_overflow(
     guard: "Guard", *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
 ) -> _events.NanEvent:
     """Records an overflow step of a dynamic loss-scale optimizer (no bad step, no policy)
-    and returns its event, whose ``action`` (and record ``kind``) is ``"loss_scale_overflow"``.
-    `sums` holds the loss, the gradient sums and the loss scale; `kinds` as in `StepReport`."""
+    and returns its event, whose ``action`` (and record ``kind``) is ``"loss_scale_overflow"``."""
     guard.observe(_policy.LossScaleOverflow())
     guard.history.anchor(int(step))  # The good steps before it end one step before.
     event = _new_event(guard, guard.state, step, sums, kinds, _events.LOSS_SCALE_OVERFLOW)
@@ -163,11 +150,7 @@ def record_bad_step(
     ``on_nan`` sees the event first (with the counts this step makes) and may choose the action;
     the event is then logged and sent to the listeners (kind ``bad_step``). A non-finite step
     gets `policy` (a hook's override) or ``nan_policy``; a step `reason` rejected gets that
-    reason's policy. `sums` is the loss, then each gradient's sum; without `kinds`
-    (`StepReport.kinds`) the culprits come from the sums. `step` is -1 if unknown.
-
-    Returns:
-      ``(event, decision)``; the event's ``action`` is the decision's.
+    reason's policy. Returns ``(event, decision)``; the event's ``action`` is the decision's.
     """
     config = guard.config
     if reason is None:
@@ -232,19 +215,6 @@ def _new_event(
     )
 
 
-def give_up(
-    event: _events.NanEvent, decision: _policy.Decision, error: Optional[BaseException] = None
-) -> NoReturn:
-    """Raises the `NanLossError` of a decision to raise, chained to `error` if given (as
-    `_errors.caught_numerics_error` words it: the policy was applied)."""
-    nan_error = _errors.NanLossError(
-        event, decision.reason, cause=decision.cause, limit=decision.limit
-    )
-    if error is not None:
-        raise nan_error from _errors.caught_numerics_error(error)
-    raise nan_error
-
-
 def carry_out(
     guard: Optional["Guard"],
     session: SessionLike,
@@ -263,18 +233,18 @@ def carry_out(
     goes around a `MonitoredSession`'s hooks, restores from `checkpoint_dir`, skips
     `skip_batches` batches (default ``rollback_skip_batches``) and adds `record` to its
     ``rollback`` record (a cluster chief's answer). A stop calls `request_stop` (default
-    `stop_session`); a raise is chained to `error`, the step's numerics error.
-
-    Returns:
-      The `Outcome`.
-
-    Raises:
-      NanLossError: The decision is ``raise``.
-      CheckpointNotFoundError: A rollback found no good checkpoint.
+    `stop_session`); a raise (`NanLossError`) is chained to `error`, the step's numerics error,
+    as `_errors.caught_numerics_error` words it. A rollback that finds no good checkpoint raises
+    `CheckpointNotFoundError`.
     """
     action = Action(decision.action)
     if action is Action.RAISE:
-        give_up(event, decision, error)
+        nan_error = _errors.NanLossError(
+            event, decision.reason, cause=decision.cause, limit=decision.limit
+        )
+        if error is not None:
+            raise nan_error from _errors.caught_numerics_error(error)
+        raise nan_error
     if action is Action.SKIP:
         if decision.level_shift is not None:
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
@@ -285,16 +255,14 @@ def carry_out(
         else:
             stop_session(session)
         return Outcome(event=event, action=action, stop=True)
-    if action is Action.ROLLBACK:
-        path = raw_call(
-            session,
-            lambda raw: _roll_back(
-                guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
-            ),
-        )
-        step = raw_call(session, guard.read_global_step)
-        return Outcome(event=event, action=action, step=step, checkpoint=path)
-    raise ValueError(f"no way to carry out the action {action.value!r}; add it to carry_out.")
+    path = raw_call(  # A rollback, the only action left.
+        session,
+        lambda raw: _roll_back(
+            guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
+        ),
+    )
+    step = raw_call(session, guard.read_global_step)
+    return Outcome(event=event, action=action, step=step, checkpoint=path)
 
 
 def _take_new_level(
@@ -330,9 +298,8 @@ def _roll_back(
     record: dict,
     before_step: Optional[int] = None,
 ) -> str:
-    """Rolls back after `event`, the one route: restores (`_rollback.Rollback.restore`) and
-    records ``rollback``, or on a cluster's non-chief sends the guard's `rollback_request`
-    (record ``rollback_requested``). Returns the checkpoint restored, or "" for a request."""
+    """Rolls back after `event`: restores and records ``rollback``, or on a cluster's non-chief
+    sends the guard's `rollback_request`. Returns the checkpoint restored, or "" for a request."""
     if before_step is None:
         before_step, why = _rollback.onset(
             guard.state.run_start, event.consecutive, guard.history.points()
@@ -393,16 +360,8 @@ def judge(
 
     An overflow of a dynamic loss-scale optimizer is only recorded (`record_overflow`); a bad
     step is autopsied (before any rollback), decided (`record_bad_step`) and carried out
-    (`carry_out`, with `checkpoint_dir`, `error` and `request_stop`). `session` may be a
-    `MonitoredSession` (its hooks are not run); `policy` is a hook's override of ``nan_policy``;
-    `stored` is ``(step, sums)`` already read, or None to read them.
-
-    Returns:
-      The `Outcome`.
-
-    Raises:
-      NanLossError: The decision is ``raise``.
-      CheckpointNotFoundError: A rollback found no good checkpoint.
+    (`carry_out`). `session` may be a `MonitoredSession` (its hooks are not run); `policy` is a
+    hook's override of ``nan_policy``; `stored` is ``(step, sums)`` already read, or None.
     """
 
     def record(raw: tf.compat.v1.Session):

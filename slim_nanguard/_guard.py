@@ -1,15 +1,13 @@
 """The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state.
 
-`create_train_op` registers one `Guard` per train op with its graph; the loops and the hook
-find it with `get_guard`. A guard decides nothing and acts on nothing (`_actions` does, over
-`_policy.decide`). The registry is a weak mapping from graph to guards: a graph collection of
-Python objects would make every meta-graph export warn that it cannot be serialised.
+A guard decides nothing and acts on nothing (`_actions` does, over `_policy.decide`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -31,6 +29,9 @@ from slim_nanguard._policy import GuardState
 from slim_nanguard._types import Fault
 from slim_nanguard._types import Listener
 
+# `create_train_op` registers one `Guard` per train op with its graph (`get_guard` finds it). A
+# weak mapping: a graph collection of Python objects would make every meta-graph export warn
+# that it cannot be serialised.
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
 # Op types that run a function body: an error raised inside (a train op built in a
@@ -43,16 +44,6 @@ _CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
 _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 
-def _handle(name: str) -> property:
-    """A read-only attribute of `Guard` that reads the `GraphHandles` field `name`."""
-
-    def get(self: "Guard") -> Any:
-        return getattr(self._handles, name)
-
-    get.__doc__ = f"The ``{name}`` of the guard's `GraphHandles`."
-    return property(get)
-
-
 # A cluster's non-chief worker: ``fn(raw_session, guard, event) -> record fields`` asks the
 # chief to roll back instead of restoring here (see `Guard.set_rollback_request`).
 RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Dict[str, Any]]
@@ -63,12 +54,8 @@ class Guard:
 
     Made by `create_train_op`; get it with `get_guard`. It holds and reads; it neither decides
     nor acts, and its state changes only through `observe`. Each `GraphHandles` field
-    (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) is readable as an attribute.
-
-    Args:
-      config: The `GuardConfig` the train op was built with.
-      handles: What `create_train_op` built.
-      saver: The Saver rollbacks restore with, if `create_train_op` built one.
+    (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) is readable as an attribute. `saver`
+    is the Saver rollbacks restore with, if `create_train_op` built one.
     """
 
     def __init__(
@@ -81,18 +68,20 @@ class Guard:
         self._config = config
         self._handles = handles
         self._state = GuardState()
-        self._restorer = _rollback.Rollback(handles, config, saver)
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
-        self._rollback_request: Optional[RollbackRequest] = None
-        # Where autopsy dumps go (set by the loop or the hook).
-        self._autopsy_dir: Optional[str] = None
-        # The record in that directory, when no listener keeps one (`_own_recorder`).
+        # The record in `autopsy_dir`, when no listener keeps one (`_own_recorder`).
         self._recorder: Optional[_record.EventRecorder] = None
         self._recorder_dir: Optional[str] = None
+        # What restores this guard's checkpoints and skips its input.
+        self.restorer = _rollback.Rollback(handles, config, saver)
         # The losses of the last good steps, for the record of the next bad step.
-        self._history = _history.LossHistory(config.losses_before)
+        self.history = _history.LossHistory(config.losses_before)
+        # How a rollback is sent to a cluster's chief instead of restored here, or None.
+        self.rollback_request: Optional[RollbackRequest] = None
+        # Where autopsy dumps go (next to the checkpoints; set by the loop or the hook).
+        self.autopsy_dir: Optional[str] = None
 
     # ----------------------------------------------------------------- what it holds
     @property
@@ -118,27 +107,7 @@ class Guard:
     @property
     def saver(self) -> Optional[tf.compat.v1.train.Saver]:
         """The one Saver every rollback of this guard restores with (None if none built)."""
-        return self._restorer.saver
-
-    @property
-    def restorer(self) -> _rollback.Rollback:
-        """What restores this guard's checkpoints and skips its input (`_rollback.Rollback`)."""
-        return self._restorer
-
-    @property
-    def history(self) -> _history.LossHistory:
-        """The losses of the last good steps, for the record of the next bad step."""
-        return self._history
-
-    @property
-    def rollback_request(self) -> Optional[RollbackRequest]:
-        """How a rollback is sent to a cluster's chief instead of restored here, or None."""
-        return self._rollback_request
-
-    @property
-    def autopsy_dir(self) -> Optional[str]:
-        """Where autopsy dumps go (next to the checkpoints), or None."""
-        return self._autopsy_dir
+        return self.restorer.saver
 
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
@@ -154,41 +123,18 @@ class Guard:
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
         """Sends autopsy dumps to `path`, and the guard's own record of bad steps unless a
         listener is an `EventRecorder`; the first path given stays unless `replace`."""
-        if path and (replace or self._autopsy_dir is None):
-            self._autopsy_dir = path
+        if path and (replace or self.autopsy_dir is None):
+            self.autopsy_dir = path
 
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
         """The rollback Saver, built now if `create_train_op` built none (a hook whose
         policy override may roll back); call it before the graph is finalized."""
-        return self._restorer.ensure_saver()
+        return self.restorer.ensure_saver()
 
     def set_rollback_request(self, request: Optional[RollbackRequest]) -> None:
         """Sends this guard's rollbacks to `request` (a cluster's non-chief worker asks its
         chief, `_cluster.RollbackRequestHook`) instead of restoring here; None restores here."""
-        self._rollback_request = request
-
-    mode = _handle("mode")
-    train_op = _handle("train_op")
-    loss = _handle("loss")
-    global_step = _handle("global_step")
-    grad_sums = _handle("grad_sums")
-    ok = _handle("ok")
-    diagnostics = _handle("diagnostics")
-    check_op_name = _handle("check_op_name")
-    variable_names = _handle("variable_names")
-    lr_scale = _handle("lr_scale")
-    loss_scale_floor = _handle("loss_scale_floor")
-    in_loop = _handle("in_loop")
-    judged = _handle("judged")
-    pivot = _handle("pivot")
-    capture = _handle("capture")
-    input_ops = _handle("input_ops")
-    value_kinds = _handle("value_kinds")
-    kinds_read = _handle("kinds_read")
-    report = _handle("report")
-    reasons = _handle("reasons")
-    reason_handles = _handle("reason_handles")
-    optional_variables = _handle("optional_variables")
+        self.rollback_request = request
 
     # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
@@ -237,23 +183,22 @@ class Guard:
     def _own_recorder(self) -> Optional[_record.EventRecorder]:
         """The record in the autopsy directory, or None: no directory, or a listener that is
         an `EventRecorder` keeps the record (each bad step is recorded once)."""
-        if self._autopsy_dir is None or any(
+        if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
             return None
-        if self._recorder is None or self._recorder_dir != self._autopsy_dir:
+        if self._recorder is None or self._recorder_dir != self.autopsy_dir:
             # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
             # second FileWriter on the same directory can open the same events file in the
             # same second and corrupt it. The TensorBoard counters are `train`'s.
-            self._recorder = _record.EventRecorder(self._autopsy_dir, write_summaries=False)
-            self._recorder_dir = self._autopsy_dir
+            self._recorder = _record.EventRecorder(self.autopsy_dir, write_summaries=False)
+            self._recorder_dir = self.autopsy_dir
         return self._recorder
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
-        """Says that the caller applies the policy to this guard's bad steps in `session` (a raw
-        session). Hook mode only (else a no-op): without it a bad step fails with an error naming
-        what to add. `NanLossHook` and `train_step` call it; a hand-written hook-mode loop that
-        checks ``ok`` itself calls it once per session."""
+        """Says that the caller applies the policy to this guard's bad steps in the raw `session`
+        (hook mode; else a no-op): without it a bad step fails with an error naming what to add.
+        A hand-written hook-mode loop that checks ``ok`` itself calls it once per session."""
         if self.judged is None:
             return
         try:
@@ -272,9 +217,8 @@ class Guard:
         return _verdict.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step that stored `sums` (the loss, the gradient sums, the loss
-        scale) was an overflow of a dynamic loss-scale optimizer, by the train op's own rule
-        (`_verdict.stored_overflow`)."""
+        """Whether a non-finite step that stored `sums` was an overflow of a dynamic loss-scale
+        optimizer, by the train op's own rule (`_verdict.stored_overflow`)."""
         if self.loss_scale_floor is None:
             return False
         return _verdict.stored_overflow(sums, len(self.variable_names))
@@ -282,12 +226,9 @@ class Guard:
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """Names of the variables whose gradients held NaN or Inf, and what each held.
-
-        Exact from `kinds` (`StepReport.kinds`) when given; else from `sums` (the loss, then each
-        gradient's sum): a non-finite sum names its variable (an overflow of finite values too), and
-        the kinds are empty.
-        """
+        """Names of the variables whose gradients held NaN or Inf, and what each held: exact
+        from `kinds` (`StepReport.kinds`), else from `sums` (a non-finite sum names its variable,
+        an overflow of finite values too) with no kinds."""
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
@@ -305,19 +246,13 @@ class Guard:
         cause: str = _reasons.NON_FINITE,
         over: Sequence[str] = (),
     ):
-        """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
+        """Replays the bad step just seen (before any rollback: the variables still hold the
+        weights that made it), for the first ``autopsy_max_steps`` of them. A non-finite step's
+        autopsy finds the first op that made a NaN or Inf; a step a reason rejected (`cause`;
+        `over`, the values it was caught on) gets the examples of highest per-example loss.
 
-        Call it right after the bad step, before any rollback: the variables still hold the weights
-        that produced it, and the train op kept its batch. A non-finite step's autopsy finds the
-        first op that made a NaN or Inf; a step a reason rejected (`cause`, its name; `over`, the
-        values it was caught on) gets the examples with the highest per-example loss.
-
-        Returns:
-          The `Autopsy` (its ``error`` says why it failed: it never raises), or None: autopsies off
-          or used up, or no batch kept.
-
-        Raises:
-          ValueError: `cause` is none of ``"non_finite"``, ``"spike"`` and the reasons' names.
+        Returns the `Autopsy` (its ``error`` says why it failed: it never raises), or None:
+        autopsies off or used up, or no batch kept. Raises ValueError for an unknown `cause`.
         """
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
@@ -337,7 +272,7 @@ class Guard:
             self.capture,
             [self.loss] if finite else [self.grad_sums],
             step=step,
-            dump_dir=self._autopsy_dir,
+            dump_dir=self.autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
             cause=cause,
             spike_over=over,
@@ -347,13 +282,13 @@ class Guard:
         return result
 
     def _remove_old_dumps(self) -> None:
-        """Keeps the first ``autopsy_keep_first`` and the last ``autopsy_keep_last`` dumps of
-        the autopsy directory; records each one removed (kind ``autopsy_dump_removed``)."""
+        """Keeps the first ``autopsy_keep_first`` and the last ``autopsy_keep_last`` dumps;
+        records each one removed."""
         from slim_nanguard import _autopsy  # Local, as in `autopsy`.
 
         first, last = self.config.autopsy_keep_first, self.config.autopsy_keep_last
         try:
-            gone = _autopsy.remove_old_dumps(self._autopsy_dir, first, last)
+            gone = _autopsy.remove_old_dumps(self.autopsy_dir, first, last)
         except Exception as err:  # pylint: disable=broad-except  (never into training)
             logging.warning("slim_nanguard: could not remove old autopsy dumps: %s", err)
             return
@@ -402,40 +337,45 @@ class Guard:
     ) -> "StepReport":
         """Everything about the bad step just seen (a `StepReport`), in one ``session.run`` of
         the raw `session`; `stored` is ``(step, sums)`` already read, or None to read them."""
-        fetches: Dict[str, Any] = {}
-        if stored is None:
-            fetches["sums"] = self.diagnostics
-            if self.global_step is not None:
-                fetches["step"] = self.global_step
-        if self.report is not None:
-            fetches["report"] = self.report
-        if self.kinds_read is not None:
-            fetches["kinds"] = self.kinds_read
+        fetches = self._stored_fetches() if stored is None else {}
+        for name, tensor in (("report", self.report), ("kinds", self.kinds_read)):
+            if tensor is not None:
+                fetches[name] = tensor
         values = session.run(fetches) if fetches else {}
-        if stored is None:
-            stored = int(values.get("step", -1)), np.asarray(values["sums"]).tolist()
+        step, sums = _stored(values) if stored is None else stored
         reason, figures = None, None
         if "report" in values:
             reason, figures = read_report(self.reasons, np.asarray(values["report"]))
         if reason is not None:  # What the reason's graph handles know beyond the graph.
             annotate = getattr(self.reason_handles.get(reason.name), "annotate", None)
             if annotate is not None:
-                figures = annotate(figures, int(stored[0]))
+                figures = annotate(figures, int(step))
         kinds = None
         codes = np.asarray(values["kinds"]) if "kinds" in values else None
         if reason is None and codes is not None and codes.min(initial=0) >= 0:
             kinds = tuple(_verdict.kind_name(c) for c in codes)
-        step, sums = stored
         return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """``(step, sums)`` the bad step just seen left in the raw `session`: the global step
         (-1 without one) and the sums vector it stored, the loss first."""
+        return _stored(session.run(self._stored_fetches()))
+
+    def _stored_fetches(self) -> Dict[str, Any]:
         fetches = {"sums": self.diagnostics}
         if self.global_step is not None:
             fetches["step"] = self.global_step
-        values = session.run(fetches)
-        return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+        return fetches
+
+
+def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
+    """``(step, sums)`` of what `Guard._stored_fetches` read."""
+    return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+
+
+# Each `GraphHandles` field, read-only: ``guard.loss`` is ``guard.handles.loss``.
+for _field in dataclasses.fields(GraphHandles):
+    setattr(Guard, _field.name, property(operator.attrgetter(f"_handles.{_field.name}")))
 
 
 def read_report(
@@ -479,18 +419,12 @@ class StepReport:
 
 
 def is_numerics_error(error: BaseException) -> bool:
-    """Says whether `error` was raised by a guard's check (check_numerics mode).
+    """Says whether `error` (any exception) was raised by a guard's check (check_numerics mode).
 
-    The test is on the failing op, so no other `InvalidArgumentError` (a bad reshape, feed or
-    label, a user's ``Assert``) passes: a CheckNumerics op, or a guard's own check op. A check
-    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op: then
-    the message must say what the check says and name the inner node.
-
-    Args:
-      error: Any exception.
-
-    Returns:
-      True for an `InvalidArgumentError` raised by a CheckNumerics op or a guard's check.
+    True only for an `InvalidArgumentError` of a CheckNumerics op or a guard's own check op, so
+    no other (a bad reshape, feed or label, a user's ``Assert``) passes. A check inside a function
+    body (a train op built in a `tf.while_loop`) fails on the loop op: then the message must say
+    what the check says and name the inner node.
     """
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
