@@ -16,8 +16,6 @@ from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
-from slim_nanguard._reasons import NON_FINITE
-from slim_nanguard._reasons import Reason
 from slim_nanguard._types import Action
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
@@ -25,6 +23,7 @@ from slim_nanguard._types import SessionLike
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._guard import Guard
+    from slim_nanguard._guard import StepReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +66,6 @@ def raw_call(session: SessionLike, fn: Callable[[tf.compat.v1.Session], Any]) ->
     return fn(session)
 
 
-def session_checkpoint_dir(session: SessionLike) -> Optional[str]:
-    """The directory a MonitoredTrainingSession's `CheckpointSaverHook` saves to, if any."""
-    # MonitoredSession keeps its hooks in a private list; there is no public accessor.
-    for hook in getattr(session, "_hooks", None) or ():
-        if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
-            return getattr(hook, "_checkpoint_dir", None)
-    return None
-
-
 def checkpoint_dir_for(
     guard: "Guard",
     checkpoint_dir: Optional[str],
@@ -90,7 +80,10 @@ def checkpoint_dir_for(
     directory too, unless it has one), else None. Raises ValueError, saying `advice`, when none
     is known and the policy (`policy`, a hook's override, else the configured one) rolls back."""
     if not checkpoint_dir and session is not None:
-        checkpoint_dir = session_checkpoint_dir(session)
+        # MonitoredSession keeps its hooks in a private list; there is no public accessor.
+        hooks = getattr(session, "_hooks", None) or ()
+        savers = [h for h in hooks if isinstance(h, tf.compat.v1.train.CheckpointSaverHook)]
+        checkpoint_dir = getattr(savers[0], "_checkpoint_dir", None) if savers else None
     checkpoint_dir = checkpoint_dir or logdir
     if not checkpoint_dir and _policy.rolls_back(guard.config, policy):
         message = _policy.checkpoint_dir_message(guard.config, advice, policy)
@@ -121,56 +114,31 @@ def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
         guard.history.add(float(loss))
 
 
-def record_overflow(
-    guard: "Guard", *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
-) -> _events.NanEvent:
-    """Records an overflow step of a dynamic loss-scale optimizer (no bad step, no policy)
-    and returns its event, whose ``action`` (and record ``kind``) is ``"loss_scale_overflow"``."""
-    guard.observe(_policy.LossScaleOverflow())
-    guard.history.anchor(int(step))  # The good steps before it end one step before.
-    event = _new_event(guard, guard.state, step, sums, kinds, _events.LOSS_SCALE_OVERFLOW)
-    _events.log_event(event)
-    guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
-    return event
-
-
 def record_bad_step(
-    guard: "Guard",
-    *,
-    step: int,
-    sums: Sequence[float],
-    policy: Optional[str] = None,
-    autopsy=None,
-    kinds: Optional[Sequence[str]] = None,
-    reason: Optional[Reason] = None,
-    figures: Optional[dict] = None,
+    guard: "Guard", read: "StepReport", policy: Optional[str] = None, autopsy=None
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
-    """Records a bad step and has the guard decide about it; carries nothing out.
+    """Records the bad step `read` and has the guard decide about it; carries nothing out.
 
     ``on_nan`` sees the event first (with the counts this step makes) and may choose the action;
     the event is then logged and sent to the listeners (kind ``bad_step``). A non-finite step
-    gets `policy` (a hook's override) or ``nan_policy``; a step `reason` rejected gets that
+    gets `policy` (a hook's override) or ``nan_policy``; a step a reason rejected gets that
     reason's policy. Returns ``(event, decision)``; the event's ``action`` is the decision's.
     """
-    config = guard.config
-    if reason is None:
-        cause, chosen = NON_FINITE, Action(policy or config.nan_policy)
-    else:  # All finite: no culprit, whatever kinds a previous step left.
-        cause, chosen, kinds = reason.name, Action(reason.policy), ()
-    counted = _policy.counted(guard.state, int(step))
+    config, step = guard.config, read.step
+    chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
+    counted = _policy.counted(guard.state, step)
     event = dataclasses.replace(
-        _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy),
-        cause=cause,
-        figures=figures,
-        reason=reason,
+        _new_event(guard, counted, read, chosen, autopsy=autopsy),
+        cause=read.cause,
+        figures=read.figures,
+        reason=read.reason,
     )
     if config.on_nan is not None:
         choice = config.on_nan(event)
         if choice is not None:
             chosen = _policy.validate_action(choice, "the on_nan callback")
-    decision = guard.observe(
-        _policy.BadStep(int(step), chosen, cause=cause, figures=figures), event=event
-    )
+    bad_step = _policy.BadStep(step, chosen, cause=read.cause, figures=read.figures)
+    decision = guard.observe(bad_step, event=event)
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
     if decision.escalation and decision.action != Action.RAISE:
@@ -181,7 +149,7 @@ def record_bad_step(
             decision.action.value,
         )
     extra = {"escalation": decision.escalation} if decision.escalation else {}
-    losses_before = guard.history.anchor(int(step))
+    losses_before = guard.history.anchor(step)
     if losses_before:
         extra["losses_before"] = [[s, value] for s, value in losses_before]
     guard.notify("bad_step", event, **extra)
@@ -189,19 +157,13 @@ def record_bad_step(
 
 
 def _new_event(
-    guard: "Guard",
-    counts: _policy.GuardState,
-    step: int,
-    sums: Sequence[float],
-    kinds: Optional[Sequence[str]],
-    action: str,
-    autopsy=None,
+    guard: "Guard", counts: _policy.GuardState, read: "StepReport", action: str, autopsy=None
 ) -> _events.NanEvent:
-    """The event of a step that stored `sums` (the loss first), with the guard's `counts`."""
-    loss = float(list(sums)[0])
-    culprits, culprit_kinds = guard.culprits_and_kinds(sums, kinds)
+    """The event of the step `read`, with the guard's `counts`."""
+    loss = read.sums[0]
+    culprits, culprit_kinds = guard.culprits_and_kinds(read.sums, read.kinds)
     return _events.NanEvent(
-        step=int(step),
+        step=read.step,
         loss=loss,
         loss_kind=_events.classify(loss),
         culprits=culprits,
@@ -210,7 +172,7 @@ def _new_event(
         total=counts.total_bad_steps,
         mode=guard.mode,
         action=action,
-        loss_scale=guard.loss_scale_of(sums),
+        loss_scale=guard.loss_scale_of(read.sums),
         autopsy=autopsy,
     )
 
@@ -358,30 +320,26 @@ def judge(
 ) -> Outcome:
     """Handles a run the guard found not finite: reads it, records it, acts on it.
 
-    An overflow of a dynamic loss-scale optimizer is only recorded (`record_overflow`); a bad
-    step is autopsied (before any rollback), decided (`record_bad_step`) and carried out
-    (`carry_out`). `session` may be a `MonitoredSession` (its hooks are not run); `policy` is a
-    hook's override of ``nan_policy``; `stored` is ``(step, sums)`` already read, or None.
+    An overflow of a dynamic loss-scale optimizer is only recorded (kind and action
+    ``"loss_scale_overflow"``); a bad step is autopsied (before any rollback), decided
+    (`record_bad_step`) and carried out (`carry_out`). `session` may be a `MonitoredSession` (its
+    hooks are not run); `policy` is a hook's override of ``nan_policy``; `stored` is ``(step,
+    sums)`` already read, or None.
     """
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        step, sums, kinds = read.step, read.sums, read.kinds
-        if read.reason is None and guard.is_loss_scale_overflow(sums):
-            # The loss-scale optimizer skipped the update and lowered its scale.
-            return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
+        if read.reason is None and guard.is_loss_scale_overflow(read.sums):
+            # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
+            guard.observe(_policy.LossScaleOverflow())
+            guard.history.anchor(read.step)  # The good steps before it end one step before.
+            event = _new_event(guard, guard.state, read, _events.LOSS_SCALE_OVERFLOW)
+            _events.log_event(event)
+            guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
+            return event, None
         over = (read.figures or {}).get("over") or ()
-        autopsy = guard.autopsy(raw, step, read.cause, over)  # Before any rollback.
-        return record_bad_step(
-            guard,
-            step=step,
-            sums=sums,
-            policy=policy,
-            autopsy=autopsy,
-            kinds=kinds,
-            reason=read.reason,
-            figures=read.figures,
-        )
+        autopsy = guard.autopsy(raw, read.step, read.cause, over)  # Before any rollback.
+        return record_bad_step(guard, read, policy, autopsy)
 
     event, decision = raw_call(session, record)
     if decision is None:

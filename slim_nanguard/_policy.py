@@ -176,14 +176,14 @@ class GuardConfig:
 
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step can roll back with no callback choosing it, so that a loop must know
-    the checkpoint directory. `policy` replaces ``config.nan_policy`` (a hook's override)."""
+    """Whether a bad step can roll back with no callback choosing it (then a loop needs the
+    checkpoint directory); `policy` replaces ``config.nan_policy`` (a hook's override)."""
     return bool(_what_rolls_back(config, policy))
 
 
 def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, ...]:
     """The settings that make a bad step roll back with no callback choosing it, as messages
-    name them: ``spike_policy='rollback'``, ``nan_policy='skip' with persistent_nan_policy=...``."""
+    name them."""
     policies = [("nan_policy", config.nan_policy if policy is None else policy)]
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
     named = []
@@ -207,8 +207,8 @@ def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[st
 
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step can roll back, so that a Saver is needed: `rolls_back`, or an
-    ``on_nan`` callback (it may choose ``rollback``)."""
+    """Whether a Saver is needed: `rolls_back`, or an ``on_nan`` callback (it may choose
+    ``rollback``)."""
     return rolls_back(config, policy) or config.on_nan is not None
 
 
@@ -226,17 +226,12 @@ class GuardState:
     """The guard's counters for the life of the process (across sessions), made by `decide`.
 
     Attributes:
-      consecutive_bad_steps: Bad steps since the last good one.
       rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
-      last_bad_step: Global step of the last bad step, or None.
       learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
-      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (no bad steps).
-      steps: Good steps so far, as the loops that see them count them (`train`, `train_step`,
-        a `NanLossHook`); a check_numerics-mode loop of your own that only calls
-        `handle_numerics_error` sees bad steps alone, and leaves it at 0.
+      steps: Good steps, as the loops that see them count them (`train`, `train_step`, a
+        `NanLossHook`; not a loop of your own that only calls `handle_numerics_error`).
       rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
       rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
-      level_shifts: Runs of spikes taken as a new level (`_level_shift`).
       run_start: Global step of the first bad step of the current run, or None.
       spike_run: The current run's spike records (figures and ``step``), while it is all spikes.
       level_taken_at: Global step the last new level was taken at (its probation lasts
@@ -268,8 +263,7 @@ class GuardState:
         return dict(self.rejected).get(Fault.SPIKE, 0)
 
     def since(self, start: "GuardState") -> "GuardState":
-        """What happened since `start`: each count the difference, the rest (consecutive
-        count, last bad step, learning-rate scale) as now."""
+        """What happened since `start`: each count the difference, the rest as now."""
         before = dict(start.rejected)
         return replace(
             self,
@@ -278,22 +272,14 @@ class GuardState:
         )
 
 
-# The counts of `GuardState` that only grow (`GuardState.since` subtracts them).
-_COUNTS = (
-    "total_bad_steps",
-    "skips",
-    "rollbacks",
-    "stops",
-    "loss_scale_overflows",
-    "steps",
-    "rollback_requests",
-    "autopsies",
-    "level_shifts",
+# The counts that only grow (`GuardState.since` subtracts them): its int fields but the run's.
+_COUNTS = tuple(
+    f.name
+    for f in dataclasses.fields(GuardState)
+    if f.type == "int" and f.name != "consecutive_bad_steps"
 )
 
-
-# ----------------------------------------------------------------------- observations
-# What `decide` is told. Each is a plain value: no TensorFlow, no session.
+# The observations: what `decide` is told, each a plain value.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,16 +294,10 @@ class LossScaleOverflow:
 
 @dataclasses.dataclass(frozen=True)
 class BadStep:
-    """A step whose loss or gradients were not finite, or that a reason rejected.
-
-    Attributes:
-      step: The global step it was attempted at (-1 if unknown).
-      chosen: The action the policy (or a hook's override, or ``on_nan``) chose.
-      guarded: False for a loss no guarded train op made: its update happened, so only
-        ``raise`` (which says so) and ``stop`` mean anything.
-      cause: ``"non_finite"`` or the name of the reason that rejected it.
-      figures: What that reason stored (`_reasons.Reason.figures`), or None.
-    """
+    """A step whose loss or gradients were not finite (`cause` ``"non_finite"``), or that the
+    reason `cause` names rejected, storing `figures`; `chosen` is the action the policy (or a
+    hook's override, or ``on_nan``) chose. Not `guarded`: a loss no guarded train op made (its
+    update happened, so only ``raise``, which says so, and ``stop`` mean anything)."""
 
     step: int
     chosen: Action
@@ -360,13 +340,11 @@ class Decision:
     """What to do about one bad step, and why: the result of `decide`.
 
     Attributes:
-      action: The `Action` the caller carries out.
       escalation: Why ``persistent_nan_policy`` replaced the chosen action, or "".
-      reason: Why training gives up, when ``action`` is ``raise``; else "".
-      cause: The `Cause` of giving up, when ``action`` is ``raise``; else None.
-      limit: The bound ``cause`` names (``max_consecutive_bad_steps``, ``max_rollbacks``), or None.
-      level_shift: The new level this spike completes (the action is ``skip``; the spike
-        statistics are re-seeded with it), or None.
+      reason: Why training gives up (under ``raise``), and its `cause` and the bound it names
+        (`limit`), if any.
+      level_shift: The new level this spike completes (the spike statistics are re-seeded with
+        it), or None.
       before_step: A rollback goes to a checkpoint saved below this global step (a new level
         failed its probation), or None.
     """
@@ -386,9 +364,8 @@ def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
 
 
 def counted(state: GuardState, step: int) -> GuardState:
-    """The state once a bad step at global step `step` is counted, before any decision: the
-    run of bad steps starts over when the global step moved since the last bad one. A caller
-    that shows ``on_nan`` the counts before `decide` reads them here."""
+    """The state once a bad step at global step `step` is counted, before any decision (what
+    ``on_nan`` is shown): the run of bad steps starts over when the global step moved."""
     consecutive, run_start, spike_run = (
         state.consecutive_bad_steps,
         state.run_start,
@@ -411,20 +388,14 @@ def counted(state: GuardState, step: int) -> GuardState:
 def decide(
     config: GuardConfig, state: GuardState, observation: Observation
 ) -> Tuple[Optional[Decision], GuardState]:
-    """The guard's one transition: the decision an observation leads to, and the next state.
+    """The guard's one transition: ``(decision, next_state)``, the decision None but for a
+    `BadStep` or a `RollbackRequested`; raises TypeError for anything else.
 
     Pure, and every counting rule is here: a good step ends a run of bad steps; under ``skip``
     or ``rollback`` the ``max_consecutive_bad_steps``-th bad step in a row escalates to
     ``persistent_nan_policy``, and an escalated rollback starts the count over; a rollback past
     ``max_rollbacks`` (a chief's answers to requests included) becomes ``raise``; a run of
     spikes may be a new level (`_level_shift`), and a spike on its probation a divergence.
-
-    Returns:
-      ``(decision, next_state)``; the decision is None but for a `BadStep` or a
-      `RollbackRequested`.
-
-    Raises:
-      TypeError: `observation` is none of `Observation`.
     """
     if isinstance(observation, GoodStep):
         return None, replace(
@@ -449,8 +420,7 @@ def decide(
 def _decide_bad(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Tuple[Decision, GuardState]:
-    """`decide` for a bad step: counted, then a probation's divergence, a new level, or the
-    policy with its escalation."""
+    """`decide` for a bad step: a probation's divergence, a new level, or the policy."""
     state = counted(state, observation.step)
     cause = observation.cause
     if cause != NON_FINITE:
@@ -494,8 +464,8 @@ def _decide_bad(
 def _new_level(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Optional[_level_shift.LevelShift]:
-    """`_level_shift.judge_run` of the run of spikes this one ends, or None where no level
-    may be taken: only a guarded spike that is skipped (a rollback moves the global step back)."""
+    """The new level the run of spikes this one ends makes, if any: only a guarded spike that is
+    skipped may end one (a rollback moves the global step back)."""
     if (
         observation.cause != Fault.SPIKE
         or not observation.guarded
@@ -522,8 +492,7 @@ def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
 
 
 def _decide_divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
-    """A spike on a new level's probation: the level was a divergence, so
-    ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
+    """A spike on a new level's probation: ``persistent_nan_policy`` at once."""
     since = observation.step - state.level_taken_at
     reason = (
         f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
@@ -541,7 +510,7 @@ def _decide_divergence(config: GuardConfig, state: GuardState, observation: BadS
 
 
 def _decide_bad_step(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
-    """The decision about a bad step of a guarded train op, from the counts with it."""
+    """The policy's decision about a bad step of a guarded train op, or its escalation."""
     action, escalation, reason = Action(observation.chosen), "", ""
     cause, limit = Cause.POLICY, None
     consecutive = state.consecutive_bad_steps
