@@ -133,10 +133,13 @@ def record_bad_step(
         figures=read.figures,
         reason=read.reason,
     )
-    if config.on_nan is not None:
-        choice = config.on_nan(event)
-        if choice is not None:
-            chosen = _policy.validate_action(choice, "the on_nan callback")
+    choice = None if config.on_nan is None else config.on_nan(event)
+    if choice is not None and choice not in _policy.POLICIES:
+        raise ValueError(
+            f"the on_nan callback must return one of {', '.join(_policy.POLICIES)} or None; "
+            f"got {choice!r}."
+        )
+    chosen = chosen if choice is None else Action(choice)
     bad_step = _policy.BadStep(step, chosen, cause=read.cause, figures=read.figures)
     decision = guard.observe(bad_step, event=event)
     event = guard.last_event  # With the action decided, escalation included.

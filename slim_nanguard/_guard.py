@@ -83,26 +83,12 @@ class Guard:
         # Where autopsy dumps go (next to the checkpoints; set by the loop or the hook).
         self.autopsy_dir: Optional[str] = None
 
-    # ----------------------------------------------------------------- what it holds
-    @property
-    def config(self) -> _policy.GuardConfig:
-        """The `GuardConfig` the train op was built with."""
-        return self._config
-
-    @property
-    def handles(self) -> GraphHandles:
-        """The graph side of the train op (`GraphHandles`)."""
-        return self._handles
-
-    @property
-    def state(self) -> GuardState:
-        """The `GuardState` counters, kept for the life of the process."""
-        return self._state
-
-    @property
-    def last_event(self) -> Optional[_events.NanEvent]:
-        """The event of the last bad step, or None."""
-        return self._last_event
+    # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
+    # `GuardState` counters (kept for the life of the process) and the last bad step's event.
+    config = property(operator.attrgetter("_config"))
+    handles = property(operator.attrgetter("_handles"))
+    state = property(operator.attrgetter("_state"))
+    last_event = property(operator.attrgetter("_last_event"))
 
     @property
     def saver(self) -> Optional[tf.compat.v1.train.Saver]:
@@ -112,9 +98,8 @@ class Guard:
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
     ) -> Optional[_policy.Decision]:
-        """Tells the guard what happened: the one way its state changes. Returns the decision
-        of `_policy.decide` (None if none is needed); a bad step's `event` is kept as `last_event`,
-        with the action decided."""
+        """Tells the guard what happened, the one way its state changes; returns the decision of
+        `_policy.decide`. A bad step's `event` is kept as `last_event`, with the action decided."""
         decision, self._state = _policy.decide(self._config, self._state, observation)
         if event is not None and decision is not None:
             self._last_event = dataclasses.replace(event, action=decision.action)
@@ -127,13 +112,11 @@ class Guard:
             self.autopsy_dir = path
 
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
-        """The rollback Saver, built now if `create_train_op` built none (a hook whose
-        policy override may roll back); call it before the graph is finalized."""
+        """The rollback Saver, built now (before the graph is finalized) if there is none."""
         return self.restorer.ensure_saver()
 
     def set_rollback_request(self, request: Optional[RollbackRequest]) -> None:
-        """Sends this guard's rollbacks to `request` (a cluster's non-chief worker asks its
-        chief, `_cluster.RollbackRequestHook`) instead of restoring here; None restores here."""
+        """Sends this guard's rollbacks to `request` instead of restoring here (None: here)."""
         self.rollback_request = request
 
     # ----------------------------------------------------------------- listeners
@@ -181,8 +164,8 @@ class Guard:
                 )
 
     def _own_recorder(self) -> Optional[_record.EventRecorder]:
-        """The record in the autopsy directory, or None: no directory, or a listener that is
-        an `EventRecorder` keeps the record (each bad step is recorded once)."""
+        """The record in the autopsy directory, unless a listener keeps one (each bad step is
+        recorded once)."""
         if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
@@ -325,7 +308,7 @@ class Guard:
         return op.name == self.check_op_name
 
     def read_global_step(self, session: tf.compat.v1.Session) -> Optional[int]:
-        """The global step in `session` (a raw session), or None without one."""
+        """The global step in the raw `session`, or None without one."""
         if self.global_step is None:
             return None
         return int(session.run(self.global_step))
@@ -381,9 +364,8 @@ for _field in dataclasses.fields(GraphHandles):
 def read_report(
     reasons: Sequence[_reasons.Reason], vector: Sequence[float]
 ) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
-    """``(reason, figures)`` of a stored `_finiteness.StepTest.report`: the reason that
-    rejected the step and what it stored (`Reason.figures`), or ``(None, None)`` for a
-    non-finite step (or none stored). Pure."""
+    """``(reason, figures)`` of a stored `_finiteness.StepTest.report`, or ``(None, None)`` for
+    a non-finite step (or none stored)."""
     code, start = int(vector[0]), 1
     for index, reason in enumerate(reasons):
         end = start + len(reason.report_fields)
@@ -395,16 +377,11 @@ def read_report(
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What a bad step left for the loop, read at once (`Guard.read_step_report`).
-
-    Attributes:
-      step: The global step it was attempted at (-1 without a global step).
-      sums: The loss, then the sum of each gradient (and the loss scale, with one).
-      reason: The `_reasons.Reason` that rejected it; None for a non-finite step.
-      figures: What that reason stored (`Reason.figures`); None for a non-finite step.
-      kinds: What the loss and each gradient held, exact (`_verdict` kind names), for a
-        non-finite step whose train op keeps them; else None.
-    """
+    """What a bad step left for the loop, read at once (`Guard.read_step_report`): its global
+    step (-1 without one); the loss, then the sum of each gradient (and the loss scale, with
+    one); the reason that rejected it and what it stored (None for a non-finite step); and, for
+    a non-finite step whose train op keeps them, what the loss and each gradient held, exact
+    (`_verdict` kind names)."""
 
     step: int
     sums: List[float]
@@ -439,12 +416,8 @@ def is_numerics_error(error: BaseException) -> bool:
 
 
 def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Guard]:
-    """Returns the guard of a train op made by `create_train_op`, or None.
-
-    Args:
-      train_op_or_loss: The train op `create_train_op` returned, or the loss it was given.
-      graph: The graph to look in (default: the tensor's graph).
-    """
+    """Returns the guard of a train op made by `create_train_op` (or of the loss it was given),
+    or None; `graph` is where to look (default: the tensor's graph)."""
     if train_op_or_loss is None:
         return None
     if graph is None:

@@ -96,34 +96,29 @@ class GuardConfig:
     """How a guarded train op reacts to a bad step; every setting is checked on construction.
 
     Attributes:
-      nan_policy: One of ``raise``, ``stop``, ``skip``, ``rollback``, for non-finite steps.
+      nan_policy: The policy for non-finite steps: ``raise``, ``stop``, ``skip`` or ``rollback``.
       max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
-        to ``persistent_nan_policy``.
-      persistent_nan_policy: ``raise``, ``stop`` or ``rollback`` (bounded by ``max_rollbacks``;
-        it starts the count of bad steps in a row over). Not ``skip``.
+        to ``persistent_nan_policy`` (not ``skip``; a rollback starts the count over).
       on_nan: Optional `OnNanCallback`, called with every bad step.
       rollback_skip_batches: Batches of input a rollback throws away besides the bad one.
       rollback_lr_factor: Multiplies the learning rate at each rollback, in (0, 1].
       max_rollbacks: Rollbacks allowed; the next one raises instead.
-      autopsy_max_steps: How many of the guard's first bad steps in this process get an
-        autopsy (a replay of the batch the train op kept); 0: none, and no batch is kept.
-      autopsy_timeout_secs: The longest one autopsy may take.
-      autopsy_keep_first: The oldest autopsy dumps of the directory that are never removed.
-      autopsy_keep_last: The newest ones kept (at least 1); the record names each one removed.
+      autopsy_max_steps: The first bad steps of this process that get an autopsy (a replay of
+        the batch the train op kept); 0: none, and no batch is kept.
+      autopsy_keep_first, autopsy_keep_last: The oldest and the newest (at least 1) autopsy
+        dumps a directory keeps; the record names each one removed.
       losses_before: Losses of the good steps before a bad step that its record keeps; 0: none.
       spike_policy: The policy for a spike (finite, but the loss or global gradient norm more
-        than ``spike_sigma`` deviations above the accepted steps'), or None: no spike test.
-      spike_sigma: Deviations (of the logarithms, over the last `SPIKE_WINDOW` accepted steps)
-        above the mean that make a spike.
+        than ``spike_sigma`` deviations, of the logarithms over the last `SPIKE_WINDOW`
+        accepted steps, above their mean), or None: no spike test.
       spike_warmup_steps: Steps accepted before a step can be a spike (2 to `SPIKE_WINDOW`).
       spike_level_shift_steps: Spikes in a row that hold together taken as a new level of
-        training (`_level_shift`), under ``spike_policy="skip"``; acts only below
+        training (`_level_shift`), under ``spike_policy="skip"`` and below
         ``max_consecutive_bad_steps``; 0: never.
       reasons: More `Reason`s to reject a step, judged after the spike test.
 
     Raises:
-      ValueError: A setting is out of range; the message names it. This is the only check (the
-        launcher's flags map onto these fields).
+      ValueError: A setting is out of range; the message begins with its name.
     """
 
     nan_policy: str = Action.RAISE
@@ -159,10 +154,10 @@ class GuardConfig:
     def all_reasons(self) -> Tuple[Reason, ...]:
         """The reasons to reject a finite step, in the order they are judged: the spike test
         (with a ``spike_policy``), then `reasons`."""
-        spike = ()
-        if self.spike_policy is not None:
-            spike = (_spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps),)
-        return spike + self.reasons
+        if self.spike_policy is None:
+            return self.reasons
+        spike = _spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
+        return (spike,) + self.reasons
 
     @property
     def may_roll_back(self) -> bool:
@@ -212,31 +207,17 @@ def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
     return rolls_back(config, policy) or config.on_nan is not None
 
 
-def validate_action(action: object, source: str) -> Action:
-    """Returns the `Action` `action` names, else raises ValueError naming `source`."""
-    if action not in POLICIES:
-        raise ValueError(
-            f"{source} must return one of {', '.join(POLICIES)} or None; got {action!r}."
-        )
-    return Action(action)
-
-
 @dataclasses.dataclass(frozen=True)
 class GuardState:
     """The guard's counters for the life of the process (across sessions), made by `decide`.
 
-    Attributes:
-      rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
-      learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
-      steps: Good steps, as the loops that see them count them (`train`, `train_step`, a
-        `NanLossHook`; not a loop of your own that only calls `handle_numerics_error`).
-      rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
-      rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
-      run_start: Global step of the first bad step of the current run, or None.
-      spike_run: The current run's spike records (figures and ``step``), while it is all spikes.
-      level_taken_at: Global step the last new level was taken at (its probation lasts
-        ``spike_warmup_steps`` global steps), or None.
-      level_start: Global step of the first spike of the run last taken as a new level, or None.
+    ``rollbacks`` are a cluster chief's own and those it answered; ``steps`` are the good steps
+    the loops that see them count (`train`, `train_step`, a `NanLossHook`; not a loop of your own
+    that only calls `handle_numerics_error`); ``rejected`` is ``(name, count)`` of the steps each
+    reason rejected. The current run of bad steps started at global step ``run_start``, with
+    ``spike_run`` its spikes' records while it is all spikes; the last new level was taken at
+    ``level_taken_at`` (on probation for ``spike_warmup_steps`` global steps) from a run of
+    spikes that started at ``level_start``.
     """
 
     total_bad_steps: int = 0
@@ -337,17 +318,11 @@ Observation = Union[
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about one bad step, and why: the result of `decide`.
-
-    Attributes:
-      escalation: Why ``persistent_nan_policy`` replaced the chosen action, or "".
-      reason: Why training gives up (under ``raise``), and its `cause` and the bound it names
-        (`limit`), if any.
-      level_shift: The new level this spike completes (the spike statistics are re-seeded with
-        it), or None.
-      before_step: A rollback goes to a checkpoint saved below this global step (a new level
-        failed its probation), or None.
-    """
+    """What to do about one bad step, and why: the result of `decide`. ``escalation`` says why
+    ``persistent_nan_policy`` replaced the chosen action; under ``raise``, ``reason`` says why
+    training gives up (its `cause`, and the bound it names, `limit`); ``level_shift`` is the new
+    level a spike completes; a rollback goes below global step ``before_step``, if set (a new
+    level failed its probation)."""
 
     action: Action
     escalation: str = ""
@@ -366,22 +341,15 @@ def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
 def counted(state: GuardState, step: int) -> GuardState:
     """The state once a bad step at global step `step` is counted, before any decision (what
     ``on_nan`` is shown): the run of bad steps starts over when the global step moved."""
-    consecutive, run_start, spike_run = (
-        state.consecutive_bad_steps,
-        state.run_start,
-        state.spike_run,
-    )
-    if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
-        consecutive = 0
+    moved = state.last_bad_step is not None and step >= 0 and step != state.last_bad_step
+    consecutive = 0 if moved else state.consecutive_bad_steps
     if consecutive == 0:
-        run_start, spike_run = step, ()
+        state = replace(state, run_start=step, spike_run=())
     return replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
         consecutive_bad_steps=consecutive + 1,
         last_bad_step=step,
-        run_start=run_start,
-        spike_run=spike_run,
     )
 
 
@@ -427,11 +395,10 @@ def _decide_bad(
         tally = dict(state.rejected)
         tally[cause] = tally.get(cause, 0) + 1
         state = replace(state, rejected=tuple(tally.items()))
+    spike_run = ()
     if cause == Fault.SPIKE:
-        spike = {**(observation.figures or {}), "step": observation.step}
-        state = replace(state, spike_run=state.spike_run + (spike,))
-    else:
-        state = replace(state, spike_run=())
+        spike_run = state.spike_run + ({**(observation.figures or {}), "step": observation.step},)
+    state = replace(state, spike_run=spike_run)
     if _on_probation(config, state, observation):
         decision = _decide_divergence(config, state, observation)
         state = replace(state, level_taken_at=None)
