@@ -28,15 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What one judged run came to, and what was done about it.
-
-    Attributes:
-      event: The bad step's (or the loss-scale overflow's) `NanEvent`; None for a good step.
-      action: The `Action` carried out; None for a good step and for an overflow.
-      overflow: True for an overflow step of a dynamic loss-scale optimizer (no bad step).
-      step: The global step after a rollback, else None.
-      checkpoint: The checkpoint a rollback restored, else None.
-    """
+    """What one judged run came to: the `event` of a bad step (or of an `overflow` of a dynamic
+    loss-scale optimizer, no bad step), the `action` carried out on a bad step, and after a
+    rollback the global `step` and the `checkpoint` restored."""
 
     event: Optional[_events.NanEvent] = None
     action: Optional[Action] = None
@@ -117,12 +111,10 @@ def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
 def record_bad_step(
     guard: "Guard", read: "StepReport", policy: Optional[str] = None, autopsy=None
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
-    """Records the bad step `read` and has the guard decide about it; carries nothing out.
+    """Records the bad step `read` and has the guard decide about it: ``(event, decision)``.
 
-    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action;
-    the event is then logged and sent to the listeners (kind ``bad_step``). A non-finite step
-    gets `policy` (a hook's override) or ``nan_policy``; a step a reason rejected gets that
-    reason's policy. Returns ``(event, decision)``; the event's ``action`` is the decision's.
+    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action
+    instead of the reason's policy, or `policy` (a hook's override) or ``nan_policy``.
     """
     config, step = guard.config, read.step
     chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
@@ -195,12 +187,9 @@ def carry_out(
     """Carries out `decision` about `event` against `session`: the only code that acts.
 
     `guard` is None for a loss no guarded train op made (it can only raise or stop). A rollback
-    goes around a `MonitoredSession`'s hooks, restores from `checkpoint_dir`, skips
-    `skip_batches` batches (default ``rollback_skip_batches``) and adds `record` to its
-    ``rollback`` record (a cluster chief's answer). A stop calls `request_stop` (default
-    `stop_session`); a raise (`NanLossError`) is chained to `error`, the step's numerics error,
-    as `_errors.caught_numerics_error` words it. A rollback that finds no good checkpoint raises
-    `CheckpointNotFoundError`.
+    restores from `checkpoint_dir` (or raises `CheckpointNotFoundError`), skips `skip_batches`
+    batches (default ``rollback_skip_batches``) and adds `record` to its ``rollback`` record. A
+    stop calls `request_stop` (default `stop_session`); a raise is chained to `error`.
     """
     action = Action(decision.action)
     if action is Action.RAISE:
@@ -321,14 +310,9 @@ def judge(
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
 ) -> Outcome:
-    """Handles a run the guard found not finite: reads it, records it, acts on it.
-
-    An overflow of a dynamic loss-scale optimizer is only recorded (kind and action
-    ``"loss_scale_overflow"``); a bad step is autopsied (before any rollback), decided
-    (`record_bad_step`) and carried out (`carry_out`). `session` may be a `MonitoredSession` (its
-    hooks are not run); `policy` is a hook's override of ``nan_policy``; `stored` is ``(step,
-    sums)`` already read, or None.
-    """
+    """Handles a run the guard found not finite: reads it (unless `stored` holds ``(step,
+    sums)``), records it and acts on it (`carry_out`). `session` may be a `MonitoredSession` (its
+    hooks are not run); `policy` is a hook's override of ``nan_policy``."""
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.

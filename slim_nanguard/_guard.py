@@ -50,13 +50,9 @@ RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Di
 
 
 class Guard:
-    """One guarded train op: its graph handles, its config and its state.
-
-    Made by `create_train_op`; get it with `get_guard`. It holds and reads; it neither decides
-    nor acts, and its state changes only through `observe`. Each `GraphHandles` field
-    (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) is readable as an attribute. `saver`
-    is the Saver rollbacks restore with, if `create_train_op` built one.
-    """
+    """One guarded train op, made by `create_train_op` (get it with `get_guard`): its graph
+    handles (each `GraphHandles` field is readable as an attribute), its config and its state,
+    which changes only through `observe`. It holds and reads; it neither decides nor acts."""
 
     def __init__(
         self,
@@ -119,7 +115,6 @@ class Guard:
         """Sends this guard's rollbacks to `request` instead of restoring here (None: here)."""
         self.rollback_request = request
 
-    # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
         counts this guard's state from now on.
@@ -192,7 +187,6 @@ class Guard:
             pass
         session.run(self.judged.initializer)
 
-    # ----------------------------------------------------------------- reads
     def loss_scale_of(self, sums: Sequence[float]) -> Optional[float]:
         """The loss scale a step used, from what it stored (None without loss scaling)."""
         if self.loss_scale_floor is None:
@@ -229,14 +223,10 @@ class Guard:
         cause: str = _reasons.NON_FINITE,
         over: Sequence[str] = (),
     ):
-        """Replays the bad step just seen (before any rollback: the variables still hold the
-        weights that made it), for the first ``autopsy_max_steps`` of them. A non-finite step's
-        autopsy finds the first op that made a NaN or Inf; a step a reason rejected (`cause`;
-        `over`, the values it was caught on) gets the examples of highest per-example loss.
-
-        Returns the `Autopsy` (its ``error`` says why it failed: it never raises), or None:
-        autopsies off or used up, or no batch kept. Raises ValueError for an unknown `cause`.
-        """
+        """The `Autopsy` of the bad step just seen (call it before any rollback), or None:
+        autopsies off or used up, or no batch kept. It never fails (its ``error`` says why);
+        `cause` is the reason that rejected the step (ValueError if none such), `over` the
+        values it was caught on."""
         from slim_nanguard import _autopsy  # Local: only a bad step needs it.
 
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
@@ -295,7 +285,6 @@ class Guard:
                 }
             )
 
-    # ----------------------------------------------------------------- check_numerics mode
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
         op = getattr(error, "op", None)
@@ -396,17 +385,15 @@ class StepReport:
 
 
 def is_numerics_error(error: BaseException) -> bool:
-    """Says whether `error` (any exception) was raised by a guard's check (check_numerics mode).
-
-    True only for an `InvalidArgumentError` of a CheckNumerics op or a guard's own check op, so
-    no other (a bad reshape, feed or label, a user's ``Assert``) passes. A check inside a function
-    body (a train op built in a `tf.while_loop`) fails on the loop op: then the message must say
-    what the check says and name the inner node.
-    """
+    """Says whether `error` (any exception) was raised by a guard's check (check_numerics mode):
+    an `InvalidArgumentError` of a CheckNumerics op or a guard's own check op, and no other (a
+    bad reshape, feed or label, a user's ``Assert``)."""
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
     if op is None or op.type in _FUNCTION_OP_TYPES:
+        # A check in a function body (a train op built in a `tf.while_loop`) fails on the loop
+        # op: the message must say what the check says and name the inner node.
         message = getattr(error, "message", "")
         said = _CHECK_MESSAGE.search(message) or _errors.REJECTED in message
         return bool(said and _INNER_NODE.search(message))

@@ -181,13 +181,12 @@ def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, .
     name them."""
     policies = [("nan_policy", config.nan_policy if policy is None else policy)]
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
-    named = []
-    for name, value in policies:
-        if value == ROLLBACK:
-            named.append(f"{name}={str(value)!r}")
-        elif value == SKIP and config.persistent_nan_policy == ROLLBACK:
-            named.append(f"{name}={str(value)!r} with persistent_nan_policy='rollback'")
-    return tuple(named)
+    escalated = " with persistent_nan_policy='rollback'"
+    return tuple(
+        f"{name}={str(value)!r}{'' if value == ROLLBACK else escalated}"
+        for name, value in policies
+        if value == ROLLBACK or (value == SKIP and config.persistent_nan_policy == ROLLBACK)
+    )
 
 
 def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
