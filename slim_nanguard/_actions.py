@@ -118,13 +118,7 @@ def record_bad_step(
     """
     config, step = guard.config, read.step
     chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
-    counted = _policy.counted(guard.state, step)
-    event = dataclasses.replace(
-        _new_event(guard, counted, read, chosen, autopsy=autopsy),
-        cause=read.cause,
-        figures=read.figures,
-        reason=read.reason,
-    )
+    event = _new_event(guard, _policy.counted(guard.state, step), read, chosen, autopsy)
     choice = None if config.on_nan is None else config.on_nan(event)
     if choice is not None and choice not in _policy.POLICIES:
         raise ValueError(
@@ -169,6 +163,9 @@ def _new_event(
         action=action,
         loss_scale=guard.loss_scale_of(read.sums),
         autopsy=autopsy,
+        cause=read.cause,
+        figures=read.figures,
+        reason=read.reason,
     )
 
 

@@ -80,16 +80,13 @@ class Guard:
         self.autopsy_dir: Optional[str] = None
 
     # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
-    # `GuardState` counters (kept for the life of the process) and the last bad step's event.
+    # `GuardState` counters (kept for the life of the process), the last bad step's event and
+    # the one Saver every rollback of this guard restores with (None if none built).
     config = property(operator.attrgetter("_config"))
     handles = property(operator.attrgetter("_handles"))
     state = property(operator.attrgetter("_state"))
     last_event = property(operator.attrgetter("_last_event"))
-
-    @property
-    def saver(self) -> Optional[tf.compat.v1.train.Saver]:
-        """The one Saver every rollback of this guard restores with (None if none built)."""
-        return self.restorer.saver
+    saver = property(operator.attrgetter("restorer.saver"))
 
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
@@ -209,12 +206,8 @@ class Guard:
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
-        names = tuple(
-            name
-            for name, s in zip(self.variable_names, list(sums)[1:])
-            if not math.isfinite(float(s))
-        )
-        return names, ()
+        grads = zip(self.variable_names, list(sums)[1:])
+        return tuple(name for name, s in grads if not math.isfinite(float(s))), ()
 
     def autopsy(
         self,
@@ -232,7 +225,6 @@ class Guard:
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
         if cause not in causes:
             raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
-        finite = cause != _reasons.NON_FINITE
         if (
             self.capture is None
             or not self.capture.tensors
@@ -243,7 +235,7 @@ class Guard:
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
-            [self.loss] if finite else [self.grad_sums],
+            [self.grad_sums] if cause == _reasons.NON_FINITE else [self.loss],
             step=step,
             dump_dir=self.autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
@@ -309,10 +301,10 @@ class Guard:
     ) -> "StepReport":
         """Everything about the bad step just seen (a `StepReport`), in one ``session.run`` of
         the raw `session`; `stored` is ``(step, sums)`` already read, or None to read them."""
-        fetches = self._stored_fetches() if stored is None else {}
-        for name, tensor in (("report", self.report), ("kinds", self.kinds_read)):
-            if tensor is not None:
-                fetches[name] = tensor
+        fetches = {"report": self.report, "kinds": self.kinds_read}
+        if stored is None:
+            fetches.update(sums=self.diagnostics, step=self.global_step)
+        fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
         values = session.run(fetches) if fetches else {}
         step, sums = _stored(values) if stored is None else stored
         reason, figures = None, None
@@ -331,17 +323,13 @@ class Guard:
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """``(step, sums)`` the bad step just seen left in the raw `session`: the global step
         (-1 without one) and the sums vector it stored, the loss first."""
-        return _stored(session.run(self._stored_fetches()))
-
-    def _stored_fetches(self) -> Dict[str, Any]:
-        fetches = {"sums": self.diagnostics}
-        if self.global_step is not None:
-            fetches["step"] = self.global_step
-        return fetches
+        if self.global_step is None:
+            return _stored(session.run({"sums": self.diagnostics}))
+        return _stored(session.run({"sums": self.diagnostics, "step": self.global_step}))
 
 
 def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
-    """``(step, sums)`` of what `Guard._stored_fetches` read."""
+    """``(step, sums)`` of what a bad step stored, as read: the step -1 without a global step."""
     return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
 

@@ -33,11 +33,10 @@ PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 
 class OnNanCallback(Protocol):
-    """A user callback that sees each bad step before the policy acts."""
+    """A user callback that sees each bad step before the policy acts: it returns None to keep
+    the configured policy for `event` (its ``action``), or the name of the policy to apply."""
 
-    def __call__(self, event: NanEvent) -> Optional[str]:
-        """Returns None to keep the configured policy for `event` (its ``action``), or the name
-        of the policy to apply to it instead."""
+    def __call__(self, event: NanEvent) -> Optional[str]: ...
 
 
 def _real(value: object) -> bool:
@@ -392,32 +391,27 @@ def _decide_bad(
     cause = observation.cause
     if cause != NON_FINITE:
         tally = dict(state.rejected)
-        tally[cause] = tally.get(cause, 0) + 1
-        state = replace(state, rejected=tuple(tally.items()))
+        state = replace(state, rejected=tuple({**tally, cause: tally.get(cause, 0) + 1}.items()))
     spike_run = ()
     if cause == Fault.SPIKE:
         spike_run = state.spike_run + ({**(observation.figures or {}), "step": observation.step},)
     state = replace(state, spike_run=spike_run)
-    if _on_probation(config, state, observation):
-        decision = _decide_divergence(config, state, observation)
+    decision = _divergence(config, state, observation)
+    if decision is not None:
         state = replace(state, level_taken_at=None)
+    elif (level := _new_level(config, state, observation)) is not None:
+        return Decision(SKIP, level_shift=level), replace(
+            state,
+            skips=state.skips + 1,
+            level_shifts=state.level_shifts + 1,
+            consecutive_bad_steps=0,
+            run_start=None,
+            spike_run=(),
+            level_taken_at=observation.step,
+            level_start=level.steps[0],
+        )
     else:
-        level = _new_level(config, state, observation)
-        if level is not None:
-            return Decision(SKIP, level_shift=level), replace(
-                state,
-                skips=state.skips + 1,
-                level_shifts=state.level_shifts + 1,
-                consecutive_bad_steps=0,
-                run_start=None,
-                spike_run=(),
-                level_taken_at=observation.step,
-                level_start=level.steps[0],
-            )
-        if observation.guarded:
-            decision = _decide_bad_step(config, state, observation)
-        else:
-            decision = _decide_unguarded(observation.chosen)
+        decision = _decide_policy(config, state, observation)
     if decision.action == SKIP:
         state = replace(state, skips=state.skips + 1)
     elif decision.action == STOP:
@@ -443,23 +437,18 @@ def _new_level(
     return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
 
 
-def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) -> bool:
-    """Whether this is a spike within ``spike_warmup_steps`` global steps of a new level."""
-    return (
-        observation.cause == Fault.SPIKE
-        and observation.guarded
-        and state.level_taken_at is not None
-        and 0 <= observation.step - state.level_taken_at < config.spike_warmup_steps
-    )
-
-
 def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
     return f"{state.rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
 
 
-def _decide_divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
-    """A spike on a new level's probation: ``persistent_nan_policy`` at once."""
+def _divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Optional[Decision]:
+    """``persistent_nan_policy`` at once for a spike within ``spike_warmup_steps`` global steps
+    of a new level (that level was a divergence); None for any other bad step."""
+    if observation.cause != Fault.SPIKE or not observation.guarded or state.level_taken_at is None:
+        return None
     since = observation.step - state.level_taken_at
+    if not 0 <= since < config.spike_warmup_steps:
+        return None
     reason = (
         f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
         f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
@@ -475,8 +464,18 @@ def _decide_divergence(config: GuardConfig, state: GuardState, observation: BadS
     return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause)
 
 
-def _decide_bad_step(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
-    """The policy's decision about a bad step of a guarded train op, or its escalation."""
+def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
+    """The chosen policy, or its escalation; a loss no guarded train op made had nothing gated,
+    so it can only raise (saying so) or stop."""
+    if not observation.guarded and observation.chosen == RAISE:
+        return Decision(
+            RAISE,
+            reason="the loss comes from no guarded train op, so the update of this step may "
+            "already have happened",
+            cause=Cause.UNGUARDED_LOSS,
+        )
+    if not observation.guarded:
+        return Decision(Action(observation.chosen))
     action, escalation, reason = Action(observation.chosen), "", ""
     cause, limit = Cause.POLICY, None
     consecutive = state.consecutive_bad_steps
@@ -498,18 +497,6 @@ def _decide_bad_step(config: GuardConfig, state: GuardState, observation: BadSte
     fault = observation.cause
     policy = "nan_policy" if fault == NON_FINITE else f"{fault}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
-
-
-def _decide_unguarded(chosen: str) -> Decision:
-    """A loss no guarded train op made: nothing was gated, so raise (saying so) or stop."""
-    if chosen != RAISE:
-        return Decision(Action(chosen))
-    return Decision(
-        RAISE,
-        reason="the loss comes from no guarded train op, so the update of this step may "
-        "already have happened",
-        cause=Cause.UNGUARDED_LOSS,
-    )
 
 
 def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, ...]) -> Decision:
