@@ -29,9 +29,8 @@ from slim_nanguard._policy import GuardState
 from slim_nanguard._types import Fault
 from slim_nanguard._types import Listener
 
-# `create_train_op` registers one `Guard` per train op with its graph (`get_guard` finds it). A
-# weak mapping: a graph collection of Python objects would make every meta-graph export warn
-# that it cannot be serialised.
+# The guards of each graph: not a graph collection, which would make every meta-graph export
+# warn that it cannot serialise them.
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
 # Op types that run a function body: an error raised inside (a train op built in a
@@ -393,8 +392,6 @@ def is_numerics_error(error: BaseException) -> bool:
 def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Guard]:
     """Returns the guard of a train op made by `create_train_op` (or of the loss it was given),
     or None; `graph` is where to look (default: the tensor's graph)."""
-    if train_op_or_loss is None:
-        return None
     if graph is None:
         graph = getattr(train_op_or_loss, "graph", None) or tf.compat.v1.get_default_graph()
     for guard in _REGISTRY.get(graph, ()):

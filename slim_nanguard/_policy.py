@@ -99,21 +99,16 @@ class GuardConfig:
       max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
         to ``persistent_nan_policy`` (not ``skip``; a rollback starts the count over).
       on_nan: Optional `OnNanCallback`, called with every bad step.
-      rollback_skip_batches: Batches of input a rollback throws away besides the bad one.
-      rollback_lr_factor: Multiplies the learning rate at each rollback, in (0, 1].
-      max_rollbacks: Rollbacks allowed; the next one raises instead.
-      autopsy_max_steps: The first bad steps of this process that get an autopsy (a replay of
-        the batch the train op kept); 0: none, and no batch is kept.
-      autopsy_keep_first, autopsy_keep_last: The oldest and the newest (at least 1) autopsy
-        dumps a directory keeps; the record names each one removed.
-      losses_before: Losses of the good steps before a bad step that its record keeps; 0: none.
+      rollback_skip_batches, rollback_lr_factor, max_rollbacks: Batches a rollback throws away
+        besides the bad one, its factor on the learning rate (in (0, 1]), and how many may run.
+      autopsy_max_steps, autopsy_keep_first, autopsy_keep_last: The first bad steps of this
+        process that get an autopsy (0: none, and no batch is kept); the oldest and the newest
+        (at least 1) dumps a directory keeps.
+      losses_before: Losses of the good steps before a bad step that its record keeps.
       spike_policy: The policy for a spike (finite, but the loss or global gradient norm more
-        than ``spike_sigma`` deviations, of the logarithms over the last `SPIKE_WINDOW`
-        accepted steps, above their mean), or None: no spike test.
-      spike_warmup_steps: Steps accepted before a step can be a spike (2 to `SPIKE_WINDOW`).
-      spike_level_shift_steps: Spikes in a row that hold together taken as a new level of
-        training (`_level_shift`), under ``spike_policy="skip"`` and below
-        ``max_consecutive_bad_steps``; 0: never.
+        than ``spike_sigma`` deviations above the last `SPIKE_WINDOW` accepted steps', after
+        ``spike_warmup_steps``), or None: no spike test. Under ``skip``, a run of
+        ``spike_level_shift_steps`` spikes that hold together is a new level (0: never).
       reasons: More `Reason`s to reject a step, judged after the spike test.
 
     Raises:
@@ -354,15 +349,10 @@ def counted(state: GuardState, step: int) -> GuardState:
 def decide(
     config: GuardConfig, state: GuardState, observation: Observation
 ) -> Tuple[Optional[Decision], GuardState]:
-    """The guard's one transition: ``(decision, next_state)``, the decision None but for a
-    `BadStep` or a `RollbackRequested`; raises TypeError for anything else.
-
-    Pure, and every counting rule is here: a good step ends a run of bad steps; under ``skip``
-    or ``rollback`` the ``max_consecutive_bad_steps``-th bad step in a row escalates to
-    ``persistent_nan_policy``, and an escalated rollback starts the count over; a rollback past
-    ``max_rollbacks`` (a chief's answers to requests included) becomes ``raise``; a run of
-    spikes may be a new level (`_level_shift`), and a spike on its probation a divergence.
-    """
+    """The guard's one transition, pure: ``(decision, next_state)``, the decision None but for a
+    `BadStep` or a `RollbackRequested`; raises TypeError for anything else. Every counting rule
+    is here: runs of bad steps and their escalation, ``max_rollbacks`` (a chief's answers to
+    requests included), new levels and their probation."""
     if isinstance(observation, GoodStep):
         return None, replace(
             state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
