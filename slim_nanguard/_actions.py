@@ -224,12 +224,11 @@ def _take_new_level(
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
     test = guard.reason_handles[Fault.SPIKE]  # The `_spike.SpikeTest`.
-    values, floor, reseed = test.reseed_values, test.reseed_floor, test.reseed
     # At least a warm-up's worth of rows (the values repeated whole): the test judges the
     # next step at once, against the new level.
     repeats = -(-guard.config.spike_warmup_steps // len(level.values))
     rows = ([list(v) for v in level.values] * repeats)[: test.window]
-    session.run(reseed, {values: rows, floor: level.floor})
+    session.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: level.floor})
     test.note_reseed(event.step, len(level.values), repeats)
     guard.history.clear()  # The losses before the new level climb to it: no divergence.
     logging.warning(

@@ -66,17 +66,13 @@ class Guard:
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
-        # The record in `autopsy_dir`, when no listener keeps one (`_own_recorder`).
+        # The record in `autopsy_dir` (next to the checkpoints), when no listener keeps one.
         self._recorder: Optional[_record.EventRecorder] = None
         self._recorder_dir: Optional[str] = None
-        # What restores this guard's checkpoints and skips its input.
-        self.restorer = _rollback.Rollback(handles, config, saver)
-        # The losses of the last good steps, for the record of the next bad step.
-        self.history = _history.LossHistory(config.losses_before)
-        # How a rollback is sent to a cluster's chief instead of restored here, or None.
-        self.rollback_request: Optional[RollbackRequest] = None
-        # Where autopsy dumps go (next to the checkpoints; set by the loop or the hook).
         self.autopsy_dir: Optional[str] = None
+        self.restorer = _rollback.Rollback(handles, config, saver)  # Checkpoints and input.
+        self.history = _history.LossHistory(config.losses_before)  # The last good steps' losses.
+        self.rollback_request: Optional[RollbackRequest] = None  # See `set_rollback_request`.
 
     # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
     # `GuardState` counters (kept for the life of the process), the last bad step's event and
@@ -224,11 +220,8 @@ class Guard:
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
         if cause not in causes:
             raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
-        if (
-            self.capture is None
-            or not self.capture.tensors
-            or not _policy.wants_autopsy(self._config, self._state)
-        ):
+        kept = self.capture is not None and self.capture.tensors
+        if not kept or not _policy.wants_autopsy(self._config, self._state):
             return None
         self.observe(_policy.Autopsied())
         result = _autopsy.autopsy_bad_step(
@@ -278,13 +271,12 @@ class Guard:
 
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
-        op = getattr(error, "op", None)
         if self.check_op_name is None or not is_numerics_error(error):
             return False
+        op = getattr(error, "op", None)
         if op is None or op.type in _FUNCTION_OP_TYPES:  # Raised in a loop body: by name.
-            return self.in_loop and self.check_op_name in _INNER_NODE.findall(
-                getattr(error, "message", "")
-            )
+            inner = _INNER_NODE.findall(getattr(error, "message", ""))
+            return self.in_loop and self.check_op_name in inner
         return op.name == self.check_op_name
 
     def read_global_step(self, session: tf.compat.v1.Session) -> Optional[int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import replace
-from typing import Any, Mapping, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 from slim_nanguard import _level_shift
 from slim_nanguard import _reasons
@@ -32,11 +32,9 @@ POLICIES = tuple(Action)
 PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 
-class OnNanCallback(Protocol):
-    """A user callback that sees each bad step before the policy acts: it returns None to keep
-    the configured policy for `event` (its ``action``), or the name of the policy to apply."""
-
-    def __call__(self, event: NanEvent) -> Optional[str]: ...
+# A user callback that sees each bad step before the policy acts: it returns None to keep the
+# configured policy for the event (its ``action``), or the name of the policy to apply.
+OnNanCallback = Callable[[NanEvent], Optional[str]]
 
 
 def _real(value: object) -> bool:
@@ -207,11 +205,9 @@ class GuardState:
     ``rollbacks`` are a cluster chief's own and those it answered; ``steps`` are the good steps
     the loops that see them count (`train`, `train_step`, a `NanLossHook`; not a loop of your own
     that only calls `handle_numerics_error`); ``rejected`` is ``(name, count)`` of the steps each
-    reason rejected. The current run of bad steps started at global step ``run_start``, with
-    ``spike_run`` its spikes' records while it is all spikes; the last new level was taken at
-    ``level_taken_at`` (on probation for ``spike_warmup_steps`` global steps) from a run of
-    spikes that started at ``level_start``.
-    """
+    reason rejected. The run of bad steps began at global step ``run_start`` (``spike_run``: its
+    spikes, while it is all spikes); the last new level was taken at ``level_taken_at`` (on
+    probation for ``spike_warmup_steps`` steps) from spikes that began at ``level_start``."""
 
     total_bad_steps: int = 0
     consecutive_bad_steps: int = 0
