@@ -1,7 +1,5 @@
-"""Reading, recording and carrying out a bad step: the one place the guard acts on a session.
-
-docs/design.md ("One state, one transition, one place that acts") walks the path.
-"""
+"""Reading, recording and carrying out a bad step: the one place the guard acts on a session
+(docs/design.md, "One state, one transition, one place that acts")."""
 
 from __future__ import annotations
 
@@ -112,10 +110,8 @@ def record_bad_step(
     guard: "Guard", read: "StepReport", policy: Optional[str] = None, autopsy=None
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
     """Records the bad step `read` and has the guard decide about it: ``(event, decision)``.
-
     ``on_nan`` sees the event first (with the counts this step makes) and may choose the action
-    instead of the reason's policy, or `policy` (a hook's override) or ``nan_policy``.
-    """
+    instead of the reason's policy, or `policy` (a hook's override) or ``nan_policy``."""
     config, step = guard.config, read.step
     chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
     event = _new_event(guard, _policy.counted(guard.state, step), read, chosen, autopsy)
@@ -183,11 +179,10 @@ def carry_out(
 ) -> Outcome:
     """Carries out `decision` about `event` against `session`: the only code that acts.
 
-    `guard` is None for a loss no guarded train op made (it can only raise or stop). A rollback
-    restores from `checkpoint_dir` (or raises `CheckpointNotFoundError`), skips `skip_batches`
-    batches (default ``rollback_skip_batches``) and adds `record` to its ``rollback`` record. A
-    stop calls `request_stop` (default `stop_session`); a raise is chained to `error`.
-    """
+    `guard` is None for a loss no guarded train op made. A rollback restores from
+    `checkpoint_dir` (or raises `CheckpointNotFoundError`), skips `skip_batches` batches (default
+    ``rollback_skip_batches``) and adds `record` to its record. A stop calls `request_stop`
+    (default `stop_session`); a raise is chained to `error`."""
     action = Action(decision.action)
     if action is Action.RAISE:
         nan_error = _errors.NanLossError(

@@ -1,7 +1,5 @@
-"""The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state.
-
-A guard decides nothing and acts on nothing (`_actions` does, over `_policy.decide`).
-"""
+"""The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state
+that decides nothing and acts on nothing (`_actions` does, over `_policy.decide`)."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _autopsy
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _history
@@ -109,15 +108,12 @@ class Guard:
 
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
-        counts this guard's state from now on.
-
-        A record is a JSON-ready dict: its ``kind`` and the `NanEvent`'s fields. Kinds:
-        ``bad_step`` (with ``escalation`` when ``persistent_nan_policy`` acted, and
-        ``losses_before``), ``rollback`` (``checkpoint``, ``skipped_batches``; a cluster chief's
-        ``requested_by`` and ``requests``), ``rollback_requested`` (a non-chief worker's, with
-        ``chief``), ``loss_scale_overflow``, ``level_shift``, and ``autopsy_dump_removed`` (no
-        event fields).
-        """
+        counts this guard's state from now on. A record is a JSON-ready dict: its ``kind`` and
+        the `NanEvent`'s fields. Kinds: ``bad_step`` (with ``escalation`` when
+        ``persistent_nan_policy`` acted, and ``losses_before``), ``rollback`` (``checkpoint``,
+        ``skipped_batches``; a cluster chief's ``requested_by`` and ``requests``),
+        ``rollback_requested`` (a non-chief worker's, with ``chief``), ``loss_scale_overflow``,
+        ``level_shift``, and ``autopsy_dump_removed`` (no event fields)."""
         if listener not in self._listeners:
             self._listeners.append(listener)
         if isinstance(listener, _record.EventRecorder):
@@ -151,8 +147,7 @@ class Guard:
                 )
 
     def _own_recorder(self) -> Optional[_record.EventRecorder]:
-        """The record in the autopsy directory, unless a listener keeps one (each bad step is
-        recorded once)."""
+        """The record in the autopsy directory, unless a listener keeps one (one record each)."""
         if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
@@ -186,8 +181,7 @@ class Guard:
         return _verdict.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step that stored `sums` was an overflow of a dynamic loss-scale
-        optimizer, by the train op's own rule (`_verdict.stored_overflow`)."""
+        """Whether a non-finite step that stored `sums` was a loss-scale optimizer's overflow."""
         if self.loss_scale_floor is None:
             return False
         return _verdict.stored_overflow(sums, len(self.variable_names))
@@ -195,9 +189,8 @@ class Guard:
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """Names of the variables whose gradients held NaN or Inf, and what each held: exact
-        from `kinds` (`StepReport.kinds`), else from `sums` (a non-finite sum names its variable,
-        an overflow of finite values too) with no kinds."""
+        """Names of the variables whose gradients held NaN or Inf, and what each held: exact from
+        `kinds`, else from `sums` (an overflow of finite values too) with no kinds."""
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
@@ -215,8 +208,6 @@ class Guard:
         autopsies off or used up, or no batch kept. It never fails (its ``error`` says why);
         `cause` is the reason that rejected the step (ValueError if none such), `over` the
         values it was caught on."""
-        from slim_nanguard import _autopsy  # Local: only a bad step needs it.
-
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
         if cause not in causes:
             raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
@@ -239,10 +230,7 @@ class Guard:
         return result
 
     def _remove_old_dumps(self) -> None:
-        """Keeps the first ``autopsy_keep_first`` and the last ``autopsy_keep_last`` dumps;
-        records each one removed."""
-        from slim_nanguard import _autopsy  # Local, as in `autopsy`.
-
+        """Keeps the first and the last dumps the config says; records each one removed."""
         first, last = self.config.autopsy_keep_first, self.config.autopsy_keep_last
         try:
             gone = _autopsy.remove_old_dumps(self.autopsy_dir, first, last)
@@ -312,8 +300,7 @@ class Guard:
         return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
-        """``(step, sums)`` the bad step just seen left in the raw `session`: the global step
-        (-1 without one) and the sums vector it stored, the loss first."""
+        """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
         if self.global_step is None:
             return _stored(session.run({"sums": self.diagnostics}))
         return _stored(session.run({"sums": self.diagnostics, "step": self.global_step}))
@@ -332,8 +319,7 @@ for _field in dataclasses.fields(GraphHandles):
 def read_report(
     reasons: Sequence[_reasons.Reason], vector: Sequence[float]
 ) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
-    """``(reason, figures)`` of a stored `_finiteness.StepTest.report`, or ``(None, None)`` for
-    a non-finite step (or none stored)."""
+    """``(reason, figures)`` of a stored report; ``(None, None)`` for a non-finite step."""
     code, start = int(vector[0]), 1
     for index, reason in enumerate(reasons):
         end = start + len(reason.report_fields)
@@ -345,11 +331,9 @@ def read_report(
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What a bad step left for the loop, read at once (`Guard.read_step_report`): its global
-    step (-1 without one); the loss, then the sum of each gradient (and the loss scale, with
-    one); the reason that rejected it and what it stored (None for a non-finite step); and, for
-    a non-finite step whose train op keeps them, what the loss and each gradient held, exact
-    (`_verdict` kind names)."""
+    """What a bad step left, read at once: its global step (-1 without one), the loss then each
+    gradient's sum (then the loss scale), the reason that rejected it and its figures (None if
+    non-finite), and the exact kinds of the loss and each gradient, when kept."""
 
     step: int
     sums: List[float]

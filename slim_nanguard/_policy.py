@@ -1,8 +1,5 @@
-"""Recovery policies, the guard's counters and its one transition, `decide`: pure, no TensorFlow.
-
-docs/guide.md ("Policies and escalation") says what each policy does to a run; `_actions`
-carries a `Decision` out.
-"""
+"""Recovery policies, the guard's counters and its one transition, `decide` (pure, no TensorFlow;
+docs/guide.md, "Policies and escalation", says what each policy does)."""
 
 from __future__ import annotations
 
@@ -169,8 +166,7 @@ def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
 
 
 def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, ...]:
-    """The settings that make a bad step roll back with no callback choosing it, as messages
-    name them."""
+    """The settings that make a bad step roll back with no callback choosing it, named."""
     policies = [("nan_policy", config.nan_policy if policy is None else policy)]
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
     escalated = " with persistent_nan_policy='rollback'"
@@ -193,8 +189,7 @@ def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[st
 
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a Saver is needed: `rolls_back`, or an ``on_nan`` callback (it may choose
-    ``rollback``)."""
+    """Whether a Saver is needed: `rolls_back`, or an ``on_nan`` that may choose ``rollback``."""
     return rolls_back(config, policy) or config.on_nan is not None
 
 
@@ -235,19 +230,14 @@ class GuardState:
     def since(self, start: "GuardState") -> "GuardState":
         """What happened since `start`: each count the difference, the rest as now."""
         before = dict(start.rejected)
+        counts = [f.name for f in dataclasses.fields(self) if f.type == "int"]
+        counts.remove("consecutive_bad_steps")  # The run's length: it does not only grow.
         return replace(
             self,
             rejected=tuple((name, n - before.get(name, 0)) for name, n in self.rejected),
-            **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS},
+            **{name: getattr(self, name) - getattr(start, name) for name in counts},
         )
 
-
-# The counts that only grow (`GuardState.since` subtracts them): its int fields but the run's.
-_COUNTS = tuple(
-    f.name
-    for f in dataclasses.fields(GuardState)
-    if f.type == "int" and f.name != "consecutive_bad_steps"
-)
 
 # The observations: what `decide` is told, each a plain value.
 
@@ -410,8 +400,8 @@ def _decide_bad(
 def _new_level(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Optional[_level_shift.LevelShift]:
-    """The new level the run of spikes this one ends makes, if any: only a guarded spike that is
-    skipped may end one (a rollback moves the global step back)."""
+    """The new level the run of spikes this one ends, if any: only a guarded spike that is
+    skipped ends one (a rollback moves the global step back)."""
     if (
         observation.cause != Fault.SPIKE
         or not observation.guarded
