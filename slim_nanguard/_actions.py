@@ -86,8 +86,7 @@ def checkpoint_dir_for(
 
 
 def stop_session(session: SessionLike) -> None:
-    """Asks a `MonitoredSession` to stop (its ``should_stop()`` is then True); a raw session
-    has nothing to ask."""
+    """Asks a `MonitoredSession` to stop (``should_stop()`` is then True); not a raw session."""
     # The public route, ``step_context.request_stop()`` in ``run_step_fn``, raises
     # `StopIteration` and leaves ``should_stop()`` False (TensorFlow 2.21).
     creator = getattr(session, "_coordinated_creator", None)  # pylint: disable=protected-access

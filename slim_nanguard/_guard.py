@@ -93,8 +93,7 @@ class Guard:
         return decision
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
-        """Sends autopsy dumps to `path`, and the guard's own record of bad steps unless a
-        listener is an `EventRecorder`; the first path given stays unless `replace`."""
+        """Sends autopsy dumps (and the guard's own record) to `path`, if first or `replace`."""
         if path and (replace or self.autopsy_dir is None):
             self.autopsy_dir = path
 
@@ -162,8 +161,7 @@ class Guard:
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
         """Says that the caller applies the policy to this guard's bad steps in the raw `session`
-        (hook mode; else a no-op): without it a bad step fails with an error naming what to add.
-        A hand-written hook-mode loop that checks ``ok`` itself calls it once per session."""
+        (hook mode, once per session; else a no-op); without it a bad step fails naming it."""
         if self.judged is None:
             return
         try:
@@ -204,10 +202,9 @@ class Guard:
         cause: str = _reasons.NON_FINITE,
         over: Sequence[str] = (),
     ):
-        """The `Autopsy` of the bad step just seen (call it before any rollback), or None:
-        autopsies off or used up, or no batch kept. It never fails (its ``error`` says why);
-        `cause` is the reason that rejected the step (ValueError if none such), `over` the
-        values it was caught on."""
+        """The `Autopsy` (never failing: its ``error`` says why) of the bad step just seen, before
+        any rollback, or None: autopsies off or used up, or no batch kept. `cause` rejected the
+        step (ValueError if no such reason), on the values `over`."""
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
         if cause not in causes:
             raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")

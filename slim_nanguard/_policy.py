@@ -141,8 +141,7 @@ class GuardConfig:
 
     @property
     def all_reasons(self) -> Tuple[Reason, ...]:
-        """The reasons to reject a finite step, in the order they are judged: the spike test
-        (with a ``spike_policy``), then `reasons`."""
+        """The reasons judged on a finite step, in order: the spike test if any, then `reasons`."""
         if self.spike_policy is None:
             return self.reasons
         spike = _spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
@@ -470,8 +469,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
-    fault = observation.cause
-    policy = "nan_policy" if fault == NON_FINITE else f"{fault}_policy"
+    policy = "nan_policy" if observation.cause == NON_FINITE else f"{observation.cause}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 
 
