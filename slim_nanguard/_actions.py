@@ -1,16 +1,10 @@
-"""Reading, recording and carrying out a bad step: the one place the guard acts on a session.
-
-Every loop hands a run the guard found not finite to `judge`, which reads it, records it
-(`record_bad_step`: the guard decides, over `_policy.decide`) and acts on it (`carry_out`, the
-only code that raises, stops, skips or rolls back); the loop reads the `Outcome`. A rollback
-restores with the guard's saver (`Guard.saver`) from the directory `checkpoint_dir_for` names.
-docs/design.md ("One state, one transition, one place that acts") walks the path.
-"""
+"""Reading, recording and carrying out a bad step: the one place the guard acts on a session
+(docs/design.md, "One state, one transition, one place that acts")."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -20,8 +14,6 @@ from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
-from slim_nanguard._reasons import NON_FINITE
-from slim_nanguard._reasons import Reason
 from slim_nanguard._types import Action
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
@@ -29,20 +21,14 @@ from slim_nanguard._types import SessionLike
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._guard import Guard
+    from slim_nanguard._guard import StepReport
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What one judged run came to, and what was done about it.
-
-    Attributes:
-      event: The bad step's (or the loss-scale overflow's) `NanEvent`; None for a good step.
-      action: The `Action` carried out; None for a good step and for an overflow.
-      overflow: True for an overflow step of a dynamic loss-scale optimizer (no bad step).
-      stop: True when the loop is to stop (the ``stop`` action).
-      step: The global step after a rollback, else None.
-      checkpoint: The checkpoint a rollback restored, else None.
-    """
+    """What one judged run came to: the `event` of a bad step (or of an `overflow` of a dynamic
+    loss-scale optimizer, no bad step), the `action` carried out on a bad step, and after a
+    rollback the global `step` and the `checkpoint` restored."""
 
     event: Optional[_events.NanEvent] = None
     action: Optional[Action] = None
@@ -72,15 +58,6 @@ def raw_call(session: SessionLike, fn: Callable[[tf.compat.v1.Session], Any]) ->
     return fn(session)
 
 
-def session_checkpoint_dir(session: SessionLike) -> Optional[str]:
-    """The directory a MonitoredTrainingSession's `CheckpointSaverHook` saves to, if any."""
-    # MonitoredSession keeps its hooks in a private list; there is no public accessor.
-    for hook in getattr(session, "_hooks", None) or ():
-        if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
-            return getattr(hook, "_checkpoint_dir", None)
-    return None
-
-
 def checkpoint_dir_for(
     guard: "Guard",
     checkpoint_dir: Optional[str],
@@ -90,18 +67,15 @@ def checkpoint_dir_for(
     policy: Optional[str] = None,
     advice: str,
 ) -> Optional[str]:
-    """The checkpoint directory a rollback of `guard` uses: the one rule.
-
-    `checkpoint_dir` when given, else the one `session`'s `CheckpointSaverHook` saves to, else
-    `logdir`; it becomes the guard's autopsy directory too, unless it has one. None when none is
-    known and the policy (`policy`, a hook's override, else the configured one) never rolls back.
-
-    Raises:
-      ValueError: The policy rolls back (`_policy.rolls_back`) and no directory is known; the
-        message says `advice`.
-    """
+    """The checkpoint directory a rollback of `guard` uses, the one rule: `checkpoint_dir`,
+    else the one `session`'s `CheckpointSaverHook` saves to, else `logdir` (the guard's autopsy
+    directory too, unless it has one), else None. Raises ValueError, saying `advice`, when none
+    is known and the policy (`policy`, a hook's override, else the configured one) rolls back."""
     if not checkpoint_dir and session is not None:
-        checkpoint_dir = session_checkpoint_dir(session)
+        # MonitoredSession keeps its hooks in a private list; there is no public accessor.
+        hooks = getattr(session, "_hooks", None) or ()
+        savers = [h for h in hooks if isinstance(h, tf.compat.v1.train.CheckpointSaverHook)]
+        checkpoint_dir = getattr(savers[0], "_checkpoint_dir", None) if savers else None
     checkpoint_dir = checkpoint_dir or logdir
     if not checkpoint_dir and _policy.rolls_back(guard.config, policy):
         message = _policy.checkpoint_dir_message(guard.config, advice, policy)
@@ -112,10 +86,9 @@ def checkpoint_dir_for(
 
 
 def stop_session(session: SessionLike) -> None:
-    """Asks a `MonitoredSession` to stop (its ``should_stop()`` is then True); a raw session
-    has nothing to ask. Through its private coordinator: the public route,
-    ``step_context.request_stop()`` in ``run_step_fn``, raises `StopIteration` and leaves
-    ``should_stop()`` False (TensorFlow 2.21)."""
+    """Asks a `MonitoredSession` to stop (``should_stop()`` is then True); not a raw session."""
+    # The public route, ``step_context.request_stop()`` in ``run_step_fn``, raises
+    # `StopIteration` and leaves ``should_stop()`` False (TensorFlow 2.21).
     creator = getattr(session, "_coordinated_creator", None)  # pylint: disable=protected-access
     if creator is not None and getattr(creator, "coord", None) is not None:
         creator.coord.request_stop()
@@ -126,68 +99,30 @@ def no_stop() -> None:
 
 
 def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
-    """Tells `guard` a step went through, and keeps its `loss` (when known) for the record
-    of the next bad step."""
+    """Tells `guard` a step went through, and keeps its `loss` (when known)."""
     guard.observe(_policy.GoodStep())
     if loss is not None:
         guard.history.add(float(loss))
 
 
-def record_overflow(
-    guard: "Guard", *, step: int, sums: Sequence[float], kinds: Optional[Sequence[str]] = None
-) -> _events.NanEvent:
-    """Records an overflow step of a dynamic loss-scale optimizer (no bad step, no policy)
-    and returns its event, whose ``action`` (and record ``kind``) is ``"loss_scale_overflow"``.
-    `sums` holds the loss, the gradient sums and the loss scale; `kinds` as in `StepReport`."""
-    guard.observe(_policy.LossScaleOverflow())
-    guard.history.anchor(int(step))  # The good steps before it end one step before.
-    event = _new_event(guard, guard.state, step, sums, kinds, _events.LOSS_SCALE_OVERFLOW)
-    _events.log_event(event)
-    guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
-    return event
-
-
 def record_bad_step(
-    guard: "Guard",
-    *,
-    step: int,
-    sums: Sequence[float],
-    policy: Optional[str] = None,
-    autopsy=None,
-    kinds: Optional[Sequence[str]] = None,
-    reason: Optional[Reason] = None,
-    figures: Optional[dict] = None,
+    guard: "Guard", read: "StepReport", policy: Optional[str] = None, autopsy=None
 ) -> Tuple[_events.NanEvent, _policy.Decision]:
-    """Records a bad step and has the guard decide about it; carries nothing out.
-
-    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action;
-    the event is then logged and sent to the listeners (kind ``bad_step``). A non-finite step
-    gets `policy` (a hook's override) or ``nan_policy``; a step `reason` rejected gets that
-    reason's policy. `sums` is the loss, then each gradient's sum; without `kinds`
-    (`StepReport.kinds`) the culprits come from the sums. `step` is -1 if unknown.
-
-    Returns:
-      ``(event, decision)``; the event's ``action`` is the decision's.
-    """
-    config = guard.config
-    if reason is None:
-        cause, chosen = NON_FINITE, Action(policy or config.nan_policy)
-    else:  # All finite: no culprit, whatever kinds a previous step left.
-        cause, chosen, kinds = reason.name, Action(reason.policy), ()
-    counted = _policy.counted(guard.state, int(step))
-    event = dataclasses.replace(
-        _new_event(guard, counted, step, sums, kinds, chosen, autopsy=autopsy),
-        cause=cause,
-        figures=figures,
-        reason=reason,
-    )
-    if config.on_nan is not None:
-        choice = config.on_nan(event)
-        if choice is not None:
-            chosen = _policy.validate_action(choice, "the on_nan callback")
-    decision = guard.observe(
-        _policy.BadStep(int(step), chosen, cause=cause, figures=figures), event=event
-    )
+    """Records the bad step `read` and has the guard decide about it: ``(event, decision)``.
+    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action
+    instead of the reason's policy, or `policy` (a hook's override) or ``nan_policy``."""
+    config, step = guard.config, read.step
+    chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
+    event = _new_event(guard, _policy.counted(guard.state, step), read, chosen, autopsy)
+    choice = None if config.on_nan is None else config.on_nan(event)
+    if choice is not None and choice not in _policy.POLICIES:
+        raise ValueError(
+            f"the on_nan callback must return one of {', '.join(_policy.POLICIES)} or None; "
+            f"got {choice!r}."
+        )
+    chosen = chosen if choice is None else Action(choice)
+    bad_step = _policy.BadStep(step, chosen, cause=read.cause, figures=read.figures)
+    decision = guard.observe(bad_step, event=event)
     event = guard.last_event  # With the action decided, escalation included.
     _events.log_event(event)
     if decision.escalation and decision.action != Action.RAISE:
@@ -198,7 +133,7 @@ def record_bad_step(
             decision.action.value,
         )
     extra = {"escalation": decision.escalation} if decision.escalation else {}
-    losses_before = guard.history.anchor(int(step))
+    losses_before = guard.history.anchor(step)
     if losses_before:
         extra["losses_before"] = [[s, value] for s, value in losses_before]
     guard.notify("bad_step", event, **extra)
@@ -206,19 +141,13 @@ def record_bad_step(
 
 
 def _new_event(
-    guard: "Guard",
-    counts: _policy.GuardState,
-    step: int,
-    sums: Sequence[float],
-    kinds: Optional[Sequence[str]],
-    action: str,
-    autopsy=None,
+    guard: "Guard", counts: _policy.GuardState, read: "StepReport", action: str, autopsy=None
 ) -> _events.NanEvent:
-    """The event of a step that stored `sums` (the loss first), with the guard's `counts`."""
-    loss = float(list(sums)[0])
-    culprits, culprit_kinds = guard.culprits_and_kinds(sums, kinds)
+    """The event of the step `read`, with the guard's `counts`."""
+    loss = read.sums[0]
+    culprits, culprit_kinds = guard.culprits_and_kinds(read.sums, read.kinds)
     return _events.NanEvent(
-        step=int(step),
+        step=read.step,
         loss=loss,
         loss_kind=_events.classify(loss),
         culprits=culprits,
@@ -227,22 +156,12 @@ def _new_event(
         total=counts.total_bad_steps,
         mode=guard.mode,
         action=action,
-        loss_scale=guard.loss_scale_of(sums),
+        loss_scale=guard.loss_scale_of(read.sums),
         autopsy=autopsy,
+        cause=read.cause,
+        figures=read.figures,
+        reason=read.reason,
     )
-
-
-def give_up(
-    event: _events.NanEvent, decision: _policy.Decision, error: Optional[BaseException] = None
-) -> NoReturn:
-    """Raises the `NanLossError` of a decision to raise, chained to `error` if given (as
-    `_errors.caught_numerics_error` words it: the policy was applied)."""
-    nan_error = _errors.NanLossError(
-        event, decision.reason, cause=decision.cause, limit=decision.limit
-    )
-    if error is not None:
-        raise nan_error from _errors.caught_numerics_error(error)
-    raise nan_error
 
 
 def carry_out(
@@ -259,22 +178,18 @@ def carry_out(
 ) -> Outcome:
     """Carries out `decision` about `event` against `session`: the only code that acts.
 
-    `guard` is None for a loss no guarded train op made (it can only raise or stop). A rollback
-    goes around a `MonitoredSession`'s hooks, restores from `checkpoint_dir`, skips
-    `skip_batches` batches (default ``rollback_skip_batches``) and adds `record` to its
-    ``rollback`` record (a cluster chief's answer). A stop calls `request_stop` (default
-    `stop_session`); a raise is chained to `error`, the step's numerics error.
-
-    Returns:
-      The `Outcome`.
-
-    Raises:
-      NanLossError: The decision is ``raise``.
-      CheckpointNotFoundError: A rollback found no good checkpoint.
-    """
+    `guard` is None for a loss no guarded train op made. A rollback restores from
+    `checkpoint_dir` (or raises `CheckpointNotFoundError`), skips `skip_batches` batches (default
+    ``rollback_skip_batches``) and adds `record` to its record. A stop calls `request_stop`
+    (default `stop_session`); a raise is chained to `error`."""
     action = Action(decision.action)
     if action is Action.RAISE:
-        give_up(event, decision, error)
+        nan_error = _errors.NanLossError(
+            event, decision.reason, cause=decision.cause, limit=decision.limit
+        )
+        if error is not None:
+            raise nan_error from _errors.caught_numerics_error(error)
+        raise nan_error
     if action is Action.SKIP:
         if decision.level_shift is not None:
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
@@ -285,16 +200,14 @@ def carry_out(
         else:
             stop_session(session)
         return Outcome(event=event, action=action, stop=True)
-    if action is Action.ROLLBACK:
-        path = raw_call(
-            session,
-            lambda raw: _roll_back(
-                guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
-            ),
-        )
-        step = raw_call(session, guard.read_global_step)
-        return Outcome(event=event, action=action, step=step, checkpoint=path)
-    raise ValueError(f"no way to carry out the action {action.value!r}; add it to carry_out.")
+    path = raw_call(  # A rollback, the only action left.
+        session,
+        lambda raw: _roll_back(
+            guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
+        ),
+    )
+    step = raw_call(session, guard.read_global_step)
+    return Outcome(event=event, action=action, step=step, checkpoint=path)
 
 
 def _take_new_level(
@@ -305,12 +218,11 @@ def _take_new_level(
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
     test = guard.reason_handles[Fault.SPIKE]  # The `_spike.SpikeTest`.
-    values, floor, reseed = test.reseed_values, test.reseed_floor, test.reseed
     # At least a warm-up's worth of rows (the values repeated whole): the test judges the
     # next step at once, against the new level.
     repeats = -(-guard.config.spike_warmup_steps // len(level.values))
     rows = ([list(v) for v in level.values] * repeats)[: test.window]
-    session.run(reseed, {values: rows, floor: level.floor})
+    session.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: level.floor})
     test.note_reseed(event.step, len(level.values), repeats)
     guard.history.clear()  # The losses before the new level climb to it: no divergence.
     logging.warning(
@@ -330,9 +242,8 @@ def _roll_back(
     record: dict,
     before_step: Optional[int] = None,
 ) -> str:
-    """Rolls back after `event`, the one route: restores (`_rollback.Rollback.restore`) and
-    records ``rollback``, or on a cluster's non-chief sends the guard's `rollback_request`
-    (record ``rollback_requested``). Returns the checkpoint restored, or "" for a request."""
+    """Rolls back after `event`: restores and records ``rollback``, or on a cluster's non-chief
+    sends the guard's `rollback_request`. Returns the checkpoint restored, or "" for a request."""
     if before_step is None:
         before_step, why = _rollback.onset(
             guard.state.run_start, event.consecutive, guard.history.points()
@@ -389,40 +300,23 @@ def judge(
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
 ) -> Outcome:
-    """Handles a run the guard found not finite: reads it, records it, acts on it.
-
-    An overflow of a dynamic loss-scale optimizer is only recorded (`record_overflow`); a bad
-    step is autopsied (before any rollback), decided (`record_bad_step`) and carried out
-    (`carry_out`, with `checkpoint_dir`, `error` and `request_stop`). `session` may be a
-    `MonitoredSession` (its hooks are not run); `policy` is a hook's override of ``nan_policy``;
-    `stored` is ``(step, sums)`` already read, or None to read them.
-
-    Returns:
-      The `Outcome`.
-
-    Raises:
-      NanLossError: The decision is ``raise``.
-      CheckpointNotFoundError: A rollback found no good checkpoint.
-    """
+    """Handles a run the guard found not finite: reads it (unless `stored` holds ``(step,
+    sums)``), records it and acts on it (`carry_out`). `session` may be a `MonitoredSession` (its
+    hooks are not run); `policy` is a hook's override of ``nan_policy``."""
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        step, sums, kinds = read.step, read.sums, read.kinds
-        if read.reason is None and guard.is_loss_scale_overflow(sums):
-            # The loss-scale optimizer skipped the update and lowered its scale.
-            return record_overflow(guard, step=step, sums=sums, kinds=kinds), None
+        if read.reason is None and guard.is_loss_scale_overflow(read.sums):
+            # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
+            guard.observe(_policy.LossScaleOverflow())
+            guard.history.anchor(read.step)  # The good steps before it end one step before.
+            event = _new_event(guard, guard.state, read, _events.LOSS_SCALE_OVERFLOW)
+            _events.log_event(event)
+            guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
+            return event, None
         over = (read.figures or {}).get("over") or ()
-        autopsy = guard.autopsy(raw, step, read.cause, over)  # Before any rollback.
-        return record_bad_step(
-            guard,
-            step=step,
-            sums=sums,
-            policy=policy,
-            autopsy=autopsy,
-            kinds=kinds,
-            reason=read.reason,
-            figures=read.figures,
-        )
+        autopsy = guard.autopsy(raw, read.step, read.cause, over)  # Before any rollback.
+        return record_bad_step(guard, read, policy, autopsy)
 
     event, decision = raw_call(session, record)
     if decision is None:

@@ -1,15 +1,11 @@
-"""The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state.
-
-`create_train_op` registers one `Guard` per train op with its graph; the loops and the hook
-find it with `get_guard`. A guard decides nothing and acts on nothing (`_actions` does, over
-`_policy.decide`). The registry is a weak mapping from graph to guards: a graph collection of
-Python objects would make every meta-graph export warn that it cannot be serialised.
-"""
+"""The run-time side of a guarded train op: `Guard`, a holder of its graph handles and state
+that decides nothing and acts on nothing (`_actions` does, over `_policy.decide`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -17,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _autopsy
 from slim_nanguard import _errors
 from slim_nanguard import _events
 from slim_nanguard import _history
@@ -31,6 +28,8 @@ from slim_nanguard._policy import GuardState
 from slim_nanguard._types import Fault
 from slim_nanguard._types import Listener
 
+# The guards of each graph: not a graph collection, which would make every meta-graph export
+# warn that it cannot serialise them.
 _REGISTRY: "weakref.WeakKeyDictionary[tf.Graph, List[Guard]]" = weakref.WeakKeyDictionary()
 
 # Op types that run a function body: an error raised inside (a train op built in a
@@ -43,33 +42,15 @@ _CHECK_MESSAGE = re.compile(r" : Tensor had (NaN|Inf) values")
 _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 
-def _handle(name: str) -> property:
-    """A read-only attribute of `Guard` that reads the `GraphHandles` field `name`."""
-
-    def get(self: "Guard") -> Any:
-        return getattr(self._handles, name)
-
-    get.__doc__ = f"The ``{name}`` of the guard's `GraphHandles`."
-    return property(get)
-
-
 # A cluster's non-chief worker: ``fn(raw_session, guard, event) -> record fields`` asks the
 # chief to roll back instead of restoring here (see `Guard.set_rollback_request`).
 RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Dict[str, Any]]
 
 
 class Guard:
-    """One guarded train op: its graph handles, its config and its state.
-
-    Made by `create_train_op`; get it with `get_guard`. It holds and reads; it neither decides
-    nor acts, and its state changes only through `observe`. Each `GraphHandles` field
-    (``train_op``, ``loss``, ``ok``, ``grad_sums``, ...) is readable as an attribute.
-
-    Args:
-      config: The `GuardConfig` the train op was built with.
-      handles: What `create_train_op` built.
-      saver: The Saver rollbacks restore with, if `create_train_op` built one.
-    """
+    """One guarded train op, made by `create_train_op` (get it with `get_guard`): its graph
+    handles (each `GraphHandles` field is readable as an attribute), its config and its state,
+    which changes only through `observe`. It holds and reads; it neither decides nor acts."""
 
     def __init__(
         self,
@@ -81,127 +62,57 @@ class Guard:
         self._config = config
         self._handles = handles
         self._state = GuardState()
-        self._restorer = _rollback.Rollback(handles, config, saver)
         self._judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
         self._listeners: List[Listener] = []
         self._last_event: Optional[_events.NanEvent] = None
-        self._rollback_request: Optional[RollbackRequest] = None
-        # Where autopsy dumps go (set by the loop or the hook).
-        self._autopsy_dir: Optional[str] = None
-        # The record in that directory, when no listener keeps one (`_own_recorder`).
+        # The record in `autopsy_dir` (next to the checkpoints), when no listener keeps one.
         self._recorder: Optional[_record.EventRecorder] = None
         self._recorder_dir: Optional[str] = None
-        # The losses of the last good steps, for the record of the next bad step.
-        self._history = _history.LossHistory(config.losses_before)
+        self.autopsy_dir: Optional[str] = None
+        self.restorer = _rollback.Rollback(handles, config, saver)  # Checkpoints and input.
+        self.history = _history.LossHistory(config.losses_before)  # The last good steps' losses.
+        self.rollback_request: Optional[RollbackRequest] = None  # See `set_rollback_request`.
 
-    # ----------------------------------------------------------------- what it holds
-    @property
-    def config(self) -> _policy.GuardConfig:
-        """The `GuardConfig` the train op was built with."""
-        return self._config
-
-    @property
-    def handles(self) -> GraphHandles:
-        """The graph side of the train op (`GraphHandles`)."""
-        return self._handles
-
-    @property
-    def state(self) -> GuardState:
-        """The `GuardState` counters, kept for the life of the process."""
-        return self._state
-
-    @property
-    def last_event(self) -> Optional[_events.NanEvent]:
-        """The event of the last bad step, or None."""
-        return self._last_event
-
-    @property
-    def saver(self) -> Optional[tf.compat.v1.train.Saver]:
-        """The one Saver every rollback of this guard restores with (None if none built)."""
-        return self._restorer.saver
-
-    @property
-    def restorer(self) -> _rollback.Rollback:
-        """What restores this guard's checkpoints and skips its input (`_rollback.Rollback`)."""
-        return self._restorer
-
-    @property
-    def history(self) -> _history.LossHistory:
-        """The losses of the last good steps, for the record of the next bad step."""
-        return self._history
-
-    @property
-    def rollback_request(self) -> Optional[RollbackRequest]:
-        """How a rollback is sent to a cluster's chief instead of restored here, or None."""
-        return self._rollback_request
-
-    @property
-    def autopsy_dir(self) -> Optional[str]:
-        """Where autopsy dumps go (next to the checkpoints), or None."""
-        return self._autopsy_dir
+    # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
+    # `GuardState` counters (kept for the life of the process), the last bad step's event and
+    # the one Saver every rollback of this guard restores with (None if none built).
+    config = property(operator.attrgetter("_config"))
+    handles = property(operator.attrgetter("_handles"))
+    state = property(operator.attrgetter("_state"))
+    last_event = property(operator.attrgetter("_last_event"))
+    saver = property(operator.attrgetter("restorer.saver"))
 
     def observe(
         self, observation: _policy.Observation, event: Optional[_events.NanEvent] = None
     ) -> Optional[_policy.Decision]:
-        """Tells the guard what happened: the one way its state changes. Returns the decision
-        of `_policy.decide` (None if none is needed); a bad step's `event` is kept as `last_event`,
-        with the action decided."""
+        """Tells the guard what happened, the one way its state changes; returns the decision of
+        `_policy.decide`. A bad step's `event` is kept as `last_event`, with the action decided."""
         decision, self._state = _policy.decide(self._config, self._state, observation)
         if event is not None and decision is not None:
             self._last_event = dataclasses.replace(event, action=decision.action)
         return decision
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
-        """Sends autopsy dumps to `path`, and the guard's own record of bad steps unless a
-        listener is an `EventRecorder`; the first path given stays unless `replace`."""
-        if path and (replace or self._autopsy_dir is None):
-            self._autopsy_dir = path
+        """Sends autopsy dumps (and the guard's own record) to `path`, if first or `replace`."""
+        if path and (replace or self.autopsy_dir is None):
+            self.autopsy_dir = path
 
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
-        """The rollback Saver, built now if `create_train_op` built none (a hook whose
-        policy override may roll back); call it before the graph is finalized."""
-        return self._restorer.ensure_saver()
+        """The rollback Saver, built now (before the graph is finalized) if there is none."""
+        return self.restorer.ensure_saver()
 
     def set_rollback_request(self, request: Optional[RollbackRequest]) -> None:
-        """Sends this guard's rollbacks to `request` (a cluster's non-chief worker asks its
-        chief, `_cluster.RollbackRequestHook`) instead of restoring here; None restores here."""
-        self._rollback_request = request
+        """Sends this guard's rollbacks to `request` instead of restoring here (None: here)."""
+        self.rollback_request = request
 
-    mode = _handle("mode")
-    train_op = _handle("train_op")
-    loss = _handle("loss")
-    global_step = _handle("global_step")
-    grad_sums = _handle("grad_sums")
-    ok = _handle("ok")
-    diagnostics = _handle("diagnostics")
-    check_op_name = _handle("check_op_name")
-    variable_names = _handle("variable_names")
-    lr_scale = _handle("lr_scale")
-    loss_scale_floor = _handle("loss_scale_floor")
-    in_loop = _handle("in_loop")
-    judged = _handle("judged")
-    pivot = _handle("pivot")
-    capture = _handle("capture")
-    input_ops = _handle("input_ops")
-    value_kinds = _handle("value_kinds")
-    kinds_read = _handle("kinds_read")
-    report = _handle("report")
-    reasons = _handle("reasons")
-    reason_handles = _handle("reason_handles")
-    optional_variables = _handle("optional_variables")
-
-    # ----------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
-        counts this guard's state from now on.
-
-        A record is a JSON-ready dict: its ``kind`` and the `NanEvent`'s fields. Kinds:
-        ``bad_step`` (with ``escalation`` when ``persistent_nan_policy`` acted, and
-        ``losses_before``), ``rollback`` (``checkpoint``, ``skipped_batches``; a cluster chief's
-        ``requested_by`` and ``requests``), ``rollback_requested`` (a non-chief worker's, with
-        ``chief``), ``loss_scale_overflow``, ``level_shift``, and ``autopsy_dump_removed`` (no
-        event fields).
-        """
+        counts this guard's state from now on. A record is a JSON-ready dict: its ``kind`` and
+        the `NanEvent`'s fields. Kinds: ``bad_step`` (with ``escalation`` when
+        ``persistent_nan_policy`` acted, and ``losses_before``), ``rollback`` (``checkpoint``,
+        ``skipped_batches``; a cluster chief's ``requested_by`` and ``requests``),
+        ``rollback_requested`` (a non-chief worker's, with ``chief``), ``loss_scale_overflow``,
+        ``level_shift``, and ``autopsy_dump_removed`` (no event fields)."""
         if listener not in self._listeners:
             self._listeners.append(listener)
         if isinstance(listener, _record.EventRecorder):
@@ -235,25 +146,22 @@ class Guard:
                 )
 
     def _own_recorder(self) -> Optional[_record.EventRecorder]:
-        """The record in the autopsy directory, or None: no directory, or a listener that is
-        an `EventRecorder` keeps the record (each bad step is recorded once)."""
-        if self._autopsy_dir is None or any(
+        """The record in the autopsy directory, unless a listener keeps one (one record each)."""
+        if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
             return None
-        if self._recorder is None or self._recorder_dir != self._autopsy_dir:
+        if self._recorder is None or self._recorder_dir != self.autopsy_dir:
             # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
             # second FileWriter on the same directory can open the same events file in the
             # same second and corrupt it. The TensorBoard counters are `train`'s.
-            self._recorder = _record.EventRecorder(self._autopsy_dir, write_summaries=False)
-            self._recorder_dir = self._autopsy_dir
+            self._recorder = _record.EventRecorder(self.autopsy_dir, write_summaries=False)
+            self._recorder_dir = self.autopsy_dir
         return self._recorder
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
-        """Says that the caller applies the policy to this guard's bad steps in `session` (a raw
-        session). Hook mode only (else a no-op): without it a bad step fails with an error naming
-        what to add. `NanLossHook` and `train_step` call it; a hand-written hook-mode loop that
-        checks ``ok`` itself calls it once per session."""
+        """Says that the caller applies the policy to this guard's bad steps in the raw `session`
+        (hook mode, once per session; else a no-op); without it a bad step fails naming it."""
         if self.judged is None:
             return
         try:
@@ -264,7 +172,6 @@ class Guard:
             pass
         session.run(self.judged.initializer)
 
-    # ----------------------------------------------------------------- reads
     def loss_scale_of(self, sums: Sequence[float]) -> Optional[float]:
         """The loss scale a step used, from what it stored (None without loss scaling)."""
         if self.loss_scale_floor is None:
@@ -272,9 +179,7 @@ class Guard:
         return _verdict.stored_loss_scale(sums, len(self.variable_names))
 
     def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step that stored `sums` (the loss, the gradient sums, the loss
-        scale) was an overflow of a dynamic loss-scale optimizer, by the train op's own rule
-        (`_verdict.stored_overflow`)."""
+        """Whether a non-finite step that stored `sums` was a loss-scale optimizer's overflow."""
         if self.loss_scale_floor is None:
             return False
         return _verdict.stored_overflow(sums, len(self.variable_names))
@@ -282,21 +187,13 @@ class Guard:
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
-        """Names of the variables whose gradients held NaN or Inf, and what each held.
-
-        Exact from `kinds` (`StepReport.kinds`) when given; else from `sums` (the loss, then each
-        gradient's sum): a non-finite sum names its variable (an overflow of finite values too), and
-        the kinds are empty.
-        """
+        """Names of the variables whose gradients held NaN or Inf, and what each held: exact from
+        `kinds`, else from `sums` (an overflow of finite values too) with no kinds."""
         if kinds is not None and len(kinds) == len(self.variable_names) + 1:
             bad = [(n, k) for n, k in zip(self.variable_names, kinds[1:]) if k != _verdict.FINITE]
             return tuple(n for n, _ in bad), tuple(k for _, k in bad)
-        names = tuple(
-            name
-            for name, s in zip(self.variable_names, list(sums)[1:])
-            if not math.isfinite(float(s))
-        )
-        return names, ()
+        grads = zip(self.variable_names, list(sums)[1:])
+        return tuple(name for name, s in grads if not math.isfinite(float(s))), ()
 
     def autopsy(
         self,
@@ -305,39 +202,22 @@ class Guard:
         cause: str = _reasons.NON_FINITE,
         over: Sequence[str] = (),
     ):
-        """Replays the bad step just seen, for the first ``autopsy_max_steps`` of them.
-
-        Call it right after the bad step, before any rollback: the variables still hold the weights
-        that produced it, and the train op kept its batch. A non-finite step's autopsy finds the
-        first op that made a NaN or Inf; a step a reason rejected (`cause`, its name; `over`, the
-        values it was caught on) gets the examples with the highest per-example loss.
-
-        Returns:
-          The `Autopsy` (its ``error`` says why it failed: it never raises), or None: autopsies off
-          or used up, or no batch kept.
-
-        Raises:
-          ValueError: `cause` is none of ``"non_finite"``, ``"spike"`` and the reasons' names.
-        """
-        from slim_nanguard import _autopsy  # Local: only a bad step needs it.
-
+        """The `Autopsy` (never failing: its ``error`` says why) of the bad step just seen, before
+        any rollback, or None: autopsies off or used up, or no batch kept. `cause` rejected the
+        step (ValueError if no such reason), on the values `over`."""
         causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in self.reasons)]
         if cause not in causes:
             raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
-        finite = cause != _reasons.NON_FINITE
-        if (
-            self.capture is None
-            or not self.capture.tensors
-            or not _policy.wants_autopsy(self._config, self._state)
-        ):
+        kept = self.capture is not None and self.capture.tensors
+        if not kept or not _policy.wants_autopsy(self._config, self._state):
             return None
         self.observe(_policy.Autopsied())
         result = _autopsy.autopsy_bad_step(
             session,
             self.capture,
-            [self.loss] if finite else [self.grad_sums],
+            [self.grad_sums] if cause == _reasons.NON_FINITE else [self.loss],
             step=step,
-            dump_dir=self._autopsy_dir,
+            dump_dir=self.autopsy_dir,
             timeout_secs=self.config.autopsy_timeout_secs,
             cause=cause,
             spike_over=over,
@@ -347,13 +227,10 @@ class Guard:
         return result
 
     def _remove_old_dumps(self) -> None:
-        """Keeps the first ``autopsy_keep_first`` and the last ``autopsy_keep_last`` dumps of
-        the autopsy directory; records each one removed (kind ``autopsy_dump_removed``)."""
-        from slim_nanguard import _autopsy  # Local, as in `autopsy`.
-
+        """Keeps the first and the last dumps the config says; records each one removed."""
         first, last = self.config.autopsy_keep_first, self.config.autopsy_keep_last
         try:
-            gone = _autopsy.remove_old_dumps(self._autopsy_dir, first, last)
+            gone = _autopsy.remove_old_dumps(self.autopsy_dir, first, last)
         except Exception as err:  # pylint: disable=broad-except  (never into training)
             logging.warning("slim_nanguard: could not remove old autopsy dumps: %s", err)
             return
@@ -377,20 +254,18 @@ class Guard:
                 }
             )
 
-    # ----------------------------------------------------------------- check_numerics mode
     def owns_error(self, error: BaseException) -> bool:
         """True if `error` was raised by this guard's check_numerics op."""
-        op = getattr(error, "op", None)
         if self.check_op_name is None or not is_numerics_error(error):
             return False
+        op = getattr(error, "op", None)
         if op is None or op.type in _FUNCTION_OP_TYPES:  # Raised in a loop body: by name.
-            return self.in_loop and self.check_op_name in _INNER_NODE.findall(
-                getattr(error, "message", "")
-            )
+            inner = _INNER_NODE.findall(getattr(error, "message", ""))
+            return self.in_loop and self.check_op_name in inner
         return op.name == self.check_op_name
 
     def read_global_step(self, session: tf.compat.v1.Session) -> Optional[int]:
-        """The global step in `session` (a raw session), or None without one."""
+        """The global step in the raw `session`, or None without one."""
         if self.global_step is None:
             return None
         return int(session.run(self.global_step))
@@ -402,48 +277,46 @@ class Guard:
     ) -> "StepReport":
         """Everything about the bad step just seen (a `StepReport`), in one ``session.run`` of
         the raw `session`; `stored` is ``(step, sums)`` already read, or None to read them."""
-        fetches: Dict[str, Any] = {}
+        fetches = {"report": self.report, "kinds": self.kinds_read}
         if stored is None:
-            fetches["sums"] = self.diagnostics
-            if self.global_step is not None:
-                fetches["step"] = self.global_step
-        if self.report is not None:
-            fetches["report"] = self.report
-        if self.kinds_read is not None:
-            fetches["kinds"] = self.kinds_read
+            fetches.update(sums=self.diagnostics, step=self.global_step)
+        fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
         values = session.run(fetches) if fetches else {}
-        if stored is None:
-            stored = int(values.get("step", -1)), np.asarray(values["sums"]).tolist()
+        step, sums = _stored(values) if stored is None else stored
         reason, figures = None, None
         if "report" in values:
             reason, figures = read_report(self.reasons, np.asarray(values["report"]))
         if reason is not None:  # What the reason's graph handles know beyond the graph.
             annotate = getattr(self.reason_handles.get(reason.name), "annotate", None)
             if annotate is not None:
-                figures = annotate(figures, int(stored[0]))
+                figures = annotate(figures, int(step))
         kinds = None
         codes = np.asarray(values["kinds"]) if "kinds" in values else None
         if reason is None and codes is not None and codes.min(initial=0) >= 0:
             kinds = tuple(_verdict.kind_name(c) for c in codes)
-        step, sums = stored
         return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
-        """``(step, sums)`` the bad step just seen left in the raw `session`: the global step
-        (-1 without one) and the sums vector it stored, the loss first."""
-        fetches = {"sums": self.diagnostics}
-        if self.global_step is not None:
-            fetches["step"] = self.global_step
-        values = session.run(fetches)
-        return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+        """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
+        if self.global_step is None:
+            return _stored(session.run({"sums": self.diagnostics}))
+        return _stored(session.run({"sums": self.diagnostics, "step": self.global_step}))
+
+
+def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
+    """``(step, sums)`` of what a bad step stored, as read: the step -1 without a global step."""
+    return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+
+
+# Each `GraphHandles` field, read-only: ``guard.loss`` is ``guard.handles.loss``.
+for _field in dataclasses.fields(GraphHandles):
+    setattr(Guard, _field.name, property(operator.attrgetter(f"_handles.{_field.name}")))
 
 
 def read_report(
     reasons: Sequence[_reasons.Reason], vector: Sequence[float]
 ) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
-    """``(reason, figures)`` of a stored `_finiteness.StepTest.report`: the reason that
-    rejected the step and what it stored (`Reason.figures`), or ``(None, None)`` for a
-    non-finite step (or none stored). Pure."""
+    """``(reason, figures)`` of a stored report; ``(None, None)`` for a non-finite step."""
     code, start = int(vector[0]), 1
     for index, reason in enumerate(reasons):
         end = start + len(reason.report_fields)
@@ -455,16 +328,9 @@ def read_report(
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What a bad step left for the loop, read at once (`Guard.read_step_report`).
-
-    Attributes:
-      step: The global step it was attempted at (-1 without a global step).
-      sums: The loss, then the sum of each gradient (and the loss scale, with one).
-      reason: The `_reasons.Reason` that rejected it; None for a non-finite step.
-      figures: What that reason stored (`Reason.figures`); None for a non-finite step.
-      kinds: What the loss and each gradient held, exact (`_verdict` kind names), for a
-        non-finite step whose train op keeps them; else None.
-    """
+    """What a bad step left, read at once: its global step (-1 without one), the loss then each
+    gradient's sum (then the loss scale), the reason that rejected it and its figures (None if
+    non-finite), and the exact kinds of the loss and each gradient, when kept."""
 
     step: int
     sums: List[float]
@@ -479,23 +345,15 @@ class StepReport:
 
 
 def is_numerics_error(error: BaseException) -> bool:
-    """Says whether `error` was raised by a guard's check (check_numerics mode).
-
-    The test is on the failing op, so no other `InvalidArgumentError` (a bad reshape, feed or
-    label, a user's ``Assert``) passes: a CheckNumerics op, or a guard's own check op. A check
-    inside a function body (a train op built in a `tf.while_loop`) fails on the loop op: then
-    the message must say what the check says and name the inner node.
-
-    Args:
-      error: Any exception.
-
-    Returns:
-      True for an `InvalidArgumentError` raised by a CheckNumerics op or a guard's check.
-    """
+    """Says whether `error` (any exception) was raised by a guard's check (check_numerics mode):
+    an `InvalidArgumentError` of a CheckNumerics op or a guard's own check op, and no other (a
+    bad reshape, feed or label, a user's ``Assert``)."""
     if not isinstance(error, tf.errors.InvalidArgumentError):
         return False
     op = getattr(error, "op", None)
     if op is None or op.type in _FUNCTION_OP_TYPES:
+        # A check in a function body (a train op built in a `tf.while_loop`) fails on the loop
+        # op: the message must say what the check says and name the inner node.
         message = getattr(error, "message", "")
         said = _CHECK_MESSAGE.search(message) or _errors.REJECTED in message
         return bool(said and _INNER_NODE.search(message))
@@ -505,14 +363,8 @@ def is_numerics_error(error: BaseException) -> bool:
 
 
 def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Guard]:
-    """Returns the guard of a train op made by `create_train_op`, or None.
-
-    Args:
-      train_op_or_loss: The train op `create_train_op` returned, or the loss it was given.
-      graph: The graph to look in (default: the tensor's graph).
-    """
-    if train_op_or_loss is None:
-        return None
+    """Returns the guard of a train op made by `create_train_op` (or of the loss it was given),
+    or None; `graph` is where to look (default: the tensor's graph)."""
     if graph is None:
         graph = getattr(train_op_or_loss, "graph", None) or tf.compat.v1.get_default_graph()
     for guard in _REGISTRY.get(graph, ()):

@@ -1,19 +1,12 @@
-"""Recovery policies, the guard's counters and its one transition, `decide`: pure, no TensorFlow.
-
-* A bad step (non-finite values, or a step a `Reason` rejects) gets its policy: ``raise``,
-  ``stop``, ``skip`` or ``rollback``. ``on_nan`` sees every event first and may override it.
-* Under ``skip`` or ``rollback``, ``max_consecutive_bad_steps`` bad steps in a row escalate to
-  ``persistent_nan_policy`` (never ``skip``); a rollback past ``max_rollbacks`` raises.
-
-docs/guide.md ("Policies and escalation") says what each policy does to a run; `_actions`
-carries a `Decision` out.
-"""
+"""Recovery policies, the guard's counters and its one transition, `decide` (pure, no TensorFlow;
+docs/guide.md, "Policies and escalation", says what each policy does)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Protocol, Tuple, Union
+from dataclasses import replace
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 from slim_nanguard import _level_shift
 from slim_nanguard import _reasons
@@ -36,12 +29,60 @@ POLICIES = tuple(Action)
 PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 
-class OnNanCallback(Protocol):
-    """A user callback that sees each bad step before the policy acts."""
+# A user callback that sees each bad step before the policy acts: it returns None to keep the
+# configured policy for the event (its ``action``), or the name of the policy to apply.
+OnNanCallback = Callable[[NanEvent], Optional[str]]
 
-    def __call__(self, event: NanEvent) -> Optional[str]:
-        """Returns None to keep the configured policy for `event` (its ``action``), or the name
-        of the policy to apply to it instead."""
+
+def _real(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _integer(minimum: int):
+    """The check of an integer setting: ``(accepts, what it must be)``."""
+    return lambda v: _real(v) and isinstance(v, int) and v >= minimum, f"an integer >= {minimum}"
+
+
+def _number(within, what: str):
+    """The check of a setting that must be a finite number `within` accepts."""
+    return lambda v: _real(v) and math.isfinite(v) and within(v), what
+
+
+# Every check of `GuardConfig`, in the order made: ``(field, accepts, what it must be)``.
+_CHECKS = (
+    ("nan_policy", lambda p: p in POLICIES, f"one of {', '.join(POLICIES)}"),
+    ("max_consecutive_bad_steps", *_integer(1)),
+    (
+        "persistent_nan_policy",
+        lambda p: p in PERSISTENT_POLICIES,
+        f"one of {', '.join(PERSISTENT_POLICIES)} (what happens once max_consecutive_bad_steps "
+        "bad steps came in a row; 'skip' would never end)",
+    ),
+    ("rollback_skip_batches", *_integer(0)),
+    ("max_rollbacks", *_integer(1)),
+    (
+        "rollback_lr_factor",
+        *_number(lambda f: 0.0 < f <= 1.0, "a number in (0, 1] (1 keeps the learning rate)"),
+    ),
+    ("autopsy_max_steps", *_integer(0)),
+    ("autopsy_timeout_secs", *_number(lambda t: t > 0, "a number of seconds > 0")),
+    ("autopsy_keep_first", *_integer(0)),
+    ("autopsy_keep_last", *_integer(1)),
+    ("losses_before", *_integer(0)),
+    (
+        "spike_policy",
+        lambda p: p is None or p in POLICIES,
+        f"one of {', '.join(POLICIES)} or None (no spike test)",
+    ),
+    ("spike_sigma", *_number(lambda s: s > 0, "a number of deviations > 0 (6 is usual)")),
+    ("spike_warmup_steps", *_integer(2)),
+    (
+        "spike_warmup_steps",
+        lambda n: n <= SPIKE_WINDOW,
+        f"at most {SPIKE_WINDOW} (the steps the spike statistics cover)",
+    ),
+    ("spike_level_shift_steps", *_integer(0)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,34 +90,24 @@ class GuardConfig:
     """How a guarded train op reacts to a bad step; every setting is checked on construction.
 
     Attributes:
-      nan_policy: One of ``raise``, ``stop``, ``skip``, ``rollback``, for non-finite steps.
+      nan_policy: The policy for non-finite steps: ``raise``, ``stop``, ``skip`` or ``rollback``.
       max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
-        to ``persistent_nan_policy``.
-      persistent_nan_policy: ``raise``, ``stop`` or ``rollback`` (bounded by ``max_rollbacks``;
-        it starts the count of bad steps in a row over). Not ``skip``.
+        to ``persistent_nan_policy`` (not ``skip``; a rollback starts the count over).
       on_nan: Optional `OnNanCallback`, called with every bad step.
-      rollback_skip_batches: Batches of input a rollback throws away besides the bad one.
-      rollback_lr_factor: Multiplies the learning rate at each rollback, in (0, 1].
-      max_rollbacks: Rollbacks allowed; the next one raises instead.
-      autopsy_max_steps: How many of the guard's first bad steps in this process get an
-        autopsy (a replay of the batch the train op kept); 0: none, and no batch is kept.
-      autopsy_timeout_secs: The longest one autopsy may take.
-      autopsy_keep_first: The oldest autopsy dumps of the directory that are never removed.
-      autopsy_keep_last: The newest ones kept (at least 1); the record names each one removed.
-      losses_before: Losses of the good steps before a bad step that its record keeps; 0: none.
+      rollback_skip_batches, rollback_lr_factor, max_rollbacks: Batches a rollback throws away
+        besides the bad one, its factor on the learning rate (in (0, 1]), and how many may run.
+      autopsy_max_steps, autopsy_keep_first, autopsy_keep_last: The first bad steps of this
+        process that get an autopsy (0: none, and no batch is kept); the oldest and the newest
+        (at least 1) dumps a directory keeps.
+      losses_before: Losses of the good steps before a bad step that its record keeps.
       spike_policy: The policy for a spike (finite, but the loss or global gradient norm more
-        than ``spike_sigma`` deviations above the accepted steps'), or None: no spike test.
-      spike_sigma: Deviations (of the logarithms, over the last `SPIKE_WINDOW` accepted steps)
-        above the mean that make a spike.
-      spike_warmup_steps: Steps accepted before a step can be a spike (2 to `SPIKE_WINDOW`).
-      spike_level_shift_steps: Spikes in a row that hold together taken as a new level of
-        training (`_level_shift`), under ``spike_policy="skip"``; acts only below
-        ``max_consecutive_bad_steps``; 0: never.
+        than ``spike_sigma`` deviations above the last `SPIKE_WINDOW` accepted steps', after
+        ``spike_warmup_steps``), or None: no spike test. Under ``skip``, a run of
+        ``spike_level_shift_steps`` spikes that hold together is a new level (0: never).
       reasons: More `Reason`s to reject a step, judged after the spike test.
 
     Raises:
-      ValueError: A setting is out of range; the message names it. This is the only check (the
-        launcher's flags map onto these fields).
+      ValueError: A setting is out of range; the message begins with its name.
     """
 
     nan_policy: str = Action.RAISE
@@ -98,53 +129,9 @@ class GuardConfig:
     reasons: Tuple[Reason, ...] = ()
 
     def __post_init__(self):
-        if self.nan_policy not in POLICIES:
-            raise ValueError(
-                f"nan_policy must be one of {', '.join(POLICIES)}; got {self.nan_policy!r}."
-            )
-        _check_int("max_consecutive_bad_steps", self.max_consecutive_bad_steps, minimum=1)
-        if self.persistent_nan_policy not in PERSISTENT_POLICIES:
-            raise ValueError(
-                f"persistent_nan_policy must be one of {', '.join(PERSISTENT_POLICIES)} (what "
-                "happens once max_consecutive_bad_steps bad steps came in a row; 'skip' would "
-                f"never end); got {self.persistent_nan_policy!r}."
-            )
-        _check_int("rollback_skip_batches", self.rollback_skip_batches, minimum=0)
-        _check_int("max_rollbacks", self.max_rollbacks, minimum=1)
-        _check_number(
-            "rollback_lr_factor",
-            self.rollback_lr_factor,
-            lambda f: 0.0 < f <= 1.0,
-            "a number in (0, 1] (1 keeps the learning rate)",
-        )
-        _check_int("autopsy_max_steps", self.autopsy_max_steps, minimum=0)
-        _check_number(
-            "autopsy_timeout_secs",
-            self.autopsy_timeout_secs,
-            lambda t: t > 0,
-            "a number of seconds > 0",
-        )
-        _check_int("autopsy_keep_first", self.autopsy_keep_first, minimum=0)
-        _check_int("autopsy_keep_last", self.autopsy_keep_last, minimum=1)
-        _check_int("losses_before", self.losses_before, minimum=0)
-        if self.spike_policy is not None and self.spike_policy not in POLICIES:
-            raise ValueError(
-                f"spike_policy must be one of {', '.join(POLICIES)} or None (no spike test); "
-                f"got {self.spike_policy!r}."
-            )
-        _check_number(
-            "spike_sigma",
-            self.spike_sigma,
-            lambda s: s > 0,
-            "a number of deviations > 0 (6 is usual)",
-        )
-        _check_int("spike_warmup_steps", self.spike_warmup_steps, minimum=2)
-        if self.spike_warmup_steps > SPIKE_WINDOW:
-            raise ValueError(
-                f"spike_warmup_steps must be at most {SPIKE_WINDOW} (the steps the spike "
-                f"statistics cover); got {self.spike_warmup_steps!r}."
-            )
-        _check_int("spike_level_shift_steps", self.spike_level_shift_steps, minimum=0)
+        for name, accepts, what in _CHECKS:
+            if not accepts(getattr(self, name)):
+                raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):
@@ -154,12 +141,11 @@ class GuardConfig:
 
     @property
     def all_reasons(self) -> Tuple[Reason, ...]:
-        """The reasons to reject a finite step, in the order they are judged: the spike test
-        (with a ``spike_policy``), then `reasons`."""
-        spike = ()
-        if self.spike_policy is not None:
-            spike = (_spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps),)
-        return spike + self.reasons
+        """The reasons judged on a finite step, in order: the spike test if any, then `reasons`."""
+        if self.spike_policy is None:
+            return self.reasons
+        spike = _spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
+        return (spike,) + self.reasons
 
     @property
     def may_roll_back(self) -> bool:
@@ -173,32 +159,27 @@ class GuardConfig:
 
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step can roll back with no callback choosing it (`what_rolls_back`), so
-    that a loop must know the checkpoint directory. `policy` replaces ``config.nan_policy`` (a
-    hook's override); the reasons keep theirs."""
-    return bool(what_rolls_back(config, policy))
+    """Whether a bad step can roll back with no callback choosing it (then a loop needs the
+    checkpoint directory); `policy` replaces ``config.nan_policy`` (a hook's override)."""
+    return bool(_what_rolls_back(config, policy))
 
 
-def what_rolls_back(config: GuardConfig, policy: Optional[str] = None) -> Tuple[str, ...]:
-    """The settings that make a bad step roll back with no callback choosing it, or (), as
-    messages name them: ``spike_policy='rollback'``, ``nan_policy='skip' with
-    persistent_nan_policy='rollback'``. `policy` replaces ``config.nan_policy``."""
-    policy = config.nan_policy if policy is None else policy
-    named = []
-    policies = [("nan_policy", policy)]
+def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, ...]:
+    """The settings that make a bad step roll back with no callback choosing it, named."""
+    policies = [("nan_policy", config.nan_policy if policy is None else policy)]
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
-    for name, value in policies:
-        if value == ROLLBACK:
-            named.append(f"{name}={str(value)!r}")
-        elif value == SKIP and config.persistent_nan_policy == ROLLBACK:
-            named.append(f"{name}={str(value)!r} with persistent_nan_policy='rollback'")
-    return tuple(named)
+    escalated = " with persistent_nan_policy='rollback'"
+    return tuple(
+        f"{name}={str(value)!r}{'' if value == ROLLBACK else escalated}"
+        for name, value in policies
+        if value == ROLLBACK or (value == SKIP and config.persistent_nan_policy == ROLLBACK)
+    )
 
 
 def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[str] = None) -> str:
     """The error of a loop that would roll back (`rolls_back`) but knows no checkpoint
     directory. `advice` says what to pass, e.g. ``"nan_hook(train_op, checkpoint_dir=...)"``."""
-    named = what_rolls_back(config, policy)
+    named = _what_rolls_back(config, policy)
     verb = "rolls back" if len(named) == 1 else "roll back"
     return (
         f"{' and '.join(named)} {verb}, so the loop needs the directory the session saves "
@@ -207,62 +188,20 @@ def checkpoint_dir_message(config: GuardConfig, advice: str, policy: Optional[st
 
 
 def may_roll_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
-    """Whether a bad step can roll back, so that a Saver is needed: `rolls_back`, or an
-    ``on_nan`` callback (it may choose ``rollback``). `policy` as in `rolls_back`."""
+    """Whether a Saver is needed: `rolls_back`, or an ``on_nan`` that may choose ``rollback``."""
     return rolls_back(config, policy) or config.on_nan is not None
-
-
-def _check_number(name: str, value: object, within: Callable[[float], bool], what: str) -> None:
-    """Raises ValueError naming `name` unless `value` is a finite number `within` allows."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not within(value)
-    ):
-        raise ValueError(f"{name} must be {what}; got {value!r}.")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}.")
-
-
-def validate_action(action: object, source: str) -> Action:
-    """Returns the `Action` `action` names, else raises ValueError naming `source`."""
-    if action not in POLICIES:
-        raise ValueError(
-            f"{source} must return one of {', '.join(POLICIES)} or None; got {action!r}."
-        )
-    return Action(action)
 
 
 @dataclasses.dataclass(frozen=True)
 class GuardState:
     """The guard's counters for the life of the process (across sessions), made by `decide`.
 
-    Attributes:
-      total_bad_steps: Bad steps so far.
-      consecutive_bad_steps: Bad steps since the last good one.
-      skips: Bad steps skipped.
-      rollbacks: Rollbacks carried out (a cluster's chief: its own and those it answered).
-      stops: Stops decided.
-      last_bad_step: Global step of the last bad step, or None.
-      learning_rate_scale: Product of the ``rollback_lr_factor`` applied so far.
-      loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (no bad steps).
-      steps: Good steps so far, as the loops that see them count them (`train`, `train_step`,
-        a `NanLossHook`); a check_numerics-mode loop of your own that only calls
-        `handle_numerics_error` sees bad steps alone, and leaves it at 0.
-      rollback_requests: Rollbacks a cluster's non-chief asked its chief for.
-      autopsies: Bad steps autopsied.
-      rejected: ``(name, count)`` of the steps each reason rejected, in the order first seen.
-      level_shifts: Runs of spikes taken as a new level (`_level_shift`).
-      run_start: Global step of the first bad step of the current run, or None.
-      spike_run: The current run's spike records (figures and ``step``), while it is all spikes.
-      level_taken_at: Global step the last new level was taken at (its probation lasts
-        ``spike_warmup_steps`` global steps), or None.
-      level_start: Global step of the first spike of the run last taken as a new level, or None.
-    """
+    ``rollbacks`` are a cluster chief's own and those it answered; ``steps`` are the good steps
+    the loops that see them count (`train`, `train_step`, a `NanLossHook`; not a loop of your own
+    that only calls `handle_numerics_error`); ``rejected`` is ``(name, count)`` of the steps each
+    reason rejected. The run of bad steps began at global step ``run_start`` (``spike_run``: its
+    spikes, while it is all spikes); the last new level was taken at ``level_taken_at`` (on
+    probation for ``spike_warmup_steps`` steps) from spikes that began at ``level_start``."""
 
     total_bad_steps: int = 0
     consecutive_bad_steps: int = 0
@@ -288,32 +227,18 @@ class GuardState:
         return dict(self.rejected).get(Fault.SPIKE, 0)
 
     def since(self, start: "GuardState") -> "GuardState":
-        """What happened since `start`: each count the difference, the rest (consecutive
-        count, last bad step, learning-rate scale) as now."""
+        """What happened since `start`: each count the difference, the rest as now."""
         before = dict(start.rejected)
-        return dataclasses.replace(
+        counts = [f.name for f in dataclasses.fields(self) if f.type == "int"]
+        counts.remove("consecutive_bad_steps")  # The run's length: it does not only grow.
+        return replace(
             self,
             rejected=tuple((name, n - before.get(name, 0)) for name, n in self.rejected),
-            **{name: getattr(self, name) - getattr(start, name) for name in _COUNTS},
+            **{name: getattr(self, name) - getattr(start, name) for name in counts},
         )
 
 
-# The counts of `GuardState` that only grow (`GuardState.since` subtracts them).
-_COUNTS = (
-    "total_bad_steps",
-    "skips",
-    "rollbacks",
-    "stops",
-    "loss_scale_overflows",
-    "steps",
-    "rollback_requests",
-    "autopsies",
-    "level_shifts",
-)
-
-
-# ----------------------------------------------------------------------- observations
-# What `decide` is told. Each is a plain value: no TensorFlow, no session.
+# The observations: what `decide` is told, each a plain value.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,16 +253,10 @@ class LossScaleOverflow:
 
 @dataclasses.dataclass(frozen=True)
 class BadStep:
-    """A step whose loss or gradients were not finite, or that a reason rejected.
-
-    Attributes:
-      step: The global step it was attempted at (-1 if unknown).
-      chosen: The action the policy (or a hook's override, or ``on_nan``) chose.
-      guarded: False for a loss no guarded train op made: its update happened, so only
-        ``raise`` (which says so) and ``stop`` mean anything.
-      cause: ``"non_finite"`` or the name of the reason that rejected it.
-      figures: What that reason stored (`_reasons.Reason.figures`), or None.
-    """
+    """A step whose loss or gradients were not finite (`cause` ``"non_finite"``), or that the
+    reason `cause` names rejected, storing `figures`; `chosen` is the action the policy (or a
+    hook's override, or ``on_nan``) chose. Not `guarded`: a loss no guarded train op made (its
+    update happened, so only ``raise``, which says so, and ``stop`` mean anything)."""
 
     step: int
     chosen: Action
@@ -377,19 +296,11 @@ Observation = Union[
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """What to do about one bad step, and why: the result of `decide`.
-
-    Attributes:
-      action: The `Action` the caller carries out.
-      escalation: Why ``persistent_nan_policy`` replaced the chosen action, or "".
-      reason: Why training gives up, when ``action`` is ``raise``; else "".
-      cause: The `Cause` of giving up, when ``action`` is ``raise``; else None.
-      limit: The bound ``cause`` names (``max_consecutive_bad_steps``, ``max_rollbacks``), or None.
-      level_shift: The new level this spike completes (the action is ``skip``; the spike
-        statistics are re-seeded with it), or None.
-      before_step: A rollback goes to a checkpoint saved below this global step (a new level
-        failed its probation), or None.
-    """
+    """What to do about one bad step, and why: the result of `decide`. ``escalation`` says why
+    ``persistent_nan_policy`` replaced the chosen action; under ``raise``, ``reason`` says why
+    training gives up (its `cause`, and the bound it names, `limit`); ``level_shift`` is the new
+    level a spike completes; a rollback goes below global step ``before_step``, if set (a new
+    level failed its probation)."""
 
     action: Action
     escalation: str = ""
@@ -406,47 +317,27 @@ def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
 
 
 def counted(state: GuardState, step: int) -> GuardState:
-    """The state once a bad step at global step `step` is counted, before any decision: the
-    run of bad steps starts over when the global step moved since the last bad one. A caller
-    that shows ``on_nan`` the counts before `decide` reads them here."""
-    consecutive, run_start, spike_run = (
-        state.consecutive_bad_steps,
-        state.run_start,
-        state.spike_run,
-    )
-    if state.last_bad_step is not None and step >= 0 and step != state.last_bad_step:
-        consecutive = 0
+    """The state once a bad step at global step `step` is counted, before any decision (what
+    ``on_nan`` is shown): the run of bad steps starts over when the global step moved."""
+    moved = state.last_bad_step is not None and step >= 0 and step != state.last_bad_step
+    consecutive = 0 if moved else state.consecutive_bad_steps
     if consecutive == 0:
-        run_start, spike_run = step, ()
-    return dataclasses.replace(
+        state = replace(state, run_start=step, spike_run=())
+    return replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
         consecutive_bad_steps=consecutive + 1,
         last_bad_step=step,
-        run_start=run_start,
-        spike_run=spike_run,
     )
 
 
 def decide(
     config: GuardConfig, state: GuardState, observation: Observation
 ) -> Tuple[Optional[Decision], GuardState]:
-    """The guard's one transition: the decision an observation leads to, and the next state.
-
-    Pure, and every counting rule is here: a good step ends a run of bad steps; under ``skip``
-    or ``rollback`` the ``max_consecutive_bad_steps``-th bad step in a row escalates to
-    ``persistent_nan_policy``, and an escalated rollback starts the count over; a rollback past
-    ``max_rollbacks`` (a chief's answers to requests included) becomes ``raise``; a run of
-    spikes may be a new level (`_level_shift`), and a spike on its probation a divergence.
-
-    Returns:
-      ``(decision, next_state)``; the decision is None but for a `BadStep` or a
-      `RollbackRequested`.
-
-    Raises:
-      TypeError: `observation` is none of `Observation`.
-    """
-    replace = dataclasses.replace
+    """The guard's one transition, pure: ``(decision, next_state)``, the decision None but for a
+    `BadStep` or a `RollbackRequested`; raises TypeError for anything else. Every counting rule
+    is here: runs of bad steps and their escalation, ``max_rollbacks`` (a chief's answers to
+    requests included), new levels and their probation."""
     if isinstance(observation, GoodStep):
         return None, replace(
             state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
@@ -454,11 +345,8 @@ def decide(
     if isinstance(observation, LossScaleOverflow):
         return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
     if isinstance(observation, RolledBack):
-        return None, replace(
-            state,
-            rollbacks=state.rollbacks + 1,
-            learning_rate_scale=observation.learning_rate_scale,
-        )
+        scale = observation.learning_rate_scale
+        return None, replace(state, rollbacks=state.rollbacks + 1, learning_rate_scale=scale)
     if isinstance(observation, Autopsied):
         return None, replace(state, autopsies=state.autopsies + 1)
     if isinstance(observation, RollbackAsked):
@@ -472,22 +360,21 @@ def decide(
 
 def _decide_bad(
     config: GuardConfig, state: GuardState, observation: BadStep
-) -> Tuple[Optional[Decision], GuardState]:
-    """`decide` for a bad step: counted, then a probation's divergence, a new level, or the
-    policy with its escalation."""
-    replace = dataclasses.replace
+) -> Tuple[Decision, GuardState]:
+    """`decide` for a bad step: a probation's divergence, a new level, or the policy."""
     state = counted(state, observation.step)
-    if observation.cause != NON_FINITE:
-        state = replace(state, rejected=_one_more(state.rejected, observation.cause))
-    if observation.cause == Fault.SPIKE:
-        spike = {**(observation.figures or {}), "step": observation.step}
-        state = replace(state, spike_run=state.spike_run + (spike,))
-    else:
-        state = replace(state, spike_run=())
-    if _on_probation(config, state, observation):
-        return _decide_divergence(config, state, observation)
-    level = _new_level(config, state, observation)
-    if level is not None:
+    cause = observation.cause
+    if cause != NON_FINITE:
+        tally = dict(state.rejected)
+        state = replace(state, rejected=tuple({**tally, cause: tally.get(cause, 0) + 1}.items()))
+    spike_run = ()
+    if cause == Fault.SPIKE:
+        spike_run = state.spike_run + ({**(observation.figures or {}), "step": observation.step},)
+    state = replace(state, spike_run=spike_run)
+    decision = _divergence(config, state, observation)
+    if decision is not None:
+        state = replace(state, level_taken_at=None)
+    elif (level := _new_level(config, state, observation)) is not None:
         return Decision(SKIP, level_shift=level), replace(
             state,
             skips=state.skips + 1,
@@ -498,38 +385,22 @@ def _decide_bad(
             level_taken_at=observation.step,
             level_start=level.steps[0],
         )
-    if not observation.guarded:
-        decision = _decide_unguarded(observation.chosen)
     else:
-        decision = _decide_bad_step(
-            config,
-            observation.chosen,
-            state.consecutive_bad_steps,
-            state.rollbacks,
-            observation.cause,
-        )
-    action = decision.action
-    if action == SKIP:
+        decision = _decide_policy(config, state, observation)
+    if decision.action == SKIP:
         state = replace(state, skips=state.skips + 1)
-    elif action == STOP:
+    elif decision.action == STOP:
         state = replace(state, stops=state.stops + 1)
-    elif action == ROLLBACK and decision.escalation:
+    elif decision.action == ROLLBACK and decision.escalation:
         state = replace(state, consecutive_bad_steps=0)
     return decision, state
-
-
-def _one_more(counts: Tuple[Tuple[str, int], ...], name: str) -> Tuple[Tuple[str, int], ...]:
-    """`counts` with one more for `name`."""
-    tally = dict(counts)
-    tally[name] = tally.get(name, 0) + 1
-    return tuple(tally.items())
 
 
 def _new_level(
     config: GuardConfig, state: GuardState, observation: BadStep
 ) -> Optional[_level_shift.LevelShift]:
-    """`_level_shift.judge_run` of the run of spikes this one ends, or None where no level
-    may be taken: only a guarded spike that is skipped (a rollback moves the global step back)."""
+    """The new level the run of spikes this one ends, if any: only a guarded spike that is
+    skipped ends one (a rollback moves the global step back)."""
     if (
         observation.cause != Fault.SPIKE
         or not observation.guarded
@@ -541,22 +412,18 @@ def _new_level(
     return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
 
 
-def _on_probation(config: GuardConfig, state: GuardState, observation: BadStep) -> bool:
-    """Whether this is a spike within ``spike_warmup_steps`` global steps of a new level."""
-    return (
-        observation.cause == Fault.SPIKE
-        and observation.guarded
-        and state.level_taken_at is not None
-        and 0 <= observation.step - state.level_taken_at < config.spike_warmup_steps
-    )
+def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+    return f"{state.rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
 
 
-def _decide_divergence(
-    config: GuardConfig, state: GuardState, observation: BadStep
-) -> Tuple[Decision, GuardState]:
-    """A spike on a new level's probation: the level was a divergence, so
-    ``persistent_nan_policy`` applies at once (a rollback goes back before that level)."""
+def _divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Optional[Decision]:
+    """``persistent_nan_policy`` at once for a spike within ``spike_warmup_steps`` global steps
+    of a new level (that level was a divergence); None for any other bad step."""
+    if observation.cause != Fault.SPIKE or not observation.guarded or state.level_taken_at is None:
+        return None
     since = observation.step - state.level_taken_at
+    if not 0 <= since < config.spike_warmup_steps:
+        return None
     reason = (
         f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
         f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
@@ -564,72 +431,56 @@ def _decide_divergence(
     )
     action = Action(config.persistent_nan_policy)
     if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        reason += (
-            f", and {state.rollbacks} rollbacks already done reached "
-            f"max_rollbacks={config.max_rollbacks}"
-        )
+        reason += f", and {_rollbacks_done(config, state)}"
         action = RAISE
-    state = dataclasses.replace(state, level_taken_at=None)
-    if action == STOP:
-        state = dataclasses.replace(state, stops=state.stops + 1)
     if action == ROLLBACK:
-        state = dataclasses.replace(state, consecutive_bad_steps=0)
-        return Decision(action, escalation=reason, before_step=state.level_start), state
+        return Decision(action, escalation=reason, before_step=state.level_start)
     cause = Cause.DIVERGENCE if action == RAISE else None
-    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause), state
+    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause)
 
 
-def _decide_bad_step(
-    config: GuardConfig,
-    chosen: str,
-    consecutive_bad_steps: int,
-    rollbacks: int,
-    fault: str = NON_FINITE,
-) -> Decision:
-    """The decision about a bad step of a guarded train op, from the counts with it."""
-    action, escalation, reason = Action(chosen), "", ""
+def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
+    """The chosen policy, or its escalation; a loss no guarded train op made had nothing gated,
+    so it can only raise (saying so) or stop."""
+    if not observation.guarded and observation.chosen == RAISE:
+        return Decision(
+            RAISE,
+            reason="the loss comes from no guarded train op, so the update of this step may "
+            "already have happened",
+            cause=Cause.UNGUARDED_LOSS,
+        )
+    if not observation.guarded:
+        return Decision(Action(observation.chosen))
+    action, escalation, reason = Action(observation.chosen), "", ""
     cause, limit = Cause.POLICY, None
-    if action in (SKIP, ROLLBACK) and consecutive_bad_steps >= config.max_consecutive_bad_steps:
+    consecutive = state.consecutive_bad_steps
+    if action in (SKIP, ROLLBACK) and consecutive >= config.max_consecutive_bad_steps:
         # The state is bad, not the batch: escalate (raise by default).
         reason = escalation = (
-            f"{consecutive_bad_steps} bad steps in a row reached "
+            f"{consecutive} bad steps in a row reached "
             f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}"
         )
         action = Action(config.persistent_nan_policy)
         cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
-    if action == ROLLBACK and rollbacks >= config.max_rollbacks:
-        bound = f"{rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
+    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
+        bound = _rollbacks_done(config, state)
         reason = f"{reason}, and {bound}" if reason else bound
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
         return Decision(action, escalation)
-    policy = "nan_policy" if fault == NON_FINITE else f"{fault}_policy"
+    policy = "nan_policy" if observation.cause == NON_FINITE else f"{observation.cause}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
-
-
-def _decide_unguarded(chosen: str) -> Decision:
-    """A loss no guarded train op made: nothing was gated, so raise (saying so) or stop."""
-    action = Action(chosen)
-    if action == RAISE:
-        return Decision(
-            action,
-            reason="the loss comes from no guarded train op, so the update of this step may "
-            "already have happened",
-            cause=Cause.UNGUARDED_LOSS,
-        )
-    return Decision(action)
 
 
 def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, ...]) -> Decision:
     """A cluster chief's answer to rollback requests: one rollback, within ``max_rollbacks``."""
     if state.rollbacks < config.max_rollbacks:
         return Decision(ROLLBACK)
-    who = ", ".join(str(w) for w in workers)
     return Decision(
         RAISE,
-        reason=f"worker {who} asked for a rollback, and {state.rollbacks} rollbacks already "
-        f"done reached max_rollbacks={config.max_rollbacks}",
+        reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
+        f"{_rollbacks_done(config, state)}",
         cause=Cause.MAX_ROLLBACKS,
         limit=config.max_rollbacks,
     )
