@@ -162,11 +162,10 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     in ``requested_by`` and counts ``requests``. The chief counts every rollback against
     ``max_rollbacks``; a request past it raises `NanLossError` (see `answer`).
 
-    Args:
-      checkpoint_dir: Where the chief saves checkpoints.
-      after_restore: Ops to run after every restore of the chief's guard (requested, or its
-        own, seen at its next step), or None. With `SyncReplicasOptimizer`, its
-        ``chief_init_op`` (resets the accumulators' step to the restored global step).
+    `checkpoint_dir` is where the chief saves checkpoints. `after_restore` (or None) runs after
+    every restore of the chief's guard (requested, or its own, seen at its next step); with
+    `SyncReplicasOptimizer`, its ``chief_init_op`` (which resets the accumulators' step to the
+    restored global step).
     """
 
     def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
@@ -180,9 +179,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     @property
     def rollbacks(self) -> int:
         """Rollbacks the chief's guard carried out since `begin` (read from its state)."""
-        if self._guard is None:
-            return 0
-        return self._guard.state.rollbacks - self._rollbacks_before
+        return 0 if self._guard is None else self._guard.state.rollbacks - self._rollbacks_before
 
     def begin(self):
         queue = _rollback_queue()
@@ -293,13 +290,9 @@ def finish(
         ask = stop_queue.enqueue_many([[task] * num_workers]) if stop else None
         size = stop_queue.size()
         done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
-    config = (
-        session_config("worker", task, timeout_secs)
-        if job == "worker"
-        else tf.compat.v1.ConfigProto(
-            device_filters=["/job:ps"], operation_timeout_in_ms=int(timeout_secs * 1000)
-        )
-    )
+    config = session_config("worker", task, timeout_secs)
+    if job != "worker":  # Through ps 0's server: this worker's own is not up.
+        config.device_filters[:] = ["/job:ps"]
     try:
         with tf.compat.v1.Session(target, graph=graph, config=config) as session:
             if ask is not None:

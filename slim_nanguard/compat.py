@@ -3,13 +3,11 @@
 tf-slim 1.1.0 uses private ``tensorflow.python.*`` names that TensorFlow has since moved or
 deleted (``slim.batch_norm`` and the ``tf_slim.nets`` models, ``slim.local_variable``, the
 gradient helpers, ``optimize_loss``, metrics and ``tfexample_decoder`` then fail when called).
-`install` restores them (`_RESTORES` lists each name and its tf-slim users). Each patch:
-
-* applies only where the name is missing on the running TensorFlow;
-* binds it to the object TensorFlow now provides (its public ``tf`` symbol, or tf-keras'
-  legacy ``tf.layers`` batch normalization);
-* modifies no TensorFlow or tf-keras module: the tf-slim module's reference (e.g.
-  ``tf_slim.learning.ops``) becomes a proxy that adds the names and forwards the rest.
+`install` restores each name missing on the running TensorFlow (`_RESTORES` lists them and
+their tf-slim users) as the object TensorFlow now provides (its public ``tf`` symbol, or
+tf-keras' legacy ``tf.layers`` batch normalization). It modifies no TensorFlow or tf-keras
+module: the tf-slim module's reference (e.g. ``tf_slim.learning.ops``) becomes a proxy that
+adds the names and forwards the rest.
 
 `multiply_gradients`, `clip_gradient_norms` and `add_gradients_summaries` keep tf-slim's
 contracts on current TensorFlow; the summaries' histograms show finite values only
@@ -57,8 +55,7 @@ class _ModuleProxy(types.ModuleType):
         return getattr(self.__dict__["_slim_nanguard_wrapped"], name)
 
     def __repr__(self) -> str:
-        wrapped = self.__dict__["_slim_nanguard_wrapped"]
-        return f"<slim_nanguard.compat proxy of {wrapped!r}>"
+        return f"<slim_nanguard.compat proxy of {self.__dict__['_slim_nanguard_wrapped']!r}>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +77,9 @@ class _Restore:
 
     def load(self) -> Optional[Dict[str, Any]]:
         """Returns ``{name: replacement}``, or None if no replacement exists."""
-        paths = self.paths or self.names
         return {
             name: functools.reduce(getattr, path.split("."), tf)
-            for name, path in zip(self.names, paths)
+            for name, path in zip(self.names, self.paths or self.names)
         }
 
 
@@ -131,9 +127,9 @@ def _warn_on_tf_keras_mismatch() -> None:
 
 def _control_flow(name: str, *users: str) -> _Restore:
     """``control_flow_ops.name``, split out of it into its own module; now tf.compat.v1's."""
-    module = "tensorflow.python.ops.control_flow_ops"
+    users_ = tuple((user, "control_flow_ops") for user in users)
     return _Restore(
-        module, (name,), tuple((u, "control_flow_ops") for u in users), (f"compat.v1.{name}",)
+        "tensorflow.python.ops.control_flow_ops", (name,), users_, (f"compat.v1.{name}",)
     )
 
 
@@ -226,9 +222,9 @@ def _apply() -> Tuple[str, ...]:
     for (slim_module_name, alias), tf_module_name in sorted(users.items()):
         slim_module = importlib.import_module(slim_module_name)
         current = getattr(slim_module, alias, None)
-        if isinstance(current, _ModuleProxy):
-            continue
-        if current is not importlib.import_module(tf_module_name):
+        if current is importlib.import_module(tf_module_name):
+            setattr(slim_module, alias, proxies[tf_module_name])
+        elif not isinstance(current, _ModuleProxy):
             logging.warning(
                 "slim_nanguard.compat: %s.%s is %r, not %s; left unpatched.",
                 slim_module_name,
@@ -236,8 +232,6 @@ def _apply() -> Tuple[str, ...]:
                 current,
                 tf_module_name,
             )
-            continue
-        setattr(slim_module, alias, proxies[tf_module_name])
     return tuple(applied)
 
 
