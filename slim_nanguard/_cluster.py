@@ -1,8 +1,4 @@
-"""The coordination of `slim_nanguard.cluster`: a stop, a rollback and the ps's exit, for all.
-
-Gating needs nothing cluster-specific: every write a worker's train op makes waits on that
-worker's finiteness test (the chief's sync-replicas update on `_gating.apply_sync_replicas`).
-"""
+"""The coordination of `slim_nanguard.cluster`: a stop, a rollback and the ps's exit, for all."""
 
 from __future__ import annotations
 
@@ -23,10 +19,9 @@ from slim_nanguard import _types
 
 
 def _queue(ps_task: int, name: str, dtypes, shapes) -> tf.queue.FIFOQueue:
-    """A FIFO queue on ps `ps_task` shared by `name`, built the same way by every task.
+    """A FIFO queue on ps `ps_task` shared by `name` (no variable to initialise or restore).
 
-    A queue, not a variable: nothing to initialise, checkpoint or restore. Stop (ps 0): a
-    stopping worker's task id once per worker, each worker takes one. Rollback (ps 0):
+    Stop: a stopping worker's task id once per worker, each worker takes one. Rollback:
     non-chiefs' (task, step, loss) requests. Done (each ps): every worker's task id, last thing.
     """
     with tf.device(f"/job:ps/task:{ps_task}"):
