@@ -1,13 +1,4 @@
-"""The guard on TensorFlow's ps/worker cluster: a stop, a rollback and the ps's exit, for all.
-
-Gating needs nothing cluster-specific: `create_train_op` keeps the guard's report variable on
-its worker, and every write a worker's train op makes (to the ps variables, or with
-`SyncReplicasOptimizer` to the accumulators; the chief's aggregated update has its own check,
-`_gating.apply_sync_replicas`) waits on that worker's finiteness test, so a bad step pushes
-nothing to the ps. A skip under sync replicas costs the skipping worker at most one batch
-and holds no one up (docs/guide.md, the cluster section). This module adds the coordination
-of `slim_nanguard.cluster`.
-"""
+"""The coordination of `slim_nanguard.cluster`: a stop, a rollback and the ps's exit, for all."""
 
 from __future__ import annotations
 
@@ -26,49 +17,27 @@ from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _types
 
-# ------------------------------------------------------------------------------------------
-# FIFO queues shared by name (no variable: nothing to initialise, checkpoint or restore),
-# built the same way by every task:
-#
-#   stop queue      (ps 0) a worker that stops or gives up enqueues its task id once per
-#                   worker; each worker a stop reaches takes one, to name who stopped it
-#   rollback queue  (ps 0) a non-chief's rollback requests (task, step, loss), answered by
-#                   the chief's `ChiefRollbackHook`
-#   done queue      (each ps) every worker's task id, last thing; read by `serve_ps`
 
-STOP_QUEUE = "nanguard_cluster_stop"
-ROLLBACK_QUEUE = "nanguard_cluster_rollback"
-DONE_QUEUE = "nanguard_cluster_done"
+def _queue(ps_task: int, name: str, dtypes, shapes) -> tf.queue.FIFOQueue:
+    """A FIFO queue on ps `ps_task` shared by `name` (no variable to initialise or restore).
 
-# The stop reason of a worker another worker's stop or failure stopped (``stopped_by`` names it).
-STOP_CLUSTER = _types.StopReason.CLUSTER_STOP
+    Stop: a stopping worker's task id once per worker, each worker takes one. Rollback:
+    non-chiefs' (task, step, loss) requests. Done (each ps): every worker's task id, last thing.
+    """
+    with tf.device(f"/job:ps/task:{ps_task}"):
+        return tf.queue.FIFOQueue(-1, dtypes, shapes=shapes, shared_name=name, name=name)
 
 
 def _stop_queue() -> tf.queue.FIFOQueue:
-    with tf.device("/job:ps/task:0"):
-        return tf.queue.FIFOQueue(-1, tf.int32, shapes=(), shared_name=STOP_QUEUE, name=STOP_QUEUE)
+    return _queue(0, "nanguard_cluster_stop", tf.int32, ())
 
 
 def _rollback_queue() -> tf.queue.FIFOQueue:
-    with tf.device("/job:ps/task:0"):
-        return tf.queue.FIFOQueue(
-            -1,
-            (tf.int32, tf.int64, tf.float32),
-            shapes=((), (), ()),
-            shared_name=ROLLBACK_QUEUE,
-            name=ROLLBACK_QUEUE,
-        )
+    return _queue(0, "nanguard_cluster_rollback", (tf.int32, tf.int64, tf.float32), ((), (), ()))
 
 
 def _done_queue(ps_task: int) -> tf.queue.FIFOQueue:
-    with tf.device(f"/job:ps/task:{ps_task}"):
-        return tf.queue.FIFOQueue(
-            -1,
-            tf.int32,
-            shapes=(),
-            shared_name=f"{DONE_QUEUE}_{ps_task}",
-            name=f"{DONE_QUEUE}_{ps_task}",
-        )
+    return _queue(ps_task, f"nanguard_cluster_done_{ps_task}", tf.int32, ())
 
 
 def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
@@ -78,17 +47,12 @@ def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
 
 
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
-    """Stops this worker's loop once any worker of the cluster asked for a stop.
+    """Stops this worker's loop (task `task` of `num_workers`) once any worker asked for a stop.
 
-    Each run of a guarded train op also fetches the stop queue's size (other runs get
-    nothing added). When this worker's guard stopped it, `end` asks the others to stop before
-    the session closes. When another worker stopped it (seen in a step or at `end`),
-    ``stop_reason`` is ``cluster_stop`` and ``stop_fields`` names that worker
-    (``stopped_by``); `slim_nanguard.train` puts both in its result and record.
-
-    Args:
-      task: This worker's task id.
-      num_workers: How many workers the cluster has.
+    Each run of a guarded train op also fetches the stop queue's size. When this worker's guard
+    stopped it, `end` asks the others to stop before the session closes. When another worker
+    stopped it (seen in a step or at `end`), ``stop_reason`` is ``cluster_stop`` and
+    ``stop_fields`` names that worker (``stopped_by``); `slim_nanguard.train` records both.
     """
 
     def __init__(self, task: int = 0, num_workers: int = 1):
@@ -115,11 +79,11 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
             session.run(self._ask)
             return
         try:
-            if not self.stopped_by_peer and _run_bounded(session, self._size):
+            if self.stopped_by_peer or _run_bounded(session, self._size):
                 self.stopped_by_peer = True
-            if self.stopped_by_peer:
                 by = int(_run_bounded(session, self._take))
-                self.stop_reason, self.stop_fields = STOP_CLUSTER, {"stopped_by": by}
+                self.stop_reason = _types.StopReason.CLUSTER_STOP
+                self.stop_fields = {"stopped_by": by}
                 logging.warning(
                     "slim_nanguard: worker %d stopped the cluster; this worker stopped too", by
                 )
@@ -141,15 +105,12 @@ class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
 
 
 class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
-    """A non-chief worker's rollback: a request to the chief, not a restore of its own.
+    """Non-chief worker `task`'s rollback: a request to the chief, not a restore of its own.
 
     From `begin` to `end`, every rollback of the graph's guards puts (task, global step, loss)
     on the rollback queue for `ChiefRollbackHook`; the guard records ``rollback_requested``,
     this worker skips ``rollback_skip_batches`` batches and carries on. It counts no rollback
     (``requests`` counts the requests); the chief counts them against ``max_rollbacks``.
-
-    Args:
-      task: This worker's task id.
     """
 
     def __init__(self, task: int):
@@ -168,7 +129,7 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
             guard.set_rollback_request(self._request)
 
     def end(self, session):
-        del session  # The guards roll back as before once this worker's session is over.
+        del session  # The guards roll back as before once this session is over.
         for guard in self._guards:
             if guard.rollback_request == self._request:
                 guard.set_rollback_request(None)
@@ -196,11 +157,10 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     in ``requested_by`` and counts ``requests``. The chief counts every rollback against
     ``max_rollbacks``; a request past it raises `NanLossError` (see `answer`).
 
-    Args:
-      checkpoint_dir: Where the chief saves checkpoints.
-      after_restore: Ops to run after every restore of the chief's guard (requested, or its
-        own, seen at its next step), or None. With `SyncReplicasOptimizer`, its
-        ``chief_init_op``, which resets the accumulators' step to the restored global step.
+    `checkpoint_dir` is where the chief saves checkpoints. `after_restore` (or None) runs after
+    every restore of the chief's guard (requested, or its own, seen at its next step); with
+    `SyncReplicasOptimizer`, its ``chief_init_op`` (which resets the accumulators' step to the
+    restored global step).
     """
 
     def __init__(self, checkpoint_dir: str, after_restore: Optional[tf.Operation] = None):
@@ -214,9 +174,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     @property
     def rollbacks(self) -> int:
         """Rollbacks the chief's guard carried out since `begin` (read from its state)."""
-        if self._guard is None:
-            return 0
-        return self._guard.state.rollbacks - self._rollbacks_before
+        return 0 if self._guard is None else self._guard.state.rollbacks - self._rollbacks_before
 
     def begin(self):
         queue = _rollback_queue()
@@ -227,8 +185,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._guard = guards[0] if guards else None
         self._runs_training = _ops.RunsOp(*(g.train_op.op for g in guards))
         if self._guard is not None:
-            # Built now: after begin() the graph is finalized.
-            self._guard.ensure_saver()  # The guard's one rollback saver.
+            self._guard.ensure_saver()  # Now: after begin() the graph is finalized.
             self._restores_seen = self._rollbacks_before = self._guard.state.rollbacks
 
     def before_run(self, run_context):
@@ -315,20 +272,12 @@ def finish(
     job: str = "worker",
     num_workers: int = 1,
 ) -> bool:
-    """A worker's last word to the ps: a stop if `stop`, then done to every ps.
+    """Worker `task`'s last word to the `num_ps` ps: a stop if `stop`, then done to every ps.
 
-    Args:
-      target: This worker's server target (or ps 0's, with ``job="ps"``, for a worker that
-        failed before it started its server).
-      task: This worker's task id.
-      num_ps: How many ps tasks.
-      stop: Whether this worker stopped or gave up, so that every other worker stops too.
-      timeout_secs: How long to wait for the ps.
-      job: ``"worker"``, or ``"ps"`` when `target` is ps 0's.
-      num_workers: How many workers the cluster has (a stop is one task id for each).
-
-    Returns:
-      Whether any worker (this one included) asked the cluster to stop.
+    `stop` (this worker stopped or gave up) stops every other of the `num_workers` workers.
+    `target` is this worker's server, or with ``job="ps"`` ps 0's (for a worker that failed
+    before it started its server). Waits up to `timeout_secs` for the ps; returns whether any
+    worker (this one included) asked the cluster to stop.
     """
     graph = tf.Graph()
     with graph.as_default():
@@ -336,13 +285,9 @@ def finish(
         ask = stop_queue.enqueue_many([[task] * num_workers]) if stop else None
         size = stop_queue.size()
         done = [_done_queue(i).enqueue(task) for i in range(num_ps)]
-    config = (
-        session_config("worker", task, timeout_secs)
-        if job == "worker"
-        else tf.compat.v1.ConfigProto(
-            device_filters=["/job:ps"], operation_timeout_in_ms=int(timeout_secs * 1000)
-        )
-    )
+    config = session_config("worker", task, timeout_secs)
+    if job != "worker":  # Through ps 0's server: this worker's own is not up.
+        config.device_filters[:] = ["/job:ps"]
     try:
         with tf.compat.v1.Session(target, graph=graph, config=config) as session:
             if ask is not None:
@@ -384,17 +329,10 @@ def serve_ps(
     `timeout_secs` in a row, and it had started (its port answered) or another worker is
     done. A worker that never started is waited for while no worker is done.
 
-    Args:
-      target: This ps's server target.
-      task: This ps's task id.
-      worker_hosts: HOST:PORT of every worker.
-      timeout_secs: How long a worker's port may refuse connections before it counts as gone.
-      poll_secs: How often to look at the done queue and the ports.
-      is_up: Whether a worker's HOST:PORT answers (injectable for tests).
-      clock: Monotonic seconds (injectable for tests).
-
-    Returns:
-      The task ids of the workers that never said they were done (gone); empty if all did.
+    `target` is this ps's server, `worker_hosts` every worker's HOST:PORT; it looks at the done
+    queue and the ports every `poll_secs`. `is_up` (whether a HOST:PORT answers) and `clock`
+    (monotonic seconds) are injectable for tests. Returns the task ids of the workers that never
+    said they were done (gone); empty if all did.
     """
     graph = tf.Graph()
     with graph.as_default():
@@ -431,12 +369,7 @@ def wait_for_model(
     """Waits until the chief has initialised or restored the model on the ps (polling every
     `poll_secs`, so a non-chief `MonitoredTrainingSession` then finds it ready at once).
 
-    Args:
-      graph: The worker's graph.
-      target: The worker's server target.
-      config: The session `ConfigProto` (see `session_config`).
-      timeout_secs: How long to wait.
-      poll_secs: How often to check.
+    `graph`, `target` and `config` (see `session_config`) are the worker's.
 
     Raises:
       tf.errors.DeadlineExceededError: The model was not ready within `timeout_secs`.

@@ -15,8 +15,7 @@ pushes nothing to the ps. What a cluster adds is coordination, built from these 
 
 A stop on one worker (its ``stop`` policy) stops every worker, whose `TrainResult` then says
 ``StopReason.CLUSTER_STOP``; a rollback on any worker is one restore on the ps, carried out
-by the chief and counted by it against ``max_rollbacks``. Each name's docstring has its
-contract.
+by the chief and counted by it against ``max_rollbacks``.
 """
 
 from slim_nanguard._cluster import ChiefRollbackHook
