@@ -12,11 +12,7 @@ from typing import Deque, List, Optional, Tuple
 
 
 class LossHistory:
-    """A ring buffer of ``[step, loss]`` for the last `size` good steps.
-
-    Args:
-      size: How many points to keep; 0 keeps none.
-    """
+    """A ring buffer of ``[step, loss]`` for the last `size` good steps (0 keeps none)."""
 
     def __init__(self, size: int):
         self._points: Deque[List] = collections.deque(maxlen=size)
@@ -37,7 +33,7 @@ class LossHistory:
         for back in range(1, self._unnumbered + 1):
             self._points[-back][0] = step - back
         self._unnumbered = 0
-        return [(s, loss) for s, loss in self._points if s is not None]
+        return self.points()
 
     def points(self) -> List[Tuple[int, float]]:
         """The numbered points kept, oldest first (those `anchor` numbered)."""
@@ -54,15 +50,10 @@ CLIMB_FACTOR = 2.0
 
 
 def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
-    """The step at which the losses started climbing to a bad step at `before`, or None. Pure.
-
-    The climb is the run of the newest points before `before` each above `CLIMB_FACTOR` times
-    the median of the older half. None without one, or with fewer than four points.
-
-    Args:
-      losses: ``(step, loss)`` of good steps, oldest first.
-      before: The global step of the first bad step.
-    """
+    """The step at which the ``(step, loss)`` of good steps, oldest first, started climbing to
+    the first bad step, at global step `before`: the run of the newest points before it each
+    above `CLIMB_FACTOR` times the median of the older half. None without one, or with fewer
+    than four points."""
     points = [(s, v) for s, v in losses if s < before and math.isfinite(v)]
     if len(points) < 4:
         return None
