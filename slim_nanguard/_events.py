@@ -31,11 +31,7 @@ LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 def classify(value: float) -> str:
     """Returns `LOSS_NAN`, `LOSS_INF` or `LOSS_FINITE` for a loss value."""
-    if math.isnan(value):
-        return LOSS_NAN
-    if math.isinf(value):
-        return LOSS_INF
-    return LOSS_FINITE
+    return LOSS_NAN if math.isnan(value) else LOSS_INF if math.isinf(value) else LOSS_FINITE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +109,8 @@ class NanEvent:
         return f"{head}, {culprits}{scale}, {count}"
 
     def _holding(self) -> str:
-        """``", holding NaN"``, or per kind when they differ; empty when unknown."""
-        if len(self.culprit_kinds) != len(self.culprits) or not self.culprits:
+        """``", holding NaN"`` of the culprits, or per kind when they differ; empty when unknown."""
+        if len(self.culprit_kinds) != len(self.culprits):
             return ""
         if len(set(self.culprit_kinds)) == 1:
             return f", holding {_verdict.kind_word(self.culprit_kinds[0])}"

@@ -72,9 +72,7 @@ class EventRecorder:
         """The counters since this recorder began to follow its guards, by scalar name."""
         deltas = [guard.state.since(start) for guard, start in self._followed.items()]
         counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
-        if not counts["loss_scale_overflows"]:
-            del counts["loss_scale_overflows"]
-        return counts
+        return {name: n for name, n in counts.items() if n or name != "loss_scale_overflows"}
 
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)

@@ -113,14 +113,12 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
             lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
         lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
         lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
-    if result.bad_examples:
-        examples = list(result.bad_examples)
-        shown = (
-            f"all {len(examples)}"
-            if len(examples) == result.batch_size
-            else ", ".join(map(str, examples[:20]))
-            + (f" and {len(examples) - 20} more" if len(examples) > 20 else "")
-        )
+    examples = result.bad_examples
+    if examples:
+        more = f" and {len(examples) - 20} more" if len(examples) > 20 else ""
+        shown = ", ".join(map(str, examples[:20])) + more
+        if len(examples) == result.batch_size:
+            shown = f"all {len(examples)}"
         at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
         lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
     return lines
@@ -140,11 +138,7 @@ def describe_health(h: Mapping[str, Any]) -> str:
     if h.get("zeros"):
         counts.append(f"{h['zeros']} zero{'s' if h['zeros'] > 1 else ''}")
     low, high = h.get("finite_min"), h.get("finite_max")
-    span = (
-        f"finite in [{low:.6g}, {high:.6g}]"
-        if low is not None and high is not None
-        else "no finite value"
-    )
+    span = f"finite in [{low:.6g}, {high:.6g}]" if None not in (low, high) else "no finite value"
     shape = "x".join(str(d) for d in h.get("shape") or []) or "scalar"
     return f"{h.get('name', '?')} [{shape}] {h.get('dtype', '')}: {', '.join(counts + [span])}"
 
@@ -154,15 +148,12 @@ def replay_dump(
 ) -> _autopsy.Autopsy:
     """Replays a bad step offline, within `timeout_secs`: restores `train_dir`'s latest
     checkpoint in its meta graph and feeds the batch of the dump `dump_path` (the record's
-    ``autopsy.dump``) and, when the dump holds them, the weights the step read.
-
-    Returns:
-      The `Autopsy` of the replay (``error`` says if it could not be done).
+    ``autopsy.dump``) and, when the dump holds them, the weights the step read. Returns the
+    replay's `Autopsy` (``error`` says if it could not be done).
 
     Raises:
       ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
-      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
-        garbled.
+      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or garbled.
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
 
@@ -224,8 +215,7 @@ def _with_what_the_dump_says(
             f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
             "which may predate the bad step"
         )
-        error = f"{result.error}; {note}" if result.error else note
-        result = dataclasses.replace(result, error=error)
+        result = dataclasses.replace(result, error="; ".join(filter(None, [result.error, note])))
     return result
 
 
@@ -304,14 +294,11 @@ def _split(points: Sequence[Tuple[Optional[int], Point]]) -> List[Tuple[List, Li
 
 
 def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point]]]]:
-    """The loss over steps as `plot_run` draws it, cut where the run went back (a rollback,
-    to its checkpoint's step, or a resumed run). From the TensorBoard scalars and the records'
-    ``losses_before`` (which replace the summaries of the steps they cover); NaN and Inf are
-    left out.
-
-    Returns:
-      ``(tag, pieces)``: the TensorBoard tag drawn (`RECORD_TAG` when the record alone has
-      losses), and one ``(kept, dropped)`` pair per run, as `split_at_rollbacks` makes.
+    """``(tag, pieces)``: the loss over steps as `plot_run` draws it, one ``(kept, dropped)``
+    pair per run as `split_at_rollbacks` makes, cut where the run went back (a rollback, to
+    its checkpoint's step, or a resumed run), and the TensorBoard tag drawn (`RECORD_TAG` when
+    the record alone has losses). From the TensorBoard scalars and the records'
+    ``losses_before`` (which replace the summaries of the steps they cover), without NaN and Inf.
 
     Raises:
       ValueError: No TensorBoard loss and no record of losses.
@@ -403,16 +390,11 @@ def _pyplot():
 
 
 def run_figure(train_dir: str):
-    """The figure `plot_run` saves: the whole run, and a close look at the first bad step.
-
-    Each bad step is marked at its loss (a NaN or Inf one at the top, labelled so), a spike
-    with a marker of its own; the axis is logarithmic when the values are far apart. Returns a
-    matplotlib ``Figure`` (the caller closes it) whose first axes, with the legend, is the
-    whole run.
-
-    Raises:
-      ImportError: matplotlib is not installed.
-      ValueError: No loss to plot.
+    """The figure `plot_run` saves (and raises as it does): the whole run, and a close look at
+    the first bad step. Each bad step is marked at its loss (a NaN or Inf one at the top,
+    labelled so), a spike with a marker of its own; the axis is logarithmic when the values are
+    far apart. Returns a matplotlib ``Figure`` (the caller closes it) whose first axes, with the
+    legend, is the whole run.
     """
     plt = _pyplot()
     tag, pieces = loss_pieces(train_dir)
@@ -425,26 +407,20 @@ def run_figure(train_dir: str):
     else:
         figure, whole = plt.subplots(figsize=(9, 4.5))
     for axes in figure.axes:
-        _draw(axes, tag, pieces, records)
+        marks = _draw(axes, tag, pieces, records)
     name = _paths.basename(_paths.absolute(train_dir).rstrip("/"))
     whole.set_title(f"{name}: the loss and the guard's events")
     whole.legend(loc="best", fontsize="small")
     if bad:
         low, high = zoom_window(bad[0])
         close.set_xlim(low, high)
-        marks = [(s, y) for s, y, *_ in _event_marks(records, _values(pieces))]
-        points = [p for run in pieces for part in run for p in part] + marks
+        points = [p for run in pieces for part in run for p in part] + [m[:2] for m in marks]
         shown = [v for s, v in points if low <= s <= high]
         if shown:  # The loss and the marks in the window, not the whole run.
             close.set_ylim(*_padded(close, min(shown), max(shown)))
         close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
     return figure
-
-
-def _values(pieces) -> List[float]:
-    """The losses of `loss_pieces`' pieces."""
-    return [v for run in pieces for part in run for _, v in part]
 
 
 def _padded(axes, low: float, high: float) -> Tuple[float, float]:
@@ -503,8 +479,9 @@ def _record_loss(record: Mapping[str, Any]) -> float:
         return math.nan
 
 
-def _draw(axes, tag: str, pieces, records) -> None:
-    """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
+def _draw(axes, tag: str, pieces, records) -> List[Tuple[int, float, str, str, str]]:
+    """Draws the loss (a dropped stretch grey), the bad steps and the rollbacks on `axes`;
+    returns the `_event_marks`."""
     labels = set()
 
     def once(label):
@@ -520,8 +497,9 @@ def _draw(axes, tag: str, pieces, records) -> None:
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
-    marks = _event_marks(records, _values(pieces))
-    values = _values(pieces) + [m[1] for m in marks]
+    curve = [v for run in pieces for part in run for _, v in part]
+    marks = _event_marks(records, curve)
+    values = curve + [m[1] for m in marks]
     # Losses 100 times apart (a divergence, or a spike, spans orders of magnitude): a log axis.
     if values and min(values) > 0 and max(values) / min(values) > 100.0:
         axes.set_yscale("log")
@@ -532,3 +510,4 @@ def _draw(axes, tag: str, pieces, records) -> None:
             axes.axvline(r.get("step", 0), color="tab:red", ls="--", lw=0.8, label=once("rollback"))
     axes.set_xlabel("global step")
     axes.set_ylabel(tag)
+    return marks
