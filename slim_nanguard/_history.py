@@ -7,6 +7,7 @@ the global step of the next bad step, one per good step (in a cluster: this work
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Deque, List, Optional, Tuple
 
@@ -61,9 +62,5 @@ def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
     typical = older[len(older) // 2]
     if typical <= 0:  # No factor of a loss that is not positive means a climb.
         return None
-    start = None
-    for step, value in reversed(points):
-        if value <= CLIMB_FACTOR * typical:
-            break
-        start = step
-    return start
+    climb = list(itertools.takewhile(lambda p: p[1] > CLIMB_FACTOR * typical, reversed(points)))
+    return climb[-1][0] if climb else None

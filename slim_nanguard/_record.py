@@ -34,18 +34,12 @@ class _HasState(Protocol):
     state: _policy.GuardState
 
 
-def events_filename(task: Optional[int] = None) -> str:
-    """The record of one task of a cluster: task 0 (the chief, or no cluster) keeps the usual
-    name, task N writes ``nanguard_events.taskN.jsonl`` next to it."""
-    return EVENTS_FILENAME if not task else f"nanguard_events.task{task}.jsonl"
-
-
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
     event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
     guards it follows as TensorBoard scalars to `summary_writer` (default: the
     `FileWriterCache` writer of `logdir`). `task` is the task id in a cluster (None: none):
-    each record gets a ``task`` field, and task N > 0 writes its own file (`events_filename`).
+    each record gets a ``task`` field, and task N > 0 writes ``nanguard_events.taskN.jsonl``.
     """
 
     def __init__(
@@ -55,7 +49,8 @@ class EventRecorder:
         write_summaries: bool = True,
         task: Optional[int] = None,
     ):
-        self.path = _paths.join(logdir, events_filename(task))
+        name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
+        self.path = _paths.join(logdir, name)
         self.task = task
         self._logdir = logdir
         self._writer = summary_writer
@@ -126,8 +121,8 @@ def _ends_mid_line(path: str) -> bool:
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
     """The records of a run (`logdir_or_path`: the training directory or the ``.jsonl`` file
     itself), oldest first; empty if there is no file yet. A partial last line (a crash
-    mid-write) is skipped. A directory written by a cluster holds one file per task
-    (`events_filename`); their records are merged by time, each with its ``task`` field.
+    mid-write) is skipped. A directory written by a cluster holds one file per task (task N > 0:
+    ``nanguard_events.taskN.jsonl``); their records are merged by time, each with its ``task``.
     """
     path = logdir_or_path
     if tf.io.gfile.isdir(path):
