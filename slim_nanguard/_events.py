@@ -31,11 +31,7 @@ LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 def classify(value: float) -> str:
     """Returns `LOSS_NAN`, `LOSS_INF` or `LOSS_FINITE` for a loss value."""
-    if math.isnan(value):
-        return LOSS_NAN
-    if math.isinf(value):
-        return LOSS_INF
-    return LOSS_FINITE
+    return LOSS_NAN if math.isnan(value) else LOSS_INF if math.isinf(value) else LOSS_FINITE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,28 +39,22 @@ class NanEvent:
     """What the guard saw on one step whose loss or gradients were not finite.
 
     Attributes:
-      step: The global step the bad step was attempted at (it did not advance it); -1 when
-        the train op has no global step.
+      step: The global step the bad step was attempted at (it did not advance it), or -1.
       loss: The step's loss (NaN, +/-Inf, or finite when only gradients went bad).
       loss_kind: ``"nan"``, ``"inf"`` or ``"finite"``.
-      culprits: Variables whose gradients held NaN or Inf, in the train op's gradient order;
-        empty when the gradients were finite or unknown.
-      consecutive: Bad steps in a row, this one included.
-      total: Bad steps this guard has seen in this process, this one included.
+      culprits: Variables whose gradients held NaN or Inf, in the train op's gradient order.
+      consecutive, total: Bad steps in a row, and in this process, this one included.
       mode: The `Mode` that caught the step.
       action: The `Action` the policy decided, or ``"loss_scale_overflow"`` for an overflow
         step of a dynamic loss-scale optimizer (no bad step: no policy, not counted).
       time: Wall-clock time (seconds since the epoch) the step was seen.
       loss_scale: The dynamic loss scale the step used, or None.
-      autopsy: The step's replay (an `Autopsy`), or None (off, or past
-        ``autopsy_max_steps``).
+      autopsy: The step's replay (an `Autopsy`), or None (off, or past ``autopsy_max_steps``).
       culprit_kinds: Per culprit, ``"nan"``, ``"inf"`` or ``"nan_and_inf"``; empty when
         unknown.
-      cause: ``"non_finite"``, or the name of the `Reason` that rejected an all-finite step
-        (``"spike"``).
-      figures: What that reason stored of the step (`Reason.figures`), recorded under the
-        cause's name; None for a non-finite step.
-      reason: The `Reason` that rejected the step, or None for a non-finite step.
+      cause: ``"non_finite"``, or the name of the `Reason` that rejected an all-finite step.
+      figures: What that reason stored of the step (`Reason.figures`), or None.
+      reason: The `Reason` that rejected the step, or None.
     """
 
     step: int
@@ -100,12 +90,10 @@ class NanEvent:
 
     def describe(self) -> str:
         """One line for a log or an error message."""
+        head = f"global step {self.step}, loss {self.loss!r} ({self.loss_kind})"
+        count = f"bad step {self.consecutive} in a row ({self.total} in all)"
         if self.reason is not None and self.figures is not None:
-            return (
-                f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
-                f"{self.reason.phrase(self.figures)}, bad step {self.consecutive} in a row "
-                f"({self.total} in all)"
-            )
+            return f"{head}, {self.reason.phrase(self.figures)}, {count}"
         if self.culprits:
             shown = ", ".join(self.culprits[:5])
             more = f" and {len(self.culprits) - 5} more" if len(self.culprits) > 5 else ""
@@ -114,19 +102,15 @@ class NanEvent:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
             return (
-                f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), "
-                f"{culprits} at loss scale {self.loss_scale:g}: the optimizer skipped the "
-                "update and lowers the scale (not a bad step)"
+                f"{head}, {culprits} at loss scale {self.loss_scale:g}: the optimizer skipped "
+                "the update and lowers the scale (not a bad step)"
             )
         scale = f", loss scale {self.loss_scale:g}" if self.loss_scale is not None else ""
-        return (
-            f"global step {self.step}, loss {self.loss!r} ({self.loss_kind}), {culprits}"
-            f"{scale}, bad step {self.consecutive} in a row ({self.total} in all)"
-        )
+        return f"{head}, {culprits}{scale}, {count}"
 
     def _holding(self) -> str:
-        """``", holding NaN"``, or per kind when they differ; empty when unknown."""
-        if len(self.culprit_kinds) != len(self.culprits) or not self.culprits:
+        """``", holding NaN"`` of the culprits, or per kind when they differ; empty when unknown."""
+        if len(self.culprit_kinds) != len(self.culprits):
             return ""
         if len(set(self.culprit_kinds)) == 1:
             return f", holding {_verdict.kind_word(self.culprit_kinds[0])}"
@@ -135,7 +119,7 @@ class NanEvent:
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""
         d = dataclasses.asdict(dataclasses.replace(self, autopsy=None, reason=None))
-        del d["figures"], d["reason"]
+        del d["figures"], d["reason"], d["autopsy"]
         # Plain strings, not enum members: a record reads the same to any JSON consumer.
         d["mode"], d["action"], d["cause"] = str(self.mode), str(self.action), str(self.cause)
         if self.figures is not None:  # Under the cause's name; an overflowed norm is Inf.
@@ -144,21 +128,17 @@ class NanEvent:
             }
             if self.reason is not None:  # The log line's words for them.
                 d["why"] = self.reason.phrase(self.figures)
-        d["culprits"] = list(self.culprits)
-        d["culprit_kinds"] = list(self.culprit_kinds)
+        d["culprits"], d["culprit_kinds"] = list(self.culprits), list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)
         if self.loss_scale is None:
             del d["loss_scale"]
-        d.pop("autopsy")
         if self.autopsy is not None:
             d["autopsy"] = self.autopsy.to_json()
         return d
 
 
 def _json_float(value: float) -> Any:
-    if math.isfinite(value):
-        return value
-    return str(value)
+    return value if math.isfinite(value) else str(value)
 
 
 # `NanTensorHook`'s sentence, which logs are grepped for. Every bad step's line opens with
@@ -167,10 +147,7 @@ DIVERGED = "Model diverged with loss = NaN."
 
 
 def diverged(event: NanEvent) -> str:
-    """The opening sentence of `event`'s log line: `DIVERGED` for a NaN loss, ``Model
-    diverged with loss = Inf.`` (or ``-Inf``), ``Model diverging: <reason>; all values
-    finite.`` for a rejected finite step, else ``Model diverged with non-finite gradients; the
-    loss is finite.``"""
+    """The opening sentence of `event`'s log line (`DIVERGED` only for a NaN loss)."""
     if event.loss_kind == LOSS_NAN:
         return DIVERGED
     if event.loss_kind == LOSS_INF:
@@ -181,15 +158,10 @@ def diverged(event: NanEvent) -> str:
 
 
 def log_event(event: NanEvent, level: Optional[int] = None) -> None:
-    """Logs `event` on TensorFlow's logger, as `NanTensorHook` does.
-
-    A bad step's line opens with `diverged` and goes through ``tf_logging.error`` when the
-    action is ``raise``, ``tf_logging.warning`` otherwise; a loss-scale overflow is logged at
-    info, without that sentence. An autopsy adds one line at the same level.
-
-    Args:
-      event: The event.
-      level: A Python `logging` level that overrides the above.
+    """Logs `event` on TensorFlow's logger, as `NanTensorHook` does: a bad step's line opens
+    with `diverged` and goes through ``tf_logging.error`` when the action is ``raise``,
+    ``tf_logging.warning`` otherwise; a loss-scale overflow is logged at info, without that
+    sentence. An autopsy adds one line at the same level. A Python logging `level` overrides.
     """
     if event.action == LOSS_SCALE_OVERFLOW:
         tf_logging.log(

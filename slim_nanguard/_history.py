@@ -7,16 +7,13 @@ the global step of the next bad step, one per good step (in a cluster: this work
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Deque, List, Optional, Tuple
 
 
 class LossHistory:
-    """A ring buffer of ``[step, loss]`` for the last `size` good steps.
-
-    Args:
-      size: How many points to keep; 0 keeps none.
-    """
+    """A ring buffer of ``[step, loss]`` for the last `size` good steps (0 keeps none)."""
 
     def __init__(self, size: int):
         self._points: Deque[List] = collections.deque(maxlen=size)
@@ -37,7 +34,7 @@ class LossHistory:
         for back in range(1, self._unnumbered + 1):
             self._points[-back][0] = step - back
         self._unnumbered = 0
-        return [(s, loss) for s, loss in self._points if s is not None]
+        return self.points()
 
     def points(self) -> List[Tuple[int, float]]:
         """The numbered points kept, oldest first (those `anchor` numbered)."""
@@ -54,15 +51,10 @@ CLIMB_FACTOR = 2.0
 
 
 def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
-    """The step at which the losses started climbing to a bad step at `before`, or None. Pure.
-
-    The climb is the run of the newest points before `before` each above `CLIMB_FACTOR` times
-    the median of the older half. None without one, or with fewer than four points.
-
-    Args:
-      losses: ``(step, loss)`` of good steps, oldest first.
-      before: The global step of the first bad step.
-    """
+    """The step at which the ``(step, loss)`` of good steps, oldest first, started climbing to
+    the first bad step, at global step `before`: the run of the newest points before it each
+    above `CLIMB_FACTOR` times the median of the older half. None without one, or with fewer
+    than four points."""
     points = [(s, v) for s, v in losses if s < before and math.isfinite(v)]
     if len(points) < 4:
         return None
@@ -70,9 +62,5 @@ def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
     typical = older[len(older) // 2]
     if typical <= 0:  # No factor of a loss that is not positive means a climb.
         return None
-    start = None
-    for step, value in reversed(points):
-        if value <= CLIMB_FACTOR * typical:
-            break
-        start = step
-    return start
+    climb = list(itertools.takewhile(lambda p: p[1] > CLIMB_FACTOR * typical, reversed(points)))
+    return climb[-1][0] if climb else None

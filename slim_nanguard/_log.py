@@ -8,6 +8,7 @@ line below warning that the user asked absl to show when no handler exists. With
 warnings and errors reach stderr through Python's last-resort handler.
 """
 
+import functools
 import logging as _logging
 
 from absl import logging as _absl_logging
@@ -24,19 +25,9 @@ def _log(level: int, msg: str, *args) -> None:
         _LOGGER.log(level, msg, *args)
 
 
-def error(msg: str, *args) -> None:
-    """absl.logging.error, configuring nothing."""
-    _log(_logging.ERROR, msg, *args)
-
-
-def warning(msg: str, *args) -> None:
-    """absl.logging.warning, configuring nothing."""
-    _log(_logging.WARNING, msg, *args)
-
-
-def info(msg: str, *args) -> None:
-    """absl.logging.info: configures nothing unless the user asked absl for INFO lines."""
-    _log(_logging.INFO, msg, *args)
+error = functools.partial(_log, _logging.ERROR)
+warning = functools.partial(_log, _logging.WARNING)
+info = functools.partial(_log, _logging.INFO)
 
 
 def vlog(level: int, msg: str, *args) -> None:
@@ -50,5 +41,5 @@ def batches(count: int) -> str:
 
 
 # A line's caller is the module that called these, not this file.
-for _name in ("_log", "error", "warning", "info", "vlog"):
+for _name in ("_log", "vlog"):
     _absl_logging.ABSLLogger.register_frame_to_skip(__file__, _name)

@@ -30,17 +30,14 @@ def absolute(path: Union[str, os.PathLike]) -> str:
 
 def join(path: Union[str, os.PathLike], *names: str) -> str:
     """`names` joined under the directory `path`: with ``/`` for a URL, as `os.path` locally."""
-    path = os.fspath(path)
-    return posixpath.join(path, *names) if is_url(path) else os.path.join(path, *names)
+    return (posixpath if is_url(path) else os.path).join(path, *names)
 
 
 def basename(path: Union[str, os.PathLike]) -> str:
     """The last component of `path` (of a URL's path, split at ``/``)."""
-    path = os.fspath(path)
-    return posixpath.basename(path) if is_url(path) else os.path.basename(path)
+    return (posixpath if is_url(path) else os.path).basename(path)
 
 
 def dirname(path: Union[str, os.PathLike]) -> str:
     """The directory of `path` (a URL's keeps its scheme)."""
-    path = os.fspath(path)
-    return posixpath.dirname(path) if is_url(path) else os.path.dirname(path)
+    return (posixpath if is_url(path) else os.path).dirname(path)

@@ -34,22 +34,12 @@ class _HasState(Protocol):
     state: _policy.GuardState
 
 
-def events_filename(task: Optional[int] = None) -> str:
-    """The record of one task of a cluster: task 0 (the chief, or no cluster) keeps the usual
-    name, task N writes ``nanguard_events.taskN.jsonl`` next to it."""
-    return EVENTS_FILENAME if not task else f"nanguard_events.task{task}.jsonl"
-
-
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
-    event file and writes the counters of the guards it follows as TensorBoard scalars.
-
-    Args:
-      logdir: The training directory.
-      summary_writer: Where the scalars go; default: the `FileWriterCache` writer of `logdir`.
-      write_summaries: False to write the JSON lines only.
-      task: The task id in a cluster: each record gets a ``task`` field, and task N > 0 writes
-        its own file (`events_filename`). None: no cluster.
+    event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
+    guards it follows as TensorBoard scalars to `summary_writer` (default: the
+    `FileWriterCache` writer of `logdir`). `task` is the task id in a cluster (None: none):
+    each record gets a ``task`` field, and task N > 0 writes ``nanguard_events.taskN.jsonl``.
     """
 
     def __init__(
@@ -59,7 +49,8 @@ class EventRecorder:
         write_summaries: bool = True,
         task: Optional[int] = None,
     ):
-        self.path = _paths.join(logdir, events_filename(task))
+        name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
+        self.path = _paths.join(logdir, name)
         self.task = task
         self._logdir = logdir
         self._writer = summary_writer
@@ -76,9 +67,7 @@ class EventRecorder:
         """The counters since this recorder began to follow its guards, by scalar name."""
         deltas = [guard.state.since(start) for guard, start in self._followed.items()]
         counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
-        if not counts["loss_scale_overflows"]:
-            del counts["loss_scale_overflows"]
-        return counts
+        return {name: n for name, n in counts.items() if n or name != "loss_scale_overflows"}
 
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)
@@ -122,10 +111,7 @@ class EventRecorder:
 
 
 def _ends_mid_line(path: str) -> bool:
-    if not tf.io.gfile.exists(path):
-        return False
-    size = tf.io.gfile.stat(path).length
-    if size == 0:
+    if not tf.io.gfile.exists(path) or not (size := tf.io.gfile.stat(path).length):
         return False
     with tf.io.gfile.GFile(path, "rb") as f:
         f.seek(size - 1)
@@ -133,36 +119,27 @@ def _ends_mid_line(path: str) -> bool:
 
 
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
-    """Reads the records of a run; a partial last line (a crash mid-write) is skipped.
-
-    A directory written by a cluster holds one file per task (`events_filename`); their
-    records are merged by time, each with its ``task`` field.
-
-    Args:
-      logdir_or_path: The training directory or the ``.jsonl`` file itself.
-
-    Returns:
-      The records, oldest first; empty if there is no file yet.
+    """The records of a run (`logdir_or_path`: the training directory or the ``.jsonl`` file
+    itself), oldest first; empty if there is no file yet. A partial last line (a crash
+    mid-write) is skipped. A directory written by a cluster holds one file per task (task N > 0:
+    ``nanguard_events.taskN.jsonl``); their records are merged by time, each with its ``task``.
     """
     path = logdir_or_path
     if tf.io.gfile.isdir(path):
         tasks = sorted(tf.io.gfile.glob(_paths.join(path, "nanguard_events.task*.jsonl")))
-        if tasks:
-            merged = [
-                r for p in [_paths.join(path, EVENTS_FILENAME)] + tasks for r in read_events(p)
-            ]
-            return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
         path = _paths.join(path, EVENTS_FILENAME)
+        if tasks:
+            merged = [r for p in [path, *tasks] for r in read_events(p)]
+            return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
     if not tf.io.gfile.exists(path):
         return []
     records = []
     with tf.io.gfile.GFile(path, "r") as f:
         lines = f.read().split("\n")
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
         try:
-            records.append(json.loads(line))
+            if line.strip():
+                records.append(json.loads(line))
         except json.JSONDecodeError:
             logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
     return records

@@ -21,20 +21,12 @@ from slim_nanguard._reasons import NON_FINITE
 
 
 def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
-    """The record of a bad step of a run.
-
-    Args:
-      train_dir: The training directory.
-      step: The global step; None for the latest bad step that has an autopsy (else the
-        latest bad step).
-
-    Returns:
-      The step's last record, with ``dump_removed`` (the removal's record) when its autopsy
-      dump was removed since.
+    """The last record of the bad step of `train_dir` at global `step`; None picks the latest
+    bad step that has an autopsy, else the latest. The record gets ``dump_removed`` (the
+    removal's record) when its autopsy dump was removed since.
 
     Raises:
-      ValueError: No event record, no bad step, or none at `step` (the message lists those
-        there are).
+      ValueError: No bad step recorded, or none at `step` (the message lists those there are).
     """
     import tensorflow as tf
 
@@ -45,8 +37,7 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
         where = path if tf.io.gfile.exists(path) else f"{train_dir} (no {_record.EVENTS_FILENAME})"
         raise ValueError(f"no bad step recorded in {where}: nothing to show.")
     if step is None:
-        autopsied = [r for r in records if r.get("autopsy")]
-        record = (autopsied or records)[-1]
+        record = ([r for r in records if r.get("autopsy")] or records)[-1]
     else:
         matching = [r for r in records if r.get("step") == step]
         if not matching:
@@ -88,7 +79,7 @@ def format_report(record: Mapping[str, Any]) -> str:
         )
     elif result.dump:
         lines.append(f"  dump        {result.dump}")
-    cost = result.cost or {}
+    cost = result.cost
     if cost:
         lines.append(
             f"  cost        {cost.get('seconds', 0):.3g} s, {cost.get('runs', '?')} "
@@ -122,14 +113,12 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
             lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
         lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
         lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
-    if result.bad_examples:
-        examples = list(result.bad_examples)
-        shown = (
-            f"all {len(examples)}"
-            if len(examples) == result.batch_size
-            else ", ".join(map(str, examples[:20]))
-            + (f" and {len(examples) - 20} more" if len(examples) > 20 else "")
-        )
+    examples = result.bad_examples
+    if examples:
+        more = f" and {len(examples) - 20} more" if len(examples) > 20 else ""
+        shown = ", ".join(map(str, examples[:20])) + more
+        if len(examples) == result.batch_size:
+            shown = f"all {len(examples)}"
         at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
         lines.append(f"  examples    {shown} (of {result.batch_size} in the batch{at})")
     return lines
@@ -149,11 +138,7 @@ def describe_health(h: Mapping[str, Any]) -> str:
     if h.get("zeros"):
         counts.append(f"{h['zeros']} zero{'s' if h['zeros'] > 1 else ''}")
     low, high = h.get("finite_min"), h.get("finite_max")
-    span = (
-        f"finite in [{low:.6g}, {high:.6g}]"
-        if low is not None and high is not None
-        else "no finite value"
-    )
+    span = f"finite in [{low:.6g}, {high:.6g}]" if None not in (low, high) else "no finite value"
     shape = "x".join(str(d) for d in h.get("shape") or []) or "scalar"
     return f"{h.get('name', '?')} [{shape}] {h.get('dtype', '')}: {', '.join(counts + [span])}"
 
@@ -161,23 +146,18 @@ def describe_health(h: Mapping[str, Any]) -> str:
 def replay_dump(
     dump_path: str, train_dir: str, *, timeout_secs: float = _autopsy.DEFAULT_TIMEOUT_SECS
 ) -> _autopsy.Autopsy:
-    """Replays a bad step offline: restores `train_dir`'s latest checkpoint in its meta graph
-    and feeds the dump's batch and, when it holds them, the weights the step read.
-
-    Args:
-      dump_path: The JSON report of the dump (the record's ``autopsy.dump``).
-      train_dir: The training directory (for the meta graph and the checkpoint).
-      timeout_secs: The deadline of the replay.
-
-    Returns:
-      The `Autopsy` of the replay (``error`` says if it could not be done).
+    """Replays a bad step offline, within `timeout_secs`: restores `train_dir`'s latest
+    checkpoint in its meta graph and feeds the batch of the dump `dump_path` (the record's
+    ``autopsy.dump``) and, when the dump holds them, the weights the step read. Returns the
+    replay's `Autopsy` (``error`` says if it could not be done).
 
     Raises:
       ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
-      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or
-        garbled.
+      UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or garbled.
     """
     import tensorflow as tf  # Local: the report alone needs no TensorFlow.
+
+    from slim_nanguard import _checkpoints
 
     if not tf.io.gfile.exists(dump_path):
         raise ValueError(
@@ -185,23 +165,11 @@ def replay_dump(
             "moved? pass the directory the dump sits in)."
         )
     report, batch, weights = _autopsy.read_dump(dump_path)
-    checkpoint, meta = _checkpoint_and_meta_graph(train_dir)
-    return _replay_from(meta, checkpoint, report, batch, weights, timeout_secs)
-
-
-def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
-    """The latest checkpoint of `train_dir` (or None) and the meta graph to replay in: the
-    checkpoint's, else the directory's last ``*.meta``; ValueError when there is none,
-    UnreadableCheckpointError when the checkpoint cannot be read."""
-    import tensorflow as tf
-
-    from slim_nanguard import _checkpoints
-
     checkpoint = _checkpoints.latest_checkpoint(train_dir)
     if checkpoint and tf.io.gfile.exists(checkpoint + ".index"):
         _checkpoints.non_finite_variables(checkpoint)  # Raises if it cannot be read.
-    meta = checkpoint + ".meta" if checkpoint else None
-    if meta is None or not tf.io.gfile.exists(meta):
+    meta = f"{checkpoint}.meta"
+    if not checkpoint or not tf.io.gfile.exists(meta):  # Else the directory's last one.
         metas = sorted(tf.io.gfile.glob(_paths.join(train_dir, "*.meta")))
         if not metas:
             raise ValueError(
@@ -209,21 +177,6 @@ def _checkpoint_and_meta_graph(train_dir: str) -> Tuple[Optional[str], str]:
                 "the graph from; replay needs the run's checkpoint directory."
             )
         meta = metas[-1]
-    return checkpoint, meta
-
-
-def _replay_from(
-    meta: str,
-    checkpoint: Optional[str],
-    report: Mapping[str, Any],
-    batch: Mapping[str, Any],
-    weights: Mapping[str, Any],
-    timeout_secs: float,
-) -> _autopsy.Autopsy:
-    """`_autopsy.replay` of `report` in `meta`'s graph restored from `checkpoint`, feeding
-    `batch` and `weights` (tensor name -> array); a failure is the `Autopsy`'s ``error``."""
-    import tensorflow as tf
-
     graph = tf.Graph()
     with graph.as_default():
         saver = tf.compat.v1.train.import_meta_graph(meta, clear_devices=True)
@@ -262,8 +215,7 @@ def _with_what_the_dump_says(
             f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
             "which may predate the bad step"
         )
-        error = f"{result.error}; {note}" if result.error else note
-        result = dataclasses.replace(result, error=error)
+        result = dataclasses.replace(result, error="; ".join(filter(None, [result.error, note])))
     return result
 
 
@@ -306,63 +258,47 @@ def _scalar_events(
                     series.setdefault(value.tag, []).append(
                         (event.wall_time, int(event.step), value.simple_value)
                     )
-    found = [tag for tag in tags if series.get(tag)]
-    if found:
-        tag = max(found, key=lambda t: (len(series[t]), -found.index(t)))
-        return tag, sorted(series[tag])
-    raise ValueError(
-        f"the event files of {train_dir} hold none of the scalars "
-        f"{', '.join(tags)}; train with summaries on (save_summaries_steps) to "
-        "plot the loss."
-    )
+    if not series:
+        raise ValueError(
+            f"the event files of {train_dir} hold none of the scalars "
+            f"{', '.join(tags)}; train with summaries on (save_summaries_steps) to "
+            "plot the loss."
+        )
+    tag = max((t for t in tags if t in series), key=lambda t: len(series[t]))  # first on a tie
+    return tag, sorted(series[tag])
 
 
 def split_at_rollbacks(points: Sequence[Point]) -> List[Tuple[List[Point], List[Point]]]:
     """Splits a series written in order into ``(kept, dropped)`` runs: a step not above the
     one before starts a run and undoes the previous run's points from that step on
     (``dropped``, led by the last kept point so the lines join)."""
-    return _split(_runs([(None, point) for point in points]))
+    return _split([(None, point) for point in points])
 
 
-def _runs(points: Sequence[Tuple[Optional[int], Point]]) -> List[Tuple[Optional[int], List]]:
-    """Cuts ``(restart, point)`` items written in order into ``(restart, points)`` runs: an
-    item with a ``restart`` step (the first after a rollback) starts one, and so does a step
-    that does not exceed the one before."""
+def _split(points: Sequence[Tuple[Optional[int], Point]]) -> List[Tuple[List, List]]:
+    """`split_at_rollbacks` of ``(restart, point)`` items: an item with a ``restart`` step (the
+    first after a rollback) starts a run too, and undoes the points from that step on."""
     runs: List[Tuple[Optional[int], List[Point]]] = []
     for restart, point in points:
         if runs and restart is None and point[0] > runs[-1][1][-1][0]:
             runs[-1][1].append(point)
         else:
             runs.append((restart, [point]))
-    return runs
-
-
-def _split(runs: Sequence[Tuple[Optional[int], List[Point]]]) -> List[Tuple[List, List]]:
-    """``(kept, dropped)`` for each run: the points from the next run's restart on (its
-    ``restart`` step, else its first step) were undone."""
+    restarts = [run[0][0] if step is None else step for step, run in runs[1:]] + [math.inf]
     pieces = []
-    for number, (_, run) in enumerate(runs):
-        restart = math.inf
-        if number + 1 < len(runs):
-            step, after = runs[number + 1]
-            restart = after[0][0] if step is None else step
+    for (_, run), restart in zip(runs, restarts):
         kept = [p for p in run if p[0] < restart]
         dropped = [p for p in run if p[0] >= restart]
-        if kept and dropped:
-            dropped = [kept[-1]] + dropped
-        pieces.append((kept, dropped))
+        pieces.append((kept, [kept[-1]] + dropped if kept and dropped else dropped))
     return pieces
 
 
 def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point]]]]:
-    """The loss over steps as `plot_run` draws it, cut where the run went back (a rollback,
-    to its checkpoint's step, or a resumed run). From the TensorBoard scalars and the records'
-    ``losses_before`` (which replace the summaries of the steps they cover); NaN and Inf are
-    left out.
-
-    Returns:
-      ``(tag, pieces)``: the TensorBoard tag drawn (`RECORD_TAG` when the record alone has
-      losses), and one ``(kept, dropped)`` pair per run, as `split_at_rollbacks` makes.
+    """``(tag, pieces)``: the loss over steps as `plot_run` draws it, one ``(kept, dropped)``
+    pair per run as `split_at_rollbacks` makes, cut where the run went back (a rollback, to
+    its checkpoint's step, or a resumed run), and the TensorBoard tag drawn (`RECORD_TAG` when
+    the record alone has losses). From the TensorBoard scalars and the records'
+    ``losses_before`` (which replace the summaries of the steps they cover), without NaN and Inf.
 
     Raises:
       ValueError: No TensorBoard loss and no record of losses.
@@ -383,15 +319,11 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
         for r in records
         if r.get("kind") == "rollback" and "time" in r
     )
-    times = [t for t, _ in rollbacks]
-
-    def stretch(time: float) -> int:  # The rollbacks decided before `time`.
-        return bisect.bisect_left(times, time)
-
+    times = [t for t, _ in rollbacks]  # A point's stretch: the rollbacks decided before it.
     items, covered, seen = [], {}, set()
     for record in kept_losses:
         time, pairs = float(record.get("time", 0.0)), record["losses_before"]
-        number = stretch(time)
+        number = bisect.bisect_left(times, time)
         # Up to the bad step: a summary there holds the last good loss, or the bad one.
         covered.setdefault(number, []).append((pairs[0][0], record.get("step", pairs[-1][0])))
         for back, (step, value) in enumerate(reversed(pairs), start=1):
@@ -400,19 +332,18 @@ def loss_pieces(train_dir: str) -> Tuple[str, List[Tuple[List[Point], List[Point
                 seen.add((number, step))
                 items.append((time - back * 1e-6, number, int(step), value))
     for time, step, value in written:
-        number = stretch(time)
+        number = bisect.bisect_left(times, time)
         spans = covered.get(number, ())
         if math.isfinite(value) and not any(low <= step <= high for low, high in spans):
             items.append((time, number, step, value))
-    items.sort()
     marked, last = [], 0
-    for _, number, step, value in items:
+    for _, number, step, value in sorted(items):
         restart = None
         if number != last:  # The first point after one rollback or more: the lowest step.
             steps = [s for _, s in rollbacks[last:number] if s is not None]
-            restart, last = (min(steps) if steps else step), number
+            restart, last = min(steps, default=step), number
         marked.append((restart, (step, value)))
-    return tag, _split(_runs(marked))
+    return tag, _split(marked)
 
 
 def zoom_window(record: Mapping[str, Any], margin: int = 20) -> Tuple[float, float]:
@@ -459,18 +390,11 @@ def _pyplot():
 
 
 def run_figure(train_dir: str):
-    """The figure `plot_run` saves: the whole run, and a close look at the first bad step.
-
-    Each bad step is marked at its loss (a NaN or Inf one at the top, labelled so), a spike
-    with a marker of its own; the axis is logarithmic when the values are far apart.
-
-    Returns:
-      A matplotlib ``Figure`` (the caller closes it); its first axes, with the legend, is the
-      whole run.
-
-    Raises:
-      ImportError: matplotlib is not installed.
-      ValueError: No loss to plot.
+    """The figure `plot_run` saves (and raises as it does): the whole run, and a close look at
+    the first bad step. Each bad step is marked at its loss (a NaN or Inf one at the top,
+    labelled so), a spike with a marker of its own; the axis is logarithmic when the values are
+    far apart. Returns a matplotlib ``Figure`` (the caller closes it) whose first axes, with the
+    legend, is the whole run.
     """
     plt = _pyplot()
     tag, pieces = loss_pieces(train_dir)
@@ -480,31 +404,23 @@ def run_figure(train_dir: str):
         figure, (whole, close) = plt.subplots(
             1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}
         )
-        panels = [whole, close]
     else:
         figure, whole = plt.subplots(figsize=(9, 4.5))
-        panels = [whole]
-    for axes in panels:
-        _draw(axes, tag, pieces, records)
+    for axes in figure.axes:
+        marks = _draw(axes, tag, pieces, records)
     name = _paths.basename(_paths.absolute(train_dir).rstrip("/"))
     whole.set_title(f"{name}: the loss and the guard's events")
     whole.legend(loc="best", fontsize="small")
     if bad:
         low, high = zoom_window(bad[0])
         close.set_xlim(low, high)
-        points = [p for run in pieces for part in run for p in part]
+        points = [p for run in pieces for part in run for p in part] + [m[:2] for m in marks]
         shown = [v for s, v in points if low <= s <= high]
-        shown += [y for s, y, *_ in _event_marks(records, _values(pieces)) if low <= s <= high]
         if shown:  # The loss and the marks in the window, not the whole run.
             close.set_ylim(*_padded(close, min(shown), max(shown)))
         close.set_title(f"around the first bad step (global step {bad[0].get('step')})")
     figure.tight_layout()
     return figure
-
-
-def _values(pieces) -> List[float]:
-    """The losses of `loss_pieces`' pieces."""
-    return [v for run in pieces for part in run for _, v in part]
 
 
 def _padded(axes, low: float, high: float) -> Tuple[float, float]:
@@ -523,21 +439,16 @@ _ACTION_MARKS = {
     "stop": ("s", "tab:purple", "stopped"),
     "raise": ("X", "black", "gave up"),
 }
-# A step a reason rejected with finite values (a spike): a diamond, in the action's colour.
-_SPIKE_MARKER = "D"
 
 
 def _bad_step_mark(record: Mapping[str, Any]) -> Tuple[str, str, str]:
-    """The marker, colour and legend label of a bad step's record, by its cause and action."""
+    """The marker, colour and legend label of a bad step's record, by its action; a step a
+    reason rejected with finite values (a spike) is a diamond, in the action's colour."""
     marker, color, done = _ACTION_MARKS.get(record.get("action"), _ACTION_MARKS["skip"])
     cause = record.get("cause", NON_FINITE)
     if cause != NON_FINITE:
-        return _SPIKE_MARKER, color, f"{cause}, {done}"
+        return "D", color, f"{cause}, {done}"
     return marker, color, f"bad step, {done}"
-
-
-# Losses that far apart (largest over smallest, all positive) get a log axis.
-_LOG_SCALE_RATIO = 100.0
 
 
 def _event_marks(
@@ -547,17 +458,16 @@ def _event_marks(
     NaN or Inf loss at the top of `curve` and the finite marks, labelled so."""
     bad = [r for r in records if r.get("kind") == "bad_step"]
     losses = [_record_loss(r) for r in bad]
-    finite = [v for v in list(curve) + losses if math.isfinite(v)]
-    top = max(finite) if finite else 1.0
+    top = max((v for v in [*curve, *losses] if math.isfinite(v)), default=1.0)
     marks = []
     for record, loss in zip(bad, losses):
         marker, color, label = _bad_step_mark(record)
         if math.isfinite(loss):
-            marks.append((record.get("step", 0), loss, marker, color, f"{label}, at its loss"))
+            y, where = loss, "at its loss"
         else:
             kind = "NaN" if math.isnan(loss) else ("-Inf" if loss < 0 else "Inf")
-            label = f"{label}, loss {kind} (drawn at the top)"
-            marks.append((record.get("step", 0), top, marker, color, label))
+            y, where = top, f"loss {kind} (drawn at the top)"
+        marks.append((record.get("step", 0), y, marker, color, f"{label}, {where}"))
     return marks
 
 
@@ -569,8 +479,9 @@ def _record_loss(record: Mapping[str, Any]) -> float:
         return math.nan
 
 
-def _draw(axes, tag: str, pieces, records) -> None:
-    """The loss (a dropped stretch grey), the bad steps and the rollbacks, on `axes`."""
+def _draw(axes, tag: str, pieces, records) -> List[Tuple[int, float, str, str, str]]:
+    """Draws the loss (a dropped stretch grey), the bad steps and the rollbacks on `axes`;
+    returns the `_event_marks`."""
     labels = set()
 
     def once(label):
@@ -586,10 +497,12 @@ def _draw(axes, tag: str, pieces, records) -> None:
         axes.plot(
             [s for s, _ in kept], [v for _, v in kept], color="tab:blue", lw=1.2, label=once(tag)
         )
-    marks = _event_marks(records, _values(pieces))
-    values = _values(pieces) + [m[1] for m in marks]
-    if values and min(values) > 0 and max(values) / min(values) > _LOG_SCALE_RATIO:
-        axes.set_yscale("log")  # a divergence, or a spike, spans orders of magnitude
+    curve = [v for run in pieces for part in run for _, v in part]
+    marks = _event_marks(records, curve)
+    values = curve + [m[1] for m in marks]
+    # Losses 100 times apart (a divergence, or a spike, spans orders of magnitude): a log axis.
+    if values and min(values) > 0 and max(values) / min(values) > 100.0:
+        axes.set_yscale("log")
     for step, value, marker, color, label in marks:
         axes.scatter([step], [value], marker=marker, color=color, zorder=3, label=once(label))
     for r in records:
@@ -597,3 +510,4 @@ def _draw(axes, tag: str, pieces, records) -> None:
             axes.axvline(r.get("step", 0), color="tab:red", ls="--", lw=0.8, label=once("rollback"))
     axes.set_xlabel("global step")
     axes.set_ylabel(tag)
+    return marks

@@ -1,15 +1,13 @@
 """A run's files on any file system `tf.io.gfile` serves: local, ``gs://``, ``hdfs://``, ...
 
-What a launcher needs beside the guard to find its way in a training directory, and what the
-guard itself uses there:
+What a launcher needs beside the guard to find its way in a training directory:
 
 * paths that may be URLs (`os.path` reads ``gs://bucket/run`` as a relative local path):
   `absolute`, `join`, `dirname`, `basename`, `is_url`;
 * a run's checkpoints: `latest_checkpoint` (`tf.train.latest_checkpoint`, also for a moved or
   copied directory and past a damaged state file), `checkpoint_step`, `checkpoint_reader`
   (which raises `slim_nanguard.UnreadableCheckpointError` naming a damaged index);
-* `op_error_cause`: the line of a TensorFlow error (a file that cannot be read, say) that
-  says what went wrong.
+* `op_error_cause`: the line of a TensorFlow error that says what went wrong.
 
 The newest checkpoint that can be read, and whether one is finite, are the guard's own:
 `slim_nanguard.latest_good_checkpoint`, `slim_nanguard.non_finite_variables`.
