@@ -309,13 +309,18 @@ def train(
 def _check_arguments(
     train_op: tf.Tensor, number_of_steps: Optional[int], log_every_n_steps: int
 ) -> _guard.Guard:
-    """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make, or
-    a step count or a logging interval `train` cannot use."""
+    """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make (or
+    its loss), or a step count or a logging interval `train` cannot use."""
     guard = _guard.get_guard(train_op)
     if guard is None:
         raise ValueError(
             f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
             "slim_nanguard.create_train_op."
+        )
+    if train_op is not guard.train_op:
+        raise ValueError(
+            f"train_op {train_op.name!r} is the loss of a guarded train op; pass the train op "
+            f"create_train_op returned ({guard.train_op.name!r}), which updates the weights."
         )
     if number_of_steps is not None and (
         isinstance(number_of_steps, bool)

@@ -682,6 +682,14 @@ class TestBadInput:
         with pytest.raises(ValueError, match="was not made by slim_nanguard.create_train_op"):
             slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=1)
 
+    def test_the_loss_in_place_of_the_train_op_trains_nothing_and_is_refused(self, tmp_path):
+        # The guard is found by its loss too (the hook judges the loss), but a loop that ran
+        # the loss would never update a weight.
+        model = lib.build_model()
+        with pytest.raises(ValueError, match="is the loss of a guarded train op; pass the train"):
+            slim_nanguard.train(model.loss, str(tmp_path / "run"), number_of_steps=1)
+        assert not (tmp_path / "run").exists()
+
 
 def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
     script = textwrap.dedent(f"""
