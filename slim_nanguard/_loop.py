@@ -310,12 +310,18 @@ def _check_arguments(
     train_op: tf.Tensor, number_of_steps: Optional[int], log_every_n_steps: int
 ) -> _guard.Guard:
     """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make (or
-    its loss), or a step count or a logging interval `train` cannot use."""
+    its loss), a graph without a global step, or a step count or a logging interval `train`
+    cannot use."""
     guard = _guard.get_guard(train_op)
     if guard is None:
         raise ValueError(
             f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
             "slim_nanguard.create_train_op."
+        )
+    if tf.compat.v1.train.get_global_step(train_op.graph) is None:
+        raise ValueError(
+            "train needs a global step (its checkpoint, summary and step hooks count it), and "
+            "this graph has none: make the train op with create_train_op's default global_step."
         )
     if train_op is not guard.train_op:
         raise ValueError(

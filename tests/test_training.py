@@ -690,6 +690,18 @@ class TestBadInput:
             slim_nanguard.train(model.loss, str(tmp_path / "run"), number_of_steps=1)
         assert not (tmp_path / "run").exists()
 
+    def test_a_graph_without_a_global_step_is_refused_in_one_line(self, tmp_path):
+        # TensorFlow's own hooks would fail on it inside the session, in a wall of frames.
+        graph = tf.Graph()
+        with graph.as_default():
+            weights = tf.compat.v1.get_variable("w", [2], initializer=tf.ones_initializer())
+            loss = tf.reduce_sum(weights * weights)
+            optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+            train_op = slim_nanguard.create_train_op(loss, optimizer, global_step=None)
+            with pytest.raises(ValueError, match="train needs a global step .* has none"):
+                slim_nanguard.train(train_op, str(tmp_path / "run"), number_of_steps=3)
+        assert not (tmp_path / "run").exists()
+
 
 def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
     script = textwrap.dedent(f"""
