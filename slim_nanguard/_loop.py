@@ -265,8 +265,8 @@ def train(
         writes its own record (see `read_events`). Only the chief writes TensorBoard scalars.
 
     Raises:
-      ValueError: Bad arguments (an unguarded train op, a logdir that cannot be written, a
-        negative step count).
+      ValueError: Bad arguments (an unguarded train op or its loss, a graph without a global
+        step, a logdir that cannot be written, a negative step count).
       NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
         last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
