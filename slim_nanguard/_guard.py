@@ -373,6 +373,18 @@ def get_guard(train_op_or_loss, graph: Optional[tf.Graph] = None) -> Optional[Gu
     return None
 
 
+def guard_of_train_op(train_op) -> Optional[Guard]:
+    """`get_guard` for a loop that runs `train_op`: None for a train op no guard has; a
+    ValueError for a guarded loss in its place (a loop running it would update nothing)."""
+    guard = get_guard(train_op)
+    if guard is not None and train_op is not guard.train_op:
+        raise ValueError(
+            f"train_op {train_op.name!r} is the loss of a guarded train op; pass the train op "
+            f"create_train_op returned ({guard.train_op.name!r}), which updates the weights."
+        )
+    return guard
+
+
 def guards(graph: Optional[tf.Graph] = None) -> List[Guard]:
     """All guards registered in `graph` (default graph if None)."""
     graph = graph or tf.compat.v1.get_default_graph()

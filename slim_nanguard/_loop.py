@@ -312,7 +312,7 @@ def _check_arguments(
     """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make (or
     its loss), a graph without a global step, or a step count or a logging interval `train`
     cannot use."""
-    guard = _guard.get_guard(train_op)
+    guard = _guard.guard_of_train_op(train_op)
     if guard is None:
         raise ValueError(
             f"train_op {getattr(train_op, 'name', train_op)!r} was not made by "
@@ -322,11 +322,6 @@ def _check_arguments(
         raise ValueError(
             "train needs a global step (its checkpoint, summary and step hooks count it), and "
             "this graph has none: make the train op with create_train_op's default global_step."
-        )
-    if train_op is not guard.train_op:
-        raise ValueError(
-            f"train_op {train_op.name!r} is the loss of a guarded train op; pass the train op "
-            f"create_train_op returned ({guard.train_op.name!r}), which updates the weights."
         )
     if number_of_steps is not None and (
         isinstance(number_of_steps, bool)

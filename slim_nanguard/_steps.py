@@ -108,10 +108,11 @@ def train_step(
     Raises:
       NanLossError: The policy is ``raise``, or training gives up.
       CheckpointNotFoundError: A rollback found no good checkpoint.
-      ValueError: At the first step: the policy rolls back and no checkpoint directory is
-        known, or a hook-mode train op was built in a loop body (no run can fetch its verdict).
+      ValueError: `train_op` is a guarded loss, not its train op; or at the first step: the
+        policy rolls back and no checkpoint directory is known, or a hook-mode train op was
+        built in a loop body (no run can fetch its verdict).
     """
-    guard = _guard.get_guard(train_op)
+    guard = _guard.guard_of_train_op(train_op)
     if guard is None:
         return tf_slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
     # tf_slim.learning.train's logdir: train_step_kwargs has it only with trace_every_n_steps.

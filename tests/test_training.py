@@ -690,6 +690,16 @@ class TestBadInput:
             slim_nanguard.train(model.loss, str(tmp_path / "run"), number_of_steps=1)
         assert not (tmp_path / "run").exists()
 
+    def test_learning_train_s_step_refuses_the_loss_in_place_of_the_train_op(self, tmp_path):
+        model = lib.build_model()
+        with model.graph.as_default(), tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            before = sess.run(tf.compat.v1.trainable_variables())
+            with pytest.raises(ValueError, match="is the loss of a guarded train op; pass the"):
+                slim_nanguard.train_step(sess, model.loss, model.global_step, {})
+            after = sess.run(tf.compat.v1.trainable_variables())
+        assert all((b == a).all() for b, a in zip(before, after))
+
     def test_a_graph_without_a_global_step_is_refused_in_one_line(self, tmp_path):
         # TensorFlow's own hooks would fail on it inside the session, in a wall of frames.
         graph = tf.Graph()
