@@ -38,6 +38,7 @@ with _quiet_start.quiet_imports(sys.argv):
     import slim_nanguard  # noqa: E402
     from slim_nanguard import autopsy  # noqa: E402
     from slim_nanguard import storage  # noqa: E402
+    from slim_nanguard.app import plot  # noqa: E402
 
 FLAGS = flags.FLAGS
 EXIT_ERROR = 1
@@ -99,7 +100,7 @@ def main(argv):
         return fail(ValueError(f"{train_dir} is not a directory; give the --train_dir of a run."))
     try:
         if FLAGS.plot:
-            print(f"plot: {autopsy.plot_run(train_dir, FLAGS.plot)}")
+            print(f"plot: {plot.plot_run(train_dir, FLAGS.plot)}")
             if FLAGS.step is None and not FLAGS.replay:
                 return 0
         record = autopsy.find_bad_step(train_dir, FLAGS.step)

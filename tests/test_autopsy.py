@@ -19,6 +19,7 @@ import tensorflow as tf
 import slim_nanguard
 from slim_nanguard import _autopsy
 from slim_nanguard import _capture
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -473,17 +474,15 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
 
 
 def test_a_rollback_splits_the_loss_into_what_was_kept_and_what_was_dropped():
-    from slim_nanguard import autopsy
 
     # Steps 1-4 diverge, step 5 is bad, the rollback goes back to 0 and steps 1-3 follow.
     written = [(1, 2.0), (2, 50.0), (3, 1e9), (4, 1e30), (1, 2.0), (2, 1.5), (3, 1.2)]
-    (kept, dropped), (after, none) = autopsy.split_at_rollbacks(written)
+    (kept, dropped), (after, none) = run_plot.split_at_rollbacks(written)
     assert kept == [] and dropped == written[:4]
     assert after == written[4:] and none == []
 
 
 def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
-    from slim_nanguard import autopsy
 
     slim_nanguard.train(
         _Model("hook", fault="log_of_zero").train_op,
@@ -493,18 +492,17 @@ def test_the_plot_marks_the_bad_step_on_the_loss(tmp_path):
         save_summaries_steps=1,
         log_every_n_steps=1,
     )
-    tag, points = autopsy.read_scalars(str(tmp_path))
+    tag, points = run_plot.read_scalars(str(tmp_path))
     assert tag == "nanguard/loss" and [step for step, _ in points] == [1, 2, 3, 4, 5]
-    out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+    out = run_plot.plot_run(str(tmp_path), str(tmp_path / "run.png"))
     assert pathlib.Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch):
-    from slim_nanguard import autopsy
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install '\.\[plot\]'"):
-        autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+        run_plot.plot_run(str(tmp_path), str(tmp_path / "run.png"))
 
 
 def test_a_nan_constant_is_not_the_culprit_the_op_that_lets_it_in_is():

@@ -24,6 +24,7 @@ import tf_slim as slim
 
 import slim_nanguard
 from slim_nanguard import _policy
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -476,13 +477,11 @@ def test_one_install_hint_for_the_plot_extra(monkeypatch, tmp_path):
     everywhere: in the docs and in the autopsy's error."""
     import sys
 
-    from slim_nanguard import autopsy
-
     files = [*DOC_PAGES, *(REPO / "slim_nanguard").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
     files += sorted((REPO / "configs").glob("*.cfg"))
     other = [str(f.relative_to(REPO)) for f in files if "slim_nanguard[" in f.read_text()]
     assert not other, f"{other} name the extra as slim_nanguard[...]; write '.[plot]'"
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install '\.\[plot\]'"):
-        autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+        run_plot.plot_run(str(tmp_path), str(tmp_path / "run.png"))
     assert "pip install '.[plot]'" in (REPO / "docs" / "guide.md").read_text()

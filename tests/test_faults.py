@@ -13,6 +13,7 @@ import slim_nanguard
 from slim_nanguard import app
 from slim_nanguard.app import datasets
 from slim_nanguard.app import faults
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -226,11 +227,9 @@ def test_spike_skip_steps_over_a_planted_spike_and_counts_it(tmp_path, mode):
 
 def test_the_plot_marks_a_spike_apart_from_a_nan_step(tmp_path):
     """A run with a spike (batch 25, finite) and a NaN batch (27), both skipped: each has its
-    own marker and its own entry in the legend of `autopsy.plot_run`, from the records' cause."""
+    own marker and its own entry in the legend of `run_plot.plot_run`, from the records' cause."""
     pytest.importorskip("matplotlib")
     from matplotlib import pyplot as plt
-
-    from slim_nanguard import autopsy
 
     config = _config(
         tmp_path,
@@ -242,17 +241,17 @@ def test_the_plot_marks_a_spike_apart_from_a_nan_step(tmp_path):
     records = slim_nanguard.read_events(str(tmp_path))
     bad = [r for r in records if r["kind"] == "bad_step"]
     assert [(r["step"], r["cause"]) for r in bad] == [(25, "spike"), (26, "non_finite")]
-    tag, pieces = autopsy.loss_pieces(str(tmp_path))
+    tag, pieces = run_plot.loss_pieces(str(tmp_path))
     figure, axes = plt.subplots()
-    autopsy._draw(axes, tag, pieces, records)
+    run_plot._draw(axes, tag, pieces, records)
     _, labels = axes.get_legend_handles_labels()
     # Each label names the kind and the action, then where it is drawn (its loss, or the top).
     assert any(label.startswith("spike, skipped, at its loss") for label in labels), labels
     assert any(label.startswith("bad step, skipped") for label in labels), labels
-    spike, nan = (autopsy._bad_step_mark(r) for r in bad)
+    spike, nan = (run_plot._bad_step_mark(r) for r in bad)
     assert spike[0] != nan[0] and spike[2] != nan[2]
     plt.close(figure)
-    out = autopsy.plot_run(str(tmp_path), str(tmp_path / "run.png"))
+    out = run_plot.plot_run(str(tmp_path), str(tmp_path / "run.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

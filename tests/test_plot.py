@@ -11,7 +11,7 @@ import math
 import pytest
 
 import slim_nanguard
-from slim_nanguard import autopsy
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -57,7 +57,7 @@ def test_each_bad_step_is_marked_at_its_own_loss_and_a_nan_at_the_top(run_dir):
     spike, nan = _bad_steps(run_dir)
     assert spike["cause"] == "spike" and math.isfinite(spike["loss"])
     assert nan["loss"] == "nan"
-    figure = autopsy.run_figure(run_dir)
+    figure = run_plot.run_figure(run_dir)
     try:
         whole = figure.axes[0]
         marks = _marks(whole)
@@ -77,6 +77,6 @@ def test_each_bad_step_is_marked_at_its_own_loss_and_a_nan_at_the_top(run_dir):
 
 
 def test_the_plot_is_written_as_a_png(run_dir, tmp_path):
-    out = autopsy.plot_run(run_dir, str(tmp_path / "run.png"))
+    out = run_plot.plot_run(run_dir, str(tmp_path / "run.png"))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -18,6 +18,7 @@ import slim_nanguard
 from slim_nanguard import _autopsy
 from slim_nanguard import _record
 from slim_nanguard import autopsy
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -228,9 +229,12 @@ def test_the_record_keeps_the_losses_the_loop_saw_before_the_bad_step(tmp_path):
     assert record["step"] == 3 and record["loss_kind"] == "finite"  # only the gradient went bad
     assert record["losses_before"] == [[0, seen[0]], [1, seen[1]], [2, seen[2]]]
     # No TensorBoard loss in this run: the plot draws the record's.
-    tag, pieces = autopsy.loss_pieces(logdir)
-    assert (tag, pieces) == (autopsy.RECORD_TAG, [([(0, seen[0]), (1, seen[1]), (2, seen[2])], [])])
-    low, high = autopsy.zoom_window(record)
+    tag, pieces = run_plot.loss_pieces(logdir)
+    assert (tag, pieces) == (
+        run_plot.RECORD_TAG,
+        [([(0, seen[0]), (1, seen[1]), (2, seen[2])], [])],
+    )
+    low, high = run_plot.zoom_window(record)
     assert -1 < low < 0 and 3 < high  # from the first loss kept to past the bad step
 
 
@@ -268,12 +272,12 @@ def test_the_plot_shows_the_climb_between_summaries_and_what_the_rollback_undid(
     before = [tuple(pair) for pair in record["losses_before"]]
     assert [step for step, _ in before] == list(range(16))
     assert all(later > 300 * earlier for (_, earlier), (_, later) in zip(before, before[1:]))
-    tag, pieces = autopsy.loss_pieces(logdir)
+    tag, pieces = run_plot.loss_pieces(logdir)
     assert tag == "nanguard/loss"
     (kept, dropped), (after, none) = pieces
     # Undone by the rollback to step 0: the record's climb (the summaries of steps 5, 10 and
     # 15 in it give way to it); then the summaries of the steps trained again.
     assert kept == [] and dropped == before
     assert [step for step, _ in after] == [5, 10, 15, 20, 25] and none == []
-    low, high = autopsy.zoom_window(record)
+    low, high = run_plot.zoom_window(record)
     assert -1 < low < 0 and 16 < high < 25

@@ -18,6 +18,7 @@ import slim_nanguard
 from slim_nanguard import _autopsy
 from slim_nanguard import app
 from slim_nanguard import autopsy
+from slim_nanguard.app import plot as run_plot
 
 import nanguard_testlib as lib
 
@@ -96,7 +97,7 @@ def test_the_autopsy_report_replay_and_plot_read_a_remote_run(remote):
     replay = autopsy.replay_dump(record["autopsy"]["dump"], remote)
     assert replay.reproduced and replay.first_bad_op["name"] == "x"
     pytest.importorskip("matplotlib")
-    plot = autopsy.plot_run(remote, f"{remote}/run.png")
+    plot = run_plot.plot_run(remote, f"{remote}/run.png")
     with tf.io.gfile.GFile(plot, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

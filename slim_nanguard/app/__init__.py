@@ -14,6 +14,7 @@ hold:
 * `datasets`, `models`: one spec per dataset and per model (`DATASETS`, `MODELS`).
 * `faults`: fault injection (``--inject_fault``).
 * `benchmarking`: the benchmark harness of ``slim-nanguard-benchmark`` (imported on its own).
+* `plot`: the run's plot of ``slim-nanguard-autopsy --plot`` (imported on its own).
 """
 
 from slim_nanguard.app.checkpoints import resolve_checkpoint
