@@ -191,16 +191,13 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._judging = self._runs_train_op is None or self._runs_train_op(fetches)
         if not self._judging:
             return None
-        if self._loss_args is not None and self._fetches_train_op(fetches):
-            return self._loss_args
+        if self._loss_args is not None:  # A run that fetches the train op gets the loss free.
+            try:
+                if any(f is self._guard.train_op for f in tf.nest.flatten(fetches)):
+                    return self._loss_args
+            except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
+                pass
         return self._run_args
-
-    def _fetches_train_op(self, fetches) -> bool:
-        """Whether `fetches` hold the train op itself (whose value is the loss, fetched free)."""
-        try:
-            return any(f is self._guard.train_op for f in tf.nest.flatten(fetches))
-        except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
-            return False
 
     def after_run(
         self,

@@ -95,28 +95,6 @@ class TrainResult:
         )
 
 
-def check_logdir(logdir: str) -> str:
-    """Creates `logdir` if missing and checks it is writable (else ValueError); returns its
-    absolute path (a URL such as ``gs://bucket/run`` as it is)."""
-    if not logdir or not isinstance(logdir, (str, os.PathLike)):
-        raise ValueError(f"logdir must name a directory; got {logdir!r}.")
-    logdir = _paths.absolute(logdir)
-    if tf.io.gfile.exists(logdir) and not tf.io.gfile.isdir(logdir):
-        raise ValueError(f"logdir {logdir} is a file, not a directory.")
-    probe = _paths.join(logdir, f".nanguard_write_test.{os.getpid()}.{uuid.uuid4().hex}")
-    try:
-        tf.io.gfile.makedirs(logdir)
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("")
-        tf.io.gfile.remove(probe)
-    except (OSError, tf.errors.OpError) as err:
-        reason = getattr(err, "message", None) or err.strerror
-        raise ValueError(
-            f"logdir {logdir} cannot be written to ({reason}); choose a directory you can write to."
-        ) from None
-    return logdir
-
-
 class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
     """Refuses to train a model that holds NaN or Inf once the session is created."""
 
@@ -155,8 +133,7 @@ class _Progress:
         self.mark = (self.clock(), step)
 
     def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
-        """Logs a line at every `every`-th step, with this run's ``counts()`` (called only
-        when a line is due)."""
+        """Logs a line at every `every`-th step, with this run's ``counts()`` (called only then)."""
         if self.every <= 0 or step % self.every:
             return
         counts = counts()
@@ -273,8 +250,7 @@ def train(
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
         no checkpoint.
     """
-    guard = _check_arguments(train_op, number_of_steps, log_every_n_steps)
-    logdir = check_logdir(logdir)
+    guard, logdir = _check_arguments(train_op, logdir, number_of_steps, log_every_n_steps)
     resume_from = (
         _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
     )
@@ -307,11 +283,11 @@ def train(
 
 
 def _check_arguments(
-    train_op: tf.Tensor, number_of_steps: Optional[int], log_every_n_steps: int
-) -> _guard.Guard:
-    """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make (or
-    its loss), a graph without a global step, or a step count or a logging interval `train`
-    cannot use."""
+    train_op: tf.Tensor, logdir: str, number_of_steps: Optional[int], log_every_n_steps: int
+) -> Tuple[_guard.Guard, str]:
+    """The guard of `train_op` and the absolute `logdir`, created if missing (a URL as it is);
+    a ValueError for an unguarded train op or its loss, a graph without a global step, a logdir
+    that cannot be written, or a step count or logging interval `train` cannot use."""
     guard = _guard.guard_of_train_op(train_op)
     if guard is None:
         raise ValueError(
@@ -333,7 +309,23 @@ def _check_arguments(
         )
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
-    return guard
+    if not logdir or not isinstance(logdir, (str, os.PathLike)):
+        raise ValueError(f"logdir must name a directory; got {logdir!r}.")
+    logdir = _paths.absolute(logdir)
+    if tf.io.gfile.exists(logdir) and not tf.io.gfile.isdir(logdir):
+        raise ValueError(f"logdir {logdir} is a file, not a directory.")
+    probe = _paths.join(logdir, f".nanguard_write_test.{os.getpid()}.{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(logdir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("")
+        tf.io.gfile.remove(probe)
+    except (OSError, tf.errors.OpError) as err:
+        reason = getattr(err, "message", None) or err.strerror
+        raise ValueError(
+            f"logdir {logdir} cannot be written to ({reason}); choose a directory you can write to."
+        ) from None
+    return guard, logdir
 
 
 def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
@@ -416,11 +408,8 @@ class _Loop:
                 self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
-        final_values = {}
-        if guard.global_step is not None:
-            final_values["global_step"] = guard.global_step
-        if guard.lr_scale is not None:
-            final_values["learning_rate_scale"] = guard.lr_scale
+        final_values = {"global_step": guard.global_step, "learning_rate_scale": guard.lr_scale}
+        final_values = {name: value for name, value in final_values.items() if value is not None}
         if final_values:
             self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
             self.hooks.append(self.final_hook)
@@ -484,7 +473,7 @@ class _Loop:
         """The global step (around the session's hooks), or this call's good steps without one."""
         if self.guard.global_step is None:
             return self.counts().steps
-        return int(_actions.raw_call(sess, lambda raw: raw.run(self.guard.global_step)))
+        return _actions.raw_call(sess, self.guard.read_global_step)
 
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
         """Runs the train op once; returns its value (None after a numerics error) and its
@@ -510,10 +499,9 @@ class _Loop:
         ``error.checkpoint`` to that save, or to the latest checkpoint if it fails."""
         path = None
         if self.is_chief:
-            global_step = self.guard.global_step
 
             def save(session: tf.compat.v1.Session) -> str:
-                step = int(session.run(global_step)) if global_step is not None else None
+                step = self.guard.read_global_step(session)
                 prefix = _paths.join(self.logdir, "model.ckpt")
                 return self.scaffold.saver.save(session, prefix, global_step=step)
 
@@ -566,14 +554,8 @@ class _Loop:
             spikes=counts.spikes,
             rejected=dict(counts.rejected),
         )
-        final_loss = self.final_loss
-        _record_stop(
-            recorder,
-            stop_reason,
-            step=last_step,
-            final_loss=final_loss if math.isfinite(final_loss) else str(final_loss),
-            **stop_fields,
-        )
+        loss = self.final_loss if math.isfinite(self.final_loss) else str(self.final_loss)
+        _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
         return result
 
