@@ -49,14 +49,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     guard (policy, counters) and judges only the runs that run that train op; given a loss no
     guarded train op made, it fetches the loss on every run and can only raise or stop.
 
-    The policy: ``nan_policy`` when given; else the guard's (``raise`` with no guard), with
-    ``raise`` turned into ``stop`` by ``fail_on_nan_loss=False``.
-
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.
-      fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
-      nan_policy: Policy name that overrides the above, for non-finite steps (a spike
-        keeps ``spike_policy``). ``skip`` and ``rollback`` need a guarded train op.
+      fail_on_nan_loss: As in `NanTensorHook`: False turns the policy ``raise`` (the guard's,
+        or an unguarded loss's) into ``stop``.
+      nan_policy: Policy name that overrides both, for non-finite steps (a spike keeps
+        ``spike_policy``). ``skip`` and ``rollback`` need a guarded train op.
       checkpoint_dir: Where the loop saves checkpoints; needed when the policy may roll back.
       event_listener: ``fn(record)`` called for each bad step and rollback.
 
@@ -82,7 +80,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 f"got {nan_policy!r}."
             )
         if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
-            # Refused now: at the bad step the update has happened, and skip would do nothing.
             raise ValueError(
                 f"NanLossHook got nan_policy={nan_policy!r} for "
                 f"{getattr(loss_tensor, 'name', loss_tensor)!r}, which comes from "
@@ -118,14 +115,13 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     @property
     def last_outcome(self) -> Optional[_actions.Outcome]:
-        """What the last run came to (`Outcome`; ``GOOD`` for a finite step), or None when
-        this hook did not judge it."""
+        """The last run's `Outcome` (``GOOD`` for a finite step), or None if this hook did not
+        judge it."""
         return self._last_outcome
 
     @property
     def session_bad_steps(self) -> int:
-        """Bad steps of this hook's guard (by whoever judged them) since the current session
-        was created."""
+        """Bad steps of this hook's guard (by whoever judged them) since the session began."""
         if self._guard is None:
             return self._unguarded_state.total_bad_steps
         return self._guard.state.total_bad_steps - self._session_start
@@ -168,9 +164,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             # graph is finalized. Kept by the guard: every rollback restores with it.
             guard.ensure_saver()
 
-    def after_create_session(
-        self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
-    ) -> None:
+    def after_create_session(self, session, coord) -> None:
         # Per-session state only: the guard's counters describe the whole run.
         self._unguarded_state = _policy.GuardState()
         guard = self._guard
@@ -183,7 +177,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # This hook applies the policy here: a bad step must not fail as unjudged.
         guard.mark_judged(session)
 
-    def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
+    def before_run(self, run_context):
         self._last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
@@ -199,11 +193,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 pass
         return self._run_args
 
-    def after_run(
-        self,
-        run_context: tf.compat.v1.train.SessionRunContext,
-        run_values: tf.compat.v1.train.SessionRunValues,
-    ) -> None:
+    def after_run(self, run_context, run_values) -> None:
         if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
         results = run_values.results
@@ -242,11 +232,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         policy = Action(Action.RAISE if self._guard is None else self._guard.config.nan_policy)
         return Action.STOP if policy == Action.RAISE and not self._fail_on_nan_loss else policy
 
-    def _unguarded_bad_step(
-        self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
-    ) -> None:
-        # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop
-        # (skip and rollback were refused at construction).
+    def _unguarded_bad_step(self, run_context, loss: float) -> None:
+        # Nothing was gated, so raise or stop (skip and rollback were refused at construction).
         policy = self._effective_policy()
         decision, state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),

@@ -109,10 +109,9 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session, coord):
         bad = self._test.non_finite(session)
         if bad:
-            names = [name for name, _ in bad]
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
-                f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''} "
+                f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
                 f"({_verdict.describe(bad)}); refusing to train from it. Start from another "
                 "checkpoint."
             )
@@ -160,12 +159,10 @@ class _Progress:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    minutes, seconds = divmod(int(max(seconds, 0)), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 class _SigintStop:
@@ -263,9 +260,7 @@ def train(
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
             loop.add_hooks(hooks, chief_only_hooks, resume_from)
-            loop.chief_hooks += _saving_hooks(
-                logdir,
-                loop.scaffold,
+            loop.add_saving_hooks(
                 save_checkpoint_secs,
                 save_checkpoint_steps,
                 save_summaries_steps,
@@ -416,6 +411,30 @@ class _Loop:
         finite_model = _FiniteModelHook(resume_from or "initialisation")
         self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
 
+    def add_saving_hooks(self, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
+        """The chief's step counter, checkpoint and summary hooks."""
+        self.chief_hooks.append(
+            tf.compat.v1.train.StepCounterHook(output_dir=self.logdir, every_n_steps=100)
+        )
+        if checkpoint_secs or checkpoint_steps:
+            self.chief_hooks.append(
+                tf.compat.v1.train.CheckpointSaverHook(
+                    self.logdir,
+                    save_secs=None if checkpoint_steps else checkpoint_secs,
+                    save_steps=checkpoint_steps or None,
+                    scaffold=self.scaffold,
+                )
+            )
+        if summary_steps or summary_secs:
+            self.chief_hooks.append(
+                tf.compat.v1.train.SummarySaverHook(
+                    save_steps=None if summary_secs else summary_steps,
+                    save_secs=summary_secs or None,
+                    output_dir=self.logdir,
+                    scaffold=self.scaffold,
+                )
+            )
+
     def run(self, master: str, config, stop_grace_period_secs: float, handle_sigint: bool) -> None:
         """Runs steps until a stop; sets `step`, `final_loss` and `stop_reason`."""
         # No checkpoint_dir: the session saves nothing itself (the chief's hooks do).
@@ -558,27 +577,3 @@ class _Loop:
         _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
         return result
-
-
-def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
-    """The chief's step counter, checkpoint and summary hooks."""
-    hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
-    if checkpoint_secs or checkpoint_steps:
-        hooks.append(
-            tf.compat.v1.train.CheckpointSaverHook(
-                logdir,
-                save_secs=None if checkpoint_steps else checkpoint_secs,
-                save_steps=checkpoint_steps or None,
-                scaffold=scaffold,
-            )
-        )
-    if summary_steps or summary_secs:
-        hooks.append(
-            tf.compat.v1.train.SummarySaverHook(
-                save_steps=None if summary_secs else summary_steps,
-                save_secs=summary_secs or None,
-                output_dir=logdir,
-                scaffold=scaffold,
-            )
-        )
-    return hooks
