@@ -16,9 +16,6 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              # max_consecutive_bad_steps in a row: persistent_nan_policy
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
-
-A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a bad
-iteration stored and reports one event per run.
 """
 
 from __future__ import annotations
@@ -96,8 +93,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
-        # The guard's bad-step count when the session was created; a bare loss, having no
-        # guard, keeps a state of its own (one per session).
+        # Per session: the guard's bad-step count at its start, or a bare loss's own state.
         self._session_start = 0
         self._unguarded_state = _policy.GuardState()
         self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
@@ -154,11 +150,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
         if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
-            raise ValueError(
-                _policy.checkpoint_dir_message(
-                    guard.config, "NanLossHook(train_op, checkpoint_dir=...)", policy
-                )
-            )
+            advice = "NanLossHook(train_op, checkpoint_dir=...)"
+            raise ValueError(_policy.checkpoint_dir_message(guard.config, advice, policy))
         if _policy.may_roll_back(guard.config, policy):
             # Built here if create_train_op did not (a policy override): after begin() the
             # graph is finalized. Kept by the guard: every rollback restores with it.
@@ -235,19 +228,18 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def _unguarded_bad_step(self, run_context, loss: float) -> None:
         # Nothing was gated, so raise or stop (skip and rollback were refused at construction).
         policy = self._effective_policy()
-        decision, state = _policy.decide(
+        decision, self._unguarded_state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),
             self._unguarded_state,
             _policy.BadStep(-1, policy, guarded=False),
         )
-        self._unguarded_state = state
         event = _events.NanEvent(
             step=-1,
             loss=loss,
             loss_kind=_events.classify(loss),
             culprits=(),
-            consecutive=state.consecutive_bad_steps,
-            total=state.total_bad_steps,
+            consecutive=self._unguarded_state.consecutive_bad_steps,
+            total=self._unguarded_state.total_bad_steps,
             mode=Mode.HOOK,
             action=decision.action,
         )

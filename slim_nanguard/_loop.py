@@ -11,8 +11,6 @@ A run::
         Ctrl-C or SIGTERM: stop after this step
     end(): closing checkpoint (FiniteSaver), final values
     giving up: first save the (good) state the bad step left, then raise
-
-Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 """
 
 from __future__ import annotations
@@ -107,8 +105,7 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             self._test = _checkpoints.FinitenessTest(tf.compat.v1.global_variables())
 
     def after_create_session(self, session, coord):
-        bad = self._test.non_finite(session)
-        if bad:
+        if bad := self._test.non_finite(session):
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
                 f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
@@ -230,8 +227,7 @@ def train(
       is_chief: Whether this process initialises, restores and saves.
       scaffold: Its saver (default: a `FiniteSaver`) is made to refuse NaN or Inf; its
         ``init_fn`` runs only when there is no checkpoint to resume from.
-      save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: None or 0 turns each
-        off.
+      save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: None or 0: off.
       log_every_n_steps: Steps between progress lines (0: none).
       handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
         summary; ``stop_reason`` ``interrupted`` or ``terminated``).
@@ -280,9 +276,7 @@ def train(
 def _check_arguments(
     train_op: tf.Tensor, logdir: str, number_of_steps: Optional[int], log_every_n_steps: int
 ) -> Tuple[_guard.Guard, str]:
-    """The guard of `train_op` and the absolute `logdir`, created if missing (a URL as it is);
-    a ValueError for an unguarded train op or its loss, a graph without a global step, a logdir
-    that cannot be written, or a step count or logging interval `train` cannot use."""
+    """The guard of `train_op` and the absolute `logdir` (created if missing; a URL as it is)."""
     guard = _guard.guard_of_train_op(train_op)
     if guard is None:
         raise ValueError(
@@ -330,9 +324,8 @@ def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) ->
 
 @dataclasses.dataclass
 class _Loop:
-    """One call of `train`: its train op and guard, its hooks, where it began (`start`) and
-    where it is. ``judge_hook``: the guard's `NanLossHook` whose outcome the loop reads after
-    each run (None: check_numerics mode without a dynamic loss-scale optimizer)."""
+    """One call of `train`: its hooks, where it began (`start`) and where it is. ``judge_hook``:
+    the `NanLossHook` read after each run (None: check_numerics mode, no dynamic loss scale)."""
 
     train_op: tf.Tensor
     guard: _guard.Guard
@@ -495,8 +488,7 @@ class _Loop:
         return _actions.raw_call(sess, self.guard.read_global_step)
 
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
-        """Runs the train op once; returns its value (None after a numerics error) and its
-        `Outcome` (from `_actions.judge`, the judging hook, or a good step)."""
+        """Runs the train op once: its value (None after a numerics error) and its `Outcome`."""
         try:
             loss = sess.run(self.train_op)
         except tf.errors.InvalidArgumentError as err:

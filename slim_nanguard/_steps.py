@@ -46,8 +46,7 @@ def handle_numerics_error(
     Raises:
       NanLossError: The policy is ``raise``, or training gives up.
       CheckpointNotFoundError: A rollback found no good checkpoint.
-      ValueError: The policy rolls back and no checkpoint directory is known (before the
-        policy is applied).
+      ValueError: The policy rolls back and no checkpoint directory is known (checked first).
       Exception: `error` itself, re-raised untouched, when no guard's check raised it.
     """
     graph = getattr(getattr(error, "op", None), "graph", None)
