@@ -111,8 +111,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     @property
     def last_outcome(self) -> Optional[_actions.Outcome]:
-        """The last run's `Outcome` (``GOOD`` for a finite step), or None if this hook did not
-        judge it."""
+        """The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it."""
         return self._last_outcome
 
     @property
@@ -139,7 +138,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._loss_tensor.name,
             )
         else:  # One boolean per step (the loss too when the train op, its value, is fetched).
-            self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+            self._run_args = tf.compat.v1.train.SessionRunArgs({"ok": guard.ok})
             self._loss_args = tf.compat.v1.train.SessionRunArgs(
                 {"ok": guard.ok, "loss": guard.train_op}
             )
@@ -189,7 +188,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def after_run(self, run_context, run_values) -> None:
         if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
-        results = run_values.results
+        results = run_values.results or {}  # Empty: a check_numerics-mode op fetches nothing.
         guard = self._guard
         if guard is None:
             loss = float(np.asarray(results["loss"]))
@@ -197,16 +196,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._unguarded_bad_step(run_context, loss)
             self._last_outcome = _actions.GOOD
             return
-        loss = None
-        if isinstance(results, dict):  # `_loss_args`: the verdict and the loss.
-            results, loss = results["ok"], results["loss"]
+        ok, loss = results.get("ok"), results.get("loss")
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
             stored = guard.read_bad_step(run_context.session)
-            results = bool(np.all(np.isfinite(stored[1])))
-            if not results:  # A bad iteration stored its sums; zero them for the next run.
+            ok = bool(np.all(np.isfinite(stored[1])))
+            if not ok:  # A bad iteration stored its sums; zero them for the next run.
                 run_context.session.run(guard.diagnostics.initializer)
-        if results is None or results:  # A finite step (or a check_numerics-mode op).
+        if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
             self._last_outcome = _actions.GOOD
             return

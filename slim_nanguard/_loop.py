@@ -51,15 +51,12 @@ class TrainResult:
       global_step: The global step at the end.
       steps, bad_steps, skips, rollbacks: This call's good steps, bad steps, skipped bad steps
         and rollbacks.
-      stop_reason: Why the call ended, a `StopReason` (``cluster_stop``: the stop record
-        names the worker that stopped).
+      stop_reason: Why the call ended, a `StopReason`.
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
-      learning_rate_scale: The product of the rollback learning-rate factors, as the model
-        holds it at the end (a resumed run's includes what it carried on).
+      learning_rate_scale: The model's learning-rate scale at the end (rollback factors multiplied).
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (not bad steps).
-      rollback_requests: Bad steps of a cluster's non-chief worker whose rollback it asked the
-        chief to carry out (the chief counts the rollback).
+      rollback_requests: A non-chief worker's bad steps whose rollback it asked the chief for.
       spikes: The bad steps that were spikes (``spike_policy``).
       rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
     """
@@ -240,8 +237,7 @@ def train(
       NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
         last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
-      CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
-        no checkpoint.
+      CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found none.
     """
     guard, logdir = _check_arguments(train_op, logdir, number_of_steps, log_every_n_steps)
     resume_from = (
@@ -251,7 +247,7 @@ def train(
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
     progress = _Progress(log_every_n_steps, number_of_steps, recorder)
-    loop = _Loop(train_op, guard, logdir, is_chief, number_of_steps, progress, guard.state)
+    loop = _Loop(guard, logdir, is_chief, number_of_steps, progress, guard.state)
     try:
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
@@ -324,10 +320,8 @@ def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) ->
 
 @dataclasses.dataclass
 class _Loop:
-    """One call of `train`: its hooks, where it began (`start`) and where it is. ``judge_hook``:
-    the `NanLossHook` read after each run (None: check_numerics mode, no dynamic loss scale)."""
+    """One call of `train`: its hooks, where it began (`start`) and where it is."""
 
-    train_op: tf.Tensor
     guard: _guard.Guard
     logdir: str
     is_chief: bool
@@ -490,7 +484,7 @@ class _Loop:
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
         """Runs the train op once: its value (None after a numerics error) and its `Outcome`."""
         try:
-            loss = sess.run(self.train_op)
+            loss = sess.run(self.guard.train_op)
         except tf.errors.InvalidArgumentError as err:
             if not self.guard.owns_error(err):
                 raise
