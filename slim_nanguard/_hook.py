@@ -16,9 +16,6 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
                              # max_consecutive_bad_steps in a row: persistent_nan_policy
                              # a dynamic loss-scale overflow is recorded, not a bad step
     end()                    # nothing of the hook's own
-
-A train op inside a `tf.while_loop`: after each run of the loop the hook reads the sums a bad
-iteration stored and reports one event per run.
 """
 
 from __future__ import annotations
@@ -49,14 +46,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     guard (policy, counters) and judges only the runs that run that train op; given a loss no
     guarded train op made, it fetches the loss on every run and can only raise or stop.
 
-    The policy: ``nan_policy`` when given; else the guard's (``raise`` with no guard), with
-    ``raise`` turned into ``stop`` by ``fail_on_nan_loss=False``.
-
     Args:
       loss_tensor: The loss, or the train op `create_train_op` returned.
-      fail_on_nan_loss: As in `NanTensorHook`: raise on a bad step (True) or stop (False).
-      nan_policy: Policy name that overrides the above, for non-finite steps (a spike
-        keeps ``spike_policy``). ``skip`` and ``rollback`` need a guarded train op.
+      fail_on_nan_loss: As in `NanTensorHook`: False turns the policy ``raise`` (the guard's,
+        or an unguarded loss's) into ``stop``.
+      nan_policy: Policy name that overrides both, for non-finite steps (a spike keeps
+        ``spike_policy``). ``skip`` and ``rollback`` need a guarded train op.
       checkpoint_dir: Where the loop saves checkpoints; needed when the policy may roll back.
       event_listener: ``fn(record)`` called for each bad step and rollback.
 
@@ -82,7 +77,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 f"got {nan_policy!r}."
             )
         if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
-            # Refused now: at the bad step the update has happened, and skip would do nothing.
             raise ValueError(
                 f"NanLossHook got nan_policy={nan_policy!r} for "
                 f"{getattr(loss_tensor, 'name', loss_tensor)!r}, which comes from "
@@ -99,8 +93,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
-        # The guard's bad-step count when the session was created; a bare loss, having no
-        # guard, keeps a state of its own (one per session).
+        # Per session: the guard's bad-step count at its start, or a bare loss's own state.
         self._session_start = 0
         self._unguarded_state = _policy.GuardState()
         self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
@@ -118,14 +111,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     @property
     def last_outcome(self) -> Optional[_actions.Outcome]:
-        """What the last run came to (`Outcome`; ``GOOD`` for a finite step), or None when
-        this hook did not judge it."""
+        """The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it."""
         return self._last_outcome
 
     @property
     def session_bad_steps(self) -> int:
-        """Bad steps of this hook's guard (by whoever judged them) since the current session
-        was created."""
+        """Bad steps of this hook's guard (by whoever judged them) since the session began."""
         if self._guard is None:
             return self._unguarded_state.total_bad_steps
         return self._guard.state.total_bad_steps - self._session_start
@@ -147,7 +138,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._loss_tensor.name,
             )
         else:  # One boolean per step (the loss too when the train op, its value, is fetched).
-            self._run_args = tf.compat.v1.train.SessionRunArgs(guard.ok)
+            self._run_args = tf.compat.v1.train.SessionRunArgs({"ok": guard.ok})
             self._loss_args = tf.compat.v1.train.SessionRunArgs(
                 {"ok": guard.ok, "loss": guard.train_op}
             )
@@ -158,19 +149,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
         if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
-            raise ValueError(
-                _policy.checkpoint_dir_message(
-                    guard.config, "NanLossHook(train_op, checkpoint_dir=...)", policy
-                )
-            )
+            advice = "NanLossHook(train_op, checkpoint_dir=...)"
+            raise ValueError(_policy.checkpoint_dir_message(guard.config, advice, policy))
         if _policy.may_roll_back(guard.config, policy):
             # Built here if create_train_op did not (a policy override): after begin() the
             # graph is finalized. Kept by the guard: every rollback restores with it.
             guard.ensure_saver()
 
-    def after_create_session(
-        self, session: tf.compat.v1.Session, coord: tf.train.Coordinator
-    ) -> None:
+    def after_create_session(self, session, coord) -> None:
         # Per-session state only: the guard's counters describe the whole run.
         self._unguarded_state = _policy.GuardState()
         guard = self._guard
@@ -183,7 +169,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         # This hook applies the policy here: a bad step must not fail as unjudged.
         guard.mark_judged(session)
 
-    def before_run(self, run_context: tf.compat.v1.train.SessionRunContext):
+    def before_run(self, run_context):
         self._last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
@@ -191,25 +177,18 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._judging = self._runs_train_op is None or self._runs_train_op(fetches)
         if not self._judging:
             return None
-        if self._loss_args is not None and self._fetches_train_op(fetches):
-            return self._loss_args
+        if self._loss_args is not None:  # A run that fetches the train op gets the loss free.
+            try:
+                if any(f is self._guard.train_op for f in tf.nest.flatten(fetches)):
+                    return self._loss_args
+            except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
+                pass
         return self._run_args
 
-    def _fetches_train_op(self, fetches) -> bool:
-        """Whether `fetches` hold the train op itself (whose value is the loss, fetched free)."""
-        try:
-            return any(f is self._guard.train_op for f in tf.nest.flatten(fetches))
-        except (TypeError, ValueError):  # A structure tf.nest cannot walk: not ours to read.
-            return False
-
-    def after_run(
-        self,
-        run_context: tf.compat.v1.train.SessionRunContext,
-        run_values: tf.compat.v1.train.SessionRunValues,
-    ) -> None:
+    def after_run(self, run_context, run_values) -> None:
         if not self._judging:  # Not a run of this hook's train op: nothing to judge.
             return
-        results = run_values.results
+        results = run_values.results or {}  # Empty: a check_numerics-mode op fetches nothing.
         guard = self._guard
         if guard is None:
             loss = float(np.asarray(results["loss"]))
@@ -217,16 +196,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 self._unguarded_bad_step(run_context, loss)
             self._last_outcome = _actions.GOOD
             return
-        loss = None
-        if isinstance(results, dict):  # `_loss_args`: the verdict and the loss.
-            results, loss = results["ok"], results["loss"]
+        ok, loss = results.get("ok"), results.get("loss")
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
             stored = guard.read_bad_step(run_context.session)
-            results = bool(np.all(np.isfinite(stored[1])))
-            if not results:  # A bad iteration stored its sums; zero them for the next run.
+            ok = bool(np.all(np.isfinite(stored[1])))
+            if not ok:  # A bad iteration stored its sums; zero them for the next run.
                 run_context.session.run(guard.diagnostics.initializer)
-        if results is None or results:  # A finite step (or a check_numerics-mode op).
+        if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
             self._last_outcome = _actions.GOOD
             return
@@ -245,25 +222,21 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         policy = Action(Action.RAISE if self._guard is None else self._guard.config.nan_policy)
         return Action.STOP if policy == Action.RAISE and not self._fail_on_nan_loss else policy
 
-    def _unguarded_bad_step(
-        self, run_context: tf.compat.v1.train.SessionRunContext, loss: float
-    ) -> None:
-        # No guard: nothing was gated, so there is nothing to skip or roll back; raise or stop
-        # (skip and rollback were refused at construction).
+    def _unguarded_bad_step(self, run_context, loss: float) -> None:
+        # Nothing was gated, so raise or stop (skip and rollback were refused at construction).
         policy = self._effective_policy()
-        decision, state = _policy.decide(
+        decision, self._unguarded_state = _policy.decide(
             _policy.GuardConfig(nan_policy=policy),
             self._unguarded_state,
             _policy.BadStep(-1, policy, guarded=False),
         )
-        self._unguarded_state = state
         event = _events.NanEvent(
             step=-1,
             loss=loss,
             loss_kind=_events.classify(loss),
             culprits=(),
-            consecutive=state.consecutive_bad_steps,
-            total=state.total_bad_steps,
+            consecutive=self._unguarded_state.consecutive_bad_steps,
+            total=self._unguarded_state.total_bad_steps,
             mode=Mode.HOOK,
             action=decision.action,
         )

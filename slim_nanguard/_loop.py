@@ -11,8 +11,6 @@ A run::
         Ctrl-C or SIGTERM: stop after this step
     end(): closing checkpoint (FiniteSaver), final values
     giving up: first save the (good) state the bad step left, then raise
-
-Every bad step, rollback and stop goes to ``<logdir>/nanguard_events.jsonl``.
 """
 
 from __future__ import annotations
@@ -53,15 +51,12 @@ class TrainResult:
       global_step: The global step at the end.
       steps, bad_steps, skips, rollbacks: This call's good steps, bad steps, skipped bad steps
         and rollbacks.
-      stop_reason: Why the call ended, a `StopReason` (``cluster_stop``: the stop record
-        names the worker that stopped).
+      stop_reason: Why the call ended, a `StopReason`.
       checkpoint: The latest checkpoint in the log directory after the run, or None.
       events_path: The JSON-lines record of bad steps.
-      learning_rate_scale: The product of the rollback learning-rate factors, as the model
-        holds it at the end (a resumed run's includes what it carried on).
+      learning_rate_scale: The model's learning-rate scale at the end (rollback factors multiplied).
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (not bad steps).
-      rollback_requests: Bad steps of a cluster's non-chief worker whose rollback it asked the
-        chief to carry out (the chief counts the rollback).
+      rollback_requests: A non-chief worker's bad steps whose rollback it asked the chief for.
       spikes: The bad steps that were spikes (``spike_policy``).
       rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
     """
@@ -95,28 +90,6 @@ class TrainResult:
         )
 
 
-def check_logdir(logdir: str) -> str:
-    """Creates `logdir` if missing and checks it is writable (else ValueError); returns its
-    absolute path (a URL such as ``gs://bucket/run`` as it is)."""
-    if not logdir or not isinstance(logdir, (str, os.PathLike)):
-        raise ValueError(f"logdir must name a directory; got {logdir!r}.")
-    logdir = _paths.absolute(logdir)
-    if tf.io.gfile.exists(logdir) and not tf.io.gfile.isdir(logdir):
-        raise ValueError(f"logdir {logdir} is a file, not a directory.")
-    probe = _paths.join(logdir, f".nanguard_write_test.{os.getpid()}.{uuid.uuid4().hex}")
-    try:
-        tf.io.gfile.makedirs(logdir)
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("")
-        tf.io.gfile.remove(probe)
-    except (OSError, tf.errors.OpError) as err:
-        reason = getattr(err, "message", None) or err.strerror
-        raise ValueError(
-            f"logdir {logdir} cannot be written to ({reason}); choose a directory you can write to."
-        ) from None
-    return logdir
-
-
 class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
     """Refuses to train a model that holds NaN or Inf once the session is created."""
 
@@ -129,12 +102,10 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             self._test = _checkpoints.FinitenessTest(tf.compat.v1.global_variables())
 
     def after_create_session(self, session, coord):
-        bad = self._test.non_finite(session)
-        if bad:
-            names = [name for name, _ in bad]
+        if bad := self._test.non_finite(session):
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
-                f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''} "
+                f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
                 f"({_verdict.describe(bad)}); refusing to train from it. Start from another "
                 "checkpoint."
             )
@@ -155,8 +126,7 @@ class _Progress:
         self.mark = (self.clock(), step)
 
     def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
-        """Logs a line at every `every`-th step, with this run's ``counts()`` (called only
-        when a line is due)."""
+        """Logs a line at every `every`-th step, with this run's ``counts()`` (called only then)."""
         if self.every <= 0 or step % self.every:
             return
         counts = counts()
@@ -183,12 +153,10 @@ class _Progress:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    minutes, seconds = divmod(int(max(seconds, 0)), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 class _SigintStop:
@@ -256,8 +224,7 @@ def train(
       is_chief: Whether this process initialises, restores and saves.
       scaffold: Its saver (default: a `FiniteSaver`) is made to refuse NaN or Inf; its
         ``init_fn`` runs only when there is no checkpoint to resume from.
-      save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: None or 0 turns each
-        off.
+      save_checkpoint_secs, save_checkpoint_steps, save_summaries_steps: None or 0: off.
       log_every_n_steps: Steps between progress lines (0: none).
       handle_sigint: Whether Ctrl-C and SIGTERM stop the loop cleanly (final checkpoint and
         summary; ``stop_reason`` ``interrupted`` or ``terminated``).
@@ -270,11 +237,9 @@ def train(
       NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
         last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
-      CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found
-        no checkpoint.
+      CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found none.
     """
-    guard = _check_arguments(train_op, number_of_steps, log_every_n_steps)
-    logdir = check_logdir(logdir)
+    guard, logdir = _check_arguments(train_op, logdir, number_of_steps, log_every_n_steps)
     resume_from = (
         _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
     )
@@ -282,14 +247,12 @@ def train(
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
     progress = _Progress(log_every_n_steps, number_of_steps, recorder)
-    loop = _Loop(train_op, guard, logdir, is_chief, number_of_steps, progress, guard.state)
+    loop = _Loop(guard, logdir, is_chief, number_of_steps, progress, guard.state)
     try:
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
             loop.add_hooks(hooks, chief_only_hooks, resume_from)
-            loop.chief_hooks += _saving_hooks(
-                logdir,
-                loop.scaffold,
+            loop.add_saving_hooks(
                 save_checkpoint_secs,
                 save_checkpoint_steps,
                 save_summaries_steps,
@@ -307,11 +270,9 @@ def train(
 
 
 def _check_arguments(
-    train_op: tf.Tensor, number_of_steps: Optional[int], log_every_n_steps: int
-) -> _guard.Guard:
-    """The guard of `train_op`; a ValueError for a train op `create_train_op` did not make (or
-    its loss), a graph without a global step, or a step count or a logging interval `train`
-    cannot use."""
+    train_op: tf.Tensor, logdir: str, number_of_steps: Optional[int], log_every_n_steps: int
+) -> Tuple[_guard.Guard, str]:
+    """The guard of `train_op` and the absolute `logdir` (created if missing; a URL as it is)."""
     guard = _guard.guard_of_train_op(train_op)
     if guard is None:
         raise ValueError(
@@ -333,7 +294,23 @@ def _check_arguments(
         )
     if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
         raise ValueError(f"log_every_n_steps must be >= 0; got {log_every_n_steps!r}.")
-    return guard
+    if not logdir or not isinstance(logdir, (str, os.PathLike)):
+        raise ValueError(f"logdir must name a directory; got {logdir!r}.")
+    logdir = _paths.absolute(logdir)
+    if tf.io.gfile.exists(logdir) and not tf.io.gfile.isdir(logdir):
+        raise ValueError(f"logdir {logdir} is a file, not a directory.")
+    probe = _paths.join(logdir, f".nanguard_write_test.{os.getpid()}.{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(logdir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("")
+        tf.io.gfile.remove(probe)
+    except (OSError, tf.errors.OpError) as err:
+        reason = getattr(err, "message", None) or err.strerror
+        raise ValueError(
+            f"logdir {logdir} cannot be written to ({reason}); choose a directory you can write to."
+        ) from None
+    return guard, logdir
 
 
 def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
@@ -343,11 +320,8 @@ def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) ->
 
 @dataclasses.dataclass
 class _Loop:
-    """One call of `train`: its train op and guard, its hooks, where it began (`start`) and
-    where it is. ``judge_hook``: the guard's `NanLossHook` whose outcome the loop reads after
-    each run (None: check_numerics mode without a dynamic loss-scale optimizer)."""
+    """One call of `train`: its hooks, where it began (`start`) and where it is."""
 
-    train_op: tf.Tensor
     guard: _guard.Guard
     logdir: str
     is_chief: bool
@@ -416,16 +390,37 @@ class _Loop:
                 self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
-        final_values = {}
-        if guard.global_step is not None:
-            final_values["global_step"] = guard.global_step
-        if guard.lr_scale is not None:
-            final_values["learning_rate_scale"] = guard.lr_scale
+        final_values = {"global_step": guard.global_step, "learning_rate_scale": guard.lr_scale}
+        final_values = {name: value for name, value in final_values.items() if value is not None}
         if final_values:
             self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
             self.hooks.append(self.final_hook)
         finite_model = _FiniteModelHook(resume_from or "initialisation")
         self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
+
+    def add_saving_hooks(self, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
+        """The chief's step counter, checkpoint and summary hooks."""
+        self.chief_hooks.append(
+            tf.compat.v1.train.StepCounterHook(output_dir=self.logdir, every_n_steps=100)
+        )
+        if checkpoint_secs or checkpoint_steps:
+            self.chief_hooks.append(
+                tf.compat.v1.train.CheckpointSaverHook(
+                    self.logdir,
+                    save_secs=None if checkpoint_steps else checkpoint_secs,
+                    save_steps=checkpoint_steps or None,
+                    scaffold=self.scaffold,
+                )
+            )
+        if summary_steps or summary_secs:
+            self.chief_hooks.append(
+                tf.compat.v1.train.SummarySaverHook(
+                    save_steps=None if summary_secs else summary_steps,
+                    save_secs=summary_secs or None,
+                    output_dir=self.logdir,
+                    scaffold=self.scaffold,
+                )
+            )
 
     def run(self, master: str, config, stop_grace_period_secs: float, handle_sigint: bool) -> None:
         """Runs steps until a stop; sets `step`, `final_loss` and `stop_reason`."""
@@ -484,13 +479,12 @@ class _Loop:
         """The global step (around the session's hooks), or this call's good steps without one."""
         if self.guard.global_step is None:
             return self.counts().steps
-        return int(_actions.raw_call(sess, lambda raw: raw.run(self.guard.global_step)))
+        return _actions.raw_call(sess, self.guard.read_global_step)
 
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
-        """Runs the train op once; returns its value (None after a numerics error) and its
-        `Outcome` (from `_actions.judge`, the judging hook, or a good step)."""
+        """Runs the train op once: its value (None after a numerics error) and its `Outcome`."""
         try:
-            loss = sess.run(self.train_op)
+            loss = sess.run(self.guard.train_op)
         except tf.errors.InvalidArgumentError as err:
             if not self.guard.owns_error(err):
                 raise
@@ -510,10 +504,9 @@ class _Loop:
         ``error.checkpoint`` to that save, or to the latest checkpoint if it fails."""
         path = None
         if self.is_chief:
-            global_step = self.guard.global_step
 
             def save(session: tf.compat.v1.Session) -> str:
-                step = int(session.run(global_step)) if global_step is not None else None
+                step = self.guard.read_global_step(session)
                 prefix = _paths.join(self.logdir, "model.ckpt")
                 return self.scaffold.saver.save(session, prefix, global_step=step)
 
@@ -566,37 +559,7 @@ class _Loop:
             spikes=counts.spikes,
             rejected=dict(counts.rejected),
         )
-        final_loss = self.final_loss
-        _record_stop(
-            recorder,
-            stop_reason,
-            step=last_step,
-            final_loss=final_loss if math.isfinite(final_loss) else str(final_loss),
-            **stop_fields,
-        )
+        loss = self.final_loss if math.isfinite(self.final_loss) else str(self.final_loss)
+        _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
         return result
-
-
-def _saving_hooks(logdir, scaffold, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
-    """The chief's step counter, checkpoint and summary hooks."""
-    hooks = [tf.compat.v1.train.StepCounterHook(output_dir=logdir, every_n_steps=100)]
-    if checkpoint_secs or checkpoint_steps:
-        hooks.append(
-            tf.compat.v1.train.CheckpointSaverHook(
-                logdir,
-                save_secs=None if checkpoint_steps else checkpoint_secs,
-                save_steps=checkpoint_steps or None,
-                scaffold=scaffold,
-            )
-        )
-    if summary_steps or summary_secs:
-        hooks.append(
-            tf.compat.v1.train.SummarySaverHook(
-                save_steps=None if summary_secs else summary_steps,
-                save_secs=summary_secs or None,
-                output_dir=logdir,
-                scaffold=scaffold,
-            )
-        )
-    return hooks

@@ -35,8 +35,7 @@ def handle_numerics_error(
             try:
                 sess.run(train_op)
             except tf.errors.InvalidArgumentError as err:
-                event = slim_nanguard.handle_numerics_error(sess, err)
-                if event.action == "stop":
+                if slim_nanguard.handle_numerics_error(sess, err).action == "stop":
                     break
 
     Args:
@@ -47,8 +46,7 @@ def handle_numerics_error(
     Raises:
       NanLossError: The policy is ``raise``, or training gives up.
       CheckpointNotFoundError: A rollback found no good checkpoint.
-      ValueError: The policy rolls back and no checkpoint directory is known (before the
-        policy is applied).
+      ValueError: The policy rolls back and no checkpoint directory is known (checked first).
       Exception: `error` itself, re-raised untouched, when no guard's check raised it.
     """
     graph = getattr(getattr(error, "op", None), "graph", None)
@@ -143,23 +141,22 @@ def train_step(
     # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer, whose overflow
     # steps do not raise: read the guard's verdict with the step.
     judging = _JudgingSession(sess, guard) if guard.ok is not None else None
-    # train_step stops by returning should_stop=True: nothing to ask the session.
-    judge = functools.partial(
-        _actions.judge, guard, sess, checkpoint_dir=checkpoint_dir, request_stop=_actions.no_stop
-    )
+    error = None
     try:
         loss, should_stop = tf_slim.learning.train_step(
             judging or sess, train_op, global_step, train_step_kwargs
         )
-    except tf.errors.InvalidArgumentError as error:
-        if not guard.owns_error(error):
+    except tf.errors.InvalidArgumentError as err:
+        if not guard.owns_error(err):
             raise
-        outcome, loss, should_stop = judge(error=error), None, False
-    else:
-        if judging is None or judging.ok:
-            _actions.good_step(guard, loss)
-            return loss, should_stop
-        outcome = judge()
+        error, loss, should_stop = err, None, False
+    if error is None and (judging is None or judging.ok):
+        _actions.good_step(guard, loss)
+        return loss, should_stop
+    # train_step stops by returning should_stop=True: nothing to ask the session.
+    outcome = _actions.judge(
+        guard, sess, checkpoint_dir=checkpoint_dir, error=error, request_stop=_actions.no_stop
+    )
     if outcome.overflow:  # The optimizer skipped the update and lowered its scale.
         return loss, should_stop
     should_stop = should_stop or outcome.stop
