@@ -233,7 +233,8 @@ def train(
 
     Raises:
       ValueError: Bad arguments (an unguarded train op or its loss, a graph without a global
-        step, a logdir that cannot be written, a negative step count).
+        step or a train op that does not increment it, a logdir that cannot be written, a
+        negative step count).
       NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
         last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
@@ -283,6 +284,12 @@ def _check_arguments(
         raise ValueError(
             "train needs a global step (its checkpoint, summary and step hooks count it), and "
             "this graph has none: make the train op with create_train_op's default global_step."
+        )
+    if guard.global_step is None:
+        raise ValueError(
+            "train counts its steps on the global step, and this train op does not increment "
+            "it (made with global_step=None): number_of_steps would never be reached. Make it "
+            "with create_train_op's default global_step."
         )
     if number_of_steps is not None and (
         isinstance(number_of_steps, bool)
@@ -390,11 +397,11 @@ class _Loop:
                 self.hooks.append(self.judge_hook)
         if self.number_of_steps is not None:
             self.hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=self.number_of_steps))
-        final_values = {"global_step": guard.global_step, "learning_rate_scale": guard.lr_scale}
-        final_values = {name: value for name, value in final_values.items() if value is not None}
-        if final_values:
-            self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
-            self.hooks.append(self.final_hook)
+        final_values = {"global_step": guard.global_step}
+        if guard.lr_scale is not None:
+            final_values["learning_rate_scale"] = guard.lr_scale
+        self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
+        self.hooks.append(self.final_hook)
         finite_model = _FiniteModelHook(resume_from or "initialisation")
         self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
 
@@ -476,9 +483,7 @@ class _Loop:
         return None
 
     def _read_step(self, sess: tf.compat.v1.train.MonitoredSession) -> int:
-        """The global step (around the session's hooks), or this call's good steps without one."""
-        if self.guard.global_step is None:
-            return self.counts().steps
+        """The global step, read around the session's hooks."""
         return _actions.raw_call(sess, self.guard.read_global_step)
 
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):

@@ -712,6 +712,22 @@ class TestBadInput:
                 slim_nanguard.train(train_op, str(tmp_path / "run"), number_of_steps=3)
         assert not (tmp_path / "run").exists()
 
+    def test_a_train_op_that_does_not_count_steps_is_refused_in_one_line(self, tmp_path):
+        # The graph has a global step, but this train op never moves it: the step limit would
+        # never be reached (the loop ran until killed, then failed on its final values).
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.train.get_or_create_global_step()
+            weights = tf.compat.v1.get_variable("w", [2], initializer=tf.ones_initializer())
+            loss = tf.reduce_sum(weights * weights)
+            optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+            train_op = slim_nanguard.create_train_op(
+                loss, optimizer, global_step=None, rollback_lr_factor=0.5
+            )
+            with pytest.raises(ValueError, match="does not increment it .*global_step=None"):
+                slim_nanguard.train(train_op, str(tmp_path / "run"), number_of_steps=3)
+        assert not (tmp_path / "run").exists()
+
 
 def test_ctrl_c_ends_with_a_final_clean_checkpoint_and_a_summary(tmp_path):
     script = textwrap.dedent(f"""
