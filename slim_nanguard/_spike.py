@@ -1,6 +1,6 @@
 """The spike test: is the logarithm of this step's loss or gradient norm more than `sigma`
 deviations above the mean of the last `window` accepted steps' (warm-up outliers left out)?
-`reference_z_scores` is the same arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
+The tests hold the same arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
@@ -375,38 +375,3 @@ def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
     mean = tf.reduce_sum(logs, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
     return mean, tf.maximum(tf.sqrt(spread), floor), kept
-
-
-def reference_z_scores(
-    accepted: Sequence[Tuple[float, float]],
-    value: Tuple[float, float],
-    *,
-    window: int = 128,
-    warmup: int = 20,
-    sigma: float = 6.0,
-) -> np.ndarray:
-    """`SpikeTest`'s z-scores in NumPy of ``value = (loss, norm)`` against the last `window`
-    `accepted` pairs (no warm-up gate); NaN for a value not positive or a column with no entry."""
-    accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(COLUMNS))
-    index = np.arange(len(accepted))
-    keep = index >= len(accepted) - window
-    scores = []
-    for column, current in enumerate(value):
-        positive = keep & (accepted[:, column] > 0)
-        warm = positive & (index < warmup)
-        logs = np.log(np.where(positive, accepted[:, column], 1.0))
-        entries = int(warm.sum())
-        if entries >= MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
-            center = np.sort(logs[warm])[(entries - 1) // 2]
-            distance = np.abs(logs - center)
-            spread = np.sort(distance[warm])[(entries - 1) // 2]
-            bar = max(
-                OUTLIER_SIGMAS * sigma * max(MAD_SCALE * spread, FLOOR), math.log(OUTLIER_RATIO)
-            )
-            positive &= ~(warm & (distance > bar))
-        if current <= 0 or not positive.any():
-            scores.append(np.nan)
-            continue
-        std = max(logs[positive].std(), FLOOR)
-        scores.append((np.log(current) - logs[positive].mean()) / std)
-    return np.asarray(scores)

@@ -21,6 +21,7 @@ session run, its error returned), and `run_monitored` (the hand-written
 import dataclasses
 import glob
 import itertools
+import math
 import os
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
@@ -30,6 +31,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _spike
 
 # The guard's two modes: name -> the `check_numerics` argument of `create_train_op`.
 MODES = {"check_numerics": True, "hook": False}
@@ -388,3 +390,40 @@ def _guarded_step(
             run.bad_step_changes.append(
                 [name for name in before if not np.array_equal(before[name], after[name])]
             )
+
+
+def reference_z_scores(
+    accepted: Sequence[Tuple[float, float]],
+    value: Tuple[float, float],
+    *,
+    window: int = 128,
+    warmup: int = 20,
+    sigma: float = 6.0,
+) -> np.ndarray:
+    """`_spike.SpikeTest`'s z-scores, in NumPy, of ``value = (loss, norm)`` against the last
+    `window` `accepted` pairs (no warm-up gate); NaN for a value not positive or a column with
+    no entry. The test's oracle: the same arithmetic written apart from the graph."""
+    accepted = np.asarray(accepted, dtype=np.float64).reshape(-1, len(_spike.COLUMNS))
+    index = np.arange(len(accepted))
+    keep = index >= len(accepted) - window
+    scores = []
+    for column, current in enumerate(value):
+        positive = keep & (accepted[:, column] > 0)
+        warm = positive & (index < warmup)
+        logs = np.log(np.where(positive, accepted[:, column], 1.0))
+        entries = int(warm.sum())
+        if entries >= _spike.MIN_WARMUP_ENTRIES:  # The lower median, as the graph takes it.
+            center = np.sort(logs[warm])[(entries - 1) // 2]
+            distance = np.abs(logs - center)
+            spread = np.sort(distance[warm])[(entries - 1) // 2]
+            bar = max(
+                _spike.OUTLIER_SIGMAS * sigma * max(_spike.MAD_SCALE * spread, _spike.FLOOR),
+                math.log(_spike.OUTLIER_RATIO),
+            )
+            positive &= ~(warm & (distance > bar))
+        if current <= 0 or not positive.any():
+            scores.append(np.nan)
+            continue
+        std = max(logs[positive].std(), _spike.FLOOR)
+        scores.append((np.log(current) - logs[positive].mean()) / std)
+    return np.asarray(scores)

@@ -13,6 +13,8 @@ import tensorflow as tf
 from slim_nanguard import _spike
 from slim_nanguard._policy import GuardConfig
 
+import nanguard_testlib as lib
+
 
 class _Steps:
     """A session over one `SpikeTest` fed ``(loss, norm)`` and ``accepted`` per step."""
@@ -52,7 +54,7 @@ def test_the_z_scores_are_numpys_over_the_accepted_steps_of_the_window():
     for number in range(30):
         loss, norm = float(np.float32(2.0 + rng.normal(0, 0.1))), 1.0 + rng.normal(0, 0.05)
         accept = number % 4 != 3  # every fourth step rejected (as a NaN step would be)
-        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=8, warmup=3)
+        expected = lib.reference_z_scores(steps.kept, (loss, norm), window=8, warmup=3)
         z, _ = steps.step(loss, norm, accept=accept)
         if len(steps.kept) - int(accept) >= 3:
             np.testing.assert_allclose(z, expected, rtol=1e-9, atol=1e-9)
@@ -180,7 +182,7 @@ def test_a_loss_that_is_not_positive_is_never_a_spike_nor_counted():
     np.testing.assert_allclose(
         steps.sess.run(steps.test.mean)[0], np.mean(np.log(np.float32([2.0, 2.1, 1.9, 2.0])))
     )
-    assert np.isnan(_spike.reference_z_scores([(2.0, 1.0)], (0.0, 1.0))[0])
+    assert np.isnan(lib.reference_z_scores([(2.0, 1.0)], (0.0, 1.0))[0])
 
 
 @pytest.mark.parametrize(
@@ -215,7 +217,7 @@ def test_a_spike_accepted_inside_the_warm_up_does_not_hide_the_next_one(later):
             _, spike = steps.step(loss * scale, 1.0)
             assert not spike  # The warm-up accepts all; after it, clean steps pass.
         z, spike = steps.step(0.5 * later, 1.0)
-        reference = _spike.reference_z_scores(steps.kept, (0.5 * later, 1.0))
+        reference = lib.reference_z_scores(steps.kept, (0.5 * later, 1.0))
         np.testing.assert_allclose(z[0], reference[0], rtol=1e-6)
         return z[0], spike
 
@@ -255,7 +257,7 @@ def test_the_window_turning_over_the_warm_up_judges_as_numpy_does():
     for number in range(30):
         loss = float(np.float32(0.5 * np.exp(rng.normal(0, 0.1))))
         norm = 1.0 + rng.normal(0, 0.05)
-        expected = _spike.reference_z_scores(steps.kept, (loss, norm), window=12, warmup=8)
+        expected = lib.reference_z_scores(steps.kept, (loss, norm), window=12, warmup=8)
         z, spike = steps.step(loss, norm, accept=True)
         if number == 0:  # Seven losses count: the loss column is still warming up.
             expected[0] = 0.0
@@ -304,7 +306,7 @@ def test_a_restore_then_a_step_judges_as_before(tmp_path):
         steps.step(loss, 1.0, accept=True)
     steps.saver.restore(steps.sess, path)
     np.testing.assert_array_equal(steps.sess.run(steps.test.z, feed), before)
-    expected = _spike.reference_z_scores(kept, (float(np.float32(0.9)), 1.2), window=16, warmup=8)
+    expected = lib.reference_z_scores(kept, (float(np.float32(0.9)), 1.2), window=16, warmup=8)
     np.testing.assert_allclose(before, expected, rtol=1e-9)
 
 
@@ -319,6 +321,6 @@ def test_a_reseed_trims_its_values_as_the_writes_would():
     test = steps.test
     steps.sess.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: [0.05, 0.05]})
     z = steps.sess.run(test.z, {steps.loss: 6.0, steps.norm: 2.1})
-    expected = _spike.reference_z_scores(rows, (6.0, 2.1), window=16, warmup=8)
+    expected = lib.reference_z_scores(rows, (6.0, 2.1), window=16, warmup=8)
     np.testing.assert_allclose(z, expected, rtol=1e-9)
     assert steps.variables()[0][2, 0] < 0
