@@ -19,19 +19,16 @@ import math
 import os
 import sysconfig
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+import tensorflow as tf
 
+from slim_nanguard import _capture
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
 from slim_nanguard._reasons import NON_FINITE
-
-if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
-    import tensorflow as tf
-
-    from slim_nanguard._capture import Capture
 
 DUMP_DIRNAME = "nanguard_autopsy"
 DEFAULT_TIMEOUT_SECS = 60.0
@@ -450,7 +447,11 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
         for index, op in enumerate(chunk):
             budget.ops_checked += 1
             if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
-                downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
+                later = (
+                    (o.name, _bad_rows_of(o.outputs, values, batch_size))
+                    for o in chunk[index + 1 :]
+                )
+                downstream = next((found for found in later if found[1]), None)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
     raise AutopsyError(
@@ -459,15 +460,9 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
     )
 
 
-def _first_bad_rows(ops, values, batch_size: int):
-    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
-    for op in ops:
-        rows = sorted(
-            {i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)}
-        )
-        if rows:
-            return op.name, rows
-    return None
+def _bad_rows_of(tensors, values, batch_size: int) -> List[int]:
+    """The rows of the batch non-finite in any of `tensors` that `values` holds, ascending."""
+    return sorted({i for t in tensors if t in values for i in bad_rows(values[t], batch_size)})
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
@@ -479,7 +474,11 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
     wanted = [t for t in inputs + outputs if t not in feeds]
     values = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
     values.update((t, feeds[t]) for t in inputs + outputs if t in feeds)
-    frames = user_frames(_traceback(op))
+    try:
+        traceback = list(op.traceback or ())
+    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
+        traceback = []
+    frames = user_frames(traceback)
     described = {
         "name": op.name,
         "type": op.type,
@@ -488,23 +487,16 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
         "inputs": [{"name": t.name, **health(values[t])} for t in inputs],
         "output": [{"name": t.name, **health(values[t])} for t in outputs],
     }
-    examples = sorted({i for t in outputs for i in bad_rows(values[t], batch_size)})
+    examples = _bad_rows_of(outputs, values, batch_size)
     if not examples and downstream is not None:
         described["examples_at"], examples = downstream
     return {"first_bad_op": described, "bad_examples": tuple(examples)}
 
 
-def _traceback(op) -> Sequence[Any]:
-    try:
-        return list(op.traceback or ())
-    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
-        return []
-
-
 # ---------------------------------------------------------------------- in training
 def autopsy_bad_step(
     session: tf.compat.v1.Session,
-    capture: Capture,
+    capture: _capture.Capture,
     targets: Sequence[Any],
     *,
     step: int = -1,
@@ -516,8 +508,6 @@ def autopsy_bad_step(
     """`run_autopsy` on the batch the bad step kept (`Capture`); never raises (but
     KeyboardInterrupt): a failure is the result's ``error``. The arguments are
     `run_autopsy`'s, `capture` standing for the batch."""
-    from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
-
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
@@ -601,11 +591,8 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
         control=False,
         stop=lambda op: op in fed_ops or _is_variable_read(op),
     )
-    reads = []
-    for op in walk:
-        if op not in fed_ops and _is_variable_read(op):
-            reads += filter(_is_float, op.outputs)
-    return sorted(reads, key=lambda t: t.name)
+    reads = [t for op in walk if op not in fed_ops and _is_variable_read(op) for t in op.outputs]
+    return sorted(filter(_is_float, reads), key=lambda t: t.name)
 
 
 def _is_variable_read(op) -> bool:
@@ -628,8 +615,6 @@ def write_dump(
     """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``, and
     returns the JSON report's path. An existing dump of the same step (a rollback can bring a
     step back) is kept: the new one gets a ``-2``, ``-3``... suffix."""
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     tf.io.gfile.makedirs(directory)
     base = stem = _paths.join(directory, f"step{result.step}")
@@ -666,8 +651,6 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
     """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``
     time; an old dump without one first, by name) of `dump_dir`'s ``nanguard_autopsy/``, and
     returns a ``{"dump": report path, "step": global step}`` per dump removed, oldest first."""
-    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
-
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
     if len(reports) <= keep_first + keep_last:
@@ -694,8 +677,6 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
 def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
     """``(report, batch, weights)`` of a `write_dump` from its JSON report (or ``.npz``): the
     batch and the weights the step read (empty if too big to keep) as tensor name -> array."""
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
     if path.endswith(".npz"):
         path = path[: -len(".npz")] + ".json"
     with tf.io.gfile.GFile(path, "r") as f:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
+import tensorflow as tf
+
 from slim_nanguard import _autopsy
+from slim_nanguard import _checkpoints
 from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
@@ -25,8 +28,6 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
     Raises:
       ValueError: No bad step recorded, or none at `step` (the message lists those there are).
     """
-    import tensorflow as tf
-
     events = _record.read_events(train_dir)
     records = [r for r in events if r.get("kind") == "bad_step"]
     path = _paths.join(train_dir, _record.EVENTS_FILENAME)
@@ -152,10 +153,6 @@ def replay_dump(
       ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
       UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or garbled.
     """
-    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
-
-    from slim_nanguard import _checkpoints
-
     if not tf.io.gfile.exists(dump_path):
         raise ValueError(
             f"the dump {dump_path} does not exist (was the run's directory "
