@@ -67,18 +67,10 @@ class AutopsyError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Autopsy:
-    """What the replay of one bad step found (a bad step's record holds its `to_json`).
-
-    ``reproduced`` is False when the replay is finite (not the model), None when it failed
-    first (``error`` says why) and for a finite step a reason rejected (``cause``, such as
-    ``"spike"``). ``first_bad_op``: the first op with a non-finite output from finite float
-    inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's frames),
-    ``inputs`` and ``output`` (`health` dicts with a ``name``), and ``examples_at`` when the
-    ``bad_examples`` are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (of the largest
-    run), ``runs``, ``ops_checked``. A spike's ``top_examples`` are ``(index, loss)`` pairs,
-    highest first, of the ``per_example_loss`` tensors (their mean is the batch's part of the
-    total loss), and ``spike_over`` what it was caught on (without ``"loss"``, a guess).
-    """
+    """What the replay of one bad step found; a bad step's record holds its `to_json` (the
+    fields are docs/guide.md's). ``reproduced`` is None when the replay failed first (``error``
+    says why) and for a finite step a reason rejected (``cause``); ``first_bad_op`` has
+    ``examples_at`` when the ``bad_examples`` are a later op's."""
 
     reproduced: Optional[bool] = None
     first_bad_op: Optional[Dict[str, Any]] = None
@@ -323,11 +315,9 @@ def replay(
     cause: str = "non_finite",
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
-    the step's weights (nothing is written): the first non-finite op behind `targets` (the loss
-    and the gradient sums), or for a spike (the total loss) its examples. It gives up after
-    `timeout_secs` of `clock`, fetches about `max_chunk_bytes` per run, and runs nothing when
-    the targets read an unfed input op (``error`` says either); `batch_size` defaults to the
-    most common leading dimension of `feeds`. Raises only what `session.run` raises."""
+    the step's weights: the first non-finite op behind `targets` (the loss and the gradient
+    sums), or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
+    `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
@@ -388,9 +378,8 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
 def _reaching(
     ops: Sequence[Any], source: Callable[[Any], bool], valueless: frozenset = _SHAPE_TYPES
 ) -> Dict[Any, bool]:
-    """Each of `ops` (a walk back: every input of each op that can reach it), in topological
-    order -> whether a value a `source` op makes reaches it; a `valueless` input passes on none
-    (fill(shape(x), nan) is a constant)."""
+    """Each of `ops` (a walk back), in topological order -> whether a value a `source` op makes
+    reaches it; a `valueless` input passes on none (fill(shape(x), nan) is a constant)."""
     order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
     reaches = {}
     for op in sorted(ops, key=order.get):
@@ -466,9 +455,8 @@ def _bad_rows_of(tensors, values, batch_size: int) -> List[int]:
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
-    """The `Autopsy` fields of first bad op `op`, from its inputs (none for a fed op: what is
-    behind it would take a new batch) and outputs, or the examples of `downstream`'s ``(op
-    name, rows)`` when they are not batch-major."""
+    """The `Autopsy` fields of first bad op `op` (a fed op's inputs would take a new batch);
+    `downstream`'s ``(op name, rows)`` give the examples when its outputs are not batch-major."""
     inputs = [] if any(t in feeds for t in op.outputs) else list(filter(_is_float, op.inputs))
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
@@ -505,9 +493,8 @@ def autopsy_bad_step(
     cause: str = "non_finite",
     spike_over: Sequence[str] = (),
 ) -> Autopsy:
-    """`run_autopsy` on the batch the bad step kept (`Capture`); never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``. The arguments are
-    `run_autopsy`'s, `capture` standing for the batch."""
+    """`run_autopsy` on the batch the bad step kept in `capture`; never raises (but
+    KeyboardInterrupt): a failure is the result's ``error``."""
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
@@ -612,9 +599,8 @@ def write_dump(
     weights: Mapping[Any, Any],
     targets: Sequence[Any],
 ) -> str:
-    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``, and
-    returns the JSON report's path. An existing dump of the same step (a rollback can bring a
-    step back) is kept: the new one gets a ``-2``, ``-3``... suffix."""
+    """Writes ``step<N>.npz`` and ``step<N>.json``, and returns the JSON report's path. An
+    existing dump of the step (a rollback can bring a step back) is kept: a ``-2``... suffix."""
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     tf.io.gfile.makedirs(directory)
     base = stem = _paths.join(directory, f"step{result.step}")
@@ -648,9 +634,8 @@ def write_dump(
 
 
 def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
-    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``
-    time; an old dump without one first, by name) of `dump_dir`'s ``nanguard_autopsy/``, and
-    returns a ``{"dump": report path, "step": global step}`` per dump removed, oldest first."""
+    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``,
+    then name) of `dump_dir`, and returns their ``{"dump": path, "step": step}``, oldest first."""
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
     if len(reports) <= keep_first + keep_last:
@@ -733,7 +718,7 @@ def per_example_values(
 
 def rank_examples(per_example: Any, k: int = TOP_EXAMPLES) -> List[Tuple[int, float]]:
     """The `k` ``(index, loss)`` pairs of highest loss, highest first (on a tie the lower
-    index first); an example whose loss is NaN is left out."""
+    index first), without NaN losses."""
     a = np.asarray(per_example, dtype=np.float64).reshape(-1)
     order = [i for i in np.argsort(-a, kind="stable") if not np.isnan(a[i])]
     return [(int(i), float(a[i])) for i in order[:k]]
@@ -756,12 +741,8 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples (`rank_examples`' pairs) stand out: carried the spike.
-
-    The figures the sentence prints (the losses, then the median) are a chain cut at its largest
-    ratio from one to the next: the examples above stand out if it is `ratio` or more (none if
-    no loss is above 0). Losses of 0 or less count one step of `ratio` below the lowest positive
-    one; infinite losses stand out of finite ones."""
+    """How many of the top examples (`rank_examples`' pairs) stand out (carried the spike),
+    by the rule docs/guide.md gives; infinite losses stand out of finite ones."""
     if median is None or not top_examples:
         return 0
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
@@ -786,10 +767,8 @@ def explain_spike(
     *,
     over: Sequence[str] = (),
 ) -> str:
-    """A spike's autopsy in one sentence, such as ``examples 3, 17 of 32 carried the spike
-    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``:
-    the examples `standing_out` picks (if those are all shown, of a larger batch, perhaps others
-    too), hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
+    """A spike's autopsy in one sentence (docs/guide.md quotes one): the examples
+    `standing_out` picks, hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
     if per_example_loss is None or not top_examples:
@@ -907,21 +886,17 @@ class _Term:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleLoss:
-    """The per-example losses behind a total loss (`find_per_example_loss`): the ``terms``
-    whose leading dimension is the batch's (summed per example), and the ``others`` that depend
-    on the batch but cannot be split per example."""
+    """`find_per_example_loss`'s batch-major ``terms`` and the ``others`` of the batch that
+    cannot be split per example."""
 
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
 
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """The per-example losses behind a total loss, found by walking back from it through linear
-    ops (what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build: ``AddN``, ``Add``,
-    ``Sub``, ``Mean``, ``Sum``, scalar ``Mul``, ``RealDiv``, ``DivNoNan``) to the first float
-    tensors whose leading dimension is the batch's, so each example's part is exact. A term that
-    reads no batch (a regularization loss) is left out; None when no term is per example, or
-    there are over `_MAX_LOSS_TERMS` terms."""
+    """The per-example losses behind a total loss, walking back through linear ops (as
+    docs/guide.md says) to the first float tensors whose leading dimension is the batch's; None
+    when no term is per example, or there are over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)

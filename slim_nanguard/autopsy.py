@@ -191,20 +191,14 @@ def replay_dump(
             )
         except (KeyError, ValueError, tf.errors.OpError) as err:
             return _autopsy.Autopsy(step=step, cause=cause, error=_autopsy.error_line(err))
-    return _with_what_the_dump_says(result, report, bool(weights), checkpoint)
-
-
-def _with_what_the_dump_says(
-    result: _autopsy.Autopsy, report: Mapping[str, Any], has_weights: bool, checkpoint
-) -> _autopsy.Autopsy:
-    """`result` with what `report` knows: ``spike_over``, the first bad op's traceback (an
-    imported graph has none), and a note when the replay read the `checkpoint`'s weights."""
+    # What the dump knows: what the spike was caught on, the first bad op's traceback (an
+    # imported graph has none), and whether the replay read the checkpoint's weights.
     result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
     op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
         op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
         result = dataclasses.replace(result, first_bad_op=op)
-    if not has_weights:
+    if not weights:
         note = (
             f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
             "which may predate the bad step"
