@@ -1,11 +1,8 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
 The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
-kept its batch: a replay of the loss and gradient sums that is finite does not reproduce (not
-the model); else the ops' float outputs are fetched in topological order (the batch first), a
-chunk at a time, up to the first NaN or Inf from finite inputs, or a deadline. A spike's replay
-names the examples whose per-example loss carried it. Every failure goes into `Autopsy.error`:
-an autopsy never takes training down.
+kept its batch: the replay (docs/guide.md) starts from both. Every failure goes into
+`Autopsy.error`: an autopsy never takes training down.
 """
 
 from __future__ import annotations
@@ -697,10 +694,9 @@ _MAX_LOSS_TERMS = 10_000
 def per_example_values(
     split: Sequence[Any], whole: Sequence[float], batch_size: int
 ) -> Optional[np.ndarray]:
-    """Each example's loss (float64): its elements' contributions to the total loss in the
-    `split` terms, summed and times `batch_size` (so that their mean is the batch's part of the
-    loss). A term not batch-major joins `whole` (the contributions of the terms that cannot be
-    split); None when no term is split, or one in `whole` carries more than the split ones."""
+    """Each example's loss (float64): its elements' contributions in the `split` terms, summed
+    and times `batch_size` (their mean is the batch's part of the loss); a term not batch-major
+    joins `whole`. None when none is split, or one in `whole` carries more than the split ones."""
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
         c = np.asarray(contribution, dtype=np.float64)

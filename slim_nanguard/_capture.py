@@ -80,11 +80,10 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
     tensors = batch_tensors(loss) if enabled else []
     if not tensors:
         return Capture()
-    graph = loss.graph
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
-            with guard_variable_scope(graph, tensor):
+            with guard_variable_scope(loss.graph, tensor):
                 variable = tf.compat.v1.Variable(
                     tf.constant([], dtype=tensor.dtype.base_dtype),
                     trainable=False,
