@@ -126,21 +126,17 @@ class Autopsy:
 # ---------------------------------------------------------------------- pure parts
 def health(value: Any) -> Dict[str, Any]:
     """How finite an array (anything `np.asarray` takes) is: ``shape``, ``dtype``, ``size``,
-    and for a numeric dtype ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
+    and for a numeric dtype the ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
     ``finite_min`` / ``finite_max`` (None when none is finite)."""
     a = np.asarray(value)
     d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
     if a.dtype.kind not in "fciubV":
         return d
-    if a.dtype.kind in "iub":
-        finite, counts = a, dict(nan=0, posinf=0, neginf=0)
-    else:
-        if a.dtype.kind == "V" or a.dtype.itemsize < 4:  # bfloat16 (ml_dtypes) is kind "V".
-            a = a.astype(np.float32)
-        finite = a[np.isfinite(a)]
-        counts = {key: int(np.count_nonzero(test(a))) for key, _, test in _NON_FINITE}
+    if a.dtype.kind == "V" or (a.dtype.kind in "fc" and a.dtype.itemsize < 4):
+        a = a.astype(np.float32)  # bfloat16 (ml_dtypes) is kind "V".
+    finite = a[np.isfinite(a)]
     d.update(
-        counts,
+        {key: int(np.count_nonzero(test(a))) for key, _, test in _NON_FINITE},
         zeros=int(np.count_nonzero(a == 0)),
         finite_min=finite.min().item() if finite.size else None,
         finite_max=finite.max().item() if finite.size else None,
@@ -171,9 +167,8 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
-    """The innermost `limit` user's frames of `frames` (``(filename, lineno, name, ...)``, as
-    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``; library frames are left
-    out (with no user frame at all, the innermost frame is kept)."""
+    """The innermost `limit` user's frames of ``op.traceback``'s `frames`, as ``file.py:42 in
+    fn: code``; with no user frame at all, the innermost frame."""
     parsed = [(str(f[0]), int(f[1]), str(f[2])) for f in frames]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
     return [
@@ -713,8 +708,7 @@ def per_example_values(
 
 
 def rank_examples(per_example: Any, k: int = TOP_EXAMPLES) -> List[Tuple[int, float]]:
-    """The `k` ``(index, loss)`` pairs of highest loss, highest first (on a tie the lower
-    index first), without NaN losses."""
+    """The `k` ``(index, loss)`` pairs of highest loss (not NaN), highest first, ties by index."""
     a = np.asarray(per_example, dtype=np.float64).reshape(-1)
     order = [i for i in np.argsort(-a, kind="stable") if not np.isnan(a[i])]
     return [(int(i), float(a[i])) for i in order[:k]]
@@ -737,8 +731,7 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples (`rank_examples`' pairs) stand out (carried the spike),
-    by the rule docs/guide.md gives; infinite losses stand out of finite ones."""
+    """How many of the `rank_examples` pairs carried the spike (docs/guide.md's rule)."""
     if median is None or not top_examples:
         return 0
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
@@ -882,8 +875,7 @@ class _Term:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleLoss:
-    """`find_per_example_loss`'s batch-major ``terms`` and the ``others`` of the batch that
-    cannot be split per example."""
+    """`find_per_example_loss`'s batch-major ``terms``, and ``others`` that cannot be split."""
 
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
@@ -918,8 +910,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
-    """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value);
-    not when it is known statically while the batch's is not."""
+    """Whether `tensor`'s leading dimension may be the batch's: unknown, or `batch_dim`."""
     return bool(tensor.shape.rank) and tensor.shape.as_list()[0] in (None, batch_dim)
 
 

@@ -1,8 +1,5 @@
-"""Error types of slim_nanguard.
-
-Every error the library raises on purpose derives from `NanGuardError`; `NanLossError` also
-derives from TensorFlow's `NanLossDuringTrainingError` (what `NanTensorHook` raises).
-"""
+"""Error types of slim_nanguard: every error it raises on purpose derives from `NanGuardError`;
+`NanLossError` also from `NanLossDuringTrainingError` (what TensorFlow's `NanTensorHook` raises)."""
 
 from __future__ import annotations
 

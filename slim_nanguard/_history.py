@@ -1,8 +1,6 @@
-"""The losses of the good steps before a bad step, kept for its record (``losses_before``).
-
-A good step gives its loss, not its step: `LossHistory.anchor` numbers the points back from
-the global step of the next bad step, one per good step (in a cluster: this worker's count).
-"""
+"""The losses of the good steps before a bad step, kept for its record (``losses_before``):
+a good step gives its loss, not its step; `LossHistory.anchor` numbers them back from the next
+bad step's global step, one per good step (in a cluster: this worker's count)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Reading a run's autopsies after the fact: what ``slim-nanguard-autopsy TRAIN_DIR`` does.
 
 `find_bad_step` picks a bad step's record, `format_report` renders it, `replay_dump` replays
-the step from its dump on any machine. The command's plot of the run is the launcher's
-(`slim_nanguard.app.plot`).
+the step from its dump on any machine (the command's plot is `slim_nanguard.app.plot`'s).
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ def format_report(record: Mapping[str, Any]) -> str:
         )
     elif result.dump:
         lines.append(f"  dump        {result.dump}")
-    cost = result.cost
-    if cost:
+    if cost := result.cost:
         lines.append(
             f"  cost        {cost.get('seconds', 0):.3g} s, {cost.get('runs', '?')} "
             f"run{'' if cost.get('runs') == 1 else 's'}, at most {cost.get('peak_bytes', 0)} "
@@ -111,8 +109,7 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
             lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
         lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
         lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
-    examples = result.bad_examples
-    if examples:
+    if examples := result.bad_examples:
         more = f" and {len(examples) - 20} more" if len(examples) > 20 else ""
         shown = ", ".join(map(str, examples[:20])) + more
         if len(examples) == result.batch_size:
