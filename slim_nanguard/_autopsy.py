@@ -203,8 +203,7 @@ def explain(
         return "the replay is not finite, but no single op could be named as the first"
     text = f"first non-finite value: {first_bad_op['name']} ({first_bad_op['type']})"
     text += f" at {first_bad_op['where']}" if first_bad_op.get("where") else ""
-    cause = _cause(first_bad_op)
-    text += f", {cause}" if cause else ""
+    text += f", {cause}" if (cause := _cause(first_bad_op)) else ""
     if batch_size and len(bad_examples) == batch_size:
         text += f"; all {batch_size} examples of the batch"
     elif bad_examples:
@@ -340,10 +339,9 @@ def _is_float(tensor) -> bool:
 
 
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on through data edges up to the fed ops, in topological order,
-    less those in a control-flow context (not fetchable) and those no value of the batch, the
-    weights or a stateful op reaches (a NaN constant, a mask, is on purpose: the first bad op
-    lets it in). AutopsyError when the targets depend on an input op or placeholder not fed."""
+    """The fetchable ops the targets read by data edges up to the fed ops, in topological order,
+    that the batch, the weights or a stateful op reaches (a NaN constant, a mask, is on purpose:
+    the first bad op lets it in). AutopsyError when they read an unfed input op."""
     fed_ops = {t.op for t in feeds}
     seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
     for op in seen:
@@ -897,8 +895,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
         term = stack.pop()
         if not depends.get(term.tensor.op, False):
             continue  # A regularization loss, a constant: not the batch's.
-        below = _terms_below(term, depends, batch_dim)
-        if below is not None:
+        if (below := _terms_below(term, depends, batch_dim)) is not None:
             stack.extend(reversed(below))
         elif _is_float(term.tensor) and _batch_major(term.tensor, batch_dim):
             terms.append(term)

@@ -176,10 +176,9 @@ def replay_dump(
         try:
             if checkpoint and saver is not None:
                 saver.restore(sess, checkpoint)
-            feeds = {graph.get_tensor_by_name(name): v for name, v in {**batch, **weights}.items()}
             result = _autopsy.replay(
                 sess,
-                feeds,
+                {**batch, **weights},
                 report["targets"],
                 timeout_secs=timeout_secs,
                 step=step,
