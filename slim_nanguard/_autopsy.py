@@ -410,11 +410,10 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
 def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
     """`_describe` of the first op with a non-finite output; AutopsyError when there is none."""
     fed = {t.op for t in feeds}
-    for op in ops:  # The batch first: a NaN in the data is found without running anything.
-        if op in fed:
-            budget.ops_checked += 1
-            if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
-                return _describe(session, op, feeds, budget, batch_size)
+    for op in filter(fed.__contains__, ops):  # The batch first: a NaN in the data needs no run.
+        budget.ops_checked += 1
+        if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
+            return _describe(session, op, feeds, budget, batch_size)
     chunks = _chunks([op for op in ops if op not in fed], batch_size, max_chunk_bytes)
     for number, chunk in enumerate(chunks):
         budget.check(
@@ -426,10 +425,7 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
         for index, op in enumerate(chunk):
             budget.ops_checked += 1
             if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
-                later = (
-                    (o.name, _bad_rows_of(o.outputs, values, batch_size))
-                    for o in chunk[index + 1 :]
-                )
+                later = ((o.name, _bad_rows_of(o, values, batch_size)) for o in chunk[index + 1 :])
                 downstream = next((found for found in later if found[1]), None)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
@@ -439,9 +435,9 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
     )
 
 
-def _bad_rows_of(tensors, values, batch_size: int) -> List[int]:
-    """The rows of the batch non-finite in any of `tensors` that `values` holds, ascending."""
-    return sorted({i for t in tensors if t in values for i in bad_rows(values[t], batch_size)})
+def _bad_rows_of(op, values, batch_size: int) -> List[int]:
+    """The rows of the batch non-finite in any output of `op` that `values` holds, ascending."""
+    return sorted({i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)})
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
@@ -465,7 +461,7 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
         "inputs": [{"name": t.name, **health(values[t])} for t in inputs],
         "output": [{"name": t.name, **health(values[t])} for t in outputs],
     }
-    examples = _bad_rows_of(outputs, values, batch_size)
+    examples = _bad_rows_of(op, values, batch_size)
     if not examples and downstream is not None:
         described["examples_at"], examples = downstream
     return {"first_bad_op": described, "bad_examples": tuple(examples)}
@@ -880,9 +876,8 @@ class PerExampleLoss:
 
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """The per-example losses behind a total loss, walking back through linear ops (as
-    docs/guide.md says) to the first float tensors whose leading dimension is the batch's; None
-    when no term is per example, or there are over `_MAX_LOSS_TERMS` terms."""
+    """The per-example losses behind a total loss: back through linear ops (docs/guide.md) to
+    the first batch-major float tensors; None if no term is, or over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)

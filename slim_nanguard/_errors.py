@@ -119,7 +119,7 @@ class UnreadableCheckpointError(NanGuardError):
     def damage(self) -> str:
         """The message without its advice: which checkpoint, which file, what is wrong."""
         directory = self.checkpoint.replace("\\", "/").rsplit("/", 1)[0] + "/"
-        file = self.file[len(directory) :] if self.file.startswith(directory) else self.file
+        file = self.file.removeprefix(directory)
         cause = self.cause.replace(directory, "")
         return f"checkpoint {self.checkpoint} cannot be read: {file} {self.problem} ({cause})"
 
