@@ -1,11 +1,8 @@
 """The autopsy of a bad step: which op made the first non-finite value, and for which examples.
 
 The guard is atomic, so the weights after a bad step are those that made it, and `_capture`
-kept its batch: a replay of the loss and gradient sums that is finite does not reproduce (not
-the model); else the ops' float outputs are fetched in topological order (the batch first), a
-chunk at a time, up to the first NaN or Inf from finite inputs, or a deadline. A spike's replay
-names the examples whose per-example loss carried it. Every failure goes into `Autopsy.error`:
-an autopsy never takes training down.
+kept its batch: the replay (docs/guide.md) starts from both. Every failure goes into
+`Autopsy.error`: an autopsy never takes training down.
 """
 
 from __future__ import annotations
@@ -19,19 +16,16 @@ import math
 import os
 import sysconfig
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+import tensorflow as tf
 
+from slim_nanguard import _capture
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
 from slim_nanguard._reasons import NON_FINITE
-
-if TYPE_CHECKING:  # pragma: no cover  (TensorFlow is imported where a replay runs)
-    import tensorflow as tf
-
-    from slim_nanguard._capture import Capture
 
 DUMP_DIRNAME = "nanguard_autopsy"
 DEFAULT_TIMEOUT_SECS = 60.0
@@ -70,18 +64,10 @@ class AutopsyError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Autopsy:
-    """What the replay of one bad step found (a bad step's record holds its `to_json`).
-
-    ``reproduced`` is False when the replay is finite (not the model), None when it failed
-    first (``error`` says why) and for a finite step a reason rejected (``cause``, such as
-    ``"spike"``). ``first_bad_op``: the first op with a non-finite output from finite float
-    inputs: ``name``, ``type``, ``where`` (``file.py:42``), ``traceback`` (the user's frames),
-    ``inputs`` and ``output`` (`health` dicts with a ``name``), and ``examples_at`` when the
-    ``bad_examples`` are a later op's. ``cost``: ``seconds``, ``peak_bytes`` (of the largest
-    run), ``runs``, ``ops_checked``. A spike's ``top_examples`` are ``(index, loss)`` pairs,
-    highest first, of the ``per_example_loss`` tensors (their mean is the batch's part of the
-    total loss), and ``spike_over`` what it was caught on (without ``"loss"``, a guess).
-    """
+    """What the replay of one bad step found; a bad step's record holds its `to_json` (the
+    fields are docs/guide.md's). ``reproduced`` is None when the replay failed first (``error``
+    says why) and for a finite step a reason rejected (``cause``); ``first_bad_op`` has
+    ``examples_at`` when the ``bad_examples`` are a later op's."""
 
     reproduced: Optional[bool] = None
     first_bad_op: Optional[Dict[str, Any]] = None
@@ -140,21 +126,17 @@ class Autopsy:
 # ---------------------------------------------------------------------- pure parts
 def health(value: Any) -> Dict[str, Any]:
     """How finite an array (anything `np.asarray` takes) is: ``shape``, ``dtype``, ``size``,
-    and for a numeric dtype ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
+    and for a numeric dtype the ``nan``, ``posinf``, ``neginf`` and ``zeros`` counts and
     ``finite_min`` / ``finite_max`` (None when none is finite)."""
     a = np.asarray(value)
     d = {"shape": list(a.shape), "dtype": str(a.dtype), "size": int(a.size)}
     if a.dtype.kind not in "fciubV":
         return d
-    if a.dtype.kind in "iub":
-        finite, counts = a, dict(nan=0, posinf=0, neginf=0)
-    else:
-        if a.dtype.kind == "V" or a.dtype.itemsize < 4:  # bfloat16 (ml_dtypes) is kind "V".
-            a = a.astype(np.float32)
-        finite = a[np.isfinite(a)]
-        counts = {key: int(np.count_nonzero(test(a))) for key, _, test in _NON_FINITE}
+    if a.dtype.kind == "V" or (a.dtype.kind in "fc" and a.dtype.itemsize < 4):
+        a = a.astype(np.float32)  # bfloat16 (ml_dtypes) is kind "V".
+    finite = a[np.isfinite(a)]
     d.update(
-        counts,
+        {key: int(np.count_nonzero(test(a))) for key, _, test in _NON_FINITE},
         zeros=int(np.count_nonzero(a == 0)),
         finite_min=finite.min().item() if finite.size else None,
         finite_max=finite.max().item() if finite.size else None,
@@ -185,9 +167,8 @@ def bad_rows(value: Any, batch_size: int) -> List[int]:
 
 
 def user_frames(frames: Sequence[Any], limit: int = 6) -> List[str]:
-    """The innermost `limit` user's frames of `frames` (``(filename, lineno, name, ...)``, as
-    ``op.traceback``'s, outermost first), as ``file.py:42 in fn: code``; library frames are left
-    out (with no user frame at all, the innermost frame is kept)."""
+    """The innermost `limit` user's frames of ``op.traceback``'s `frames`, as ``file.py:42 in
+    fn: code``; with no user frame at all, the innermost frame."""
     parsed = [(str(f[0]), int(f[1]), str(f[2])) for f in frames]
     mine = [f for f in parsed if not _is_library(f[0])] or parsed[-1:]
     return [
@@ -222,8 +203,7 @@ def explain(
         return "the replay is not finite, but no single op could be named as the first"
     text = f"first non-finite value: {first_bad_op['name']} ({first_bad_op['type']})"
     text += f" at {first_bad_op['where']}" if first_bad_op.get("where") else ""
-    cause = _cause(first_bad_op)
-    text += f", {cause}" if cause else ""
+    text += f", {cause}" if (cause := _cause(first_bad_op)) else ""
     if batch_size and len(bad_examples) == batch_size:
         text += f"; all {batch_size} examples of the batch"
     elif bad_examples:
@@ -326,11 +306,9 @@ def replay(
     cause: str = "non_finite",
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
-    the step's weights (nothing is written): the first non-finite op behind `targets` (the loss
-    and the gradient sums), or for a spike (the total loss) its examples. It gives up after
-    `timeout_secs` of `clock`, fetches about `max_chunk_bytes` per run, and runs nothing when
-    the targets read an unfed input op (``error`` says either); `batch_size` defaults to the
-    most common leading dimension of `feeds`. Raises only what `session.run` raises."""
+    the step's weights: the first non-finite op behind `targets` (the loss and the gradient
+    sums), or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
+    `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
@@ -361,10 +339,9 @@ def _is_float(tensor) -> bool:
 
 
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
-    """The ops the targets depend on through data edges up to the fed ops, in topological order,
-    less those in a control-flow context (not fetchable) and those no value of the batch, the
-    weights or a stateful op reaches (a NaN constant, a mask, is on purpose: the first bad op
-    lets it in). AutopsyError when the targets depend on an input op or placeholder not fed."""
+    """The fetchable ops the targets read by data edges up to the fed ops, in topological order,
+    that the batch, the weights or a stateful op reaches (a NaN constant, a mask, is on purpose:
+    the first bad op lets it in). AutopsyError when they read an unfed input op."""
     fed_ops = {t.op for t in feeds}
     seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
     for op in seen:
@@ -391,9 +368,8 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
 def _reaching(
     ops: Sequence[Any], source: Callable[[Any], bool], valueless: frozenset = _SHAPE_TYPES
 ) -> Dict[Any, bool]:
-    """Each of `ops` (a walk back: every input of each op that can reach it), in topological
-    order -> whether a value a `source` op makes reaches it; a `valueless` input passes on none
-    (fill(shape(x), nan) is a constant)."""
+    """Each of `ops` (a walk back), in topological order -> whether a value a `source` op makes
+    reaches it; a `valueless` input passes on none (fill(shape(x), nan) is a constant)."""
     order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
     reaches = {}
     for op in sorted(ops, key=order.get):
@@ -434,11 +410,10 @@ def _chunks(ops: Sequence[Any], batch_size: int, max_bytes: int) -> List[List[An
 def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, batch_size: int):
     """`_describe` of the first op with a non-finite output; AutopsyError when there is none."""
     fed = {t.op for t in feeds}
-    for op in ops:  # The batch first: a NaN in the data is found without running anything.
-        if op in fed:
-            budget.ops_checked += 1
-            if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
-                return _describe(session, op, feeds, budget, batch_size)
+    for op in filter(fed.__contains__, ops):  # The batch first: a NaN in the data needs no run.
+        budget.ops_checked += 1
+        if any(not is_finite_health(health(feeds[t])) for t in op.outputs if t in feeds):
+            return _describe(session, op, feeds, budget, batch_size)
     chunks = _chunks([op for op in ops if op not in fed], batch_size, max_chunk_bytes)
     for number, chunk in enumerate(chunks):
         budget.check(
@@ -450,7 +425,8 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
         for index, op in enumerate(chunk):
             budget.ops_checked += 1
             if any(not is_finite_health(health(values[t])) for t in op.outputs if t in values):
-                downstream = _first_bad_rows(chunk[index + 1 :], values, batch_size)
+                later = ((o.name, _bad_rows_of(o, values, batch_size)) for o in chunk[index + 1 :])
+                downstream = next((found for found in later if found[1]), None)
                 del values
                 return _describe(session, op, feeds, budget, batch_size, downstream)
     raise AutopsyError(
@@ -459,27 +435,24 @@ def _first_bad_op(session, ops, feeds, budget: _Budget, max_chunk_bytes: int, ba
     )
 
 
-def _first_bad_rows(ops, values, batch_size: int):
-    """``(op name, rows)`` of the first of `ops` with non-finite rows of the batch, or None."""
-    for op in ops:
-        rows = sorted(
-            {i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)}
-        )
-        if rows:
-            return op.name, rows
-    return None
+def _bad_rows_of(op, values, batch_size: int) -> List[int]:
+    """The rows of the batch non-finite in any output of `op` that `values` holds, ascending."""
+    return sorted({i for t in op.outputs if t in values for i in bad_rows(values[t], batch_size)})
 
 
 def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=None):
-    """The `Autopsy` fields of first bad op `op`, from its inputs (none for a fed op: what is
-    behind it would take a new batch) and outputs, or the examples of `downstream`'s ``(op
-    name, rows)`` when they are not batch-major."""
+    """The `Autopsy` fields of first bad op `op` (a fed op's inputs would take a new batch);
+    `downstream`'s ``(op name, rows)`` give the examples when its outputs are not batch-major."""
     inputs = [] if any(t in feeds for t in op.outputs) else list(filter(_is_float, op.inputs))
     outputs = [t for t in op.outputs if _is_float(t) or t in feeds]
     wanted = [t for t in inputs + outputs if t not in feeds]
     values = dict(zip(wanted, budget.run(session, wanted, feeds))) if wanted else {}
     values.update((t, feeds[t]) for t in inputs + outputs if t in feeds)
-    frames = user_frames(_traceback(op))
+    try:
+        traceback = list(op.traceback or ())
+    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
+        traceback = []
+    frames = user_frames(traceback)
     described = {
         "name": op.name,
         "type": op.type,
@@ -488,23 +461,16 @@ def _describe(session, op, feeds, budget: _Budget, batch_size: int, downstream=N
         "inputs": [{"name": t.name, **health(values[t])} for t in inputs],
         "output": [{"name": t.name, **health(values[t])} for t in outputs],
     }
-    examples = sorted({i for t in outputs for i in bad_rows(values[t], batch_size)})
+    examples = _bad_rows_of(op, values, batch_size)
     if not examples and downstream is not None:
         described["examples_at"], examples = downstream
     return {"first_bad_op": described, "bad_examples": tuple(examples)}
 
 
-def _traceback(op) -> Sequence[Any]:
-    try:
-        return list(op.traceback or ())
-    except Exception:  # pylint: disable=broad-except  (an imported graph may have none)
-        return []
-
-
 # ---------------------------------------------------------------------- in training
 def autopsy_bad_step(
     session: tf.compat.v1.Session,
-    capture: Capture,
+    capture: _capture.Capture,
     targets: Sequence[Any],
     *,
     step: int = -1,
@@ -513,11 +479,8 @@ def autopsy_bad_step(
     cause: str = "non_finite",
     spike_over: Sequence[str] = (),
 ) -> Autopsy:
-    """`run_autopsy` on the batch the bad step kept (`Capture`); never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``. The arguments are
-    `run_autopsy`'s, `capture` standing for the batch."""
-    from slim_nanguard import _capture  # Local: _capture imports TensorFlow.
-
+    """`run_autopsy` on the batch the bad step kept in `capture`; never raises (but
+    KeyboardInterrupt): a failure is the result's ``error``."""
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
@@ -601,11 +564,8 @@ def variable_reads(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any
         control=False,
         stop=lambda op: op in fed_ops or _is_variable_read(op),
     )
-    reads = []
-    for op in walk:
-        if op not in fed_ops and _is_variable_read(op):
-            reads += filter(_is_float, op.outputs)
-    return sorted(reads, key=lambda t: t.name)
+    reads = [t for op in walk if op not in fed_ops and _is_variable_read(op) for t in op.outputs]
+    return sorted(filter(_is_float, reads), key=lambda t: t.name)
 
 
 def _is_variable_read(op) -> bool:
@@ -625,11 +585,8 @@ def write_dump(
     weights: Mapping[Any, Any],
     targets: Sequence[Any],
 ) -> str:
-    """Writes ``step<N>.npz`` (the batch, and the weights read) and ``step<N>.json``, and
-    returns the JSON report's path. An existing dump of the same step (a rollback can bring a
-    step back) is kept: the new one gets a ``-2``, ``-3``... suffix."""
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
+    """Writes ``step<N>.npz`` and ``step<N>.json``, and returns the JSON report's path. An
+    existing dump of the step (a rollback can bring a step back) is kept: a ``-2``... suffix."""
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     tf.io.gfile.makedirs(directory)
     base = stem = _paths.join(directory, f"step{result.step}")
@@ -663,11 +620,8 @@ def write_dump(
 
 
 def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dict[str, Any]]:
-    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``
-    time; an old dump without one first, by name) of `dump_dir`'s ``nanguard_autopsy/``, and
-    returns a ``{"dump": report path, "step": global step}`` per dump removed, oldest first."""
-    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
-
+    """Removes all but the first `keep_first` and the last `keep_last` dumps (by ``written``,
+    then name) of `dump_dir`, and returns their ``{"dump": path, "step": step}``, oldest first."""
     directory = _paths.join(dump_dir, DUMP_DIRNAME)
     reports = tf.io.gfile.glob(_paths.join(directory, "step*.json"))
     if len(reports) <= keep_first + keep_last:
@@ -694,8 +648,6 @@ def remove_old_dumps(dump_dir: str, keep_first: int, keep_last: int) -> List[Dic
 def read_dump(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray], Dict[str, np.ndarray]]:
     """``(report, batch, weights)`` of a `write_dump` from its JSON report (or ``.npz``): the
     batch and the weights the step read (empty if too big to keep) as tensor name -> array."""
-    import tensorflow as tf  # Local, as everywhere here; the files go through tf.io.gfile.
-
     if path.endswith(".npz"):
         path = path[: -len(".npz")] + ".json"
     with tf.io.gfile.GFile(path, "r") as f:
@@ -731,10 +683,9 @@ _MAX_LOSS_TERMS = 10_000
 def per_example_values(
     split: Sequence[Any], whole: Sequence[float], batch_size: int
 ) -> Optional[np.ndarray]:
-    """Each example's loss (float64): its elements' contributions to the total loss in the
-    `split` terms, summed and times `batch_size` (so that their mean is the batch's part of the
-    loss). A term not batch-major joins `whole` (the contributions of the terms that cannot be
-    split); None when no term is split, or one in `whole` carries more than the split ones."""
+    """Each example's loss (float64): its elements' contributions in the `split` terms, summed
+    and times `batch_size` (their mean is the batch's part of the loss); a term not batch-major
+    joins `whole`. None when none is split, or one in `whole` carries more than the split ones."""
     rows, whole = [], [float(w) for w in whole]
     for contribution in split:
         c = np.asarray(contribution, dtype=np.float64)
@@ -751,8 +702,7 @@ def per_example_values(
 
 
 def rank_examples(per_example: Any, k: int = TOP_EXAMPLES) -> List[Tuple[int, float]]:
-    """The `k` ``(index, loss)`` pairs of highest loss, highest first (on a tie the lower
-    index first); an example whose loss is NaN is left out."""
+    """The `k` ``(index, loss)`` pairs of highest loss (not NaN), highest first, ties by index."""
     a = np.asarray(per_example, dtype=np.float64).reshape(-1)
     order = [i for i in np.argsort(-a, kind="stable") if not np.isnan(a[i])]
     return [(int(i), float(a[i])) for i in order[:k]]
@@ -775,12 +725,7 @@ def standing_out(
     median: Optional[float],
     ratio: float = STAND_OUT_RATIO,
 ) -> int:
-    """How many of the top examples (`rank_examples`' pairs) stand out: carried the spike.
-
-    The figures the sentence prints (the losses, then the median) are a chain cut at its largest
-    ratio from one to the next: the examples above stand out if it is `ratio` or more (none if
-    no loss is above 0). Losses of 0 or less count one step of `ratio` below the lowest positive
-    one; infinite losses stand out of finite ones."""
+    """How many of the `rank_examples` pairs carried the spike (docs/guide.md's rule)."""
     if median is None or not top_examples:
         return 0
     chain = np.array([shown_loss(loss) for _, loss in top_examples] + [shown_loss(median)])
@@ -805,10 +750,8 @@ def explain_spike(
     *,
     over: Sequence[str] = (),
 ) -> str:
-    """A spike's autopsy in one sentence, such as ``examples 3, 17 of 32 carried the spike
-    (per-example loss 812.3, 95.1; next highest: examples 5, 1 at 0.5, 0.4; batch median 0.041)``:
-    the examples `standing_out` picks (if those are all shown, of a larger batch, perhaps others
-    too), hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
+    """A spike's autopsy in one sentence (docs/guide.md quotes one): the examples
+    `standing_out` picks, hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
     if per_example_loss is None or not top_examples:
@@ -926,21 +869,15 @@ class _Term:
 
 @dataclasses.dataclass(frozen=True)
 class PerExampleLoss:
-    """The per-example losses behind a total loss (`find_per_example_loss`): the ``terms``
-    whose leading dimension is the batch's (summed per example), and the ``others`` that depend
-    on the batch but cannot be split per example."""
+    """`find_per_example_loss`'s batch-major ``terms``, and ``others`` that cannot be split."""
 
     terms: Tuple[_Term, ...]
     others: Tuple[_Term, ...] = ()
 
 
 def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
-    """The per-example losses behind a total loss, found by walking back from it through linear
-    ops (what ``tf.compat.v1.losses``, tf-slim's and Keras' losses build: ``AddN``, ``Add``,
-    ``Sub``, ``Mean``, ``Sum``, scalar ``Mul``, ``RealDiv``, ``DivNoNan``) to the first float
-    tensors whose leading dimension is the batch's, so each example's part is exact. A term that
-    reads no batch (a regularization loss) is left out; None when no term is per example, or
-    there are over `_MAX_LOSS_TERMS` terms."""
+    """The per-example losses behind a total loss: back through linear ops (docs/guide.md) to
+    the first batch-major float tensors; None if no term is, or over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)
@@ -953,8 +890,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
         term = stack.pop()
         if not depends.get(term.tensor.op, False):
             continue  # A regularization loss, a constant: not the batch's.
-        below = _terms_below(term, depends, batch_dim)
-        if below is not None:
+        if (below := _terms_below(term, depends, batch_dim)) is not None:
             stack.extend(reversed(below))
         elif _is_float(term.tensor) and _batch_major(term.tensor, batch_dim):
             terms.append(term)
@@ -966,8 +902,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:
-    """Whether `tensor`'s leading dimension may be the batch's (the replay checks its value);
-    not when it is known statically while the batch's is not."""
+    """Whether `tensor`'s leading dimension may be the batch's: unknown, or `batch_dim`."""
     return bool(tensor.shape.rank) and tensor.shape.as_list()[0] in (None, batch_dim)
 
 

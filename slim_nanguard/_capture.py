@@ -18,10 +18,9 @@ _UNKEPT_DTYPES = (tf.resource, tf.variant)
 
 @dataclasses.dataclass(frozen=True)
 class Capture:
-    """The batch `tensors` (in a stable order, fed back in the same order at replay), one
-    resource `variables` per tensor, in no collection (never saved nor initialised), their
-    `stores` on the bad branch of the test, and `done`: live on every step, on a bad step only
-    after the stores ran (what check_numerics mode's check waits on), or None."""
+    """The batch `tensors` (fed back in this order at replay), a resource `variables` each (in
+    no collection: never saved nor initialised), their `stores` on the bad branch, and `done`:
+    live on every step, on a bad step only after the stores ran (check_numerics mode), or None."""
 
     tensors: Tuple[tf.Tensor, ...] = ()
     variables: Tuple[tf.Variable, ...] = ()
@@ -61,10 +60,9 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
 
 @contextlib.contextmanager
 def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
-    """Where the guard makes a variable of its own: outside any control flow and function body,
-    colocated with `near`, so that it stays on the worker that computes it (a
-    `replica_device_setter` would put it on a parameter server, shared by every worker), or in
-    a function body (which cannot be colocated with from outside) on the device in force."""
+    """Where the guard makes a variable of its own: outside control flow and function bodies,
+    colocated with `near` on its worker (a `replica_device_setter` would share it on a parameter
+    server), or in a function body (not colocatable from outside) on the device in force."""
     in_function = getattr(graph, "building_function", False)
     with outside_control_flow(graph), tf.init_scope():
         if in_function:
@@ -80,11 +78,10 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
     tensors = batch_tensors(loss) if enabled else []
     if not tensors:
         return Capture()
-    graph = loss.graph
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
-            with guard_variable_scope(graph, tensor):
+            with guard_variable_scope(loss.graph, tensor):
                 variable = tf.compat.v1.Variable(
                     tf.constant([], dtype=tensor.dtype.base_dtype),
                     trainable=False,
@@ -110,6 +107,4 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
 
 def read_kept_batch(session: tf.compat.v1.Session, capture: Capture) -> List:
     """The values the last bad step kept, in the order of ``capture.tensors``."""
-    if not capture.variables:
-        return []
-    return list(session.run(list(capture.variables)))
+    return session.run(list(capture.variables))

@@ -1,8 +1,5 @@
-"""Error types of slim_nanguard.
-
-Every error the library raises on purpose derives from `NanGuardError`; `NanLossError` also
-derives from TensorFlow's `NanLossDuringTrainingError` (what `NanTensorHook` raises).
-"""
+"""Error types of slim_nanguard: every error it raises on purpose derives from `NanGuardError`;
+`NanLossError` also from `NanLossDuringTrainingError` (what TensorFlow's `NanTensorHook` raises)."""
 
 from __future__ import annotations
 
@@ -77,14 +74,10 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
     def __str__(self) -> str:
         reason = getattr(self.event, "reason", None)
         what = reason.what[:1].upper() + reason.what[1:] if reason else "NaN or Inf"
-        parts = [f"{what} during training"]
-        if self.event is not None:
-            parts.append(self.event.describe())
-        if self.reason:
-            parts.append(self.reason)
-        if self.event is not None and getattr(self.event, "autopsy", None) is not None:
-            parts.append(self.event.autopsy.describe())
-        return ": ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if len(parts) > 1 else ".")
+        autopsy = getattr(self.event, "autopsy", None)
+        parts = [self.event and self.event.describe(), self.reason, autopsy and autopsy.describe()]
+        details = "; ".join(filter(None, parts))
+        return f"{what} during training" + (f": {details}" if details else ".")
 
 
 class NonFiniteCheckpointError(NanGuardError):
@@ -126,7 +119,7 @@ class UnreadableCheckpointError(NanGuardError):
     def damage(self) -> str:
         """The message without its advice: which checkpoint, which file, what is wrong."""
         directory = self.checkpoint.replace("\\", "/").rsplit("/", 1)[0] + "/"
-        file = self.file[len(directory) :] if self.file.startswith(directory) else self.file
+        file = self.file.removeprefix(directory)
         cause = self.cause.replace(directory, "")
         return f"checkpoint {self.checkpoint} cannot be read: {file} {self.problem} ({cause})"
 
@@ -150,9 +143,8 @@ def op_error_cause(error: BaseException) -> str:
 
 def caught_numerics_error(error: BaseException) -> BaseException:
     """`error` (what ``session.run(train_op)`` raised) as it reads once a loop applied the
-    policy, for a `NanLossError` to chain to: the guard's `InvalidArgumentError` is copied (same
-    op, node and traceback, so `is_numerics_error` still recognises it) with a message that
-    says the policy was applied; any other error is returned itself."""
+    policy: the guard's `InvalidArgumentError` copied (so `is_numerics_error` still recognises
+    it) with a message that says so, for a `NanLossError` to chain to; any other error itself."""
     message = getattr(error, "message", None)
     if not isinstance(error, tf.errors.InvalidArgumentError) or REJECTED not in (message or ""):
         return error

@@ -1,8 +1,6 @@
-"""The losses of the good steps before a bad step, kept for its record (``losses_before``).
-
-A good step gives its loss, not its step: `LossHistory.anchor` numbers the points back from
-the global step of the next bad step, one per good step (in a cluster: this worker's count).
-"""
+"""The losses of the good steps before a bad step, kept for its record (``losses_before``):
+a good step gives its loss, not its step; `LossHistory.anchor` numbers them back from the next
+bad step's global step, one per good step (in a cluster: this worker's count)."""
 
 from __future__ import annotations
 
@@ -16,24 +14,22 @@ class LossHistory:
     """A ring buffer of ``[step, loss]`` for the last `size` good steps (0 keeps none)."""
 
     def __init__(self, size: int):
-        self._points: Deque[List] = collections.deque(maxlen=size)
-        self._unnumbered = 0  # the newest points, whose step is not known yet
+        self._points: Deque[List] = collections.deque(maxlen=size)  # step None: not numbered yet
 
     def add(self, loss: float) -> None:
         """Notes the loss of a good step (its step is numbered by the next `anchor`)."""
         if self._points.maxlen and math.isfinite(loss):
             self._points.append([None, float(loss)])
-            self._unnumbered = min(self._unnumbered + 1, len(self._points))
 
     def anchor(self, step: int) -> List[Tuple[int, float]]:
-        """Numbers the unnumbered points back from global `step` (a bad or overflow step's);
-        returns every numbered point, oldest first. With `step` < 0 (no global step), none.
-        """
+        """Numbers the unnumbered (newest) points back from global `step` (a bad or overflow
+        step's); returns every numbered point, oldest first (none if `step` < 0: no global step)."""
         if step < 0:
             return []
-        for back in range(1, self._unnumbered + 1):
-            self._points[-back][0] = step - back
-        self._unnumbered = 0
+        for back, point in enumerate(reversed(self._points), start=1):
+            if point[0] is not None:
+                break
+            point[0] = step - back
         return self.points()
 
     def points(self) -> List[Tuple[int, float]]:
@@ -43,7 +39,6 @@ class LossHistory:
     def clear(self) -> None:
         """Forgets every point: after a rollback the steps start again from a checkpoint's."""
         self._points.clear()
-        self._unnumbered = 0
 
 
 # A loss this many times the typical loss of the steps before is part of a climb.

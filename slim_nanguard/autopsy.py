@@ -1,8 +1,7 @@
 """Reading a run's autopsies after the fact: what ``slim-nanguard-autopsy TRAIN_DIR`` does.
 
 `find_bad_step` picks a bad step's record, `format_report` renders it, `replay_dump` replays
-the step from its dump on any machine. The command's plot of the run is the launcher's
-(`slim_nanguard.app.plot`).
+the step from its dump on any machine (the command's plot is `slim_nanguard.app.plot`'s).
 """
 
 from __future__ import annotations
@@ -10,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Optional
 
+import tensorflow as tf
+
 from slim_nanguard import _autopsy
+from slim_nanguard import _checkpoints
 from slim_nanguard import _paths
 from slim_nanguard import _record
 from slim_nanguard import _verdict
@@ -25,8 +27,6 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
     Raises:
       ValueError: No bad step recorded, or none at `step` (the message lists those there are).
     """
-    import tensorflow as tf
-
     events = _record.read_events(train_dir)
     records = [r for r in events if r.get("kind") == "bad_step"]
     path = _paths.join(train_dir, _record.EVENTS_FILENAME)
@@ -76,8 +76,7 @@ def format_report(record: Mapping[str, Any]) -> str:
         )
     elif result.dump:
         lines.append(f"  dump        {result.dump}")
-    cost = result.cost
-    if cost:
+    if cost := result.cost:
         lines.append(
             f"  cost        {cost.get('seconds', 0):.3g} s, {cost.get('runs', '?')} "
             f"run{'' if cost.get('runs') == 1 else 's'}, at most {cost.get('peak_bytes', 0)} "
@@ -110,8 +109,7 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
             lines.append(f"  {'built at' if number == 0 else '':<12}{frame}")
         lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
         lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
-    examples = result.bad_examples
-    if examples:
+    if examples := result.bad_examples:
         more = f" and {len(examples) - 20} more" if len(examples) > 20 else ""
         shown = ", ".join(map(str, examples[:20])) + more
         if len(examples) == result.batch_size:
@@ -152,10 +150,6 @@ def replay_dump(
       ValueError: No meta graph (``*.meta``) in `train_dir`, or no such dump.
       UnreadableCheckpointError: A file of the latest checkpoint is missing, cut short or garbled.
     """
-    import tensorflow as tf  # Local: the report alone needs no TensorFlow.
-
-    from slim_nanguard import _checkpoints
-
     if not tf.io.gfile.exists(dump_path):
         raise ValueError(
             f"the dump {dump_path} does not exist (was the run's directory "
@@ -182,10 +176,9 @@ def replay_dump(
         try:
             if checkpoint and saver is not None:
                 saver.restore(sess, checkpoint)
-            feeds = {graph.get_tensor_by_name(name): v for name, v in {**batch, **weights}.items()}
             result = _autopsy.replay(
                 sess,
-                feeds,
+                {**batch, **weights},
                 report["targets"],
                 timeout_secs=timeout_secs,
                 step=step,
@@ -194,20 +187,14 @@ def replay_dump(
             )
         except (KeyError, ValueError, tf.errors.OpError) as err:
             return _autopsy.Autopsy(step=step, cause=cause, error=_autopsy.error_line(err))
-    return _with_what_the_dump_says(result, report, bool(weights), checkpoint)
-
-
-def _with_what_the_dump_says(
-    result: _autopsy.Autopsy, report: Mapping[str, Any], has_weights: bool, checkpoint
-) -> _autopsy.Autopsy:
-    """`result` with what `report` knows: ``spike_over``, the first bad op's traceback (an
-    imported graph has none), and a note when the replay read the `checkpoint`'s weights."""
+    # What the dump knows: what the spike was caught on, the first bad op's traceback (an
+    # imported graph has none), and whether the replay read the checkpoint's weights.
     result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
     op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
         op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
         result = dataclasses.replace(result, first_bad_op=op)
-    if not has_weights:
+    if not weights:
         note = (
             f"the dump holds no weights (too big to keep): replayed with {checkpoint}, "
             "which may predate the bad step"
