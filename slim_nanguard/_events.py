@@ -95,9 +95,7 @@ class NanEvent:
         if self.reason is not None and self.figures is not None:
             return f"{head}, {self.reason.phrase(self.figures)}, {count}"
         if self.culprits:
-            shown = ", ".join(self.culprits[:5])
-            more = f" and {len(self.culprits) - 5} more" if len(self.culprits) > 5 else ""
-            culprits = f"non-finite gradients of {shown}{more}{self._holding()}"
+            culprits = f"non-finite gradients of {_verdict.listed(self.culprits)}{self._holding()}"
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -28,10 +28,6 @@ _SCALARS = {
     "stops": "stops",
     "loss_scale_overflows": "loss_scale_overflows",  # only in runs that have them
 }
-
-
-class _HasState(Protocol):
-    state: _policy.GuardState
 
 
 class EventRecorder:
@@ -55,10 +51,10 @@ class EventRecorder:
         self._logdir = logdir
         self._writer = summary_writer
         self._write_summaries = write_summaries
-        # Each guard followed, with its state when this recorder began to follow it.
-        self._followed: Dict[_HasState, _policy.GuardState] = {}
+        # Each guard (a `Guard`) followed, with its state when this recorder began to follow it.
+        self._followed: Dict[Any, _policy.GuardState] = {}
 
-    def follow(self, guard: _HasState) -> None:
+    def follow(self, guard) -> None:
         """Counts `guard`'s bad steps, skips, rollbacks and stops from now on."""
         self._followed.setdefault(guard, guard.state)
 
@@ -97,9 +93,7 @@ class EventRecorder:
         """Writes the counters (and the loss, when given) as scalars at `step`."""
         if not self._write_summaries:
             return
-        writer = self._writer
-        if writer is None:
-            writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
         values = [
             tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
             for name, count in sorted(self.counts.items())
