@@ -58,13 +58,6 @@ class EventRecorder:
         """Counts `guard`'s bad steps, skips, rollbacks and stops from now on."""
         self._followed.setdefault(guard, guard.state)
 
-    @property
-    def counts(self) -> Dict[str, int]:
-        """The counters since this recorder began to follow its guards, by scalar name."""
-        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
-        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
-        return {name: n for name, n in counts.items() if n or name != "loss_scale_overflows"}
-
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)
         record.setdefault("time", time.time())
@@ -90,13 +83,17 @@ class EventRecorder:
             os.fsync(f.fileno())
 
     def write_scalars(self, step: int, loss: Optional[float] = None) -> None:
-        """Writes the counters (and the loss, when given) as scalars at `step`."""
+        """Writes the counters since this recorder began to follow its guards (and the loss,
+        when given) as scalars at `step`."""
         if not self._write_summaries:
             return
         writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
+        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
         values = [
             tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
-            for name, count in sorted(self.counts.items())
+            for name, count in sorted(counts.items())
+            if count or name != "loss_scale_overflows"
         ]
         if loss is not None:
             values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))

@@ -68,8 +68,9 @@ def create_train_op(
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
 
     The first twelve arguments and the return value are tf-slim 1.1.0's (the train op is added
-    to the ``TRAIN_OP`` collection); ``transform_grads_fn`` is
-    `tf_slim.training.create_train_op`'s, run after the multipliers and the clipping.
+    to the ``TRAIN_OP`` collection; ``summarize_gradients``' histograms show the finite values
+    only); ``transform_grads_fn`` is `tf_slim.training.create_train_op`'s, run after the
+    multipliers and the clipping. The other keyword arguments are the `GuardConfig` fields.
 
     A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
     variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
@@ -89,21 +90,10 @@ def create_train_op(
       ``tf.control_dependencies([train_op])`` are gated too, when the hook begins.
 
     Args:
-      total_loss, optimizer, global_step, update_ops, variables_to_train, clip_gradient_norm,
-        gate_gradients, aggregation_method, colocate_gradients_with_ops, gradient_multipliers:
-        As in tf-slim; ``summarize_gradients`` histograms show the finite values only.
       check_numerics: True for check_numerics mode, False for hook mode.
-      transform_grads_fn: Optional function from and to a list of (gradient, variable).
       nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
         (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
-      max_consecutive_bad_steps: Bad steps in a row (under ``skip`` or ``rollback``) that
-        escalate to ``persistent_nan_policy``: ``"raise"``, ``"stop"`` or ``"rollback"``.
-      on_nan, rollback_skip_batches, rollback_lr_factor, max_rollbacks, spike_sigma,
-        spike_warmup_steps, spike_level_shift_steps: The `GuardConfig` fields.
-      spike_policy: The policy for a spike step (finite values, but the loss or the global norm
-        of the gradients applied more than ``spike_sigma`` deviations above those of the last
-        128 accepted steps), or None: no spike test, and the same graph as without it.
-      reasons: More `Reason`s to reject a step, judged after non-finite values and spikes.
+      spike_policy: As `GuardConfig`'s; None: no spike test, and the same graph as without it.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
@@ -111,9 +101,9 @@ def create_train_op(
 
     Raises:
       ValueError: An argument tf-slim's train op cannot use (a loss that is not a scalar
-        floating-point tensor, an optimizer that is not a `tf.compat.v1.train.Optimizer`, no
-        variable to train), a policy argument out of range, a ``config`` that is not a
-        `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
+        floating-point tensor, no `tf.compat.v1.train.Optimizer`, no variable to train), a
+        policy argument out of range, a ``config`` that is not a `GuardConfig`, or a spike
+        policy or reasons for a train op built in a loop body.
     """
     # First, while the locals are the arguments.
     policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
