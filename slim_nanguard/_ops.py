@@ -20,7 +20,6 @@ PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithD
 # Ops whose outputs are the batch: what a replay feeds and cannot run past.
 BATCH_OP_TYPES = PLACEHOLDER_TYPES | INPUT_OP_TYPES
 
-# Prefixes of the op types that write to a variable.
 _WRITE_OP_PREFIXES = tuple(
     "Assign Apply ResourceApply SparseApply ResourceSparseApply Scatter ResourceScatter "
     "StridedSliceAssign ResourceStridedSliceAssign".split()

@@ -33,23 +33,16 @@ _SCALARS = {
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
     event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
-    guards it follows as TensorBoard scalars to `summary_writer` (default: the
-    `FileWriterCache` writer of `logdir`). `task` is the task id in a cluster (None: none):
-    each record gets a ``task`` field, and task N > 0 writes ``nanguard_events.taskN.jsonl``.
+    guards it follows as TensorBoard scalars (`FileWriterCache`'s writer of `logdir`). `task` is
+    the task id in a cluster (None: none): each record gets a ``task`` field, and task N > 0
+    writes ``nanguard_events.taskN.jsonl``.
     """
 
-    def __init__(
-        self,
-        logdir: str,
-        summary_writer: Optional[tf.compat.v1.summary.FileWriter] = None,
-        write_summaries: bool = True,
-        task: Optional[int] = None,
-    ):
+    def __init__(self, logdir: str, write_summaries: bool = True, task: Optional[int] = None):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
         self.task = task
         self._logdir = logdir
-        self._writer = summary_writer
         self._write_summaries = write_summaries
         # Each guard (a `Guard`) followed, with its state when this recorder began to follow it.
         self._followed: Dict[Any, _policy.GuardState] = {}
@@ -87,7 +80,7 @@ class EventRecorder:
         when given) as scalars at `step`."""
         if not self._write_summaries:
             return
-        writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
         deltas = [guard.state.since(start) for guard, start in self._followed.items()]
         counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
         values = [

@@ -50,10 +50,10 @@ def listed(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def describe(bad: Sequence[Tuple[str, str]], limit: int = 5) -> str:
-    """``(name, kind)`` pairs as ``"NaN in a, b; Inf in c"``, at most `limit` names a kind."""
+def describe(bad: Sequence[Tuple[str, str]]) -> str:
+    """``(name, kind)`` pairs as ``"NaN in a, b; Inf in c"``, at most 5 names a kind."""
     kinds = [(kind, [name for name, k in bad if k == kind]) for kind in (NAN, INF, NAN_AND_INF)]
-    return "; ".join(f"{kind_word(k)} in {listed(names, limit)}" for k, names in kinds if names)
+    return "; ".join(f"{kind_word(k)} in {listed(names)}" for k, names in kinds if names)
 
 
 def accumulation_dtype(tensors: Sequence) -> tf.DType:

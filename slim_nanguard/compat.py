@@ -74,7 +74,7 @@ class _Restore:
         return not all(hasattr(module, name) for name in self.names)
 
     def load(self) -> Optional[Dict[str, Any]]:
-        """Returns ``{name: replacement}``, or None if no replacement exists."""
+        """Returns ``{name: replacement}``, or None if no replacement exists (a subclass's)."""
         return {
             name: functools.reduce(getattr, path.split("."), tf)
             for name, path in zip(self.names, self.paths or self.names)
