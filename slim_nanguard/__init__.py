@@ -5,10 +5,8 @@ step whose loss or any gradient is NaN or Inf then changes no variable, and the 
 chose (raise, stop, skip, rollback) decides what happens next.
 
 `__all__` is the public API (docs/api.md says what each name is for), with four public
-modules: `autopsy` (reading a bad step's autopsy after the fact), `cluster` (the guard on a
-ps/worker cluster), `compat` (tf-slim 1.1.0 on current TensorFlow, and tf-slim's gradient
-helpers) and `storage` (a run's paths and checkpoints, local or remote). Modules whose names
-begin with an underscore are private.
+modules, each described by its docstring: `autopsy`, `cluster`, `compat` and `storage`.
+Modules whose names begin with an underscore are private.
 """
 
 from slim_nanguard import autopsy

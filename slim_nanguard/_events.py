@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
@@ -19,13 +18,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._autopsy import Autopsy
     from slim_nanguard._reasons import Reason
 
-# How the loss of a bad step looked.
 LOSS_NAN = "nan"
 LOSS_INF = "inf"
 LOSS_FINITE = "finite"
 
-# The action of an overflow step of a dynamic loss-scale optimizer: not a bad step, the
-# optimizer skipped the update and lowered its scale.
+# Not a bad step: the loss-scale optimizer skipped the update and lowered its scale.
 LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 
@@ -50,8 +47,7 @@ class NanEvent:
       time: Wall-clock time (seconds since the epoch) the step was seen.
       loss_scale: The dynamic loss scale the step used, or None.
       autopsy: The step's replay (an `Autopsy`), or None (off, or past ``autopsy_max_steps``).
-      culprit_kinds: Per culprit, ``"nan"``, ``"inf"`` or ``"nan_and_inf"``; empty when
-        unknown.
+      culprit_kinds: Per culprit, ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` (empty: unknown).
       cause: ``"non_finite"``, or the name of the `Reason` that rejected an all-finite step.
       figures: What that reason stored of the step (`Reason.figures`), or None.
       reason: The `Reason` that rejected the step, or None.
@@ -95,9 +91,7 @@ class NanEvent:
         if self.reason is not None and self.figures is not None:
             return f"{head}, {self.reason.phrase(self.figures)}, {count}"
         if self.culprits:
-            shown = ", ".join(self.culprits[:5])
-            more = f" and {len(self.culprits) - 5} more" if len(self.culprits) > 5 else ""
-            culprits = f"non-finite gradients of {shown}{more}{self._holding()}"
+            culprits = f"non-finite gradients of {_verdict.listed(self.culprits)}{self._holding()}"
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
@@ -141,15 +135,11 @@ def _json_float(value: float) -> Any:
     return value if math.isfinite(value) else str(value)
 
 
-# `NanTensorHook`'s sentence, which logs are grepped for. Every bad step's line opens with
-# "Model diverged" (`diverged`); "loss = NaN" only when the loss was NaN.
-DIVERGED = "Model diverged with loss = NaN."
-
-
 def diverged(event: NanEvent) -> str:
-    """The opening sentence of `event`'s log line (`DIVERGED` only for a NaN loss)."""
+    """The opening sentence of `event`'s log line; for a NaN loss, `NanTensorHook`'s (which
+    logs are grepped for)."""
     if event.loss_kind == LOSS_NAN:
-        return DIVERGED
+        return "Model diverged with loss = NaN."
     if event.loss_kind == LOSS_INF:
         return f"Model diverged with loss = {'-' if event.loss < 0 else ''}Inf."
     if event.reason is not None:
@@ -157,26 +147,22 @@ def diverged(event: NanEvent) -> str:
     return "Model diverged with non-finite gradients; the loss is finite."
 
 
-def log_event(event: NanEvent, level: Optional[int] = None) -> None:
+def log_event(event: NanEvent) -> None:
     """Logs `event` on TensorFlow's logger, as `NanTensorHook` does: a bad step's line opens
     with `diverged` and goes through ``tf_logging.error`` when the action is ``raise``,
     ``tf_logging.warning`` otherwise; a loss-scale overflow is logged at info, without that
-    sentence. An autopsy adds one line at the same level. A Python logging `level` overrides.
+    sentence. An autopsy adds one line at the same level.
     """
     if event.action == LOSS_SCALE_OVERFLOW:
         tf_logging.log(
-            tf_logging.INFO if level is None else level,
+            tf_logging.INFO,
             "slim_nanguard: loss-scale overflow (%s mode): %s",
             event.mode,
             event.describe(),
         )
         return
     gives_up = event.action == "raise"
-    if level is not None:
-        log = functools.partial(tf_logging.log, level)
-    else:
-        log = tf_logging.error if gives_up else tf_logging.warning
-        level = tf_logging.ERROR if gives_up else tf_logging.WARN
+    log = tf_logging.error if gives_up else tf_logging.warning
     log(
         "%s slim_nanguard: bad step (%s mode), action %s: %s",
         diverged(event),
@@ -187,7 +173,7 @@ def log_event(event: NanEvent, level: Optional[int] = None) -> None:
     if event.autopsy is not None:  # One error or warning call per bad step, as NanTensorHook.
         dump = f" (dump: {event.autopsy.dump})" if event.autopsy.dump else ""
         tf_logging.log(
-            level,
+            tf_logging.ERROR if gives_up else tf_logging.WARN,
             "slim_nanguard: autopsy of global step %d: %s%s",
             event.step,
             event.autopsy.describe(),

@@ -20,7 +20,6 @@ PLACEHOLDER_TYPES = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithD
 # Ops whose outputs are the batch: what a replay feeds and cannot run past.
 BATCH_OP_TYPES = PLACEHOLDER_TYPES | INPUT_OP_TYPES
 
-# Prefixes of the op types that write to a variable.
 _WRITE_OP_PREFIXES = tuple(
     "Assign Apply ResourceApply SparseApply ResourceSparseApply Scatter ResourceScatter "
     "StridedSliceAssign ResourceStridedSliceAssign".split()
@@ -87,9 +86,7 @@ def source(tensor: tf.Tensor) -> tf.Tensor:
 
 def as_op(item) -> Optional[tf.Operation]:
     """The op of `item` (an op, a tensor, a variable), or None for anything else."""
-    if isinstance(item, tf.Operation):
-        return item
-    op = getattr(item, "op", None)
+    op = item if isinstance(item, tf.Operation) else getattr(item, "op", None)
     return op if isinstance(op, tf.Operation) else None
 
 
@@ -127,34 +124,31 @@ class RunsOp:
     def __call__(self, fetches) -> bool:
         if self._every_run:
             return True
-        roots = []
-        for item in _flatten_fetches(fetches):
-            if isinstance(item, str):
-                try:
-                    item = self._graph.as_graph_element(item)
-                except (KeyError, TypeError, ValueError):
-                    continue  # Not in the graph: session.run raises its own error.
-            op = as_op(item)
-            if op is not None:
-                roots.append(op)
+        roots = [op for op in map(self._as_op, _flatten_fetches(fetches)) if op is not None]
         key = tuple(op.name for op in roots)
         if key not in self._answers:
             self._answers[key] = any(op in self._targets for op in walk(roots))
         return self._answers[key]
 
+    def _as_op(self, item) -> Optional[tf.Operation]:
+        if isinstance(item, str):
+            try:
+                item = self._graph.as_graph_element(item)
+            except (KeyError, TypeError, ValueError):
+                return None  # Not in the graph: session.run raises its own error.
+        return as_op(item)
+
 
 def _flatten_fetches(fetches) -> Iterator:
     """The leaves of a ``session.run`` fetch structure, as `Session` reads it."""
     if isinstance(fetches, dict):
-        values = fetches.values()
-    elif isinstance(fetches, (list, tuple)):
-        values = fetches
-    elif hasattr(type(fetches), "__attrs_attrs__"):
-        values = [getattr(fetches, a.name) for a in type(fetches).__attrs_attrs__]
-    else:
-        yield fetches
-        return
-    for value in values:
+        fetches = fetches.values()
+    elif not isinstance(fetches, (list, tuple)):
+        if not hasattr(type(fetches), "__attrs_attrs__"):
+            yield fetches
+            return
+        fetches = [getattr(fetches, a.name) for a in type(fetches).__attrs_attrs__]
+    for value in fetches:
         yield from _flatten_fetches(value)
 
 

@@ -36,18 +36,15 @@ class Test:
     """One reason's test in a train op's graph.
 
     Attributes:
-      reject: Scalar bool, True to reject the step; it may read the reason's state (it runs
-        before any write of the step).
-      report: Builds the float64 vector of `Reason.report_fields` a rejected step stores;
-        called once, on the bad branch.
-      judged: Builds the float64 vector of `Reason.judged_fields` an accepted step stores for
-        the summaries; called once, behind the gate. None: no summaries.
-      writes: Builds an accepted step's writes into the reason's state; called once, behind
-        the gate.
+      reject: Scalar bool, True to reject the step; built before any write, it may read state.
+      report: Builds the float64 `Reason.report_fields` a rejected step stores (once, on the
+        bad branch).
+      judged: Builds the float64 `Reason.judged_fields` an accepted step stores for the
+        summaries (once, behind the gate), or None: no summaries.
+      writes: Builds an accepted step's writes into the reason's state (once, behind the gate).
       variables: The reason's checkpointed state (a rollback restores it with the weights).
-      handles: What the reason's own policy steps need of the graph, or None. If it has
-        ``annotate(figures, step) -> figures``, `Guard.read_step_report` passes it the figures
-        of each step the reason rejected, for what the graph does not hold.
+      handles: What the reason's own policy steps need of the graph, or None. Its
+        ``annotate(figures, step) -> figures``, if any, completes each rejected step's figures.
     """
 
     reject: tf.Tensor
@@ -62,10 +59,8 @@ class Reason(abc.ABC):
     """A reason to reject a step. Subclasses are frozen dataclasses with a ``policy`` field.
 
     Class attributes:
-      name: The cause it gives a rejected step (the record's ``cause``, the log line, the
-        summaries ``nanguard/<field>``).
-      what: What a rejected step had, for a sentence (``"a spike in the loss or the gradient
-        norm"``).
+      name: The cause it gives a rejected step (the record's ``cause``, the log line).
+      what: What a rejected step had, for a sentence (``"a loss above its cap"``).
       finite: True when the values it rejects are finite (the autopsy then looks for the
         examples that carried them, not for an op that made a NaN).
       report_fields: The floats a rejected step stores (`Test.report`).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -30,44 +30,26 @@ _SCALARS = {
 }
 
 
-class _HasState(Protocol):
-    state: _policy.GuardState
-
-
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
     event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
-    guards it follows as TensorBoard scalars to `summary_writer` (default: the
-    `FileWriterCache` writer of `logdir`). `task` is the task id in a cluster (None: none):
-    each record gets a ``task`` field, and task N > 0 writes ``nanguard_events.taskN.jsonl``.
+    guards it follows as TensorBoard scalars (`FileWriterCache`'s writer of `logdir`). `task` is
+    the task id in a cluster (None: none): each record gets a ``task`` field, and task N > 0
+    writes ``nanguard_events.taskN.jsonl``.
     """
 
-    def __init__(
-        self,
-        logdir: str,
-        summary_writer: Optional[tf.compat.v1.summary.FileWriter] = None,
-        write_summaries: bool = True,
-        task: Optional[int] = None,
-    ):
+    def __init__(self, logdir: str, write_summaries: bool = True, task: Optional[int] = None):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
         self.task = task
         self._logdir = logdir
-        self._writer = summary_writer
         self._write_summaries = write_summaries
-        # Each guard followed, with its state when this recorder began to follow it.
-        self._followed: Dict[_HasState, _policy.GuardState] = {}
+        # Each guard (a `Guard`) followed, with its state when this recorder began to follow it.
+        self._followed: Dict[Any, _policy.GuardState] = {}
 
-    def follow(self, guard: _HasState) -> None:
+    def follow(self, guard) -> None:
         """Counts `guard`'s bad steps, skips, rollbacks and stops from now on."""
         self._followed.setdefault(guard, guard.state)
-
-    @property
-    def counts(self) -> Dict[str, int]:
-        """The counters since this recorder began to follow its guards, by scalar name."""
-        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
-        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
-        return {name: n for name, n in counts.items() if n or name != "loss_scale_overflows"}
 
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)
@@ -94,15 +76,17 @@ class EventRecorder:
             os.fsync(f.fileno())
 
     def write_scalars(self, step: int, loss: Optional[float] = None) -> None:
-        """Writes the counters (and the loss, when given) as scalars at `step`."""
+        """Writes the counters since this recorder began to follow its guards (and the loss,
+        when given) as scalars at `step`."""
         if not self._write_summaries:
             return
-        writer = self._writer
-        if writer is None:
-            writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
+        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
         values = [
             tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
-            for name, count in sorted(self.counts.items())
+            for name, count in sorted(counts.items())
+            if count or name != "loss_scale_overflows"
         ]
         if loss is not None:
             values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))

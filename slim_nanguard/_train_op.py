@@ -68,15 +68,18 @@ def create_train_op(
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
 
     The first twelve arguments and the return value are tf-slim 1.1.0's (the train op is added
-    to the ``TRAIN_OP`` collection); ``transform_grads_fn`` is
-    `tf_slim.training.create_train_op`'s, run after the multipliers and the clipping.
+    to the ``TRAIN_OP`` collection; ``summarize_gradients``' histograms show the finite values
+    only); ``transform_grads_fn`` is `tf_slim.training.create_train_op`'s, run after the
+    multipliers and the clipping. The other keyword arguments are the `GuardConfig` fields.
 
     A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
     variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
     ``update_ops`` assign keep their values, and forward-pass writes (``slim.batch_norm`` with
     ``updates_collections=None``) are put back. A step whose values are all finite computes
     what tf-slim's train op computes, even when its sums of squares overflow. Built inside a
-    `tf.while_loop`, each iteration is judged on its own.
+    `tf.while_loop`, each iteration is judged on its own. With a dynamic loss-scale optimizer,
+    a finite loss whose gradients overflowed above the minimum scale is no bad step (only the
+    scale's update runs).
 
     * ``check_numerics=True``: ``session.run(train_op)`` raises a
       `tf.errors.InvalidArgumentError` (`is_numerics_error`); `train`, `train_step` or
@@ -87,34 +90,10 @@ def create_train_op(
       ``tf.control_dependencies([train_op])`` are gated too, when the hook begins.
 
     Args:
-      total_loss: Scalar floating-point `Tensor`, the total loss.
-      optimizer: A `tf.compat.v1.train.Optimizer`, also a dynamic loss-scale one: a step whose
-        loss is finite but whose gradients overflowed above the minimum scale is then no bad
-        step (only the scale's update runs).
-      global_step: The global step variable (by default `get_or_create_global_step()`), or
-        None to not count steps.
-      update_ops: Ops to run with each good step; None means the ``UPDATE_OPS`` collection.
-      variables_to_train: Variables to train; None means all trainable variables.
-      clip_gradient_norm: If > 0, each gradient is clipped to this norm.
-      summarize_gradients: Whether to add a histogram (of the finite values) and a norm
-        summary of each gradient.
-      gate_gradients, aggregation_method, colocate_gradients_with_ops: As in
-        `Optimizer.compute_gradients`.
-      gradient_multipliers: Dict from `Variable` (or its op name) to a number or scalar
-        `Tensor` that multiplies its gradient.
       check_numerics: True for check_numerics mode, False for hook mode.
-      transform_grads_fn: Optional function from and to a list of (gradient, variable).
       nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
         (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
-      max_consecutive_bad_steps: Bad steps in a row (under ``skip`` or ``rollback``) that
-        escalate to ``persistent_nan_policy``: ``"raise"``, ``"stop"`` or ``"rollback"``.
-      persistent_nan_policy, on_nan, rollback_skip_batches, rollback_lr_factor, max_rollbacks,
-        spike_sigma, spike_warmup_steps, spike_level_shift_steps: The `GuardConfig` fields.
-      spike_policy: The policy for a spike step (finite values, but the loss or the global norm
-        of the gradients applied more than ``spike_sigma`` deviations above those of the last
-        128 accepted steps), or None: no spike test, and the same graph as without it.
-      reasons: More reasons to reject a step (`Reason` objects, each with its policy), judged
-        after non-finite values and the spike test.
+      spike_policy: As `GuardConfig`'s; None: no spike test, and the same graph as without it.
       config: A `GuardConfig`; overrides the twelve policy arguments above when given.
 
     Returns:
@@ -122,9 +101,9 @@ def create_train_op(
 
     Raises:
       ValueError: An argument tf-slim's train op cannot use (a loss that is not a scalar
-        floating-point tensor, an optimizer that is not a `tf.compat.v1.train.Optimizer`, no
-        variable to train), a policy argument out of range, a ``config`` that is not a
-        `GuardConfig`, or a spike policy or reasons for a train op built in a loop body.
+        floating-point tensor, no `tf.compat.v1.train.Optimizer`, no variable to train), a
+        policy argument out of range, a ``config`` that is not a `GuardConfig`, or a spike
+        policy or reasons for a train op built in a loop body.
     """
     # First, while the locals are the arguments.
     policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}

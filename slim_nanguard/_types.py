@@ -1,7 +1,6 @@
-"""The guard's closed vocabularies and the types its functions take.
+"""The guard's closed vocabularies (`str` enums) and the types its functions take.
 
-Each vocabulary is a `str` enum: a member equals, formats and serializes to JSON as its string
-(``Action.SKIP == "skip"``). This module imports nothing of the package.
+This module imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ import tensorflow as tf
 
 
 class _StrEnum(str, enum.Enum):
-    """A `str` enum whose `str`, `format` and `repr` are its value's (``'skip'``) on any Python."""
+    """A `str` enum: a member equals, formats, prints and serializes to JSON as its value
+    (``Action.SKIP == "skip"``, ``repr``: ``'skip'``) on any Python."""
 
     __str__ = str.__str__
     __repr__ = str.__repr__

@@ -44,27 +44,27 @@ def kind_code(tensor: tf.Tensor) -> tf.Tensor:
     return nan + 2 * inf
 
 
-def describe(bad: Sequence[Tuple[str, str]], limit: int = 5) -> str:
-    """``(name, kind)`` pairs as ``"NaN in a, b; Inf in c"``, at most `limit` names a kind."""
-    parts = []
-    for kind in (NAN, INF, NAN_AND_INF):
-        names = [name for name, k in bad if k == kind]
-        if names:
-            more = f" and {len(names) - limit} more" if len(names) > limit else ""
-            parts.append(f"{kind_word(kind)} in {', '.join(names[:limit])}{more}")
-    return "; ".join(parts)
+def listed(names: Sequence[str], limit: int = 5) -> str:
+    """``"a, b and 3 more"``: `names`, at most `limit` of them by name."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def describe(bad: Sequence[Tuple[str, str]]) -> str:
+    """``(name, kind)`` pairs as ``"NaN in a, b; Inf in c"``, at most 5 names a kind."""
+    kinds = [(kind, [name for name, k in bad if k == kind]) for kind in (NAN, INF, NAN_AND_INF)]
+    return "; ".join(f"{kind_word(k)} in {listed(names)}" for k, names in kinds if names)
 
 
 def accumulation_dtype(tensors: Sequence) -> tf.DType:
-    """float64 if one of `tensors` is, else float32 (half precision is widened: its sums
-    overflow long before its values do)."""
+    """float64 if one of `tensors` is, else float32 (half precision's sums overflow early)."""
     wide = any(_values(t).dtype.base_dtype == tf.float64 for t in tensors)
     return tf.float64 if wide else tf.float32
 
 
 def tensor_sums(tensors: Sequence, name: str = "sums") -> tf.Tensor:
     """One vector in `accumulation_dtype`: the sum of each of `tensors` (NaN or Inf when an
-    element is; `tf.IndexedSlices` by their values)."""
+    element is)."""
     dtype = accumulation_dtype(tensors)
     return tf.stack([tf.reduce_sum(_widened(_values(t), dtype)) for t in tensors], name=name)
 
@@ -83,9 +83,8 @@ _STACK_BYTES = 1 << 16
 
 
 def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
-    """Scalars in `dtype` adding up to half the sum of squares of `tensors`' elements: one
-    `tf.nn.l2_loss` per stack of same dtype and static shape (up to `_STACK_BYTES`), or per
-    other tensor."""
+    """Scalars in `dtype` adding up to half the sum of squares of `tensors`: one `l2_loss` per
+    stack of same dtype and static shape (up to `_STACK_BYTES`), or per other tensor."""
     by_shape: Dict[object, List[tf.Tensor]] = {}
     for i, t in enumerate(tensors):
         v = _values(t)
@@ -121,8 +120,7 @@ class Verdict:
         loss: Optional[tf.Tensor] = None,
         kinds_variable: Optional[tf.Variable] = None,
     ):
-        """Builds the test in the current graph and control-flow context; on a failed fast
-        test, `kinds_variable` (if given) is assigned `kinds` before `checked` has a value."""
+        """On a failed fast test, `kinds_variable` (if given) is assigned `kinds` first."""
         self.tensors = ([] if loss is None else [loss]) + list(gradients)
         self._gradients = list(gradients)
         dtype = accumulation_dtype(self.tensors)
@@ -155,9 +153,8 @@ class Verdict:
 
     @functools.cached_property
     def global_norm(self) -> tf.Tensor:
-        """Float64 scalar, the global gradient norm (`tf.IndexedSlices` by their values), built
-        on first use: the fast test's sums when it passes, else summed again in float64 on that
-        branch only (finite whenever every element is, but float64 beyond about 1e154)."""
+        """Float64 global gradient norm, built on first use: the fast test's sums when it passes,
+        else summed again in float64 on that branch only (finite up to about 1e154)."""
         with tf.name_scope(self._scope), tf.name_scope("global_norm"):
             _, cheap = control_flow_ops.switch(tf.math.add_n(list(self._halves)), self.fast)
             with self.when_failed():
@@ -193,7 +190,6 @@ def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **na
 
 def stored_loss_scale(stored: Sequence[float], variables: int) -> Optional[float]:
     """The loss scale that ends what a step stored (`_OverflowTest.sums_and_scale`), or None."""
-    stored = list(stored)
     return float(stored[-1]) if len(stored) == variables + 2 else None
 
 

@@ -3,15 +3,13 @@
 tf-slim 1.1.0 uses private ``tensorflow.python.*`` names that TensorFlow has since moved or
 deleted (``slim.batch_norm`` and the ``tf_slim.nets`` models, ``slim.local_variable``, the
 gradient helpers, ``optimize_loss``, metrics and ``tfexample_decoder`` then fail when called).
-`install` restores each name missing on the running TensorFlow (`_RESTORES` lists them and
-their tf-slim users) as the object TensorFlow now provides (its public ``tf`` symbol, or
-tf-keras' legacy ``tf.layers`` batch normalization). It modifies no TensorFlow or tf-keras
-module: the tf-slim module's reference (e.g. ``tf_slim.learning.ops``) becomes a proxy that
-adds the names and forwards the rest.
+`install` restores each name missing on the running TensorFlow (`_RESTORES`) as the object
+TensorFlow now provides (its public ``tf`` symbol, or tf-keras' legacy ``tf.layers`` batch
+normalization), modifying no TensorFlow or tf-keras module: the tf-slim module's reference
+(e.g. ``tf_slim.learning.ops``) becomes a proxy that adds the names and forwards the rest.
 
 `multiply_gradients`, `clip_gradient_norms` and `add_gradients_summaries` keep tf-slim's
-contracts on current TensorFlow; the summaries' histograms show finite values only
-(TensorFlow's histogram op raises on NaN, which would turn a skipped step into a crash).
+contracts on current TensorFlow (the histograms show finite values only).
 
 Supported: TensorFlow >=2.16,<2.22 with the tf-keras of the same release, and tf-slim 1.1.0.
 """
@@ -21,7 +19,7 @@ import functools
 import importlib
 import threading
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import tensorflow as tf
 
@@ -76,7 +74,7 @@ class _Restore:
         return not all(hasattr(module, name) for name in self.names)
 
     def load(self) -> Optional[Dict[str, Any]]:
-        """Returns ``{name: replacement}``, or None if no replacement exists."""
+        """Returns ``{name: replacement}``, or None if no replacement exists (a subclass's)."""
         return {
             name: functools.reduce(getattr, path.split("."), tf)
             for name, path in zip(self.names, self.paths or self.names)
@@ -198,7 +196,6 @@ def _apply() -> Tuple[str, ...]:
     # Per TensorFlow module, the missing names' replacements; per tf-slim user, its module.
     restored: Dict[str, Dict[str, Any]] = {}
     users: Dict[Tuple[str, str], str] = {}
-    applied: List[str] = []
     for restore in _RESTORES:
         if not restore.is_broken(importlib.import_module(restore.tf_module)):
             continue  # The original works on this TensorFlow: leave it alone.
@@ -212,7 +209,6 @@ def _apply() -> Tuple[str, ...]:
             )
             continue
         restored.setdefault(restore.tf_module, {}).update(replacements)
-        applied.extend(f"{restore.tf_module}.{name}" for name in restore.names)
         users.update(dict.fromkeys(restore.users, restore.tf_module))
 
     # One proxy per TensorFlow module, shared by the tf-slim modules that need it.
@@ -232,7 +228,8 @@ def _apply() -> Tuple[str, ...]:
                 current,
                 tf_module_name,
             )
-    return tuple(applied)
+    # `_RESTORES` lists each module's names together: this is their order there.
+    return tuple(f"{module}.{name}" for module, names in restored.items() for name in names)
 
 
 def install() -> None:
