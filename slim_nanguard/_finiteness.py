@@ -35,6 +35,7 @@ class StepTest:
         reason that rejects it.
       report: With reasons, the variable a bad step stores ``cause + 1`` and the reports in.
       judged: With reasons, the variable an accepted step stores the judged values in.
+      stores: With reasons, the report's store: what a bad step stores besides the sums.
     """
 
     def __init__(
@@ -45,15 +46,14 @@ class StepTest:
         reasons: Sequence[_reasons.Reason] = (),
     ):
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
-        graph = loss.graph
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
         self.grad_sums = _gradient_sums(loss, grads)
-        self.kinds = _scratch(graph, self.grad_sums, [len(grads) + 1], "value_kinds", tf.int32)
+        self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int32)
         self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
-        self.reasons, self.tests = (), ()
+        self.reasons, self.tests, self.stores = (), (), []
         if reasons:
             self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
@@ -63,19 +63,18 @@ class StepTest:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)
             self.kept = self.scaler.sums_and_scale
         self.diagnostics = _scratch(
-            graph, self.grad_sums, self.kept.shape, "gradient_sums", self.kept.dtype
+            self.grad_sums, self.kept.shape, "gradient_sums", self.kept.dtype
         )
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
         """Makes each reason one more way to fail."""
-        graph = loss.graph
         values = _reasons.StepValues(
             loss,
             tuple(g for g, _ in self.present),
             self.verdict.global_norm,
             # In the checkpoints, so outside any loop body and not colocated with the step:
             # on a cluster, on the ps with the model (one state for all workers).
-            state_scope=lambda: _outside_loops(graph),
+            state_scope=lambda: _outside_loops(loss.graph),
         )
         self.reasons = tuple(reasons)
         self.tests = tuple(reason.build(values) for reason in self.reasons)
@@ -93,10 +92,10 @@ class StepTest:
         with self.when_bad():
             stored = [tf.reshape(tf.cast(self.cause + 1, tf.float64), [1])]
             report = tf.concat(stored + [test.report() for test in self.tests], 0)
-        self.report = _scratch(graph, self.grad_sums, report.shape, "bad_step_report")
-        self._report_store = self.report.assign(report, read_value=False)
+        self.report = _scratch(self.grad_sums, report.shape, "bad_step_report")
+        self.stores = [self.report.assign(report, read_value=False)]
         fields = sum(len(r.judged_fields) for r in self.reasons)
-        self.judged = _scratch(graph, self.grad_sums, [fields], "last_accepted_step")
+        self.judged = _scratch(self.grad_sums, [fields], "last_accepted_step")
         with tf.name_scope("nanguard/"):  # Tagged nanguard/... whatever the scope.
             self._add_summaries()
 
@@ -138,13 +137,9 @@ class StepTest:
             return self.verdict.when_failed()
         return tf.control_dependencies([self._bad])
 
-    def stores(self) -> list:
-        """What a bad step stores for the loop besides the sums: the report, with reasons."""
-        return [] if self.report is None else [self._report_store]
-
     def after_bad_stores(self, ops: Sequence) -> tf.Tensor:
         """With reasons: live on every step, after `ops` and the report's store on a bad step."""
-        return _after(list(ops) + self.stores(), self._bad, self._good)
+        return _after(list(ops) + self.stores, self._bad, self._good)
 
 
 @contextlib.contextmanager
@@ -270,7 +265,7 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     unjudged = tf.debugging.Assert(passes, [_unjudged_message(config)], name="unjudged")
     # The batch too, for the autopsy, on the same bad branch.
     capture = _capture.keep_batch(loss, ok, merge=False, enabled=autopsy)
-    stores = [store, unjudged] + test.stores() + list(capture.stores) + forward.put_back(ok)
+    stores = [store, unjudged] + test.stores + list(capture.stores) + forward.put_back(ok)
     with tf.control_dependencies(stores):
         bad_done = tf.identity(untaken)
     # What the hook fetches: through the store on a bad step, so the sums are there to read
@@ -388,11 +383,11 @@ def _first(flags: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.argmax(tf.cast(tf.stack(flags), tf.int32), output_type=tf.int32)
 
 
-def _scratch(graph: tf.Graph, anchor: tf.Tensor, shape, name: str, dtype=tf.float64):
+def _scratch(anchor: tf.Tensor, shape, name: str, dtype=tf.float64):
     """A variable of zeros in no collection (neither saved nor initialised: only read after a
     write), outside any loop, on the worker that computes `anchor` (not on the ps, where a
     replica_device_setter would share it among workers)."""
-    with _capture.guard_variable_scope(graph, anchor):
+    with _capture.guard_variable_scope(anchor.graph, anchor):
         return tf.compat.v1.Variable(
             tf.zeros(shape, dtype), trainable=False, collections=[], use_resource=True, name=name
         )

@@ -258,15 +258,11 @@ def _handles_written_by(op: tf.Operation) -> List[tf.Tensor]:
     return handles
 
 
-# The ops that add one worker's gradient to an accumulator (ref, resource and sparse).
-_ACCUMULATE_OP_TYPES = frozenset(f"{k}AccumulatorApplyGradient" for k in ("", "Resource", "Sparse"))
-
-# The ops that take the aggregated gradient, and which output holds its values.
-_TAKE_OP_OUTPUTS = {
-    "AccumulatorTakeGradient": 0,
-    "ResourceAccumulatorTakeGradient": 0,
-    "SparseAccumulatorTakeGradient": 1,
-}
+# The accumulators (ref, resource, sparse): the ops that add one worker's gradient, and those
+# that take the aggregate, with the output that holds its values (a sparse one's second).
+_KINDS = ("", "Resource", "Sparse")
+_ACCUMULATE_OP_TYPES = frozenset(f"{k}AccumulatorApplyGradient" for k in _KINDS)
+_TAKE_OP_OUTPUTS = {f"{k}AccumulatorTakeGradient": int(k == "Sparse") for k in _KINDS}
 
 AGGREGATE_CHECK_MESSAGE = (
     "slim_nanguard: the replicas' aggregated gradient is NaN or Inf "

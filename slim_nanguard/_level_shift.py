@@ -74,7 +74,7 @@ class LevelShift:
 
 def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:
     """The `LevelShift` of the last `needed` (0: never) of the run's `spikes` (oldest first,
-    each a ``step`` and `_spike.read_report`'s figures), or None: too few, they do not hold
+    each a ``step`` and `_spike.Spike.figures`), or None: too few, they do not hold
     together, or they lie more than `MAX_RISE` times above the values before them."""
     if needed <= 0 or len(spikes) < needed:
         return None

@@ -193,7 +193,7 @@ class SpikeTest:
         }
 
     def report_vector(self) -> tf.Tensor:
-        """New ops (for the bad branch): float64 vector of `REPORT_FIELDS` (`read_report`)."""
+        """New ops (for the bad branch): float64 vector of `REPORT_FIELDS` (`Spike.figures`)."""
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
         # The window's entries (the fewer of the columns').
         window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
@@ -214,18 +214,6 @@ def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tenso
     logs = tf.math.log(tf.where(usable, values, tf.ones_like(values)))
     z = (logs - mean) / std
     return tf.where(tf.logical_and(usable, live), z, tf.zeros_like(z))
-
-
-def read_report(vector: Sequence[float], sigma: float) -> Dict[str, float]:
-    """The record of a spike from a `SpikeTest.report_vector`, plus ``sigma``,
-    ``typical_<column>`` (the window's geometric mean) and ``over`` (the columns whose z-score
-    exceeded ``sigma``, loss first)."""
-    report = {name: float(value) for name, value in zip(REPORT_FIELDS, vector)}
-    report |= {k: int(report[k]) for k in ("accepted_steps", "window_steps")}
-    report["sigma"] = float(sigma)
-    report |= {f"typical_{c}": math.exp(report[f"log_mean_{c}"]) for c in COLUMNS}
-    report["over"] = [c for c in COLUMNS if report[f"z_{c}"] > sigma]
-    return report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +252,14 @@ class Spike(_reasons.Reason):
         return {"spike_policy": self.policy, "spike_sigma": self.sigma}
 
     def figures(self, report: Sequence[float]) -> Dict[str, Any]:
-        """`read_report` at this `sigma`."""
-        return read_report(report, self.sigma)
+        """The base figures (counts as ints), plus ``sigma``, ``typical_<column>`` (the window's
+        geometric mean) and ``over`` (the columns whose z-score exceeded ``sigma``, loss first)."""
+        figures = super().figures(report)
+        figures |= {k: int(figures[k]) for k in ("accepted_steps", "window_steps")}
+        figures["sigma"] = float(self.sigma)
+        figures |= {f"typical_{c}": math.exp(figures[f"log_mean_{c}"]) for c in COLUMNS}
+        figures["over"] = [c for c in COLUMNS if figures[f"z_{c}"] > self.sigma]
+        return figures
 
     def phrase(self, figures: Dict[str, Any]) -> str:
         return phrase(figures)
