@@ -106,13 +106,10 @@ class Guard:
         self.rollback_request = request
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
-        counts this guard's state from now on. A record is a JSON-ready dict: its ``kind`` and
-        the `NanEvent`'s fields. Kinds: ``bad_step`` (with ``escalation`` when
-        ``persistent_nan_policy`` acted, and ``losses_before``), ``rollback`` (``checkpoint``,
-        ``skipped_batches``; a cluster chief's ``requested_by`` and ``requests``),
-        ``rollback_requested`` (a non-chief worker's, with ``chief``), ``loss_scale_overflow``,
-        ``level_shift``, and ``autopsy_dump_removed`` (no event fields)."""
+        """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
+        ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
+        ``level_shift`` or ``autopsy_dump_removed``, and the `NanEvent`'s fields but in the
+        last); an `EventRecorder` counts this guard's state from now on."""
         if listener not in self._listeners:
             self._listeners.append(listener)
         if isinstance(listener, _record.EventRecorder):
@@ -283,24 +280,26 @@ class Guard:
         fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
         values = session.run(fetches) if fetches else {}
         step, sums = _stored(values) if stored is None else stored
-        reason, figures = None, None
-        if "report" in values:
-            reason, figures = read_report(self.reasons, np.asarray(values["report"]))
-        if reason is not None:  # What the reason's graph handles know beyond the graph.
+        # The report's code: 2 + the index of the reason that rejected the step, its slice after.
+        report = np.asarray(values.get("report", [0]))
+        index = int(report[0]) - 2
+        reason, figures, kinds = None, None, None
+        if 0 <= index < len(self.reasons):
+            reason = self.reasons[index]
+            start = 1 + sum(len(r.report_fields) for r in self.reasons[:index])
+            figures = reason.figures(report[start : start + len(reason.report_fields)])
+            # What the reason's graph handles know beyond the graph.
             annotate = getattr(self.reason_handles.get(reason.name), "annotate", None)
             if annotate is not None:
                 figures = annotate(figures, int(step))
-        kinds = None
-        codes = np.asarray(values["kinds"]) if "kinds" in values else None
-        if reason is None and codes is not None and codes.min(initial=0) >= 0:
-            kinds = tuple(_verdict.kind_name(c) for c in codes)
+        elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
+            kinds = tuple(_verdict.kind_name(c) for c in np.asarray(values["kinds"]))
         return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
-        if self.global_step is None:
-            return _stored(session.run({"sums": self.diagnostics}))
-        return _stored(session.run({"sums": self.diagnostics, "step": self.global_step}))
+        fetches = {"sums": self.diagnostics, "step": self.global_step}
+        return _stored(session.run({k: t for k, t in fetches.items() if t is not None}))
 
 
 def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
@@ -311,19 +310,6 @@ def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
 # Each `GraphHandles` field, read-only: ``guard.loss`` is ``guard.handles.loss``.
 for _field in dataclasses.fields(GraphHandles):
     setattr(Guard, _field.name, property(operator.attrgetter(f"_handles.{_field.name}")))
-
-
-def read_report(
-    reasons: Sequence[_reasons.Reason], vector: Sequence[float]
-) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
-    """``(reason, figures)`` of a stored report; ``(None, None)`` for a non-finite step."""
-    code, start = int(vector[0]), 1
-    for index, reason in enumerate(reasons):
-        end = start + len(reason.report_fields)
-        if code == index + 2:
-            return reason, reason.figures(vector[start:end])
-        start = end
-    return None, None
 
 
 @dataclasses.dataclass(frozen=True)
