@@ -156,7 +156,7 @@ def _new_event(
         total=counts.total_bad_steps,
         mode=guard.mode,
         action=action,
-        loss_scale=guard.loss_scale_of(read.sums),
+        loss_scale=read.loss_scale,
         autopsy=autopsy,
         cause=read.cause,
         figures=read.figures,
@@ -306,7 +306,7 @@ def judge(
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        if read.reason is None and guard.is_loss_scale_overflow(read.sums):
+        if read.overflow:
             # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
             guard.observe(_policy.LossScaleOverflow())
             guard.history.anchor(read.step)  # The good steps before it end one step before.

@@ -169,18 +169,6 @@ class Guard:
             pass
         session.run(self.judged.initializer)
 
-    def loss_scale_of(self, sums: Sequence[float]) -> Optional[float]:
-        """The loss scale a step used, from what it stored (None without loss scaling)."""
-        if self.loss_scale_floor is None:
-            return None
-        return _verdict.stored_loss_scale(sums, len(self.variable_names))
-
-    def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step that stored `sums` was a loss-scale optimizer's overflow."""
-        if self.loss_scale_floor is None:
-            return False
-        return _verdict.stored_overflow(sums, len(self.variable_names))
-
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
     ) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
@@ -294,7 +282,10 @@ class Guard:
                 figures = annotate(figures, int(step))
         elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
             kinds = tuple(_verdict.kind_name(c) for c in np.asarray(values["kinds"]))
-        return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
+        sums, count = [float(s) for s in sums], len(self.variable_names)
+        scale = None if self.loss_scale_floor is None else _verdict.stored_loss_scale(sums, count)
+        overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
+        return StepReport(int(step), sums, reason, figures, kinds, scale, overflow)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
@@ -316,13 +307,16 @@ for _field in dataclasses.fields(GraphHandles):
 class StepReport:
     """What a bad step left, read at once: its global step (-1 without one), the loss then each
     gradient's sum (then the loss scale), the reason that rejected it and its figures (None if
-    non-finite), and the exact kinds of the loss and each gradient, when kept."""
+    non-finite), the exact kinds of the loss and each gradient, when kept, the loss scale it used
+    (None without loss scaling), and whether it was a loss-scale optimizer's overflow."""
 
     step: int
     sums: List[float]
     reason: Optional[_reasons.Reason]
     figures: Optional[Dict[str, Any]]
     kinds: Optional[Tuple[str, ...]]
+    loss_scale: Optional[float]
+    overflow: bool
 
     @property
     def cause(self) -> str:

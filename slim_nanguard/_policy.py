@@ -238,9 +238,6 @@ class GuardState:
         )
 
 
-# The observations: what `decide` is told, each a plain value.
-
-
 @dataclasses.dataclass(frozen=True)
 class GoodStep:
     """A step went through (the loss and every gradient finite)."""
