@@ -73,9 +73,8 @@ class Guard:
         self.history = _history.LossHistory(config.losses_before)  # The last good steps' losses.
         self.rollback_request: Optional[RollbackRequest] = None  # See `set_rollback_request`.
 
-    # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
-    # `GuardState` counters (kept for the life of the process), the last bad step's event and
-    # the one Saver every rollback of this guard restores with (None if none built).
+    # Read-only: the `GuardConfig`, the `GraphHandles`, the `GuardState`, the last bad step's
+    # event and the one Saver every rollback of this guard restores with (None if none built).
     config = property(operator.attrgetter("_config"))
     handles = property(operator.attrgetter("_handles"))
     state = property(operator.attrgetter("_state"))
@@ -128,33 +127,28 @@ class Guard:
         self.send(record)
 
     def send(self, record: Dict[str, Any]) -> None:
-        """Sends one record to every listener, and to the guard's own record if it keeps one."""
+        """Sends one record to every listener, and to the guard's own record in the autopsy
+        directory unless a listener keeps one (one record each)."""
         for listener in list(self._listeners):
             listener(record)
-        recorder = self._own_recorder()
-        if recorder is not None:
-            try:
-                recorder(record)
-            except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
-                logging.warning(
-                    "slim_nanguard: could not append to %s (%s); training goes on without it",
-                    recorder.path,
-                    err,
-                )
-
-    def _own_recorder(self) -> Optional[_record.EventRecorder]:
-        """The record in the autopsy directory, unless a listener keeps one (one record each)."""
         if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
-            return None
+            return
         if self._recorder is None or self._recorder_dir != self.autopsy_dir:
             # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
             # second FileWriter on the same directory can open the same events file in the
             # same second and corrupt it. The TensorBoard counters are `train`'s.
             self._recorder = _record.EventRecorder(self.autopsy_dir, write_summaries=False)
             self._recorder_dir = self.autopsy_dir
-        return self._recorder
+        try:
+            self._recorder(record)
+        except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
+            logging.warning(
+                "slim_nanguard: could not append to %s (%s); training goes on without it",
+                self._recorder.path,
+                err,
+            )
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
         """Says that the caller applies the policy to this guard's bad steps in the raw `session`
