@@ -64,21 +64,20 @@ def checkpoint_dir_for(
     *,
     session: Optional[SessionLike] = None,
     logdir: Optional[str] = None,
-    policy: Optional[str] = None,
     advice: str,
 ) -> Optional[str]:
     """The checkpoint directory a rollback of `guard` uses, the one rule: `checkpoint_dir`,
     else the one `session`'s `CheckpointSaverHook` saves to, else `logdir` (the guard's autopsy
     directory too, unless it has one), else None. Raises ValueError, saying `advice`, when none
-    is known and the policy (`policy`, a hook's override, else the configured one) rolls back."""
+    is known and the config rolls back (`_policy.rolls_back`)."""
     if not checkpoint_dir and session is not None:
         # MonitoredSession keeps its hooks in a private list; there is no public accessor.
         hooks = getattr(session, "_hooks", None) or ()
         savers = [h for h in hooks if isinstance(h, tf.compat.v1.train.CheckpointSaverHook)]
         checkpoint_dir = getattr(savers[0], "_checkpoint_dir", None) if savers else None
     checkpoint_dir = checkpoint_dir or logdir
-    if not checkpoint_dir and _policy.rolls_back(guard.config, policy):
-        message = _policy.checkpoint_dir_message(guard.config, advice, policy)
+    if not checkpoint_dir and _policy.rolls_back(guard.config):
+        message = _policy.checkpoint_dir_message(guard.config, advice)
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
     guard.use_autopsy_dir(checkpoint_dir)  # Autopsy dumps go next to the checkpoints.
@@ -156,7 +155,7 @@ def _new_event(
         total=counts.total_bad_steps,
         mode=guard.mode,
         action=action,
-        loss_scale=guard.loss_scale_of(read.sums),
+        loss_scale=read.loss_scale,
         autopsy=autopsy,
         cause=read.cause,
         figures=read.figures,
@@ -306,7 +305,7 @@ def judge(
 
     def record(raw: tf.compat.v1.Session):
         read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        if read.reason is None and guard.is_loss_scale_overflow(read.sums):
+        if read.overflow:
             # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
             guard.observe(_policy.LossScaleOverflow())
             guard.history.anchor(read.step)  # The good steps before it end one step before.

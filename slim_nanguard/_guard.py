@@ -73,9 +73,8 @@ class Guard:
         self.history = _history.LossHistory(config.losses_before)  # The last good steps' losses.
         self.rollback_request: Optional[RollbackRequest] = None  # See `set_rollback_request`.
 
-    # Read-only: the `GuardConfig` the train op was built with, its `GraphHandles`, the
-    # `GuardState` counters (kept for the life of the process), the last bad step's event and
-    # the one Saver every rollback of this guard restores with (None if none built).
+    # Read-only: the `GuardConfig`, the `GraphHandles`, the `GuardState`, the last bad step's
+    # event and the one Saver every rollback of this guard restores with (None if none built).
     config = property(operator.attrgetter("_config"))
     handles = property(operator.attrgetter("_handles"))
     state = property(operator.attrgetter("_state"))
@@ -106,13 +105,10 @@ class Guard:
         self.rollback_request = request
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls ``listener(record)`` with every record the guard sends; an `EventRecorder`
-        counts this guard's state from now on. A record is a JSON-ready dict: its ``kind`` and
-        the `NanEvent`'s fields. Kinds: ``bad_step`` (with ``escalation`` when
-        ``persistent_nan_policy`` acted, and ``losses_before``), ``rollback`` (``checkpoint``,
-        ``skipped_batches``; a cluster chief's ``requested_by`` and ``requests``),
-        ``rollback_requested`` (a non-chief worker's, with ``chief``), ``loss_scale_overflow``,
-        ``level_shift``, and ``autopsy_dump_removed`` (no event fields)."""
+        """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
+        ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
+        ``level_shift`` or ``autopsy_dump_removed``, and the `NanEvent`'s fields but in the
+        last); an `EventRecorder` counts this guard's state from now on."""
         if listener not in self._listeners:
             self._listeners.append(listener)
         if isinstance(listener, _record.EventRecorder):
@@ -131,33 +127,28 @@ class Guard:
         self.send(record)
 
     def send(self, record: Dict[str, Any]) -> None:
-        """Sends one record to every listener, and to the guard's own record if it keeps one."""
+        """Sends one record to every listener, and to the guard's own record in the autopsy
+        directory unless a listener keeps one (one record each)."""
         for listener in list(self._listeners):
             listener(record)
-        recorder = self._own_recorder()
-        if recorder is not None:
-            try:
-                recorder(record)
-            except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
-                logging.warning(
-                    "slim_nanguard: could not append to %s (%s); training goes on without it",
-                    recorder.path,
-                    err,
-                )
-
-    def _own_recorder(self) -> Optional[_record.EventRecorder]:
-        """The record in the autopsy directory, unless a listener keeps one (one record each)."""
         if self.autopsy_dir is None or any(
             isinstance(listener, _record.EventRecorder) for listener in self._listeners
         ):
-            return None
+            return
         if self._recorder is None or self._recorder_dir != self.autopsy_dir:
             # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
             # second FileWriter on the same directory can open the same events file in the
             # same second and corrupt it. The TensorBoard counters are `train`'s.
             self._recorder = _record.EventRecorder(self.autopsy_dir, write_summaries=False)
             self._recorder_dir = self.autopsy_dir
-        return self._recorder
+        try:
+            self._recorder(record)
+        except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
+            logging.warning(
+                "slim_nanguard: could not append to %s (%s); training goes on without it",
+                self._recorder.path,
+                err,
+            )
 
     def mark_judged(self, session: tf.compat.v1.Session) -> None:
         """Says that the caller applies the policy to this guard's bad steps in the raw `session`
@@ -171,18 +162,6 @@ class Guard:
         except TypeError:  # not weak-referenceable: initialise each time (idempotent)
             pass
         session.run(self.judged.initializer)
-
-    def loss_scale_of(self, sums: Sequence[float]) -> Optional[float]:
-        """The loss scale a step used, from what it stored (None without loss scaling)."""
-        if self.loss_scale_floor is None:
-            return None
-        return _verdict.stored_loss_scale(sums, len(self.variable_names))
-
-    def is_loss_scale_overflow(self, sums: Sequence[float]) -> bool:
-        """Whether a non-finite step that stored `sums` was a loss-scale optimizer's overflow."""
-        if self.loss_scale_floor is None:
-            return False
-        return _verdict.stored_overflow(sums, len(self.variable_names))
 
     def culprits_and_kinds(
         self, sums: Sequence[float], kinds: Optional[Sequence[str]]
@@ -283,24 +262,29 @@ class Guard:
         fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
         values = session.run(fetches) if fetches else {}
         step, sums = _stored(values) if stored is None else stored
-        reason, figures = None, None
-        if "report" in values:
-            reason, figures = read_report(self.reasons, np.asarray(values["report"]))
-        if reason is not None:  # What the reason's graph handles know beyond the graph.
+        # The report's code: 2 + the index of the reason that rejected the step, its slice after.
+        report = np.asarray(values.get("report", [0]))
+        index = int(report[0]) - 2
+        reason, figures, kinds = None, None, None
+        if 0 <= index < len(self.reasons):
+            reason = self.reasons[index]
+            start = 1 + sum(len(r.report_fields) for r in self.reasons[:index])
+            figures = reason.figures(report[start : start + len(reason.report_fields)])
+            # What the reason's graph handles know beyond the graph.
             annotate = getattr(self.reason_handles.get(reason.name), "annotate", None)
             if annotate is not None:
                 figures = annotate(figures, int(step))
-        kinds = None
-        codes = np.asarray(values["kinds"]) if "kinds" in values else None
-        if reason is None and codes is not None and codes.min(initial=0) >= 0:
-            kinds = tuple(_verdict.kind_name(c) for c in codes)
-        return StepReport(int(step), [float(s) for s in sums], reason, figures, kinds)
+        elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
+            kinds = tuple(_verdict.kind_name(c) for c in np.asarray(values["kinds"]))
+        sums, count = [float(s) for s in sums], len(self.variable_names)
+        scale = None if self.loss_scale_floor is None else _verdict.stored_loss_scale(sums, count)
+        overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
+        return StepReport(int(step), sums, reason, figures, kinds, scale, overflow)
 
     def read_bad_step(self, session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
         """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
-        if self.global_step is None:
-            return _stored(session.run({"sums": self.diagnostics}))
-        return _stored(session.run({"sums": self.diagnostics, "step": self.global_step}))
+        fetches = {"sums": self.diagnostics, "step": self.global_step}
+        return _stored(session.run({k: t for k, t in fetches.items() if t is not None}))
 
 
 def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
@@ -313,30 +297,20 @@ for _field in dataclasses.fields(GraphHandles):
     setattr(Guard, _field.name, property(operator.attrgetter(f"_handles.{_field.name}")))
 
 
-def read_report(
-    reasons: Sequence[_reasons.Reason], vector: Sequence[float]
-) -> Tuple[Optional[_reasons.Reason], Optional[Dict[str, Any]]]:
-    """``(reason, figures)`` of a stored report; ``(None, None)`` for a non-finite step."""
-    code, start = int(vector[0]), 1
-    for index, reason in enumerate(reasons):
-        end = start + len(reason.report_fields)
-        if code == index + 2:
-            return reason, reason.figures(vector[start:end])
-        start = end
-    return None, None
-
-
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """What a bad step left, read at once: its global step (-1 without one), the loss then each
     gradient's sum (then the loss scale), the reason that rejected it and its figures (None if
-    non-finite), and the exact kinds of the loss and each gradient, when kept."""
+    non-finite), the exact kinds of the loss and each gradient, when kept, the loss scale it used
+    (None without loss scaling), and whether it was a loss-scale optimizer's overflow."""
 
     step: int
     sums: List[float]
     reason: Optional[_reasons.Reason]
     figures: Optional[Dict[str, Any]]
     kinds: Optional[Tuple[str, ...]]
+    loss_scale: Optional[float]
+    overflow: bool
 
     @property
     def cause(self) -> str:

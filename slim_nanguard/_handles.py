@@ -18,24 +18,16 @@ if TYPE_CHECKING:  # pragma: no cover
 class GraphHandles:
     """What `create_train_op` built for one guarded train op; None for what it did not build.
 
-    Attributes:
-      grad_sums: The loss, then the sum of each gradient (in the order of ``variable_names``).
-      ok: The boolean the hook fetches (False on a bad step or a loss-scale overflow): hook
-        mode, or a dynamic loss-scale optimizer, when not ``in_loop``.
-      diagnostics: Where a step whose fast test failed leaves its ``grad_sums`` (then, with a
-        dynamic loss-scale optimizer, its loss scale); ``value_kinds``: the kind of each value,
-        which a bad step fetches as ``kinds_read``.
-      check_op_name: The op a bad step raises from in check_numerics mode.
-      lr_scale: The variable a rollback lowers the learning rate with, through the
-        ``lr_scale_value`` placeholder and ``lr_scale_assign``.
-      in_loop: Built in a `tf.while_loop` or function body, whose tensors a run cannot fetch.
-      judged: Hook mode: the variable whatever applies the policy initialises in its session.
-      pivot: What a write built after the train op waits on (`gate_writes_after`).
-      input_ops: The ops among the ancestors of ``loss`` that fetch a new batch when run.
-      report: With reasons (`_reasons.Reason`, in its order), the variable a bad step leaves
-        its cause and the reasons' reports in; ``reason_handles``: each `Test.handles`.
-      optional_variables: The guard's variables only some options make (the learning-rate
-        scale, the spike statistics); a checkpoint without them still restores the rest.
+    ``grad_sums``: the loss, then each gradient's sum (in ``variable_names``' order), which a
+    bad step leaves in ``diagnostics`` (then, with a dynamic loss-scale optimizer, its loss
+    scale); ``value_kinds`` the kind of each, read as ``kinds_read``. ``ok``: what the hook
+    fetches (False on a bad step or an overflow), unless ``in_loop`` (built in a
+    `tf.while_loop` or function body, whose tensors a run cannot fetch). ``judged``: hook mode's
+    variable that whatever applies the policy initialises. ``pivot``: what a later write waits
+    on (`gate_writes_after`). ``input_ops``: the ancestors of ``loss`` that fetch a batch.
+    ``report``: where a bad step leaves its cause and the ``reasons``' reports (their
+    ``reason_handles``: each `Test.handles`). ``optional_variables``: the learning-rate scale
+    and the spike statistics, which a checkpoint may lack (it still restores the rest).
     """
 
     mode: Mode

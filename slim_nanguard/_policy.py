@@ -238,9 +238,6 @@ class GuardState:
         )
 
 
-# The observations: what `decide` is told, each a plain value.
-
-
 @dataclasses.dataclass(frozen=True)
 class GoodStep:
     """A step went through (the loss and every gradient finite)."""
@@ -375,9 +372,9 @@ def _decide_bad(
     if decision is not None:
         state = replace(state, level_taken_at=None)
     elif (level := _new_level(config, state, observation)) is not None:
-        return Decision(SKIP, level_shift=level), replace(
+        decision = Decision(SKIP, level_shift=level)
+        state = replace(
             state,
-            skips=state.skips + 1,
             level_shifts=state.level_shifts + 1,
             consecutive_bad_steps=0,
             run_start=None,
