@@ -30,8 +30,7 @@ _Verdict = Union[Tuple[str, ...], _errors.UnreadableCheckpointError]
 _VERIFIED: "collections.OrderedDict[str, Tuple[tuple, _Verdict]]" = collections.OrderedDict()
 _VERIFIED_MAX = 32
 
-# The global step a save is asked for.
-_Step = Union[int, tf.Tensor, None]
+_Step = Union[int, tf.Tensor, None]  # The global step a save is asked for.
 
 # What TensorFlow raises on a checkpoint whose files are missing, cut short or garbled
 # (tests/test_damaged_checkpoints.py), besides the reader's `OpError` of code UNKNOWN. Other
@@ -79,9 +78,9 @@ def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
     """`non_finite_variables`' verdict (the error when unreadable), and whether it was read
     now rather than taken from `_VERIFIED`."""
     key = _files_key(checkpoint_path)
-    cached = _VERIFIED.get(checkpoint_path)
+    cached = _VERIFIED.pop(checkpoint_path, None)  # Put back last: the most recently used.
     if cached is not None and cached[0] == key:
-        _VERIFIED.move_to_end(checkpoint_path)
+        _VERIFIED[checkpoint_path] = cached
         return cached[1], False
     try:
         reader = checkpoint_reader(checkpoint_path)
@@ -95,7 +94,6 @@ def _check(checkpoint_path: str) -> Tuple[_Verdict, bool]:
     except _errors.UnreadableCheckpointError as err:
         verdict = err
     _VERIFIED[checkpoint_path] = (key, verdict)
-    _VERIFIED.move_to_end(checkpoint_path)
     while len(_VERIFIED) > _VERIFIED_MAX:
         _VERIFIED.popitem(last=False)
     return verdict, True
@@ -106,7 +104,7 @@ def _damage_named(checkpoint_path: str, *, data: bool = False) -> Iterator[None]
     """Re-raises damage (`unreadable`) raised in the block as its `UnreadableCheckpointError`."""
     try:
         yield
-    except _DAMAGE_ERRORS + (tf.errors.OpError,) as err:
+    except (IndexError, tf.errors.OpError) as err:
         damage = unreadable(checkpoint_path, err, data=data)
         if damage is None:
             raise
@@ -188,12 +186,11 @@ def latest_good_checkpoint(
     the directory (which may be None or missing) holds no checkpoint at all.
 
     A newer unreadable checkpoint is passed over with one warning naming the damaged file (no
-    second one while its files are unchanged). A state file that cannot be parsed is passed
-    over with a warning: the run's checkpoints are found by listing the directory.
+    second one while its files are unchanged); so is a state file that cannot be parsed (the
+    checkpoints are then found by listing the directory).
 
     Args:
-      before_step: Only consider checkpoints saved below this global step (names ending in
-        ``-<step>``).
+      before_step: Only consider checkpoints saved below this global step (``-<step>`` names).
       repair_state: Rewrite a damaged state file to name the checkpoints found. Only the run
         that trains in `checkpoint_dir` may (its `Saver` writes the file).
 

@@ -49,10 +49,10 @@ def _run_bounded(session, fetches, feed_dict=None, timeout_secs: float = 10):
 class ClusterStopHook(tf.compat.v1.train.SessionRunHook):
     """Stops this worker's loop (task `task` of `num_workers`) once any worker asked for a stop.
 
-    Each run of a guarded train op also fetches the stop queue's size. When this worker's guard
-    stopped it, `end` asks the others to stop before the session closes. When another worker
-    stopped it (seen in a step or at `end`), ``stop_reason`` is ``cluster_stop`` and
-    ``stop_fields`` names that worker (``stopped_by``); `slim_nanguard.train` records both.
+    When this worker's guard stopped it, `end` asks the others to stop before the session
+    closes. When another worker stopped it (seen in a step or at `end`), ``stop_reason`` is
+    ``cluster_stop`` and ``stop_fields`` names that worker (``stopped_by``); `slim_nanguard.train`
+    records both.
     """
 
     def __init__(self, task: int = 0, num_workers: int = 1):
@@ -151,15 +151,14 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
 class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     """The chief's side of a rollback: answers the other workers' requests.
 
-    Each run of a guarded train op also fetches the rollback queue's size. After a run with
-    requests waiting, it takes them all and answers them with one rollback of the chief's
-    guard (as the chief's own, but skipping no input); the ``rollback`` record names the tasks
-    in ``requested_by`` and counts ``requests``. The chief counts every rollback against
+    After a training step with requests waiting, it answers them all with one rollback of the
+    chief's guard (as the chief's own, but skipping no input); the ``rollback`` record names the
+    tasks in ``requested_by`` and counts ``requests``. Every rollback counts against
     ``max_rollbacks``; a request past it raises `NanLossError` (see `answer`).
 
     `checkpoint_dir` is where the chief saves checkpoints. `after_restore` (or None) runs after
-    every restore of the chief's guard (requested, or its own, seen at its next step); with
-    `SyncReplicasOptimizer`, its ``chief_init_op`` (which resets the accumulators' step to the
+    every restore of the chief's guard (requested, or its own, at its next step); with
+    `SyncReplicasOptimizer`, its ``chief_init_op`` (resetting the accumulators' step to the
     restored global step).
     """
 
@@ -215,10 +214,9 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
           NanLossError: The chief already carried out ``max_rollbacks`` rollbacks.
         """
         guard = self._guard
-        first = min(range(len(steps)), key=steps.__getitem__)
-        loss = float(losses[first])
+        step, loss = min(zip(steps, map(float, losses)), key=lambda pair: pair[0])
         event = _events.NanEvent(
-            step=steps[first],
+            step=step,
             loss=loss,
             loss_kind=_events.classify(loss),
             culprits=(),

@@ -1,10 +1,6 @@
-"""Paths that may name remote storage: ``gs://``, ``hdfs://``, ``s3://``, ``ram://``, or local.
-
-`os.path` reads ``gs://bucket/run`` as a relative local path: made absolute it becomes
-``<cwd>/gs:/bucket/run``, a local directory. These helpers leave a URL as it is and treat a
-local path as `os.path` does. The files themselves are read and written through
-`tf.io.gfile`, which serves both.
-"""
+"""Paths that may name remote storage (``gs://``, ``hdfs://``, ``s3://``, ``ram://``) or local
+files: a URL is left as it is (`os.path.abspath` would make ``gs://b/run`` ``<cwd>/gs:/b/run``),
+a local path is treated as `os.path` does."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
@@ -31,14 +32,10 @@ class Restored:
 def onset(
     run_start: Optional[int], run_length: int, losses: Sequence[Tuple[int, float]]
 ) -> Tuple[Optional[int], str]:
-    """``(before_step, why)``: a rollback restores a checkpoint saved below ``before_step``
-    (None: the newest), so that it goes back before a run of bad steps, for the reason `why`
-    (for the log and the record). Pure.
-
-    Before the climb of the losses that led to it (`_history.climb_start`), if any; else
-    before the run's first step (`run_start`, None: unknown) if it had more than one bad step.
-    `losses` are ``(step, loss)`` of the good steps before it, oldest first.
-    """
+    """``(before_step, why)``: restore below ``before_step`` (None: the newest), for the reason
+    `why`: before the climb of the losses that led to a run of bad steps starting at
+    `run_start` (None: unknown), else before the run if it had more than one bad step.
+    `losses`: ``(step, loss)`` of the good steps before it, oldest first."""
     if run_start is None or run_start < 0:
         return None, ""
     climb = _history.climb_start(list(losses), run_start)
@@ -56,8 +53,8 @@ def onset(
 
 
 class Rollback:
-    """Restores a guard's model from its checkpoints, with `saver` if `create_train_op`
-    built one."""
+    """Restores a guard's model from its checkpoints, with `saver` (the Saver every rollback
+    restores with; None until `ensure_saver` builds one, if `create_train_op` built none)."""
 
     def __init__(
         self,
@@ -67,7 +64,7 @@ class Rollback:
     ):
         self._handles = handles
         self._config = config
-        self._saver = saver
+        self.saver = saver
         # The Saver for a checkpoint written without some of the guard's optional variables.
         self._without_optional: Optional[tf.compat.v1.train.Saver] = None
         if saver is not None:
@@ -75,23 +72,17 @@ class Rollback:
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
 
-    @property
-    def saver(self) -> Optional[tf.compat.v1.train.Saver]:
-        """The Saver every rollback of this guard restores with, or None if none was built."""
-        return self._saver
-
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
         """Builds the Saver if there is none yet (before the graph is finalized); returns it."""
-        if self._saver is None:
+        if self.saver is None:
             with self._handles.train_op.graph.as_default(), tf.init_scope():
-                self._saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
+                self.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
             self._build_saver_without_optional()
-        return self._saver
+        return self.saver
 
     def _build_saver_without_optional(self) -> None:
-        """With reasons, a Saver of every variable but `GraphHandles.optional_variables`, for
-        a checkpoint that lacks them. Without reasons none is built (the graph stays as it
-        was), and a checkpoint lacking the learning-rate scale fails the restore."""
+        """With reasons only (else the graph stays as it was, and a checkpoint lacking the
+        learning-rate scale fails the restore): a Saver of all but the optional variables."""
         if self._handles.report is None:
             return
         optional = set(self._handles.optional_variables)
@@ -135,7 +126,7 @@ class Rollback:
                 "checkpoints from the first step (save_checkpoint_steps), or choose policies "
                 "that do not roll back (nan_policy, persistent_nan_policy)."
             )
-        if self._saver is None:
+        if self.saver is None:
             raise ValueError(
                 "rollback needs a Saver built before the graph was finalized; build the "
                 "train op with a policy that may roll back, or let NanLossHook.begin run "
@@ -152,7 +143,7 @@ class Rollback:
                 path,
                 ", ".join(v.op.name for v in missing),
             )
-        (self._without_optional if missing else self._saver).restore(session, path)
+        (self._without_optional if missing else self.saver).restore(session, path)
         self._restored_step = (
             int(session.run(handles.global_step)) if handles.global_step is not None else None
         )
@@ -168,8 +159,6 @@ class Rollback:
         self, checkpoint_dir: Optional[str], bad_step: int, before_step: Optional[int], why: str
     ) -> Tuple[Optional[str], str]:
         """The checkpoint a rollback restores, and why (see `restore`); None: there is none."""
-        from slim_nanguard import _checkpoints  # Local: only rollback needs it.
-
         latest = _checkpoints.latest_good_checkpoint
         path = latest(checkpoint_dir)
         if path is None:
