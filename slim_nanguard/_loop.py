@@ -535,7 +535,7 @@ class _Loop:
         counts = self.counts()
         stop_reason, last_step = self.stop_reason, self.step
         lr_scale = self.guard.state.learning_rate_scale
-        final = self.final_hook.final_ops_values if self.final_hook is not None else None
+        final = self.final_hook.final_ops_values  # None when the session did not end cleanly.
         if final is not None:
             last_step = int(final["global_step"])
             # The scale the model holds: in a resumed run, the one its checkpoint carried on.
