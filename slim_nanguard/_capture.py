@@ -46,6 +46,16 @@ def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
     return tensors
 
 
+def producer(tensor: tf.Tensor) -> tf.Tensor:
+    """Where `tensor`, a batch, is made: a dequeue or an iterator's ``get_next`` runs on its
+    queue's or iterator's device (under a clone's device scope too), so the resource handle it
+    reads; a placeholder where it is placed."""
+    op = tensor.op
+    if op.type in _ops.INPUT_OP_TYPES and op.inputs:
+        return _ops.source(op.inputs[0])
+    return tensor
+
+
 @contextlib.contextmanager
 def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
     """Builds in `graph` with no control-flow context and no control dependencies."""
@@ -81,7 +91,7 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
-            with guard_variable_scope(loss.graph, tensor):
+            with guard_variable_scope(loss.graph, producer(tensor)):
                 variable = tf.compat.v1.Variable(
                     tf.constant([], dtype=tensor.dtype.base_dtype),
                     trainable=False,
@@ -91,8 +101,10 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
                     use_resource=True,
                     name=f"batch_{i}",
                 )
-            bad_value, _ = control_flow_ops.switch(tensor, ok)
-            stores.append(variable.assign(bad_value, read_value=False))
+            # Beside the variable: the batch is switched where it is, and `ok` is the one copy.
+            with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True):
+                bad_value, _ = control_flow_ops.switch(tensor, ok)
+                stores.append(variable.assign(bad_value, read_value=False))
             variables.append(variable)
         if not merge:
             return Capture(tuple(tensors), tuple(variables), tuple(stores))

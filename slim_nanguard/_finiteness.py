@@ -15,6 +15,7 @@ from tensorflow.python.ops import control_flow_ops
 from slim_nanguard import _capture
 from slim_nanguard import _errors
 from slim_nanguard import _ops
+from slim_nanguard import _placement
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
 from slim_nanguard import _verdict
@@ -27,7 +28,8 @@ class StepTest:
 
     Attributes:
       grad_sums: The loss, then the sum of each gradient of `present`; run only when fetched.
-      kinds: Int32 variable, the `_verdict` kind codes a step whose fast test failed stores.
+      kinds: Int64 variable (int32 has no GPU kernel), the `_verdict` kind codes a step whose
+        fast test failed stores.
       kept: What a bad step stores in `diagnostics`: the sums (then a loss scale's scale).
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
@@ -49,7 +51,7 @@ class StepTest:
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
         self.grad_sums = _gradient_sums(loss, grads)
-        self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int32)
+        self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int64)
         self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
@@ -119,7 +121,8 @@ class StepTest:
             mine = stored if size == stored.shape[0] else stored[start : start + size]
             start += size
             for name, value in reason.summaries(mine).items():
-                tf.compat.v1.summary.scalar(name, value)
+                with _placement.on_host():
+                    tf.compat.v1.summary.scalar(name, value)
 
     def reason_variables(self) -> Tuple[tf.Variable, ...]:
         """The reasons' state in the checkpoints (none without reasons)."""
@@ -181,10 +184,11 @@ class Gate:
         """The train op: `loss`, once `writes` ran (a good step) or the bad branch did."""
         with tf.name_scope("train_op"):
             extra = [self.finite_gate] if self.finite_gate is not None else []
-            with tf.control_dependencies(list(writes) + extra):
+            # Beside the gate: the user's device gets one control edge, as tf-slim's.
+            with tf.control_dependencies(list(writes) + extra), _placement.beside(self.gate):
                 done = tf.identity(self.gate)
-            if self.bad_done is not None:
-                done, _ = control_flow_ops.merge([done, self.bad_done])
+                if self.bad_done is not None:
+                    done, _ = control_flow_ops.merge([done, self.bad_done])
             with tf.control_dependencies([done]):
                 return tf.identity(loss, name="total_loss")
 
@@ -226,8 +230,10 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
             return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
         # An Assert whose message names the cause (CheckNumerics: "Tensor had NaN values").
         messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
-        message = tf.gather(tf.constant(messages), test.cause, name="check_message")
-        check_op = tf.debugging.Assert(tf.math.is_finite(checked), [message], name="check_numerics")
+        finite = tf.math.is_finite(checked)
+        with _placement.on_host():  # No string has a GPU kernel.
+            message = tf.gather(tf.constant(messages), test.cause, name="check_message")
+            check_op = tf.debugging.Assert(finite, [message], name="check_numerics")
         with tf.control_dependencies([check_op]):
             check = tf.identity(checked, name="checked")
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
@@ -262,7 +268,8 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     passes = tf.logical_or(is_judged, bad_pivot)
     if test.scaler is not None:  # An overflow is the loss scale's business: it passes.
         passes = tf.logical_or(passes, test.scaler.overflow)
-    unjudged = tf.debugging.Assert(passes, [_unjudged_message(config)], name="unjudged")
+    with _placement.on_host():
+        unjudged = tf.debugging.Assert(passes, [_unjudged_message(config)], name="unjudged")
     # The batch too, for the autopsy, on the same bad branch.
     capture = _capture.keep_batch(loss, ok, merge=False, enabled=autopsy)
     stores = [store, unjudged] + test.stores + list(capture.stores) + forward.put_back(ok)

@@ -92,13 +92,20 @@ def as_op(item) -> Optional[tf.Operation]:
 
 def read_once_written(variable: tf.Variable, fill, name: Optional[str] = None) -> tf.Tensor:
     """`variable`'s value once something wrote it, else a tensor of its shape full of `fill`
-    (for the guard's variables in no collection, which no initializer runs)."""
-    return tf.cond(
-        variable.is_initialized(),
-        variable.read_value,
-        lambda: tf.fill(tf.shape(variable), tf.constant(fill, variable.dtype.base_dtype)),
-        name=name,
-    )
+    (for the guard's variables in no collection, which no initializer runs), read beside it."""
+    with tf.compat.v1.colocate_with(variable.handle.op):
+        return tf.cond(
+            variable.is_initialized(),
+            variable.read_value,
+            lambda: tf.fill(_shape(variable), tf.constant(fill, variable.dtype.base_dtype)),
+            name=name,
+        )
+
+
+def _shape(variable: tf.Variable):
+    """The static shape of `variable` when known: `tf.shape` reads the variable (an
+    uninitialised one too) on no device, not beside it."""
+    return variable.shape.as_list() if variable.shape.is_fully_defined() else tf.shape(variable)
 
 
 def control_flow_contexts(context) -> Iterator:

@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from slim_nanguard import _log as logging
+from slim_nanguard import _placement
 
 # tf_slim's sentinel (`slim.learning._USE_GLOBAL_STEP`), so that passing it means the same.
 USE_GLOBAL_STEP = 0
@@ -193,7 +194,8 @@ def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
             continue
         values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
         finite = tf.boolean_mask(values, tf.math.is_finite(values))
-        summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
         norm = tf.linalg.global_norm([values])
-        summaries.append(tf.compat.v1.summary.scalar(var.op.name + "/gradient_norm", norm))
+        with _placement.on_host():  # Summaries have no GPU kernel.
+            summaries.append(tf.compat.v1.summary.histogram(var.op.name + "/gradient", finite))
+            summaries.append(tf.compat.v1.summary.scalar(var.op.name + "/gradient_norm", norm))
     return summaries

@@ -12,6 +12,7 @@ from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
 from slim_nanguard import _history
 from slim_nanguard import _log as logging
+from slim_nanguard import _placement
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardConfig
 
@@ -75,7 +76,7 @@ class Rollback:
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
         """Builds the Saver if there is none yet (before the graph is finalized); returns it."""
         if self.saver is None:
-            with self._handles.train_op.graph.as_default(), tf.init_scope():
+            with self._handles.train_op.graph.as_default(), tf.init_scope(), _placement.on_host():
                 self.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
             self._build_saver_without_optional()
         return self.saver
@@ -86,7 +87,7 @@ class Rollback:
         if self._handles.report is None:
             return
         optional = set(self._handles.optional_variables)
-        with self._handles.train_op.graph.as_default(), tf.init_scope():
+        with self._handles.train_op.graph.as_default(), tf.init_scope(), _placement.on_host():
             variables = [v for v in tf.compat.v1.global_variables() if v not in optional]
             self._without_optional = tf.compat.v1.train.Saver(
                 variables, max_to_keep=None, name="nanguard_rollback_without_optional"

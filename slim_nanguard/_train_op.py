@@ -32,6 +32,7 @@ from slim_nanguard import _learning_rate
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _parity
+from slim_nanguard import _placement
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
 
@@ -160,7 +161,7 @@ def _gated(
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
     graph = total_loss.graph
-    with tf.name_scope("nanguard"):
+    with tf.name_scope("nanguard"), _placement.verdict_scope(total_loss, [g for g, _ in grads]):
         test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
         autopsy = _autopsy_possible(config, graph, forward.snapshots)
@@ -239,7 +240,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
     )
     saver = None
     if config.may_roll_back:
-        with tf.init_scope():
+        with tf.init_scope(), _placement.on_host():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):

@@ -16,6 +16,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _placement
+
 FINITE = "finite"
 NAN = "nan"
 INF = "inf"
@@ -39,9 +41,10 @@ def kind_word(kind: str) -> str:
 def kind_code(tensor: tf.Tensor) -> tf.Tensor:
     """Scalar int32: 1 if `tensor` holds a NaN, plus 2 if it holds an Inf (exact)."""
     tensor = _values(tensor)
-    nan = tf.cast(tf.reduce_any(tf.math.is_nan(tensor)), tf.int32)
-    inf = tf.cast(tf.reduce_any(tf.math.is_inf(tensor)), tf.int32)
-    return nan + 2 * inf
+    with _placement.beside(tensor):
+        nan = tf.cast(tf.reduce_any(tf.math.is_nan(tensor)), tf.int32)
+        inf = tf.cast(tf.reduce_any(tf.math.is_inf(tensor)), tf.int32)
+        return nan + 2 * inf
 
 
 def listed(names: Sequence[str], limit: int = 5) -> str:
@@ -66,7 +69,11 @@ def tensor_sums(tensors: Sequence, name: str = "sums") -> tf.Tensor:
     """One vector in `accumulation_dtype`: the sum of each of `tensors` (NaN or Inf when an
     element is)."""
     dtype = accumulation_dtype(tensors)
-    return tf.stack([tf.reduce_sum(_widened(_values(t), dtype)) for t in tensors], name=name)
+    sums = []
+    for t in tensors:
+        with _placement.beside(_values(t)):
+            sums.append(tf.reduce_sum(_widened(_values(t), dtype)))
+    return tf.stack(sums, name=name)
 
 
 def _values(tensor) -> tf.Tensor:
@@ -83,21 +90,27 @@ _STACK_BYTES = 1 << 16
 
 
 def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
-    """Scalars in `dtype` adding up to half the sum of squares of `tensors`: one `l2_loss` per
-    stack of same dtype and static shape (up to `_STACK_BYTES`), or per other tensor."""
+    """Scalars in `dtype` adding up to half the sum of squares of `tensors`, one a device: one
+    `l2_loss` per stack of same device, dtype and static shape (up to `_STACK_BYTES`), or per
+    other tensor, each beside its tensors."""
     by_shape: Dict[object, List[tf.Tensor]] = {}
     for i, t in enumerate(tensors):
         v = _values(t)
-        key = (v.dtype.base_dtype, tuple(v.shape.as_list())) if v.shape.is_fully_defined() else i
-        by_shape.setdefault(key, []).append(v)
-    halves = []
-    for group in by_shape.values():
+        shape = (v.dtype.base_dtype, tuple(v.shape.as_list())) if v.shape.is_fully_defined() else i
+        by_shape.setdefault((_placement.device_of(v), shape), []).append(v)
+    by_device: Dict[str, List[tf.Tensor]] = {}
+    for (device, _), group in by_shape.items():
         size = group[0].shape.num_elements() or 0
         per_stack = max(1, _STACK_BYTES // max(1, size * group[0].dtype.size))
         for start in range(0, len(group), per_stack):
             chunk = group[start : start + per_stack]
-            stacked = chunk[0] if len(chunk) == 1 else tf.stack(chunk, name="same_shape")
-            halves.append(tf.nn.l2_loss(_widened(stacked, dtype)))
+            with _placement.beside(chunk[0]):
+                stacked = chunk[0] if len(chunk) == 1 else tf.stack(chunk, name="same_shape")
+                by_device.setdefault(device, []).append(tf.nn.l2_loss(_widened(stacked, dtype)))
+    halves = []  # One scalar a device: what a good step sends between devices.
+    for group in by_device.values():
+        with _placement.beside(group[0]):
+            halves.append(group[0] if len(group) == 1 else tf.math.add_n(group))
     return halves
 
 
@@ -120,7 +133,7 @@ class Verdict:
         loss: Optional[tf.Tensor] = None,
         kinds_variable: Optional[tf.Variable] = None,
     ):
-        """On a failed fast test, `kinds_variable` (if given) is assigned `kinds` first."""
+        """On a failed fast test, `kinds_variable` (if given, int64) is assigned `kinds` first."""
         self.tensors = ([] if loss is None else [loss]) + list(gradients)
         self._gradients = list(gradients)
         dtype = accumulation_dtype(self.tensors)
@@ -138,7 +151,7 @@ class Verdict:
                 with tf.control_dependencies(
                     []
                     if kinds_variable is None
-                    else [kinds_variable.assign(self.kinds, read_value=False)]
+                    else [kinds_variable.assign(tf.cast(self.kinds, tf.int64), read_value=False)]
                 ):
                     nan = tf.reduce_any(tf.equal(tf.bitwise.bitwise_and(self.kinds, 1), 1))
                     inf = tf.reduce_any(tf.greater_equal(self.kinds, 2))
@@ -158,9 +171,7 @@ class Verdict:
         with tf.name_scope(self._scope), tf.name_scope("global_norm"):
             _, cheap = control_flow_ops.switch(tf.math.add_n(list(self._halves)), self.fast)
             with self.when_failed():
-                wide = tf.math.add_n(
-                    [tf.nn.l2_loss(_widened(_values(g), tf.float64)) for g in self._gradients]
-                )
+                wide = tf.math.add_n(half_squares(self._gradients, tf.float64))
             half = control_flow_ops.merge([_widened(cheap, tf.float64), wide])[0]
             return tf.sqrt(2.0 * half, name="value")
 
