@@ -12,8 +12,10 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _ops
+from slim_nanguard import _placement
 
 _UNKEPT_DTYPES = (tf.resource, tf.variant)
+_HOST_DTYPES = (tf.int32, tf.string)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +71,18 @@ def outside_control_flow(graph: tf.Graph) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def guard_variable_scope(graph: tf.Graph, near: tf.Tensor) -> Iterator[None]:
+def guard_variable_scope(graph: tf.Graph, near: Optional[tf.Tensor]) -> Iterator[None]:
     """Where the guard makes a variable of its own: outside control flow and function bodies,
     colocated with `near` on its worker (a `replica_device_setter` would share it on a parameter
-    server), or in a function body (not colocatable from outside) on the device in force."""
+    server), or on the host of the device in force when `near` is None; in a function body (not
+    colocatable from outside) on the device in force."""
     in_function = getattr(graph, "building_function", False)
     with outside_control_flow(graph), tf.init_scope():
         if in_function:
             yield
+        elif near is None:
+            with _placement.on_host():
+                yield
         else:
             with tf.compat.v1.colocate_with(near.op, ignore_existing=True):
                 yield
@@ -91,7 +97,11 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
     variables, stores = [], []
     with tf.name_scope("keep_batch"):
         for i, tensor in enumerate(tensors):
-            with guard_variable_scope(loss.graph, producer(tensor)):
+            home = producer(tensor)
+            # A fed int32 or string batch on a GPU is kept on the host: no GPU kernel holds a
+            # variable of either (only a bad step's value crosses).
+            on_host = home is tensor and tensor.dtype.base_dtype in _HOST_DTYPES
+            with guard_variable_scope(loss.graph, None if on_host else home):
                 variable = tf.compat.v1.Variable(
                     tf.constant([], dtype=tensor.dtype.base_dtype),
                     trainable=False,
@@ -101,9 +111,10 @@ def keep_batch(loss: tf.Tensor, ok: tf.Tensor, *, enabled: bool, merge: bool = T
                     use_resource=True,
                     name=f"batch_{i}",
                 )
-            # Beside the variable: the batch is switched where it is, and `ok` is the one copy.
-            with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True):
+            # The batch is switched where it is made: a good step copies only `ok`.
+            with tf.compat.v1.colocate_with(home.op, ignore_existing=True):
                 bad_value, _ = control_flow_ops.switch(tensor, ok)
+            with tf.compat.v1.colocate_with(variable.handle.op, ignore_existing=True):
                 stores.append(variable.assign(bad_value, read_value=False))
             variables.append(variable)
         if not merge:

@@ -172,7 +172,7 @@ def _under_gpu(device_scope, **guard_kwargs) -> tf.Graph:
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.device(device_scope):
         x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
-        y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")  # int32: no GPU variable
         net = slim.fully_connected(x, 8, normalizer_fn=slim.batch_norm)
         logits = slim.fully_connected(net, 2, activation_fn=None)
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(y, logits)
@@ -243,7 +243,7 @@ def test_on_a_gpu_a_bad_step_changes_nothing(mode, policy):
     guard = slim_nanguard.get_guard(train_op)
     config = tf.compat.v1.ConfigProto(allow_soft_placement=False)
     x = np.random.RandomState(0).randn(8, 4).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int64)
+    y = (x[:, 0] > 0).astype(np.int32)
     bad_x = x.copy()
     bad_x[3, 2] = np.nan
     with graph.as_default(), tf.compat.v1.Session(config=config) as sess:
