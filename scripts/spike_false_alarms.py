@@ -35,7 +35,7 @@ Usage, from the repository root::
     python scripts/spike_false_alarms.py                  # both tables (about 7 minutes)
     python scripts/spike_false_alarms.py --part=configs --configs=default,lenet
     python scripts/spike_false_alarms.py --part=models --steps=500
-    python scripts/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~25 min)
+    python scripts/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
     python scripts/spike_false_alarms.py --part=converged --quick
 """
 
