@@ -14,6 +14,19 @@ Two tables, printed as Markdown (docs/guide.md holds them as measured):
   ``spike_policy="skip"`` on a new random batch each step, labelled by a fixed random linear
   teacher (so the loss falls, as in training, with the batch-to-batch noise of real data).
 
+* ``--part=converged``: nets trained to convergence, where weight decay is most of the total
+  loss (issue 33: LeNet flagged clean late steps at z 6-12 when the total loss was judged):
+  LeNet (``configs/lenet.cfg`` by ``scripts/train.py``) and CifarNet (`models.cifarnet`, its
+  weight decay of 0.004 on the fully connected layers, batch norm after each convolution, the
+  digits at 16x16x3, momentum 0.9 at 0.01, trained here by `slim_nanguard.train`) for
+  ``--converged_steps`` steps, each seed of ``--seeds``, with ``spike_policy="skip"`` (every
+  other setting at its default) and without a spike policy. A row: the steps judged (the
+  guarded run's steps, good and bad, past the warm-up of 20), each false alarm with its
+  z-scores and the value over ``spike_sigma`` (its cause), the largest z-scores of data loss
+  and gradient norm (TensorBoard's, those of accepted steps), and the test accuracy of each
+  run. Its last line is the sentence the README may say. ``--quick``: one seed, 60 steps
+  (the table's shape, for tests/test_spike_false_alarms.py).
+
 The wider bench (clean-but-hard runs, and the runs the guard must judge: a new level, a
 learning-rate jump, planted spikes and bad shards) is ``scripts/spike_bench.py``.
 
@@ -22,6 +35,8 @@ Usage, from the repository root::
     python scripts/spike_false_alarms.py                  # both tables (about 7 minutes)
     python scripts/spike_false_alarms.py --part=configs --configs=default,lenet
     python scripts/spike_false_alarms.py --part=models --steps=500
+    python scripts/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
+    python scripts/spike_false_alarms.py --part=converged --quick
 """
 
 import math
@@ -91,6 +106,14 @@ def _largest_z(train_dir: str):
                 for tag in (t for t in Z_TAGS if value.tag.endswith(t)):
                     largest[tag] = max(largest[tag], value.simple_value)
     return tuple(largest[tag] for tag in Z_TAGS)
+
+
+def _over_words(record) -> str:
+    """What a spike's record says was over ``spike_sigma``, in words (its cause)."""
+    from slim_nanguard import _spike
+
+    spike = record["spike"]
+    return " and ".join(_spike.name_of(c, spike) for c in spike.get("over") or ()) or "none"
 
 
 def _spike_cell(spikes) -> str:
@@ -196,12 +219,148 @@ def models_table(names, optimizers, steps: int, workdir: str) -> str:
     return "\n".join(rows)
 
 
+CONVERGED_MODELS = ("lenet", "cifarnet")
+WARMUP_STEPS = 20  # the spike guard's default spike_warmup_steps
+CONVERGED_COLUMNS = (
+    "model",
+    "seed",
+    "steps judged",
+    "false alarms (step: z data loss / z grad norm, over sigma)",
+    "largest z data loss",
+    "largest z grad norm",
+    "test accuracy unguarded",
+    "guarded",
+)
+
+
+def _lenet_converged(seed: int, steps: int, train_dir: str, guarded: bool):
+    """``configs/lenet.cfg`` for `steps` steps: (steps run, test accuracy)."""
+    extra = [f"--seed={seed}", f"--max_number_of_steps={steps}", "--log_every_n_steps=0"]
+    proc = _train("lenet", train_dir, *extra, *(["--spike_policy=skip"] if guarded else []))
+    good = int(re.search(r"^  steps +(\d+) good steps", proc.stdout, re.M).group(1))
+    bad = int(re.search(r"^  bad steps +(\d+)", proc.stdout, re.M).group(1))
+    return good + bad, _accuracy(proc.stdout)
+
+
+def _cifarnet_converged(seed: int, steps: int, logdir: str, guarded: bool):
+    """CifarNet with batch norm on the digits for `steps` steps: (steps run, test accuracy)."""
+    import tensorflow as tf
+    import tf_slim as slim
+
+    import slim_nanguard
+    from slim_nanguard import compat
+    from slim_nanguard.app import datasets
+    from slim_nanguard.app import models
+
+    compat.install()  # slim.batch_norm on current TensorFlow
+
+    def net(images, is_training):
+        with (
+            slim.arg_scope([slim.conv2d], normalizer_fn=slim.batch_norm),
+            slim.arg_scope([slim.batch_norm], is_training=is_training, decay=0.9),
+        ):
+            return models.cifarnet(images, 10, is_training)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(seed)
+        digits = {"image_size": 16, "channels": 3, "seed": seed}
+        with tf.device("/cpu:0"):
+            train_data, _ = datasets.get_dataset("digits", "train", batch_size=32, **digits)
+            test_data, _ = datasets.get_dataset(
+                "digits", "test", batch_size=1000, shuffle=False, repeat=False, **digits
+            )
+            images, labels = tf.compat.v1.data.make_one_shot_iterator(train_data).get_next()
+            test_images, test_labels = tf.compat.v1.data.make_one_shot_iterator(
+                test_data
+            ).get_next()
+        logits = net(images, True)
+        tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+        total_loss = tf.compat.v1.losses.get_total_loss()
+        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True):
+            test_logits = net(test_images, False)
+        correct = tf.equal(tf.argmax(test_logits, 1), test_labels)
+        accuracy = tf.reduce_mean(tf.cast(correct, tf.float32))
+        optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+        train_op = slim_nanguard.create_train_op(
+            total_loss, optimizer, spike_policy="skip" if guarded else None
+        )
+        measured = []
+
+        class _Evaluate(tf.compat.v1.train.SessionRunHook):
+            def end(self, session):
+                measured.append(float(session.run(accuracy)))
+
+        result = slim_nanguard.train(
+            train_op,
+            logdir,
+            number_of_steps=steps,
+            hooks=[_Evaluate()],
+            save_summaries_steps=1,
+            save_checkpoint_secs=None,
+            log_every_n_steps=0,
+        )
+    return result.steps + result.bad_steps, measured[0]
+
+
+_CONVERGED_RUNS = {"lenet": _lenet_converged, "cifarnet": _cifarnet_converged}
+
+
+def _alarms_cell(spikes) -> str:
+    if not spikes:
+        return "0"
+    shown = ", ".join(
+        f"{r['step']}: {r['spike']['z_loss']:.1f} / {r['spike']['z_grad_norm']:.1f}, "
+        f"{_over_words(r)}"
+        for r in spikes
+    )
+    return f"**{len(spikes)}**: {shown}"
+
+
+def converged_table(names, seeds, steps: int, workdir: str) -> str:
+    """Trains each net with and without the spike guard; the table and the README's line."""
+    rows = ["| " + " | ".join(CONVERGED_COLUMNS) + " |", "|" + "---|" * len(CONVERGED_COLUMNS)]
+    alarms = judged_total = 0
+    for name in names:
+        for seed in seeds:
+            start = time.time()
+            base = os.path.join(workdir, f"converged_{name}_{seed}")
+            _, acc_without = _CONVERGED_RUNS[name](seed, steps, base + "_without", False)
+            ran, acc_with = _CONVERGED_RUNS[name](seed, steps, base + "_with", True)
+            spikes, others = _spikes(base + "_with")
+            if others:
+                raise RuntimeError(f"{name} seed {seed}: {others} non-finite steps in a clean run")
+            z_loss, z_norm = _largest_z(base + "_with")
+            judged = max(ran - WARMUP_STEPS, 0)
+            alarms += len(spikes)
+            judged_total += judged
+            rows.append(
+                f"| {name} | {seed} | {judged} | {_alarms_cell(spikes)} | {z_loss:.2f} "
+                f"| {z_norm:.2f} | {acc_without:.4f} | {acc_with:.4f} |"
+            )
+            print(f"{name} seed {seed}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    runs = len(names) * len(seeds)
+    sentence = (
+        f"On {runs} run{'s' if runs != 1 else ''} trained {steps} steps "
+        f"({', '.join(names)}; seeds {', '.join(str(s) for s in seeds)}; "
+        f"{judged_total} steps judged) the spike guard at its defaults flagged {alarms} "
+        f"clean step{'' if alarms == 1 else 's'}."
+    )
+    return "\n".join(rows + ["", sentence])
+
+
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("part", "both", ["configs", "models", "both"], "Which table to print.")
+flags.DEFINE_enum(
+    "part", "both", ["configs", "models", "both", "converged"], "Which table to print."
+)
 flags.DEFINE_list("configs", list(CONFIGS), "The shipped configs to run (names in configs/).")
 flags.DEFINE_list("models", [], "Benchmark models to train (default: all).")
 flags.DEFINE_list("optimizers", ["sgd", "adam"], "Their optimizers.")
 flags.DEFINE_integer("steps", 500, "Steps per benchmark model.")
+flags.DEFINE_list("converged_models", list(CONVERGED_MODELS), "Nets of --part=converged.")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of --part=converged.")
+flags.DEFINE_integer("converged_steps", 1500, "Steps per run of --part=converged.")
+flags.DEFINE_bool("quick", False, "--part=converged on seed 0 for 60 steps: the table's shape.")
 flags.DEFINE_string("workdir", "", "Where the runs go (default: a new temporary directory).")
 
 
@@ -222,6 +381,11 @@ def main(argv) -> int:
         tf.compat.v1.disable_v2_behavior()
         names = FLAGS.models or list(benchmarking.MODELS)
         print(models_table(names, FLAGS.optimizers, FLAGS.steps, workdir))
+    if FLAGS.part == "converged":
+        tf.compat.v1.disable_v2_behavior()
+        seeds = [0] if FLAGS.quick else [int(s) for s in FLAGS.seeds]
+        steps = 60 if FLAGS.quick else FLAGS.converged_steps
+        print(converged_table(FLAGS.converged_models, seeds, steps, workdir))
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from slim_nanguard._spike import COLUMNS
 from slim_nanguard._spike import FLOOR
-from slim_nanguard._spike import NAMES
+from slim_nanguard._spike import name_of
 
 # How many of the window's deviations (of the logarithms) a new level's values may spread
 # over, and its later half lie above its earlier half.
@@ -31,6 +31,8 @@ class LevelShift:
       new: Each column's typical value over the run.
       floor: Each column's deviation of the logarithms before the run: the least one the
         re-seeded statistics judge with.
+      regularization_terms: How many regularization losses the loss judged leaves out (its
+        words: ``data loss`` when any).
     """
 
     steps: Tuple[int, ...]
@@ -38,12 +40,16 @@ class LevelShift:
     old: Dict[str, float]
     new: Dict[str, float]
     floor: Tuple[float, float] = (FLOOR, FLOOR)
+    regularization_terms: int = 0
 
     def describe(self, repeats: int = 1, probation_steps: Optional[int] = None) -> str:
         """One sentence for the log: what moved, from what to what, over which steps; each
         value written `repeats` times, a probation of `probation_steps` (None: not said)."""
+        words = {"regularization_terms": self.regularization_terms}
         moved = ", ".join(
-            f"{NAMES[c]} {self.old[c]:.4g} -> {self.new[c]:.4g}" for c in COLUMNS if c in self.new
+            f"{name_of(c, words)} {self.old[c]:.4g} -> {self.new[c]:.4g}"
+            for c in COLUMNS
+            if c in self.new
         )
         first, last = self.steps[0], self.steps[-1]
         where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
@@ -92,7 +98,8 @@ def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[Leve
     old = {c: math.exp(float(run[0][f"log_mean_{c}"])) for c in new}
     if any(c in over and new[c] > MAX_RISE * old[c] for c in new):
         return None
-    return LevelShift(tuple(int(s["step"]) for s in run), values, old, new, floor)
+    terms = int(run[0].get("regularization_terms", 0))
+    return LevelShift(tuple(int(s["step"]) for s in run), values, old, new, floor, terms)
 
 
 def holds_together(values: Sequence[float], deviation: float) -> bool:

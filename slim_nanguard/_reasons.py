@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Sequence, Tuple
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -17,18 +17,23 @@ class StepValues:
     """What a reason's test is built from.
 
     Attributes:
-      loss: The step's total loss (scalar).
+      loss: The step's total loss (scalar), as the NaN/Inf verdict takes it.
       grads: The gradients the train op applies (those that are not None).
       global_norm: Float64 scalar, the exact global norm of `grads` (finite where a float32
         norm would overflow).
       state_scope: A context for the reason's own variables: outside any loop body, and on a
         cluster on the ps with the model.
+      data_loss: Float64 scalar, `loss` without the regularization losses it adds (the sum
+        of its other terms); `loss` itself when it adds none. None: the same as `loss`.
+      regularization: The regularization losses `loss` adds (`regularization_terms`).
     """
 
     loss: tf.Tensor
     grads: Tuple[tf.Tensor, ...]
     global_norm: tf.Tensor
     state_scope: Callable[[], ContextManager]
+    data_loss: Optional[tf.Tensor] = None
+    regularization: Tuple[tf.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,34 @@ class Reason(abc.ABC):
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
         """TensorBoard's scalars (``nanguard/<key>``) from the last accepted step's `judged`."""
         return {name: judged[i] for i, name in enumerate(self.judged_fields)}
+
+
+# The ops a regularization loss passes through unchanged on its way into the total loss.
+_ADDITIVE = frozenset({"Identity", "Add", "AddV2", "AddN"})
+
+
+def loss_terms(loss: tf.Tensor) -> Tuple[Tuple[tf.Tensor, ...], Tuple[tf.Tensor, ...]]:
+    """``(data, regularization)``: the terms `loss` sums, walking back through sums and
+    identities only (each as often as it is added), split into the graph's regularization
+    losses (``REGULARIZATION_LOSSES``: slim's ``weights_regularizer``, ``tf.compat.v1.losses``)
+    and the rest. A regularization loss scaled or otherwise changed on its way into `loss` is
+    no term of it: it stays in the data. ``((loss,), ())`` when `loss` adds none."""
+    collected = loss.graph.get_collection(tf.compat.v1.GraphKeys.REGULARIZATION_LOSSES)
+    wanted = {t.name for t in collected if isinstance(t, tf.Tensor)}
+    if not wanted:
+        return (loss,), ()
+    data, regularization, stack = [], [], [loss]
+    while stack:
+        tensor = stack.pop()
+        if tensor.name in wanted:
+            regularization.append(tensor)
+        elif tensor.op.type in _ADDITIVE and tensor.op.inputs:
+            stack.extend(reversed(tensor.op.inputs))
+        else:
+            data.append(tensor)
+    if not regularization:
+        return (loss,), ()
+    return tuple(data), tuple(regularization)
 
 
 def check(reasons: Sequence[Reason], policies: Sequence[str]) -> None:

@@ -1,6 +1,7 @@
-"""The spike test: is the logarithm of this step's loss or gradient norm more than `sigma`
-deviations above the mean of the last `window` accepted steps' (warm-up outliers left out)?
-The tests hold the same arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
+"""The spike test: is the logarithm of this step's data loss (the total loss without the
+regularization losses it adds) or gradient norm more than `sigma` deviations above the mean of
+the last `window` accepted steps' (warm-up outliers left out)? The tests hold the same
+arithmetic in NumPy. Why: docs/guide.md, "The spike guard".
 """
 
 from __future__ import annotations
@@ -32,8 +33,16 @@ def _fields(*prefixes: str) -> Tuple[str, ...]:
     return tuple(f"{prefix}{column}" for prefix in prefixes for column in COLUMNS)
 
 
-# What `SpikeTest.report_vector` holds, in order (float64).
-REPORT_FIELDS = _fields("", "z_", "log_mean_", "log_std_") + ("accepted_steps", "window_steps")
+# What `SpikeTest.report_vector` holds, in order (float64). ``loss`` is the loss judged: the
+# data loss; ``total_loss`` the train op's, ``regularization_loss`` the sum of the
+# ``regularization_terms`` regularization losses it adds (the difference).
+REPORT_FIELDS = _fields("", "z_", "log_mean_", "log_std_") + (
+    "accepted_steps",
+    "window_steps",
+    "total_loss",
+    "regularization_loss",
+    "regularization_terms",
+)
 
 
 class SpikeTest:
@@ -61,10 +70,16 @@ class SpikeTest:
         warmup_steps: int,
         window: int = SPIKE_WINDOW,
         variable_scope: Callable[[], ContextManager] = contextlib.nullcontext,
+        total_loss: Optional[tf.Tensor] = None,
+        regularization: Sequence[tf.Tensor] = (),
     ):
         """Builds the variables (in `variable_scope`) and the test; `update` builds the write.
-        Needs ``sigma > 0`` and ``2 <= warmup_steps <= window`` (unchecked here)."""
+        `loss` is the loss judged; `total_loss` (None: `loss`) and its `regularization`
+        terms are reported beside it. Needs ``sigma > 0`` and ``2 <= warmup_steps <= window``
+        (unchecked here)."""
         self.window, self.sigma, self.warmup_steps = window, float(sigma), int(warmup_steps)
+        self._total_loss = loss if total_loss is None else total_loss
+        self._regularization = tuple(regularization)
         # One set per train op: a second one gets ``nanguard_spike_1/``.
         with variable_scope(), tf.compat.v1.variable_scope(None, default_name=SPIKE_SCOPE):
             self.history = _variable("history", [window, len(COLUMNS)], tf.float64)
@@ -197,8 +212,16 @@ class SpikeTest:
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
         # The window's entries (the fewer of the columns').
         window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
+        terms = [tf.cast(t, tf.float64) for t in self._regularization]
+        loss_parts = tf.stack(
+            [
+                tf.cast(self._total_loss, tf.float64),
+                tf.add_n(terms) if terms else tf.constant(0.0, tf.float64),
+                tf.constant(float(len(terms)), tf.float64),
+            ]
+        )
         return tf.concat(
-            [self.values, self.z_scores(), self.mean, self.std, count, window_steps],
+            [self.values, self.z_scores(), self.mean, self.std, count, window_steps, loss_parts],
             0,
             name="report",
         )
@@ -230,13 +253,15 @@ class Spike(_reasons.Reason):
     warmup_steps: int = 20
 
     def build(self, values: _reasons.StepValues) -> _reasons.Test:
-        """The `SpikeTest` of the loss and the global norm, also its `handles`."""
+        """The `SpikeTest` of the data loss and the global norm, also its `handles`."""
         test = SpikeTest(
-            values.loss,
+            values.loss if values.data_loss is None else values.data_loss,
             values.global_norm,
             sigma=self.sigma,
             warmup_steps=self.warmup_steps,
             variable_scope=values.state_scope,
+            total_loss=values.loss,
+            regularization=values.regularization,
         )
         return _reasons.Test(
             reject=test.spike,
@@ -255,7 +280,8 @@ class Spike(_reasons.Reason):
         """The base figures (counts as ints), plus ``sigma``, ``typical_<column>`` (the window's
         geometric mean) and ``over`` (the columns whose z-score exceeded ``sigma``, loss first)."""
         figures = super().figures(report)
-        figures |= {k: int(figures[k]) for k in ("accepted_steps", "window_steps")}
+        counts = ("accepted_steps", "window_steps", "regularization_terms")
+        figures |= {k: int(figures[k]) for k in counts if k in figures}
         figures["sigma"] = float(self.sigma)
         figures |= {f"typical_{c}": math.exp(figures[f"log_mean_{c}"]) for c in COLUMNS}
         figures["over"] = [c for c in COLUMNS if figures[f"z_{c}"] > self.sigma]
@@ -265,12 +291,37 @@ class Spike(_reasons.Reason):
         return phrase(figures)
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
-        """The last accepted step's ``grad_norm``, ``z_loss`` and ``z_grad_norm`` (z 0 in a
-        column's warm-up and before any step is stored)."""
+        """The last accepted step's ``data_loss`` (the loss judged: the total loss without the
+        regularization losses it adds), ``grad_norm``, ``z_loss`` (of the data loss) and
+        ``z_grad_norm`` (z 0 in a column's warm-up and before any step is stored)."""
         values, mean, std, live = tf.split(judged, len(JUDGED_FIELDS) // len(COLUMNS))
         z = _z_scores(values, mean, tf.maximum(std, FLOOR), live > 0)
-        shown = {c: judged[i] for i, c in enumerate(COLUMNS) if c != "loss"}
+        shown = {SUMMARY_NAMES.get(c, c): judged[i] for i, c in enumerate(COLUMNS)}
         return shown | {f"z_{c}": z[i] for i, c in enumerate(COLUMNS)}
+
+
+# The summaries' names of the values judged (``losses/total_loss`` is the launcher's).
+SUMMARY_NAMES = {"loss": "data_loss"}
+
+
+def name_of(column: str, figures: Dict[str, Any]) -> str:
+    """What `column` of a spike's (or a level's) `figures` is in words: ``"data loss"`` when
+    regularization losses were taken out of the loss judged, else as `NAMES` says."""
+    if column == "loss" and figures.get("regularization_terms"):
+        return "data loss"
+    return NAMES[column]
+
+
+def _value_words(column: str, report: Dict[str, Any]) -> str:
+    """The value of `column` as the log line states it: the data loss with what it was taken
+    from (``data loss 0.01 (total loss 0.06 less regularization 0.05)``)."""
+    text = f"{name_of(column, report)} {report[column]:.4g}"
+    if name_of(column, report) != NAMES[column]:
+        text += (
+            f" (total loss {report['total_loss']:.4g} less regularization "
+            f"{report['regularization_loss']:.4g})"
+        )
+    return text
 
 
 def phrase(report: Dict[str, Any]) -> str:
@@ -278,12 +329,14 @@ def phrase(report: Dict[str, Any]) -> str:
     sigma = float(report["sigma"])
     over = report.get("over") or ()
     parts = [
-        f"{NAMES[c]} {report[c]:.4g} is {deviations(report['z_' + c], sigma)} deviations above "
+        f"{_value_words(c, report)} is {deviations(report['z_' + c], sigma)} deviations above "
         f"the typical {report['typical_' + c]:.4g}"
         for c in over
     ]
     others = [c for c in NAMES if c not in over]
-    tail = ", ".join(f"{NAMES[c]} z {deviations(report['z_' + c], sigma)}" for c in others)
+    tail = ", ".join(
+        f"{name_of(c, report)} z {deviations(report['z_' + c], sigma)}" for c in others
+    )
     tail = f"; {tail}" if tail else ""
     head = "; ".join(parts) or "no value above spike_sigma"
     window = report.get("window_steps", report["accepted_steps"])

@@ -313,11 +313,11 @@ def _spike_line(quote: str) -> str:
     from slim_nanguard import _spike
     from slim_nanguard._types import Fault
 
-    names = {"loss": "loss", "gradient norm": "grad_norm"}
+    names = {"loss": "loss", "data loss": "loss", "gradient norm": "grad_norm"}
     over = re.search(
         rf"spike: (loss|gradient norm) {_NUMBER} is {_NUMBER} deviations above the typical "
         rf"{_NUMBER} \(spike_sigma={_NUMBER}, over the last (\d+) accepted steps"
-        rf"(?:; (loss|gradient norm) z {_NUMBER})?\)",
+        rf"(?:; ((?:data )?loss|gradient norm) z {_NUMBER})?\)",
         quote,
     )
     assert over, f"no spike figures in {quote!r}"
@@ -333,6 +333,8 @@ def _spike_line(quote: str) -> str:
     }
     if other:
         report["z_" + other] = float(over.group(8))
+    if over.group(7) == "data loss":  # regularization taken out of the loss judged
+        report["regularization_terms"] = 1
     event = _events.NanEvent(
         step=0,
         loss=1.0,

@@ -211,15 +211,21 @@ def test_a_spike_policy_that_rolls_back_needs_the_checkpoint_directory():
     assert not quiet.needs_checkpoint_dir
 
 
-def test_the_summaries_carry_the_gradient_norm_and_both_z_scores():
+def test_the_summaries_carry_the_data_loss_the_gradient_norm_and_both_z_scores():
     model = lib.build_model(spike_policy="skip")
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        sess.run(model.train_op)  # They show the last accepted step's values.
+        loss, _ = sess.run([model.loss, model.train_op])  # the last accepted step's values
         merged = sess.run(tf.compat.v1.summary.merge_all())
     summary = tf.compat.v1.Summary.FromString(merged)
     values = {v.tag: v.simple_value for v in summary.value}
-    assert set(values) == {"nanguard/grad_norm", "nanguard/z_loss", "nanguard/z_grad_norm"}
+    assert set(values) == {
+        "nanguard/data_loss",
+        "nanguard/grad_norm",
+        "nanguard/z_loss",
+        "nanguard/z_grad_norm",
+    }
+    assert values["nanguard/data_loss"] == np.float32(loss)  # no regularization: the loss
     assert values["nanguard/grad_norm"] > 0
     assert values["nanguard/z_loss"] == 0.0  # in the warm-up
 

@@ -247,7 +247,7 @@ def test_the_log_line_says_the_window_its_figures_are_over_not_the_runs_count():
 _SPIKE_PHRASE = re.compile(
     r"spike: gradient norm (?P<grad_norm>\S+) is (?P<z_grad_norm>\S+) deviations above the "
     r"typical (?P<typical_grad_norm>\S+) \(spike_sigma=(?P<sigma>\S+), over the last "
-    r"(?P<window_steps>\d+) accepted steps; loss z (?P<z_loss>\S+)\)"
+    r"(?P<window_steps>\d+) accepted steps; (?P<loss_name>(?:data )?loss) z (?P<z_loss>\S+)\)"
 )
 
 
@@ -255,14 +255,20 @@ def _read_spike_phrase(text: str) -> dict:
     """The figures a reader takes from a gradient-norm spike's log line."""
     found = _SPIKE_PHRASE.search(text)
     assert found, text
-    return {k: float(v) for k, v in found.groupdict().items()}
+    figures = {k: float(v) for k, v in found.groupdict().items() if k != "loss_name"}
+    # The loss judged is named a data loss exactly when regularization was taken out of it.
+    return figures | {"regularization_terms": found["loss_name"] == "data loss"}
 
 
 def _figures_of(spike: dict) -> dict:
     """The record's figures, as the log line prints them."""
     fmt = {"grad_norm": ".4g", "typical_grad_norm": ".4g", "z_grad_norm": ".1f", "z_loss": ".1f"}
     figures = {k: float(format(spike[k], f)) for k, f in fmt.items()}
-    return figures | {"sigma": spike["sigma"], "window_steps": float(spike["window_steps"])}
+    return figures | {
+        "sigma": spike["sigma"],
+        "window_steps": float(spike["window_steps"]),
+        "regularization_terms": spike.get("regularization_terms", 0) > 0,
+    }
 
 
 # ---------------------------------------------------------------------- a run, end to end
@@ -332,6 +338,12 @@ def test_a_runs_spike_line_states_the_records_figures(spiked_run):
     if spike["over"] == ["grad_norm"]:  # as on the CPUs we know; else only the counts below
         assert _read_spike_phrase(line) == _figures_of(spike), line
     assert "over the last 128 accepted steps" in line, line
+    # The MLP's weight decay is taken out of the loss judged: the record says by how much.
+    assert spike["regularization_terms"] == 3, spike  # fc1, fc2, logits
+    assert math.isclose(
+        spike["loss"] + spike["regularization_loss"], spike["total_loss"], rel_tol=1e-6
+    ), spike
+    assert math.isclose(spike["total_loss"], record["loss"], rel_tol=1e-6), (spike, record)
     consecutive, total = re.search(r"bad step (\d+) in a row \((\d+) in all\)", line).groups()
     assert (int(consecutive), int(total)) == (record["consecutive"], record["total"]) == (1, 1)
 
@@ -394,6 +406,49 @@ def test_the_launchers_summary_counts_the_spikes_of_the_record(spiked_run):
     assert int(spikes) == result.spikes == sum(r["cause"] == "spike" for r in records) == 1
     assert policy == config.guard.spike_policy == "skip"
     assert float(sigma) == config.guard.spike_sigma == record["spike"]["sigma"]
+
+
+_DATA_LOSS_PHRASE = re.compile(
+    r"spike: data loss (?P<loss>\S+) \(total loss (?P<total_loss>\S+) less regularization "
+    r"(?P<regularization_loss>\S+)\) is (?P<z_loss>\S+) deviations above the typical "
+    r"(?P<typical_loss>\S+) \(spike_sigma=6, over the last 128 accepted steps; gradient norm "
+    r"z (?P<z_grad_norm>\S+)\)"
+)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_data_loss_spike_says_what_was_judged_and_its_numbers_add_up(seed):
+    """A spike over the data loss (weight decay taken out, issue 33) names it a data loss and
+    shows the total and the regularization it was taken from, which add up as printed."""
+    rng = np.random.default_rng(seed)
+    regularization = 10 ** rng.uniform(-3, 1)
+    data = regularization * 10 ** rng.uniform(-4, 1)
+    report = {
+        "loss": data,
+        "grad_norm": 2.0,
+        "z_loss": rng.uniform(6.01, 30),
+        "z_grad_norm": rng.uniform(0, 5.9),
+        "typical_loss": data / 10,
+        "typical_grad_norm": 2.0,
+        "sigma": 6.0,
+        "over": ["loss"],
+        "accepted_steps": 300,
+        "window_steps": 128,
+        "total_loss": data + regularization,
+        "regularization_loss": regularization,
+        "regularization_terms": 4,
+    }
+    found = _DATA_LOSS_PHRASE.search(_spike.phrase(report))
+    assert found, _spike.phrase(report)
+    read = {k: float(v) for k, v in found.groupdict().items()}
+    for key, value in read.items():
+        assert value == float(format(report[key], ".1f" if key.startswith("z_") else ".4g"))
+    # Four digits each: the data loss is the total less the regularization, to their rounding.
+    slack = 5e-4 * (read["total_loss"] + read["regularization_loss"] + read["loss"])
+    assert abs(read["total_loss"] - read["regularization_loss"] - read["loss"]) <= slack
+    # Without regularization taken out, the same spike is the loss's, as before.
+    plain = {k: v for k, v in report.items() if "regularization" not in k and k != "total_loss"}
+    assert _spike.phrase(plain).startswith(f"spike: loss {data:.4g} is ")
 
 
 @pytest.mark.parametrize(

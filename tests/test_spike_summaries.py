@@ -1,12 +1,12 @@
 """The spike guard's summaries take no batch: they read what the last accepted step stored.
 
 A run trains with ``spike_policy="skip"`` from an input pipeline that counts the batches it
-hands out. The summaries ``nanguard/grad_norm``, ``z_loss`` and ``z_grad_norm`` are run
-besides the train steps, as the loops do: tf-slim's `learning.train` from its `Supervisor`'s
+hands out. The summaries ``nanguard/data_loss``, ``grad_norm``, ``z_loss`` and ``z_grad_norm``
+are run besides the train steps, as the loops do: tf-slim's `learning.train` from its `Supervisor`'s
 summary thread, every few milliseconds; a `MonitoredTrainingSession` from a
 `SummarySaverHook` that fires on a run that only reads a weight. Every batch handed out was
 trained on: as many batches as train steps. What the summaries show is the last accepted
-step's gradient norm and z-scores, as the statistics recorded them.
+step's data loss, gradient norm and z-scores, as the statistics recorded them.
 """
 
 import itertools
@@ -125,12 +125,14 @@ def test_the_summaries_show_the_last_accepted_step(mode):
             sess.run(summary_op)
         final = lib.state(sess, model.graph)
     assert before == {
+        "nanguard/data_loss": 0.0,
         "nanguard/grad_norm": 0.0,
         "nanguard/z_loss": 0.0,
         "nanguard/z_grad_norm": 0.0,
     }
     assert int(final["global_step"]) == int(final[count]) == 30
     rows = final[history][:30]
+    assert after["nanguard/data_loss"] == np.float32(rows[-1, 0])  # the loss judged
     assert after["nanguard/grad_norm"] == np.float32(rows[-1, 1])
     z = lib.reference_z_scores(rows[:-1].tolist(), tuple(rows[-1]))
     np.testing.assert_allclose(

@@ -1,0 +1,137 @@
+"""What the spike test judges: the data loss, the total loss without the regularization losses
+it adds (issue 33), found by walking back from the total through sums only.
+
+And ``scripts/spike_false_alarms.py --part=converged --quick``, the bench of nets trained to
+convergence, prints its table and a sentence that says what the table says.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_slim as slim
+
+import slim_nanguard
+from slim_nanguard import _reasons
+
+import nanguard_testlib as lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _model(weight_decay=0.5):
+    """A linear classifier with slim's weight decay: (cross-entropy, total loss)."""
+    images = tf.constant(np.random.RandomState(0).normal(size=(8, 4)), tf.float32)
+    labels = tf.constant([0, 1] * 4)
+    logits = slim.fully_connected(
+        images,
+        2,
+        activation_fn=None,
+        weights_regularizer=slim.l2_regularizer(weight_decay),
+        scope="fc",
+    )
+    cross_entropy = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    return cross_entropy, tf.compat.v1.losses.get_total_loss()
+
+
+def test_the_total_loss_splits_into_the_data_loss_and_its_regularization():
+    with tf.Graph().as_default():
+        cross_entropy, total = _model()
+        data, regularization = _reasons.loss_terms(total)
+        assert data == (cross_entropy,)
+        assert regularization == tuple(tf.compat.v1.losses.get_regularization_losses())
+        # Through the sum of the regularization losses too.
+        summed = tf.identity(cross_entropy + tf.compat.v1.losses.get_regularization_loss())
+        assert _reasons.loss_terms(summed) == (data, regularization)
+
+
+def test_a_scaled_or_absent_regularization_stays_in_the_loss():
+    with tf.Graph().as_default():
+        cross_entropy, total = _model()
+        # Scaled on its way: no term of the loss, so the loss judged is the loss itself.
+        scaled = 0.5 * total
+        assert _reasons.loss_terms(scaled) == ((scaled,), ())
+        # A regularization loss the loss does not depend on is not taken out of it.
+        assert _reasons.loss_terms(cross_entropy) == ((cross_entropy,), ())
+    with tf.Graph().as_default():
+        cross_entropy, total = _model(weight_decay=0.0)  # slim adds no regularizer at 0
+        assert _reasons.loss_terms(total)[1] == ()
+
+
+@pytest.mark.parametrize("check_numerics", [True, False])
+def test_a_step_is_judged_on_its_data_loss_and_its_total_still_checked(check_numerics):
+    """Weight decay most of the total loss: the statistics hold the cross-entropy, and a NaN
+    total (the data loss finite) is still a non-finite bad step."""
+    with tf.Graph().as_default() as graph:
+        cross_entropy, total = _model(weight_decay=50.0)
+        poison = tf.compat.v1.placeholder_with_default(0.0, [])
+        train_op = slim_nanguard.create_train_op(
+            total + poison,
+            tf.compat.v1.train.GradientDescentOptimizer(1e-4),
+            spike_policy="skip",
+            check_numerics=check_numerics,
+        )
+        (history,) = [v for v in graph.get_collection("variables") if "history" in v.name]
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            lib.mark_judged(sess, train_op)
+            expected, whole = sess.run([cross_entropy, total])
+            sess.run(train_op)
+            assert whole > 10 * expected
+            np.testing.assert_allclose(sess.run(history)[0, 0], expected, rtol=1e-6)
+            if check_numerics:
+                with pytest.raises(tf.errors.InvalidArgumentError):
+                    sess.run(train_op, {poison: np.nan})
+            else:  # hook mode: the gate stays shut, the run returns
+                sess.run(train_op, {poison: np.nan})
+            assert sess.run(history)[1].tolist() == [0.0, 0.0]  # the NaN step wrote nothing
+
+
+def test_the_quick_converged_bench_prints_its_table_and_a_true_sentence(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import spike_false_alarms
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "spike_false_alarms.py"),
+            "--part=converged",
+            "--quick",
+            f"--workdir={tmp_path / 'runs'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    table = [line for line in lines if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+    header, rows = cells[0], [dict(zip(cells[0], r)) for r in cells[2:]]
+    assert tuple(header) == spike_false_alarms.CONVERGED_COLUMNS
+    assert [(r["model"], r["seed"]) for r in rows] == [("lenet", "0"), ("cifarnet", "0")]
+    alarms = 0
+    for row in rows:
+        assert int(row["steps judged"]) == 60 - spike_false_alarms.WARMUP_STEPS, row
+        cell = row[header[3]]
+        count = 0 if cell == "0" else int(cell.strip("*").split("**")[0].rstrip(":*"))
+        listed = re.findall(r"(\d+): (-?[0-9.]+) / (-?[0-9.]+), ([a-z ]+)", cell)
+        assert count == len(listed), row
+        alarms += count
+        for acc in (row["test accuracy unguarded"], row["guarded"]):
+            assert 0.0 <= float(acc) <= 1.0, row
+    judged = sum(int(r["steps judged"]) for r in rows)
+    assert lines[-1] == (
+        f"On 2 runs trained 60 steps (lenet, cifarnet; seeds 0; {judged} steps judged) the "
+        f"spike guard at its defaults flagged {alarms} clean step{'' if alarms == 1 else 's'}."
+    )
