@@ -423,3 +423,16 @@ def test_giving_up_after_a_run_of_spikes_says_what_the_kept_state_is(tmp_path):
     assert "an older checkpoint of the directory may be the better start" in message
     assert "NaN or Inf" not in message.splitlines()[-1]
     assert "rejected (NaN, Inf or a spike)" in message
+
+
+def test_giving_up_on_a_spike_names_the_spike_flag(tmp_path):
+    """The advice after a spike under --spike_policy=raise names --spike_policy, not
+    --nan_policy (which the spike never went through)."""
+    with pytest.raises(slim_nanguard.NanLossError) as info:
+        app.run_training(
+            _config(tmp_path / "run", spike_policy="raise", inject_faults=("spike_input:25",))
+        )
+    assert info.value.event.cause == "spike"
+    advice = app.error_message(info.value).splitlines()[-1]
+    assert "--spike_policy=skip or --spike_policy=rollback" in advice
+    assert "--nan_policy" not in advice

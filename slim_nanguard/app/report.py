@@ -145,6 +145,11 @@ def error_message(err: BaseException) -> str:
     """
     if isinstance(err, slim_nanguard.NanLossError):
         advice = _GIVE_UP_ADVICE.get(err.cause, _GIVE_UP_ADVICE[Cause.POLICY])
+        reason = getattr(err.event, "reason", None)
+        if err.cause in (None, Cause.POLICY) and reason is not None:
+            # The flag of the reason that rejected the step: a spike is --spike_policy's.
+            flag = f"--{reason.policy_name}"
+            advice = f"To carry on past {reason.what}, use {flag}=skip or {flag}=rollback."
         checkpoint = getattr(err, "checkpoint", None)
         if checkpoint:
             step = storage.checkpoint_step(checkpoint)
