@@ -269,3 +269,18 @@ def test_the_autopsy_dump_keeps_the_weights_it_read_with_the_batch_fed(tmp_path)
     assert sorted(name.split("/")[0] for name in weights) == ["fc1", "fc1", "logits", "logits"]
     assert batch["IteratorGetNext:2"] == BAD[0]  # the bad batch's own index
     assert run.trained == run.good
+
+
+def test_a_replay_that_would_run_the_iterator_through_a_control_edge_runs_nothing():
+    """Every output of the iterator fed, but the loss waits on the iterator's op itself."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session() as sess:
+        x, _, index = _data()
+        data = tf.data.Dataset.from_tensor_slices((x, index))
+        bx, bi = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+        with tf.control_dependencies([bx.op]):
+            loss = tf.reduce_sum(tf.math.log(bx))
+        result = _autopsy.replay(sess, {bx: x[BAD[0]], bi: BAD[0]}, [loss])
+        assert sess.run(bi) == 0  # the replay took no batch
+    assert result.reproduced is None and result.cost["runs"] == 0
+    assert "runs IteratorGetNext (IteratorGetNext) through a control dependency" in result.error
