@@ -341,16 +341,12 @@ def _is_float(tensor) -> bool:
 def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]:
     """The fetchable ops the targets read by data edges up to the fed ops, in topological order,
     that the batch, the weights or a stateful op reaches (a NaN constant, a mask, is on purpose:
-    the first bad op lets it in). AutopsyError when they read an unfed input op."""
+    the first bad op lets it in). AutopsyError when a run of them would take a new batch."""
+    why = takes_a_batch(targets, feeds)
+    if why:
+        raise AutopsyError(f"{why}, so it cannot be replayed without taking a new batch")
     fed_ops = {t.op for t in feeds}
     seen = list(_ops.walk([t.op for t in targets], control=False, stop=fed_ops.__contains__))
-    for op in seen:
-        # A fed input cannot stand in for a batch op's output: replaying past it needs it to run.
-        if op.type in _ops.BATCH_OP_TYPES - {"PlaceholderWithDefault"} and op not in fed_ops:
-            raise AutopsyError(
-                f"the step reads {op.name} ({op.type}), which was not kept, so "
-                "it cannot be replayed without taking a new batch"
-            )
     varies = _reaching(  # What makes a value change from step to step.
         seen, lambda op: op in fed_ops or op.type in _VARIABLE_READ_TYPES or _is_stateful(op)
     )
@@ -363,6 +359,23 @@ def _ops_to_check(targets: Sequence[Any], feeds: Mapping[Any, Any]) -> List[Any]
             or (op._control_flow_context is None and any(map(_is_float, op.outputs)))
         )
     ]
+
+
+def takes_a_batch(fetches: Sequence[Any], feeds: Mapping[Any, Any]) -> str:
+    """Why a run of `fetches` with `feeds` would take a batch from the input pipeline (or
+    need an unfed placeholder), as a clause; "" when it would not. Every op the run runs
+    counts: through control edges too, and an input op with one output fed runs for another."""
+    for op in _ops.executed(fetches, feeds):
+        if op.type not in _ops.BATCH_OP_TYPES - {"PlaceholderWithDefault"}:
+            continue
+        unkept = [t for t in op.outputs if t not in feeds]
+        if len(unkept) == len(op.outputs):
+            return f"the step reads {op.name} ({op.type}), which was not kept"
+        if unkept:
+            names = ", ".join(f"{t.name} ({t.dtype.base_dtype.name})" for t in unkept)
+            return f"the step reads {op.name} ({op.type}), whose {names} was not kept"
+        return f"the step runs {op.name} ({op.type}) through a control dependency"
+    return ""
 
 
 def _reaching(
@@ -533,7 +546,9 @@ def run_autopsy(
         if dump_dir:
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
             small = sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes
-            weights = dict(zip(reads, session.run(reads))) if small else {}
+            # Fed the batch too: a read made under a control dependency on it would take one.
+            readable = small and not takes_a_batch(reads, feeds)
+            weights = dict(zip(reads, session.run(reads, feeds))) if readable else {}
             path = write_dump(dump_dir, result, feeds, weights, targets)
             result = dataclasses.replace(result, dump=path)
         return result

@@ -71,6 +71,24 @@ def sources(
     return [op for op in found if op.type in types]
 
 
+def executed(fetches: Iterable, fed: Iterable[tf.Tensor]) -> Iterator[tf.Operation]:
+    """Each op a ``session.run`` of `fetches` (tensors or ops) with the `fed` tensors fed runs,
+    once: back through every control edge, and every data edge but a fed tensor's. An op with
+    one output fed still runs for another that is not, or for a control edge."""
+    fed = set(fed)
+    # A fed tensor fetched is its fed value: its op does not run for it.
+    stack = [as_op(f) for f in fetches if not (isinstance(f, tf.Tensor) and f in fed)]
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op is None or op in seen:
+            continue
+        seen.add(op)
+        yield op
+        stack.extend(t.op for t in op.inputs if t not in fed)
+        stack.extend(op.control_inputs)
+
+
 def source(tensor: tf.Tensor) -> tf.Tensor:
     """What `tensor` passes on: through the ``Switch``, ``Enter`` and ``Identity`` ops of TF1
     control flow, and out of a function body to the tensor it captured."""
