@@ -55,6 +55,7 @@ class StepTest:
         self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
+        self._summary_read = None
         self.reasons, self.tests, self.stores = (), (), []
         if reasons:
             self._add_reasons(loss, reasons)
@@ -110,12 +111,15 @@ class StepTest:
         judged = [test.judged() for test in self.tests if test.judged is not None]
         if judged:
             vector = judged[0] if len(judged) == 1 else tf.concat(judged, 0)
-            writes.append(self.judged.assign(vector, read_value=False))
+            # After the summaries' read: a run that fetches both shows the step before it,
+            # whichever op the executor happens to run first.
+            with tf.control_dependencies([self._summary_read]):
+                writes.append(self.judged.assign(vector, read_value=False))
         return writes
 
     def _add_summaries(self) -> None:
         """Each reason's summaries of the last accepted step, read from `judged` (no batch)."""
-        stored = _ops.read_once_written(self.judged, 0.0)
+        stored = self._summary_read = _ops.read_once_written(self.judged, 0.0)
         start = 0
         for reason in self.reasons:
             size = len(reason.judged_fields)

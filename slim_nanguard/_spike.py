@@ -126,10 +126,11 @@ class SpikeTest:
     def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
         """The write of an accepted step's values into the statistics: whenever it runs (built
         behind the gate), or given scalar bool `accepted`, only where True."""
-        # After this step's statistics are read: the write must not race the reads.
+        # After this step's statistics are read (the count a rejected step reports too): the
+        # write must not race the reads.
         with (
             tf.name_scope("nanguard/spike/update"),
-            tf.control_dependencies([self.spike, self.std]),
+            tf.control_dependencies([self.spike, self.std, self._count_now]),
         ):
             step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
             # The row comes from the increment's own result: two workers sharing the

@@ -266,6 +266,25 @@ def assert_no_poisoned_checkpoint(logdir: str) -> None:
         assert slim_nanguard.non_finite_variables(path) == (), path
 
 
+def saving_every(steps: int, saver, logdir: str, train_step_fn):
+    """`train_step_fn` for `tf_slim.learning.train` that first saves a checkpoint with `saver`
+    (the loop's) whenever the global step is a multiple of `steps` not saved yet, step 0 too.
+
+    The Supervisor only saves by wall time (``save_interval_secs``), so which checkpoints exist
+    would depend on the machine's speed; pass ``save_interval_secs=None`` with this instead.
+    """
+    saved = set()
+
+    def train_step(sess, train_op, global_step, train_step_kwargs):
+        step = int(sess.run(global_step))
+        if step % steps == 0 and step not in saved:
+            saved.add(step)
+            saver.save(sess, os.path.join(logdir, "model.ckpt"), global_step=step)
+        return train_step_fn(sess, train_op, global_step, train_step_kwargs)
+
+    return train_step
+
+
 def run_step(sess, fetches, feed=None):
     """Runs `fetches` once; returns (value, None), or (None, error) on an InvalidArgumentError.
 
