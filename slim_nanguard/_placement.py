@@ -45,11 +45,12 @@ def device_of(tensor: tf.Tensor) -> str:
 
 
 def verdict_device(loss: tf.Tensor, grads: Sequence) -> Optional[str]:
-    """The one device of all `grads` if they share one and it names no cluster job, else
-    None. On a cluster the worker's device function already puts the verdict beside the
+    """The one device of all `grads` (None for a variable without one) if they share one and
+    it names no cluster job, else None. On a cluster the worker's device function already puts the verdict beside the
     worker's gradients, and a device naming the worker would also pull the reasons' state,
     which lives on the parameter servers with the model, onto the worker."""
-    devices = {device_of(g.values if isinstance(g, tf.IndexedSlices) else g) for g in grads}
+    present = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    devices = {device_of(g) for g in present}
     if len(devices) != 1:
         return None
     (device,) = devices
