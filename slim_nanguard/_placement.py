@@ -46,9 +46,10 @@ def device_of(tensor: tf.Tensor) -> str:
 
 def verdict_device(loss: tf.Tensor, grads: Sequence) -> Optional[str]:
     """The one device of all `grads` (None for a variable without one) if they share one and
-    it names no cluster job, else None. On a cluster the worker's device function already puts the verdict beside the
-    worker's gradients, and a device naming the worker would also pull the reasons' state,
-    which lives on the parameter servers with the model, onto the worker."""
+    it names no cluster job, else None. On a cluster the worker's device function already
+    puts the verdict beside the worker's gradients, and a device naming the worker would also
+    pull the reasons' state, which lives on the parameter servers with the model, onto the
+    worker."""
     present = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
     devices = {device_of(g) for g in present}
     if len(devices) != 1:
