@@ -1,6 +1,7 @@
 """Prints, for each of model_deploy's layouts on three logical CPU devices (tests/device_layout.py)
 and each mode, the transfers between devices of one good step: tf-slim's train op against
-slim_nanguard's (the ``_Send`` and ``_HostSend`` nodes of the step's partition graphs).
+slim_nanguard's, without and with the spike test (the ``_Send`` and ``_HostSend`` nodes of
+the step's partition graphs).
 
     python3 .ci/device_sends.py        # from the repository root; about a minute on 2 cores
 """
@@ -18,10 +19,12 @@ tf.compat.v1.disable_v2_behavior()
 import device_layout as layouts  # noqa: E402
 import test_devices  # noqa: E402
 
+SPIKE = dict(nan_policy="rollback", spike_policy="rollback")
 
-def sends(layout: dict, check_numerics=None) -> int:
+
+def sends(layout: dict, check_numerics=None, **guard) -> int:
     guarded = check_numerics is not None
-    kwargs = dict(check_numerics=check_numerics) if guarded else {}
+    kwargs = dict(check_numerics=check_numerics, **guard) if guarded else {}
     built = layouts.build(guarded=guarded, **layout, **kwargs)
     with test_devices.session_of(built, guarded) as sess:
         sess.run(built.train_op)
@@ -29,12 +32,12 @@ def sends(layout: dict, check_numerics=None) -> int:
 
 
 def main() -> None:
-    print("| layout | tf-slim | guarded, check_numerics | guarded, hook |")
-    print("| --- | --- | --- | --- |")
+    print("| layout | tf-slim | check_numerics | hook | check_numerics, spike | hook, spike |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, layout in test_devices.LAYOUTS.items():
         base = sends(layout)
-        modes = [sends(layout, check) for check in (True, False)]
-        cells = " | ".join(f"{n} (+{n - base})" for n in modes)
+        guarded = [sends(layout, check, **g) for g in ({}, SPIKE) for check in (True, False)]
+        cells = " | ".join(f"{n} (+{n - base})" for n in guarded)
         print(f"| {name} | {base} | {cells} |", flush=True)
 
 

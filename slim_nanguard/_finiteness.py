@@ -237,12 +237,15 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
             return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check.op.name)
         # An Assert whose message names the cause (CheckNumerics: "Tensor had NaN values").
         messages = [_check_message(config)] + [_check_message(config, r) for r in test.reasons]
-        finite = tf.math.is_finite(checked)
-        with _placement.on_host():  # No string has a GPU kernel.
-            message = tf.gather(tf.constant(messages), test.cause, name="check_message")
-            check_op = tf.debugging.Assert(finite, [message], name="check_numerics")
-        with tf.control_dependencies([check_op]):
-            check = tf.identity(checked, name="checked")
+        # One scalar to the host, after `ready`: -1 on a step that may write, else the cause.
+        code = tf.where(tf.math.is_finite(checked), -1, test.cause, name="check_code")
+    # On the host, no string having a GPU kernel; ordered after `ready` by `code` alone (a
+    # reason's train op is built outside loops: no control-flow context is dropped here).
+    with tf.control_dependencies(None), _placement.on_host():
+        message = tf.gather(tf.constant(messages), tf.maximum(code, 0), name="check_message")
+        check_op = tf.debugging.Assert(code < 0, [message], name="check_numerics")
+    with tf.control_dependencies(ready + capture.control_inputs + [check_op]):
+        check = tf.identity(checked, name="checked")
     return Gate(Mode.CHECK_NUMERICS, check, capture, check_op_name=check_op.name)
 
 

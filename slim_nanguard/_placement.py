@@ -25,8 +25,11 @@ def on_host():
 
 
 def beside(tensor: tf.Tensor):
-    """A block whose ops are colocated with `tensor` (an `IndexedSlices`' values)."""
+    """A block whose ops are colocated with `tensor` (an `IndexedSlices`' values); for a
+    scalar (the loss), a block in the device scope in force: the scalar crosses anyway."""
     values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+    if values.shape.rank == 0:
+        return contextlib.nullcontext()
     return tf.compat.v1.colocate_with(values.op)
 
 

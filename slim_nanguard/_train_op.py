@@ -18,6 +18,7 @@ Contract of a guarded train op (both modes)::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
@@ -161,7 +162,8 @@ def _gated(
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
     graph = total_loss.graph
-    with tf.name_scope("nanguard"), _placement.verdict_scope(total_loss, [g for g, _ in grads]):
+    beside_grads = functools.partial(_placement.verdict_scope, total_loss, [g for g, _ in grads])
+    with tf.name_scope("nanguard"), beside_grads():
         test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
         autopsy = _autopsy_possible(config, graph, forward.snapshots)
@@ -176,7 +178,7 @@ def _gated(
     writes = [grad_updates] + list(update_ops)
     if test.reasons:  # An accepted step writes its reasons' state.
         opened = gate.gate if gate.finite_gate is None else gate.finite_gate
-        with tf.control_dependencies([opened]):
+        with tf.control_dependencies([opened]), beside_grads():  # Beside their state.
             writes += test.accepted_writes()
     train_op = gate.loss_after(total_loss, writes)
     _register(config, test, gate, train_op, total_loss, global_step, lr_scale)

@@ -101,14 +101,17 @@ def test_the_model_gardens_layout_trains_and_a_bad_step_changes_nothing(mode, la
     lib.assert_all_finite(final)
 
 
+@pytest.mark.parametrize("spike", [False, True], ids=["nan guard", "nan and spike guard"])
 @each_layout
 @lib.each_mode
-def test_a_good_step_sends_at_most_four_tensors_more_than_tf_slims(mode, layout):
+def test_a_good_step_sends_at_most_four_tensors_more_than_tf_slims(mode, layout, spike):
     """No gradient and no variable crosses devices for the guard: its reductions run beside
-    their gradients, its verdict beside the writes it gates; a few scalars cross."""
+    their gradients, its verdict and the spike test's state beside the writes it gates; a few
+    scalars cross."""
     sends = {}
+    policies = dict(nan_policy="rollback", spike_policy="rollback") if spike else {}
     for guarded in (False, True):
-        kwargs = dict(check_numerics=lib.MODES[mode]) if guarded else {}
+        kwargs = dict(check_numerics=lib.MODES[mode], **policies) if guarded else {}
         built = layouts.build(guarded=guarded, **LAYOUTS[layout], **kwargs)
         with session_of(built, guarded) as sess:
             sess.run(built.train_op)
