@@ -110,10 +110,10 @@ def _largest_z(train_dir: str):
 
 def _over_words(record) -> str:
     """What a spike's record says was over ``spike_sigma``, in words (its cause)."""
-    from slim_nanguard import _spike
-
     spike = record["spike"]
-    return " and ".join(_spike.name_of(c, spike) for c in spike.get("over") or ()) or "none"
+    data = "data loss" if spike.get("regularization_terms") else "loss"
+    words = {"loss": data, "grad_norm": "gradient norm"}
+    return " and ".join(words.get(c, c) for c in spike.get("over") or ()) or "none"
 
 
 def _spike_cell(spikes) -> str:
