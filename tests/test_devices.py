@@ -147,9 +147,11 @@ def test_every_policy_on_two_clones_under_learning_train(mode, policy, tmp_path)
     (record,) = [r for r in slim_nanguard.read_events(logdir) if r["kind"] == "bad_step"]
     assert record["action"] == policy and record["loss"] == "nan"
     lib.assert_no_poisoned_checkpoint(logdir)
-    last = tf.train.latest_checkpoint(logdir)
-    reached = int(last.rsplit("-", 1)[1])
-    assert reached == {"raise": 0, "stop": record["step"], "skip": 6, "rollback": 6}[policy]
+    reached = int(tf.train.latest_checkpoint(logdir).rsplit("-", 1)[1])
+    if policy == "raise":  # The Supervisor's timer saved at its start: global step 0, 1 or 2.
+        assert reached <= record["step"]
+    else:  # learning.train's closing save: where the stop left it, or the step limit.
+        assert reached == {"stop": record["step"], "skip": 6, "rollback": 6}[policy]
 
 
 @lib.each_mode
