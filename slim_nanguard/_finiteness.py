@@ -79,7 +79,11 @@ class StepTest:
             # In the checkpoints, so outside any loop body and not colocated with the step:
             # on a cluster, on the ps with the model (one state for all workers).
             state_scope=lambda: _outside_loops(loss.graph),
-            data_loss=_float64_sum(data, "loss_without_regularization") if regularization else None,
+            data_loss=(
+                _reasons.float64_sum(data, "loss_without_regularization")
+                if regularization
+                else None
+            ),
             regularization=regularization,
         )
         self.reasons = tuple(reasons)
@@ -391,14 +395,6 @@ def _unjudged_message(config: _policy.GuardConfig) -> str:
         "MonitoredTrainingSession or tf_slim.training.train; with tf_slim.learning.train "
         f"pass train_step_fn={step_fn}"
     )
-
-
-def _float64_sum(terms: Sequence[tf.Tensor], name: str) -> tf.Tensor:
-    """The sum of `terms` in float64 (0 for none): a data loss summed apart from the
-    regularization, not the total less it, so no rounding of the total is left in it."""
-    if not terms:
-        return tf.constant(0.0, tf.float64, name=name)
-    return tf.add_n([tf.cast(t, tf.float64) for t in terms], name=name)
 
 
 def _first(flags: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -141,6 +141,14 @@ def loss_terms(loss: tf.Tensor) -> Tuple[Tuple[tf.Tensor, ...], Tuple[tf.Tensor,
     return tuple(data), tuple(regularization)
 
 
+def float64_sum(terms: Sequence[tf.Tensor], name: Optional[str] = None) -> tf.Tensor:
+    """The sum of the loss `terms` in float64 (0 for none): a data loss summed apart from the
+    regularization, not the total less it, so no rounding of the total is left in it."""
+    if not terms:
+        return tf.constant(0.0, tf.float64, name=name)
+    return tf.add_n([tf.cast(t, tf.float64) for t in terms], name=name)
+
+
 def check(reasons: Sequence[Reason], policies: Sequence[str]) -> None:
     """Raises ValueError unless `reasons` are valid `Reason`s with distinct names, none
     `NON_FINITE`, each with a policy among `policies`."""

@@ -213,12 +213,11 @@ class SpikeTest:
         count = tf.cast(tf.reshape(self._count_now, [1]), tf.float64)
         # The window's entries (the fewer of the columns').
         window_steps = tf.cast(tf.reshape(tf.reduce_min(self._window_steps), [1]), tf.float64)
-        terms = [tf.cast(t, tf.float64) for t in self._regularization]
         loss_parts = tf.stack(
             [
                 tf.cast(self._total_loss, tf.float64),
-                tf.add_n(terms) if terms else tf.constant(0.0, tf.float64),
-                tf.constant(float(len(terms)), tf.float64),
+                _reasons.float64_sum(self._regularization),
+                tf.constant(float(len(self._regularization)), tf.float64),
             ]
         )
         return tf.concat(
