@@ -23,6 +23,8 @@ import glob
 import itertools
 import math
 import os
+import subprocess
+import sys
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -213,6 +215,30 @@ def build_model(
         train_op = train_op_fn(loss, opt, **create_kwargs)
         global_step = tf.compat.v1.train.get_global_step()
     return Model(graph, x, y, loss, offset, norm_scale, train_op, global_step, moving_mean)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_table_script(script: str, *args: str) -> Tuple[List[str], List[List[str]]]:
+    """Runs ``scripts/<script>`` with `args` from the repository root (this checkout first on
+    PYTHONPATH); returns its non-blank stdout lines and the cells of each row of the Markdown
+    table it prints, the header first and the separator row left out. A failed run fails."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", script), *args],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    table = [line for line in lines if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+    return lines, cells[:1] + cells[2:]
 
 
 def state(sess, graph: tf.Graph) -> Dict[str, np.ndarray]:

@@ -11,7 +11,6 @@ spike, a fixed-batch repeat, and an outlier inside the warm-up.
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -21,35 +20,16 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import spike_rules  # noqa: E402
 
-
-def _cells(line):
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+import nanguard_testlib as lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def quick_table(tmp_path_factory):
     """The stdout of ``spike_bench.py --quick``: (header, rows by run, the summary line)."""
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    lines, cells = lib.run_table_script(
+        "spike_bench.py", "--quick", f"--workdir={tmp_path_factory.mktemp('bench')}"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "spike_bench.py"),
-            "--quick",
-            f"--workdir={tmp_path_factory.mktemp('bench')}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    table = [line for line in lines if line.startswith("|")]
-    header, rows = _cells(table[0]), [_cells(line) for line in table[2:]]
+    header, rows = cells[0], cells[1:]
     return header, {r[0]: dict(zip(header, r)) for r in rows}, lines[-1]
 
 

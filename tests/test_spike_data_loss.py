@@ -7,7 +7,6 @@ convergence, prints its table and a sentence that says what the table says.
 
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -95,29 +94,10 @@ def test_the_quick_converged_bench_prints_its_table_and_a_true_sentence(tmp_path
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import spike_false_alarms
 
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    lines, cells = lib.run_table_script(
+        "spike_false_alarms.py", "--part=converged", "--quick", f"--workdir={tmp_path / 'runs'}"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "spike_false_alarms.py"),
-            "--part=converged",
-            "--quick",
-            f"--workdir={tmp_path / 'runs'}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    table = [line for line in lines if line.startswith("|")]
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
-    header, rows = cells[0], [dict(zip(cells[0], r)) for r in cells[2:]]
+    header, rows = cells[0], [dict(zip(cells[0], r)) for r in cells[1:]]
     assert tuple(header) == spike_false_alarms.CONVERGED_COLUMNS
     assert [(r["model"], r["seed"]) for r in rows] == [("lenet", "0"), ("cifarnet", "0")]
     alarms = 0
