@@ -67,13 +67,12 @@ def climb_advice(climb: int, checkpoint: Optional[str], policy: str) -> str:
     (``nan_policy=``, ``--spike_policy=``: the flag of the reason that rejected the step) may
     roll back."""
     resume = (
-        f"resume from {checkpoint}, the newest checkpoint from before the climb, with a lower "
-        "learning rate, or"
+        f"resume from {checkpoint}, the newest checkpoint from before the climb,"
         if checkpoint
-        else "no checkpoint predates the climb: train again with a lower learning rate, or"
+        else "no checkpoint predates the climb: train again"
     )
     return (
         f"the accepted steps before the bad step were already climbing from global step {climb} "
-        f"on, so the last accepted state is not a good one: {resume} use {policy}rollback, "
-        "which goes back before the climb"
+        f"on, so the last accepted state is not a good one: {resume} with a lower learning rate, "
+        f"or use {policy}rollback, which goes back before the climb"
     )

@@ -109,9 +109,10 @@ def test_raise_after_a_climb_names_the_checkpoint_before_it(tmp_path):
     assert math.isfinite(_evaluate(err.resume_from).loss)
 
 
-def test_stop_after_a_climb_does_not_call_the_closing_checkpoint_good(tmp_path):
+@pytest.mark.parametrize("check_numerics", [True, False], ids=["check_numerics", "hook"])
+def test_stop_after_a_climb_does_not_call_the_closing_checkpoint_good(tmp_path, check_numerics):
     train_dir = tmp_path / "stop"
-    config = _diverge_config(train_dir, nan_policy="stop")
+    config = _diverge_config(train_dir, nan_policy="stop", check_numerics=check_numerics)
     result = app.run_training(config)
     assert result.stop_reason == "nan_policy_stop" and result.global_step == 5
     _assert_climbed_from(train_dir, result.climb, result.resume_from)
@@ -191,3 +192,12 @@ def test_a_climb_to_a_spike_names_the_setting_that_gave_up(cause, keyword):
     assert keyword in message and "nan_policy=rollback" not in message.replace(keyword, "")
     advice = app.error_message(err).splitlines()[-1]
     assert advice.startswith("No checkpoint predates the climb") and f"--{keyword}" in advice
+
+
+def test_one_hard_batch_before_a_nan_is_no_climb():
+    """One loss three times the others (a hard example) is not a climb; two rising ones are."""
+    from slim_nanguard import _rollback
+
+    steady = [(step, 0.05) for step in range(10)]
+    assert _rollback.before_climb(None, 11, steady + [(10, 0.15)]) == (None, None)
+    assert _rollback.before_climb(None, 12, steady + [(10, 0.15), (11, 0.4)]) == (10, None)
