@@ -10,7 +10,7 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
       after_run()            # bad step: NanEvent, then the decided action:
                              #   raise    -> NanLossError (end() is not called)
                              #   stop     -> request_stop(); end() and the closing
-                             #               checkpoint see the last good weights
+                             #               checkpoint see the last accepted weights
                              #   skip     -> nothing; the next run takes the next batch
                              #   rollback -> restore the latest good checkpoint, skip input
                              # max_consecutive_bad_steps in a row: persistent_nan_policy
