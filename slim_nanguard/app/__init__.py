@@ -23,6 +23,7 @@ from slim_nanguard.app.config import DEFAULT_GUARD
 from slim_nanguard.app.config import GUARD_FLAGS
 from slim_nanguard.app.config import NO_SPIKE_TEST
 from slim_nanguard.app.config import OPTIMIZERS
+from slim_nanguard.app.config import PERSISTENT_POLICIES
 from slim_nanguard.app.config import REASONS_FLAG
 from slim_nanguard.app.config import EvalConfig
 from slim_nanguard.app.config import LaunchError
@@ -42,6 +43,7 @@ __all__ = [
     "NO_SPIKE_TEST",
     "REASONS_FLAG",
     "OPTIMIZERS",
+    "PERSISTENT_POLICIES",
     "EvalConfig",
     "EvalResult",
     "LaunchError",
