@@ -13,6 +13,7 @@ hold:
 * `cluster`: the ps/worker cluster flags and a task's part in the cluster.
 * `datasets`, `models`: one spec per dataset and per model (`DATASETS`, `MODELS`).
 * `faults`: fault injection (``--inject_fault``).
+* `preflight`: the launcher's checks that need no TensorFlow (standard library only).
 * `benchmarking`: the benchmark harness of ``slim-nanguard-benchmark`` (imported on its own).
 * `plot`: the run's plot of ``slim-nanguard-autopsy --plot`` (imported on its own).
 """
