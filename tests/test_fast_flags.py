@@ -264,3 +264,15 @@ def test_the_guard_flags_bounds_and_choices_are_what_guardconfig_accepts():
             assert not accepts(**{name: "skip"}) or "skip" in spec["choices"], name
             checked += 1
     assert checked >= 8
+
+
+def test_a_parameter_server_is_not_asked_to_write_the_train_dir(tmp_path):
+    """A ps writes nothing there: its --train_dir may be a path only the workers can write."""
+    proc = _run_without_tensorflow(
+        "train",
+        f"--train_dir={_unwritable_dir(tmp_path) / 'run'}",
+        "--job_name=ps",
+        "--ps_hosts=127.0.0.1:1",
+        "--worker_hosts=127.0.0.1:2",
+    )
+    assert proc.returncode == 99 and proc.stdout == "TENSORFLOW IMPORTED\n", proc.stderr[-2000:]

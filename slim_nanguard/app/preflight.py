@@ -173,6 +173,6 @@ def train_problems(values: Mapping[str, Any]) -> List[str]:
     if values.get("dataset_name") == "tfrecord" and (dataset_dir is None or is_local(dataset_dir)):
         problems.append(dataset_dir_problem(dataset_dir))
     train_dir = values.get("train_dir")
-    if train_dir and is_local(train_dir):
+    if train_dir and is_local(train_dir) and values.get("job_name") != "ps":  # a ps writes none
         problems.append(train_dir_problem(train_dir))
     return [problem for problem in problems if problem]
