@@ -6,75 +6,17 @@ launchers' own definitions.
 
 FLAGS = {
     "common": {
-        "delta_threshold": {
-            "type": "float",
-            "help": "Log if history based diff crosses this threshold.",
-            "default": 0.5,
-        },
-        "hbm_oom_exit": {
-            "type": "bool",
-            "help": "Exit the script when the TPU HBM is OOM.",
-            "default": True,
-        },
-        "op_conversion_fallback_to_while_loop": {
-            "type": "bool",
-            "help": "DEPRECATED: Flag is ignored.",
-            "default": True,
-        },
-        "runtime_oom_exit": {
-            "type": "bool",
-            "help": "Exit the script when the TPU runtime is OOM.",
-            "default": True,
-        },
-        "test_random_seed": {
-            "type": "int",
-            "help": "Random seed for testing. Some test "
-            "frameworks may change the default "
-            "value of this flag between runs, so "
-            "it is not appropriate for seeding "
-            "probabilistic tests.",
-            "default": 301,
-        },
-        "test_randomize_ordering_seed": {
-            "type": "string",
-            "help": "If positive, use this as "
-            "a seed to randomize the "
-            "execution order for test "
-            'cases. If "random", pick '
-            "a random seed to use. If "
-            "0 or not set, do not "
-            "randomize test case "
-            "execution order. This "
-            "flag also overrides the "
-            "TEST_RANDOMIZE_ORDERING_SEED "
-            "environment variable.",
-            "default": "",
-        },
-        "test_srcdir": {
-            "type": "string",
-            "help": "Root of directory tree where source files live",
-            "default": "",
-        },
-        "test_tmpdir": {
-            "type": "string",
-            "help": "Directory for temporary testing files",
-            "default": "/tmp/absl_testing",
-        },
-        "tt_check_filter": {
-            "type": "bool",
-            "help": "Terminate early to check op name filtering.",
-            "default": False,
-        },
-        "tt_single_core_summaries": {
-            "type": "bool",
-            "help": "Report single core metric and avoid aggregation.",
-            "default": False,
-        },
-        "xml_output_file": {
-            "type": "string",
-            "help": "File to store XML test results",
-            "default": "",
-        },
+        "delta_threshold": {"type": "float"},
+        "hbm_oom_exit": {"type": "bool"},
+        "op_conversion_fallback_to_while_loop": {"type": "bool"},
+        "runtime_oom_exit": {"type": "bool"},
+        "test_random_seed": {"type": "int"},
+        "test_randomize_ordering_seed": {"type": "string"},
+        "test_srcdir": {"type": "string"},
+        "test_tmpdir": {"type": "string"},
+        "tt_check_filter": {"type": "bool"},
+        "tt_single_core_summaries": {"type": "bool"},
+        "xml_output_file": {"type": "string"},
     },
     "train": {
         "adadelta_rho": {"type": "float", "help": "Adadelta's rho.", "default": 0.95},

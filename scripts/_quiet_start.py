@@ -275,13 +275,16 @@ _PARSER_TYPES = {
 }
 
 
-def describe_flags(flag_values, names: Sequence[str]) -> Dict[str, dict]:
-    """The table's entries of flags `names` of `flag_values` (absl `FlagValues`)."""
+def describe_flags(flag_values, names: Sequence[str], shown: bool = True) -> Dict[str, dict]:
+    """The table's entries of flags `names` of `flag_values` (absl `FlagValues`); their help and
+    default only if they are `shown` by ``--help`` (TensorFlow's, some set by the environment,
+    are not)."""
     table = {}
     for name in sorted(names):
         flag = flag_values[name]
         spec = {"type": _PARSER_TYPES.get(type(flag.parser).__name__, "string")}
-        spec["help"], spec["default"] = flag.help, flag.default
+        if shown:
+            spec["help"], spec["default"] = flag.help, flag.default
         if spec["type"] == "enum":
             spec["choices"] = list(flag.parser.enum_values)
         for key, attr in (("lower", "lower_bound"), ("upper", "upper_bound")):
@@ -308,7 +311,7 @@ spec = importlib.util.spec_from_file_location("q", {quiet!r})
 quiet = importlib.util.module_from_spec(spec); spec.loader.exec_module(quiet)
 absl_flags = set(flags.FLAGS)
 import tensorflow, slim_nanguard.app  # their flags too: any launcher accepts them
-table = {{"common": quiet.describe_flags(flags.FLAGS, set(flags.FLAGS) - absl_flags)}}
+table = {{"common": quiet.describe_flags(flags.FLAGS, set(flags.FLAGS) - absl_flags, False)}}
 for script in {launchers!r}:
     before = set(flags.FLAGS)
     runpy.run_path({here!r} + "/" + script + ".py", run_name="flag_table")
