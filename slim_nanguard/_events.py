@@ -86,7 +86,9 @@ class NanEvent:
 
     def describe(self) -> str:
         """One line for a log or an error message."""
-        head = f"global step {self.step}, loss {self.loss!r} ({self.loss_kind})"
+        loss = "NaN" if self.loss_is_nan else f"{self.loss:+}".replace("inf", "Inf")
+        loss = f"{self.loss!r} (finite)" if self.loss_kind == LOSS_FINITE else loss
+        head = f"global step {self.step}, loss {loss}"
         count = f"bad step {self.consecutive} in a row ({self.total} in all)"
         if self.reason is not None and self.figures is not None:
             return f"{head}, {self.reason.phrase(self.figures)}, {count}"

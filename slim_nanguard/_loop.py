@@ -47,7 +47,8 @@ class TrainResult:
     """What a call to `train` did.
 
     Attributes:
-      final_loss: Loss of the last good step (NaN if none went through).
+      final_loss: Loss of the last good step (NaN if none went through; the summary and the
+        record's stop event then say none).
       global_step: The global step at the end.
       steps, bad_steps, skips, rollbacks: This call's good steps, bad steps, skipped bad steps
         and rollbacks.
@@ -87,9 +88,12 @@ class TrainResult:
         overflows = f", {n} loss-scale overflows" if n else ""
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
         spikes = "".join(f"{n} of them {name}s, " for name, n in self.rejected.items() if n)
+        loss = (
+            f"{self.final_loss:.6g}" if math.isfinite(self.final_loss) else "none (no step trained)"
+        )
         return (
             f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
-            f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
+            f"{loss}; {self.steps} good steps, {self.bad_steps} bad "
             f"({spikes}{self.skips} skipped, {self.rollbacks} rolled back{requests}){overflows}\n"
             f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}"
         )
@@ -574,7 +578,7 @@ class _Loop:
             climb=self.climb[0],
             resume_from=self.climb[1],
         )
-        loss = self.final_loss if math.isfinite(self.final_loss) else str(self.final_loss)
+        loss = self.final_loss if math.isfinite(self.final_loss) else None  # JSON null: none
         _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
         return result

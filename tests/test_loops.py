@@ -95,13 +95,13 @@ def test_seed_flow_raise_names_step_value_and_culprits(mode, fault):
     message = str(error)
     assert f"global step {BAD_BATCH}" in message
     expected = {
-        "nan_loss": ["loss nan (nan), gradients finite"],
-        "inf_loss": ["loss inf (inf), gradients finite"],
+        "nan_loss": ["loss NaN, gradients finite"],
+        "inf_loss": ["loss +Inf, gradients finite"],
         "nan_gradient": ["(finite), non-finite gradients of logits/weights,"],
         # Where the NaN reached the loss it came back through every gradient; where a fused
         # ReLU kernel mapped it to 0, the loss is finite and the first layer's weights are bad.
         "nan_input": [
-            "loss nan (nan), non-finite gradients of fc1/weights, fc1/biases, "
+            "loss NaN, non-finite gradients of fc1/weights, fc1/biases, "
             "logits/weights, logits/biases,",
             "(finite), non-finite gradients of fc1/weights,",
         ],
@@ -417,7 +417,7 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
     assert (lines[0].name, lines[0].levelno) == ("tensorflow", level)
     message = lines[0].getMessage()
     assert message.startswith("Model diverged with loss = Inf.")
-    assert f"global step {BAD_BATCH}, loss inf (inf)" in message
+    assert f"global step {BAD_BATCH}, loss +Inf, " in message
     assert f"action {policy}" in message
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "DECAY_TYPES",
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
+    "PERSISTENT_POLICIES",
     "NO_SPIKE_TEST",
     "OPTIMIZERS",
     "EvalConfig",
@@ -63,6 +64,21 @@ NO_SPIKE_TEST = "none"
 
 # The launcher's guard: GuardConfig's defaults, except that a bad step is skipped.
 DEFAULT_GUARD = slim_nanguard.GuardConfig(nan_policy=slim_nanguard.Action.SKIP)
+
+
+def _accepted(field: str, value) -> bool:
+    """Whether GuardConfig accepts `value` for `field` (a flag's choices are what it accepts)."""
+    try:
+        dataclasses.replace(DEFAULT_GUARD, **{field: value})
+    except ValueError:
+        return False
+    return True
+
+
+# The choices of --persistent_nan_policy: the policies GuardConfig takes there (not skip).
+PERSISTENT_POLICIES = tuple(
+    a.value for a in slim_nanguard.Action if _accepted("persistent_nan_policy", a.value)
+)
 
 
 class LaunchError(slim_nanguard.NanGuardError, ValueError):
