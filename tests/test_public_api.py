@@ -21,7 +21,9 @@ PUBLIC_MODULES = ("autopsy", "cluster", "compat", "storage")
 
 def _sources():
     paths = sorted((REPO / "slim_nanguard" / "app").glob("*.py"))
-    return paths + sorted((REPO / "scripts").glob("*.py"))
+    return (
+        paths + sorted((REPO / "scripts").glob("*.py")) + sorted((REPO / "research").glob("*.py"))
+    )
 
 
 def _private_uses(path: pathlib.Path):
