@@ -347,7 +347,7 @@ def _spike_line(quote: str) -> str:
         action="skip",
         cause=Fault.SPIKE,
         figures=report,
-        reason=_spike.Spike(sigma=report["sigma"]),
+        reason=_spike.Spike("skip", report["sigma"], _policy.GuardConfig().spike_warmup_steps),
     )
     return _logged(event)
 
