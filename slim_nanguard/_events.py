@@ -74,16 +74,6 @@ class NanEvent:
         """A spike's `figures`, or None for any other cause."""
         return self.figures if self.cause == "spike" else None
 
-    @property
-    def loss_is_nan(self) -> bool:
-        """True when the loss itself was NaN."""
-        return self.loss_kind == LOSS_NAN
-
-    @property
-    def loss_is_inf(self) -> bool:
-        """True when the loss itself was +Inf or -Inf."""
-        return self.loss_kind == LOSS_INF
-
     def describe(self) -> str:
         """One line for a log or an error message."""
         head = f"global step {self.step}, loss {self.loss!r} ({self.loss_kind})"
