@@ -177,8 +177,9 @@ def _gated(
         )
     with _learning_rate.scaled(optimizer, lr_scale):
         unless_bad = _finiteness.loss_scale_variables(loss_scale)
+        gates = (gate.gate, gate.finite_gate)
         grad_updates = _gating.apply_gradients(
-            optimizer, grads, global_step, gate, update_ops, forward.restored, unless_bad
+            optimizer, grads, global_step, gates, update_ops, forward.restored, unless_bad
         )
     writes = [grad_updates] + list(update_ops)
     if test.reasons:  # An accepted step writes its reasons' state.
@@ -250,6 +251,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         with tf.init_scope(), _placement.on_host():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+    _checkpoints.add_optional_variables(graph, handles.optional_variables)
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
         # The default saver a `Scaffold` would make, which also resumes from checkpoints
         # lacking the guard's optional variables.
