@@ -27,6 +27,16 @@ FLAGS = {
         },
         "adam_beta1": {"type": "float", "help": "Adam's beta1.", "default": 0.9},
         "adam_beta2": {"type": "float", "help": "Adam's beta2.", "default": 0.999},
+        "autopsy_keep_first": {
+            "type": "int",
+            "help": "Autopsy dumps kept in --train_dir from the first bad steps (the oldest).",
+            "default": 3,
+        },
+        "autopsy_keep_last": {
+            "type": "int",
+            "help": "Autopsy dumps kept in --train_dir from the latest bad steps (at least 1).",
+            "default": 3,
+        },
         "autopsy_max_steps": {
             "type": "int",
             "help": "How many bad steps get an autopsy: "
@@ -37,6 +47,13 @@ FLAGS = {
             "kept.",
             "default": 3,
             "lower": 0,
+        },
+        "autopsy_timeout_secs": {
+            "type": "float",
+            "help": "Seconds an autopsy's replay may "
+            "take before it is given up "
+            "(training goes on).",
+            "default": 60.0,
         },
         "batch_size": {"type": "int", "help": "Examples per step.", "default": 32, "lower": 1},
         "check_numerics": {
@@ -156,6 +173,11 @@ FLAGS = {
             "help": "Steps between progress lines (0: none).",
             "default": 100,
             "lower": 0,
+        },
+        "losses_before": {
+            "type": "int",
+            "help": "Losses of the good steps before a bad step that its record keeps.",
+            "default": 50,
         },
         "master": {
             "type": "string",

@@ -296,6 +296,26 @@ flags.DEFINE_integer(
     "batch is kept.",
     lower_bound=0,
 )
+flags.DEFINE_float(
+    "autopsy_timeout_secs",
+    GUARD.autopsy_timeout_secs,
+    "Seconds an autopsy's replay may take before it is given up (training goes on).",
+)
+flags.DEFINE_integer(
+    "autopsy_keep_first",
+    GUARD.autopsy_keep_first,
+    "Autopsy dumps kept in --train_dir from the first bad steps (the oldest).",
+)
+flags.DEFINE_integer(
+    "autopsy_keep_last",
+    GUARD.autopsy_keep_last,
+    "Autopsy dumps kept in --train_dir from the latest bad steps (at least 1).",
+)
+flags.DEFINE_integer(
+    "losses_before",
+    GUARD.losses_before,
+    "Losses of the good steps before a bad step that its record keeps.",
+)
 flags.DEFINE_enum(
     "spike_policy",
     GUARD.spike_policy or nanguard_app.NO_SPIKE_TEST,

@@ -197,7 +197,8 @@ def test_ci_tests_the_oldest_tensorflow_setup_cfg_allows():
 #     rendered from the quote's own figures, must read as quoted), or
 #   - a message of TensorFlow or tf-slim (`_EXTERNAL`: found in the installed package), or
 #   - made of the code's own words: with "..." and the figures (numbers, paths) left out,
-#     every stretch of text is in one string of slim_nanguard/ or scripts/ (`_code_text`), or
+#     every stretch of text is in one string of slim_nanguard/, scripts/ or research/
+#     (`_code_text`), or
 #   - in a block marked as an example: the line before its fence is `EXAMPLE_MARKER`.
 
 EXAMPLE_MARKER = re.compile(r"^Example output(?: \(abridged\))?:$")
@@ -346,7 +347,7 @@ def _spike_line(quote: str) -> str:
         action="skip",
         cause=Fault.SPIKE,
         figures=report,
-        reason=_spike.Spike(sigma=report["sigma"]),
+        reason=_spike.Spike("skip", report["sigma"], _policy.GuardConfig().spike_warmup_steps),
     )
     return _logged(event)
 
@@ -360,10 +361,10 @@ _PRODUCERS = [
 
 @functools.lru_cache(maxsize=None)
 def _code_text() -> str:
-    """Every string literal of slim_nanguard/ and scripts/, the pieces of f-strings apart,
-    one per line."""
+    """Every string literal of slim_nanguard/, scripts/ and research/, the pieces of f-strings
+    apart, one per line."""
     pieces = []
-    for root in ("slim_nanguard", "scripts"):
+    for root in ("slim_nanguard", "scripts", "research"):
         for path in sorted((REPO / root).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -479,7 +480,8 @@ def test_one_install_hint_for_the_plot_extra(monkeypatch, tmp_path):
     everywhere: in the docs and in the autopsy's error."""
     import sys
 
-    files = [*DOC_PAGES, *(REPO / "slim_nanguard").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
+    files = [*DOC_PAGES, *(REPO / "slim_nanguard").rglob("*.py")]
+    files += [*(REPO / "scripts").glob("*.py"), *(REPO / "research").glob("*.py")]
     files += sorted((REPO / "configs").glob("*.cfg"))
     other = [str(f.relative_to(REPO)) for f in files if "slim_nanguard[" in f.read_text()]
     assert not other, f"{other} name the extra as slim_nanguard[...]; write '.[plot]'"

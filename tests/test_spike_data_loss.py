@@ -1,7 +1,7 @@
 """What the spike test judges: the data loss, the total loss without the regularization losses
 it adds (issue 33), found by walking back from the total through sums only.
 
-And ``scripts/spike_false_alarms.py --part=converged --quick``, the bench of nets trained to
+And ``research/spike_false_alarms.py --part=converged --quick``, the bench of nets trained to
 convergence, prints its table and a sentence that says what the table says.
 """
 
@@ -91,7 +91,7 @@ def test_a_step_is_judged_on_its_data_loss_and_its_total_still_checked(check_num
 
 
 def test_the_quick_converged_bench_prints_its_table_and_a_true_sentence(tmp_path):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "research"))
     import spike_false_alarms
 
     lines, cells = lib.run_table_script(
@@ -120,7 +120,7 @@ def test_the_quick_converged_bench_prints_its_table_and_a_true_sentence(tmp_path
 def test_the_quick_cluster_bench_reads_every_workers_steps_and_prints_a_true_sentence(tmp_path):
     """``--part=cluster --quick``: LeNet on a loopback cluster of 1 ps and 2 async workers
     (free 127.0.0.1 ports; the script kills each task by its PID past its timeout)."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "research"))
     import spike_false_alarms
 
     lines, cells = lib.run_table_script(
@@ -152,7 +152,7 @@ def test_the_quick_cluster_bench_reads_every_workers_steps_and_prints_a_true_sen
 
 
 def test_a_false_alarm_in_a_cluster_names_its_step_z_cause_and_worker():
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "research"))
     import spike_false_alarms
 
     record = {

@@ -43,6 +43,7 @@ OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adam", "adagrad", "adadelta", "ftrl
 DECAY_TYPES = ("fixed", "exponential", "polynomial")
 
 # The guard's settings that are launcher flags: each flag is named as its GuardConfig field.
+# All but on_nan (a Python callback) and reasons (`REASONS_FLAG`).
 GUARD_FLAGS = (
     "nan_policy",
     "max_consecutive_bad_steps",
@@ -51,6 +52,10 @@ GUARD_FLAGS = (
     "rollback_lr_factor",
     "max_rollbacks",
     "autopsy_max_steps",
+    "autopsy_timeout_secs",
+    "autopsy_keep_first",
+    "autopsy_keep_last",
+    "losses_before",
     "spike_policy",
     "spike_sigma",
     "spike_warmup_steps",

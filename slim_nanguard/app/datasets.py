@@ -280,7 +280,7 @@ def _load_digits() -> Mapping[str, np.ndarray]:
         raise DatasetError(
             f"The shipped digits file {_DIGITS_PATH} is missing: reinstall "
             "slim_nanguard (its package data must include data/digits.npz), or "
-            "regenerate it with scripts/make_digits_npz.py."
+            "regenerate it with research/make_digits_npz.py."
         )
     with np.load(_DIGITS_PATH) as npz:
         return types.MappingProxyType({key: npz[key] for key in npz.files})

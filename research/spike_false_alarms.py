@@ -37,17 +37,21 @@ Two tables, printed as Markdown (docs/guide.md holds them as measured):
   accuracy of each run. ``--quick``: async 2 workers, seed 0, 60 steps.
 
 The wider bench (clean-but-hard runs, and the runs the guard must judge: a new level, a
-learning-rate jump, planted spikes and bad shards) is ``scripts/spike_bench.py``.
+learning-rate jump, planted spikes and bad shards) is ``research/spike_bench.py``.
+
+research/ is not installed with the package (the wheel holds the library and the four
+console commands): run it from a clone, with this checkout's slim_nanguard importable
+(``pip install -e .`` or ``PYTHONPATH=.``).
 
 Usage, from the repository root::
 
-    python scripts/spike_false_alarms.py                  # both tables (about 7 minutes)
-    python scripts/spike_false_alarms.py --part=configs --configs=default,lenet
-    python scripts/spike_false_alarms.py --part=models --steps=500
-    python scripts/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
-    python scripts/spike_false_alarms.py --part=converged --quick
-    python scripts/spike_false_alarms.py --part=cluster     # 4 layouts x 3 seeds (~40 min)
-    python scripts/spike_false_alarms.py --part=cluster --quick
+    python research/spike_false_alarms.py                  # both tables (about 7 minutes)
+    python research/spike_false_alarms.py --part=configs --configs=default,lenet
+    python research/spike_false_alarms.py --part=models --steps=500
+    python research/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
+    python research/spike_false_alarms.py --part=converged --quick
+    python research/spike_false_alarms.py --part=cluster     # 4 layouts x 3 seeds (~40 min)
+    python research/spike_false_alarms.py --part=cluster --quick
 """
 
 import functools
