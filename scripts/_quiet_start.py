@@ -153,58 +153,115 @@ def started_as(argv: Sequence[str], script: str, module_name: str) -> bool:
     return name == f"slim-nanguard-{script}"
 
 
-def check_flags_early(argv: Sequence[str], script: str, module_name: str) -> None:
-    """Answers a bad command line of launcher `script` before TensorFlow is imported.
+def check_flags_early(argv: Sequence[str], script: str, module_name: str, doc: str = "") -> None:
+    """Answers a bad command line of launcher `script`, or ``--help``, before TensorFlow.
 
-    Parses `argv` (flagfiles included) against the table's flags of `script` and absl's own,
-    and on an unknown flag, a bad value or a missing required flag prints absl's two lines
-    and exits with status 1, as ``app.run`` does. Does nothing unless `argv` started the
-    launcher (`started_as`), or when it asks for help. What the table cannot say (the
-    launcher's validators across flags) is checked by ``app.run`` as before.
+    Parses `argv` (flagfiles included) against the table's flags of `script` and absl's own.
+    ``--help`` (``--helpshort``) prints `doc` and the launcher's flags and exits with status
+    0. An unknown flag, a bad value or a missing required flag prints absl's two lines and
+    exits with status 1, as ``app.run`` does; so does a problem ``slim_nanguard/app/
+    preflight.py`` sees in the values (a bad ``--inject_fault``, a missing ``--dataset_dir``,
+    an unwritable local ``--train_dir``), in the launcher's one or two lines. Does nothing
+    unless `argv` started the launcher (`started_as`); ``--helpfull`` and ``--helpxml`` (which
+    list TensorFlow's flags too) are left to ``app.run``, as are the checks the table cannot
+    make (the launcher's validators across flags).
 
     Args:
       argv: The command line (``sys.argv``).
       script: The launcher: ``"train"``, ``"eval"``, ``"autopsy"`` or ``"benchmark"``.
       module_name: The launcher module's ``__name__``.
+      doc: The launcher's docstring, the head of its help.
     """
     if not started_as(argv, script, module_name) or any(
-        re.match(r"^--?(no)?(help|helpshort|helpfull|helpxml)(=|$)", arg) for arg in argv[1:]
+        re.match(r"^--?(no(help|helpshort)|helpfull|helpxml)(=|$)", arg) for arg in argv[1:]
     ):
         return
     from absl import app  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     from absl import flags  # pylint: disable=import-outside-toplevel
     from absl import logging  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
+    one_line_interrupt(argv)
     values = copy.deepcopy(flags.FLAGS)
     table = _flag_table()
     for name, spec in {**table["common"], **table[script]}.items():
         if name not in values:
             _define(flags, values, name, spec)
+    if any(re.match(r"^--?(help|helpshort)(=|$)", arg) for arg in argv[1:]):
+        _print_help(flags, table[script], argv[0], doc)
     try:
         values(list(argv))
     except flags.Error as error:
         sys.stderr.write(f"FATAL Flags parsing error: {error}\n")
         sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
         sys.exit(1)
+    if script == "train":
+        problems = _preflight().train_problems({name: values[name].value for name in table[script]})
+        for line in problems[:1]:
+            print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)
+        if problems:
+            sys.exit(1)
+
+
+def _print_help(flags, specs: Dict[str, dict], prog: str, doc: str) -> None:
+    """Prints what absl's ``--help`` prints (`doc`, then the flags `specs` describe); exits 0."""
+    values = flags.FlagValues()
+    for name, spec in specs.items():
+        _define(flags, values, name, spec)
+        values.register_key_flag_for_module(prog, values[name])
+    print(doc or f"\nUSAGE: {prog} [flags]\n")
+    print(f"flags:\n{values.module_help(prog)}\n")
+    print("Try --helpfull to get a list of all flags.")
+    sys.exit(0)
+
+
+def one_line_interrupt(argv: Sequence[str]) -> None:
+    """Makes a Ctrl-C that nothing caught (one during start-up: TensorFlow's import, the graph's
+    build) end with one line instead of a traceback, unless `argv` asks for verbosity. The exit
+    status stays 130 (Python's for an uncaught ``KeyboardInterrupt``)."""
+    if verbosity_asked(argv):
+        return
+    prog = os.path.basename(argv[0])
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, traceback)
+            return
+        print(f"{prog}: interrupted by Ctrl-C (--verbosity=1 shows where).", file=sys.stderr)
+
+    sys.excepthook = hook
+
+
+def _preflight():
+    """``slim_nanguard/app/preflight.py``, loaded by its path: ``import slim_nanguard`` would
+    import TensorFlow."""
+    package = importlib.util.find_spec("slim_nanguard").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location(
+        "slim_nanguard_preflight", os.path.join(package, "app", "preflight.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses looks the module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _define(flags, values, name: str, spec: dict) -> None:
-    """Defines flag `name` of the table in `values` (no default: only its checks matter)."""
-    kind, short = spec["type"], spec.get("short")
-    common = dict(flag_values=values, short_name=short)
+    """Defines flag `name` of the table in `values`, with its default and help."""
+    kind, default, text = spec["type"], spec.get("default"), spec.get("help", "")
+    common = dict(flag_values=values, short_name=spec.get("short"))
     if kind == "enum":
-        flags.DEFINE_enum(name, None, spec["choices"], "", **common)
+        flags.DEFINE_enum(name, default, spec["choices"], text, **common)
     elif kind == "bool":
-        flags.DEFINE_boolean(name, None, "", **common)
+        flags.DEFINE_boolean(name, default, text, **common)
     elif kind in ("int", "float"):
         define = flags.DEFINE_integer if kind == "int" else flags.DEFINE_float
-        define(
-            name, None, "", lower_bound=spec.get("lower"), upper_bound=spec.get("upper"), **common
-        )
+        bounds = dict(lower_bound=spec.get("lower"), upper_bound=spec.get("upper"))
+        define(name, default, text, **bounds, **common)
     elif kind == "list":
-        flags.DEFINE_list(name, None, "", **common)
+        flags.DEFINE_list(name, default, text, **common)
     else:
-        flags.DEFINE_string(name, None, "", **common)
+        flags.DEFINE_string(name, default, text, **common)
+    values[name].help = text  # DEFINE_enum put its choices in front: the table has them
     if spec.get("required"):
         flags.mark_flag_as_required(name, flag_values=values)
 
@@ -218,12 +275,16 @@ _PARSER_TYPES = {
 }
 
 
-def describe_flags(flag_values, names: Sequence[str]) -> Dict[str, dict]:
-    """The table's entries of flags `names` of `flag_values` (absl `FlagValues`)."""
+def describe_flags(flag_values, names: Sequence[str], shown: bool = True) -> Dict[str, dict]:
+    """The table's entries of flags `names` of `flag_values` (absl `FlagValues`); their help and
+    default only if they are `shown` by ``--help`` (TensorFlow's, some set by the environment,
+    are not)."""
     table = {}
     for name in sorted(names):
         flag = flag_values[name]
         spec = {"type": _PARSER_TYPES.get(type(flag.parser).__name__, "string")}
+        if shown:
+            spec["help"], spec["default"] = flag.help, flag.default
         if spec["type"] == "enum":
             spec["choices"] = list(flag.parser.enum_values)
         for key, attr in (("lower", "lower_bound"), ("upper", "upper_bound")):
@@ -250,7 +311,7 @@ spec = importlib.util.spec_from_file_location("q", {quiet!r})
 quiet = importlib.util.module_from_spec(spec); spec.loader.exec_module(quiet)
 absl_flags = set(flags.FLAGS)
 import tensorflow, slim_nanguard.app  # their flags too: any launcher accepts them
-table = {{"common": quiet.describe_flags(flags.FLAGS, set(flags.FLAGS) - absl_flags)}}
+table = {{"common": quiet.describe_flags(flags.FLAGS, set(flags.FLAGS) - absl_flags, False)}}
 for script in {launchers!r}:
     before = set(flags.FLAGS)
     runpy.run_path({here!r} + "/" + script + ".py", run_name="flag_table")

@@ -1,14 +1,12 @@
 """Shows the autopsy of a recorded bad step; replays it offline; plots the run.
 
-::
-
     slim-nanguard-autopsy TRAIN_DIR                 # the latest autopsied bad step
     slim-nanguard-autopsy TRAIN_DIR --step=40       # the bad step at global step 40
     slim-nanguard-autopsy TRAIN_DIR --replay        # ...and replay it from the dump alone
     slim-nanguard-autopsy TRAIN_DIR --plot=run.png  # the loss, bad steps, skips, rollbacks
 
 The report goes to stdout. Exit status: 0 done; 1 an error (one line on stderr, naming the
-directory, step or file; ``--verbosity=1`` adds the Python traceback).
+directory, step or file; --verbosity=1 adds the Python traceback).
 """
 
 import importlib.util
@@ -28,7 +26,7 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
 # A typo or a bad value in the flags is answered before the slow import of TensorFlow.
-_quiet_start.check_flags_early(sys.argv, "autopsy", __name__)
+_quiet_start.check_flags_early(sys.argv, "autopsy", __name__, __doc__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402

@@ -1,4 +1,4 @@
-r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's alternatives.
+"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's alternatives.
 
     slim-nanguard-benchmark --out=benchmark.json            # the targets: MLP, deep net, SGD
     slim-nanguard-benchmark --quick --out=quick.json        # a look
@@ -8,9 +8,9 @@ r"""Times slim_nanguard's guard against the unguarded train op and TensorFlow's 
 
 All the variants of a model live in this one process, each in sessions of its own, and are
 timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
-anything, glibc malloc is told to keep freed memory (``--keep_freed_memory``), so that no
+anything, glibc malloc is told to keep freed memory (--keep_freed_memory), so that no
 session pays page faults for its step's tensors every step. The tables go to stdout
-(Markdown; ``--markdown`` also writes them to a file) and, with ``--out``, the same figures
+(Markdown; --markdown also writes them to a file) and, with --out, the same figures
 and more (per-round times, per-session medians, page faults, memory) to a JSON file.
 
 By default it times the two models the targets name (the MLP and the 102-variable deep net),
@@ -21,7 +21,7 @@ target is met when both medians are within it. The four small models with both o
 each (their 20 variants' graphs take 20-35 s to build, and every variant runs at least 3 steps
 per chunk).
 
-``--profile`` times nothing: it traces steps of each variant (TensorFlow's ``RunMetadata``
+--profile times nothing: it traces steps of each variant (TensorFlow's RunMetadata
 step stats) and prints, against the unguarded op, the nodes executed, their summed time and
 the nodes the guard adds, grouped by op type and by name scope.
 """
@@ -44,7 +44,7 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
 # A typo or a bad value in the flags is answered before the slow import of TensorFlow.
-_quiet_start.check_flags_early(sys.argv, "benchmark", __name__)
+_quiet_start.check_flags_early(sys.argv, "benchmark", __name__, __doc__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402

@@ -1,13 +1,13 @@
 """Evaluates a checkpoint on a dataset split: accuracy and loss, the TF-Slim way.
 
-The flags follow TF-Slim's ``eval_image_classifier.py``. One pass over the split with
-``tf_slim.evaluation.evaluate_once`` and streaming metrics read by a ``FinalOpsHook``::
+The flags follow TF-Slim's eval_image_classifier.py. One pass over the split with
+tf_slim.evaluation.evaluate_once and streaming metrics read by a FinalOpsHook:
 
-    slim-nanguard-eval --checkpoint_path=/tmp/slim_nanguard/default
-    python scripts/eval.py --checkpoint_path=/tmp/run/model.ckpt-2000 --dataset_split_name=test
+    slim-nanguard-eval --checkpoint_path=/tmp/nanguard_runs/default
+    slim-nanguard-eval --checkpoint_path=/tmp/run/model.ckpt-2000 --dataset_split_name=test
 
 A checkpoint holding NaN or Inf is refused. The result goes to stdout as one line; errors
-to stderr as one or two lines (``--verbosity=1`` adds the traceback), with exit status 1.
+to stderr as one or two lines (--verbosity=1 adds the traceback), with exit status 1.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ _SPEC.loader.exec_module(_quiet_start)
 
 # TensorFlow's start-up banner stays out of the output unless --verbosity asks for it.
 # A typo or a bad value in the flags is answered before the slow import of TensorFlow.
-_quiet_start.check_flags_early(sys.argv, "eval", __name__)
+_quiet_start.check_flags_early(sys.argv, "eval", __name__, __doc__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402

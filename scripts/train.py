@@ -1,16 +1,16 @@
 """Trains an image classifier with TF-Slim, guarded against NaN/Inf by slim_nanguard.
 
-The flags follow TF-Slim's ``train_image_classifier.py`` (tensorflow/models research/slim)
-where one means the same thing; the guard is one flag away (``--nan_policy``,
-``--check_numerics``) and ``--inject_fault`` lets you watch it work. Configs are flagfiles::
+The flags follow TF-Slim's train_image_classifier.py (tensorflow/models research/slim) where
+one means the same thing; the guard is one flag away (--nan_policy, --check_numerics) and
+--inject_fault lets you watch it work. Configs are flagfiles:
 
     slim-nanguard-train --flagfile=configs/default.cfg
-    python scripts/train.py --train_dir=/tmp/run --inject_fault=nan_input:40
+    slim-nanguard-train --train_dir=/tmp/nanguard_runs/run --inject_fault=nan_input:40
 
 Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
 Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
-stderr; ``--verbosity=1`` adds the Python traceback and TensorFlow's start-up messages); 3
-stopped by ``--nan_policy=stop`` or ``--persistent_nan_policy=stop``; 130 interrupted by Ctrl-C
+stderr; --verbosity=1 adds the Python traceback and TensorFlow's start-up messages); 3
+stopped by --nan_policy=stop or --persistent_nan_policy=stop; 130 interrupted by Ctrl-C
 and 143 terminated by SIGTERM (each after a clean stop with a final checkpoint).
 """
 
@@ -32,7 +32,7 @@ _SPEC.loader.exec_module(_quiet_start)
 # TensorFlow's start-up banner and C++ messages (which repeat every bad step's CheckNumerics
 # message; the guard logs its own) stay out of the output unless --verbosity asks for them.
 # A typo or a bad value in the flags is answered before the slow import of TensorFlow.
-_quiet_start.check_flags_early(sys.argv, "train", __name__)
+_quiet_start.check_flags_early(sys.argv, "train", __name__, __doc__)
 with _quiet_start.quiet_imports(sys.argv):
     import tensorflow as tf  # noqa: E402
     from absl import app  # noqa: E402
@@ -260,11 +260,12 @@ flags.DEFINE_integer(
     "max_consecutive_bad_steps",
     GUARD.max_consecutive_bad_steps,
     "Under skip or rollback, apply --persistent_nan_policy after this many bad steps in a row.",
+    lower_bound=1,
 )
 flags.DEFINE_enum(
     "persistent_nan_policy",
     GUARD.persistent_nan_policy,
-    POLICIES,
+    nanguard_app.PERSISTENT_POLICIES,
     "What --max_consecutive_bad_steps bad steps in a row (the weights, not a "
     "batch, went bad) do under skip or rollback: raise (exit 1), stop (clean "
     "stop, exit 3), rollback (latest good checkpoint, within --max_rollbacks); not skip, which "
@@ -274,6 +275,7 @@ flags.DEFINE_integer(
     "rollback_skip_batches",
     GUARD.rollback_skip_batches,
     "Batches skipped after a rollback.",
+    lower_bound=0,
 )
 flags.DEFINE_float(
     "rollback_lr_factor",
@@ -284,6 +286,7 @@ flags.DEFINE_integer(
     "max_rollbacks",
     GUARD.max_rollbacks,
     "Give up (exit 1) rather than roll back more often.",
+    lower_bound=1,
 )
 flags.DEFINE_integer(
     "autopsy_max_steps",
@@ -291,6 +294,27 @@ flags.DEFINE_integer(
     "How many bad steps get an autopsy: the step replayed from its kept batch to name the "
     "first op that made a NaN or Inf (slim-nanguard-autopsy shows it); 0: none, and no "
     "batch is kept.",
+    lower_bound=0,
+)
+flags.DEFINE_float(
+    "autopsy_timeout_secs",
+    GUARD.autopsy_timeout_secs,
+    "Seconds an autopsy's replay may take before it is given up (training goes on).",
+)
+flags.DEFINE_integer(
+    "autopsy_keep_first",
+    GUARD.autopsy_keep_first,
+    "Autopsy dumps kept in --train_dir from the first bad steps (the oldest).",
+)
+flags.DEFINE_integer(
+    "autopsy_keep_last",
+    GUARD.autopsy_keep_last,
+    "Autopsy dumps kept in --train_dir from the latest bad steps (at least 1).",
+)
+flags.DEFINE_integer(
+    "losses_before",
+    GUARD.losses_before,
+    "Losses of the good steps before a bad step that its record keeps.",
 )
 flags.DEFINE_enum(
     "spike_policy",
@@ -311,6 +335,8 @@ flags.DEFINE_integer(
     "spike_warmup_steps",
     GUARD.spike_warmup_steps,
     "With --spike_policy: steps accepted before the first spike test (2 to 128).",
+    lower_bound=2,
+    upper_bound=128,
 )
 flags.DEFINE_integer(
     "spike_level_shift_steps",
@@ -318,6 +344,7 @@ flags.DEFINE_integer(
     "With --spike_policy=skip: this many spikes in a row that hold together are "
     "a new level of training, not spikes: the guard says so, starts its statistics again "
     "from them and goes on (below --max_consecutive_bad_steps; 0: never).",
+    lower_bound=0,
 )
 flags.DEFINE_list(
     "reasons",

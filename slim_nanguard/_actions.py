@@ -10,11 +10,13 @@ import tensorflow as tf
 
 from slim_nanguard import _errors
 from slim_nanguard import _events
+from slim_nanguard import _history
 from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
 from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
 from slim_nanguard._types import RequestStop
 from slim_nanguard._types import SessionLike
@@ -28,7 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class Outcome:
     """What one judged run came to: the `event` of a bad step (or of an `overflow` of a dynamic
     loss-scale optimizer, no bad step), the `action` carried out on a bad step, and after a
-    rollback the global `step` and the `checkpoint` restored."""
+    rollback the global `step` and the `checkpoint` restored; after a stop that ends a `climb`,
+    the global step it began at and the newest checkpoint from before it (None: none)."""
 
     event: Optional[_events.NanEvent] = None
     action: Optional[Action] = None
@@ -36,6 +39,7 @@ class Outcome:
     stop: bool = False
     step: Optional[int] = None
     checkpoint: Optional[str] = None
+    climb: Optional[Tuple[int, Optional[str]]] = None
 
     @property
     def bad(self) -> bool:
@@ -182,10 +186,17 @@ def carry_out(
     ``rollback_skip_batches``) and adds `record` to its record. A stop calls `request_stop`
     (default `stop_session`); a raise is chained to `error`."""
     action = Action(decision.action)
+    climb = resume = None
+    giving_up = action in (Action.RAISE, Action.STOP) and decision.cause != Cause.MAX_ROLLBACKS
+    if guard is not None and giving_up:
+        # Steps that climbed to it: say what to resume from (not once rollbacks gave up).
+        points = guard.history.points()
+        climb, resume = _rollback.before_climb(checkpoint_dir, guard.state.run_start, points)
     if action is Action.RAISE:
         nan_error = _errors.NanLossError(
             event, decision.reason, cause=decision.cause, limit=decision.limit
         )
+        nan_error.climb, nan_error.resume_from = climb, resume
         if error is not None:
             raise nan_error from _errors.caught_numerics_error(error)
         raise nan_error
@@ -194,11 +205,16 @@ def carry_out(
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
         return Outcome(event=event, action=action)
     if action is Action.STOP:
+        if climb is not None:
+            policy = _errors.policy_name(event, bool(decision.escalation))
+            advice = _history.climb_advice(climb, resume, f"{policy}=")
+            logging.warning("slim_nanguard: stopping at global step %d; %s.", event.step, advice)
         if request_stop is not None:
             request_stop()
         else:
             stop_session(session)
-        return Outcome(event=event, action=action, stop=True)
+        climb = None if climb is None else (climb, resume)
+        return Outcome(event=event, action=action, stop=True, climb=climb)
     path = raw_call(  # A rollback, the only action left.
         session,
         lambda raw: _roll_back(

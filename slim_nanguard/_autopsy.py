@@ -488,7 +488,7 @@ def autopsy_bad_step(
     *,
     step: int = -1,
     dump_dir: Optional[str] = None,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+    timeout_secs: float,
     cause: str = "non_finite",
     spike_over: Sequence[str] = (),
 ) -> Autopsy:

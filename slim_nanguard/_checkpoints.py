@@ -11,6 +11,7 @@ import contextlib
 import copy
 import os
 import re
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -395,6 +396,15 @@ class _FinitenessCheck:
         return None
 
 
+# Each graph's guards' `GraphHandles.optional_variables` (`create_train_op` adds them).
+_OPTIONAL_VARIABLES: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
+
+
+def add_optional_variables(graph: tf.Graph, variables: Sequence[tf.Variable]) -> None:
+    """Makes every `ResumingSaver` of `graph` built from now on resume without `variables`."""
+    _OPTIONAL_VARIABLES.setdefault(graph, []).extend(variables)
+
+
 class ResumingSaver(tf.compat.v1.train.Saver):
     """A `Saver` that also restores a checkpoint lacking the guard's optional variables.
 
@@ -408,13 +418,13 @@ class ResumingSaver(tf.compat.v1.train.Saver):
     def build(self) -> None:
         """As `tf.compat.v1.train.Saver.build`, plus (once) `_optional`: ``(variable, name in
         the checkpoint, placeholder, assign op)`` of each of the default graph's guards'
-        optional variables it saves, and `_rest`, the `Saver` of the others (when any)."""
+        optional variables (`add_optional_variables`) it saves, and `_rest`, the `Saver` of
+        the others (when any)."""
         super().build()
         if hasattr(self, "_optional"):
             return
-        from slim_nanguard import _guard  # Local: the guard's module needs this one.
-
-        optional = {id(v): v for guard in _guard.guards() for v in guard.handles.optional_variables}
+        graph = tf.compat.v1.get_default_graph()
+        optional = {id(v): v for v in _OPTIONAL_VARIABLES.get(graph, ())}
         var_list = self._var_list
         if isinstance(var_list, dict):
             rest = {name: v for name, v in var_list.items() if id(v) not in optional}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
+from slim_nanguard import _history
 from slim_nanguard._types import Cause
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +48,9 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         else None.
       checkpoint: The checkpoint of the last accepted step the loop saved before raising
         (`slim_nanguard.train` does), else None.
+      climb: The global step from which the accepted steps before the bad one were climbing
+        (`checkpoint` is then no good state), else None.
+      resume_from: With `climb`: the newest checkpoint from before it, None if none is kept.
     """
 
     def __init__(
@@ -61,6 +65,8 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         self.cause = None if cause is None else Cause(cause)
         self.limit = limit
         self.checkpoint: Optional[str] = None
+        self.climb: Optional[int] = None
+        self.resume_from: Optional[str] = None
         super().__init__(str(self))
 
     def __reduce__(self):
@@ -68,16 +74,33 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         return (
             type(self),
             (self.event, self.reason, self.cause, self.limit),
-            {"checkpoint": self.checkpoint},
+            {"checkpoint": self.checkpoint, "climb": self.climb, "resume_from": self.resume_from},
         )
 
     def __str__(self) -> str:
         reason = getattr(self.event, "reason", None)
         what = reason.what[:1].upper() + reason.what[1:] if reason else "NaN or Inf"
         autopsy = getattr(self.event, "autopsy", None)
-        parts = [self.event and self.event.describe(), self.reason, autopsy and autopsy.describe()]
+        climb = self.climb is not None and _history.climb_advice(
+            self.climb, self.resume_from, f"{self.policy_name}="
+        )
+        parts = [self.event and self.event.describe(), self.reason, climb]
+        parts.append(autopsy and autopsy.describe())
         details = "; ".join(filter(None, parts))
         return f"{what} during training" + (f": {details}" if details else ".")
+
+    @property
+    def policy_name(self) -> str:
+        """The setting that chose to give up (`policy_name`)."""
+        escalated = self.cause in (Cause.MAX_CONSECUTIVE_BAD_STEPS, Cause.DIVERGENCE)
+        return policy_name(self.event, escalated)
+
+
+def policy_name(event: Optional["NanEvent"], escalated: bool) -> str:
+    """The setting that chose the action on `event`'s bad step: ``persistent_nan_policy`` if it
+    `escalated`, else the policy of the reason that rejected the step (``nan_policy``: NaN)."""
+    reason = getattr(event, "reason", None)
+    return "persistent_nan_policy" if escalated else getattr(reason, "policy_name", "nan_policy")
 
 
 class NonFiniteCheckpointError(NanGuardError):

@@ -74,19 +74,11 @@ class NanEvent:
         """A spike's `figures`, or None for any other cause."""
         return self.figures if self.cause == "spike" else None
 
-    @property
-    def loss_is_nan(self) -> bool:
-        """True when the loss itself was NaN."""
-        return self.loss_kind == LOSS_NAN
-
-    @property
-    def loss_is_inf(self) -> bool:
-        """True when the loss itself was +Inf or -Inf."""
-        return self.loss_kind == LOSS_INF
-
     def describe(self) -> str:
         """One line for a log or an error message."""
-        head = f"global step {self.step}, loss {self.loss!r} ({self.loss_kind})"
+        loss = "NaN" if self.loss_kind == LOSS_NAN else f"{self.loss:+}".replace("inf", "Inf")
+        loss = f"{self.loss!r} (finite)" if self.loss_kind == LOSS_FINITE else loss
+        head = f"global step {self.step}, loss {loss}"
         count = f"bad step {self.consecutive} in a row ({self.total} in all)"
         if self.reason is not None and self.figures is not None:
             return f"{head}, {self.reason.phrase(self.figures)}, {count}"

@@ -23,17 +23,17 @@ from slim_nanguard import _ops
 from slim_nanguard import _verdict
 
 if TYPE_CHECKING:
-    from slim_nanguard import _finiteness
     from slim_nanguard import _guard
 
 
 def apply_gradients(
-    optimizer, grads, global_step, gates: _finiteness.Gate, update_ops, restored, unless_bad
+    optimizer, grads, global_step, gates, update_ops, restored, unless_bad
 ) -> tf.Operation:
     """``optimizer.apply_gradients``, with every write it and the `update_ops` make waiting on
-    ``gates.gate`` and, with a dynamic loss scale, all but those of `unless_bad` on
-    ``gates.finite_gate``. `restored`: the forward-pass writes a bad step puts back."""
-    gate, finite_gate = gates.gate, gates.finite_gate
+    ``gate`` and, with a dynamic loss scale, all but those of `unless_bad` on ``finite_gate``
+    (`gates`: those two of a `_finiteness.Gate`). `restored`: the forward-pass writes a bad
+    step puts back."""
+    gate, finite_gate = gates
     graph = gate.graph
     if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer):
         grad_updates, gated = apply_sync_replicas(optimizer, grads, global_step, gate)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 import tensorflow as tf
 
+from slim_nanguard import _checkpoints
 from slim_nanguard._types import Mode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,7 +58,5 @@ class GraphHandles:
 
     def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:
         """The `optional_variables` that `checkpoint` lacks (it has a ``checkpoint_reader``)."""
-        from slim_nanguard import _checkpoints  # Local: reading a checkpoint is rare.
-
         reader = _checkpoints.checkpoint_reader(checkpoint)
         return tuple(v for v in self.optional_variables if not reader.has_tensor(v.op.name))

@@ -59,3 +59,20 @@ def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
         return None
     climb = list(itertools.takewhile(lambda p: p[1] > CLIMB_FACTOR * typical, reversed(points)))
     return climb[-1][0] if climb else None
+
+
+def climb_advice(climb: int, checkpoint: Optional[str], policy: str) -> str:
+    """What `raise` and `stop` say when the accepted steps before a bad step were climbing from
+    global step `climb` on: `checkpoint` (None: none is kept) predates the climb, and `policy`
+    (``nan_policy=``, ``--spike_policy=``: the flag of the reason that rejected the step) may
+    roll back."""
+    resume = (
+        f"resume from {checkpoint}, the newest checkpoint from before the climb,"
+        if checkpoint
+        else "no checkpoint predates the climb: train again"
+    )
+    return (
+        f"the accepted steps before the bad step were already climbing from global step {climb} "
+        f"on, so the last accepted state is not a good one: {resume} with a lower learning rate, "
+        f"or use {policy}rollback, which goes back before the climb"
+    )

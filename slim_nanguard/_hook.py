@@ -10,7 +10,7 @@ Life cycle (`tf.compat.v1.train.SessionRunHook`)::
       after_run()            # bad step: NanEvent, then the decided action:
                              #   raise    -> NanLossError (end() is not called)
                              #   stop     -> request_stop(); end() and the closing
-                             #               checkpoint see the last good weights
+                             #               checkpoint see the last accepted weights
                              #   skip     -> nothing; the next run takes the next batch
                              #   rollback -> restore the latest good checkpoint, skip input
                              # max_consecutive_bad_steps in a row: persistent_nan_policy
@@ -93,8 +93,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
         self._last_outcome: Optional[_actions.Outcome] = None
-        # Per session: the guard's bad-step count at its start, or a bare loss's own state.
-        self._session_start = 0
+        # Per session: a bare loss's own state.
         self._unguarded_state = _policy.GuardState()
         self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
         self._judging = False
@@ -113,13 +112,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def last_outcome(self) -> Optional[_actions.Outcome]:
         """The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it."""
         return self._last_outcome
-
-    @property
-    def session_bad_steps(self) -> int:
-        """Bad steps of this hook's guard (by whoever judged them) since the session began."""
-        if self._guard is None:
-            return self._unguarded_state.total_bad_steps
-        return self._guard.state.total_bad_steps - self._session_start
 
     def begin(self):
         guard = self._guard = _guard.get_guard(self._loss_tensor)
@@ -162,7 +154,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         guard = self._guard
         if guard is None:
             return
-        self._session_start = guard.state.total_bad_steps
         if guard.in_loop and guard.mode == Mode.HOOK:
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(guard.diagnostics.initializer)

@@ -47,7 +47,8 @@ class TrainResult:
     """What a call to `train` did.
 
     Attributes:
-      final_loss: Loss of the last good step (NaN if none went through).
+      final_loss: Loss of the last good step (NaN if none went through; the summary and the
+        record's stop event then say none).
       global_step: The global step at the end.
       steps, bad_steps, skips, rollbacks: This call's good steps, bad steps, skipped bad steps
         and rollbacks.
@@ -59,6 +60,9 @@ class TrainResult:
       rollback_requests: A non-chief worker's bad steps whose rollback it asked the chief for.
       spikes: The bad steps that were spikes (``spike_policy``).
       rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
+      climb, resume_from: After a stop whose accepted steps climbed to the bad step (then
+        `checkpoint` holds no good state): the global step the climb began at, and the newest
+        checkpoint from before it (None: none is kept); else None.
     """
 
     final_loss: float
@@ -75,6 +79,8 @@ class TrainResult:
     rollback_requests: int = 0
     spikes: int = 0
     rejected: Dict[str, int] = dataclasses.field(default_factory=dict)
+    climb: Optional[int] = None
+    resume_from: Optional[str] = None
 
     def describe(self) -> str:
         """A few lines for the end of a run."""
@@ -82,9 +88,12 @@ class TrainResult:
         overflows = f", {n} loss-scale overflows" if n else ""
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
         spikes = "".join(f"{n} of them {name}s, " for name, n in self.rejected.items() if n)
+        loss = (
+            f"{self.final_loss:.6g}" if math.isfinite(self.final_loss) else "none (no step trained)"
+        )
         return (
             f"stopped: {self.stop_reason}; global step {self.global_step}; final loss "
-            f"{self.final_loss:.6g}; {self.steps} good steps, {self.bad_steps} bad "
+            f"{loss}; {self.steps} good steps, {self.bad_steps} bad "
             f"({spikes}{self.skips} skipped, {self.rollbacks} rolled back{requests}){overflows}\n"
             f"checkpoint: {self.checkpoint}\nevent record: {self.events_path}"
         )
@@ -236,7 +245,8 @@ def train(
         step or a train op that does not increment it, a logdir that cannot be written, a
         negative step count).
       NanLossError: The policy is ``raise``, or training gave up. The chief first saves the
-        last good weights (the bad step wrote none); the error's ``checkpoint`` names them.
+        last accepted weights (the bad step wrote none); the error's ``checkpoint`` names them
+        (and its ``climb`` says whether the steps before were climbing: no good state then).
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found none.
     """
@@ -343,6 +353,7 @@ class _Loop:
     step: int = 0
     final_loss: float = math.nan
     stop_reason: Optional[StopReason] = None
+    climb: Tuple[Optional[int], Optional[str]] = (None, None)  # A stop's `Outcome.climb`.
 
     def counts(self) -> _policy.GuardState:
         """What this call has seen so far: the guard's state since `start`."""
@@ -473,6 +484,7 @@ class _Loop:
             self._save_good_state(sess, nan_error)
             raise
         if outcome.stop:
+            self.climb = outcome.climb or self.climb
             return StopReason.POLICY
         if outcome.action == Action.ROLLBACK:
             self.step = outcome.step if outcome.step is not None else self._read_step(sess)
@@ -563,8 +575,10 @@ class _Loop:
             rollback_requests=counts.rollback_requests,
             spikes=counts.spikes,
             rejected=dict(counts.rejected),
+            climb=self.climb[0],
+            resume_from=self.climb[1],
         )
-        loss = self.final_loss if math.isfinite(self.final_loss) else str(self.final_loss)
+        loss = self.final_loss if math.isfinite(self.final_loss) else None  # JSON null: none
         _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
         return result

@@ -197,11 +197,15 @@ class GuardState:
     """The guard's counters for the life of the process (across sessions), made by `decide`.
 
     ``rollbacks`` are a cluster chief's own and those it answered; ``steps`` are the good steps
-    the loops that see them count (`train`, `train_step`, a `NanLossHook`; not a loop of your own
-    that only calls `handle_numerics_error`); ``rejected`` is ``(name, count)`` of the steps each
-    reason rejected. The run of bad steps began at global step ``run_start`` (``spike_run``: its
-    spikes, while it is all spikes); the last new level was taken at ``level_taken_at`` (on
-    probation for ``spike_warmup_steps`` steps) from spikes that began at ``level_start``."""
+    the loops that see them count (`train`, `train_step`, a `NanLossHook`). A check_numerics-mode
+    loop of your own that only calls `handle_numerics_error` shows the guard its bad steps alone:
+    there ``steps`` stays 0 and ``consecutive_bad_steps`` is the run's length as of the last bad
+    step (``last_bad_step``; the next bad step starts a new run when the global step moved); run
+    `train_step`, or a `nan_hook`, for counts of every step. ``rejected`` is ``(name, count)``
+    of the steps each reason rejected. The run of bad steps began at global step ``run_start``
+    (``spike_run``: its spikes, while it is all spikes); the last new level was taken at
+    ``level_taken_at`` (on probation for ``spike_warmup_steps`` steps) from spikes that began
+    at ``level_start``."""
 
     total_bad_steps: int = 0
     consecutive_bad_steps: int = 0

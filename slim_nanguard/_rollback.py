@@ -53,6 +53,24 @@ def onset(
     return None, ""
 
 
+def before_climb(
+    checkpoint_dir: Optional[str], run_start: Optional[int], losses: Sequence[Tuple[int, float]]
+) -> Tuple[Optional[int], Optional[str]]:
+    """For `raise` and `stop`: ``(climb, checkpoint)`` when two or more accepted steps before a
+    run of bad steps starting at `run_start` were climbing (`onset`): the global step the climb
+    began at, and the newest good checkpoint of `checkpoint_dir` below it (None: none); else
+    ``(None, None)``."""
+    climb, _ = onset(run_start, 1, losses)  # One bad step: the climb only, not the run.
+    if climb is not None and sum(climb <= s < run_start for s, _ in losses) < 2:
+        climb = None  # One loss above the others is a hard batch, not a climb.
+    if climb is None or not checkpoint_dir:
+        return climb, None
+    try:
+        return climb, _checkpoints.latest_good_checkpoint(checkpoint_dir, before_step=climb)
+    except _errors.NanGuardError:  # None readable, or not finite: none to resume from.
+        return climb, None
+
+
 class Rollback:
     """Restores a guard's model from its checkpoints, with `saver` (the Saver every rollback
     restores with; None until `ensure_saver` builds one, if `create_train_op` built none)."""

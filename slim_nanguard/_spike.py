@@ -241,16 +241,16 @@ def _z_scores(values: tf.Tensor, mean: tf.Tensor, std: tf.Tensor, live: tf.Tenso
 
 @dataclasses.dataclass(frozen=True)
 class Spike(_reasons.Reason):
-    """The spike test as a reason (``spike_policy``, ``spike_sigma``, ``spike_warmup_steps``;
-    `GuardConfig` checks them)."""
+    """The spike test as a reason (``spike_policy``, ``spike_sigma``, ``spike_warmup_steps``:
+    `GuardConfig` declares their defaults and checks them)."""
 
     name: ClassVar[str] = "spike"
     what: ClassVar[str] = "a spike in the loss or the gradient norm"
     report_fields: ClassVar[Tuple[str, ...]] = REPORT_FIELDS
     judged_fields: ClassVar[Tuple[str, ...]] = JUDGED_FIELDS
-    policy: str = "skip"
-    sigma: float = 6.0
-    warmup_steps: int = 20
+    policy: str
+    sigma: float
+    warmup_steps: int
 
     def build(self, values: _reasons.StepValues) -> _reasons.Test:
         """The `SpikeTest` of the data loss and the global norm, also its `handles`."""

@@ -18,6 +18,7 @@ Contract of a guarded train op (both modes)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Callable, Dict, Iterable, Optional, Sequence
@@ -35,7 +36,6 @@ from slim_nanguard import _ops
 from slim_nanguard import _parity
 from slim_nanguard import _placement
 from slim_nanguard import _policy
-from slim_nanguard import _reasons
 
 
 def create_train_op(
@@ -53,26 +53,16 @@ def create_train_op(
     check_numerics: bool = True,
     transform_grads_fn: Optional[Callable[[_parity.GradsAndVars], _parity.GradsAndVars]] = None,
     *,
-    nan_policy: str = _policy.RAISE,
-    max_consecutive_bad_steps: int = 10,
-    persistent_nan_policy: str = _policy.RAISE,
-    on_nan: Optional[_policy.OnNanCallback] = None,
-    rollback_skip_batches: int = 1,
-    rollback_lr_factor: float = 1.0,
-    max_rollbacks: int = 3,
-    spike_policy: Optional[str] = None,
-    spike_sigma: float = 6.0,
-    spike_warmup_steps: int = 20,
-    spike_level_shift_steps: int = 8,
-    reasons: Sequence[_reasons.Reason] = (),
     config: Optional[_policy.GuardConfig] = None,
+    **guard_settings,
 ) -> tf.Tensor:
     """Drop-in for `tf_slim.learning.create_train_op` whose bad steps change nothing.
 
     The first twelve arguments and the return value are tf-slim 1.1.0's (the train op is added
     to the ``TRAIN_OP`` collection; ``summarize_gradients``' histograms show the finite values
     only); ``transform_grads_fn`` is `tf_slim.training.create_train_op`'s, run after the
-    multipliers and the clipping. The other keyword arguments are the `GuardConfig` fields.
+    multipliers and the clipping. The other keyword arguments are `GuardConfig`'s fields, with
+    its defaults (``inspect.signature(create_train_op)`` lists them).
 
     A step whose loss or any gradient is NaN or Inf writes no variable: the trainable
     variables, the optimizer's slots and accumulators, ``global_step`` and the variables the
@@ -95,21 +85,21 @@ def create_train_op(
       check_numerics: True for check_numerics mode, False for hook mode.
       nan_policy: ``"raise"`` (`NanLossError`), ``"stop"`` (end the loop cleanly), ``"skip"``
         (carry on with the next batch) or ``"rollback"`` (restore the latest good checkpoint).
-      spike_policy: As `GuardConfig`'s; None: no spike test, and the same graph as without it.
-      config: A `GuardConfig`; overrides the twelve policy arguments above when given.
+      config: A `GuardConfig`; the settings given as keywords replace its fields.
+      **guard_settings: `GuardConfig`'s fields (``nan_policy``, ``spike_policy``, ...; see
+        its attributes). ``spike_policy=None`` (the default) builds the graph tf-slim's would.
 
     Returns:
       A `Tensor` that computes the gradients, applies them when finite and returns the loss.
 
     Raises:
+      TypeError: A keyword that is neither tf-slim's nor a `GuardConfig` field.
       ValueError: An argument tf-slim's train op cannot use (a loss that is not a scalar
         floating-point tensor, no `tf.compat.v1.train.Optimizer`, no variable to train), a
         policy argument out of range, a ``config`` that is not a `GuardConfig`, or a spike
         policy or reasons for a train op built in a loop body.
     """
-    # First, while the locals are the arguments.
-    policy = {name: value for name, value in locals().items() if name in _POLICY_ARGUMENTS}
-    config = _guard_config(config, policy)
+    config = _guard_config(config, guard_settings)
     _parity.check_arguments(total_loss, optimizer, clip_gradient_norm)
     graph = total_loss.graph
     _check_reasons_outside_loops(config, graph)
@@ -140,21 +130,36 @@ def create_train_op(
         )
 
 
-# The keyword-only arguments of `create_train_op` but ``config``: the `GuardConfig` fields.
-_POLICY_ARGUMENTS = tuple(
-    p.name
-    for p in inspect.signature(create_train_op).parameters.values()
-    if p.kind is p.KEYWORD_ONLY and p.name != "config"
-)
-
-
-def _guard_config(config: Optional[_policy.GuardConfig], policy: dict) -> _policy.GuardConfig:
-    """`config`, or when None the `GuardConfig` of the `policy` arguments."""
+def _guard_config(config: Optional[_policy.GuardConfig], settings: dict) -> _policy.GuardConfig:
+    """`config` (default `GuardConfig()`) with the keyword `settings` in place of its fields."""
+    fields = [f.name for f in dataclasses.fields(_policy.GuardConfig)]
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise TypeError(
+            f"create_train_op() got an unexpected keyword argument {unknown[0]!r}: besides "
+            f"tf-slim's arguments it takes config= and GuardConfig's fields: {', '.join(fields)}."
+        )
     if config is None:
-        return _policy.GuardConfig(**policy)
+        return _policy.GuardConfig(**settings)
     if not isinstance(config, _policy.GuardConfig):
         raise ValueError(f"config must be a slim_nanguard.GuardConfig; got {config!r}.")
-    return config
+    return dataclasses.replace(config, **settings)
+
+
+def _signature() -> inspect.Signature:
+    """`create_train_op`'s signature as help() shows it: each `GuardConfig` field a keyword,
+    with the dataclass's default (declared there only), before ``config``."""
+    *tf_slim, config, _ = inspect.signature(create_train_op).parameters.values()
+    settings = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
+        for f in dataclasses.fields(_policy.GuardConfig)
+    ]
+    return inspect.signature(create_train_op).replace(parameters=[*tf_slim, *settings, config])
+
+
+create_train_op.__signature__ = _signature()
 
 
 def _gated(
@@ -172,8 +177,9 @@ def _gated(
         )
     with _learning_rate.scaled(optimizer, lr_scale):
         unless_bad = _finiteness.loss_scale_variables(loss_scale)
+        gates = (gate.gate, gate.finite_gate)
         grad_updates = _gating.apply_gradients(
-            optimizer, grads, global_step, gate, update_ops, forward.restored, unless_bad
+            optimizer, grads, global_step, gates, update_ops, forward.restored, unless_bad
         )
     writes = [grad_updates] + list(update_ops)
     if test.reasons:  # An accepted step writes its reasons' state.
@@ -245,6 +251,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         with tf.init_scope(), _placement.on_host():
             saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
     _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+    _checkpoints.add_optional_variables(graph, handles.optional_variables)
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
         # The default saver a `Scaffold` would make, which also resumes from checkpoints
         # lacking the guard's optional variables.

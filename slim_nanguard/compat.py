@@ -32,9 +32,7 @@ __all__ = [
     "add_gradients_summaries",
     "clip_gradient_norms",
     "install",
-    "is_installed",
     "multiply_gradients",
-    "patched",
 ]
 
 _LOCK = threading.Lock()
@@ -247,15 +245,3 @@ def install() -> None:
         logging.info("slim_nanguard.compat: patched tf-slim for %s", ", ".join(_PATCHED))
     else:
         logging.info("slim_nanguard.compat: tf-slim needs no patches on this TensorFlow.")
-
-
-def is_installed() -> bool:
-    """Returns True once `install` has completed in this process."""
-    return _PATCHED is not None
-
-
-def patched() -> Tuple[str, ...]:
-    """Returns the names `install` restored, as dotted ``module.name`` strings (e.g.
-    ``"tensorflow.python.framework.ops.Tensor"``); empty before `install` or when nothing
-    needed patching."""
-    return _PATCHED or ()

@@ -221,12 +221,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_table_script(script: str, *args: str) -> Tuple[List[str], List[List[str]]]:
-    """Runs ``scripts/<script>`` with `args` from the repository root (this checkout first on
+    """Runs ``research/<script>`` with `args` from the repository root (this checkout first on
     PYTHONPATH); returns its non-blank stdout lines and the cells of each row of the Markdown
     table it prints, the header first and the separator row left out. A failed run fails."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", script), *args],
+        [sys.executable, os.path.join(REPO, "research", script), *args],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=path),
         capture_output=True,

@@ -197,7 +197,8 @@ def test_ci_tests_the_oldest_tensorflow_setup_cfg_allows():
 #     rendered from the quote's own figures, must read as quoted), or
 #   - a message of TensorFlow or tf-slim (`_EXTERNAL`: found in the installed package), or
 #   - made of the code's own words: with "..." and the figures (numbers, paths) left out,
-#     every stretch of text is in one string of slim_nanguard/ or scripts/ (`_code_text`), or
+#     every stretch of text is in one string of slim_nanguard/, scripts/ or research/
+#     (`_code_text`), or
 #   - in a block marked as an example: the line before its fence is `EXAMPLE_MARKER`.
 
 EXAMPLE_MARKER = re.compile(r"^Example output(?: \(abridged\))?:$")
@@ -346,7 +347,7 @@ def _spike_line(quote: str) -> str:
         action="skip",
         cause=Fault.SPIKE,
         figures=report,
-        reason=_spike.Spike(sigma=report["sigma"]),
+        reason=_spike.Spike("skip", report["sigma"], _policy.GuardConfig().spike_warmup_steps),
     )
     return _logged(event)
 
@@ -360,10 +361,10 @@ _PRODUCERS = [
 
 @functools.lru_cache(maxsize=None)
 def _code_text() -> str:
-    """Every string literal of slim_nanguard/ and scripts/, the pieces of f-strings apart,
-    one per line."""
+    """Every string literal of slim_nanguard/, scripts/ and research/, the pieces of f-strings
+    apart, one per line."""
     pieces = []
-    for root in ("slim_nanguard", "scripts"):
+    for root in ("slim_nanguard", "scripts", "research"):
         for path in sorted((REPO / root).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -479,7 +480,8 @@ def test_one_install_hint_for_the_plot_extra(monkeypatch, tmp_path):
     everywhere: in the docs and in the autopsy's error."""
     import sys
 
-    files = [*DOC_PAGES, *(REPO / "slim_nanguard").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
+    files = [*DOC_PAGES, *(REPO / "slim_nanguard").rglob("*.py")]
+    files += [*(REPO / "scripts").glob("*.py"), *(REPO / "research").glob("*.py")]
     files += sorted((REPO / "configs").glob("*.cfg"))
     other = [str(f.relative_to(REPO)) for f in files if "slim_nanguard[" in f.read_text()]
     assert not other, f"{other} name the extra as slim_nanguard[...]; write '.[plot]'"
@@ -487,3 +489,40 @@ def test_one_install_hint_for_the_plot_extra(monkeypatch, tmp_path):
     with pytest.raises(ImportError, match=r"pip install '\.\[plot\]'"):
         run_plot.plot_run(str(tmp_path), str(tmp_path / "run.png"))
     assert "pip install '.[plot]'" in (REPO / "docs" / "guide.md").read_text()
+
+
+def _launcher_help_texts():
+    """Every text ``--help`` shows: the launchers' docstrings and their flags' help."""
+    for script in ("train", "eval", "autopsy", "benchmark"):
+        tree = ast.parse((REPO / "scripts" / f"{script}.py").read_text())
+        yield f"{script}.py", ast.get_docstring(tree, clean=False)
+    namespace = {}
+    exec((REPO / "scripts" / "_flag_table.py").read_text(), namespace)
+    for script, table in namespace["FLAGS"].items():
+        if script != "common":
+            for name, spec in table.items():
+                yield f"{script} --{name}", spec["help"]
+
+
+def test_the_help_texts_carry_no_rst_and_name_the_console_commands():
+    texts = dict(_launcher_help_texts())
+    assert len(texts) > 100
+    for where, text in texts.items():
+        assert "``" not in text and "::" not in text, (where, text)
+        assert "python scripts/" not in text and "python3 scripts/" not in text, (where, text)
+    assert "slim-nanguard-train --flagfile=configs/default.cfg" in texts["train.py"]
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.cfg")), ids=lambda p: p.name)
+def test_each_config_names_the_console_command_and_a_train_dir_not_named_like_the_package(config):
+    """As the README does: ``slim-nanguard-train --flagfile=configs/...``. A train dir named
+    /tmp/slim_nanguard/... would be imported as an empty ``slim_nanguard`` namespace package by
+    any Python started in /tmp with an editable install."""
+    text = config.read_text()
+    assert "scripts/train.py" not in text
+    assert f"slim-nanguard-train --flagfile=configs/{config.name}" in text
+    train_dir = re.search(r"^--train_dir=(.*)$", text, re.M).group(1)
+    assert "slim_nanguard" not in pathlib.PurePath(train_dir).parts, train_dir
+    assert "slim-nanguard-train --flagfile=configs/" in (REPO / "README.md").read_text()
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        assert "/tmp/slim_nanguard/" not in doc.read_text(), doc

@@ -95,13 +95,13 @@ def test_seed_flow_raise_names_step_value_and_culprits(mode, fault):
     message = str(error)
     assert f"global step {BAD_BATCH}" in message
     expected = {
-        "nan_loss": ["loss nan (nan), gradients finite"],
-        "inf_loss": ["loss inf (inf), gradients finite"],
+        "nan_loss": ["loss NaN, gradients finite"],
+        "inf_loss": ["loss +Inf, gradients finite"],
         "nan_gradient": ["(finite), non-finite gradients of logits/weights,"],
         # Where the NaN reached the loss it came back through every gradient; where a fused
         # ReLU kernel mapped it to 0, the loss is finite and the first layer's weights are bad.
         "nan_input": [
-            "loss nan (nan), non-finite gradients of fc1/weights, fc1/biases, "
+            "loss NaN, non-finite gradients of fc1/weights, fc1/biases, "
             "logits/weights, logits/biases,",
             "(finite), non-finite gradients of fc1/weights,",
         ],
@@ -347,8 +347,9 @@ def test_a_hand_built_hook_behaves_as_the_ready_one():
     lib.assert_state_equal(results[0][2], results[1][2])
 
 
-def test_after_create_session_resets_only_per_session_state():
-    model = lib.build_model(check_numerics=False, nan_policy="skip", faults={1: "nan_loss"})
+def test_after_create_session_keeps_the_runs_counters_and_judges_on():
+    faults = {1: "nan_loss", 4: "nan_loss"}
+    model = lib.build_model(check_numerics=False, nan_policy="skip", faults=faults)
     hook = slim_nanguard.nan_hook(model.train_op)
     with model.graph.as_default():
         with tf.compat.v1.train.MonitoredTrainingSession(
@@ -356,13 +357,15 @@ def test_after_create_session_resets_only_per_session_state():
         ) as sess:
             for _ in range(3):
                 sess.run(model.train_op)
-            assert hook.session_bad_steps == 1
+            assert hook.guard.state.total_bad_steps == 1
             # What MonitoredSession does when it recovers a session.
             hook.after_create_session(
                 sess.run_step_fn(lambda step_context: step_context.session), None
             )
-            assert hook.session_bad_steps == 0
-            assert hook.guard.state.total_bad_steps == 1  # the run's counters survive
+            for _ in range(3):
+                sess.run(model.train_op)  # the bad batch 4 is judged, not unjudged
+            assert hook.last_outcome.good
+            assert (hook.guard.state.total_bad_steps, hook.guard.state.skips) == (2, 2)
 
 
 @pytest.mark.parametrize("fault", ["inf_loss", "nan_gradient"])
@@ -417,7 +420,7 @@ def test_a_bad_step_logs_nan_tensor_hooks_sentence_on_tensorflows_logger(
     assert (lines[0].name, lines[0].levelno) == ("tensorflow", level)
     message = lines[0].getMessage()
     assert message.startswith("Model diverged with loss = Inf.")
-    assert f"global step {BAD_BATCH}, loss inf (inf)" in message
+    assert f"global step {BAD_BATCH}, loss +Inf, " in message
     assert f"action {policy}" in message
 
 

@@ -7,6 +7,7 @@ chained cause, a hook refusing what it cannot do.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import traceback
@@ -222,3 +223,89 @@ def test_a_bad_steps_line_says_which_value_was_bad(mode, fault, policy, opening)
     assert ("loss = NaN" in line) == (fault == "nan_loss"), line
     if fault == "nan_gradient":
         assert "non-finite gradients of logits/weights" in line
+
+
+@pytest.mark.parametrize(
+    "loss, kind, said",
+    [
+        (float("nan"), "nan", "global step 5, loss NaN, gradients finite,"),
+        (float("inf"), "inf", "global step 5, loss +Inf, gradients finite,"),
+        (float("-inf"), "inf", "global step 5, loss -Inf, gradients finite,"),
+        (6.5, "finite", "global step 5, loss 6.5 (finite), no culprit known,"),
+    ],
+)
+def test_a_bad_steps_line_names_its_loss_in_one_word(loss, kind, said):
+    """Not ``loss nan (nan)``: the value once, as the autopsy writes it (NaN, +Inf, -Inf)."""
+    event = slim_nanguard.NanEvent(
+        step=5, loss=loss, loss_kind=kind, culprits=(), consecutive=1, total=1, mode="hook"
+    )
+    assert said in event.describe(), event.describe()
+
+
+def test_a_run_that_trained_no_step_says_its_final_loss_is_none(tmp_path):
+    """Not ``final loss nan``, which grep and alerting on "nan" take for a bad run: none, and
+    null in the record's stop event."""
+    model = lib.build_model(nan_policy="skip")
+    with model.graph.as_default():
+        result = slim_nanguard.train(
+            model.train_op, str(tmp_path), number_of_steps=0, log_every_n_steps=0
+        )
+    assert (result.steps, result.global_step) == (0, 0)
+    assert "; final loss none (no step trained); 0 good steps," in result.describe()
+    assert not re.search(r"\bnan\b", result.describe(), re.I), result.describe()
+    (stop,) = [r for r in slim_nanguard.read_events(str(tmp_path)) if r["kind"] == "stop"]
+    assert "final_loss" in stop and stop["final_loss"] is None, stop
+
+
+def test_evals_model_mismatch_says_which_shape_and_model_is_the_checkpoints(tmp_path):
+    """``here: lenet on 28x28x1`` read as what the checkpoint holds: the sentence names the
+    checkpoint's shapes and what this evaluation asked for, each as such."""
+    from slim_nanguard import app  # pylint: disable=import-outside-toplevel
+
+    train_dir = str(tmp_path / "lenet")
+    app.run_training(
+        app.TrainConfig.from_flags(
+            train_dir=train_dir,
+            model_name="lenet",
+            dataset_name="synthetic",
+            max_number_of_steps=1,
+            log_every_n_steps=0,
+            save_summaries_steps=0,
+            save_summaries_secs=0,
+        )
+    )
+    config = app.EvalConfig(
+        checkpoint_path=train_dir, dataset_name="synthetic", model_name="lenet", eval_image_size=14
+    )
+    with pytest.raises(app.LaunchError) as raised:
+        app.run_eval(config)
+    assert str(raised.value).endswith(
+        "does not match the model: LeNet/fc3/weights is [3136, 1024] in the checkpoint but "
+        "[1024, 1024] in the model. Evaluate with the --model_name, dataset and image size the "
+        "checkpoint was trained with; this evaluation asked for lenet on 14x14x1 synthetic "
+        "images with 10 classes."
+    ), raised.value
+
+
+def test_guard_state_in_a_check_numerics_loop_of_ones_own_is_as_of_the_last_bad_step():
+    """What GuardState's docstring says of a loop that only calls handle_numerics_error: the
+    guard sees its bad steps alone, so ``steps`` stays 0 and the run of bad steps is the one
+    of ``last_bad_step``; the next bad step, the global step having moved, starts a new run."""
+    model = lib.build_model(nan_policy="skip", faults={3: "nan_loss", 20: "nan_loss"})
+    guard = slim_nanguard.get_guard(model.train_op)
+    with model.graph.as_default(), tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        seen = []
+        for _ in range(30):
+            try:
+                sess.run(model.train_op)
+            except tf.errors.InvalidArgumentError as err:
+                slim_nanguard.handle_numerics_error(sess, err)
+                seen.append((guard.state.last_bad_step, guard.state.consecutive_bad_steps))
+        global_step = sess.run(model.global_step)
+    assert seen == [(3, 1), (19, 1)]  # batch 20 is trained at global step 19 (3 was skipped)
+    assert global_step == 28
+    state = guard.state
+    assert (state.steps, state.total_bad_steps, state.skips) == (0, 2, 2)
+    assert (state.consecutive_bad_steps, state.last_bad_step) == (1, 19)
+    assert "there ``steps`` stays 0" in type(state).__doc__

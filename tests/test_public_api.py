@@ -21,7 +21,9 @@ PUBLIC_MODULES = ("autopsy", "cluster", "compat", "storage")
 
 def _sources():
     paths = sorted((REPO / "slim_nanguard" / "app").glob("*.py"))
-    return paths + sorted((REPO / "scripts").glob("*.py"))
+    return (
+        paths + sorted((REPO / "scripts").glob("*.py")) + sorted((REPO / "research").glob("*.py"))
+    )
 
 
 def _private_uses(path: pathlib.Path):
@@ -108,6 +110,10 @@ BAD_GUARD_VALUES = {
     "rollback_lr_factor": 2.0,
     "max_rollbacks": 0,
     "autopsy_max_steps": -1,
+    "autopsy_timeout_secs": 0.0,
+    "autopsy_keep_first": -1,
+    "autopsy_keep_last": 0,
+    "losses_before": -1,
     "spike_policy": "sometimes",
     "spike_sigma": 0.0,
     "spike_warmup_steps": 1,

@@ -76,4 +76,6 @@ def test_the_quick_start_test_command_is_the_one_ci_runs():
     assert "python3 -m pip install '.[test]' && python3 -m pytest -q tests" in quick_start
     assert "slim-nanguard-train --flagfile=configs/default.cfg" in quick_start
     assert (REPO / "configs" / "default.cfg").is_file()
-    assert re.search(r"^python3 -m pytest -q tests$", (REPO / ".ci" / "run").read_text(), re.M)
+    ci = (REPO / ".ci" / "run").read_text()  # the same, listing the 25 slowest tests
+    assert re.search(r"^python3 -m pytest -q --durations=25 tests$", ci, re.M)
+    assert 'python3 -m pytest -q -m "not slow" tests' in quick_start  # the quick tier

@@ -1,9 +1,9 @@
 """The spike guard's bench and the evidence for its judgement tell the truth about themselves.
 
-``scripts/spike_bench.py --quick`` trains a clean run (label noise) and the planted spike with
+``research/spike_bench.py --quick`` trains a clean run (label noise) and the planted spike with
 the real guard and without it: its table must have one row per run with every column, list
 every flagged step with its z-scores, and its sentences (each row's verdict, the README's
-summary) must say what its numbers say. The candidate rules of ``scripts/spike_rules.py`` are
+summary) must say what its numbers say. The candidate rules of ``research/spike_rules.py`` are
 checked on small stories of accepted and rejected values: a level shift, a divergence, one
 spike, a fixed-batch repeat, and an outlier inside the warm-up.
 """
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, os.path.join(REPO, "research"))
 
 import spike_rules  # noqa: E402
 

@@ -13,6 +13,7 @@ hold:
 * `cluster`: the ps/worker cluster flags and a task's part in the cluster.
 * `datasets`, `models`: one spec per dataset and per model (`DATASETS`, `MODELS`).
 * `faults`: fault injection (``--inject_fault``).
+* `preflight`: the launcher's checks that need no TensorFlow (standard library only).
 * `benchmarking`: the benchmark harness of ``slim-nanguard-benchmark`` (imported on its own).
 * `plot`: the run's plot of ``slim-nanguard-autopsy --plot`` (imported on its own).
 """
@@ -23,6 +24,7 @@ from slim_nanguard.app.config import DEFAULT_GUARD
 from slim_nanguard.app.config import GUARD_FLAGS
 from slim_nanguard.app.config import NO_SPIKE_TEST
 from slim_nanguard.app.config import OPTIMIZERS
+from slim_nanguard.app.config import PERSISTENT_POLICIES
 from slim_nanguard.app.config import REASONS_FLAG
 from slim_nanguard.app.config import EvalConfig
 from slim_nanguard.app.config import LaunchError
@@ -42,6 +44,7 @@ __all__ = [
     "NO_SPIKE_TEST",
     "REASONS_FLAG",
     "OPTIMIZERS",
+    "PERSISTENT_POLICIES",
     "EvalConfig",
     "EvalResult",
     "LaunchError",

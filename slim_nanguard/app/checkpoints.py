@@ -133,7 +133,10 @@ def _mismatches(variables: Sequence[tf.Variable], shapes: Dict[str, List[int]]):
         if name not in shapes:
             missing.append(name)
         elif list(shapes[name]) != v.shape.as_list():
-            wrong.append(f"{name} is {list(shapes[name])} there but {v.shape.as_list()} here")
+            wrong.append(
+                f"{name} is {list(shapes[name])} in the checkpoint but {v.shape.as_list()} in "
+                "the model"
+            )
     return missing, wrong
 
 

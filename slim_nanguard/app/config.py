@@ -31,6 +31,7 @@ __all__ = [
     "DECAY_TYPES",
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
+    "PERSISTENT_POLICIES",
     "NO_SPIKE_TEST",
     "OPTIMIZERS",
     "EvalConfig",
@@ -42,6 +43,7 @@ OPTIMIZERS = ("sgd", "momentum", "rmsprop", "adam", "adagrad", "adadelta", "ftrl
 DECAY_TYPES = ("fixed", "exponential", "polynomial")
 
 # The guard's settings that are launcher flags: each flag is named as its GuardConfig field.
+# All but on_nan (a Python callback) and reasons (`REASONS_FLAG`).
 GUARD_FLAGS = (
     "nan_policy",
     "max_consecutive_bad_steps",
@@ -50,6 +52,10 @@ GUARD_FLAGS = (
     "rollback_lr_factor",
     "max_rollbacks",
     "autopsy_max_steps",
+    "autopsy_timeout_secs",
+    "autopsy_keep_first",
+    "autopsy_keep_last",
+    "losses_before",
     "spike_policy",
     "spike_sigma",
     "spike_warmup_steps",
@@ -63,6 +69,21 @@ NO_SPIKE_TEST = "none"
 
 # The launcher's guard: GuardConfig's defaults, except that a bad step is skipped.
 DEFAULT_GUARD = slim_nanguard.GuardConfig(nan_policy=slim_nanguard.Action.SKIP)
+
+
+def _accepted(field: str, value) -> bool:
+    """Whether GuardConfig accepts `value` for `field` (a flag's choices are what it accepts)."""
+    try:
+        dataclasses.replace(DEFAULT_GUARD, **{field: value})
+    except ValueError:
+        return False
+    return True
+
+
+# The choices of --persistent_nan_policy: the policies GuardConfig takes there (not skip).
+PERSISTENT_POLICIES = tuple(
+    a.value for a in slim_nanguard.Action if _accepted("persistent_nan_policy", a.value)
+)
 
 
 class LaunchError(slim_nanguard.NanGuardError, ValueError):

@@ -43,6 +43,7 @@ from absl import logging as absl_logging
 
 from slim_nanguard import NanGuardError
 from slim_nanguard import storage
+from slim_nanguard.app import preflight
 
 # absl's logger itself: its module functions would configure Python's root logger in a
 # script that is not run by absl's app.run (see slim_nanguard/_log.py).
@@ -279,7 +280,7 @@ def _load_digits() -> Mapping[str, np.ndarray]:
         raise DatasetError(
             f"The shipped digits file {_DIGITS_PATH} is missing: reinstall "
             "slim_nanguard (its package data must include data/digits.npz), or "
-            "regenerate it with scripts/make_digits_npz.py."
+            "regenerate it with research/make_digits_npz.py."
         )
     with np.load(_DIGITS_PATH) as npz:
         return types.MappingProxyType({key: npz[key] for key in npz.files})
@@ -524,22 +525,9 @@ def _tfrecord(
 
 def _split_files(dataset_dir, split, file_pattern):
     """Returns the sorted TFRecord files of a split and the patterns that were tried."""
-    if dataset_dir is None:
-        raise DatasetError(
-            "Dataset tfrecord needs dataset_dir (--dataset_dir): the directory "
-            "holding the TF-Slim TFRecord files, e.g. the --dataset_dir given to "
-            "slim's download_and_convert_data.py."
-        )
-    if not tf.io.gfile.exists(dataset_dir):
-        raise DatasetError(
-            f"dataset_dir (--dataset_dir) {dataset_dir} does not exist: pass the "
-            "directory that holds the TFRecord files."
-        )
-    if not tf.io.gfile.isdir(dataset_dir):
-        raise DatasetError(
-            f"dataset_dir (--dataset_dir) {dataset_dir} is not a directory: pass "
-            "the directory that holds the TFRecord files, not a file."
-        )
+    problem = preflight.dataset_dir_problem(dataset_dir, tf.io.gfile.exists, tf.io.gfile.isdir)
+    if problem:
+        raise DatasetError(problem)
     if not split or any(c in split for c in "*?[]/"):
         raise DatasetError(
             f"Bad split name {split!r} (--dataset_split_name): give the word that "

@@ -123,9 +123,10 @@ def run_eval(config: config_lib.EvalConfig) -> EvalResult:
             shapes,
             what="--checkpoint_path {path}",
             ignore_missing=False,
-            advice=f"Evaluate with the --model_name, dataset and image size it was trained "
-            f"with (here: {config.model_name} on {info.image_shape[0]}x{info.image_shape[1]}x"
-            f"{info.image_shape[2]} {config.dataset_name} images, {info.num_classes} classes).",
+            advice=f"Evaluate with the --model_name, dataset and image size the checkpoint was "
+            f"trained with; this evaluation asked for {config.model_name} on "
+            f"{info.image_shape[0]}x{info.image_shape[1]}x{info.image_shape[2]} "
+            f"{config.dataset_name} images with {info.num_classes} classes.",
         )
         global_step = tf.compat.v1.train.get_or_create_global_step()
         if global_step.op.name in shapes:

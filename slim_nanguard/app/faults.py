@@ -33,11 +33,21 @@ the step, so the train op and the guard see exactly what a real fault would give
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, Sequence
 
 import tensorflow as tf
+
+from slim_nanguard.app.preflight import FAULT_KINDS
+from slim_nanguard.app.preflight import INF_INPUT
+from slim_nanguard.app.preflight import INF_LOSS
+from slim_nanguard.app.preflight import INPUT_KINDS
+from slim_nanguard.app.preflight import LOSS_KINDS
+from slim_nanguard.app.preflight import NAN_GRADIENT
+from slim_nanguard.app.preflight import NAN_INPUT
+from slim_nanguard.app.preflight import NAN_LOSS
+from slim_nanguard.app.preflight import SPIKE_INPUT
+from slim_nanguard.app.preflight import SPIKE_SCALE
+from slim_nanguard.app.preflight import FaultSpec
 
 __all__ = [
     "FAULT_KINDS",
@@ -47,93 +57,6 @@ __all__ = [
     "FaultSpec",
     "enumerate_batches",
 ]
-
-NAN_INPUT = "nan_input"
-INF_INPUT = "inf_input"
-NAN_LOSS = "nan_loss"
-INF_LOSS = "inf_loss"
-NAN_GRADIENT = "nan_gradient"
-SPIKE_INPUT = "spike_input"
-SPIKE_SCALE = 1000.0
-
-INPUT_KINDS = (NAN_INPUT, INF_INPUT, SPIKE_INPUT)
-LOSS_KINDS = (NAN_LOSS, INF_LOSS, NAN_GRADIENT)
-FAULT_KINDS = INPUT_KINDS + LOSS_KINDS
-
-_SPEC = re.compile(r"^\s*([a-z_]+)\s*:\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultSpec:
-    """One injected fault: a kind and the batches it hits.
-
-    Attributes:
-      kind: One of `FAULT_KINDS`.
-      first: Index of the first bad batch (0 is the first batch of the run).
-      last: Index of the last bad batch (inclusive); equal to `first` for a single batch.
-    """
-
-    kind: str
-    first: int
-    last: int = -1
-
-    def __post_init__(self):
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(
-                f"unknown fault kind {self.kind!r}: choose one of {', '.join(FAULT_KINDS)}."
-            )
-        if isinstance(self.first, bool) or not isinstance(self.first, int) or self.first < 0:
-            raise ValueError(
-                f"the batch index of a fault must be an integer >= 0; got {self.first!r}."
-            )
-        if self.last == -1:
-            object.__setattr__(self, "last", self.first)
-        if isinstance(self.last, bool) or not isinstance(self.last, int) or self.last < self.first:
-            raise ValueError(
-                f"the last batch of fault {self.kind}:{self.first}-{self.last} comes "
-                "before its first; write KIND:FIRST-LAST with FIRST <= LAST."
-            )
-
-    @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
-        """Parses ``KIND:STEP`` or ``KIND:FIRST-LAST``.
-
-        Raises:
-          ValueError: The text is not of that form, or names an unknown kind; the message
-            quotes the text and lists the kinds.
-        """
-        match = _SPEC.match(text or "")
-        if not match:
-            raise ValueError(
-                f"fault {text!r} is not KIND:STEP or KIND:FIRST-LAST (for example "
-                f"nan_input:40); KIND is one of {', '.join(FAULT_KINDS)}."
-            )
-        kind, first, last = match.group(1), int(match.group(2)), match.group(3)
-        if kind not in FAULT_KINDS:
-            raise ValueError(
-                f"fault {text!r} has the unknown kind {kind!r}: choose one of "
-                f"{', '.join(FAULT_KINDS)}."
-            )
-        return cls(kind, first, int(last) if last is not None else first)
-
-    @classmethod
-    def parse_list(cls, texts: "str | Iterable[str]") -> Tuple["FaultSpec", ...]:
-        """Parses a comma-separated string, or a sequence of strings; empty items are ignored."""
-        if isinstance(texts, str):
-            texts = texts.split(",")
-        return tuple(cls.parse(t) for t in texts if t and t.strip())
-
-    def __str__(self) -> str:
-        if self.last == self.first:
-            return f"{self.kind}:{self.first}"
-        return f"{self.kind}:{self.first}-{self.last}"
-
-    def hits(self, batch_index: tf.Tensor) -> tf.Tensor:
-        """A boolean scalar tensor: does this fault hit the batch `batch_index`?"""
-        index = tf.cast(batch_index, tf.int64)
-        if self.first == self.last:
-            return tf.equal(index, self.first)
-        return tf.logical_and(index >= self.first, index <= self.last)
 
 
 def enumerate_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -158,6 +81,14 @@ def _nan_gradient_on(loss: tf.Tensor, hit: tf.Tensor) -> tf.Tensor:
     return identity_with_nan_gradient(loss)
 
 
+def _hits(fault: FaultSpec, batch_index: tf.Tensor) -> tf.Tensor:
+    """A boolean scalar tensor: does `fault` hit the batch `batch_index`?"""
+    index = tf.cast(batch_index, tf.int64)
+    if fault.first == fault.last:
+        return tf.equal(index, fault.first)
+    return tf.logical_and(index >= fault.first, index <= fault.last)
+
+
 def _any(flags: Sequence[tf.Tensor]) -> tf.Tensor:
     if not flags:
         return tf.constant(False)
@@ -179,7 +110,7 @@ class FaultInjector:
         self.batch_index = batch_index
 
     def _hit(self, kinds: Sequence[str]) -> tf.Tensor:
-        return _any([f.hits(self.batch_index) for f in self.faults if f.kind in kinds])
+        return _any([_hits(f, self.batch_index) for f in self.faults if f.kind in kinds])
 
     def _has(self, kinds: Sequence[str]) -> bool:
         return any(f.kind in kinds for f in self.faults)

@@ -34,9 +34,10 @@ def describe_training(
     total = ""
     if config is not None and config.max_number_of_steps is not None:
         total = f"/{config.max_number_of_steps}"
-    stopped_by = "--nan_policy=stop at a bad step"
+    policy, stopped_by = "--nan_policy", "--nan_policy=stop at a bad step"
     if config is not None and config.guard.nan_policy != slim_nanguard.Action.STOP:
         # The launcher has no on_nan: only an escalation stops a run under another policy.
+        policy = "--persistent_nan_policy"
         stopped_by = (
             f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
             f"{config.guard.max_consecutive_bad_steps} bad steps in a row"
@@ -69,7 +70,15 @@ def describe_training(
     lines += _rejected_lines(result, config)
     if result.learning_rate_scale != 1.0:
         lines.append(f"  lr scale      {result.learning_rate_scale:g} (after rollbacks)")
-    lines += [f"  checkpoint    {result.checkpoint}", f"  event record  {result.events_path}"]
+    lines.append(f"  checkpoint    {result.checkpoint}")
+    if result.climb is not None:  # The steps before the bad one climbed: no good state.
+        lines[-1] += f" (not a good state: the steps climbed to it from global step {result.climb})"
+        resume = result.resume_from or "none: no checkpoint predates the climb"
+        lines.append(
+            f"  resume from   {resume} (before the climb; with a lower --learning_rate, or use "
+            f"{policy}=rollback, which goes back before the climb)"
+        )
+    lines.append(f"  event record  {result.events_path}")
     return "\n".join(lines)
 
 
@@ -150,11 +159,27 @@ def error_message(err: BaseException) -> str:
             # The flag of the reason that rejected the step: a spike is --spike_policy's.
             flag = f"--{reason.policy_name}"
             advice = f"To carry on past {reason.what}, use {flag}=skip or {flag}=rollback."
+        if err.climb is not None:  # The accepted steps climbed to it: skipping won't help.
+            resume = (
+                f"Resume from {err.resume_from}, the newest checkpoint from before the climb,"
+                if err.resume_from
+                else "No checkpoint predates the climb: train again"
+            )
+            advice = (
+                f"{resume} with a lower --learning_rate, or use --{err.policy_name}=rollback, "
+                "which goes back before the climb."
+            )
         checkpoint = getattr(err, "checkpoint", None)
         if checkpoint:
             step = storage.checkpoint_step(checkpoint)
             kept = f" (global step {step})" if step is not None else ""
-            if err.cause == Cause.POLICY:  # One bad step: the state before it is good.
+            if err.climb is not None:
+                advice = (
+                    f"The state of the last accepted step{kept} is saved as {checkpoint}; the "
+                    f"steps climbed to it from global step {err.climb} on: it is not a good "
+                    f"state. {advice}"
+                )
+            elif err.cause == Cause.POLICY:  # One bad step: the state before it is good.
                 advice = f"The last good state{kept} is saved as {checkpoint}. {advice}"
             else:  # A run of bad steps: the accepted steps before it may have climbed.
                 advice = (

@@ -2,10 +2,11 @@
 
 Dev-only: this script needs scikit-learn, which is *not* a dependency of slim_nanguard.
 The package ships the resulting ``.npz`` so that the default dataset works offline on a
-fresh machine without scikit-learn. Run it only to rebuild or audit that file::
+fresh machine without scikit-learn. It lives in research/, which is not installed: run it
+from a clone, only to rebuild or audit that file::
 
     pip install scikit-learn
-    python scripts/make_digits_npz.py [--output slim_nanguard/app/data/digits.npz]
+    python research/make_digits_npz.py [--output slim_nanguard/app/data/digits.npz]
 
 The output is deterministic for a given scikit-learn copy of the data: a stratified
 split with ``TEST_PER_CLASS`` examples of each digit in ``test`` (300 in all) and the

@@ -10,11 +10,15 @@ spike nor a non-finite value), how the run ended, and the held-out loss of the l
 (8 batches of the last step's data, from the last checkpoint) guarded over unguarded. Its last
 line is the sentence the README may say, computed from the table.
 
+research/ is not installed with the package (the wheel holds the library and the four
+console commands): run it from a clone, with this checkout's slim_nanguard importable
+(``pip install -e .`` or ``PYTHONPATH=.``).
+
 Usage, from the repository root::
 
-    python scripts/spike_bench.py                   # every run (3-4 minutes on 2 cores)
-    python scripts/spike_bench.py --kinds=clean     # the clean-but-hard runs only
-    python scripts/spike_bench.py --quick           # two short runs: the table's shape
+    python research/spike_bench.py                   # every run (3-4 minutes on 2 cores)
+    python research/spike_bench.py --kinds=clean     # the clean-but-hard runs only
+    python research/spike_bench.py --quick           # two short runs: the table's shape
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-# This tree's package and scripts first: the bench measures the guard beside it.
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+# This tree's package and research/ first: the bench measures the guard beside it.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 import spike_traces  # noqa: E402
 
 # The runs of --quick: short, a clean run the guard flags (a switch of data) and a planted spike.

@@ -9,10 +9,14 @@ optimizer's slots included, restored to its value before the step), as the guard
 so on a fixed batch a rejected step repeats exactly and after a learning-rate jump the weights
 stay where the last accepted step left them.
 
+research/ is not installed with the package (the wheel holds the library and the four
+console commands): run it from a clone, with this checkout's slim_nanguard importable
+(``pip install -e .`` or ``PYTHONPATH=.``).
+
 Usage, from the repository root::
 
-    python scripts/spike_traces.py                 # every run, every rule: the tables
-    python scripts/spike_traces.py --runs=level_shift,lr_jump --rules=today,shift5
+    python research/spike_traces.py                 # every run, every rule: the tables
+    python research/spike_traces.py --runs=level_shift,lr_jump --rules=today,shift5
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ measure:
 
 `Judge.decide` is called once a step, in order, with the step's values; it returns what the
 guard does. Nothing here imports TensorFlow.
+
+Not installed (research/ lives in the repository only): `spike_traces`, `spike_bench` and
+tests/test_spike_bench.py import it with research/ on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ def _log(value: float) -> float:
     return math.log(value) if value > 0 and math.isfinite(value) else math.nan
 
 
-# The candidates measured (scripts/spike_traces.py runs each over each run).
+# The candidates measured (research/spike_traces.py runs each over each run).
 RULES: Dict[str, Rule] = {
     r.name: r
     for r in (
