@@ -20,7 +20,7 @@ import slim_nanguard
 
 import nanguard_testlib as lib
 
-sys.path.insert(0, os.path.join(lib.REPO, "scripts"))
+sys.path.insert(0, os.path.join(lib.REPO, "research"))
 import spike_traces  # noqa: E402
 
 SPIKE_AT = 25  # after the warm-up of 20 accepted steps
@@ -69,7 +69,7 @@ X10_STEPS = 40
 
 
 def _x10_batches():
-    """scripts/spike_traces.py's classification batches (32 examples of 64 features), `X10_AT`
+    """research/spike_traces.py's classification batches (32 examples of 64 features), `X10_AT`
     x10."""
     data, rng = spike_traces._classes(), np.random.RandomState(0)
     x, y = zip(*(data(step, rng) for step in range(X10_STEPS)))
@@ -122,9 +122,7 @@ def _x10_record(mode, loop, logdir):
 
 
 @pytest.mark.parametrize("loop, repeats", [("train", REPEATS), ("learning.train", 3)])
-def test_a_x10_batch_just_after_the_warm_up_gets_the_same_verdict_every_time(
-    loop, repeats, tmp_path
-):
+def test_a_x10_batch_after_the_warm_up_gets_one_verdict(loop, repeats, tmp_path):
     records = [
         (mode, _x10_record(mode, loop, str(tmp_path / f"{mode}{i}")))
         for i in range(repeats)
