@@ -39,6 +39,9 @@ SLOW_TESTS = {
     "test_models.py::test_lenet_trains_on_the_8x8_digits": _REAL_NET,
     "test_models.py::test_mlp_learns_the_digits_in_a_few_hundred_steps": "hundreds of steps",
     "test_one_verdict.py::test_the_same_run_leaves_the_same_record_in_both_modes": "two runs",
+    "test_one_verdict.py::test_a_x10_batch_after_the_warm_up_gets_one_verdict": (
+        "26 runs of 40 steps"
+    ),
     "test_fast_flags.py::test_the_flag_table_is_the_launchers_flags": "a Python process",
     "test_distributed.py::test_sync_replicas_a_spiking_gradient_never_enters_the_accumulators": (
         "a sync-replicas cluster trained past its spike warm-up"

@@ -8,12 +8,20 @@ within one run of the train op (with the summaries, as a summary hook fetches th
 of a guard's variable is ordered with every write of it.
 """
 
+import os
+import sys
+
 import numpy as np
+import pytest
 import tensorflow as tf
+import tf_slim as slim
 
 import slim_nanguard
 
 import nanguard_testlib as lib
+
+sys.path.insert(0, os.path.join(lib.REPO, "research"))
+import spike_traces  # noqa: E402
 
 SPIKE_AT = 25  # after the warm-up of 20 accepted steps
 REPEATS = 10
@@ -52,6 +60,76 @@ def test_the_same_run_leaves_the_same_record_in_both_modes(tmp_path):
     for mode, runs in records.items():
         for number, run in enumerate(runs):
             assert run == first, (mode, number)
+
+
+# Issue 33's run: a batch x10 inside the warm-up, another just after it (its z, 6.6, is near
+# spike_sigma=6: any difference in what the step was judged against would flip the verdict).
+X10_AT = (10, 22)
+X10_STEPS = 40
+
+
+def _x10_batches():
+    """research/spike_traces.py's classification batches (32 examples of 64 features), `X10_AT`
+    x10."""
+    data, rng = spike_traces._classes(), np.random.RandomState(0)
+    x, y = zip(*(data(step, rng) for step in range(X10_STEPS)))
+    x = np.stack(x)
+    x[list(X10_AT)] *= 10.0
+    return x.astype(np.float32), np.stack(y)
+
+
+def _x10_record(mode, loop, logdir):
+    """The record of bad steps (step, cause, z rounded) of one run of the x10 batches, with
+    summaries and checkpoints on wall-clock timers (they fire whenever the machine allows)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        data = tf.data.Dataset.from_tensor_slices(_x10_batches())
+        x, y = tf.compat.v1.data.make_one_shot_iterator(data).get_next()
+        loss = spike_traces.model_loss(spike_traces.RUNS["warmup_spike_x10"], x, y, tf)
+        train_op = slim_nanguard.create_train_op(
+            loss,
+            tf.compat.v1.train.AdamOptimizer(1e-3),
+            check_numerics=lib.MODES[mode],
+            nan_policy="skip",
+            spike_policy="skip",
+        )
+        if loop == "train":
+            slim_nanguard.train(
+                train_op,
+                logdir,
+                number_of_steps=X10_STEPS,
+                save_checkpoint_secs=0.01,
+                save_summaries_secs=0.01,
+                log_every_n_steps=0,
+            )
+        else:  # tf-slim's Supervisor: its summary thread runs beside the steps
+            slim.learning.train(
+                train_op,
+                logdir,
+                number_of_steps=X10_STEPS,
+                train_step_fn=slim_nanguard.make_train_step(logdir),
+                save_summaries_secs=0.01,
+                save_interval_secs=0.01,
+                saver=slim_nanguard.FiniteSaver(),
+                log_every_n_steps=1000,
+            )
+    bad = [r for r in slim_nanguard.read_events(logdir) if r["kind"] == "bad_step"]
+    return [
+        (r["step"], r["cause"], round(r["spike"]["z_loss"], 3), round(r["spike"]["z_grad_norm"], 3))
+        for r in bad
+    ]
+
+
+@pytest.mark.parametrize("loop, repeats", [("train", REPEATS), ("learning.train", 3)])
+def test_a_x10_batch_after_the_warm_up_gets_one_verdict(loop, repeats, tmp_path):
+    records = [
+        (mode, _x10_record(mode, loop, str(tmp_path / f"{mode}{i}")))
+        for i in range(repeats)
+        for mode in sorted(lib.MODES)
+    ]
+    assert records[0][1] == [(X10_AT[1], "spike", 6.62, 4.645)]
+    assert [record for _, record in records] == [records[0][1]] * len(records)
 
 
 def _ops_run(fetches):

@@ -10,6 +10,7 @@ step's data loss, gradient norm and z-scores, as the statistics recorded them.
 """
 
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -56,16 +57,30 @@ def test_learning_trains_summary_thread_takes_no_batch(tmp_path):
     logdir = str(tmp_path)
     with model.graph.as_default():
         step = slim_nanguard.make_train_step(logdir)
+        summary_runs = threading.Semaphore(0)
 
-        def slow_step(*args):  # time for the summary thread to run, many times over
-            time.sleep(0.002)
+        def count_summary_run():
+            summary_runs.release()
+            return np.int64(0)
+
+        with tf.control_dependencies([tf.numpy_function(count_summary_run, [], tf.int64)]):
+            summary_op = tf.identity(tf.compat.v1.summary.merge_all())
+        started = []
+
+        def waiting_step(*args):
+            # Every 25th step waits for a run of the summary thread: it runs between the steps
+            # at least 12 times, however slow the machine (its timer says when, not how often).
+            if len(started) % 25 == 0:
+                assert summary_runs.acquire(timeout=120), "the summary thread never ran"
+            started.append(None)
             return step(*args)
 
         slim.learning.train(
             model.train_op,
             logdir,
-            train_step_fn=slow_step,
+            train_step_fn=waiting_step,
             number_of_steps=steps,
+            summary_op=summary_op,
             save_summaries_secs=0.02,
             save_interval_secs=None,
             saver=slim_nanguard.FiniteSaver(),
