@@ -226,7 +226,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             action=_types.Action.ROLLBACK,
         )
         workers = tuple(sorted(set(tasks)))
-        decision = guard.observe(_policy.RollbackRequested(workers))
+        decision = _actions.observe(guard, _policy.RollbackRequested(workers))
         if decision.action == _types.Action.RAISE:
             logging.error("slim_nanguard: %s; giving up", decision.reason)
         else:

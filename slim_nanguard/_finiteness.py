@@ -270,7 +270,7 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     # The other side runs on a bad step only, so a good step costs the hook one boolean.
     bad_sums, _ = control_flow_ops.switch(test.kept, ok)
     store = test.diagnostics.assign(bad_sums, read_value=False)
-    # Whatever applies the policy initialises `judged` (Guard.mark_judged); a bad step in a
+    # Whatever applies the policy initialises `judged` (`_actions.mark_judged`); a bad step in a
     # session where it is not fails here. In no collection: no initializer or Saver sees it.
     with _capture.guard_variable_scope(loss.graph, test.grad_sums):
         judged = tf.compat.v1.Variable(

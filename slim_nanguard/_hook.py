@@ -92,7 +92,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._guard: Optional[_guard.Guard] = None
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
-        self._last_outcome: Optional[_actions.Outcome] = None
+        # The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it.
+        self.last_outcome: Optional[_actions.Outcome] = None
         # Per session: the guard's bad-step count at its start, or a bare loss's own state.
         self._session_start = 0
         self._unguarded_state = _policy.GuardState()
@@ -108,11 +109,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
     def loss(self) -> tf.Tensor:
         """The loss (or train op) the hook was given."""
         return self._loss_tensor
-
-    @property
-    def last_outcome(self) -> Optional[_actions.Outcome]:
-        """The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it."""
-        return self._last_outcome
 
     @property
     def session_bad_steps(self) -> int:
@@ -167,10 +163,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(guard.diagnostics.initializer)
         # This hook applies the policy here: a bad step must not fail as unjudged.
-        guard.mark_judged(session)
+        _actions.mark_judged(guard, session)
 
     def before_run(self, run_context):
-        self._last_outcome = None
+        self.last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
         fetches = run_context.original_args.fetches
@@ -194,20 +190,20 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             loss = float(np.asarray(results["loss"]))
             if not math.isfinite(loss):
                 self._unguarded_bad_step(run_context, loss)
-            self._last_outcome = _actions.GOOD
+            self.last_outcome = _actions.GOOD
             return
         ok, loss = results.get("ok"), results.get("loss")
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
-            stored = guard.read_bad_step(run_context.session)
+            stored = _actions.read_bad_step(guard, run_context.session)
             ok = bool(np.all(np.isfinite(stored[1])))
             if not ok:  # A bad iteration stored its sums; zero them for the next run.
                 run_context.session.run(guard.diagnostics.initializer)
         if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
-            self._last_outcome = _actions.GOOD
+            self.last_outcome = _actions.GOOD
             return
-        self._last_outcome = _actions.judge(
+        self.last_outcome = _actions.judge(
             guard,
             run_context.session,
             checkpoint_dir=self._checkpoint_dir,

@@ -251,20 +251,28 @@ class LossScaleOverflow:
 @dataclasses.dataclass(frozen=True)
 class BadStep:
     """A step whose loss or gradients were not finite (`cause` ``"non_finite"``), or that the
-    reason `cause` names rejected, storing `figures`; `chosen` is the action the policy (or a
-    hook's override, or ``on_nan``) chose. Not `guarded`: a loss no guarded train op made (its
-    update happened, so only ``raise``, which says so, and ``stop`` mean anything)."""
+    reason `cause` names rejected, storing `figures`: what `_actions` read of it in one
+    ``session.run``. `chosen` is the action the policy (or a hook's override) chose, unless
+    `choose` (``on_nan``) returns another, shown the counts this step makes. Not `guarded`: a
+    loss no guarded train op made (its update happened, so only ``raise``, which says so, and
+    ``stop`` mean anything). The rest as read: `reason` (None: non-finite), `sums` (the loss,
+    each gradient's, then the loss scale), `kinds` (exact, when kept), `loss_scale`, whether
+    it was a loss-scale optimizer's `overflow` (no bad step), and whether it was `autopsied`."""
 
     step: int
     chosen: Action
     guarded: bool = True
     cause: str = NON_FINITE
     figures: Optional[Mapping[str, Any]] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Autopsied:
-    """A bad step was replayed by an autopsy (see `wants_autopsy`)."""
+    reason: Any = dataclasses.field(default=None, compare=False)
+    sums: Tuple[float, ...] = ()
+    kinds: Optional[Tuple[str, ...]] = None
+    loss_scale: Optional[float] = None
+    overflow: bool = False
+    autopsied: bool = False
+    choose: Optional[Callable[["GuardState"], Optional[str]]] = dataclasses.field(
+        default=None, compare=False
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +295,7 @@ class RollbackRequested:
 
 
 Observation = Union[
-    GoodStep, LossScaleOverflow, BadStep, Autopsied, RolledBack, RollbackAsked, RollbackRequested
+    GoodStep, LossScaleOverflow, BadStep, RolledBack, RollbackAsked, RollbackRequested
 ]
 
 
@@ -295,17 +303,20 @@ Observation = Union[
 class Decision:
     """What to do about one bad step, and why: the result of `decide`. ``escalation`` says why
     ``persistent_nan_policy`` replaced the chosen action; under ``raise``, ``reason`` says why
-    training gives up (its `cause`, and the bound it names, `limit`); ``level_shift`` is the new
+    training gives up (`give_up`, and the bound it names, `limit`); ``level_shift`` is the new
     level a spike completes; a rollback goes below global step ``before_step``, if set (a new
-    level failed its probation)."""
+    level failed its probation). `consecutive` and `total` count the bad steps (this one
+    included) in a row and in all."""
 
     action: Action
     escalation: str = ""
     reason: str = ""
-    cause: Optional[Cause] = None
+    give_up: Optional[Cause] = None
     limit: Optional[int] = None
     level_shift: Optional[_level_shift.LevelShift] = None
     before_step: Optional[int] = None
+    consecutive: int = 0
+    total: int = 0
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
@@ -344,8 +355,6 @@ def decide(
     if isinstance(observation, RolledBack):
         scale = observation.learning_rate_scale
         return None, replace(state, rollbacks=state.rollbacks + 1, learning_rate_scale=scale)
-    if isinstance(observation, Autopsied):
-        return None, replace(state, autopsies=state.autopsies + 1)
     if isinstance(observation, RollbackAsked):
         return None, replace(state, rollback_requests=state.rollback_requests + 1)
     if isinstance(observation, RollbackRequested):
@@ -360,6 +369,11 @@ def _decide_bad(
 ) -> Tuple[Decision, GuardState]:
     """`decide` for a bad step: a probation's divergence, a new level, or the policy."""
     state = counted(state, observation.step)
+    state = replace(state, autopsies=state.autopsies + observation.autopsied)
+    choice = None if observation.choose is None else observation.choose(state)
+    if choice is not None:
+        observation = replace(observation, chosen=Action(choice))
+    counts = {"consecutive": state.consecutive_bad_steps, "total": state.total_bad_steps}
     cause = observation.cause
     if cause != NON_FINITE:
         tally = dict(state.rejected)
@@ -390,7 +404,7 @@ def _decide_bad(
         state = replace(state, stops=state.stops + 1)
     elif decision.action == ROLLBACK and decision.escalation:
         state = replace(state, consecutive_bad_steps=0)
-    return decision, state
+    return replace(decision, **counts), state
 
 
 def _new_level(
@@ -433,7 +447,7 @@ def _divergence(config: GuardConfig, state: GuardState, observation: BadStep) ->
     if action == ROLLBACK:
         return Decision(action, escalation=reason, before_step=state.level_start)
     cause = Cause.DIVERGENCE if action == RAISE else None
-    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause)
+    return Decision(action, escalation=reason, reason=reason if cause else "", give_up=cause)
 
 
 def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
@@ -444,7 +458,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
             RAISE,
             reason="the loss comes from no guarded train op, so the update of this step may "
             "already have happened",
-            cause=Cause.UNGUARDED_LOSS,
+            give_up=Cause.UNGUARDED_LOSS,
         )
     if not observation.guarded:
         return Decision(Action(observation.chosen))
@@ -478,6 +492,6 @@ def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, 
         RAISE,
         reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
         f"{_rollbacks_done(config, state)}",
-        cause=Cause.MAX_ROLLBACKS,
+        give_up=Cause.MAX_ROLLBACKS,
         limit=config.max_rollbacks,
     )

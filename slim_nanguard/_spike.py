@@ -279,7 +279,7 @@ class Spike(_reasons.Reason):
     def figures(self, report: Sequence[float]) -> Dict[str, Any]:
         """The base figures (counts as ints), plus ``sigma``, ``typical_<column>`` (the window's
         geometric mean) and ``over`` (the columns whose z-score exceeded ``sigma``, loss first)."""
-        figures = super().figures(report)
+        figures = {name: float(value) for name, value in zip(self.report_fields, report)}
         counts = ("accepted_steps", "window_steps", "regularization_terms")
         figures |= {k: int(figures[k]) for k in counts if k in figures}
         figures["sigma"] = float(self.sigma)

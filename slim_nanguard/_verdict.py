@@ -33,6 +33,11 @@ def kind_name(code: int) -> str:
     return _KIND_NAMES[int(code) & 3]
 
 
+def kind_names(codes: Sequence[int]) -> Tuple[str, ...]:
+    """`kind_name` of each code."""
+    return tuple(_KIND_NAMES[int(code) & 3] for code in codes)
+
+
 def kind_word(kind: str) -> str:
     """How a message names a kind: ``NaN``, ``Inf`` or ``NaN and Inf``."""
     return _KIND_WORDS.get(kind, kind)

@@ -113,7 +113,7 @@ def test_a_spike_on_the_new_levels_probation_is_a_divergence(persistent, action,
     for _ in range(5):  # Five steps accepted at the new level ...
         _, state = _policy.decide(config, state, _policy.GoodStep())
     decision, state = _decide_spikes(config, state, (400.0,), step=305)  # ... then a spike.
-    assert decision.action == action and decision.cause == cause
+    assert decision.action == action and decision.give_up == cause
     assert "a spike 5 steps after taking a new level at global step 300" in decision.escalation
     assert "that level was a divergence" in decision.escalation
     # A rollback goes back before the run that was taken for a new level.
@@ -126,7 +126,7 @@ def test_after_the_probation_a_spike_is_a_spike_again():
     config = GuardConfig(nan_policy="skip", spike_policy="skip")
     _, state = _decide_spikes(config, GuardState(), NEW_LEVEL)
     decision, state = _decide_spikes(config, state, (400.0,), step=300 + 190)
-    assert decision.action == "skip" and decision.cause is None
+    assert decision.action == "skip" and decision.give_up is None
 
 
 def test_a_non_finite_step_inside_the_run_is_no_new_level():
@@ -158,7 +158,7 @@ def test_a_rolling_back_spike_policy_takes_no_new_level():
 def test_a_run_escalates_first_when_the_new_level_would_need_as_many_spikes():
     config = GuardConfig(nan_policy="skip", spike_policy="skip", max_consecutive_bad_steps=8)
     decision, _ = _decide_spikes(config, GuardState(), NEW_LEVEL)
-    assert decision.level_shift is None and decision.cause == "max_consecutive_bad_steps"
+    assert decision.level_shift is None and decision.give_up == "max_consecutive_bad_steps"
     with pytest.raises(ValueError, match=r"^spike_level_shift_steps must be an integer >= 0"):
         GuardConfig(spike_policy="skip", spike_level_shift_steps=-1)
 
