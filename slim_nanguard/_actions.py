@@ -15,7 +15,6 @@ import tensorflow as tf
 from slim_nanguard import _autopsy
 from slim_nanguard import _errors
 from slim_nanguard import _events
-from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
@@ -28,6 +27,7 @@ from slim_nanguard._types import SessionLike
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._guard import Guard
+    from slim_nanguard._spike import LevelShift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,8 @@ def checkpoint_dir_for(
         message = _policy.checkpoint_dir_message(guard.config, advice)
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
-    guard.use_autopsy_dir(checkpoint_dir)  # Autopsy dumps go next to the checkpoints.
+    if checkpoint_dir and guard.autopsy_dir is None:  # Autopsy dumps go next to the checkpoints.
+        guard.registry.use_directory(checkpoint_dir)
     return checkpoint_dir
 
 
@@ -179,11 +180,10 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
     if 0 <= index < len(reasons):
         reason = reasons[index]
         start = 1 + sum(len(r.report_fields) for r in reasons[:index])
-        figures = reason.figures(report[start : start + len(reason.report_fields)])
-        # What the reason's graph handles know beyond the graph.
-        annotate = getattr(guard.reason_handles.get(reason.name), "annotate", None)
-        if annotate is not None:
-            figures = annotate(figures, int(step))
+        stored = report[start : start + len(reason.report_fields)]
+        # The reason's graph handles may know more than the graph (`Test.handles`).
+        read = getattr(guard.reason_handles.get(reason.name), "figures", None)
+        figures = reason.figures(stored) if read is None else read(stored, int(step))
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
         kinds = _verdict.kind_names(values["kinds"])
     sums, count = tuple(float(s) for s in sums), len(guard.variable_names)
@@ -195,10 +195,8 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         autopsy = _autopsy_of(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     choose = None if guard.config.on_nan is None else _on_nan(guard, sums, kinds, chosen, autopsy)
-    read = _policy.BadStep(
-        int(step), chosen, True, cause, figures, reason, sums, kinds, scale, overflow
-    )
-    return dataclasses.replace(read, autopsied=autopsy is not None, choose=choose), autopsy
+    fields = (figures, reason, sums, kinds, scale, overflow, autopsy is not None, choose)
+    return _policy.BadStep(int(step), chosen, True, cause, *fields), autopsy
 
 
 def _on_nan(guard: "Guard", sums, kinds, chosen: Action, autopsy):
@@ -334,7 +332,7 @@ def _take_new_level(
     guard: "Guard",
     session: tf.compat.v1.Session,
     event: _events.NanEvent,
-    level: _level_shift.LevelShift,
+    level: "LevelShift",
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
     test = guard.reason_handles[Fault.SPIKE]  # The `_spike.SpikeTest`.
@@ -420,11 +418,14 @@ def judge(
     stored: Optional[Tuple[int, Sequence[float]]] = None,
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
+    advice: Optional[str] = None,
 ) -> Outcome:
     """The one way a bad step goes, in every loop: one read (unless `stored` holds ``(step,
     sums)``), one `decide`, one record, one action (`carry_out`). `session` may be a
     `MonitoredSession` (its hooks are not run); `policy` is a hook's override of
-    ``nan_policy``."""
+    ``nan_policy``. With `advice`, the checkpoint directory is `checkpoint_dir_for`'s."""
+    if advice is not None:
+        checkpoint_dir = checkpoint_dir_for(guard, checkpoint_dir, session=session, advice=advice)
     read, autopsy = raw_call(session, lambda raw: _read(guard, raw, stored, policy))
     if read.overflow:
         # The loss-scale optimizer skipped the update and lowered its scale: no bad step.

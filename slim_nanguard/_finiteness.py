@@ -71,7 +71,7 @@ class StepTest:
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
         """Makes each reason one more way to fail."""
-        data, regularization = _reasons.loss_terms(loss)
+        data, regularization = _ops.loss_terms(loss)
         values = _reasons.StepValues(
             loss,
             tuple(g for g, _ in self.present),
@@ -80,9 +80,7 @@ class StepTest:
             # on a cluster, on the ps with the model (one state for all workers).
             state_scope=lambda: _outside_loops(loss.graph),
             data_loss=(
-                _reasons.float64_sum(data, "loss_without_regularization")
-                if regularization
-                else None
+                _ops.float64_sum(data, "loss_without_regularization") if regularization else None
             ),
             regularization=regularization,
         )

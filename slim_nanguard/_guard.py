@@ -111,6 +111,13 @@ for _field in dataclasses.fields(GraphHandles):
     setattr(Guard, _field.name, property(operator.attrgetter(f"_handles.{_field.name}")))
 
 
+def owner_of(error: BaseException) -> Optional[Guard]:
+    """The guard whose check_numerics op raised `error`, or None."""
+    graph = getattr(getattr(error, "op", None), "graph", None)
+    guards = _REGISTRY.get(graph, ()) if graph is not None else ()
+    return next((guard for guard in guards if owns_error(guard, error)), None)
+
+
 def owns_error(guard: Guard, error: BaseException) -> bool:
     """True if `error` was raised by `guard`'s check_numerics op."""
     if guard.check_op_name is None or not is_numerics_error(error):

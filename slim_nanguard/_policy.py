@@ -6,18 +6,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
 
-from slim_nanguard import _level_shift
 from slim_nanguard import _reasons
-from slim_nanguard import _spike
-from slim_nanguard._events import NanEvent
 from slim_nanguard._reasons import NON_FINITE
 from slim_nanguard._reasons import Reason
-from slim_nanguard._spike import SPIKE_WINDOW
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._events import NanEvent
+
+# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window).
+SPIKE_WINDOW = 128
+
+# The spike test's `Reason` (`_spike.Spike`), known here through that interface only: `_spike`,
+# which needs TensorFlow, sets it when imported (as `import slim_nanguard` does).
+SPIKE_REASON: Optional[Callable[[str, float, int], Reason]] = None
 
 # The policies as module constants (each equals its name: ``STOP == "stop"``).
 RAISE = Action.RAISE
@@ -31,7 +37,7 @@ PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 # A user callback that sees each bad step before the policy acts: it returns None to keep the
 # configured policy for the event (its ``action``), or the name of the policy to apply.
-OnNanCallback = Callable[[NanEvent], Optional[str]]
+OnNanCallback = Callable[["NanEvent"], Optional[str]]
 
 
 def _real(value: object) -> bool:
@@ -144,7 +150,7 @@ class GuardConfig:
         """The reasons judged on a finite step, in order: the spike test if any, then `reasons`."""
         if self.spike_policy is None:
             return self.reasons
-        spike = _spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
+        spike = SPIKE_REASON(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
         return (spike,) + self.reasons
 
     @property
@@ -199,8 +205,9 @@ class GuardState:
     ``rollbacks`` are a cluster chief's own and those it answered; ``steps`` are the good steps
     the loops that see them count (`train`, `train_step`, a `NanLossHook`; not a loop of your own
     that only calls `handle_numerics_error`); ``rejected`` is ``(name, count)`` of the steps each
-    reason rejected. The run of bad steps began at global step ``run_start`` (``spike_run``: its
-    spikes, while it is all spikes); the last new level was taken at ``level_taken_at`` (on
+    reason rejected. The run of bad steps began at global step ``run_start`` (``reason_run``: what
+    the reason that rejects its steps keeps of them, `Reason.decide`; the spike test's figures
+    while the run is all spikes); the last new level was taken at ``level_taken_at`` (on
     probation for ``spike_warmup_steps`` steps) from spikes that began at ``level_start``."""
 
     total_bad_steps: int = 0
@@ -217,7 +224,7 @@ class GuardState:
     rejected: Tuple[Tuple[str, int], ...] = ()
     level_shifts: int = 0
     run_start: Optional[int] = None
-    spike_run: Tuple[Mapping[str, Any], ...] = ()
+    reason_run: Tuple[Mapping[str, Any], ...] = ()
     level_taken_at: Optional[int] = None
     level_start: Optional[int] = None
 
@@ -313,7 +320,7 @@ class Decision:
     reason: str = ""
     give_up: Optional[Cause] = None
     limit: Optional[int] = None
-    level_shift: Optional[_level_shift.LevelShift] = None
+    level_shift: Any = None
     before_step: Optional[int] = None
     consecutive: int = 0
     total: int = 0
@@ -330,7 +337,7 @@ def counted(state: GuardState, step: int) -> GuardState:
     moved = state.last_bad_step is not None and step >= 0 and step != state.last_bad_step
     consecutive = 0 if moved else state.consecutive_bad_steps
     if consecutive == 0:
-        state = replace(state, run_start=step, spike_run=())
+        state = replace(state, run_start=step, reason_run=())
     return replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
@@ -348,7 +355,7 @@ def decide(
     requests included), new levels and their probation."""
     if isinstance(observation, GoodStep):
         return None, replace(
-            state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
+            state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, reason_run=()
         )
     if isinstance(observation, LossScaleOverflow):
         return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
@@ -378,25 +385,12 @@ def _decide_bad(
     if cause != NON_FINITE:
         tally = dict(state.rejected)
         state = replace(state, rejected=tuple({**tally, cause: tally.get(cause, 0) + 1}.items()))
-    spike_run = ()
-    if cause == Fault.SPIKE:
-        spike_run = state.spike_run + ({**(observation.figures or {}), "step": observation.step},)
-    state = replace(state, spike_run=spike_run)
-    decision = _divergence(config, state, observation)
-    if decision is not None:
-        state = replace(state, level_taken_at=None)
-    elif (level := _new_level(config, state, observation)) is not None:
-        decision = Decision(SKIP, level_shift=level)
-        state = replace(
-            state,
-            level_shifts=state.level_shifts + 1,
-            consecutive_bad_steps=0,
-            run_start=None,
-            spike_run=(),
-            level_taken_at=observation.step,
-            level_start=level.steps[0],
-        )
+    decision = None
+    if observation.reason is not None and observation.guarded:
+        decision, state = observation.reason.decide(config, state, observation)
     else:
+        state = replace(state, reason_run=())
+    if decision is None:
         decision = _decide_policy(config, state, observation)
     if decision.action == SKIP:
         state = replace(state, skips=state.skips + 1)
@@ -407,47 +401,9 @@ def _decide_bad(
     return replace(decision, **counts), state
 
 
-def _new_level(
-    config: GuardConfig, state: GuardState, observation: BadStep
-) -> Optional[_level_shift.LevelShift]:
-    """The new level the run of spikes this one ends, if any: only a guarded spike that is
-    skipped ends one (a rollback moves the global step back)."""
-    if (
-        observation.cause != Fault.SPIKE
-        or not observation.guarded
-        or observation.chosen != SKIP
-        or len(state.spike_run) != state.consecutive_bad_steps
-        or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
-    ):
-        return None
-    return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
-
-
-def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+def rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+    """Why a rollback cannot be done: ``max_rollbacks`` reached."""
     return f"{state.rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
-
-
-def _divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Optional[Decision]:
-    """``persistent_nan_policy`` at once for a spike within ``spike_warmup_steps`` global steps
-    of a new level (that level was a divergence); None for any other bad step."""
-    if observation.cause != Fault.SPIKE or not observation.guarded or state.level_taken_at is None:
-        return None
-    since = observation.step - state.level_taken_at
-    if not 0 <= since < config.spike_warmup_steps:
-        return None
-    reason = (
-        f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
-        f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
-        "that level was a divergence"
-    )
-    action = Action(config.persistent_nan_policy)
-    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        reason += f", and {_rollbacks_done(config, state)}"
-        action = RAISE
-    if action == ROLLBACK:
-        return Decision(action, escalation=reason, before_step=state.level_start)
-    cause = Cause.DIVERGENCE if action == RAISE else None
-    return Decision(action, escalation=reason, reason=reason if cause else "", give_up=cause)
 
 
 def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
@@ -474,7 +430,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         action = Action(config.persistent_nan_policy)
         cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
     if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        bound = _rollbacks_done(config, state)
+        bound = rollbacks_done(config, state)
         reason = f"{reason}, and {bound}" if reason else bound
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
@@ -491,7 +447,7 @@ def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, 
     return Decision(
         RAISE,
         reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
-        f"{_rollbacks_done(config, state)}",
+        f"{rollbacks_done(config, state)}",
         give_up=Cause.MAX_ROLLBACKS,
         limit=config.max_rollbacks,
     )

@@ -49,22 +49,14 @@ def handle_numerics_error(
       ValueError: The policy rolls back and no checkpoint directory is known (checked first).
       Exception: `error` itself, re-raised untouched, when no guard's check raised it.
     """
-    graph = getattr(getattr(error, "op", None), "graph", None)
-    guard = (
-        next((g for g in _guard.guards(graph) if _guard.owns_error(g, error)), None)
-        if graph
-        else None
-    )
+    guard = _guard.owner_of(error)
     if guard is None:
         raise error
-    checkpoint_dir = _actions.checkpoint_dir_for(
-        guard,
-        checkpoint_dir,
-        session=session,
-        advice="pass handle_numerics_error(..., checkpoint_dir=...), the directory "
-        "the loop saves checkpoints to",
+    advice = "pass handle_numerics_error(..., checkpoint_dir=...), the directory the loop saves "
+    outcome = _actions.judge(
+        guard, session, checkpoint_dir=checkpoint_dir, error=error, advice=advice + "checkpoints to"
     )
-    return _actions.judge(guard, session, checkpoint_dir=checkpoint_dir, error=error).event
+    return outcome.event
 
 
 class _JudgingSession:
