@@ -186,27 +186,28 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         figures = reason.figures(stored) if read is None else read(stored, int(step))
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
         kinds = _verdict.kind_names(values["kinds"])
-    sums, count = tuple(float(s) for s in sums), len(guard.variable_names)
+    sums, count = [float(s) for s in sums], len(guard.variable_names)
     scale = None if guard.loss_scale_floor is None else _verdict.stored_loss_scale(sums, count)
     overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
-    if not overflow and guard.capture is not None and guard.capture.tensors:
-        autopsy = _autopsy_of(guard, session, int(step), cause, (figures or {}).get("over", ()))
+    if not overflow and _policy.wants_autopsy(guard.config, guard.state):
+        autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
-    choose = None if guard.config.on_nan is None else _on_nan(guard, sums, kinds, chosen, autopsy)
-    fields = (figures, reason, sums, kinds, scale, overflow, autopsy is not None, choose)
-    return _policy.BadStep(int(step), chosen, True, cause, *fields), autopsy
+    choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
+    fields = (figures, reason, sums[0], *culprits(guard, sums, kinds), scale, overflow)
+    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsy is not None, choose)
+    return read, autopsy
 
 
-def _on_nan(guard: "Guard", sums, kinds, chosen: Action, autopsy):
-    """``choose`` of a `BadStep`: ``on_nan`` shown the step's event with the counts it makes."""
+def _on_nan(guard: "Guard", autopsy):
+    """``choose`` of a `BadStep`: ``on_nan`` shown its event, with the counts it makes."""
 
-    def choose(counts: _policy.GuardState) -> Optional[str]:
-        loss, (names, held) = sums[0], culprits(guard, sums, kinds)
-        event = _events.NanEvent(
-            **dict(step=counts.last_bad_step, loss=loss, loss_kind=_events.classify(loss)),
-            **dict(culprits=names, culprit_kinds=held, mode=guard.mode, action=chosen),
+    def choose(counts: _policy.GuardState, read: _policy.BadStep) -> Optional[str]:
+        event = _events.event_of(
+            read,
+            mode=guard.mode,
+            action=read.chosen,
             consecutive=counts.consecutive_bad_steps,
             total=counts.total_bad_steps,
             autopsy=autopsy,
@@ -222,14 +223,7 @@ def _on_nan(guard: "Guard", sums, kinds, chosen: Action, autopsy):
     return choose
 
 
-def _autopsy_of(guard: "Guard", session, step: int, cause: str, over: Sequence[str]):
-    """`autopsy` of the bad step just read, if the config wants one now (`wants_autopsy`)."""
-    if not _policy.wants_autopsy(guard.config, guard.state):
-        return None
-    return autopsy(guard, session, step, cause, over)
-
-
-def autopsy(
+def autopsy_step(
     guard: "Guard",
     session: tf.compat.v1.Session,
     step: int,
@@ -430,34 +424,17 @@ def judge(
     if read.overflow:
         # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
         observe(guard, _policy.LossScaleOverflow())
-        state, extra = guard.state, {}
-        action, counts = (
-            _events.LOSS_SCALE_OVERFLOW,
-            (state.consecutive_bad_steps, state.total_bad_steps),
-        )
+        state, extra, action = guard.state, {}, _events.LOSS_SCALE_OVERFLOW
+        counts = dict(consecutive=state.consecutive_bad_steps, total=state.total_bad_steps)
     else:
         decision = observe(guard, read)
-        action, counts = decision.action, (decision.consecutive, decision.total)
+        action, counts = (
+            decision.action,
+            dict(consecutive=decision.consecutive, total=decision.total),
+        )
         extra = {"escalation": decision.escalation} if decision.escalation else {}
-    names, held = culprits(guard, read.sums, read.kinds)
-    event = _events.publish(
-        guard.registry.send,
-        guard.history,
-        extra,
-        step=read.step,
-        loss=read.sums[0],
-        culprits=names,
-        culprit_kinds=held,
-        consecutive=counts[0],
-        total=counts[1],
-        mode=guard.mode,
-        action=action,
-        loss_scale=read.loss_scale,
-        autopsy=autopsy,
-        cause=read.cause,
-        figures=read.figures,
-        reason=read.reason,
-    )
+    fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
+    event = _events.publish(guard.registry.send, guard.history, read, extra, **fields)
     if read.overflow:
         return Outcome(event=event, overflow=True)
     guard.cell.last_event = event

@@ -149,16 +149,28 @@ def record_of(kind: str, event: NanEvent, **extra: Any) -> Dict[str, Any]:
     return record
 
 
+def event_of(read, **fields: Any) -> NanEvent:
+    """The `NanEvent` of a step as `read` (a `_policy.BadStep`), with `fields` (its ``mode``,
+    ``action``, counts and ``autopsy``)."""
+    return NanEvent(
+        **dict(step=read.step, loss=read.loss, loss_kind=classify(read.loss), cause=read.cause),
+        **dict(culprits=read.culprits, culprit_kinds=read.culprit_kinds, figures=read.figures),
+        **dict(loss_scale=read.loss_scale, reason=read.reason),
+        **fields,
+    )
+
+
 def publish(
     send: Callable[[Dict[str, Any]], None],
     history: "LossHistory",
+    read,
     extra: Dict[str, Any],
     **fields: Any,
 ) -> NanEvent:
-    """Makes the `NanEvent` of `fields` (its ``loss_kind`` from its ``loss``), logs it and
-    `send`s its record (a bad step's with `extra` and ``losses_before``, the good steps' losses
-    `history` numbers back from it); returns it."""
-    event = NanEvent(loss_kind=classify(fields["loss"]), **fields)
+    """Makes the `NanEvent` of a step as `read` (`event_of`), logs it and `send`s its record
+    (a bad step's with `extra` and ``losses_before``, the good steps' losses `history` numbers
+    back from it); returns it."""
+    event = event_of(read, **fields)
     log_event(event)
     losses = history.anchor(event.step)  # The good steps before it end one step before.
     kind = LOSS_SCALE_OVERFLOW if event.action == LOSS_SCALE_OVERFLOW else "bad_step"

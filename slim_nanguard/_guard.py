@@ -36,7 +36,7 @@ _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 
 # A cluster's non-chief worker: ``fn(raw_session, guard, event) -> record fields`` asks the
-# chief to roll back instead of restoring here (see `Guard.set_rollback_request`).
+# chief to roll back instead of restoring here (`Guard.rollback_request`).
 RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Dict[str, Any]]
 
 
@@ -69,7 +69,8 @@ class Guard:
         self.cell = Cell(config.losses_before)
         self.registry = _record.Registry()
         self.restorer = _rollback.Rollback(handles, config, saver)  # Checkpoints and input.
-        self.rollback_request: Optional[RollbackRequest] = None  # See `set_rollback_request`.
+        # Where this guard's rollbacks go instead of restoring here (None: here).
+        self.rollback_request: Optional[RollbackRequest] = None
 
     # Read-only: the `GuardConfig`, the `GraphHandles`, the `GuardState`, the last bad step's
     # event, the good steps' losses, the directory of the autopsy dumps and of the guard's own
@@ -89,10 +90,6 @@ class Guard:
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
         """The rollback Saver, built now (before the graph is finalized) if there is none."""
         return self.restorer.ensure_saver()
-
-    def set_rollback_request(self, request: Optional[RollbackRequest]) -> None:
-        """Sends this guard's rollbacks to `request` instead of restoring here (None: here)."""
-        self.rollback_request = request
 
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:

@@ -220,22 +220,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def _unguarded_bad_step(self, run_context, loss: float) -> None:
         # Nothing was gated, so raise or stop (skip and rollback were refused at construction).
-        policy = self._effective_policy()
+        read = _policy.BadStep(-1, self._effective_policy(), guarded=False, loss=loss)
         decision, self._unguarded_state = _policy.decide(
-            _policy.GuardConfig(nan_policy=policy),
-            self._unguarded_state,
-            _policy.BadStep(-1, policy, guarded=False),
+            _policy.GuardConfig(nan_policy=read.chosen), self._unguarded_state, read
         )
-        event = _events.NanEvent(
-            step=-1,
-            loss=loss,
-            loss_kind=_events.classify(loss),
-            culprits=(),
-            consecutive=self._unguarded_state.consecutive_bad_steps,
-            total=self._unguarded_state.total_bad_steps,
-            mode=Mode.HOOK,
-            action=decision.action,
-        )
+        counts = dict(consecutive=decision.consecutive, total=decision.total)
+        event = _events.event_of(read, mode=Mode.HOOK, action=decision.action, **counts)
         _events.log_event(event)
         _actions.carry_out(
             None,

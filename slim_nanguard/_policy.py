@@ -262,9 +262,9 @@ class BadStep:
     ``session.run``. `chosen` is the action the policy (or a hook's override) chose, unless
     `choose` (``on_nan``) returns another, shown the counts this step makes. Not `guarded`: a
     loss no guarded train op made (its update happened, so only ``raise``, which says so, and
-    ``stop`` mean anything). The rest as read: `reason` (None: non-finite), `sums` (the loss,
-    each gradient's, then the loss scale), `kinds` (exact, when kept), `loss_scale`, whether
-    it was a loss-scale optimizer's `overflow` (no bad step), and whether it was `autopsied`."""
+    ``stop`` mean anything). The rest as read: `reason` (None: non-finite), the `loss`, the
+    `culprits` and what each held (`culprit_kinds`, when known), the `loss_scale`, whether it
+    was a loss-scale optimizer's `overflow` (no bad step), and whether it was `autopsied`."""
 
     step: int
     chosen: Action
@@ -272,12 +272,13 @@ class BadStep:
     cause: str = NON_FINITE
     figures: Optional[Mapping[str, Any]] = None
     reason: Any = dataclasses.field(default=None, compare=False)
-    sums: Tuple[float, ...] = ()
-    kinds: Optional[Tuple[str, ...]] = None
+    loss: float = math.nan
+    culprits: Tuple[str, ...] = ()
+    culprit_kinds: Tuple[str, ...] = ()
     loss_scale: Optional[float] = None
     overflow: bool = False
     autopsied: bool = False
-    choose: Optional[Callable[["GuardState"], Optional[str]]] = dataclasses.field(
+    choose: Optional[Callable[["GuardState", "BadStep"], Optional[str]]] = dataclasses.field(
         default=None, compare=False
     )
 
@@ -377,7 +378,7 @@ def _decide_bad(
     """`decide` for a bad step: a probation's divergence, a new level, or the policy."""
     state = counted(state, observation.step)
     state = replace(state, autopsies=state.autopsies + observation.autopsied)
-    choice = None if observation.choose is None else observation.choose(state)
+    choice = None if observation.choose is None else observation.choose(state, observation)
     if choice is not None:
         observation = replace(observation, chosen=Action(choice))
     counts = {"consecutive": state.consecutive_bad_steps, "total": state.total_bad_steps}

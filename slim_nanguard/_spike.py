@@ -297,9 +297,29 @@ class Spike(_reasons.Reason):
     def phrase(self, figures: Dict[str, Any]) -> str:
         return phrase(figures)
 
-    def decide(self, config, state, observation):
-        """The spike's new levels and their probation (`_decide`)."""
-        return _decide(config, state, observation)
+    def decide(self, config, state, observation) -> Tuple[Optional[_policy.Decision], Any]:
+        """The spike's own rules, before the policy (pure). A spike within
+        ``spike_warmup_steps`` global steps of a new level means that level was a divergence
+        (``persistent_nan_policy`` at once); a run of skipped spikes that holds together is a
+        new level (`judge_run`: skipped, the statistics re-seeded by `_actions`, on
+        probation)."""
+        run = state.reason_run + ({**(observation.figures or {}), "step": observation.step},)
+        state = dataclasses.replace(state, reason_run=run)
+        decision = _divergence(config, state, observation)
+        if decision is not None:
+            return decision, dataclasses.replace(state, level_taken_at=None)
+        level = _new_level(config, state, observation)
+        if level is None:
+            return None, state
+        return _policy.Decision(Action.SKIP, level_shift=level), dataclasses.replace(
+            state,
+            level_shifts=state.level_shifts + 1,
+            consecutive_bad_steps=0,
+            run_start=None,
+            reason_run=(),
+            level_taken_at=observation.step,
+            level_start=level.steps[0],
+        )
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
         """The last accepted step's ``data_loss`` (the loss judged: the total loss without the
@@ -542,30 +562,6 @@ def holds_together(values: Sequence[float], deviation: float) -> bool:
 
 def _usable(value: float) -> bool:
     return math.isfinite(value) and value > 0
-
-
-def _decide(config, state, observation) -> Tuple[Optional[_policy.Decision], Any]:
-    """`Spike.decide`: the spike's own rules, before the policy (pure). A spike within
-    ``spike_warmup_steps`` global steps of a new level means that level was a divergence
-    (``persistent_nan_policy`` at once); a run of skipped spikes that holds together is a new
-    level (`judge_run`: skipped, the statistics re-seeded by `_actions`, on probation)."""
-    run = state.reason_run + ({**(observation.figures or {}), "step": observation.step},)
-    state = dataclasses.replace(state, reason_run=run)
-    decision = _divergence(config, state, observation)
-    if decision is not None:
-        return decision, dataclasses.replace(state, level_taken_at=None)
-    level = _new_level(config, state, observation)
-    if level is None:
-        return None, state
-    return _policy.Decision(Action.SKIP, level_shift=level), dataclasses.replace(
-        state,
-        level_shifts=state.level_shifts + 1,
-        consecutive_bad_steps=0,
-        run_start=None,
-        reason_run=(),
-        level_taken_at=observation.step,
-        level_start=level.steps[0],
-    )
 
 
 def _new_level(config, state, observation) -> Optional[LevelShift]:

@@ -468,7 +468,7 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
             _actions.mark_judged(guard, sess)  # this loop judges each step itself
             for _ in range(BAD_BATCH + 1):
                 sess.run(train_op)
-            result = _actions.autopsy(guard, sess, step=BAD_BATCH)
+            result = _actions.autopsy_step(guard, sess, step=BAD_BATCH)
             after = sess.run(x)  # the batch after the bad one: none was taken meanwhile
     assert (result.first_bad_op["name"], result.first_bad_op["inputs"]) == ("x", [])
     np.testing.assert_array_equal(after, _batches("nan_input")[BAD_BATCH + 1])
