@@ -127,13 +127,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
-        if guard.ok is None:
+        if guard.mode == Mode.CHECK_NUMERICS and guard.ok is None:
             logging.info(
                 "slim_nanguard: the train op of %s is in check_numerics mode; its "
                 "check raises before this hook could run.",
                 self._loss_tensor.name,
             )
-        else:  # One boolean per step (the loss too when the train op, its value, is fetched).
+        elif guard.ok is not None:  # (None in a loop body: `after_run` reads what it stored.)
+            # One boolean per step (the loss too when the train op, its value, is fetched).
             self._run_args = tf.compat.v1.train.SessionRunArgs({"ok": guard.ok})
             self._loss_args = tf.compat.v1.train.SessionRunArgs(
                 {"ok": guard.ok, "loss": guard.train_op}
