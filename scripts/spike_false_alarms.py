@@ -25,7 +25,16 @@ Two tables, printed as Markdown (docs/guide.md holds them as measured):
   z-scores and the value over ``spike_sigma`` (its cause), the largest z-scores of data loss
   and gradient norm (TensorBoard's, those of accepted steps), and the test accuracy of each
   run. Its last line is the sentence the README may say. ``--quick``: one seed, 60 steps
-  (the table's shape, for tests/test_spike_false_alarms.py).
+  (the table's shape, for tests/test_spike_data_loss.py).
+* ``--part=cluster``: LeNet as in ``--part=converged``, in each layout of ``--layouts``: one
+  machine, and loopback clusters started by ``scripts/train.py`` (1 ps and 2 or 3 async
+  workers, or 2 workers under ``--sync_replicas``; free 127.0.0.1 ports, every task killed by
+  its own PID past ``CLUSTER_TIMEOUT_SECS``), ``--converged_steps`` global steps, each seed,
+  with ``--spike_policy=skip`` and without. A row: the steps each worker ran (the chief
+  first), the steps judged (all workers' steps past the warm-up of 20, which they share: the
+  statistics live on the ps), each false alarm with its z-scores, cause and worker (from each
+  worker's record), the largest z-scores of the chief's accepted steps, and the chief's test
+  accuracy of each run. ``--quick``: async 2 workers, seed 0, 60 steps.
 
 The wider bench (clean-but-hard runs, and the runs the guard must judge: a new level, a
 learning-rate jump, planted spikes and bad shards) is ``scripts/spike_bench.py``.
@@ -37,11 +46,15 @@ Usage, from the repository root::
     python scripts/spike_false_alarms.py --part=models --steps=500
     python scripts/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
     python scripts/spike_false_alarms.py --part=converged --quick
+    python scripts/spike_false_alarms.py --part=cluster     # 4 layouts x 3 seeds (~40 min)
+    python scripts/spike_false_alarms.py --part=cluster --quick
 """
 
+import functools
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,8 +76,8 @@ CONFIGS = (
 Z_TAGS = ("nanguard/z_loss", "nanguard/z_grad_norm")
 
 
-def _train(config: str, train_dir: str, *extra: str) -> subprocess.CompletedProcess:
-    """Runs ``scripts/train.py --flagfile=configs/CONFIG.cfg`` into `train_dir`."""
+def _train_command(config: str, train_dir: str, *extra: str):
+    """``scripts/train.py --flagfile=configs/CONFIG.cfg`` into `train_dir`: (argv, env)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     args = [
@@ -75,6 +88,12 @@ def _train(config: str, train_dir: str, *extra: str) -> subprocess.CompletedProc
         "--save_summaries_steps=1",
         *extra,
     ]
+    return args, env
+
+
+def _train(config: str, train_dir: str, *extra: str) -> subprocess.CompletedProcess:
+    """Runs ``scripts/train.py --flagfile=configs/CONFIG.cfg`` into `train_dir`."""
+    args, env = _train_command(config, train_dir, *extra)
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{config} {' '.join(extra)} failed:\n{proc.stderr[-3000:]}")
@@ -233,17 +252,8 @@ CONVERGED_COLUMNS = (
 )
 
 
-def _lenet_converged(seed: int, steps: int, train_dir: str, guarded: bool):
-    """``configs/lenet.cfg`` for `steps` steps: (steps run, test accuracy)."""
-    extra = [f"--seed={seed}", f"--max_number_of_steps={steps}", "--log_every_n_steps=0"]
-    proc = _train("lenet", train_dir, *extra, *(["--spike_policy=skip"] if guarded else []))
-    good = int(re.search(r"^  steps +(\d+) good steps", proc.stdout, re.M).group(1))
-    bad = int(re.search(r"^  bad steps +(\d+)", proc.stdout, re.M).group(1))
-    return good + bad, _accuracy(proc.stdout)
-
-
 def _cifarnet_converged(seed: int, steps: int, logdir: str, guarded: bool):
-    """CifarNet with batch norm on the digits for `steps` steps: (steps run, test accuracy)."""
+    """CifarNet with batch norm on the digits for `steps` steps: ([steps run], test accuracy)."""
     import tensorflow as tf
     import tf_slim as slim
 
@@ -300,58 +310,210 @@ def _cifarnet_converged(seed: int, steps: int, logdir: str, guarded: bool):
             save_checkpoint_secs=None,
             log_every_n_steps=0,
         )
-    return result.steps + result.bad_steps, measured[0]
+    return [result.steps + result.bad_steps], measured[0]
 
 
-_CONVERGED_RUNS = {"lenet": _lenet_converged, "cifarnet": _cifarnet_converged}
-
-
-def _alarms_cell(spikes) -> str:
+def _alarms_cell(spikes, by_worker: bool = False) -> str:
     if not spikes:
         return "0"
     shown = ", ".join(
         f"{r['step']}: {r['spike']['z_loss']:.1f} / {r['spike']['z_grad_norm']:.1f}, "
-        f"{_over_words(r)}"
+        f"{_over_words(r)}" + (f", worker {r.get('task', 0)}" if by_worker else "")
         for r in spikes
     )
     return f"**{len(spikes)}**: {shown}"
 
 
-def converged_table(names, seeds, steps: int, workdir: str) -> str:
-    """Trains each net with and without the spike guard; the table and the README's line."""
-    rows = ["| " + " | ".join(CONVERGED_COLUMNS) + " |", "|" + "---|" * len(CONVERGED_COLUMNS)]
-    alarms = judged_total = 0
-    for name in names:
-        for seed in seeds:
-            start = time.time()
-            base = os.path.join(workdir, f"converged_{name}_{seed}")
-            _, acc_without = _CONVERGED_RUNS[name](seed, steps, base + "_without", False)
-            ran, acc_with = _CONVERGED_RUNS[name](seed, steps, base + "_with", True)
-            spikes, others = _spikes(base + "_with")
-            if others:
-                raise RuntimeError(f"{name} seed {seed}: {others} non-finite steps in a clean run")
-            z_loss, z_norm = _largest_z(base + "_with")
-            judged = max(ran - WARMUP_STEPS, 0)
-            alarms += len(spikes)
-            judged_total += judged
-            rows.append(
-                f"| {name} | {seed} | {judged} | {_alarms_cell(spikes)} | {z_loss:.2f} "
-                f"| {z_norm:.2f} | {acc_without:.4f} | {acc_with:.4f} |"
-            )
-            print(f"{name} seed {seed}: {time.time() - start:.0f} s", file=sys.stderr, flush=True)
-    runs = len(names) * len(seeds)
-    sentence = (
-        f"On {runs} run{'s' if runs != 1 else ''} trained {steps} steps "
-        f"({', '.join(names)}; seeds {', '.join(str(s) for s in seeds)}; "
-        f"{judged_total} steps judged) the spike guard at its defaults flagged {alarms} "
+def _sentence(runs: int, trained: str, what: str, judged: int, alarms: int) -> str:
+    """The table's last line: what it shows, no more."""
+    return (
+        f"On {runs} run{'s' if runs != 1 else ''} trained {trained} ({what}; "
+        f"{judged} steps judged) the spike guard at its defaults flagged {alarms} "
         f"clean step{'' if alarms == 1 else 's'}."
     )
-    return "\n".join(rows + ["", sentence])
+
+
+def _pair(run, base: str):
+    """``run(train_dir, guarded)`` into BASE_without, then guarded into BASE_with:
+    (what the guarded run said it ran, the test accuracy of each, the guarded run's spikes,
+    its largest z-scores). A non-finite step in the guarded run is an error: the runs are clean."""
+    _, acc_without = run(base + "_without", False)
+    ran, acc_with = run(base + "_with", True)
+    spikes, others = _spikes(base + "_with")
+    if others:
+        raise RuntimeError(f"{base}_with: {others} non-finite steps in a clean run")
+    return ran, acc_without, acc_with, spikes, _largest_z(base + "_with")
+
+
+def _bench(columns, cases, trained: str, what: str, by_worker: bool = False) -> str:
+    """Runs each case unguarded, then guarded; the table and its sentence.
+
+    Args:
+      columns: The table's columns.
+      cases: (the row's first cells, BASE (the runs go to BASE_without and BASE_with),
+        ``run(train_dir, guarded)`` returning (the steps each worker ran, test accuracy)).
+      trained: How long each run trained, in words.
+      what: What was run, in words.
+      by_worker: Show the steps and each false alarm's worker (a cluster's table).
+    """
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    alarms = judged_total = 0
+    for cells, base, run in cases:
+        start = time.time()
+        counts, acc_without, acc_with, spikes, (z_loss, z_norm) = _pair(run, base)
+        judged = max(sum(counts) - WARMUP_STEPS, 0)
+        alarms += len(spikes)
+        judged_total += judged
+        cells = [*cells, *([" + ".join(map(str, counts))] if by_worker else []), str(judged)]
+        cells += [_alarms_cell(spikes, by_worker), f"{z_loss:.2f}", f"{z_norm:.2f}"]
+        rows.append("| " + " | ".join(cells + [f"{acc_without:.4f}", f"{acc_with:.4f}"]) + " |")
+        print(f"{base}: {time.time() - start:.0f} s\n{rows[-1]}", file=sys.stderr, flush=True)
+    return "\n".join(rows + ["", _sentence(len(cases), trained, what, judged_total, alarms)])
+
+
+def converged_table(names, seeds, steps: int, workdir: str) -> str:
+    """Trains each net with and without the spike guard; the table and the README's line."""
+    runs = {"lenet": functools.partial(_lenet_run, "local"), "cifarnet": _cifarnet_converged}
+    cases = [
+        (
+            [name, str(seed)],
+            os.path.join(workdir, f"converged_{name}_{seed}"),
+            functools.partial(runs[name], seed, steps),
+        )
+        for name in names
+        for seed in seeds
+    ]
+    what = f"{', '.join(names)}; seeds {', '.join(str(s) for s in seeds)}"
+    return _bench(CONVERGED_COLUMNS, cases, f"{steps} steps", what)
+
+
+# --part=cluster's layouts by flag value: (the table's words, workers (0: no cluster), sync).
+LAYOUTS = {
+    "local": ("1 machine", 0, False),
+    "async2": ("async 2 workers", 2, False),
+    "async3": ("async 3 workers", 3, False),
+    "sync2": ("sync 2 replicas", 2, True),
+}
+CLUSTER_COLUMNS = (
+    "layout",
+    "net",
+    "seed",
+    "steps by worker",
+    "steps judged",
+    "false alarms (step: z data loss / z grad norm, over sigma, worker)",
+    "largest z data loss (chief)",
+    "largest z grad norm (chief)",
+    "test accuracy unguarded",
+    "guarded",
+)
+CLUSTER_TIMEOUT_SECS = 1800  # per cluster run: every task is killed (by its PID) past it
+
+
+def _free_ports(count: int):
+    """`count` distinct ports free on 127.0.0.1 now (bound, read, released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _run_tasks(commands, env, timeout: float):
+    """Starts each command; waits for all of them, `timeout` seconds in all; each one's
+    (exit status, stdout, stderr). A task still running at the deadline (or when this fails)
+    is killed by its own PID; its status is then None."""
+    procs, outputs = [], []
+    deadline = time.monotonic() + timeout
+    try:
+        for argv in commands:
+            # Files, not pipes: a task must never block on output nobody reads yet.
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            outputs.append((out, err))
+            procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err))
+        exits = []
+        for proc, (out, err) in zip(procs, outputs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+                code = None
+            out.seek(0)
+            err.seek(0)
+            exits.append((code, out.read(), err.read()))
+        return exits
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for out, err in outputs:
+            out.close()
+            err.close()
+
+
+def _lenet_run(layout: str, seed: int, steps: int, train_dir: str, guarded: bool):
+    """``configs/lenet.cfg`` for `steps` global steps in `layout` (a key of `LAYOUTS`), on a
+    loopback cluster of 1 ps and its workers (free 127.0.0.1 ports) unless ``local``:
+    (the steps each worker ran, good and bad, the chief first; the chief's test accuracy)."""
+    _, workers, sync = LAYOUTS[layout]
+    extra = [f"--seed={seed}", f"--max_number_of_steps={steps}", "--log_every_n_steps=0"]
+    extra += ["--spike_policy=skip"] if guarded else []
+    if not workers:
+        outs = [_train("lenet", train_dir, *extra).stdout]
+    else:
+        ps, *ports = _free_ports(1 + workers)
+        extra += [
+            f"--ps_hosts=127.0.0.1:{ps}",
+            "--worker_hosts=" + ",".join(f"127.0.0.1:{p}" for p in ports),
+            *(["--sync_replicas"] if sync else []),
+        ]
+        argv, env = _train_command("lenet", train_dir, *extra)
+        tasks = [("ps", 0)] + [("worker", t) for t in range(workers)]
+        commands = [argv + [f"--job_name={job}", f"--task={t}"] for job, t in tasks]
+        exits = _run_tasks(commands, env, CLUSTER_TIMEOUT_SECS)
+        if any(code != 0 for code, _, _ in exits):
+            said = "\n".join(
+                f"--- {job}{t}: exit {code}\n{err[-1500:]}"
+                for (job, t), (code, _, err) in zip(tasks, exits)
+            )
+            raise RuntimeError(f"lenet {layout} seed {seed} failed:\n{said}")
+        outs = [out for _, out, _ in exits[1:]]
+    counts = []
+    for out in outs:
+        good = int(re.search(r"^  steps +(\d+) good steps", out, re.M).group(1))
+        bad = int(re.search(r"^  bad steps +(\d+)", out, re.M).group(1))
+        counts.append(good + bad)
+    return counts, _accuracy(outs[0])
+
+
+def cluster_table(layouts, seeds, steps: int, workdir: str) -> str:
+    """Trains LeNet in each layout with and without the spike guard; the table and its line.
+
+    The spike statistics of a cluster live on the ps, so its warm-up is the first
+    `WARMUP_STEPS` steps of all the workers together: the steps judged are every worker's
+    steps but those.
+    """
+    cases = [
+        (
+            [LAYOUTS[layout][0], "lenet", str(seed)],
+            os.path.join(workdir, f"cluster_{layout}_{seed}"),
+            functools.partial(_lenet_run, layout, seed, steps),
+        )
+        for layout in layouts
+        for seed in seeds
+    ]
+    what = "lenet; " + ", ".join(LAYOUTS[k][0] for k in layouts)
+    what += f"; seeds {', '.join(str(s) for s in seeds)}"
+    return _bench(CLUSTER_COLUMNS, cases, f"{steps} global steps", what, by_worker=True)
 
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
-    "part", "both", ["configs", "models", "both", "converged"], "Which table to print."
+    "part", "both", ["configs", "models", "both", "converged", "cluster"], "Which table to print."
 )
 flags.DEFINE_list("configs", list(CONFIGS), "The shipped configs to run (names in configs/).")
 flags.DEFINE_list("models", [], "Benchmark models to train (default: all).")
@@ -360,7 +522,12 @@ flags.DEFINE_integer("steps", 500, "Steps per benchmark model.")
 flags.DEFINE_list("converged_models", list(CONVERGED_MODELS), "Nets of --part=converged.")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of --part=converged.")
 flags.DEFINE_integer("converged_steps", 1500, "Steps per run of --part=converged.")
-flags.DEFINE_bool("quick", False, "--part=converged on seed 0 for 60 steps: the table's shape.")
+flags.DEFINE_list("layouts", list(LAYOUTS), f"Layouts of --part=cluster: {', '.join(LAYOUTS)}.")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "--part=converged or cluster on seed 0 for 60 steps (cluster: async2 only): the table's shape.",
+)
 flags.DEFINE_string("workdir", "", "Where the runs go (default: a new temporary directory).")
 
 
@@ -386,6 +553,14 @@ def main(argv) -> int:
         seeds = [0] if FLAGS.quick else [int(s) for s in FLAGS.seeds]
         steps = 60 if FLAGS.quick else FLAGS.converged_steps
         print(converged_table(FLAGS.converged_models, seeds, steps, workdir))
+    if FLAGS.part == "cluster":
+        seeds = [0] if FLAGS.quick else [int(s) for s in FLAGS.seeds]
+        steps = 60 if FLAGS.quick else FLAGS.converged_steps
+        unknown = sorted(set(FLAGS.layouts) - set(LAYOUTS))
+        if unknown:
+            print(f"--layouts: {', '.join(unknown)} unknown; choose from {', '.join(LAYOUTS)}.")
+            return 2
+        print(cluster_table(["async2"] if FLAGS.quick else FLAGS.layouts, seeds, steps, workdir))
     return 0
 
 

@@ -115,3 +115,53 @@ def test_the_quick_converged_bench_prints_its_table_and_a_true_sentence(tmp_path
         f"On 2 runs trained 60 steps (lenet, cifarnet; seeds 0; {judged} steps judged) the "
         f"spike guard at its defaults flagged {alarms} clean step{'' if alarms == 1 else 's'}."
     )
+
+
+def test_the_quick_cluster_bench_reads_every_workers_steps_and_prints_a_true_sentence(tmp_path):
+    """``--part=cluster --quick``: LeNet on a loopback cluster of 1 ps and 2 async workers
+    (free 127.0.0.1 ports; the script kills each task by its PID past its timeout)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import spike_false_alarms
+
+    lines, cells = lib.run_table_script(
+        "spike_false_alarms.py", "--part=cluster", "--quick", f"--workdir={tmp_path / 'runs'}"
+    )
+    header, rows = cells[0], [dict(zip(cells[0], r)) for r in cells[1:]]
+    assert tuple(header) == spike_false_alarms.CLUSTER_COLUMNS
+    assert [(r["layout"], r["net"], r["seed"]) for r in rows] == [("async 2 workers", "lenet", "0")]
+    (row,) = rows
+    counts = [int(c) for c in row["steps by worker"].split(" + ")]
+    # Async, every step of either worker is one global step: 60, give or take a step under way.
+    assert len(counts) == 2 and 60 <= sum(counts) <= 63, row
+    judged = int(row["steps judged"])
+    assert judged == sum(counts) - spike_false_alarms.WARMUP_STEPS, row
+    cell = row[header[5]]
+    count = 0 if cell == "0" else int(cell.strip("*").split("**")[0].rstrip(":*"))
+    listed = re.findall(r"(\d+): (-?[0-9.]+) / (-?[0-9.]+), ([a-z ]+), worker ([01])", cell)
+    assert count == len(listed), row
+    for acc in (row["test accuracy unguarded"], row["guarded"]):
+        assert 0.0 <= float(acc) <= 1.0, row
+    # Both workers wrote their own record into the one training directory.
+    run = tmp_path / "runs" / "cluster_async2_0_with"
+    assert {r.get("task", 0) for r in slim_nanguard.read_events(str(run))} == {0, 1}
+    assert lines[-1] == (
+        f"On 1 run trained 60 global steps (lenet; async 2 workers; seeds 0; {judged} steps "
+        f"judged) the spike guard at its defaults flagged {count} clean "
+        f"step{'' if count == 1 else 's'}."
+    )
+
+
+def test_a_false_alarm_in_a_cluster_names_its_step_z_cause_and_worker():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import spike_false_alarms
+
+    record = {
+        "step": 1234,
+        "task": 2,
+        "spike": {"z_loss": 7.3, "z_grad_norm": 2.5, "over": ["loss"], "regularization_terms": 4},
+    }
+    assert spike_false_alarms._alarms_cell([record], by_worker=True) == (
+        "**1**: 1234: 7.3 / 2.5, data loss, worker 2"
+    )
+    assert spike_false_alarms._alarms_cell([record]) == "**1**: 1234: 7.3 / 2.5, data loss"
+    assert spike_false_alarms._alarms_cell([]) == "0"
