@@ -191,7 +191,8 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
     overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
-    if not overflow and _policy.wants_autopsy(guard.config, guard.state):
+    kept = not overflow and guard.capture is not None and guard.capture.tensors
+    if kept and _policy.wants_autopsy(guard.config, guard.state):
         autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
