@@ -9,6 +9,7 @@ modules, each described by its docstring: `autopsy`, `cluster`, `compat` and `st
 Modules whose names begin with an underscore are private.
 """
 
+from slim_nanguard import _spike  # noqa: F401  (the spike test GuardConfig.all_reasons makes)
 from slim_nanguard import autopsy
 from slim_nanguard import cluster
 from slim_nanguard import compat

@@ -1,20 +1,25 @@
-"""Reading, recording and carrying out a bad step: the one place the guard acts on a session
-(docs/design.md, "One state, one transition, one place that acts")."""
+"""A bad step, one function over one value: `judge` reads it (a `_policy.BadStep`), has
+`_policy.decide` decide (a `Decision`), records it and carries the decision out (an `Outcome`),
+in every loop; the guard's reads of a session and the one place it acts on one (docs/design.md,
+"One state, one transition, one place that acts")."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+import math
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _autopsy
 from slim_nanguard import _errors
 from slim_nanguard import _events
-from slim_nanguard import _history
-from slim_nanguard import _level_shift
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
+from slim_nanguard import _reasons
 from slim_nanguard import _rollback
+from slim_nanguard import _verdict
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
@@ -23,7 +28,7 @@ from slim_nanguard._types import SessionLike
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._guard import Guard
-    from slim_nanguard._guard import StepReport
+    from slim_nanguard._spike import LevelShift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,8 @@ def checkpoint_dir_for(
         message = _policy.checkpoint_dir_message(guard.config, advice)
         logging.error("slim_nanguard: %s", message)
         raise ValueError(message)
-    guard.use_autopsy_dir(checkpoint_dir)  # Autopsy dumps go next to the checkpoints.
+    if checkpoint_dir and guard.autopsy_dir is None:  # Autopsy dumps go next to the checkpoints.
+        guard.registry.use_directory(checkpoint_dir)
     return checkpoint_dir
 
 
@@ -101,70 +107,177 @@ def no_stop() -> None:
     """A `RequestStop` for a loop that leaves on `Outcome.stop` by itself: asks nothing."""
 
 
+def observe(guard: "Guard", observation: _policy.Observation) -> Optional[_policy.Decision]:
+    """Tells `guard` what happened, the one way its state changes; returns `_policy.decide`'s
+    decision."""
+    decision, guard.cell.state = _policy.decide(guard.config, guard.state, observation)
+    return decision
+
+
 def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
     """Tells `guard` a step went through, and keeps its `loss` (when known)."""
-    guard.observe(_policy.GoodStep())
+    observe(guard, _policy.GoodStep())
     if loss is not None:
         guard.history.add(float(loss))
 
 
-def record_bad_step(
-    guard: "Guard", read: "StepReport", policy: Optional[str] = None, autopsy=None
-) -> Tuple[_events.NanEvent, _policy.Decision]:
-    """Records the bad step `read` and has the guard decide about it: ``(event, decision)``.
-    ``on_nan`` sees the event first (with the counts this step makes) and may choose the action
-    instead of the reason's policy, or `policy` (a hook's override) or ``nan_policy``."""
-    config, step = guard.config, read.step
-    chosen = Action(policy or config.nan_policy if read.reason is None else read.reason.policy)
-    event = _new_event(guard, _policy.counted(guard.state, step), read, chosen, autopsy)
-    choice = None if config.on_nan is None else config.on_nan(event)
-    if choice is not None and choice not in _policy.POLICIES:
-        raise ValueError(
-            f"the on_nan callback must return one of {', '.join(_policy.POLICIES)} or None; "
-            f"got {choice!r}."
-        )
-    chosen = chosen if choice is None else Action(choice)
-    bad_step = _policy.BadStep(step, chosen, cause=read.cause, figures=read.figures)
-    decision = guard.observe(bad_step, event=event)
-    event = guard.last_event  # With the action decided, escalation included.
-    _events.log_event(event)
-    if decision.escalation and decision.action != Action.RAISE:
-        logging.warning(
-            "slim_nanguard: %s, so the weights, not the batch, went bad: "
-            "applying persistent_nan_policy=%r",
-            decision.escalation,
-            decision.action.value,
-        )
-    extra = {"escalation": decision.escalation} if decision.escalation else {}
-    losses_before = guard.history.anchor(step)
-    if losses_before:
-        extra["losses_before"] = [[s, value] for s, value in losses_before]
-    guard.notify("bad_step", event, **extra)
-    return event, decision
+def _notify(guard: "Guard", kind: str, event: _events.NanEvent, **extra: Any) -> None:
+    """Sends `guard`'s listeners a record of `kind` about `event` (see `Guard.add_listener`)."""
+    guard.registry.send(_events.record_of(kind, event, **extra))
 
 
-def _new_event(
-    guard: "Guard", counts: _policy.GuardState, read: "StepReport", action: str, autopsy=None
-) -> _events.NanEvent:
-    """The event of the step `read`, with the guard's `counts`."""
-    loss = read.sums[0]
-    culprits, culprit_kinds = guard.culprits_and_kinds(read.sums, read.kinds)
-    return _events.NanEvent(
-        step=read.step,
-        loss=loss,
-        loss_kind=_events.classify(loss),
-        culprits=culprits,
-        culprit_kinds=culprit_kinds,
-        consecutive=counts.consecutive_bad_steps,
-        total=counts.total_bad_steps,
-        mode=guard.mode,
-        action=action,
-        loss_scale=read.loss_scale,
-        autopsy=autopsy,
-        cause=read.cause,
-        figures=read.figures,
-        reason=read.reason,
+def mark_judged(guard: "Guard", session: tf.compat.v1.Session) -> None:
+    """Says that the caller applies the policy to `guard`'s bad steps in the raw `session`
+    (hook mode, once per session; else a no-op); without it a bad step fails naming it."""
+    if guard.judged is None:
+        return
+    try:
+        if session in guard.cell.judged_sessions:
+            return
+        guard.cell.judged_sessions.add(session)
+    except TypeError:  # not weak-referenceable: initialise each time (idempotent)
+        pass
+    session.run(guard.judged.initializer)
+
+
+def read_global_step(guard: "Guard", session: tf.compat.v1.Session) -> Optional[int]:
+    """The global step in the raw `session`, or None without one."""
+    return None if guard.global_step is None else int(session.run(guard.global_step))
+
+
+def read_bad_step(guard: "Guard", session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
+    """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
+    fetches = {"sums": guard.diagnostics, "step": guard.global_step}
+    return _stored(session.run({k: t for k, t in fetches.items() if t is not None}))
+
+
+def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
+    """``(step, sums)`` of what a bad step stored, as read: the step -1 without a global step."""
+    return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
+
+
+def culprits(guard: "Guard", sums: Sequence[float], kinds: Optional[Sequence[str]]):
+    """Names of the variables whose gradients held NaN or Inf, and what each held: exact from
+    `kinds`, else from `sums` (an overflow of finite values too) with no kinds."""
+    names = guard.variable_names
+    if kinds is not None and len(kinds) == len(names) + 1:
+        bad = [(n, k) for n, k in zip(names, kinds[1:]) if k != _verdict.FINITE]
+        return tuple(n for n, _ in bad), tuple(k for _, k in bad)
+    return tuple(n for n, s in zip(names, list(sums)[1:]) if not math.isfinite(float(s))), ()
+
+
+def _read(guard: "Guard", session, stored, policy: Optional[str]):
+    """The bad step just seen, in one ``session.run`` of the raw `session` (`stored`: ``(step,
+    sums)`` already read, or None), and its autopsy (before any rollback): ``(BadStep, Autopsy
+    or None)``."""
+    fetches = {"report": guard.report, "kinds": guard.kinds_read}
+    if stored is None:
+        fetches.update(sums=guard.diagnostics, step=guard.global_step)
+    fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
+    values = session.run(fetches) if fetches else {}
+    step, sums = _stored(values) if stored is None else stored
+    # The report's code: 2 + the index of the reason that rejected the step, its slice after.
+    report, reasons = np.asarray(values.get("report", [0])), guard.reasons
+    index = int(report[0]) - 2
+    reason, figures, kinds = None, None, None
+    if 0 <= index < len(reasons):
+        reason = reasons[index]
+        start = 1 + sum(len(r.report_fields) for r in reasons[:index])
+        stored = report[start : start + len(reason.report_fields)]
+        # The reason's graph handles may know more than the graph (`Test.handles`).
+        read = getattr(guard.reason_handles.get(reason.name), "figures", None)
+        figures = reason.figures(stored) if read is None else read(stored, int(step))
+    elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
+        kinds = _verdict.kind_names(values["kinds"])
+    sums, count = [float(s) for s in sums], len(guard.variable_names)
+    scale = None if guard.loss_scale_floor is None else _verdict.stored_loss_scale(sums, count)
+    overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
+    cause = _reasons.NON_FINITE if reason is None else reason.name
+    autopsy = None
+    kept = not overflow and guard.capture is not None and guard.capture.tensors
+    if kept and _policy.wants_autopsy(guard.config, guard.state):
+        autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
+    chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
+    choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
+    fields = (figures, reason, sums[0], *culprits(guard, sums, kinds), scale, overflow)
+    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsy is not None, choose)
+    return read, autopsy
+
+
+def _on_nan(guard: "Guard", autopsy):
+    """``choose`` of a `BadStep`: ``on_nan`` shown its event, with the counts it makes."""
+
+    def choose(counts: _policy.GuardState, read: _policy.BadStep) -> Optional[str]:
+        event = _events.event_of(
+            read,
+            mode=guard.mode,
+            action=read.chosen,
+            consecutive=counts.consecutive_bad_steps,
+            total=counts.total_bad_steps,
+            autopsy=autopsy,
+        )
+        choice = guard.config.on_nan(event)
+        if choice is not None and choice not in _policy.POLICIES:
+            raise ValueError(
+                f"the on_nan callback must return one of {', '.join(_policy.POLICIES)} or "
+                f"None; got {choice!r}."
+            )
+        return choice
+
+    return choose
+
+
+def autopsy_step(
+    guard: "Guard",
+    session: tf.compat.v1.Session,
+    step: int,
+    cause: str = _reasons.NON_FINITE,
+    over: Sequence[str] = (),
+):
+    """The `Autopsy` (never failing: its ``error`` says why) of the bad step just seen, before
+    any rollback, or None (no batch kept). `cause` rejected the step (ValueError if no such
+    reason), on the values `over`."""
+    causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in guard.reasons)]
+    if cause not in causes:
+        raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
+    if guard.capture is None or not guard.capture.tensors:
+        return None
+    result = _autopsy.autopsy_bad_step(
+        session,
+        guard.capture,
+        [guard.grad_sums] if cause == _reasons.NON_FINITE else [guard.loss],
+        step=step,
+        dump_dir=guard.autopsy_dir,
+        timeout_secs=guard.config.autopsy_timeout_secs,
+        cause=cause,
+        spike_over=over,
     )
+    if result.dump:
+        _remove_old_dumps(guard)
+    return result
+
+
+def _remove_old_dumps(guard: "Guard") -> None:
+    """Keeps the first and the last dumps the config says; records each one removed."""
+    first, last = guard.config.autopsy_keep_first, guard.config.autopsy_keep_last
+    try:
+        gone = _autopsy.remove_old_dumps(guard.autopsy_dir, first, last)
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
+        logging.warning("slim_nanguard: could not remove old autopsy dumps: %s", err)
+        return
+    for removed in gone:
+        logging.warning(
+            "slim_nanguard: removed the autopsy dump of global step %s (%s): a directory keeps "
+            "the first %d and the latest %d dumps (GuardConfig.autopsy_keep_first, "
+            "autopsy_keep_last).",
+            removed["step"],
+            removed["dump"],
+            first,
+            last,
+        )
+        kept = {"keep_first": first, "keep_last": last}
+        record = {"kind": "autopsy_dump_removed", "dump": removed["dump"]}
+        guard.registry.send({**record, "dump_step": removed["step"], **kept})
 
 
 def carry_out(
@@ -187,14 +300,14 @@ def carry_out(
     (default `stop_session`); a raise is chained to `error`."""
     action = Action(decision.action)
     climb = resume = None
-    giving_up = action in (Action.RAISE, Action.STOP) and decision.cause != Cause.MAX_ROLLBACKS
+    giving_up = action in (Action.RAISE, Action.STOP) and decision.give_up != Cause.MAX_ROLLBACKS
     if guard is not None and giving_up:
         # Steps that climbed to it: say what to resume from (not once rollbacks gave up).
         points = guard.history.points()
         climb, resume = _rollback.before_climb(checkpoint_dir, guard.state.run_start, points)
     if action is Action.RAISE:
         nan_error = _errors.NanLossError(
-            event, decision.reason, cause=decision.cause, limit=decision.limit
+            event, decision.reason, cause=decision.give_up, limit=decision.limit
         )
         nan_error.climb, nan_error.resume_from = climb, resume
         if error is not None:
@@ -207,7 +320,7 @@ def carry_out(
     if action is Action.STOP:
         if climb is not None:
             policy = _errors.policy_name(event, bool(decision.escalation))
-            advice = _history.climb_advice(climb, resume, f"{policy}=")
+            advice = _errors.climb_advice(climb, resume, f"{policy}=")
             logging.warning("slim_nanguard: stopping at global step %d; %s.", event.step, advice)
         if request_stop is not None:
             request_stop()
@@ -221,7 +334,7 @@ def carry_out(
             guard, raw, checkpoint_dir, event, skip_batches, record, decision.before_step
         ),
     )
-    step = raw_call(session, guard.read_global_step)
+    step = raw_call(session, lambda raw: read_global_step(guard, raw))
     return Outcome(event=event, action=action, step=step, checkpoint=path)
 
 
@@ -229,7 +342,7 @@ def _take_new_level(
     guard: "Guard",
     session: tf.compat.v1.Session,
     event: _events.NanEvent,
-    level: _level_shift.LevelShift,
+    level: "LevelShift",
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
     test = guard.reason_handles[Fault.SPIKE]  # The `_spike.SpikeTest`.
@@ -245,7 +358,7 @@ def _take_new_level(
         event.step,
         level.describe(repeats=repeats, probation_steps=guard.config.spike_warmup_steps),
     )
-    guard.notify("level_shift", event, level_shift=level.to_json())
+    _notify(guard, "level_shift", event, level_shift=level.to_json())
 
 
 def _roll_back(
@@ -269,8 +382,8 @@ def _roll_back(
     if guard.rollback_request is not None:
         # A cluster's non-chief: the model lives on the ps and the chief restores it.
         fields = guard.rollback_request(session, guard, event)
-        guard.observe(_policy.RollbackAsked())
-        guard.notify("rollback_requested", event, **fields)
+        observe(guard, _policy.RollbackAsked())
+        _notify(guard, "rollback_requested", event, **fields)
         return ""
     restored = guard.restorer.restore(
         session,
@@ -281,11 +394,12 @@ def _roll_back(
         before_step=before_step,
         why=why,
     )
-    guard.observe(_policy.RolledBack(restored.learning_rate_scale))
+    observe(guard, _policy.RolledBack(restored.learning_rate_scale))
     if restored.why:
         record = {"why": restored.why, **record}
     state = guard.state
-    guard.notify(
+    _notify(
+        guard,
         "rollback",
         event,
         checkpoint=restored.checkpoint,
@@ -314,28 +428,39 @@ def judge(
     stored: Optional[Tuple[int, Sequence[float]]] = None,
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
+    advice: Optional[str] = None,
 ) -> Outcome:
-    """Handles a run the guard found not finite: reads it (unless `stored` holds ``(step,
-    sums)``), records it and acts on it (`carry_out`). `session` may be a `MonitoredSession` (its
-    hooks are not run); `policy` is a hook's override of ``nan_policy``."""
-
-    def record(raw: tf.compat.v1.Session):
-        read = guard.read_step_report(raw, stored)  # The one read of the bad step.
-        if read.overflow:
-            # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
-            guard.observe(_policy.LossScaleOverflow())
-            guard.history.anchor(read.step)  # The good steps before it end one step before.
-            event = _new_event(guard, guard.state, read, _events.LOSS_SCALE_OVERFLOW)
-            _events.log_event(event)
-            guard.notify(_events.LOSS_SCALE_OVERFLOW, event)
-            return event, None
-        over = (read.figures or {}).get("over") or ()
-        autopsy = guard.autopsy(raw, read.step, read.cause, over)  # Before any rollback.
-        return record_bad_step(guard, read, policy, autopsy)
-
-    event, decision = raw_call(session, record)
-    if decision is None:
+    """The one way a bad step goes, in every loop: one read (unless `stored` holds ``(step,
+    sums)``), one `decide`, one record, one action (`carry_out`). `session` may be a
+    `MonitoredSession` (its hooks are not run); `policy` is a hook's override of
+    ``nan_policy``. With `advice`, the checkpoint directory is `checkpoint_dir_for`'s."""
+    if advice is not None:
+        checkpoint_dir = checkpoint_dir_for(guard, checkpoint_dir, session=session, advice=advice)
+    read, autopsy = raw_call(session, lambda raw: _read(guard, raw, stored, policy))
+    if read.overflow:
+        # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
+        observe(guard, _policy.LossScaleOverflow())
+        state, extra, action = guard.state, {}, _events.LOSS_SCALE_OVERFLOW
+        counts = dict(consecutive=state.consecutive_bad_steps, total=state.total_bad_steps)
+    else:
+        decision = observe(guard, read)
+        action, counts = (
+            decision.action,
+            dict(consecutive=decision.consecutive, total=decision.total),
+        )
+        extra = {"escalation": decision.escalation} if decision.escalation else {}
+    fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
+    event = _events.publish(guard.registry.send, guard.history, read, extra, **fields)
+    if read.overflow:
         return Outcome(event=event, overflow=True)
+    guard.cell.last_event = event
+    if decision.escalation and decision.action != Action.RAISE:
+        logging.warning(
+            "slim_nanguard: %s, so the weights, not the batch, went bad: "
+            "applying persistent_nan_policy=%r",
+            decision.escalation,
+            decision.action.value,
+        )
     return carry_out(
         guard,
         session,

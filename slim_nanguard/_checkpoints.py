@@ -334,14 +334,14 @@ class FinitenessTest:
             self._kinds = [_verdict.kind_code(v) for v in variables]
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
-        """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_name`)."""
+        """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_names`)."""
         if self._fast is None:
             return []
         flagged = [i for i, ok in enumerate(sess.run(self._fast)) if not ok]
         if not flagged:
             return []
         codes = sess.run([self._kinds[i] for i in flagged])
-        kinds = [(self.names[i], _verdict.kind_name(c)) for i, c in zip(flagged, codes)]
+        kinds = zip([self.names[i] for i in flagged], _verdict.kind_names(codes))
         return [(name, kind) for name, kind in kinds if kind != _verdict.FINITE]
 
 

@@ -126,13 +126,13 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
             self._ask = _rollback_queue().enqueue((self._task, self._step, self._loss))
         self._guards = _guard.guards()
         for guard in self._guards:
-            guard.set_rollback_request(self._request)
+            guard.rollback_request = self._request
 
     def end(self, session):
         del session  # The guards roll back as before once this session is over.
         for guard in self._guards:
             if guard.rollback_request == self._request:
-                guard.set_rollback_request(None)
+                guard.rollback_request = None
 
     def _request(self, session, guard: _guard.Guard, event: _events.NanEvent) -> Dict[str, int]:
         _run_bounded(session, self._ask, {self._step: event.step, self._loss: event.loss})
@@ -226,7 +226,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             action=_types.Action.ROLLBACK,
         )
         workers = tuple(sorted(set(tasks)))
-        decision = guard.observe(_policy.RollbackRequested(workers))
+        decision = _actions.observe(guard, _policy.RollbackRequested(workers))
         if decision.action == _types.Action.RAISE:
             logging.error("slim_nanguard: %s; giving up", decision.reason)
         else:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
-from slim_nanguard import _history
 from slim_nanguard._types import Cause
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,7 +80,7 @@ class NanLossError(NanGuardError, tf.compat.v1.train.NanLossDuringTrainingError)
         reason = getattr(self.event, "reason", None)
         what = reason.what[:1].upper() + reason.what[1:] if reason else "NaN or Inf"
         autopsy = getattr(self.event, "autopsy", None)
-        climb = self.climb is not None and _history.climb_advice(
+        climb = self.climb is not None and climb_advice(
             self.climb, self.resume_from, f"{self.policy_name}="
         )
         parts = [self.event and self.event.describe(), self.reason, climb]
@@ -178,3 +177,20 @@ def caught_numerics_error(error: BaseException) -> BaseException:
         error.experimental_payloads,
     )
     return caught.with_traceback(error.__traceback__)
+
+
+def climb_advice(climb: int, checkpoint: Optional[str], policy: str) -> str:
+    """What `raise` and `stop` say when the accepted steps before a bad step were climbing from
+    global step `climb` on: `checkpoint` (None: none is kept) predates the climb, and `policy`
+    (``nan_policy=``, ``--spike_policy=``: the flag of the reason that rejected the step) may
+    roll back."""
+    resume = (
+        f"resume from {checkpoint}, the newest checkpoint from before the climb,"
+        if checkpoint
+        else "no checkpoint predates the climb: train again"
+    )
+    return (
+        f"the accepted steps before the bad step were already climbing from global step {climb} "
+        f"on, so the last accepted state is not a good one: {resume} with a lower learning rate, "
+        f"or use {policy}rollback, which goes back before the climb"
+    )

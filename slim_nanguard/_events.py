@@ -1,11 +1,14 @@
-"""The record of one rejected training step."""
+"""A bad step's `NanEvent`, its log line and its record (`publish`); the losses of the good steps
+before it (`LossHistory`, ``losses_before`` in its record)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 # TensorFlow's own logging module, the one NanTensorHook calls: its functions are looked up at
 # each call, so whoever patches tf_logging.error or .warning sees the guard's lines.
@@ -69,6 +72,13 @@ class NanEvent:
     figures: Optional[Dict[str, Any]] = None
     reason: Optional["Reason"] = dataclasses.field(default=None, compare=False)
 
+    @functools.cached_property
+    def why(self) -> Optional[str]:
+        """What the reason that rejected the step says of its `figures` (None: non-finite)."""
+        if self.reason is None or self.figures is None:
+            return None
+        return self.reason.phrase(self.figures)
+
     @property
     def spike(self) -> Optional[Dict[str, Any]]:
         """A spike's `figures`, or None for any other cause."""
@@ -80,8 +90,8 @@ class NanEvent:
         loss = f"{self.loss!r} (finite)" if self.loss_kind == LOSS_FINITE else loss
         head = f"global step {self.step}, loss {loss}"
         count = f"bad step {self.consecutive} in a row ({self.total} in all)"
-        if self.reason is not None and self.figures is not None:
-            return f"{head}, {self.reason.phrase(self.figures)}, {count}"
+        if self.why is not None:
+            return f"{head}, {self.why}, {count}"
         if self.culprits:
             culprits = f"non-finite gradients of {_verdict.listed(self.culprits)}{self._holding()}"
         else:
@@ -112,8 +122,8 @@ class NanEvent:
             d[str(self.cause)] = {
                 k: _json_float(v) if isinstance(v, float) else v for k, v in self.figures.items()
             }
-            if self.reason is not None:  # The log line's words for them.
-                d["why"] = self.reason.phrase(self.figures)
+            if self.why is not None:  # The log line's words for them.
+                d["why"] = self.why
         d["culprits"], d["culprit_kinds"] = list(self.culprits), list(self.culprit_kinds)
         d["loss"] = _json_float(self.loss)
         if self.loss_scale is None:
@@ -121,6 +131,76 @@ class NanEvent:
         if self.autopsy is not None:
             d["autopsy"] = self.autopsy.to_json()
         return d
+
+
+def record_of(kind: str, event: NanEvent, **extra: Any) -> Dict[str, Any]:
+    """The record of `kind` about `event` a guard sends its listeners (`Guard.add_listener`)."""
+    record = {"kind": kind, **event.to_json(), **extra}
+    if kind != "bad_step":
+        record.pop("autopsy", None)  # Once, in the bad step's own record.
+    return record
+
+
+def event_of(read, **fields: Any) -> NanEvent:
+    """The `NanEvent` of a step as `read` (a `_policy.BadStep`), with `fields` (its ``mode``,
+    ``action``, counts and ``autopsy``)."""
+    return NanEvent(
+        **dict(step=read.step, loss=read.loss, loss_kind=classify(read.loss), cause=read.cause),
+        **dict(culprits=read.culprits, culprit_kinds=read.culprit_kinds, figures=read.figures),
+        **dict(loss_scale=read.loss_scale, reason=read.reason),
+        **fields,
+    )
+
+
+def publish(
+    send: Callable[[Dict[str, Any]], None],
+    history: "LossHistory",
+    read,
+    extra: Dict[str, Any],
+    **fields: Any,
+) -> NanEvent:
+    """Makes the `NanEvent` of a step as `read` (`event_of`), logs it and `send`s its record
+    (a bad step's with `extra` and ``losses_before``, the good steps' losses `history` numbers
+    back from it); returns it."""
+    event = event_of(read, **fields)
+    log_event(event)
+    losses = history.anchor(event.step)  # The good steps before it end one step before.
+    kind = LOSS_SCALE_OVERFLOW if event.action == LOSS_SCALE_OVERFLOW else "bad_step"
+    if losses and kind == "bad_step":
+        extra = {**extra, "losses_before": [[step, value] for step, value in losses]}
+    send(record_of(kind, event, **extra))
+    return event
+
+
+class LossHistory:
+    """A ring buffer of ``[step, loss]`` for the last `size` good steps (0 keeps none)."""
+
+    def __init__(self, size: int):
+        self._points: Deque[List] = collections.deque(maxlen=size)  # step None: not numbered yet
+
+    def add(self, loss: float) -> None:
+        """Notes the loss of a good step (its step is numbered by the next `anchor`)."""
+        if self._points.maxlen and math.isfinite(loss):
+            self._points.append([None, float(loss)])
+
+    def anchor(self, step: int) -> List[Tuple[int, float]]:
+        """Numbers the unnumbered (newest) points back from global `step` (a bad or overflow
+        step's); returns every numbered point, oldest first (none if `step` < 0: no global step)."""
+        if step < 0:
+            return []
+        for back, point in enumerate(reversed(self._points), start=1):
+            if point[0] is not None:
+                break
+            point[0] = step - back
+        return self.points()
+
+    def points(self) -> List[Tuple[int, float]]:
+        """The numbered points kept, oldest first (those `anchor` numbered)."""
+        return [(s, loss) for s, loss in self._points if s is not None]
+
+    def clear(self) -> None:
+        """Forgets every point: after a rollback the steps start again from a checkpoint's."""
+        self._points.clear()
 
 
 def _json_float(value: float) -> Any:

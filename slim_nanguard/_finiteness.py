@@ -71,7 +71,7 @@ class StepTest:
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
         """Makes each reason one more way to fail."""
-        data, regularization = _reasons.loss_terms(loss)
+        data, regularization = _ops.loss_terms(loss)
         values = _reasons.StepValues(
             loss,
             tuple(g for g, _ in self.present),
@@ -80,9 +80,7 @@ class StepTest:
             # on a cluster, on the ps with the model (one state for all workers).
             state_scope=lambda: _outside_loops(loss.graph),
             data_loss=(
-                _reasons.float64_sum(data, "loss_without_regularization")
-                if regularization
-                else None
+                _ops.float64_sum(data, "loss_without_regularization") if regularization else None
             ),
             regularization=regularization,
         )
@@ -270,7 +268,7 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     # The other side runs on a bad step only, so a good step costs the hook one boolean.
     bad_sums, _ = control_flow_ops.switch(test.kept, ok)
     store = test.diagnostics.assign(bad_sums, read_value=False)
-    # Whatever applies the policy initialises `judged` (Guard.mark_judged); a bad step in a
+    # Whatever applies the policy initialises `judged` (`_actions.mark_judged`); a bad step in a
     # session where it is not fails here. In no collection: no initializer or Saver sees it.
     with _capture.guard_variable_scope(loss.graph, test.grad_sums):
         judged = tf.compat.v1.Variable(

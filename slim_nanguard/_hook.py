@@ -92,7 +92,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._guard: Optional[_guard.Guard] = None
         self._run_args = None
         self._loss_args = None  # `_run_args` and the loss, for runs that fetch the train op
-        self._last_outcome: Optional[_actions.Outcome] = None
+        # The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it.
+        self.last_outcome: Optional[_actions.Outcome] = None
         # Per session: a bare loss's own state.
         self._unguarded_state = _policy.GuardState()
         self._runs_train_op: Optional[_ops.RunsOp] = None  # None: judge every run
@@ -108,11 +109,6 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         """The loss (or train op) the hook was given."""
         return self._loss_tensor
 
-    @property
-    def last_outcome(self) -> Optional[_actions.Outcome]:
-        """The last run's `Outcome` (``GOOD``: finite), or None if this hook did not judge it."""
-        return self._last_outcome
-
     def begin(self):
         guard = self._guard = _guard.get_guard(self._loss_tensor)
         if guard is None:
@@ -123,13 +119,14 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             )
             self._run_args = tf.compat.v1.train.SessionRunArgs({"loss": self._loss_tensor})
             return
-        if guard.ok is None:
+        if guard.mode == Mode.CHECK_NUMERICS and guard.ok is None:
             logging.info(
                 "slim_nanguard: the train op of %s is in check_numerics mode; its "
                 "check raises before this hook could run.",
                 self._loss_tensor.name,
             )
-        else:  # One boolean per step (the loss too when the train op, its value, is fetched).
+        elif guard.ok is not None:  # (None in a loop body: `after_run` reads what it stored.)
+            # One boolean per step (the loss too when the train op, its value, is fetched).
             self._run_args = tf.compat.v1.train.SessionRunArgs({"ok": guard.ok})
             self._loss_args = tf.compat.v1.train.SessionRunArgs(
                 {"ok": guard.ok, "loss": guard.train_op}
@@ -158,10 +155,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             # Zeros until a bad iteration stores its (non-finite) sums.
             session.run(guard.diagnostics.initializer)
         # This hook applies the policy here: a bad step must not fail as unjudged.
-        guard.mark_judged(session)
+        _actions.mark_judged(guard, session)
 
     def before_run(self, run_context):
-        self._last_outcome = None
+        self.last_outcome = None
         # The loss-only form judges every run (NanTensorHook's contract); a guarded train
         # op's hook only the runs of that train op, and asks nothing of the others.
         fetches = run_context.original_args.fetches
@@ -185,20 +182,20 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             loss = float(np.asarray(results["loss"]))
             if not math.isfinite(loss):
                 self._unguarded_bad_step(run_context, loss)
-            self._last_outcome = _actions.GOOD
+            self.last_outcome = _actions.GOOD
             return
         ok, loss = results.get("ok"), results.get("loss")
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
-            stored = guard.read_bad_step(run_context.session)
+            stored = _actions.read_bad_step(guard, run_context.session)
             ok = bool(np.all(np.isfinite(stored[1])))
             if not ok:  # A bad iteration stored its sums; zero them for the next run.
                 run_context.session.run(guard.diagnostics.initializer)
         if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
-            self._last_outcome = _actions.GOOD
+            self.last_outcome = _actions.GOOD
             return
-        self._last_outcome = _actions.judge(
+        self.last_outcome = _actions.judge(
             guard,
             run_context.session,
             checkpoint_dir=self._checkpoint_dir,
@@ -215,22 +212,12 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
 
     def _unguarded_bad_step(self, run_context, loss: float) -> None:
         # Nothing was gated, so raise or stop (skip and rollback were refused at construction).
-        policy = self._effective_policy()
+        read = _policy.BadStep(-1, self._effective_policy(), guarded=False, loss=loss)
         decision, self._unguarded_state = _policy.decide(
-            _policy.GuardConfig(nan_policy=policy),
-            self._unguarded_state,
-            _policy.BadStep(-1, policy, guarded=False),
+            _policy.GuardConfig(nan_policy=read.chosen), self._unguarded_state, read
         )
-        event = _events.NanEvent(
-            step=-1,
-            loss=loss,
-            loss_kind=_events.classify(loss),
-            culprits=(),
-            consecutive=self._unguarded_state.consecutive_bad_steps,
-            total=self._unguarded_state.total_bad_steps,
-            mode=Mode.HOOK,
-            action=decision.action,
-        )
+        counts = dict(consecutive=decision.consecutive, total=decision.total)
+        event = _events.event_of(read, mode=Mode.HOOK, action=decision.action, **counts)
         _events.log_event(event)
         _actions.carry_out(
             None,

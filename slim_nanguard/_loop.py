@@ -496,14 +496,14 @@ class _Loop:
 
     def _read_step(self, sess: tf.compat.v1.train.MonitoredSession) -> int:
         """The global step, read around the session's hooks."""
-        return _actions.raw_call(sess, self.guard.read_global_step)
+        return _actions.raw_call(sess, lambda raw: _actions.read_global_step(self.guard, raw))
 
     def _run_train_op(self, sess: tf.compat.v1.train.MonitoredSession):
         """Runs the train op once: its value (None after a numerics error) and its `Outcome`."""
         try:
             loss = sess.run(self.guard.train_op)
         except tf.errors.InvalidArgumentError as err:
-            if not self.guard.owns_error(err):
+            if not _guard.owns_error(self.guard, err):
                 raise
             # The loop stops by itself on a stop: nothing to ask the session.
             stop = _actions.no_stop
@@ -523,7 +523,7 @@ class _Loop:
         if self.is_chief:
 
             def save(session: tf.compat.v1.Session) -> str:
-                step = self.guard.read_global_step(session)
+                step = _actions.read_global_step(self.guard, session)
                 prefix = _paths.join(self.logdir, "model.ckpt")
                 return self.scaffold.saver.save(session, prefix, global_step=step)
 

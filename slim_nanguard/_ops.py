@@ -3,7 +3,7 @@ tensor passes on, the one walk over a graph, and `RunsOp` (which runs run a trai
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -194,3 +194,39 @@ def _functions_called(op: tf.Operation) -> set:
     attrs = op.node_def.attr.values()
     called = {a.func.name for a in attrs if a.HasField("func")}
     return called | {f.name for a in attrs for f in a.list.func}
+
+
+# The ops a regularization loss passes through unchanged on its way into the total loss.
+_ADDITIVE = frozenset({"Identity", "Add", "AddV2", "AddN"})
+
+
+def loss_terms(loss: tf.Tensor) -> Tuple[Tuple[tf.Tensor, ...], Tuple[tf.Tensor, ...]]:
+    """``(data, regularization)``: the terms `loss` sums, walking back through sums and
+    identities only (each as often as it is added), split into the graph's regularization
+    losses (``REGULARIZATION_LOSSES``: slim's ``weights_regularizer``, ``tf.compat.v1.losses``)
+    and the rest. A regularization loss scaled or otherwise changed on its way into `loss` is
+    no term of it: it stays in the data. ``((loss,), ())`` when `loss` adds none."""
+    collected = loss.graph.get_collection(tf.compat.v1.GraphKeys.REGULARIZATION_LOSSES)
+    wanted = {t.name for t in collected if isinstance(t, tf.Tensor)}
+    if not wanted:
+        return (loss,), ()
+    data, regularization, stack = [], [], [loss]
+    while stack:
+        tensor = stack.pop()
+        if tensor.name in wanted:
+            regularization.append(tensor)
+        elif tensor.op.type in _ADDITIVE and tensor.op.inputs:
+            stack.extend(reversed(tensor.op.inputs))
+        else:
+            data.append(tensor)
+    if not regularization:
+        return (loss,), ()
+    return tuple(data), tuple(regularization)
+
+
+def float64_sum(terms: Sequence[tf.Tensor], name: Optional[str] = None) -> tf.Tensor:
+    """The sum of the loss `terms` in float64 (0 for none): a data loss summed apart from the
+    regularization, not the total less it, so no rounding of the total is left in it."""
+    if not terms:
+        return tf.constant(0.0, tf.float64, name=name)
+    return tf.add_n([tf.cast(t, tf.float64) for t in terms], name=name)

@@ -6,18 +6,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
 
-from slim_nanguard import _level_shift
 from slim_nanguard import _reasons
-from slim_nanguard import _spike
-from slim_nanguard._events import NanEvent
 from slim_nanguard._reasons import NON_FINITE
 from slim_nanguard._reasons import Reason
-from slim_nanguard._spike import SPIKE_WINDOW
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
+
+if TYPE_CHECKING:  # pragma: no cover
+    from slim_nanguard._events import NanEvent
+
+# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window).
+SPIKE_WINDOW = 128
+
+# The spike test's `Reason` (`_spike.Spike`), known here through that interface only: `_spike`,
+# which needs TensorFlow, sets it when imported (as `import slim_nanguard` does).
+SPIKE_REASON: Optional[Callable[[str, float, int], Reason]] = None
 
 # The policies as module constants (each equals its name: ``STOP == "stop"``).
 RAISE = Action.RAISE
@@ -31,7 +37,7 @@ PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
 
 # A user callback that sees each bad step before the policy acts: it returns None to keep the
 # configured policy for the event (its ``action``), or the name of the policy to apply.
-OnNanCallback = Callable[[NanEvent], Optional[str]]
+OnNanCallback = Callable[["NanEvent"], Optional[str]]
 
 
 def _real(value: object) -> bool:
@@ -144,7 +150,7 @@ class GuardConfig:
         """The reasons judged on a finite step, in order: the spike test if any, then `reasons`."""
         if self.spike_policy is None:
             return self.reasons
-        spike = _spike.Spike(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
+        spike = SPIKE_REASON(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
         return (spike,) + self.reasons
 
     @property
@@ -203,7 +209,8 @@ class GuardState:
     step (``last_bad_step``; the next bad step starts a new run when the global step moved); run
     `train_step`, or a `nan_hook`, for counts of every step. ``rejected`` is ``(name, count)``
     of the steps each reason rejected. The run of bad steps began at global step ``run_start``
-    (``spike_run``: its spikes, while it is all spikes); the last new level was taken at
+    (``reason_run``: what the reason that rejects its steps keeps of them, `Reason.decide`; the
+    spike test's figures while the run is all spikes); the last new level was taken at
     ``level_taken_at`` (on probation for ``spike_warmup_steps`` steps) from spikes that began
     at ``level_start``."""
 
@@ -221,7 +228,7 @@ class GuardState:
     rejected: Tuple[Tuple[str, int], ...] = ()
     level_shifts: int = 0
     run_start: Optional[int] = None
-    spike_run: Tuple[Mapping[str, Any], ...] = ()
+    reason_run: Tuple[Mapping[str, Any], ...] = ()
     level_taken_at: Optional[int] = None
     level_start: Optional[int] = None
 
@@ -255,20 +262,29 @@ class LossScaleOverflow:
 @dataclasses.dataclass(frozen=True)
 class BadStep:
     """A step whose loss or gradients were not finite (`cause` ``"non_finite"``), or that the
-    reason `cause` names rejected, storing `figures`; `chosen` is the action the policy (or a
-    hook's override, or ``on_nan``) chose. Not `guarded`: a loss no guarded train op made (its
-    update happened, so only ``raise``, which says so, and ``stop`` mean anything)."""
+    reason `cause` names rejected, storing `figures`: what `_actions` read of it in one
+    ``session.run``. `chosen` is the action the policy (or a hook's override) chose, unless
+    `choose` (``on_nan``) returns another, shown the counts this step makes. Not `guarded`: a
+    loss no guarded train op made (its update happened, so only ``raise``, which says so, and
+    ``stop`` mean anything). The rest as read: `reason` (None: non-finite), the `loss`, the
+    `culprits` and what each held (`culprit_kinds`, when known), the `loss_scale`, whether it
+    was a loss-scale optimizer's `overflow` (no bad step), and whether it was `autopsied`."""
 
     step: int
     chosen: Action
     guarded: bool = True
     cause: str = NON_FINITE
     figures: Optional[Mapping[str, Any]] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Autopsied:
-    """A bad step was replayed by an autopsy (see `wants_autopsy`)."""
+    reason: Any = dataclasses.field(default=None, compare=False)
+    loss: float = math.nan
+    culprits: Tuple[str, ...] = ()
+    culprit_kinds: Tuple[str, ...] = ()
+    loss_scale: Optional[float] = None
+    overflow: bool = False
+    autopsied: bool = False
+    choose: Optional[Callable[["GuardState", "BadStep"], Optional[str]]] = dataclasses.field(
+        default=None, compare=False
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +307,7 @@ class RollbackRequested:
 
 
 Observation = Union[
-    GoodStep, LossScaleOverflow, BadStep, Autopsied, RolledBack, RollbackAsked, RollbackRequested
+    GoodStep, LossScaleOverflow, BadStep, RolledBack, RollbackAsked, RollbackRequested
 ]
 
 
@@ -299,17 +315,20 @@ Observation = Union[
 class Decision:
     """What to do about one bad step, and why: the result of `decide`. ``escalation`` says why
     ``persistent_nan_policy`` replaced the chosen action; under ``raise``, ``reason`` says why
-    training gives up (its `cause`, and the bound it names, `limit`); ``level_shift`` is the new
+    training gives up (`give_up`, and the bound it names, `limit`); ``level_shift`` is the new
     level a spike completes; a rollback goes below global step ``before_step``, if set (a new
-    level failed its probation)."""
+    level failed its probation). `consecutive` and `total` count the bad steps (this one
+    included) in a row and in all."""
 
     action: Action
     escalation: str = ""
     reason: str = ""
-    cause: Optional[Cause] = None
+    give_up: Optional[Cause] = None
     limit: Optional[int] = None
-    level_shift: Optional[_level_shift.LevelShift] = None
+    level_shift: Any = None
     before_step: Optional[int] = None
+    consecutive: int = 0
+    total: int = 0
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
@@ -323,7 +342,7 @@ def counted(state: GuardState, step: int) -> GuardState:
     moved = state.last_bad_step is not None and step >= 0 and step != state.last_bad_step
     consecutive = 0 if moved else state.consecutive_bad_steps
     if consecutive == 0:
-        state = replace(state, run_start=step, spike_run=())
+        state = replace(state, run_start=step, reason_run=())
     return replace(
         state,
         total_bad_steps=state.total_bad_steps + 1,
@@ -341,15 +360,13 @@ def decide(
     requests included), new levels and their probation."""
     if isinstance(observation, GoodStep):
         return None, replace(
-            state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, spike_run=()
+            state, steps=state.steps + 1, consecutive_bad_steps=0, run_start=None, reason_run=()
         )
     if isinstance(observation, LossScaleOverflow):
         return None, replace(state, loss_scale_overflows=state.loss_scale_overflows + 1)
     if isinstance(observation, RolledBack):
         scale = observation.learning_rate_scale
         return None, replace(state, rollbacks=state.rollbacks + 1, learning_rate_scale=scale)
-    if isinstance(observation, Autopsied):
-        return None, replace(state, autopsies=state.autopsies + 1)
     if isinstance(observation, RollbackAsked):
         return None, replace(state, rollback_requests=state.rollback_requests + 1)
     if isinstance(observation, RollbackRequested):
@@ -364,29 +381,21 @@ def _decide_bad(
 ) -> Tuple[Decision, GuardState]:
     """`decide` for a bad step: a probation's divergence, a new level, or the policy."""
     state = counted(state, observation.step)
+    state = replace(state, autopsies=state.autopsies + observation.autopsied)
+    choice = None if observation.choose is None else observation.choose(state, observation)
+    if choice is not None:
+        observation = replace(observation, chosen=Action(choice))
+    counts = {"consecutive": state.consecutive_bad_steps, "total": state.total_bad_steps}
     cause = observation.cause
     if cause != NON_FINITE:
         tally = dict(state.rejected)
         state = replace(state, rejected=tuple({**tally, cause: tally.get(cause, 0) + 1}.items()))
-    spike_run = ()
-    if cause == Fault.SPIKE:
-        spike_run = state.spike_run + ({**(observation.figures or {}), "step": observation.step},)
-    state = replace(state, spike_run=spike_run)
-    decision = _divergence(config, state, observation)
-    if decision is not None:
-        state = replace(state, level_taken_at=None)
-    elif (level := _new_level(config, state, observation)) is not None:
-        decision = Decision(SKIP, level_shift=level)
-        state = replace(
-            state,
-            level_shifts=state.level_shifts + 1,
-            consecutive_bad_steps=0,
-            run_start=None,
-            spike_run=(),
-            level_taken_at=observation.step,
-            level_start=level.steps[0],
-        )
+    decision = None
+    if observation.reason is not None and observation.guarded:
+        decision, state = observation.reason.decide(config, state, observation)
     else:
+        state = replace(state, reason_run=())
+    if decision is None:
         decision = _decide_policy(config, state, observation)
     if decision.action == SKIP:
         state = replace(state, skips=state.skips + 1)
@@ -394,50 +403,12 @@ def _decide_bad(
         state = replace(state, stops=state.stops + 1)
     elif decision.action == ROLLBACK and decision.escalation:
         state = replace(state, consecutive_bad_steps=0)
-    return decision, state
+    return replace(decision, **counts), state
 
 
-def _new_level(
-    config: GuardConfig, state: GuardState, observation: BadStep
-) -> Optional[_level_shift.LevelShift]:
-    """The new level the run of spikes this one ends, if any: only a guarded spike that is
-    skipped ends one (a rollback moves the global step back)."""
-    if (
-        observation.cause != Fault.SPIKE
-        or not observation.guarded
-        or observation.chosen != SKIP
-        or len(state.spike_run) != state.consecutive_bad_steps
-        or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
-    ):
-        return None
-    return _level_shift.judge_run(state.spike_run, config.spike_level_shift_steps)
-
-
-def _rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+def rollbacks_done(config: GuardConfig, state: GuardState) -> str:
+    """Why a rollback cannot be done: ``max_rollbacks`` reached."""
     return f"{state.rollbacks} rollbacks already done reached max_rollbacks={config.max_rollbacks}"
-
-
-def _divergence(config: GuardConfig, state: GuardState, observation: BadStep) -> Optional[Decision]:
-    """``persistent_nan_policy`` at once for a spike within ``spike_warmup_steps`` global steps
-    of a new level (that level was a divergence); None for any other bad step."""
-    if observation.cause != Fault.SPIKE or not observation.guarded or state.level_taken_at is None:
-        return None
-    since = observation.step - state.level_taken_at
-    if not 0 <= since < config.spike_warmup_steps:
-        return None
-    reason = (
-        f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
-        f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
-        "that level was a divergence"
-    )
-    action = Action(config.persistent_nan_policy)
-    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        reason += f", and {_rollbacks_done(config, state)}"
-        action = RAISE
-    if action == ROLLBACK:
-        return Decision(action, escalation=reason, before_step=state.level_start)
-    cause = Cause.DIVERGENCE if action == RAISE else None
-    return Decision(action, escalation=reason, reason=reason if cause else "", cause=cause)
 
 
 def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
@@ -448,7 +419,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
             RAISE,
             reason="the loss comes from no guarded train op, so the update of this step may "
             "already have happened",
-            cause=Cause.UNGUARDED_LOSS,
+            give_up=Cause.UNGUARDED_LOSS,
         )
     if not observation.guarded:
         return Decision(Action(observation.chosen))
@@ -464,7 +435,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         action = Action(config.persistent_nan_policy)
         cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
     if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
-        bound = _rollbacks_done(config, state)
+        bound = rollbacks_done(config, state)
         reason = f"{reason}, and {bound}" if reason else bound
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
@@ -481,7 +452,7 @@ def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, 
     return Decision(
         RAISE,
         reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
-        f"{_rollbacks_done(config, state)}",
-        cause=Cause.MAX_ROLLBACKS,
+        f"{rollbacks_done(config, state)}",
+        give_up=Cause.MAX_ROLLBACKS,
         limit=config.max_rollbacks,
     )

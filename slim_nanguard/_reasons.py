@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Dict,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
-import tensorflow as tf
+from slim_nanguard._types import Fault
 
-NON_FINITE = "non_finite"
+if TYPE_CHECKING:  # pragma: no cover
+    import tensorflow as tf
+
+NON_FINITE = Fault.NON_FINITE  # The cause of a step no `Reason` rejected: NaN or Inf.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +62,8 @@ class Test:
       writes: Builds an accepted step's writes into the reason's state (once, behind the gate).
       variables: The reason's checkpointed state (a rollback restores it with the weights).
       handles: What the reason's own policy steps need of the graph, or None. Its
-        ``annotate(figures, step) -> figures``, if any, completes each rejected step's figures.
+        ``figures(report, step) -> figures``, if any, reads a rejected step's figures in place of
+        the reason's own `figures`, with what the handles know beyond the graph.
     """
 
     reject: tf.Tensor
@@ -108,45 +122,15 @@ class Reason(abc.ABC):
         shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, (int, float)))
         return f"{self.name}: {shown}" if shown else self.name
 
+    def decide(self, config, state, observation) -> Tuple[Any, Any]:
+        """This reason's own rules about a bad step it rejected (`observation`, counted in
+        `state`), before the policy: ``(decision, state)``, the decision None for the
+        policy's. Pure. The base has none, and keeps no run (``GuardState.reason_run``)."""
+        return None, dataclasses.replace(state, reason_run=())
+
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
         """TensorBoard's scalars (``nanguard/<key>``) from the last accepted step's `judged`."""
         return {name: judged[i] for i, name in enumerate(self.judged_fields)}
-
-
-# The ops a regularization loss passes through unchanged on its way into the total loss.
-_ADDITIVE = frozenset({"Identity", "Add", "AddV2", "AddN"})
-
-
-def loss_terms(loss: tf.Tensor) -> Tuple[Tuple[tf.Tensor, ...], Tuple[tf.Tensor, ...]]:
-    """``(data, regularization)``: the terms `loss` sums, walking back through sums and
-    identities only (each as often as it is added), split into the graph's regularization
-    losses (``REGULARIZATION_LOSSES``: slim's ``weights_regularizer``, ``tf.compat.v1.losses``)
-    and the rest. A regularization loss scaled or otherwise changed on its way into `loss` is
-    no term of it: it stays in the data. ``((loss,), ())`` when `loss` adds none."""
-    collected = loss.graph.get_collection(tf.compat.v1.GraphKeys.REGULARIZATION_LOSSES)
-    wanted = {t.name for t in collected if isinstance(t, tf.Tensor)}
-    if not wanted:
-        return (loss,), ()
-    data, regularization, stack = [], [], [loss]
-    while stack:
-        tensor = stack.pop()
-        if tensor.name in wanted:
-            regularization.append(tensor)
-        elif tensor.op.type in _ADDITIVE and tensor.op.inputs:
-            stack.extend(reversed(tensor.op.inputs))
-        else:
-            data.append(tensor)
-    if not regularization:
-        return (loss,), ()
-    return tuple(data), tuple(regularization)
-
-
-def float64_sum(terms: Sequence[tf.Tensor], name: Optional[str] = None) -> tf.Tensor:
-    """The sum of the loss `terms` in float64 (0 for none): a data loss summed apart from the
-    regularization, not the total less it, so no rounding of the total is left in it."""
-    if not terms:
-        return tf.constant(0.0, tf.float64, name=name)
-    return tf.add_n([tf.cast(t, tf.float64) for t in terms], name=name)
 
 
 def check(reasons: Sequence[Reason], policies: Sequence[str]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
@@ -30,6 +30,53 @@ _SCALARS = {
 }
 
 
+class Registry:
+    """A guard's listeners, and its own record in `directory` (the autopsy dumps' directory,
+    next to the checkpoints) while no listener keeps one: `send` gives each record to both."""
+
+    def __init__(self):
+        self.listeners: List[Callable[[Dict[str, Any]], None]] = []
+        self.directory: Optional[str] = None
+        self._own: Optional[EventRecorder] = None
+
+    def add(self, listener: Callable[[Dict[str, Any]], None], guard) -> None:
+        """Adds `listener` (once); an `EventRecorder` follows `guard`'s counts from now on."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+        if isinstance(listener, EventRecorder):
+            listener.follow(guard)  # Its TensorBoard counters are read from the state.
+
+    def remove(self, listener: Callable[[Dict[str, Any]], None]) -> None:
+        """Stops calling `listener`."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def use_directory(self, path: Optional[str], *, replace: bool = False) -> None:
+        """Keeps the guard's own record in `path`, if first or `replace`."""
+        if path and (replace or self.directory is None):
+            self.directory = path
+            # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
+            # second FileWriter on the same directory can open the same events file in the
+            # same second and corrupt it. The TensorBoard counters are `train`'s.
+            self._own = EventRecorder(path, write_summaries=False)
+
+    def send(self, record: Dict[str, Any]) -> None:
+        """Sends one record to every listener, and to the guard's own record unless a listener
+        keeps one (one record each)."""
+        for listener in list(self.listeners):
+            listener(record)
+        if self._own is None or any(isinstance(x, EventRecorder) for x in self.listeners):
+            return
+        try:
+            self._own(record)
+        except (OSError, tf.errors.OpError) as err:  # A record nobody asked for: no crash.
+            logging.warning(
+                "slim_nanguard: could not append to %s (%s); training goes on without it",
+                self._own.path,
+                err,
+            )
+
+
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
     event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
@@ -41,6 +88,7 @@ class EventRecorder:
     def __init__(self, logdir: str, write_summaries: bool = True, task: Optional[int] = None):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
+        self._remote = _paths.is_url(self.path)
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
@@ -66,7 +114,7 @@ class EventRecorder:
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
         if _ends_mid_line(self.path):
             line = "\n" + line
-        if _paths.is_url(self.path):  # Remote storage: written when the file is closed.
+        if self._remote:  # Remote storage: written when the file is closed.
             with tf.io.gfile.GFile(self.path, "a") as f:
                 f.write(line)
             return

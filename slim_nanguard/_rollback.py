@@ -4,13 +4,14 @@ A `Rollback` belongs to one guard and owns the one Saver its rollbacks restore w
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+import itertools
+import math
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
-from slim_nanguard import _history
 from slim_nanguard import _log as logging
 from slim_nanguard import _placement
 from slim_nanguard._handles import GraphHandles
@@ -39,7 +40,7 @@ def onset(
     `losses`: ``(step, loss)`` of the good steps before it, oldest first."""
     if run_start is None or run_start < 0:
         return None, ""
-    climb = _history.climb_start(list(losses), run_start)
+    climb = climb_start(list(losses), run_start)
     if climb is not None:
         return climb, (
             f"the losses were climbing from global step {climb} to the bad step at "
@@ -218,3 +219,23 @@ class Rollback:
             except tf.errors.OutOfRangeError:
                 return done
         return batches
+
+
+# A loss this many times the typical loss of the steps before is part of a climb.
+CLIMB_FACTOR = 2.0
+
+
+def climb_start(losses: List[Tuple[int, float]], before: int) -> Optional[int]:
+    """The step at which the ``(step, loss)`` of good steps, oldest first, started climbing to
+    the first bad step, at global step `before`: the run of the newest points before it each
+    above `CLIMB_FACTOR` times the median of the older half. None without one, or with fewer
+    than four points."""
+    points = [(s, v) for s, v in losses if s < before and math.isfinite(v)]
+    if len(points) < 4:
+        return None
+    older = sorted(v for _, v in points[: len(points) // 2])
+    typical = older[len(older) // 2]
+    if typical <= 0:  # No factor of a loss that is not positive means a climb.
+        return None
+    climb = list(itertools.takewhile(lambda p: p[1] > CLIMB_FACTOR * typical, reversed(points)))
+    return climb[-1][0] if climb else None

@@ -10,16 +10,20 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import cond_v2
 
+from slim_nanguard import _ops
+from slim_nanguard import _policy
 from slim_nanguard import _reasons
+from slim_nanguard._types import Action
+from slim_nanguard._types import Cause
 
 # How many accepted steps the spike statistics cover (OLMo-core's window).
-SPIKE_WINDOW = 128
+SPIKE_WINDOW = _policy.SPIKE_WINDOW
 # The statistics' variable scope (checkpoints: ``nanguard_spike/history``, ``/count``, ``/floor``).
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
@@ -99,6 +103,7 @@ class SpikeTest:
             self.spike = tf.reduce_any(over, name="is_spike")
         # After a new level: (global step, rows written, distinct values, times each).
         self._seeded: Optional[Tuple[int, int, int, int]] = None
+        self.reason: Optional[Spike] = None  # The reason that built it (`Spike.build`).
         with variable_scope(), tf.name_scope("nanguard/spike/reseed"):
             self.reseed_values = tf.compat.v1.placeholder(
                 tf.float64, [None, len(COLUMNS)], name="values"
@@ -171,7 +176,7 @@ class SpikeTest:
 
     def _reseed_op(self, values: tf.Tensor, floor: tf.Tensor) -> tf.Operation:
         """The op that makes `values` (``[n, 2]``, n <= `window`, oldest first) the whole
-        statistics, with `floor` (at least `FLOOR`): `_level_shift`'s new level."""
+        statistics, with `floor` (at least `FLOOR`): a new level (`judge_run`)."""
         n = tf.shape(values, out_type=tf.int64)[0]
         zeros = tf.zeros([self.window, len(COLUMNS)], tf.float64)
         rows = tf.concat([values, zeros], 0)[: self.window]
@@ -187,14 +192,15 @@ class SpikeTest:
         return tf.group(written, floors, count, name="reseed")
 
     def note_reseed(self, step: int, values: int, repeats: int) -> None:
-        """Notes for `annotate` that `reseed` ran at global `step` with `values` distinct values,
+        """Notes for `figures` that `reseed` ran at global `step` with `values` distinct values,
         each written `repeats` times."""
         self._seeded = (step, values * repeats, values, repeats)
 
-    def annotate(self, figures: Dict[str, Any], step: int) -> Dict[str, Any]:
-        """`figures` of a spike at global `step`, plus, while the window still holds a new
-        level's re-seeded values (`note_reseed`, not before its step), ``level_entries`` (how
-        many), ``level_values`` and ``level_repeats``."""
+    def figures(self, report: Sequence[float], step: int) -> Dict[str, Any]:
+        """`Spike.figures` of the `report` of a spike at global `step`, plus, while the window
+        still holds a new level's re-seeded values (`note_reseed`, not before its step),
+        ``level_entries`` (how many), ``level_values`` and ``level_repeats``."""
+        figures = self.reason.figures(report)
         if self._seeded is None:
             return figures
         at, rows, values, repeats = self._seeded
@@ -216,7 +222,7 @@ class SpikeTest:
         loss_parts = tf.stack(
             [
                 tf.cast(self._total_loss, tf.float64),
-                _reasons.float64_sum(self._regularization),
+                _ops.float64_sum(self._regularization),
                 tf.constant(float(len(self._regularization)), tf.float64),
             ]
         )
@@ -263,6 +269,7 @@ class Spike(_reasons.Reason):
             total_loss=values.loss,
             regularization=values.regularization,
         )
+        test.reason = self
         return _reasons.Test(
             reject=test.spike,
             report=test.report_vector,
@@ -279,7 +286,7 @@ class Spike(_reasons.Reason):
     def figures(self, report: Sequence[float]) -> Dict[str, Any]:
         """The base figures (counts as ints), plus ``sigma``, ``typical_<column>`` (the window's
         geometric mean) and ``over`` (the columns whose z-score exceeded ``sigma``, loss first)."""
-        figures = super().figures(report)
+        figures = {name: float(value) for name, value in zip(self.report_fields, report)}
         counts = ("accepted_steps", "window_steps", "regularization_terms")
         figures |= {k: int(figures[k]) for k in counts if k in figures}
         figures["sigma"] = float(self.sigma)
@@ -289,6 +296,30 @@ class Spike(_reasons.Reason):
 
     def phrase(self, figures: Dict[str, Any]) -> str:
         return phrase(figures)
+
+    def decide(self, config, state, observation) -> Tuple[Optional[_policy.Decision], Any]:
+        """The spike's own rules, before the policy (pure). A spike within
+        ``spike_warmup_steps`` global steps of a new level means that level was a divergence
+        (``persistent_nan_policy`` at once); a run of skipped spikes that holds together is a
+        new level (`judge_run`: skipped, the statistics re-seeded by `_actions`, on
+        probation)."""
+        run = state.reason_run + ({**(observation.figures or {}), "step": observation.step},)
+        state = dataclasses.replace(state, reason_run=run)
+        decision = _divergence(config, state, observation)
+        if decision is not None:
+            return decision, dataclasses.replace(state, level_taken_at=None)
+        level = _new_level(config, state, observation)
+        if level is None:
+            return None, state
+        return _policy.Decision(Action.SKIP, level_shift=level), dataclasses.replace(
+            state,
+            level_shifts=state.level_shifts + 1,
+            consecutive_bad_steps=0,
+            run_start=None,
+            reason_run=(),
+            level_taken_at=observation.step,
+            level_start=level.steps[0],
+        )
 
     def summaries(self, judged: tf.Tensor) -> Dict[str, tf.Tensor]:
         """The last accepted step's ``data_loss`` (the loss judged: the total loss without the
@@ -422,3 +453,154 @@ def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
     mean = tf.reduce_sum(logs, axis=0) / size
     spread = tf.reduce_sum(tf.square((logs - mean) * weight), axis=0) / size
     return mean, tf.maximum(tf.sqrt(spread), floor), kept
+
+
+# How many of the window's deviations (of the logarithms) a new level's values may spread
+# over, and its later half lie above its earlier half.
+SPREAD = 2.0
+# The most a new level's typical value may lie above the old one's (docs/guide.md's bench: a
+# learning rate raised a thousandfold moves the loss 600 times and more).
+MAX_RISE = 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelShift:
+    """A run of spikes taken as the new level of training.
+
+    Attributes:
+      steps: The global steps of the run, oldest first.
+      values: The run's ``(loss, grad_norm)`` pairs, oldest first: the statistics' new rows.
+      old: Each column's typical value (geometric mean) before the run, by name.
+      new: Each column's typical value over the run.
+      floor: Each column's deviation of the logarithms before the run: the least one the
+        re-seeded statistics judge with.
+      regularization_terms: How many regularization losses the loss judged leaves out (its
+        words: ``data loss`` when any).
+    """
+
+    steps: Tuple[int, ...]
+    values: Tuple[Tuple[float, float], ...]
+    old: Dict[str, float]
+    new: Dict[str, float]
+    floor: Tuple[float, float] = (FLOOR, FLOOR)
+    regularization_terms: int = 0
+
+    def describe(self, repeats: int = 1, probation_steps: Optional[int] = None) -> str:
+        """One sentence for the log: what moved, from what to what, over which steps; each
+        value written `repeats` times, a probation of `probation_steps` (None: not said)."""
+        words = {"regularization_terms": self.regularization_terms}
+        moved = ", ".join(
+            f"{name_of(c, words)} {self.old[c]:.4g} -> {self.new[c]:.4g}"
+            for c in COLUMNS
+            if c in self.new
+        )
+        first, last = self.steps[0], self.steps[-1]
+        where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
+        why = (
+            "the same values each time: the model's own state made them, not a batch; "
+            if len(set(self.values)) == 1
+            else ""
+        )
+        taken = f" (each taken {repeats} times, to fill the warm-up)" if repeats > 1 else ""
+        within = "steps " if probation_steps is None else f"{probation_steps} global steps "
+        return (
+            f"a new level, not a spike: {len(self.steps)} spikes in a row ({where}) hold "
+            f"together at {moved} (typical values, before -> now); {why}the spike "
+            f"statistics start again from these {len(self.values)} values{taken}, and a spike "
+            f"in the next {within}will be taken for a divergence"
+        )
+
+    def to_json(self) -> Dict[str, object]:
+        """The record's fields (``cause`` ``"level_shift"``)."""
+        return {
+            "cause": "level_shift",
+            "steps": list(self.steps),
+            "old": dict(self.old),
+            "new": dict(self.new),
+            "floor": list(self.floor),
+        }
+
+
+def judge_run(spikes: Sequence[Mapping[str, Any]], needed: int) -> Optional[LevelShift]:
+    """The `LevelShift` of the last `needed` (0: never) of the run's `spikes` (oldest first,
+    each a ``step`` and `_spike.Spike.figures`), or None: too few, they do not hold
+    together, or they lie more than `MAX_RISE` times above the values before them."""
+    if needed <= 0 or len(spikes) < needed:
+        return None
+    run = list(spikes)[-needed:]
+    over = {c for spike in run for c in spike.get("over") or ()} or set(COLUMNS)
+    floor = tuple(max(float(run[0].get(f"log_std_{c}", FLOOR)), FLOOR) for c in COLUMNS)
+    for column, deviation in zip(COLUMNS, floor):
+        if column in over and not holds_together([float(s[column]) for s in run], deviation):
+            return None
+    values = tuple((float(s["loss"]), float(s["grad_norm"])) for s in run)
+    new = {}
+    for index, column in enumerate(COLUMNS):
+        if logs := [math.log(v[index]) for v in values if _usable(v[index])]:
+            new[column] = math.exp(sum(logs) / len(logs))
+    old = {c: math.exp(float(run[0][f"log_mean_{c}"])) for c in new}
+    if any(c in over and new[c] > MAX_RISE * old[c] for c in new):
+        return None
+    terms = int(run[0].get("regularization_terms", 0))
+    return LevelShift(tuple(int(s["step"]) for s in run), values, old, new, floor, terms)
+
+
+def holds_together(values: Sequence[float], deviation: float) -> bool:
+    """Whether `values` are one level: all positive and finite, the deviation of their
+    logarithms at most `SPREAD` times the window's `deviation`, and the later half not above
+    the earlier by more than that."""
+    if len(values) < 2 or not all(_usable(v) for v in values):
+        return False
+    logs = [math.log(v) for v in values]
+    mean = sum(logs) / len(logs)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
+    half = len(logs) // 2
+    early, late = logs[:half], logs[len(logs) - half :]
+    growth = sum(late) / len(late) - sum(early) / len(early)
+    return spread <= SPREAD * deviation and growth <= SPREAD * deviation
+
+
+def _usable(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _new_level(config, state, observation) -> Optional[LevelShift]:
+    """The new level the run of spikes this one ends, if any: only a spike that is skipped
+    ends one (a rollback moves the global step back)."""
+    if (
+        observation.chosen != Action.SKIP
+        or len(state.reason_run) != state.consecutive_bad_steps
+        or config.spike_level_shift_steps >= config.max_consecutive_bad_steps
+    ):
+        return None
+    return judge_run(state.reason_run, config.spike_level_shift_steps)
+
+
+def _divergence(config, state, observation) -> Optional[_policy.Decision]:
+    """``persistent_nan_policy`` at once for a spike within ``spike_warmup_steps`` global steps
+    of a new level (that level was a divergence); None for any other bad step."""
+    if state.level_taken_at is None:
+        return None
+    since = observation.step - state.level_taken_at
+    if not 0 <= since < config.spike_warmup_steps:
+        return None
+    reason = (
+        f"a spike {since} step{'' if since == 1 else 's'} after taking a new level at global step "
+        f"{state.level_taken_at} (fewer than spike_warmup_steps={config.spike_warmup_steps}): "
+        "that level was a divergence"
+    )
+    action = Action(config.persistent_nan_policy)
+    if action == Action.ROLLBACK and state.rollbacks >= config.max_rollbacks:
+        reason += f", and {_policy.rollbacks_done(config, state)}"
+        action = Action.RAISE
+    if action == Action.ROLLBACK:
+        return _policy.Decision(action, escalation=reason, before_step=state.level_start)
+    cause = Cause.DIVERGENCE if action == Action.RAISE else None
+    return _policy.Decision(
+        action, escalation=reason, reason=reason if cause else "", give_up=cause
+    )
+
+
+# The guard's config makes the spike test through the reason interface only (`_policy` needs
+# no TensorFlow): `GuardConfig.all_reasons` builds it with this.
+_policy.SPIKE_REASON = Spike

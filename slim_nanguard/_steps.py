@@ -49,18 +49,14 @@ def handle_numerics_error(
       ValueError: The policy rolls back and no checkpoint directory is known (checked first).
       Exception: `error` itself, re-raised untouched, when no guard's check raised it.
     """
-    graph = getattr(getattr(error, "op", None), "graph", None)
-    guard = next((g for g in _guard.guards(graph) if g.owns_error(error)), None) if graph else None
+    guard = _guard.owner_of(error)
     if guard is None:
         raise error
-    checkpoint_dir = _actions.checkpoint_dir_for(
-        guard,
-        checkpoint_dir,
-        session=session,
-        advice="pass handle_numerics_error(..., checkpoint_dir=...), the directory "
-        "the loop saves checkpoints to",
+    advice = "pass handle_numerics_error(..., checkpoint_dir=...), the directory the loop saves "
+    outcome = _actions.judge(
+        guard, session, checkpoint_dir=checkpoint_dir, error=error, advice=advice + "checkpoints to"
     )
-    return _actions.judge(guard, session, checkpoint_dir=checkpoint_dir, error=error).event
+    return outcome.event
 
 
 class _JudgingSession:
@@ -137,7 +133,7 @@ def train_step(
                 "slim_nanguard.train, or a MonitoredTrainingSession with "
                 "slim_nanguard.nan_hook(train_op)."
             )
-        guard.mark_judged(sess)  # once per session: this function applies the policy
+        _actions.mark_judged(guard, sess)  # once per session: this function applies the policy
     # Hook mode, and check_numerics mode with a dynamic loss-scale optimizer, whose overflow
     # steps do not raise: read the guard's verdict with the step.
     judging = _JudgingSession(sess, guard) if guard.ok is not None else None
@@ -147,7 +143,7 @@ def train_step(
             judging or sess, train_op, global_step, train_step_kwargs
         )
     except tf.errors.InvalidArgumentError as err:
-        if not guard.owns_error(err):
+        if not _guard.owns_error(guard, err):
             raise
         error, loss, should_stop = err, None, False
     if error is None and (judging is None or judging.ok):

@@ -1,14 +1,15 @@
 """The guard's closed vocabularies (`str` enums) and the types its functions take.
 
-This module imports nothing of the package.
+This module imports nothing of the package, nor TensorFlow.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Union
 
-import tensorflow as tf
+if TYPE_CHECKING:  # pragma: no cover
+    import tensorflow as tf
 
 
 class _StrEnum(str, enum.Enum):
@@ -69,7 +70,7 @@ class Fault(_StrEnum):
 
 # A session the guard can act on: a raw session, or a MonitoredSession (whose hooks the
 # guard goes around with `run_step_fn`).
-SessionLike = Union[tf.compat.v1.Session, tf.compat.v1.train.MonitoredSession]
+SessionLike = Union["tf.compat.v1.Session", "tf.compat.v1.train.MonitoredSession"]
 
 # Called with one record (a JSON-ready dict with a "kind" key) per bad step and rollback.
 Listener = Callable[[Dict[str, Any]], None]

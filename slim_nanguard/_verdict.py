@@ -28,9 +28,9 @@ _KIND_NAMES = (FINITE, NAN, INF, NAN_AND_INF)
 _KIND_WORDS = {NAN: "NaN", INF: "Inf", NAN_AND_INF: "NaN and Inf"}
 
 
-def kind_name(code: int) -> str:
-    """``"finite"``, ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` for a kind code."""
-    return _KIND_NAMES[int(code) & 3]
+def kind_names(codes: Sequence[int]) -> Tuple[str, ...]:
+    """``"finite"``, ``"nan"``, ``"inf"`` or ``"nan_and_inf"`` for each kind code."""
+    return tuple(_KIND_NAMES[int(code) & 3] for code in codes)
 
 
 def kind_word(kind: str) -> str:

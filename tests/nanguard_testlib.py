@@ -33,6 +33,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _actions
 from slim_nanguard import _spike
 
 # The guard's two modes: name -> the `check_numerics` argument of `create_train_op`.
@@ -153,7 +154,7 @@ def mark_judged(sess, train_op) -> None:
     """
     guard = slim_nanguard.get_guard(train_op)
     if guard is not None:  # None: tf-slim's own train op, as a baseline
-        guard.mark_judged(sess)
+        _actions.mark_judged(guard, sess)
 
 
 def batches(faults: Optional[Dict[int, str]] = None, count: int = 1000):

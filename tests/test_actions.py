@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import _actions
-from slim_nanguard import _history
+from slim_nanguard import _events
 from slim_nanguard import _loop
 from slim_nanguard import _ops
 from slim_nanguard import _policy
@@ -60,35 +60,44 @@ class _FakeRestorer:
         return _rollback.Restored(f"{checkpoint_dir}/model.ckpt-2", 2, 0, learning_rate_scale)
 
 
+class _FakeSession:
+    """A raw session whose every run reads global step 2."""
+
+    def run(self, fetches):
+        return 2
+
+
+_SESSION = _FakeSession()
+# The fields every record carries of its event: what a record adds is the rest.
+_EVENT_FIELDS = {"kind", *_event("skip").to_json()}
+
+
 class _FakeGuard:
     """What carry_out reads of a guard: its restorer (or rollback request), its global step,
-    and the state it observes; its records are kept."""
+    and the state it observes; its records are kept (kind, what the record adds)."""
 
     def __init__(self):
         self.rollbacks = []
         self.records = []
         self.restorer = _FakeRestorer(self.rollbacks)
         self.rollback_request = None
-        self.history = _history.LossHistory(0)
+        self.history = _events.LossHistory(0)
         self.config = _policy.GuardConfig()
+        self.cell = self  # The state cell: `state`.
         self.state = _policy.GuardState()
+        self.registry = self  # The listeners: `send`.
+        self.global_step = "global_step"
 
-    def observe(self, observation, event=None):
-        decision, self.state = _policy.decide(self.config, self.state, observation)
-        return decision
-
-    def notify(self, kind, event, **extra):
-        self.records.append((kind, extra))
-
-    def read_global_step(self, session):
-        return 2
+    def send(self, record):
+        added = {k: v for k, v in record.items() if k not in _EVENT_FIELDS}
+        self.records.append((record["kind"], added))
 
 
 def _carry_out(action, **kwargs):
     guard = _FakeGuard()
     decision = _policy.Decision(Action(action))
     outcome = _actions.carry_out(
-        guard, "raw session", _event(action), decision, checkpoint_dir="/run", **kwargs
+        guard, _SESSION, _event(action), decision, checkpoint_dir="/run", **kwargs
     )
     return guard, outcome
 
@@ -107,7 +116,7 @@ def test_stop_asks_the_given_stop_once():
 
 def test_rollback_uses_the_guards_rollback_and_reports_the_new_step():
     guard, outcome = _carry_out("rollback")
-    assert guard.rollbacks == [("raw session", "/run")]
+    assert guard.rollbacks == [(_SESSION, "/run")]
     assert (outcome.step, outcome.checkpoint) == (2, "/run/model.ckpt-2")
     assert not outcome.stop
 
@@ -120,7 +129,7 @@ def test_a_guards_rollback_request_is_its_one_other_route():
     guard.rollback_request = lambda session, g, event: asked.append(event.step) or {"chief": 0}
     outcome = _actions.carry_out(
         guard,
-        "raw session",
+        _SESSION,
         _event("rollback"),
         _policy.Decision(Action.ROLLBACK),
         checkpoint_dir="/run",
@@ -139,7 +148,7 @@ def test_a_restore_is_counted_by_the_state_and_recorded():
 def test_raise_raises_the_error_with_its_cause_chained_to_the_numerics_error():
     cause = ValueError("the check")
     decision = _policy.Decision(
-        Action.RAISE, reason="3 rollbacks", cause=Cause.MAX_ROLLBACKS, limit=3
+        Action.RAISE, reason="3 rollbacks", give_up=Cause.MAX_ROLLBACKS, limit=3
     )
     with pytest.raises(slim_nanguard.NanLossError) as caught:
         _actions.carry_out(
@@ -163,14 +172,14 @@ def test_the_loop_tallies_its_result_from_the_guards_state():
     guard = _FakeGuard()
 
     def bad_step(action):
-        decision = guard.observe(_policy.BadStep(-1, Action(action)))
-        _actions.carry_out(guard, "s", _event(action), decision, checkpoint_dir="/run")
+        decision = _actions.observe(guard, _policy.BadStep(-1, Action(action)))
+        _actions.carry_out(guard, _SESSION, _event(action), decision, checkpoint_dir="/run")
 
     bad_step("skip")  # before the call: not in its counts
     start = guard.state
     _actions.good_step(guard, 1.0)
     bad_step("skip")
-    guard.observe(_policy.LossScaleOverflow())
+    _actions.observe(guard, _policy.LossScaleOverflow())
     bad_step("rollback")
     # A cluster worker's rollback request: the chief restores, and counts it, not this task.
     guard.rollback_request = lambda session, g, event: {}

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
+from slim_nanguard import _actions
 from slim_nanguard import _autopsy
 from slim_nanguard import _capture
 from slim_nanguard.app import plot as run_plot
@@ -166,7 +167,7 @@ def test_good_steps_keep_nothing_and_a_bad_step_keeps_its_batch(mode):
     assert [t.name for t in capture.tensors] == ["x:0"]
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        model.guard.mark_judged(sess)  # this loop judges each step itself
+        _actions.mark_judged(model.guard, sess)  # this loop judges each step itself
         for batch in model.data[:BAD_BATCH]:
             sess.run(model.train_op, {model.x: batch})
         # Two good steps: the store never ran, so the variable was never even initialised.
@@ -464,10 +465,10 @@ def test_the_autopsy_of_a_fed_default_never_takes_a_batch_from_the_iterator():
         guard = slim_nanguard.get_guard(train_op)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            guard.mark_judged(sess)  # this loop judges each step itself
+            _actions.mark_judged(guard, sess)  # this loop judges each step itself
             for _ in range(BAD_BATCH + 1):
                 sess.run(train_op)
-            result = guard.autopsy(sess, step=BAD_BATCH)
+            result = _actions.autopsy_step(guard, sess, step=BAD_BATCH)
             after = sess.run(x)  # the batch after the bad one: none was taken meanwhile
     assert (result.first_bad_op["name"], result.first_bad_op["inputs"]) == ("x", [])
     np.testing.assert_array_equal(after, _batches("nan_input")[BAD_BATCH + 1])

@@ -9,7 +9,7 @@ regularizer, `tf_slim.losses`, two loss terms, a hand-written `tf.reduce_mean`, 
 A loss on the batch's mean cannot be split per example, and the autopsy says so.
 
 Until the train op tells a spike from a good step, the guard's own path is reached after a
-NaN step (which keeps its batch just as a spike step will): `Guard.autopsy(..., "spike")`.
+NaN step (which keeps its batch just as a spike step will): `_actions.autopsy_step(..., "spike")`.
 """
 
 import numpy as np
@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _actions
 from slim_nanguard import _autopsy
 from slim_nanguard import autopsy as autopsy_reader
 
@@ -310,7 +311,7 @@ def test_a_spike_past_its_deadline_stops_and_says_so():
 # ---------------------------------------------------------------------- through the guard
 @lib.each_mode
 def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(tmp_path, mode):
-    """After a bad step that kept its batch, `Guard.autopsy(..., cause="spike")` names the
+    """After a bad step that kept its batch, `_actions.autopsy_step(..., cause="spike")` names the
     scaled examples (the one NaN example has no loss to rank); the dump shows them, and its
     offline replay names them again."""
     graph = tf.Graph()
@@ -329,14 +330,14 @@ def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(t
         guard.use_autopsy_dir(str(tmp_path))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            guard.mark_judged(sess)
+            _actions.mark_judged(guard, sess)
             xs, ys = _batch()
             ys = _hardest_labels(sess, per_example, x, y, xs, ys)
             xs[20, 0] = np.nan
             lib.run_step(sess, train_op, {x: xs, y: ys})
             with pytest.raises(ValueError, match="cause is 'bogus'"):
-                guard.autopsy(sess, 1, cause="bogus")
-            result = guard.autopsy(sess, 1, cause="spike")
+                _actions.autopsy_step(guard, sess, 1, cause="bogus")
+            result = _actions.autopsy_step(guard, sess, 1, cause="spike")
             tf.compat.v1.train.Saver().save(sess, str(tmp_path / "model.ckpt"), global_step=1)
     assert result.cause == "spike" and result.error is None, result.error
     assert [i for i, _ in result.top_examples][:2] == list(CARRIERS)

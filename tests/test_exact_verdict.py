@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import slim_nanguard
+from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
 from slim_nanguard import _verdict
 
@@ -200,7 +201,7 @@ def test_a_good_step_runs_no_element_wise_test():
         model = _Model(mode)
         with model.graph.as_default(), tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            model.guard.mark_judged(sess)
+            _actions.mark_judged(model.guard, sess)
             metadata = tf.compat.v1.RunMetadata()
             sess.run(
                 model.train_op,

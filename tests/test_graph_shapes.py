@@ -13,6 +13,7 @@ import tf_slim as slim
 
 import slim_nanguard
 from slim_nanguard import _actions
+from slim_nanguard import _guard
 
 import nanguard_testlib as lib
 
@@ -66,7 +67,7 @@ def test_in_check_numerics_mode_an_ema_chained_after_the_train_op_holds_still_on
             sess.run(training_op, model.feed(step))
         before = lib.state(sess, model.graph)
         _, err = lib.run_step(sess, training_op, model.feed(2, "nan_gradient"))
-        assert slim_nanguard.get_guard(model.train_op).owns_error(err)
+        assert _guard.owns_error(slim_nanguard.get_guard(model.train_op), err)
         lib.assert_state_equal(before, lib.state(sess, model.graph))
         sess.run(training_op, model.feed(3))
         after = lib.state(sess, model.graph)
@@ -158,7 +159,7 @@ def test_moving_statistics_updated_in_the_forward_pass_are_put_back_on_a_bad_ste
             for bad in ({**good, offset: np.nan}, nan_batch):
                 value, err = lib.run_step(sess, train_op, bad)
                 if mode == "check_numerics":
-                    assert slim_nanguard.get_guard(train_op).owns_error(err)
+                    assert _guard.owns_error(slim_nanguard.get_guard(train_op), err)
                 else:
                     assert err is None and not np.isfinite(value)
                 lib.assert_state_equal(before, lib.state(sess, graph))
@@ -268,7 +269,7 @@ def test_in_check_numerics_mode_a_bad_iteration_raises_before_anything_is_writte
         before = lib.state(sess, graph)
         _, err = lib.run_step(sess, total, {xs: _loop_batches(ITERATIONS, bad=[0])})
         assert err is not None and slim_nanguard.is_numerics_error(err)
-        assert guard.owns_error(err)
+        assert _guard.owns_error(guard, err)
         lib.assert_state_equal(before, lib.state(sess, graph))
         # The executor, with the guard: the train op lives in the loop body's graph.
         event = _actions.judge(guard, sess, checkpoint_dir=None, error=err).event
@@ -405,7 +406,7 @@ def test_in_check_numerics_mode_each_gan_train_op_checks_only_its_own_step():
         after = lib.state(sess, graph)
         assert _changed(before, after, "discriminator") and not _changed(before, after, "generator")
         _, err = lib.run_step(sess, g_train, {g_offset: np.nan})
-        assert g_guard.owns_error(err) and not d_guard.owns_error(err)
+        assert _guard.owns_error(g_guard, err) and not _guard.owns_error(d_guard, err)
         lib.assert_state_equal(after, lib.state(sess, graph))
 
 

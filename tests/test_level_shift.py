@@ -18,8 +18,8 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
-from slim_nanguard import _level_shift
 from slim_nanguard import _policy
+from slim_nanguard import _spike as spike_reason
 from slim_nanguard._policy import GuardConfig
 from slim_nanguard._policy import GuardState
 
@@ -49,8 +49,8 @@ NEW_LEVEL = (15.0, 23.5, 20.2, 14.5, 14.9, 17.1, 16.0, 19.2)
 
 def test_eight_spikes_that_hold_together_are_a_new_level_with_its_typical_values():
     run = [_spike(300, loss, 3.0) for loss in NEW_LEVEL]
-    level = _level_shift.judge_run(run, 8)
-    assert isinstance(level, _level_shift.LevelShift)
+    level = spike_reason.judge_run(run, 8)
+    assert isinstance(level, spike_reason.LevelShift)
     assert level.old["loss"] == pytest.approx(1.0)
     assert level.new["loss"] == pytest.approx(np.exp(np.mean(np.log(NEW_LEVEL))))
     assert level.values[0] == (15.0, 3.0) and level.steps == (300,) * 8
@@ -63,7 +63,7 @@ def test_eight_spikes_that_hold_together_are_a_new_level_with_its_typical_values
 
 
 def test_the_same_jump_again_and_again_is_the_models_own_state():
-    level = _level_shift.judge_run([_spike(1017, 0.03, 0.026, over=("grad_norm",))] * 8, 8)
+    level = spike_reason.judge_run([_spike(1017, 0.03, 0.026, over=("grad_norm",))] * 8, 8)
     assert "the same values each time: the model's own state made them" in level.describe()
 
 
@@ -79,8 +79,14 @@ def test_the_same_jump_again_and_again_is_the_models_own_state():
 )
 def test_runs_that_do_not_hold_together_are_no_new_level(losses, why):
     run = [_spike(300 + i, loss, 3.0) for i, loss in enumerate(losses)]
-    assert _level_shift.judge_run(run, 8) is None, why
-    assert _level_shift.judge_run([_spike(300, 15.0, 3.0)] * 8, 0) is None  # 0: never
+    assert spike_reason.judge_run(run, 8) is None, why
+    assert spike_reason.judge_run([_spike(300, 15.0, 3.0)] * 8, 0) is None  # 0: never
+
+
+def _spike_test(config):
+    """The spike test of `config`, the reason its spikes carry (`BadStep.reason`)."""
+    (spike,) = config.all_reasons
+    return spike
 
 
 def _decide_spikes(config, state, losses, step=300):
@@ -88,7 +94,9 @@ def _decide_spikes(config, state, losses, step=300):
     for loss in losses:
         spike = _spike(step, loss, 3.0)
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(step, "skip", cause="spike", figures=spike)
+            config,
+            state,
+            _policy.BadStep(step, "skip", cause="spike", figures=spike, reason=_spike_test(config)),
         )
     return decision, state
 
@@ -100,7 +108,7 @@ def test_decide_takes_the_new_level_at_the_eighth_spike_and_the_run_starts_over(
     decision, state = _decide_spikes(config, state, NEW_LEVEL[7:])
     assert decision.action == "skip" and decision.level_shift is not None
     assert (state.consecutive_bad_steps, state.level_shifts, state.spikes) == (0, 1, 8)
-    assert state.spike_run == () and state.level_taken_at == 300
+    assert state.reason_run == () and state.level_taken_at == 300
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,7 @@ def test_a_spike_on_the_new_levels_probation_is_a_divergence(persistent, action,
     for _ in range(5):  # Five steps accepted at the new level ...
         _, state = _policy.decide(config, state, _policy.GoodStep())
     decision, state = _decide_spikes(config, state, (400.0,), step=305)  # ... then a spike.
-    assert decision.action == action and decision.cause == cause
+    assert decision.action == action and decision.give_up == cause
     assert "a spike 5 steps after taking a new level at global step 300" in decision.escalation
     assert "that level was a divergence" in decision.escalation
     # A rollback goes back before the run that was taken for a new level.
@@ -126,7 +134,7 @@ def test_after_the_probation_a_spike_is_a_spike_again():
     config = GuardConfig(nan_policy="skip", spike_policy="skip")
     _, state = _decide_spikes(config, GuardState(), NEW_LEVEL)
     decision, state = _decide_spikes(config, state, (400.0,), step=300 + 190)
-    assert decision.action == "skip" and decision.cause is None
+    assert decision.action == "skip" and decision.give_up is None
 
 
 def test_a_non_finite_step_inside_the_run_is_no_new_level():
@@ -135,8 +143,9 @@ def test_a_non_finite_step_inside_the_run_is_no_new_level():
     kinds = ["spike", "spike", "non_finite"] + ["spike"] * 6
     for kind in kinds:
         spike = _spike(300, 15.0, 3.0) if kind == "spike" else None
+        reason = _spike_test(config) if kind == "spike" else None
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(300, "skip", cause=kind, figures=spike)
+            config, state, _policy.BadStep(300, "skip", cause=kind, figures=spike, reason=reason)
         )
         assert decision.level_shift is None
     assert state.consecutive_bad_steps == 9
@@ -150,7 +159,11 @@ def test_a_rolling_back_spike_policy_takes_no_new_level():
     for loss in NEW_LEVEL:
         spike = _spike(300, loss, 3.0)
         decision, state = _policy.decide(
-            config, state, _policy.BadStep(300, "rollback", cause="spike", figures=spike)
+            config,
+            state,
+            _policy.BadStep(
+                300, "rollback", cause="spike", figures=spike, reason=_spike_test(config)
+            ),
         )
     assert decision.level_shift is None and decision.action == "rollback"
 
@@ -158,7 +171,7 @@ def test_a_rolling_back_spike_policy_takes_no_new_level():
 def test_a_run_escalates_first_when_the_new_level_would_need_as_many_spikes():
     config = GuardConfig(nan_policy="skip", spike_policy="skip", max_consecutive_bad_steps=8)
     decision, _ = _decide_spikes(config, GuardState(), NEW_LEVEL)
-    assert decision.level_shift is None and decision.cause == "max_consecutive_bad_steps"
+    assert decision.level_shift is None and decision.give_up == "max_consecutive_bad_steps"
     with pytest.raises(ValueError, match=r"^spike_level_shift_steps must be an integer >= 0"):
         GuardConfig(spike_policy="skip", spike_level_shift_steps=-1)
 

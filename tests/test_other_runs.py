@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import _cluster
+from slim_nanguard import _guard
 
 import cluster_lib
 
@@ -200,7 +201,7 @@ def test_sync_replicas_session_and_reads_take_no_batch(mode):
                 try:
                     loss, index = sess.run([replica.train_op, replica.index])
                 except tf.errors.InvalidArgumentError as err:
-                    assert guard.owns_error(err), err
+                    assert _guard.owns_error(guard, err), err
                     slim_nanguard.handle_numerics_error(sess, err)
                     seen.append("raised")
                 else:

@@ -179,12 +179,12 @@ def test_a_decision_to_raise_names_its_cause_and_limit(
     )
     decision = decide(config, chosen, consecutive_bad_steps=consecutive, rollbacks=rollbacks)
     assert decision.action == "raise"
-    assert decision.cause == cause and decision.limit == limit
+    assert decision.give_up == cause and decision.limit == limit
 
 
 def test_a_decision_that_goes_on_has_no_cause():
     decision = decide(GuardConfig(nan_policy="skip"), "skip", consecutive_bad_steps=1, rollbacks=0)
-    assert decision.action is _policy.Action.SKIP and decision.cause is None
+    assert decision.action is _policy.Action.SKIP and decision.give_up is None
 
 
 def test_actions_modes_and_causes_are_strings_to_users_and_records():

@@ -49,7 +49,7 @@ def test_four_bad_steps_in_a_row_escalate_to_raise_naming_the_bound():
     config = GuardConfig(nan_policy="skip", max_consecutive_bad_steps=4)
     decisions, state = _tell(config, *[BadStep(5, "skip")] * 4)
     assert [d.action for d in decisions] == ["skip", "skip", "skip", "raise"]
-    assert decisions[-1].cause == "max_consecutive_bad_steps" and decisions[-1].limit == 4
+    assert decisions[-1].give_up == "max_consecutive_bad_steps" and decisions[-1].limit == 4
     assert state.skips == 3 and state.total_bad_steps == 4
 
 
@@ -118,7 +118,7 @@ def test_a_chief_answers_requests_within_max_rollbacks_then_gives_up_naming_the_
     assert last.reason == (
         "worker 2, 3 asked for a rollback, and 2 rollbacks already done reached max_rollbacks=2"
     )
-    assert last.cause == "max_rollbacks" and last.limit == 2
+    assert last.give_up == "max_rollbacks" and last.limit == 2
     # A request is no bad step of the chief's.
     assert state.total_bad_steps == 0 and state.rollbacks == 2
 
@@ -133,7 +133,7 @@ def test_a_chiefs_own_rollbacks_and_answered_ones_share_one_bound():
         RolledBack(learning_rate_scale=1.0),
         BadStep(4, "rollback"),
     )
-    assert decisions[-1].action == "raise" and decisions[-1].cause == "max_rollbacks"
+    assert decisions[-1].action == "raise" and decisions[-1].give_up == "max_rollbacks"
     assert state.rollbacks == 2
 
 
@@ -165,7 +165,7 @@ def test_a_bare_loss_raises_saying_nothing_was_gated_or_stops(chosen, cause):
         config, BadStep(-1, chosen, guarded=False), BadStep(-1, chosen, guarded=False)
     )
     assert [d.action for d in decisions] == [chosen, chosen]  # never escalates
-    assert decisions[0].cause == cause
+    assert decisions[0].give_up == cause
     if chosen == "raise":
         assert "no guarded train op" in decisions[0].reason
     assert (state.consecutive_bad_steps, state.total_bad_steps) == (2, 2)
@@ -217,7 +217,6 @@ def test_the_first_bad_steps_get_an_autopsy_and_later_ones_do_not():
     wanted = []
     for step in range(4):
         wanted.append(_policy.wants_autopsy(config, state))
-        observations = [_policy.Autopsied()] if wanted[-1] else []
-        _, state = _tell(config, *observations, BadStep(step, "skip"), state=state)
+        _, state = _tell(config, BadStep(step, "skip", autopsied=wanted[-1]), state=state)
     assert wanted == [True, True, False, False] and state.autopsies == 2
     assert not _policy.wants_autopsy(GuardConfig(autopsy_max_steps=0), GuardState())

@@ -15,7 +15,6 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
-from slim_nanguard import _history
 from slim_nanguard import _rollback
 
 import nanguard_testlib as lib
@@ -26,11 +25,11 @@ JUMP = 120
 def test_a_climb_is_the_newest_losses_above_twice_the_typical_one():
     flat = [(s, 1.0 + 0.1 * (s % 3)) for s in range(100, 120)]
     climbing = flat + [(120, 1.05), (121, 3.0), (122, 9.0), (123, 40.0)]
-    assert _history.climb_start(climbing, 124) == 121
-    assert _history.climb_start(flat, 120) is None  # Noise is no climb.
-    assert _history.climb_start(flat[:3], 103) is None  # Too few points to say.
+    assert _rollback.climb_start(climbing, 124) == 121
+    assert _rollback.climb_start(flat, 120) is None  # Noise is no climb.
+    assert _rollback.climb_start(flat[:3], 103) is None  # Too few points to say.
     # Only the points before the bad step count.
-    assert _history.climb_start(climbing, 121) is None
+    assert _rollback.climb_start(climbing, 121) is None
 
 
 def test_the_onset_of_a_run_is_its_first_step_or_the_start_of_the_climb_before_it():
@@ -121,7 +120,7 @@ def test_tf_slims_learning_train_rolls_back_before_the_climb(mode, tmp_path):
 
 def test_a_steady_loss_below_zero_is_no_climb():
     negative = [(s, -3.0 - 0.01 * (s % 2)) for s in range(100, 124)]
-    assert _history.climb_start(negative, 124) is None
+    assert _rollback.climb_start(negative, 124) is None
 
 
 def test_with_nothing_kept_before_the_run_the_rollback_takes_the_oldest_kept(tmp_path):

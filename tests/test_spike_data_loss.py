@@ -15,7 +15,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
-from slim_nanguard import _reasons
+from slim_nanguard import _ops
 
 import nanguard_testlib as lib
 
@@ -40,12 +40,12 @@ def _model(weight_decay=0.5):
 def test_the_total_loss_splits_into_the_data_loss_and_its_regularization():
     with tf.Graph().as_default():
         cross_entropy, total = _model()
-        data, regularization = _reasons.loss_terms(total)
+        data, regularization = _ops.loss_terms(total)
         assert data == (cross_entropy,)
         assert regularization == tuple(tf.compat.v1.losses.get_regularization_losses())
         # Through the sum of the regularization losses too.
         summed = tf.identity(cross_entropy + tf.compat.v1.losses.get_regularization_loss())
-        assert _reasons.loss_terms(summed) == (data, regularization)
+        assert _ops.loss_terms(summed) == (data, regularization)
 
 
 def test_a_scaled_or_absent_regularization_stays_in_the_loss():
@@ -53,12 +53,12 @@ def test_a_scaled_or_absent_regularization_stays_in_the_loss():
         cross_entropy, total = _model()
         # Scaled on its way: no term of the loss, so the loss judged is the loss itself.
         scaled = 0.5 * total
-        assert _reasons.loss_terms(scaled) == ((scaled,), ())
+        assert _ops.loss_terms(scaled) == ((scaled,), ())
         # A regularization loss the loss does not depend on is not taken out of it.
-        assert _reasons.loss_terms(cross_entropy) == ((cross_entropy,), ())
+        assert _ops.loss_terms(cross_entropy) == ((cross_entropy,), ())
     with tf.Graph().as_default():
         cross_entropy, total = _model(weight_decay=0.0)  # slim adds no regularizer at 0
-        assert _reasons.loss_terms(total)[1] == ()
+        assert _ops.loss_terms(total)[1] == ()
 
 
 @pytest.mark.parametrize("check_numerics", [True, False])

@@ -17,6 +17,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _actions
 from slim_nanguard import _policy
 
 import nanguard_testlib as lib
@@ -348,7 +349,7 @@ def test_a_rollback_to_a_checkpoint_from_before_the_spike_guard_restores_the_mod
     guard = slim_nanguard.get_guard(model.train_op)
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        guard.mark_judged(sess)
+        _actions.mark_judged(guard, sess)
         for _ in range(3):
             sess.run(model.train_op)
         statistics = sess.run("nanguard_spike/count/Read/ReadVariableOp:0")
@@ -390,7 +391,7 @@ def test_two_train_ops_of_one_graph_keep_statistics_of_their_own():
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for guard in (first, other):
-            guard.mark_judged(sess)
+            _actions.mark_judged(guard, sess)
         for _ in range(SPIKE_AT):  # the first op's statistics warm up
             sess.run(model.train_op)
         for _ in range(SPIKE_AT):  # the second op's steps are its own normal

@@ -311,7 +311,7 @@ def test_a_restore_then_a_step_judges_as_before(tmp_path):
 
 
 def test_a_reseed_trims_its_values_as_the_writes_would():
-    """A new level's values (`_level_shift`) with an outlier among the first of them: the
+    """A new level's values (`_spike.judge_run`) with an outlier among the first of them: the
     next step is judged as NumPy judges it after those values alone."""
     steps = _Steps(window=16, warmup_steps=8)
     _warm_up_with_an_outlier(steps, 12)
