@@ -276,3 +276,14 @@ def test_a_parameter_server_is_not_asked_to_write_the_train_dir(tmp_path):
         "--worker_hosts=127.0.0.1:2",
     )
     assert proc.returncode == 99 and proc.stdout == "TENSORFLOW IMPORTED\n", proc.stderr[-2000:]
+
+
+def test_a_cluster_worker_with_bad_input_answers_after_tensorflow_to_tell_the_ps(tmp_path):
+    """A worker of a cluster that would fail its checks fails where it can still tell the ps (so
+    the ps and the chief end too, tests/test_cluster.py); the same flags alone answer at once."""
+    bad = ["--dataset_name=tfrecord", f"--train_dir={tmp_path / 'run'}"]
+    alone = _run_without_tensorflow("train", *bad)
+    assert alone.returncode == 1 and "--dataset_dir" in alone.stderr, alone.stderr[-2000:]
+    cluster = ["--job_name=worker", "--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"]
+    proc = _run_without_tensorflow("train", *bad, *cluster)
+    assert proc.returncode == 99 and proc.stdout == "TENSORFLOW IMPORTED\n", proc.stderr[-2000:]
