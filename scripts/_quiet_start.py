@@ -194,9 +194,7 @@ def check_flags_early(argv: Sequence[str], script: str, module_name: str, doc: s
         sys.stderr.write(f"FATAL Flags parsing error: {error}\n")
         sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
         sys.exit(1)
-    # A cluster's task answers bad input after TensorFlow, where it can tell the ps that it
-    # failed (so the ps and the chief end too, instead of waiting for it).
-    if script == "train" and not values["ps_hosts"].value:
+    if script == "train":
         problems = _preflight().train_problems({name: values[name].value for name in table[script]})
         for line in problems[:1]:
             print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)

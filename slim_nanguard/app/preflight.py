@@ -162,7 +162,13 @@ def train_dir_problem(train_dir: str) -> Optional[str]:
 
 
 def train_problems(values: Mapping[str, Any]) -> List[str]:
-    """The problems of the train launcher's flag `values` this module can see, in flag order."""
+    """The problems of the train launcher's flag `values` this module can see, in flag order.
+
+    None for a task of a cluster (``--ps_hosts`` set): it answers bad input after TensorFlow,
+    where it can still tell the ps that it failed (so the ps and the chief end too), and a ps
+    writes nothing to ``--train_dir``."""
+    if values.get("ps_hosts"):
+        return []
     problems = []
     for text in values.get("inject_fault") or ():
         try:
@@ -173,6 +179,6 @@ def train_problems(values: Mapping[str, Any]) -> List[str]:
     if values.get("dataset_name") == "tfrecord" and (dataset_dir is None or is_local(dataset_dir)):
         problems.append(dataset_dir_problem(dataset_dir))
     train_dir = values.get("train_dir")
-    if train_dir and is_local(train_dir) and values.get("job_name") != "ps":  # a ps writes none
+    if train_dir and is_local(train_dir):
         problems.append(train_dir_problem(train_dir))
     return [problem for problem in problems if problem]
