@@ -167,7 +167,8 @@ def _gated(
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
     graph = total_loss.graph
-    beside_grads = functools.partial(_placement.verdict_scope, total_loss, [g for g, _ in grads])
+    device = _placement.verdict_device(total_loss, [g for g, _ in grads])
+    beside_grads = functools.partial(_placement.verdict_scope, device)
     with tf.name_scope("nanguard"), beside_grads():
         test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
