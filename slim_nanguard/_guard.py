@@ -62,13 +62,12 @@ class Guard:
         *,
         config: _policy.GuardConfig,
         handles: GraphHandles,
-        saver: Optional[tf.compat.v1.train.Saver] = None,
     ):
         self._config = config
         self._handles = handles
         self.cell = Cell(config.losses_before)
         self.registry = _record.Registry()
-        self.restorer = _rollback.Rollback(handles, config, saver)  # Checkpoints and input.
+        self.restorer = _rollback.Rollback(handles, config)  # Checkpoints and input.
         # Where this guard's rollbacks go instead of restoring here (None: here).
         self.rollback_request: Optional[RollbackRequest] = None
 

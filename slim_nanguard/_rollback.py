@@ -74,21 +74,14 @@ def before_climb(
 
 class Rollback:
     """Restores a guard's model from its checkpoints, with `saver` (the Saver every rollback
-    restores with; None until `ensure_saver` builds one, if `create_train_op` built none)."""
+    restores with; None until `ensure_saver` builds one)."""
 
-    def __init__(
-        self,
-        handles: GraphHandles,
-        config: GuardConfig,
-        saver: Optional[tf.compat.v1.train.Saver] = None,
-    ):
+    def __init__(self, handles: GraphHandles, config: GuardConfig):
         self._handles = handles
         self._config = config
-        self.saver = saver
+        self.saver: Optional[tf.compat.v1.train.Saver] = None
         # The Saver for a checkpoint written without some of the guard's optional variables.
         self._without_optional: Optional[tf.compat.v1.train.Saver] = None
-        if saver is not None:
-            self._build_saver_without_optional()
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
 

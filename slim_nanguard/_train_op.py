@@ -247,11 +247,10 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
         optional_variables=tuple(v for v in (lr_scale, *test.reason_variables()) if v is not None),
     )
-    saver = None
+    guard = _guard.Guard(config=config, handles=handles)
     if config.may_roll_back:
-        with tf.init_scope(), _placement.on_host():
-            saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-    _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+        guard.ensure_saver()
+    _guard.register(guard)
     _checkpoints.add_optional_variables(graph, handles.optional_variables)
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
         # The default saver a `Scaffold` would make, which also resumes from checkpoints
