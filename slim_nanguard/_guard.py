@@ -99,7 +99,8 @@ class Guard:
 
     def remove_listener(self, listener: Listener) -> None:
         """Stops calling `listener`."""
-        self.registry.remove(listener)
+        if listener in self.registry.listeners:
+            self.registry.listeners.remove(listener)
 
 
 # Each `GraphHandles` field, read-only: ``guard.loss`` is ``guard.handles.loss``.
