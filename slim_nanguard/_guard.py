@@ -86,10 +86,6 @@ class Guard:
         """Sends autopsy dumps (and the guard's own record) to `path`, if first or `replace`."""
         self.registry.use_directory(path, replace=replace)
 
-    def ensure_saver(self) -> tf.compat.v1.train.Saver:
-        """The rollback Saver, built now (before the graph is finalized) if there is none."""
-        return self.restorer.ensure_saver()
-
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,

@@ -249,7 +249,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
     )
     guard = _guard.Guard(config=config, handles=handles)
     if config.may_roll_back:
-        guard.ensure_saver()
+        guard.restorer.ensure_saver()
     _guard.register(guard)
     _checkpoints.add_optional_variables(graph, handles.optional_variables)
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
