@@ -301,11 +301,6 @@ def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.Dynam
     return loss_scale if dynamic and hasattr(optimizer, "_optimizer") else None
 
 
-def loss_scale_variables(loss_scale) -> list:
-    """The variables a loss scale updates (the scale and its count of good steps)."""
-    return list(getattr(loss_scale, "_weights", {}).values())
-
-
 def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
     """One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is)."""
     return _verdict.tensor_sums([loss] + list(grads), name="gradient_sums")

@@ -177,7 +177,8 @@ def _gated(
             test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
         )
     with _learning_rate.scaled(optimizer, lr_scale):
-        unless_bad = _finiteness.loss_scale_variables(loss_scale)
+        # What a loss scale updates (the scale and its count of good steps).
+        unless_bad = list(getattr(loss_scale, "_weights", {}).values())
         gates = (gate.gate, gate.finite_gate)
         grad_updates = _gating.apply_gradients(
             optimizer, grads, global_step, gates, update_ops, forward.restored, unless_bad
