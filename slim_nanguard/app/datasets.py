@@ -318,7 +318,15 @@ def _digits(split, *, image_size, num_classes, channels, **unused) -> _Source:
         num_examples={s: len(arrays[f"{s}_labels"]) for s in _DIGITS_SPLITS},
         class_names=tuple(str(d) for d in range(10)),
     )
-    dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+    # The split comes from Python, once per pass, not as a constant: a constant would put the
+    # digits into graph.pbtxt and every checkpoint's .meta.
+    dataset = tf.data.Dataset.from_generator(
+        lambda: [(images, labels)],
+        output_signature=(
+            tf.TensorSpec((None,) + images.shape[1:], tf.float32),
+            tf.TensorSpec((None,), tf.int64),
+        ),
+    ).unbatch()
     return dataset, map_fn, info, len(labels)
 
 
