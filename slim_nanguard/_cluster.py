@@ -184,7 +184,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._guard = guards[0] if guards else None
         self._runs_training = _ops.RunsOp(*(g.train_op.op for g in guards))
         if self._guard is not None:
-            self._guard.ensure_saver()  # Now: after begin() the graph is finalized.
+            self._guard.restorer.ensure_saver()  # Now: after begin() the graph is finalized.
             self._restores_seen = self._rollbacks_before = self._guard.state.rollbacks
 
     def before_run(self, run_context):

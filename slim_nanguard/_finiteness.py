@@ -50,7 +50,8 @@ class StepTest:
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
-        self.grad_sums = _gradient_sums(loss, grads)
+        # One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is).
+        self.grad_sums = _verdict.tensor_sums([loss, *grads], name="gradient_sums")
         self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int64)
         self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
@@ -60,7 +61,7 @@ class StepTest:
         if reasons:
             self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
-            self.kept = _gradient_sums(loss, grads)
+            self.kept = _verdict.tensor_sums([loss, *grads], name="gradient_sums")
         self.scaler = None
         if loss_scale is not None:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)
@@ -299,16 +300,6 @@ def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.Dynam
     loss_scale = getattr(optimizer, "_loss_scale", None)
     dynamic = isinstance(loss_scale, tf.compat.v1.mixed_precision.DynamicLossScale)
     return loss_scale if dynamic and hasattr(optimizer, "_optimizer") else None
-
-
-def loss_scale_variables(loss_scale) -> list:
-    """The variables a loss scale updates (the scale and its count of good steps)."""
-    return list(getattr(loss_scale, "_weights", {}).values())
-
-
-def _gradient_sums(loss: tf.Tensor, grads: Sequence) -> tf.Tensor:
-    """One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is)."""
-    return _verdict.tensor_sums([loss] + list(grads), name="gradient_sums")
 
 
 class _OverflowTest:

@@ -62,13 +62,12 @@ class Guard:
         *,
         config: _policy.GuardConfig,
         handles: GraphHandles,
-        saver: Optional[tf.compat.v1.train.Saver] = None,
     ):
         self._config = config
         self._handles = handles
         self.cell = Cell(config.losses_before)
         self.registry = _record.Registry()
-        self.restorer = _rollback.Rollback(handles, config, saver)  # Checkpoints and input.
+        self.restorer = _rollback.Rollback(handles, config)  # Checkpoints and input.
         # Where this guard's rollbacks go instead of restoring here (None: here).
         self.rollback_request: Optional[RollbackRequest] = None
 
@@ -87,10 +86,6 @@ class Guard:
         """Sends autopsy dumps (and the guard's own record) to `path`, if first or `replace`."""
         self.registry.use_directory(path, replace=replace)
 
-    def ensure_saver(self) -> tf.compat.v1.train.Saver:
-        """The rollback Saver, built now (before the graph is finalized) if there is none."""
-        return self.restorer.ensure_saver()
-
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
@@ -100,7 +95,8 @@ class Guard:
 
     def remove_listener(self, listener: Listener) -> None:
         """Stops calling `listener`."""
-        self.registry.remove(listener)
+        if listener in self.registry.listeners:
+            self.registry.listeners.remove(listener)
 
 
 # Each `GraphHandles` field, read-only: ``guard.loss`` is ``guard.handles.loss``.

@@ -143,7 +143,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if _policy.may_roll_back(guard.config, policy):
             # Built here if create_train_op did not (a policy override): after begin() the
             # graph is finalized. Kept by the guard: every rollback restores with it.
-            guard.ensure_saver()
+            guard.restorer.ensure_saver()
 
     def after_create_session(self, session, coord) -> None:
         # Per-session state only: the guard's counters describe the whole run.

@@ -3,7 +3,7 @@ tensor passes on, the one walk over a graph, and `RunsOp` (which runs run a trai
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Container, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -40,9 +40,11 @@ def walk(
     forward: bool = False,
     control: bool = True,
     stop: Optional[Callable[[tf.Operation], bool]] = None,
+    fed: Container[tf.Tensor] = (),
 ) -> Iterator[tf.Operation]:
     """Each op reachable from `roots` (included), once, depth first: backward to inputs, or
-    `forward` to consumers, through control edges too with `control`, not past a `stop` op."""
+    `forward` to consumers, through control edges too with `control`, not past a `stop` op,
+    nor back through a `fed` tensor to its op."""
     seen, stack = set(), list(roots)
     while stack:
         op = stack.pop()
@@ -57,7 +59,7 @@ def walk(
             if control:
                 stack.extend(op._control_outputs)  # pylint: disable=protected-access
         else:
-            stack.extend(t.op for t in op.inputs)
+            stack.extend(t.op for t in op.inputs if t not in fed)
             if control:
                 stack.extend(op.control_inputs)
 
@@ -77,16 +79,8 @@ def executed(fetches: Iterable, fed: Iterable[tf.Tensor]) -> Iterator[tf.Operati
     one output fed still runs for another that is not, or for a control edge."""
     fed = set(fed)
     # A fed tensor fetched is its fed value: its op does not run for it.
-    stack = [as_op(f) for f in fetches if not (isinstance(f, tf.Tensor) and f in fed)]
-    seen = set()
-    while stack:
-        op = stack.pop()
-        if op is None or op in seen:
-            continue
-        seen.add(op)
-        yield op
-        stack.extend(t.op for t in op.inputs if t not in fed)
-        stack.extend(op.control_inputs)
+    roots = [as_op(f) for f in fetches if not (isinstance(f, tf.Tensor) and f in fed)]
+    return walk([op for op in roots if op is not None], fed=fed)
 
 
 def source(tensor: tf.Tensor) -> tf.Tensor:

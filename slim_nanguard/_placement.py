@@ -12,7 +12,7 @@ cluster's workers), with soft placement off.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
@@ -63,12 +63,6 @@ def verdict_device(loss: tf.Tensor, grads: Sequence) -> Optional[str]:
     return device
 
 
-@contextlib.contextmanager
-def verdict_scope(loss: tf.Tensor, grads: Sequence) -> Iterator[None]:
-    """A block in `verdict_device`, or in the device scope in force when there is none."""
-    device = verdict_device(loss, grads)
-    if device is None:
-        yield
-    else:
-        with tf.device(device):
-            yield
+def verdict_scope(device: Optional[str]):
+    """A block on `device` (from `verdict_device`), or in the device scope in force for None."""
+    return contextlib.nullcontext() if device is None else tf.device(device)

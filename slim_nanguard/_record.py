@@ -46,11 +46,6 @@ class Registry:
         if isinstance(listener, EventRecorder):
             listener.follow(guard)  # Its TensorBoard counters are read from the state.
 
-    def remove(self, listener: Callable[[Dict[str, Any]], None]) -> None:
-        """Stops calling `listener`."""
-        if listener in self.listeners:
-            self.listeners.remove(listener)
-
     def use_directory(self, path: Optional[str], *, replace: bool = False) -> None:
         """Keeps the guard's own record in `path`, if first or `replace`."""
         if path and (replace or self.directory is None):

@@ -74,43 +74,32 @@ def before_climb(
 
 class Rollback:
     """Restores a guard's model from its checkpoints, with `saver` (the Saver every rollback
-    restores with; None until `ensure_saver` builds one, if `create_train_op` built none)."""
+    restores with; None until `ensure_saver` builds one)."""
 
-    def __init__(
-        self,
-        handles: GraphHandles,
-        config: GuardConfig,
-        saver: Optional[tf.compat.v1.train.Saver] = None,
-    ):
+    def __init__(self, handles: GraphHandles, config: GuardConfig):
         self._handles = handles
         self._config = config
-        self.saver = saver
+        self.saver: Optional[tf.compat.v1.train.Saver] = None
         # The Saver for a checkpoint written without some of the guard's optional variables.
         self._without_optional: Optional[tf.compat.v1.train.Saver] = None
-        if saver is not None:
-            self._build_saver_without_optional()
         # The global step the last rollback restored (None before any, or without a step).
         self._restored_step: Optional[int] = None
 
     def ensure_saver(self) -> tf.compat.v1.train.Saver:
-        """Builds the Saver if there is none yet (before the graph is finalized); returns it."""
+        """Builds the Saver if there is none yet (before the graph is finalized); returns it.
+        With reasons, also one of all but the optional variables, for a checkpoint written
+        without some (else the graph stays as it was: one lacking the learning-rate scale
+        fails the restore)."""
         if self.saver is None:
             with self._handles.train_op.graph.as_default(), tf.init_scope(), _placement.on_host():
                 self.saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-            self._build_saver_without_optional()
+                if self._handles.report is not None:
+                    optional = set(self._handles.optional_variables)
+                    kept = [v for v in tf.compat.v1.global_variables() if v not in optional]
+                    self._without_optional = tf.compat.v1.train.Saver(
+                        kept, max_to_keep=None, name="nanguard_rollback_without_optional"
+                    )
         return self.saver
-
-    def _build_saver_without_optional(self) -> None:
-        """With reasons only (else the graph stays as it was, and a checkpoint lacking the
-        learning-rate scale fails the restore): a Saver of all but the optional variables."""
-        if self._handles.report is None:
-            return
-        optional = set(self._handles.optional_variables)
-        with self._handles.train_op.graph.as_default(), tf.init_scope(), _placement.on_host():
-            variables = [v for v in tf.compat.v1.global_variables() if v not in optional]
-            self._without_optional = tf.compat.v1.train.Saver(
-                variables, max_to_keep=None, name="nanguard_rollback_without_optional"
-            )
 
     def restore(
         self,

@@ -167,7 +167,8 @@ def _gated(
 ):
     """The train op of `grads`, every write behind the mode's gate, registered with its guard."""
     graph = total_loss.graph
-    beside_grads = functools.partial(_placement.verdict_scope, total_loss, [g for g, _ in grads])
+    device = _placement.verdict_device(total_loss, [g for g, _ in grads])
+    beside_grads = functools.partial(_placement.verdict_scope, device)
     with tf.name_scope("nanguard"), beside_grads():
         test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
         forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
@@ -176,7 +177,8 @@ def _gated(
             test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
         )
     with _learning_rate.scaled(optimizer, lr_scale):
-        unless_bad = _finiteness.loss_scale_variables(loss_scale)
+        # What a loss scale updates (the scale and its count of good steps).
+        unless_bad = list(getattr(loss_scale, "_weights", {}).values())
         gates = (gate.gate, gate.finite_gate)
         grad_updates = _gating.apply_gradients(
             optimizer, grads, global_step, gates, update_ops, forward.restored, unless_bad
@@ -246,11 +248,10 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
         optional_variables=tuple(v for v in (lr_scale, *test.reason_variables()) if v is not None),
     )
-    saver = None
+    guard = _guard.Guard(config=config, handles=handles)
     if config.may_roll_back:
-        with tf.init_scope(), _placement.on_host():
-            saver = tf.compat.v1.train.Saver(max_to_keep=None, name="nanguard_rollback")
-    _guard.register(_guard.Guard(config=config, handles=handles, saver=saver))
+        guard.restorer.ensure_saver()
+    _guard.register(guard)
     _checkpoints.add_optional_variables(graph, handles.optional_variables)
     if handles.optional_variables and not graph.get_collection(tf.compat.v1.GraphKeys.SAVERS):
         # The default saver a `Scaffold` would make, which also resumes from checkpoints
