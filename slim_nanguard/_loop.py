@@ -250,6 +250,7 @@ def train(
         (and its ``climb`` says whether the steps before were climbing: no good state then).
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found none.
+      DiskFullError: The disk filled up; the run was ended as a stop is, as far as it fitted.
     """
     guard, logdir = _check_arguments(train_op, logdir, number_of_steps, log_every_n_steps)
     resume_from = (
