@@ -37,8 +37,11 @@ def _public_names(module) -> list:
 
 def _parameter(param: inspect.Parameter) -> str:
     param = param.replace(annotation=inspect.Parameter.empty)
-    if param.default is not inspect.Parameter.empty and "<" in repr(param.default):
+    default = param.default
+    if default is not inspect.Parameter.empty and "<" in repr(default):
         return f"{param.name}=..."  # a function or a dataclass field's factory
+    if isinstance(default, str) and '"' not in default and "\\" not in default:
+        return f'{param.name}="{default}"'  # as ruff formats the page's python blocks
     return str(param)
 
 
