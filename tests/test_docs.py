@@ -19,6 +19,7 @@ import pathlib
 import re
 
 import pytest
+import source_trees
 import tensorflow as tf
 import tf_slim as slim
 
@@ -373,7 +374,7 @@ def _code_text() -> str:
     pieces = []
     for root in ("slim_nanguard", "scripts", "research"):
         for path in sorted((REPO / root).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(source_trees.parse(path)):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     pieces.append(node.value)
     return "\n".join(pieces)
@@ -501,7 +502,7 @@ def test_one_install_hint_for_the_plot_extra(monkeypatch, tmp_path):
 def _launcher_help_texts():
     """Every text ``--help`` shows: the launchers' docstrings and their flags' help."""
     for script in ("train", "eval", "autopsy", "benchmark"):
-        tree = ast.parse((REPO / "scripts" / f"{script}.py").read_text())
+        tree = source_trees.parse(REPO / "scripts" / f"{script}.py")
         yield f"{script}.py", ast.get_docstring(tree, clean=False)
     namespace = {}
     exec((REPO / "scripts" / "_flag_table.py").read_text(), namespace)

@@ -185,6 +185,17 @@ def _unwritable_dir(tmp_path: pathlib.Path) -> pathlib.Path:
             "range [2, 128]",
         ),
         (["--max_rollbacks=0"], "FATAL Flags parsing error: flag --max_rollbacks=0: 0 is not"),
+        # GuardConfig's own checks, beyond what a flag's bounds can say: the run's words.
+        (
+            ["--rollback_lr_factor=0"],
+            "train.py: error: --rollback_lr_factor=0.0: rollback_lr_factor must be a number in "
+            "(0, 1] (1 keeps the learning rate); got 0.0.",
+        ),
+        (
+            ["--autopsy_timeout_secs=0"],
+            "train.py: error: --autopsy_timeout_secs=0.0: autopsy_timeout_secs must be a number "
+            "of seconds > 0; got 0.0.",
+        ),
     ],
 )
 def test_a_bad_setting_is_answered_in_a_line_or_two_before_tensorflow(args, error, tmp_path):

@@ -14,6 +14,7 @@ import re
 import runpy
 
 import pytest
+import source_trees
 from absl import flags
 
 import slim_nanguard
@@ -99,7 +100,7 @@ def _defaults_outside_guard_config(root: pathlib.Path = REPO):
     `GuardConfig` field outside `GuardConfig`: None and () (nothing given) left out."""
     found = []
     for path in sorted((root / "slim_nanguard").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(source_trees.parse(path)):
             pairs = []
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
