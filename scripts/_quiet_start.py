@@ -199,10 +199,14 @@ def check_flags_early(argv: Sequence[str], script: str, module_name: str, doc: s
         given = {name: values[name].value for name in table[script]}
         problems = _preflight().train_problems(given)
         problems += [] if given.get("ps_hosts") else _guard_problems(given)
-        for line in problems[:1]:
-            print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)
-        if problems:
-            sys.exit(1)
+    elif script == "eval":
+        problems = _preflight().eval_problems({"checkpoint_path": values["checkpoint_path"].value})
+    else:
+        problems = []
+    for line in problems[:1]:
+        print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)
+    if problems:
+        sys.exit(1)
 
 
 def _print_help(flags, specs: Dict[str, dict], prog: str, doc: str) -> None:

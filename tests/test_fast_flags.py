@@ -224,6 +224,21 @@ def test_an_unwritable_train_dir_is_answered_before_tensorflow(tmp_path):
         ]
 
 
+def test_eval_answers_a_checkpoint_path_with_nothing_there_before_tensorflow(tmp_path):
+    missing = tmp_path / "run" / "model.ckpt-5"
+    proc = _run_without_tensorflow("eval", f"--checkpoint_path={missing}")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"eval.py: error: --checkpoint_path={missing} does not exist: pass a checkpoint prefix "
+        "(train_dir/model.ckpt-N) or a training directory."
+    ]
+    # A prefix, one of its files and a directory are there: the run (TensorFlow) judges them.
+    (tmp_path / "model.ckpt-5.index").touch()
+    for there in ("model.ckpt-5", "model.ckpt-5.index", "model.ckpt-5.data-00000-of-00001", ""):
+        proc = _run_without_tensorflow("eval", f"--checkpoint_path={tmp_path / there}")
+        assert proc.returncode == 99, (there, proc.stderr[-2000:])
+
+
 def test_a_good_command_line_gets_past_the_early_checks_to_tensorflow(tmp_path):
     """The checks refuse nothing good: a valid run goes on to import TensorFlow."""
     proc = _run_without_tensorflow(
