@@ -77,7 +77,7 @@ class Autopsy:
     cost: Dict[str, Any] = dataclasses.field(default_factory=dict)
     error: Optional[str] = None
     step: int = -1
-    cause: str = "non_finite"
+    cause: str = NON_FINITE
     top_examples: Tuple[Tuple[int, float], ...] = ()
     per_example_loss: Optional[str] = None
     median_loss: Optional[float] = None
@@ -303,7 +303,7 @@ def replay(
     clock: Callable[[], float] = time.monotonic,
     step: int = -1,
     batch_size: Optional[int] = None,
-    cause: str = "non_finite",
+    cause: str = NON_FINITE,
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
     the step's weights: the first non-finite op behind `targets` (the loss and the gradient
@@ -487,28 +487,16 @@ def autopsy_bad_step(
     targets: Sequence[Any],
     *,
     step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float,
-    cause: str = "non_finite",
-    spike_over: Sequence[str] = (),
+    cause: str = NON_FINITE,
+    **options: Any,
 ) -> Autopsy:
-    """`run_autopsy` on the batch the bad step kept in `capture`; never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``."""
+    """`run_autopsy` (`options` are its other keywords) on the batch the bad step kept in
+    `capture`; never raises (but KeyboardInterrupt): a failure is the result's ``error``."""
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
         return _failure(step, f"reading the kept batch failed: {error_line(err)}", cause=cause)
-    return run_autopsy(
-        session,
-        capture.tensors,
-        values,
-        targets,
-        step=step,
-        dump_dir=dump_dir,
-        timeout_secs=timeout_secs,
-        cause=cause,
-        spike_over=spike_over,
-    )
+    return run_autopsy(session, capture.tensors, values, targets, step=step, cause=cause, **options)
 
 
 def run_autopsy(
@@ -523,7 +511,7 @@ def run_autopsy(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
     clock: Callable[[], float] = time.monotonic,
-    cause: str = "non_finite",
+    cause: str = NON_FINITE,
     spike_over: Sequence[str] = (),
 ) -> Autopsy:
     """`replay` on the values the bad step kept of `batch_tensors`, dumped (with the weights
