@@ -506,30 +506,21 @@ def run_autopsy(
     targets: Sequence[Any],
     *,
     step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
-    clock: Callable[[], float] = time.monotonic,
     cause: str = NON_FINITE,
+    clock: Callable[[], float] = time.monotonic,
+    dump_dir: Optional[str] = None,
+    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
     spike_over: Sequence[str] = (),
+    **options: Any,
 ) -> Autopsy:
-    """`replay` on the values the bad step kept of `batch_tensors`, dumped (with the weights
-    the step read, up to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless
-    it is None; never raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
+    """`replay` (`options` are its other keywords: ``timeout_secs``, ``max_chunk_bytes``) on
+    the values the bad step kept of `batch_tensors`, dumped (with the weights the step read, up
+    to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless it is None; never
+    raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
-        result = replay(
-            session,
-            feeds,
-            targets,
-            timeout_secs=timeout_secs,
-            max_chunk_bytes=max_chunk_bytes,
-            clock=clock,
-            step=step,
-            cause=cause,
-        )
+        result = replay(session, feeds, targets, clock=clock, step=step, cause=cause, **options)
         result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
