@@ -588,13 +588,11 @@ def write_dump(
     while tf.io.gfile.exists(base + ".json"):
         suffix += 1
         base = f"{stem}-{suffix}"
-    arrays, listed = {}, {"batch": [], "weight": []}
+    arrays, listed = {}, {}
     for prefix, kept in (("batch", feeds), ("weight", weights)):
-        for i, (tensor, value) in enumerate(kept.items()):
-            arrays[f"{prefix}_{i}"] = np.asarray(value)
-            listed[prefix].append(
-                {"key": f"{prefix}_{i}", "tensor": getattr(tensor, "name", tensor)}
-            )
+        keys = [f"{prefix}_{i}" for i in range(len(kept))]
+        arrays.update(zip(keys, map(np.asarray, kept.values())))
+        listed[prefix] = [{"key": k, "tensor": getattr(t, "name", t)} for k, t in zip(keys, kept)]
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(base + ".npz", "wb") as f:
