@@ -109,18 +109,7 @@ class Autopsy:
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        if self.cause != NON_FINITE:
-            return explain_spike(
-                self.top_examples,
-                self.batch_size,
-                self.median_loss,
-                self.per_example_loss,
-                self.error,
-                over=self.spike_over,
-            )
-        return explain(
-            self.first_bad_op, self.bad_examples, self.reproduced, self.error, self.batch_size
-        )
+        return explain(self) if self.cause == NON_FINITE else explain_spike(self)
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -182,16 +171,12 @@ def where(traceback_lines: Sequence[str]) -> str:
     return os.path.basename(traceback_lines[-1].split(" in ", 1)[0]) if traceback_lines else ""
 
 
-def explain(
-    first_bad_op: Optional[Mapping[str, Any]],
-    bad_examples: Sequence[int],
-    reproduced: Optional[bool],
-    error: Optional[str] = None,
-    batch_size: int = 0,
-) -> str:
-    """The autopsy in one sentence, such as ``first non-finite value: fc2/Log (Log) at
-    model.py:42, input fc2/Softmax holds a 0; examples 3, 17 of the batch``."""
-    if reproduced is False:
+def explain(result: Autopsy) -> str:
+    """The autopsy of a non-finite step in one sentence, such as ``first non-finite value:
+    fc2/Log (Log) at model.py:42, input fc2/Softmax holds a 0; examples 3, 17 of the batch``."""
+    first_bad_op, bad_examples, error = result.first_bad_op, result.bad_examples, result.error
+    batch_size = result.batch_size
+    if result.reproduced is False:
         return (
             "the replay of the step from the same weights and batch is finite: the bad "
             "step does not reproduce (nondeterminism such as dropout, or a transient "
@@ -733,20 +718,15 @@ def standing_out(
     return cut + 1 if gaps[cut] >= math.log(ratio) - 1e-12 else 0  # the bottom's step: equal
 
 
-def explain_spike(
-    top_examples: Sequence[Tuple[int, float]],
-    batch_size: int,
-    median: Optional[float],
-    per_example_loss: Optional[str],
-    error: Optional[str] = None,
-    *,
-    over: Sequence[str] = (),
-) -> str:
+def explain_spike(result: Autopsy) -> str:
     """A spike's autopsy in one sentence (docs/guide.md quotes one): the examples
-    `standing_out` picks, hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
+    `standing_out` picks, hedged when ``spike_over`` (what the spike was caught on) lacks
+    ``"loss"``."""
+    top_examples, batch_size, error = result.top_examples, result.batch_size, result.error
+    median = result.median_loss
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
-    if per_example_loss is None or not top_examples:
+    if result.per_example_loss is None or not top_examples:
         return (
             "the loss cannot be split per example, so no example of the batch can be named "
             "as the spike's"
@@ -755,7 +735,7 @@ def explain_spike(
     count = standing_out(top_examples, median)
     of = f" of {batch_size}" if batch_size else ""
     at_median = f"; batch median {median:{LOSS_FORMAT}}" if median is not None else ""
-    hedge = _hedge(over)
+    hedge = _hedge(result.spike_over)
     if not count:
         indices, losses = _figures(top_examples)
         ending = f"the losses name no example that may have carried the {hedge}"
