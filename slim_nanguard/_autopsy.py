@@ -135,7 +135,7 @@ def health(value: Any) -> Dict[str, Any]:
 
 def is_finite_health(h: Mapping[str, Any]) -> bool:
     """True when a `health` dict counts no NaN and no Inf."""
-    return not (h.get("nan") or h.get("posinf") or h.get("neginf"))
+    return not non_finite_counts(h)
 
 
 def non_finite_counts(h: Mapping[str, Any]) -> List[str]:
