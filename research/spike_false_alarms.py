@@ -3,12 +3,13 @@ r"""Does the spike guard raise false alarms? Clean runs with ``--spike_policy=sk
 Two tables, printed as Markdown (docs/guide.md holds them as measured):
 
 * ``--part=configs``: each shipped config in ``configs/`` (all but ``spike_skip.cfg``, whose
-  spike is planted) run by ``scripts/train.py`` twice, as shipped and with
-  ``--spike_policy=skip``: the spikes flagged, the largest z-scores of loss and gradient norm
-  over every step past the warm-up, and the final test accuracy of each run. Both runs write a
-  TensorBoard summary every step (``--save_summaries_steps=1``: the z-scores are read from
-  there), which changes nothing in training. ``finetune.cfg`` starts from the checkpoint of
-  this script's own ``default.cfg`` run.
+  spike is planted, and ``cifarnet.cfg``, which ``--part=cluster`` runs) run by
+  ``scripts/train.py`` twice, as shipped and with ``--spike_policy=skip``: the spikes flagged,
+  the largest z-scores of loss and gradient norm over every step past the warm-up, and the
+  final test accuracy of each run. Both runs write a TensorBoard summary every step
+  (``--save_summaries_steps=1``: the z-scores are read from there), which changes nothing in
+  training. ``finetune.cfg`` starts from the checkpoint of this script's own ``default.cfg``
+  run.
 * ``--part=models``: each model of the benchmark (`slim_nanguard.app.benchmarking.MODELS`)
   with each of its optimizers, trained by `slim_nanguard.train` for ``--steps`` steps with
   ``spike_policy="skip"`` on a new random batch each step, labelled by a fixed random linear
