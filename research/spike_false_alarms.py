@@ -1,14 +1,15 @@
-"""Does the spike guard raise false alarms? Clean runs with ``--spike_policy=skip``, counted.
+r"""Does the spike guard raise false alarms? Clean runs with ``--spike_policy=skip``, counted.
 
 Two tables, printed as Markdown (docs/performance.md holds them as measured):
 
 * ``--part=configs``: each shipped config in ``configs/`` (all but ``spike_skip.cfg``, whose
-  spike is planted) run by ``scripts/train.py`` twice, as shipped and with
-  ``--spike_policy=skip``: the spikes flagged, the largest z-scores of loss and gradient norm
-  over every step past the warm-up, and the final test accuracy of each run. Both runs write a
-  TensorBoard summary every step (``--save_summaries_steps=1``: the z-scores are read from
-  there), which changes nothing in training. ``finetune.cfg`` starts from the checkpoint of
-  this script's own ``default.cfg`` run.
+  spike is planted, and ``cifarnet.cfg``, which ``--part=cluster`` runs) run by
+  ``scripts/train.py`` twice, as shipped and with ``--spike_policy=skip``: the spikes flagged,
+  the largest z-scores of loss and gradient norm over every step past the warm-up, and the
+  final test accuracy of each run. Both runs write a TensorBoard summary every step
+  (``--save_summaries_steps=1``: the z-scores are read from there), which changes nothing in
+  training. ``finetune.cfg`` starts from the checkpoint of this script's own ``default.cfg``
+  run.
 * ``--part=models``: each model of the benchmark (`slim_nanguard.app.benchmarking.MODELS`)
   with each of its optimizers, trained by `slim_nanguard.train` for ``--steps`` steps with
   ``spike_policy="skip"`` on a new random batch each step, labelled by a fixed random linear
@@ -26,7 +27,9 @@ Two tables, printed as Markdown (docs/performance.md holds them as measured):
   and gradient norm (TensorBoard's, those of accepted steps), and the test accuracy of each
   run. Its last line is the sentence the README may say. ``--quick``: one seed, 60 steps
   (the table's shape, for tests/test_spike_data_loss.py).
-* ``--part=cluster``: LeNet as in ``--part=converged``, in each layout of ``--layouts``: one
+* ``--part=cluster``: each net of ``--cluster_nets`` (a config's name: ``lenet``, LeNet as in
+  ``--part=converged``; ``cifarnet``, the launcher's ``cifarnet_bn``, CifarNet with batch norm
+  and weight decay 0.004 as in ``--part=converged``) in each layout of ``--layouts``: one
   machine, and loopback clusters started by ``scripts/train.py`` (1 ps and 2 or 3 async
   workers, or 2 workers under ``--sync_replicas``; free 127.0.0.1 ports, every task killed by
   its own PID past ``CLUSTER_TIMEOUT_SECS``), ``--converged_steps`` global steps, each seed,
@@ -34,7 +37,7 @@ Two tables, printed as Markdown (docs/performance.md holds them as measured):
   first), the steps judged (all workers' steps past the warm-up of 20, which they share: the
   statistics live on the ps), each false alarm with its z-scores, cause and worker (from each
   worker's record), the largest z-scores of the chief's accepted steps, and the chief's test
-  accuracy of each run. ``--quick``: async 2 workers, seed 0, 60 steps.
+  accuracy of each run. ``--quick``: the first net, async 2 workers, seed 0, 60 steps.
 
 The wider bench (clean-but-hard runs, and the runs the guard must judge: a new level, a
 learning-rate jump, planted spikes and bad shards) is ``research/spike_bench.py``.
@@ -50,7 +53,10 @@ Usage, from the repository root::
     python research/spike_false_alarms.py --part=models --steps=500
     python research/spike_false_alarms.py --part=converged   # 1,500 steps, seeds 0-2 (~11 min)
     python research/spike_false_alarms.py --part=converged --quick
-    python research/spike_false_alarms.py --part=cluster     # 4 layouts x 3 seeds (~40 min)
+    python research/spike_false_alarms.py --part=cluster   # 2 nets x 4 layouts x 3 seeds
+    python research/spike_false_alarms.py --part=cluster --cluster_nets=lenet     # ~40 min
+    python research/spike_false_alarms.py --part=cluster --cluster_nets=cifarnet \
+        --layouts=async2,async3,sync2                                             # ~40 min
     python research/spike_false_alarms.py --part=cluster --quick
 """
 
@@ -259,21 +265,13 @@ CONVERGED_COLUMNS = (
 def _cifarnet_converged(seed: int, steps: int, logdir: str, guarded: bool):
     """CifarNet with batch norm on the digits for `steps` steps: ([steps run], test accuracy)."""
     import tensorflow as tf
-    import tf_slim as slim
 
     import slim_nanguard
-    from slim_nanguard import compat
     from slim_nanguard.app import datasets
     from slim_nanguard.app import models
 
-    compat.install()  # slim.batch_norm on current TensorFlow
-
-    def net(images, is_training):
-        with (
-            slim.arg_scope([slim.conv2d], normalizer_fn=slim.batch_norm),
-            slim.arg_scope([slim.batch_norm], is_training=is_training, decay=0.9),
-        ):
-            return models.cifarnet(images, 10, is_training)
+    def net(images, is_training):  # the launcher's cifarnet_bn
+        return models.cifarnet(images, 10, is_training, batch_norm=True)
 
     graph = tf.Graph()
     with graph.as_default():
@@ -377,7 +375,10 @@ def _bench(columns, cases, trained: str, what: str, by_worker: bool = False) -> 
 
 def converged_table(names, seeds, steps: int, workdir: str) -> str:
     """Trains each net with and without the spike guard; the table and the README's line."""
-    runs = {"lenet": functools.partial(_lenet_run, "local"), "cifarnet": _cifarnet_converged}
+    runs = {
+        "lenet": functools.partial(_config_run, "lenet", "local"),
+        "cifarnet": _cifarnet_converged,
+    }
     cases = [
         (
             [name, str(seed)],
@@ -410,6 +411,7 @@ CLUSTER_COLUMNS = (
     "test accuracy unguarded",
     "guarded",
 )
+CLUSTER_NETS = ("lenet", "cifarnet")  # configs/NAME.cfg: LeNet, and CifarNet with batch norm
 CLUSTER_TIMEOUT_SECS = 1800  # per cluster run: every task is killed (by its PID) past it
 
 
@@ -459,15 +461,15 @@ def _run_tasks(commands, env, timeout: float):
             err.close()
 
 
-def _lenet_run(layout: str, seed: int, steps: int, train_dir: str, guarded: bool):
-    """``configs/lenet.cfg`` for `steps` global steps in `layout` (a key of `LAYOUTS`), on a
+def _config_run(config: str, layout: str, seed: int, steps: int, train_dir: str, guarded: bool):
+    """``configs/CONFIG.cfg`` for `steps` global steps in `layout` (a key of `LAYOUTS`), on a
     loopback cluster of 1 ps and its workers (free 127.0.0.1 ports) unless ``local``:
     (the steps each worker ran, good and bad, the chief first; the chief's test accuracy)."""
     _, workers, sync = LAYOUTS[layout]
     extra = [f"--seed={seed}", f"--max_number_of_steps={steps}", "--log_every_n_steps=0"]
     extra += ["--spike_policy=skip"] if guarded else []
     if not workers:
-        outs = [_train("lenet", train_dir, *extra).stdout]
+        outs = [_train(config, train_dir, *extra).stdout]
     else:
         ps, *ports = _free_ports(1 + workers)
         extra += [
@@ -475,7 +477,7 @@ def _lenet_run(layout: str, seed: int, steps: int, train_dir: str, guarded: bool
             "--worker_hosts=" + ",".join(f"127.0.0.1:{p}" for p in ports),
             *(["--sync_replicas"] if sync else []),
         ]
-        argv, env = _train_command("lenet", train_dir, *extra)
+        argv, env = _train_command(config, train_dir, *extra)
         tasks = [("ps", 0)] + [("worker", t) for t in range(workers)]
         commands = [argv + [f"--job_name={job}", f"--task={t}"] for job, t in tasks]
         exits = _run_tasks(commands, env, CLUSTER_TIMEOUT_SECS)
@@ -484,7 +486,7 @@ def _lenet_run(layout: str, seed: int, steps: int, train_dir: str, guarded: bool
                 f"--- {job}{t}: exit {code}\n{err[-1500:]}"
                 for (job, t), (code, _, err) in zip(tasks, exits)
             )
-            raise RuntimeError(f"lenet {layout} seed {seed} failed:\n{said}")
+            raise RuntimeError(f"{config} {layout} seed {seed} failed:\n{said}")
         outs = [out for _, out, _ in exits[1:]]
     counts = []
     for out in outs:
@@ -494,8 +496,9 @@ def _lenet_run(layout: str, seed: int, steps: int, train_dir: str, guarded: bool
     return counts, _accuracy(outs[0])
 
 
-def cluster_table(layouts, seeds, steps: int, workdir: str) -> str:
-    """Trains LeNet in each layout with and without the spike guard; the table and its line.
+def cluster_table(nets, layouts, seeds, steps: int, workdir: str) -> str:
+    """Trains each net (a config's name) in each layout with and without the spike guard; the
+    table and its line.
 
     The spike statistics of a cluster live on the ps, so its warm-up is the first
     `WARMUP_STEPS` steps of all the workers together: the steps judged are every worker's
@@ -503,14 +506,15 @@ def cluster_table(layouts, seeds, steps: int, workdir: str) -> str:
     """
     cases = [
         (
-            [LAYOUTS[layout][0], "lenet", str(seed)],
-            os.path.join(workdir, f"cluster_{layout}_{seed}"),
-            functools.partial(_lenet_run, layout, seed, steps),
+            [LAYOUTS[layout][0], net, str(seed)],
+            os.path.join(workdir, f"cluster_{net}_{layout}_{seed}"),
+            functools.partial(_config_run, net, layout, seed, steps),
         )
+        for net in nets
         for layout in layouts
         for seed in seeds
     ]
-    what = "lenet; " + ", ".join(LAYOUTS[k][0] for k in layouts)
+    what = ", ".join(nets) + "; " + ", ".join(LAYOUTS[k][0] for k in layouts)
     what += f"; seeds {', '.join(str(s) for s in seeds)}"
     return _bench(CLUSTER_COLUMNS, cases, f"{steps} global steps", what, by_worker=True)
 
@@ -527,10 +531,12 @@ flags.DEFINE_list("converged_models", list(CONVERGED_MODELS), "Nets of --part=co
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of --part=converged.")
 flags.DEFINE_integer("converged_steps", 1500, "Steps per run of --part=converged.")
 flags.DEFINE_list("layouts", list(LAYOUTS), f"Layouts of --part=cluster: {', '.join(LAYOUTS)}.")
+flags.DEFINE_list("cluster_nets", list(CLUSTER_NETS), "Nets of --part=cluster: configs' names.")
 flags.DEFINE_bool(
     "quick",
     False,
-    "--part=converged or cluster on seed 0 for 60 steps (cluster: async2 only): the table's shape.",
+    "--part=converged or cluster on seed 0 for 60 steps (cluster: async2 and the first of "
+    "--cluster_nets only): the table's shape.",
 )
 flags.DEFINE_string("workdir", "", "Where the runs go (default: a new temporary directory).")
 
@@ -564,7 +570,13 @@ def main(argv) -> int:
         if unknown:
             print(f"--layouts: {', '.join(unknown)} unknown; choose from {', '.join(LAYOUTS)}.")
             return 2
-        print(cluster_table(["async2"] if FLAGS.quick else FLAGS.layouts, seeds, steps, workdir))
+        nets = FLAGS.cluster_nets[:1] if FLAGS.quick else FLAGS.cluster_nets
+        missing = [n for n in nets if not os.path.exists(os.path.join(REPO, "configs", n + ".cfg"))]
+        if missing:
+            print(f"--cluster_nets: {', '.join(missing)}: no configs/NAME.cfg of that name.")
+            return 2
+        layouts = ["async2"] if FLAGS.quick else FLAGS.layouts
+        print(cluster_table(nets, layouts, seeds, steps, workdir))
     return 0
 
 

@@ -216,12 +216,14 @@ FLAGS = {
         },
         "model_name": {
             "type": "enum",
-            "help": "<mlp|lenet|resnet_v1_50|resnet_v2_50|inception_v1|vgg_a|alexnet_v2>: "
+            "help": "<mlp|lenet|cifarnet|cifarnet_bn|resnet_v1_50|resnet_v2_50|inception_v1|vgg_a|alexnet_v2>: "
             "The model to train.",
             "default": "mlp",
             "choices": [
                 "mlp",
                 "lenet",
+                "cifarnet",
+                "cifarnet_bn",
                 "resnet_v1_50",
                 "resnet_v2_50",
                 "inception_v1",
@@ -496,12 +498,14 @@ FLAGS = {
         },
         "model_name": {
             "type": "enum",
-            "help": "<mlp|lenet|resnet_v1_50|resnet_v2_50|inception_v1|vgg_a|alexnet_v2>: "
+            "help": "<mlp|lenet|cifarnet|cifarnet_bn|resnet_v1_50|resnet_v2_50|inception_v1|vgg_a|alexnet_v2>: "
             "The model the checkpoint holds.",
             "default": "mlp",
             "choices": [
                 "mlp",
                 "lenet",
+                "cifarnet",
+                "cifarnet_bn",
                 "resnet_v1_50",
                 "resnet_v2_50",
                 "inception_v1",

@@ -46,7 +46,9 @@ def test_the_registries_cover_every_model():
 
 
 def test_unknown_model_name_lists_the_choices():
-    with pytest.raises(ValueError, match=r"'resnet'.*--model_name.*mlp, lenet, resnet_v1_50"):
+    with pytest.raises(
+        ValueError, match=r"'resnet'.*--model_name.*mlp, lenet, cifarnet, cifarnet_bn, resnet_v1_50"
+    ):
         models.get_model("resnet")
     with pytest.raises(slim_nanguard.NanGuardError):
         models.get_model("resnet")
@@ -121,6 +123,8 @@ def test_lenet_at_28x28_is_slims_lenet_and_drops_out_only_in_training():
 
 # name: (image side for the forward run, is_training)
 _NET_CASES = {
+    "cifarnet": (models.MIN_IMAGE_SIZE["cifarnet"], False),
+    "cifarnet_bn": (models.MIN_IMAGE_SIZE["cifarnet_bn"], True),
     "resnet_v1_50": (32, True),
     "resnet_v2_50": (32, True),
     "inception_v1": (models.MIN_IMAGE_SIZE["inception_v1"], False),
@@ -148,8 +152,41 @@ def test_net_runs_at_its_smallest_size_and_returns_batch_by_classes_logits(name)
     assert logits.shape.as_list() == [2, 7]
     assert values.shape == (2, 7) and np.all(np.isfinite(values))
     assert regularizers  # the net's own default weight decay.
-    if name.startswith("resnet"):
+    if name.startswith("resnet") or name == "cifarnet_bn":
         assert update_ops  # batch norm in training mode.
+
+
+def test_cifarnet_has_the_gardens_variables_and_cifarnet_bn_batch_norm_in_place_of_biases():
+    def variables(name):
+        with tf.Graph().as_default():
+            models.get_model(name)(tf.zeros([2, 32, 32, 3]), 10, is_training=True)
+            return (
+                {v.op.name: v.shape.as_list() for v in tf.compat.v1.global_variables()},
+                len(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)),
+                len(tf.compat.v1.losses.get_regularization_losses()),
+            )
+
+    garden, garden_updates, garden_decays = variables("cifarnet")
+    assert garden == {  # research/slim/nets/cifarnet.py's names and shapes at 32x32x3.
+        "CifarNet/conv1/weights": [5, 5, 3, 64],
+        "CifarNet/conv1/biases": [64],
+        "CifarNet/conv2/weights": [5, 5, 64, 64],
+        "CifarNet/conv2/biases": [64],
+        "CifarNet/fc3/weights": [8 * 8 * 64, 384],
+        "CifarNet/fc3/biases": [384],
+        "CifarNet/fc4/weights": [384, 192],
+        "CifarNet/fc4/biases": [192],
+        "CifarNet/logits/weights": [192, 10],
+        "CifarNet/logits/biases": [10],
+    }
+    assert (garden_updates, garden_decays) == (0, 2)  # weight decay on fc3 and fc4 only.
+    normed, updates, decays = variables("cifarnet_bn")
+    for conv in ("conv1", "conv2"):
+        del garden[f"CifarNet/{conv}/biases"]
+        for statistic in ("beta", "moving_mean", "moving_variance"):
+            garden[f"CifarNet/{conv}/BatchNorm/{statistic}"] = [64]
+    assert normed == garden
+    assert (updates, decays) == (4, 2)  # each convolution's mean and variance.
 
 
 def test_net_weight_decay_goes_through_its_arg_scope():

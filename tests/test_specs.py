@@ -45,10 +45,12 @@ def test_the_tf_slim_nets_take_rgb_and_say_where_they_live():
         assert spec.channels == 3 and spec.default_image_size == 224
         assert ("dropout_keep_prob" in spec.options) == spec.slim_net.has_dropout
     assert models.MODELS["mlp"].channels is None and models.MODELS["lenet"].channels is None
+    for name in ("cifarnet", "cifarnet_bn"):  # the garden's CIFAR-10 net: 32x32 RGB.
+        assert (models.MODELS[name].channels, models.MODELS[name].default_image_size) == (3, 32)
 
 
 def test_the_small_models_options_are_their_keyword_arguments():
-    for name in ("mlp", "lenet"):
+    for name in ("mlp", "lenet", "cifarnet"):
         spec = models.MODELS[name]
         keywords = {
             p.name
@@ -56,6 +58,10 @@ def test_the_small_models_options_are_their_keyword_arguments():
             if p.kind is p.KEYWORD_ONLY
         }
         assert set(spec.options) == keywords
+    # cifarnet_bn is cifarnet with batch_norm=True: every option but that one.
+    assert set(models.MODELS["cifarnet_bn"].options) == set(models.MODELS["cifarnet"].options) - {
+        "batch_norm"
+    }
 
 
 @pytest.mark.parametrize("name, size", [("mlp", 8), ("lenet", 28)])

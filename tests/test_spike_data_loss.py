@@ -142,7 +142,7 @@ def test_the_quick_cluster_bench_reads_every_workers_steps_and_prints_a_true_sen
     for acc in (row["test accuracy unguarded"], row["guarded"]):
         assert 0.0 <= float(acc) <= 1.0, row
     # Both workers wrote their own record into the one training directory.
-    run = tmp_path / "runs" / "cluster_async2_0_with"
+    run = tmp_path / "runs" / "cluster_lenet_async2_0_with"
     assert {r.get("task", 0) for r in slim_nanguard.read_events(str(run))} == {0, 1}
     assert lines[-1] == (
         f"On 1 run trained 60 global steps (lenet; async 2 workers; seeds 0; {judged} steps "

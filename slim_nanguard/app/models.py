@@ -21,8 +21,14 @@ The models, by name (the launcher's ``--model_name``):
   variables and the graph are those of tf_slim.nets (so slim checkpoints fit); at larger
   sizes the final spatial logits are averaged to ``[B, num_classes]``.
 
-Two more builders, ``cifarnet`` and ``mobilenet_v1``, are written here from their
-architectures for the benchmark (``slim-nanguard-benchmark``); they are not in `MODELS`.
+* ``cifarnet``: the CifarNet of tensorflow/models ``research/slim/nets/cifarnet.py``
+  (conv 64 5x5, pool, LRN, conv 64 5x5, LRN, pool, fc 384, dropout, fc 192, logits; weight
+  decay on the fully connected weights), with its variable names; 32x32 RGB is its size.
+* ``cifarnet_bn``: the same with ``slim.batch_norm`` after each convolution (the builder's
+  ``batch_norm=True``), as TF-Slim users add it with an arg scope.
+
+One more builder, ``mobilenet_v1``, is written here from its paper for the benchmark
+(``slim-nanguard-benchmark``); it is not in `MODELS`.
 
 To build a second copy sharing the variables (e.g. an evaluation tower), call the model
 function under ``tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True)``.
@@ -176,21 +182,27 @@ def cifarnet(
     *,
     dropout_keep_prob: float = 0.5,
     weight_decay: float = 0.004,
+    batch_norm: bool = False,
     scope: str = "CifarNet",
 ) -> tf.Tensor:
     """CifarNet, the CIFAR-10 net of tensorflow/models ``research/slim/nets/cifarnet.py``.
 
     Two 5x5 convolutions of 64 filters, each followed by 2x2 max pooling and local response
     normalization, then fully connected layers of 384 and 192 units and linear logits.
-    Written here from that architecture (tf_slim.nets has no CifarNet); not registered in
-    `MODELS`, the benchmark builds it.
+    Written here from that architecture (tf_slim.nets has no CifarNet). Without batch norm
+    the variables are the garden's (``CifarNet/conv1/weights`` ... ``CifarNet/logits``).
 
     Args:
-      images: Float32 ``[batch, height, width, channels]``; 32x32x3 is its size.
+      images: Float32 ``[batch, height, width, channels]``; 32x32x3 is its size, any side
+        from 4 builds.
       num_classes: The number of classes.
-      is_training: Dropout (after the 384-unit layer) is applied only in training.
+      is_training: Dropout (after the 384-unit layer) is applied only in training, and batch
+        norm (if on) is in training mode.
       dropout_keep_prob: The fraction of those activations kept by dropout.
       weight_decay: The L2 regularization coefficient of the fully connected weights.
+      batch_norm: Put ``slim.batch_norm`` (decay 0.9, statistics updates in ``UPDATE_OPS``)
+        after each convolution, in place of its biases, through an arg scope as TF-Slim's
+        nets do; needs ``slim_nanguard.compat.install()``, which it then calls itself.
       scope: The variable scope.
 
     Returns:
@@ -202,12 +214,21 @@ def cifarnet(
             net, depth_radius=4, bias=1.0, alpha=0.001 / 9.0, beta=0.75, name=name
         )
 
+    if batch_norm:
+        from slim_nanguard import compat  # pylint: disable=import-outside-toplevel
+
+        compat.install()
     with tf.compat.v1.variable_scope(scope, "CifarNet", [images]):
         with (
             slim.arg_scope(
                 [slim.conv2d],
                 activation_fn=tf.nn.relu,
                 weights_initializer=tf.compat.v1.truncated_normal_initializer(stddev=0.05),
+            ),
+            # Only with batch_norm: a caller's own arg scopes are left as they are without.
+            slim.arg_scope([slim.conv2d] if batch_norm else [], normalizer_fn=slim.batch_norm),
+            slim.arg_scope(
+                [slim.batch_norm] if batch_norm else [], is_training=is_training, decay=0.9
             ),
             slim.arg_scope(
                 [slim.fully_connected],
@@ -446,6 +467,15 @@ def _slim_net(name: str, net: SlimNet, min_image_size: int) -> ModelSpec:
 _SPECS = (
     ModelSpec("mlp", mlp, _keyword_options(mlp), default_image_size=None),
     ModelSpec("lenet", lenet, _keyword_options(lenet), default_image_size=28),
+    ModelSpec("cifarnet", cifarnet, _keyword_options(cifarnet), 32, min_image_size=4, channels=3),
+    ModelSpec(
+        "cifarnet_bn",
+        functools.partial(cifarnet, batch_norm=True),
+        tuple(o for o in _keyword_options(cifarnet) if o != "batch_norm"),
+        32,
+        min_image_size=4,
+        channels=3,
+    ),
     _slim_net("resnet_v1_50", SlimNet("resnet_v1", "resnet_v1_50", "resnet_arg_scope", False), 1),
     _slim_net("resnet_v2_50", SlimNet("resnet_v2", "resnet_v2_50", "resnet_arg_scope", False), 1),
     _slim_net(
@@ -512,7 +542,8 @@ def get_model(name: str, **options: Any) -> ModelFn:
       name: One of `MODEL_NAMES`.
       **options: The model's keyword options (`ModelSpec.options`): for ``mlp``
         ``hidden_units`` and ``weight_decay``; for ``lenet`` ``dropout_keep_prob`` and
-        ``weight_decay``; for the tf_slim.nets ``weight_decay`` (``None``: the net's own
+        ``weight_decay``; for ``cifarnet`` those and ``batch_norm`` (``cifarnet_bn``: all
+        but ``batch_norm``); for the tf_slim.nets ``weight_decay`` (``None``: the net's own
         default) and, except the resnets, ``dropout_keep_prob``.
 
     Returns:
