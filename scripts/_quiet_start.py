@@ -16,6 +16,7 @@ scripts/_quiet_start.py`` rewrites the table from the launchers' own flag defini
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -195,11 +196,17 @@ def check_flags_early(argv: Sequence[str], script: str, module_name: str, doc: s
         sys.stderr.write("Pass --helpshort or --helpfull to see help on flags.\n")
         sys.exit(1)
     if script == "train":
-        problems = _preflight().train_problems({name: values[name].value for name in table[script]})
-        for line in problems[:1]:
-            print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)
-        if problems:
-            sys.exit(1)
+        given = {name: values[name].value for name in table[script]}
+        problems = _preflight().train_problems(given)
+        problems += [] if given.get("ps_hosts") else _guard_problems(given)
+    elif script == "eval":
+        problems = _preflight().eval_problems({"checkpoint_path": values["checkpoint_path"].value})
+    else:
+        problems = []
+    for line in problems[:1]:
+        print(f"{os.path.basename(argv[0])}: error: {line}", file=sys.stderr)
+    if problems:
+        sys.exit(1)
 
 
 def _print_help(flags, specs: Dict[str, dict], prog: str, doc: str) -> None:
@@ -243,6 +250,38 @@ def _preflight():
     sys.modules[spec.name] = module  # dataclasses looks the module up
     spec.loader.exec_module(module)
     return module
+
+
+def _guard_problems(given: Dict[str, object]) -> list:
+    """What ``GuardConfig`` (the guard's one home of its settings' checks) says of the guard
+    flags in `given`, opened by the flag and its value as the run says it (none: []).
+
+    ``slim_nanguard/_policy.py`` and the two modules it imports need no TensorFlow; they are
+    loaded under a stand-in of the package (its ``__init__`` imports TensorFlow), which is
+    then removed, so that the run imports the package whole."""
+    package = importlib.util.find_spec("slim_nanguard").submodule_search_locations[0]
+    stand_in = type(sys)("slim_nanguard")
+    stand_in.__path__ = [package]
+    saved = sys.modules.get("slim_nanguard")
+    sys.modules["slim_nanguard"] = stand_in
+    try:
+        guard_config = importlib.import_module("slim_nanguard._policy").GuardConfig
+    finally:
+        for name in [n for n in sys.modules if n.startswith("slim_nanguard.")]:
+            del sys.modules[name]
+        sys.modules.pop("slim_nanguard")
+        if saved is not None:
+            sys.modules["slim_nanguard"] = saved
+    settings = {f.name: given[f.name] for f in dataclasses.fields(guard_config) if f.name in given}
+    settings.pop("reasons", None)  # module:name entries, imported by the run
+    if settings.get("spike_policy") == "none":
+        settings["spike_policy"] = None
+    try:
+        guard_config(**settings)
+    except ValueError as err:
+        name = str(err).split(" ", 1)[0]
+        return [f"--{name}={given[name]}: {err}" if name in given else str(err)]
+    return []
 
 
 def _define(flags, values, name: str, spec: dict) -> None:

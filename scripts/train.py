@@ -10,8 +10,9 @@ one means the same thing; the guard is one flag away (--nan_policy, --check_nume
 Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
 Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
 stderr; --verbosity=1 adds the Python traceback and TensorFlow's start-up messages); 3
-stopped by --nan_policy=stop or --persistent_nan_policy=stop; 130 interrupted by Ctrl-C
-and 143 terminated by SIGTERM (each after a clean stop with a final checkpoint).
+stopped by a policy (--nan_policy, --spike_policy or --persistent_nan_policy=stop) or, on a
+cluster, by another worker's stop or failure; 130 interrupted by Ctrl-C and 143 terminated by
+SIGTERM (each after a clean stop with a final checkpoint).
 """
 
 import dataclasses

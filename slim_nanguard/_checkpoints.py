@@ -319,37 +319,51 @@ def _short(err: BaseException) -> str:
 
 
 class FinitenessTest:
-    """Which of some variables hold NaN or Inf, and which: exact, one sum per variable when
-    all is finite (a non-finite sum, which may be an overflow, is confirmed element-wise).
-    Build it before the graph is finalized; `non_finite` runs it on the floating-point
-    variables, whose op names are `names`."""
+    """Which of some variables hold NaN or Inf, and which: exact. One op a variable in the
+    graph (its half sum of squares is finite only if every element is); a variable that
+    fails it, which may be an overflow, is read and tested element-wise. Build it before the
+    graph is finalized; `non_finite` tests the floating-point variables."""
 
     def __init__(self, variables: Sequence[tf.Variable]):
-        variables = [v for v in variables if v.dtype.base_dtype.is_floating]
-        self.names = [v.op.name for v in variables]
+        self.variables = [v for v in variables if v.dtype.base_dtype.is_floating]
         self._fast = None
-        if variables:
-            # The element-wise tests run only for the variables whose sum is not finite.
-            self._fast = tf.math.is_finite(tf.stack([_wide_sum(v) for v in variables]))
-            self._kinds = [_verdict.kind_code(v) for v in variables]
+        if self.variables:
+            self._fast = tf.stack([_finite_squares(v) for v in self.variables])
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
         """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_names`)."""
         if self._fast is None:
             return []
-        flagged = [i for i, ok in enumerate(sess.run(self._fast)) if not ok]
+        flagged = [v for v, ok in zip(self.variables, sess.run(self._fast)) if not ok]
         if not flagged:
             return []
-        codes = sess.run([self._kinds[i] for i in flagged])
-        kinds = zip([self.names[i] for i in flagged], _verdict.kind_names(codes))
+        kinds = [(v.op.name, _verdict.value_kind(x)) for v, x in zip(flagged, sess.run(flagged))]
         return [(name, kind) for name, kind in kinds if kind != _verdict.FINITE]
 
 
-def _wide_sum(variable: tf.Variable) -> tf.Tensor:
-    """The sum of a variable as float64 (a half-precision one summed in float32)."""
+def _finite_squares(variable: tf.Variable) -> tf.Tensor:
+    """Bool scalar: whether `variable`'s half sum of squares (half precision's in float32) is
+    finite; a NaN or Inf element makes it NaN or Inf."""
     if variable.dtype.base_dtype in (tf.float16, tf.bfloat16):
         variable = tf.cast(variable, tf.float32)
-    return tf.cast(tf.reduce_sum(variable), tf.float64)
+    return tf.math.is_finite(tf.nn.l2_loss(variable))
+
+
+def finiteness_test(variables: Sequence[tf.Variable]) -> FinitenessTest:
+    """The `FinitenessTest` of `variables` in the default graph, built there once per set of
+    variables (under ``nanguard_finite``) and shared by the savers' checks and the loop's
+    start-up check. The first call for a set must come before the graph is finalized."""
+    # Kept on the graph itself: a table beside it would keep every graph alive (its tests
+    # hold the graph's tensors).
+    graph = tf.compat.v1.get_default_graph()
+    tests = getattr(graph, "_nanguard_finiteness_tests", None)
+    if tests is None:
+        tests = graph._nanguard_finiteness_tests = {}  # pylint: disable=protected-access
+    key = frozenset(v.op.name for v in variables if v.dtype.base_dtype.is_floating)
+    if key not in tests:
+        with tf.name_scope("nanguard_finite"):
+            tests[key] = FinitenessTest(variables)
+    return tests[key]
 
 
 class _FinitenessCheck:
@@ -363,8 +377,7 @@ class _FinitenessCheck:
         else:
             values = var_list.values() if isinstance(var_list, dict) else var_list
             variables = [v for v in values if isinstance(v, tf.Variable)]
-        with tf.name_scope("nanguard_finite_saver"):
-            self._test = FinitenessTest(variables)
+        self._test = finiteness_test(variables)
         self.refused_saves = 0
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:

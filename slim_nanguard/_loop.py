@@ -107,8 +107,7 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
         self._test: Optional[_checkpoints.FinitenessTest] = None
 
     def begin(self):
-        with tf.name_scope("nanguard_finite_model"):
-            self._test = _checkpoints.FinitenessTest(tf.compat.v1.global_variables())
+        self._test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
 
     def after_create_session(self, session, coord):
         if bad := self._test.non_finite(session):

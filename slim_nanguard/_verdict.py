@@ -47,6 +47,14 @@ def kind_code(tensor: tf.Tensor) -> tf.Tensor:
         return nan + 2 * inf
 
 
+def value_kind(value: np.ndarray) -> str:
+    """`kind_names`' name of what a fetched array holds (exact; half precision widened)."""
+    value = np.asarray(value)
+    if value.dtype not in (np.float32, np.float64):
+        value = value.astype(np.float32)
+    return _KIND_NAMES[int(np.isnan(value).any()) + 2 * int(np.isinf(value).any())]
+
+
 def listed(names: Sequence[str], limit: int = 5) -> str:
     """``"a, b and 3 more"``: `names`, at most `limit` of them by name."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""

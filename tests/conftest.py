@@ -7,6 +7,7 @@ import pathlib
 from typing import FrozenSet, Set
 
 import pytest
+import source_trees
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -61,7 +62,7 @@ def _names(node: ast.AST) -> Set[str]:
 def _process_starters(path: pathlib.Path) -> FrozenSet[str]:
     """The functions and classes of `path` that start a process, directly or through another
     (of `path`, or imported from a module beside it: ``from test_launcher import _run``)."""
-    tree = ast.parse(path.read_text())
+    tree = source_trees.parse(path)
     keys = set(_STARTS_A_PROCESS)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (path.parent / f"{node.module}.py").is_file():

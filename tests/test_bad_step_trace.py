@@ -14,6 +14,7 @@ import sys
 from typing import Dict, List, Set
 
 import pytest
+import source_trees
 import tf_slim as slim
 
 import slim_nanguard
@@ -164,7 +165,7 @@ def _imports(module: str) -> Set[str]:
     """The modules `module` imports at run time (at the top or in a function; not under
     ``TYPE_CHECKING``), as written."""
     path = pathlib.Path(lib.REPO, *module.split(".")).with_suffix(".py")
-    found, stack = set(), [ast.parse(path.read_text())]
+    found, stack = set(), [source_trees.parse(path)]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):

@@ -75,3 +75,25 @@ def test_the_cache_stays_bounded_on_a_long_run(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
     monkeypatch.setattr(_checkpoints, "_VERIFIED", type(_checkpoints._VERIFIED)())
+
+
+def test_the_savers_and_the_start_up_check_share_one_finiteness_test(tmp_path):
+    """`train` builds a FiniteSaver and a start-up check of the same variables: the graph
+    holds their test once, one op a variable, and the save still refuses NaN."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.ones([3]), use_resource=True)
+        tf.compat.v1.train.get_or_create_global_step()
+        saver = slim_nanguard.FiniteSaver()
+        users = _checkpoints.finite_saver(tf.compat.v1.train.Saver())
+        test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
+        scopes = {op.name.split("/")[0] for op in graph.get_operations()}
+        assert "nanguard_finite" in scopes and "nanguard_finite_1" not in scopes
+        assert sum(op.type == "L2Loss" for op in graph.get_operations()) == 1  # w only
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            assert test.non_finite(sess) == []
+            sess.run(w.assign([1.0, np.nan, 2.0]))
+            assert test.non_finite(sess) == [("w", "nan")]
+            assert saver.save(sess, str(tmp_path / "model.ckpt")) is None
+            assert users.save(sess, str(tmp_path / "model.ckpt")) is None

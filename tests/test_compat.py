@@ -21,6 +21,7 @@ import types
 
 import numpy as np
 import pytest
+import source_trees
 import tensorflow as tf
 
 from slim_nanguard import compat
@@ -240,8 +241,7 @@ def test_no_tf_slim_module_uses_a_missing_tensorflow_name():
             rel = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
             name = "tf_slim" if rel == "__init__" else "tf_slim." + rel.replace(".__init__", "")
             module = importlib.import_module(name)
-            with open(path, encoding="utf-8") as f:
-                tree = ast.parse(f.read())
+            tree = source_trees.parse(path)
             scanned += 1
             for node in ast.walk(tree):
                 if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):

@@ -185,6 +185,17 @@ def _unwritable_dir(tmp_path: pathlib.Path) -> pathlib.Path:
             "range [2, 128]",
         ),
         (["--max_rollbacks=0"], "FATAL Flags parsing error: flag --max_rollbacks=0: 0 is not"),
+        # GuardConfig's own checks, beyond what a flag's bounds can say: the run's words.
+        (
+            ["--rollback_lr_factor=0"],
+            "train.py: error: --rollback_lr_factor=0.0: rollback_lr_factor must be a number in "
+            "(0, 1] (1 keeps the learning rate); got 0.0.",
+        ),
+        (
+            ["--autopsy_timeout_secs=0"],
+            "train.py: error: --autopsy_timeout_secs=0.0: autopsy_timeout_secs must be a number "
+            "of seconds > 0; got 0.0.",
+        ),
     ],
 )
 def test_a_bad_setting_is_answered_in_a_line_or_two_before_tensorflow(args, error, tmp_path):
@@ -211,6 +222,21 @@ def test_an_unwritable_train_dir_is_answered_before_tensorflow(tmp_path):
             + error.format(train_dir.parent)
             + ("" if "writable" in error else " Choose a directory for checkpoints and logs.")
         ]
+
+
+def test_eval_answers_a_checkpoint_path_with_nothing_there_before_tensorflow(tmp_path):
+    missing = tmp_path / "run" / "model.ckpt-5"
+    proc = _run_without_tensorflow("eval", f"--checkpoint_path={missing}")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"eval.py: error: --checkpoint_path={missing} does not exist: pass a checkpoint prefix "
+        "(train_dir/model.ckpt-N) or a training directory."
+    ]
+    # A prefix, one of its files and a directory are there: the run (TensorFlow) judges them.
+    (tmp_path / "model.ckpt-5.index").touch()
+    for there in ("model.ckpt-5", "model.ckpt-5.index", "model.ckpt-5.data-00000-of-00001", ""):
+        proc = _run_without_tensorflow("eval", f"--checkpoint_path={tmp_path / there}")
+        assert proc.returncode == 99, (there, proc.stderr[-2000:])
 
 
 def test_a_good_command_line_gets_past_the_early_checks_to_tensorflow(tmp_path):

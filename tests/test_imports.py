@@ -9,6 +9,8 @@ import ast
 import pathlib
 from typing import Dict, List, Set
 
+import source_trees
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "slim_nanguard"
 
@@ -20,7 +22,7 @@ def import_graph(root: pathlib.Path) -> Dict[str, Set[str]]:
     graph = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(source_trees.parse(path)):
             if isinstance(node, ast.Import):
                 targets = [(alias.name, None) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

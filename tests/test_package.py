@@ -11,6 +11,8 @@ import ast
 import configparser
 import pathlib
 
+import source_trees
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The console commands' modules and the helpers they import: what scripts/ may hold.
 COMMANDS = {"train", "eval", "benchmark", "autopsy"}
@@ -26,7 +28,7 @@ def _options():
 def _imported_modules(path: pathlib.Path):
     """Every module name `path` imports, at any depth (inside functions too), each part."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(source_trees.parse(path)):
         if isinstance(node, ast.Import):
             names |= {part for alias in node.names for part in alias.name.split(".")}
         elif isinstance(node, ast.ImportFrom):

@@ -11,6 +11,7 @@ import dataclasses
 import pathlib
 
 import pytest
+import source_trees
 
 import slim_nanguard
 from slim_nanguard import app
@@ -29,7 +30,7 @@ def _sources():
 def _private_uses(path: pathlib.Path):
     """Each `slim_nanguard` name `path` imports or reads that is not public: module paths with
     a part that begins with an underscore, and package attributes outside `__all__`."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = source_trees.parse(path)
     public = set(slim_nanguard.__all__) | {"app"}
     found = []
     for node in ast.walk(tree):

@@ -17,6 +17,7 @@ from absl import logging as absl_logging
 import slim_nanguard
 from slim_nanguard import storage
 from slim_nanguard.app import config as config_lib
+from slim_nanguard.app import preflight
 
 # absl's logger itself: its module functions would configure Python's root logger in a
 # script that is not run by absl's app.run (see slim_nanguard/_log.py).
@@ -70,10 +71,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
             f"{flag}={path} is not a checkpoint TensorFlow can read: pass a "
             "checkpoint prefix (model.ckpt-N, without .index) or its directory."
         )
-    raise config_lib.LaunchError(
-        f"{flag}={path} does not exist: pass a checkpoint prefix "
-        "(train_dir/model.ckpt-N) or a training directory."
-    )
+    raise config_lib.LaunchError(preflight.missing_checkpoint(path, flag))
 
 
 def checkpoint_shapes(path: str, flag: str) -> Dict[str, List[int]]:

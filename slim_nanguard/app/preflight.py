@@ -1,4 +1,4 @@
-"""The launcher's checks that need no TensorFlow: fault specs and local directories.
+"""The launchers' checks that need no TensorFlow: fault specs, local directories, checkpoints.
 
 Standard library only, so that ``scripts/_quiet_start.py`` can load this file by its path
 (without importing ``slim_nanguard``, which imports TensorFlow) and answer a bad
@@ -159,6 +159,27 @@ def train_dir_problem(train_dir: str) -> Optional[str]:
             f"{err.strerror}). Choose a directory you can write to."
         )
     return None
+
+
+def missing_checkpoint(path: str, flag: str) -> str:
+    """The problem of checkpoint `path`, given by `flag`, when nothing is there."""
+    return (
+        f"{flag}={path} does not exist: pass a checkpoint prefix (train_dir/model.ckpt-N) or a "
+        "training directory."
+    )
+
+
+def eval_problems(values: Mapping[str, Any]) -> List[str]:
+    """The problems of the eval launcher's flag `values` this module can see: nothing at a
+    local ``--checkpoint_path`` (a prefix, one of its files, or a directory); whether what is
+    there is a checkpoint is the run's to tell."""
+    path = values.get("checkpoint_path")
+    if not path or not is_local(path):
+        return []
+    prefix = path.split(".data-")[0] if ".data-" in path else re.sub(r"\.(index|meta)$", "", path)
+    if os.path.exists(path) or os.path.exists(prefix + ".index"):
+        return []
+    return [missing_checkpoint(path, "--checkpoint_path")]
 
 
 def train_problems(values: Mapping[str, Any]) -> List[str]:
