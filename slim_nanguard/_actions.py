@@ -18,6 +18,7 @@ from slim_nanguard import _events
 from slim_nanguard import _log as logging
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
+from slim_nanguard import _record
 from slim_nanguard import _rollback
 from slim_nanguard import _verdict
 from slim_nanguard._types import Action
@@ -452,7 +453,7 @@ def judge(
     fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
     event = _events.publish(guard.registry.send, guard.history, read, extra, **fields)
     if read.overflow:
-        return Outcome(event=event, overflow=True)
+        return _counted(guard, session, Outcome(event=event, overflow=True))
     guard.cell.last_event = event
     if decision.escalation and decision.action != Action.RAISE:
         logging.warning(
@@ -461,7 +462,7 @@ def judge(
             decision.escalation,
             decision.action.value,
         )
-    return carry_out(
+    outcome = carry_out(
         guard,
         session,
         event,
@@ -470,3 +471,13 @@ def judge(
         request_stop=request_stop,
         error=error,
     )
+    return _counted(guard, session, outcome)
+
+
+def _counted(guard: "Guard", session: SessionLike, outcome: Outcome) -> Outcome:
+    """`outcome`, once the summaries' counters hold the guard's (not after a stop: no summary
+    follows), written by their initializer: no batch."""
+    if guard.counters is not None and not outcome.stop:
+        feed = {guard.counters.initializer.inputs[1]: _record.counts(guard.state)}
+        raw_call(session, lambda raw: raw.run(guard.counters.initializer, feed))
+    return outcome

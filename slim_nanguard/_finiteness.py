@@ -18,8 +18,10 @@ from slim_nanguard import _ops
 from slim_nanguard import _placement
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
+from slim_nanguard import _record
 from slim_nanguard import _verdict
 from slim_nanguard._gating import ForwardWrites
+from slim_nanguard._types import Fault
 from slim_nanguard._types import Mode
 
 
@@ -133,6 +135,21 @@ class StepTest:
             for name, value in reason.summaries(mine).items():
                 with _placement.on_host():
                     tf.compat.v1.summary.scalar(name, value)
+
+    def counters(self) -> tf.Variable:
+        """The guard's `_record.SCALARS` counters, which `_actions` writes after a bad step, and
+        their summaries (``nanguard/bad_steps``, ...; the optional ones where this test can
+        count them), read from it: no batch."""
+        with tf.name_scope("nanguard/"):
+            counters = _scratch(self.grad_sums, [len(_record.SCALARS)], "counters")
+            shown = _ops.read_once_written(counters, 0.0)
+            spikes = any(reason.name == Fault.SPIKE for reason in self.reasons)
+            has = {"level_shifts": spikes, "loss_scale_overflows": self.scaler is not None}
+            for i, name in enumerate(_record.SCALARS):
+                if has.get(name, True):
+                    with _placement.on_host():
+                        tf.compat.v1.summary.scalar(name, shown[i])
+        return counters
 
     def reason_variables(self) -> Tuple[tf.Variable, ...]:
         """The reasons' state in the checkpoints (none without reasons)."""

@@ -66,7 +66,7 @@ class Guard:
         self._config = config
         self._handles = handles
         self.cell = Cell(config.losses_before)
-        self.registry = _record.Registry()
+        self.registry = _record.Registry(self)
         self.restorer = _rollback.Rollback(handles, config)  # Checkpoints and input.
         # Where this guard's rollbacks go instead of restoring here (None: here).
         self.rollback_request: Optional[RollbackRequest] = None
@@ -82,16 +82,17 @@ class Guard:
     autopsy_dir = property(operator.attrgetter("registry.directory"))
     saver = property(operator.attrgetter("restorer.saver"))
 
-    def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False) -> None:
-        """Sends autopsy dumps (and the guard's own record) to `path`, if first or `replace`."""
-        self.registry.use_directory(path, replace=replace)
+    def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False, **recorder) -> None:
+        """Sends autopsy dumps (and the guard's own record, with the TensorBoard scalars
+        `recorder` says: `_record.EventRecorder`'s keywords) to `path`, if first or `replace`."""
+        self.registry.use_directory(path, replace=replace, **recorder)
 
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
         ``level_shift`` or ``autopsy_dump_removed``, and the `NanEvent`'s fields but in the
-        last); an `EventRecorder` counts this guard's state from now on."""
-        self.registry.add(listener, self)
+        last); an `EventRecorder` writes this guard's counters too."""
+        self.registry.add(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stops calling `listener`."""

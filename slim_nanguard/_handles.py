@@ -29,6 +29,7 @@ class GraphHandles:
     ``report``: where a bad step leaves its cause and the ``reasons``' reports (their
     ``reason_handles``: each `Test.handles`). ``optional_variables``: the learning-rate scale
     and the spike statistics, which a checkpoint may lack (it still restores the rest).
+    ``counters``: the `_record.SCALARS` counters the summaries show (None in a loop body).
     """
 
     mode: Mode
@@ -55,6 +56,7 @@ class GraphHandles:
     reasons: Tuple[Any, ...] = ()
     reason_handles: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     optional_variables: Tuple[tf.Variable, ...] = ()
+    counters: Optional[tf.Variable] = None
 
     def missing_from(self, checkpoint: str) -> Tuple[tf.Variable, ...]:
         """The `optional_variables` that `checkpoint` lacks (it has a ``checkpoint_reader``)."""

@@ -8,6 +8,7 @@ can at worst leave a partial last line; `read_events` skips it, so earlier lines
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -20,40 +21,64 @@ from slim_nanguard import _policy
 
 EVENTS_FILENAME = "nanguard_events.jsonl"
 
-# The TensorBoard counters (``nanguard/<name>``) and the `GuardState` count each one reads.
-_SCALARS = {
+# The TensorBoard counters (``nanguard/<name>``) and the `GuardState` count each one reads; the
+# `OPTIONAL` ones only in runs that can have them.
+SCALARS = {
     "bad_steps": "total_bad_steps",
     "skips": "skips",
     "rollbacks": "rollbacks",
     "stops": "stops",
-    "loss_scale_overflows": "loss_scale_overflows",  # only in runs that have them
+    "level_shifts": "level_shifts",
+    "loss_scale_overflows": "loss_scale_overflows",
 }
+OPTIONAL = ("level_shifts", "loss_scale_overflows")
+
+
+def counts(state: _policy.GuardState) -> List[float]:
+    """`state`'s counters, in `SCALARS`' order."""
+    return [float(getattr(state, field)) for field in SCALARS.values()]
+
+
+def event_scalars(record: Dict[str, Any]) -> Dict[str, float]:
+    """What a bad step's `record` shows at its step besides the counters (pure): its loss
+    (``nanguard/rejected_loss``) and the z-scores of the reason that rejected it
+    (``nanguard/rejected_z_loss``, ...), where finite; nothing for other records."""
+    if record.get("kind") != "bad_step":
+        return {}
+    figures, values = record.get(str(record.get("cause"))), {"loss": record.get("loss")}
+    if isinstance(figures, dict):
+        values |= {name: value for name, value in figures.items() if name.startswith("z_")}
+    return {
+        f"nanguard/rejected_{name}": float(value)
+        for name, value in values.items()
+        if isinstance(value, (int, float)) and math.isfinite(value)
+    }
 
 
 class Registry:
     """A guard's listeners, and its own record in `directory` (the autopsy dumps' directory,
     next to the checkpoints) while no listener keeps one: `send` gives each record to both."""
 
-    def __init__(self):
+    def __init__(self, guard):
+        self._guard = guard
         self.listeners: List[Callable[[Dict[str, Any]], None]] = []
         self.directory: Optional[str] = None
         self._own: Optional[EventRecorder] = None
 
-    def add(self, listener: Callable[[Dict[str, Any]], None], guard) -> None:
-        """Adds `listener` (once); an `EventRecorder` follows `guard`'s counts from now on."""
+    def add(self, listener: Callable[[Dict[str, Any]], None]) -> None:
+        """Adds `listener` (once); an `EventRecorder` writes the guard's counters too."""
         if listener not in self.listeners:
             self.listeners.append(listener)
         if isinstance(listener, EventRecorder):
-            listener.follow(guard)  # Its TensorBoard counters are read from the state.
+            listener.follow(self._guard)  # Its TensorBoard counters are read from the state.
 
-    def use_directory(self, path: Optional[str], *, replace: bool = False) -> None:
-        """Keeps the guard's own record in `path`, if first or `replace`."""
+    def use_directory(self, path: Optional[str], *, replace: bool = False, **recorder) -> None:
+        """Keeps the guard's own record in `path`, if first or `replace`, with the TensorBoard
+        scalars `recorder` (`EventRecorder`'s keywords) says."""
         if path and (replace or self.directory is None):
             self.directory = path
-            # The loop's own summary writer (tf-slim's Supervisor) is not ours to share: a
-            # second FileWriter on the same directory can open the same events file in the
-            # same second and corrupt it. The TensorBoard counters are `train`'s.
-            self._own = EventRecorder(path, write_summaries=False)
+            self._own = EventRecorder(path, **recorder)
+            self._own.follow(self._guard)
 
     def send(self, record: Dict[str, Any]) -> None:
         """Sends one record to every listener, and to the guard's own record unless a listener
@@ -74,32 +99,41 @@ class Registry:
 
 class EventRecorder:
     """A guard listener (``guard.add_listener(recorder)``) that appends each record to the
-    event file of `logdir` and, unless `write_summaries` is False, writes the counters of the
-    guards it follows as TensorBoard scalars (`FileWriterCache`'s writer of `logdir`). `task` is
-    the task id in a cluster (None: none): each record gets a ``task`` field, and task N > 0
-    writes ``nanguard_events.taskN.jsonl``.
+    event file of `logdir` and, unless `write_summaries` is False, writes at the record's step
+    the counters of the guards it follows and `event_scalars` as TensorBoard scalars, with
+    `writer` (default: `FileWriterCache`'s of `logdir`, which `MonitoredTrainingSession`'s hooks
+    share; a second writer of the directory could open their file's name in the same second).
+    `task` is the task id in a cluster (None: none): each record gets a ``task`` field, and task
+    N > 0 writes ``nanguard_events.taskN.jsonl``.
     """
 
-    def __init__(self, logdir: str, write_summaries: bool = True, task: Optional[int] = None):
+    def __init__(
+        self,
+        logdir: str,
+        write_summaries: bool = True,
+        task: Optional[int] = None,
+        writer: Any = None,
+    ):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
         self._remote = _paths.is_url(self.path)
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
-        # Each guard (a `Guard`) followed, with its state when this recorder began to follow it.
-        self._followed: Dict[Any, _policy.GuardState] = {}
+        self._writer = writer
+        self._followed: List[Any] = []  # The guards (`Guard`s) whose counters it writes.
 
     def follow(self, guard) -> None:
-        """Counts `guard`'s bad steps, skips, rollbacks and stops from now on."""
-        self._followed.setdefault(guard, guard.state)
+        """Writes `guard`'s counters too."""
+        if guard not in self._followed:
+            self._followed.append(guard)
 
     def __call__(self, record: Dict[str, Any]) -> None:
         record = dict(record)
         record.setdefault("time", time.time())
         self.append(record)
         if self._write_summaries and "step" in record:
-            self.write_scalars(int(record["step"]))
+            self.write_scalars(int(record["step"]), more=event_scalars(record))
 
     def append(self, record: Dict[str, Any]) -> None:
         """Appends one record as one line, flushed (and, on a local disk, synced); a partial
@@ -118,21 +152,22 @@ class EventRecorder:
             f.flush()
             os.fsync(f.fileno())
 
-    def write_scalars(self, step: int, loss: Optional[float] = None) -> None:
-        """Writes the counters since this recorder began to follow its guards (and the loss,
-        when given) as scalars at `step`."""
+    def write_scalars(
+        self, step: int, loss: Optional[float] = None, more: Dict[str, float] = None
+    ) -> None:
+        """Writes the counters of the guards it follows (the `OPTIONAL` ones once not 0), the
+        loss when given, and `more` (``{tag: value}``) as scalars at `step`."""
         if not self._write_summaries:
             return
-        writer = tf.compat.v1.summary.FileWriterCache.get(self._logdir)
-        deltas = [guard.state.since(start) for guard, start in self._followed.items()]
-        counts = {name: sum(getattr(d, field) for d in deltas) for name, field in _SCALARS.items()}
+        writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
+        totals = [sum(column) for column in zip(*(counts(g.state) for g in self._followed))]
+        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)}
+        shown |= {"nanguard/loss": loss} if loss is not None else {}
         values = [
-            tf.compat.v1.Summary.Value(tag=f"nanguard/{name}", simple_value=count)
-            for name, count in sorted(counts.items())
-            if count or name != "loss_scale_overflows"
+            tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
+            for tag, value in {**shown, **(more or {})}.items()
+            if value or tag.split("/")[1] not in OPTIONAL
         ]
-        if loss is not None:
-            values.append(tf.compat.v1.Summary.Value(tag="nanguard/loss", simple_value=loss))
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
         writer.flush()
 

@@ -113,6 +113,11 @@ def train_step(
     logdir, writer = train_step_kwargs.get("logdir"), train_step_kwargs.get("summary_writer")
     if not logdir and hasattr(writer, "get_logdir"):
         logdir = writer.get_logdir()
+    if guard.autopsy_dir is None:
+        # The record's scalars go through the loop's writer (a second writer of the directory
+        # could open its file's name in the same second); none without one.
+        directory = checkpoint_dir or logdir
+        guard.use_autopsy_dir(directory, writer=writer, write_summaries=writer is not None)
     checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,

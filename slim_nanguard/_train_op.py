@@ -247,6 +247,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         reasons=test.reasons,
         reason_handles={r.name: t.handles for r, t in zip(test.reasons, test.tests)},
         optional_variables=tuple(v for v in (lr_scale, *test.reason_variables()) if v is not None),
+        counters=None if in_loop else test.counters(),
     )
     guard = _guard.Guard(config=config, handles=handles)
     if config.may_roll_back:

@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -310,6 +311,34 @@ def saving_every(steps: int, saver, logdir: str, train_step_fn):
         return train_step_fn(sess, train_op, global_step, train_step_kwargs)
 
     return train_step
+
+
+def learning_train(train_op, logdir: str, train_step_fn, steps: int, **kwargs) -> None:
+    """`tf_slim.learning.train` of `train_op` for `steps` steps, saving no checkpoint (and with
+    the guard's saver, which never writes a NaN), `kwargs` its other arguments."""
+    saver = slim_nanguard.FiniteSaver()
+    slim.learning.train(
+        train_op,
+        logdir,
+        train_step_fn=train_step_fn,
+        number_of_steps=steps,
+        saver=saver,
+        save_interval_secs=None,
+        **kwargs,
+    )
+
+
+def counted_summaries():
+    """``(summary_op, runs)``: the default graph's merged summaries, and a semaphore each run
+    of them releases (a test waits on it for tf-slim's summary thread, run by a timer)."""
+    runs = threading.Semaphore(0)
+
+    def release():
+        runs.release()
+        return np.int64(0)
+
+    with tf.control_dependencies([tf.numpy_function(release, [], tf.int64)]):
+        return tf.identity(tf.compat.v1.summary.merge_all()), runs
 
 
 def run_step(sess, fetches, feed=None):

@@ -225,6 +225,7 @@ def test_the_summaries_carry_the_data_loss_the_gradient_norm_and_both_z_scores()
         "nanguard/grad_norm",
         "nanguard/z_loss",
         "nanguard/z_grad_norm",
+        *(f"nanguard/{n}" for n in ("bad_steps", "skips", "rollbacks", "stops", "level_shifts")),
     }
     assert values["nanguard/data_loss"] == np.float32(loss)  # no regularization: the loss
     assert values["nanguard/grad_norm"] > 0

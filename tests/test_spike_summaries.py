@@ -10,7 +10,6 @@ step's data loss, gradient norm and z-scores, as the statistics recorded them.
 """
 
 import itertools
-import threading
 import time
 
 import numpy as np
@@ -57,14 +56,7 @@ def test_learning_trains_summary_thread_takes_no_batch(tmp_path):
     logdir = str(tmp_path)
     with model.graph.as_default():
         step = slim_nanguard.make_train_step(logdir)
-        summary_runs = threading.Semaphore(0)
-
-        def count_summary_run():
-            summary_runs.release()
-            return np.int64(0)
-
-        with tf.control_dependencies([tf.numpy_function(count_summary_run, [], tf.int64)]):
-            summary_op = tf.identity(tf.compat.v1.summary.merge_all())
+        summary_op, summary_runs = lib.counted_summaries()
         started = []
 
         def waiting_step(*args):
@@ -75,15 +67,13 @@ def test_learning_trains_summary_thread_takes_no_batch(tmp_path):
             started.append(None)
             return step(*args)
 
-        slim.learning.train(
+        lib.learning_train(
             model.train_op,
             logdir,
-            train_step_fn=waiting_step,
-            number_of_steps=steps,
+            waiting_step,
+            steps,
             summary_op=summary_op,
             save_summaries_secs=0.02,
-            save_interval_secs=None,
-            saver=slim_nanguard.FiniteSaver(),
         )
     written = [
         value
@@ -144,6 +134,12 @@ def test_the_summaries_show_the_last_accepted_step(mode):
         "nanguard/grad_norm": 0.0,
         "nanguard/z_loss": 0.0,
         "nanguard/z_grad_norm": 0.0,
+        # The guard's counters, beside them (no bad step yet).
+        "nanguard/bad_steps": 0.0,
+        "nanguard/skips": 0.0,
+        "nanguard/rollbacks": 0.0,
+        "nanguard/stops": 0.0,
+        "nanguard/level_shifts": 0.0,
     }
     assert int(final["global_step"]) == int(final[count]) == 30
     rows = final[history][:30]
