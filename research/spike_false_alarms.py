@@ -1,6 +1,6 @@
 """Does the spike guard raise false alarms? Clean runs with ``--spike_policy=skip``, counted.
 
-Two tables, printed as Markdown (docs/guide.md holds them as measured):
+Two tables, printed as Markdown (docs/performance.md holds them as measured):
 
 * ``--part=configs``: each shipped config in ``configs/`` (all but ``spike_skip.cfg``, whose
   spike is planted) run by ``scripts/train.py`` twice, as shipped and with

@@ -10,8 +10,11 @@ one means the same thing; the guard is one flag away (--nan_policy, --check_nume
 Progress goes to stderr (absl logging, INFO), the summary of the run to stdout.
 Exit status: 0 finished (step limit or end of data); 1 an error (one or two lines on
 stderr; --verbosity=1 adds the Python traceback and TensorFlow's start-up messages); 3
-stopped by --nan_policy=stop or --persistent_nan_policy=stop; 130 interrupted by Ctrl-C
-and 143 terminated by SIGTERM (each after a clean stop with a final checkpoint).
+stopped by a policy (--nan_policy, --spike_policy or --persistent_nan_policy=stop) or, on a
+cluster, by another worker's stop or failure; 130 interrupted by Ctrl-C and 143 terminated by
+SIGTERM (each after a clean stop with a final checkpoint); 75 the disk is full (after the
+summary, one line names the newest intact checkpoint: free space, then run the same command
+again to resume from it).
 """
 
 import dataclasses
@@ -391,11 +394,14 @@ def train_config_from_flags() -> nanguard_app.TrainConfig:
 
 
 def fail(err: BaseException) -> int:
-    """Prints the one-or-two-line message of `err` (and the traceback if asked); returns 1."""
+    """Prints the one-or-two-line message of `err` (and the traceback if asked); returns 1
+    (a full disk: `EXIT_DISK_FULL`)."""
     if FLAGS.verbosity >= 1:
         traceback.print_exception(type(err), err, err.__traceback__)
     for line in nanguard_app.error_message(err).splitlines():
         print(f"{_prog()}: error: {line}", file=sys.stderr)
+    if isinstance(err, slim_nanguard.DiskFullError):
+        return nanguard_app.EXIT_DISK_FULL
     return EXIT_ERROR
 
 

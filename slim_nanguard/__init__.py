@@ -18,6 +18,7 @@ from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
 from slim_nanguard._checkpoints import non_finite_variables
 from slim_nanguard._errors import CheckpointNotFoundError
+from slim_nanguard._errors import DiskFullError
 from slim_nanguard._errors import NanGuardError
 from slim_nanguard._errors import NanLossError
 from slim_nanguard._errors import NonFiniteCheckpointError
@@ -79,6 +80,7 @@ __all__ = [
     "NonFiniteCheckpointError",
     "CheckpointNotFoundError",
     "UnreadableCheckpointError",
+    "DiskFullError",
     # The vocabularies (str enums: each member equals its value).
     "Action",
     "Cause",

@@ -77,7 +77,7 @@ class Autopsy:
     cost: Dict[str, Any] = dataclasses.field(default_factory=dict)
     error: Optional[str] = None
     step: int = -1
-    cause: str = "non_finite"
+    cause: str = NON_FINITE
     top_examples: Tuple[Tuple[int, float], ...] = ()
     per_example_loss: Optional[str] = None
     median_loss: Optional[float] = None
@@ -109,18 +109,7 @@ class Autopsy:
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        if self.cause != NON_FINITE:
-            return explain_spike(
-                self.top_examples,
-                self.batch_size,
-                self.median_loss,
-                self.per_example_loss,
-                self.error,
-                over=self.spike_over,
-            )
-        return explain(
-            self.first_bad_op, self.bad_examples, self.reproduced, self.error, self.batch_size
-        )
+        return explain(self) if self.cause == NON_FINITE else explain_spike(self)
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -146,7 +135,7 @@ def health(value: Any) -> Dict[str, Any]:
 
 def is_finite_health(h: Mapping[str, Any]) -> bool:
     """True when a `health` dict counts no NaN and no Inf."""
-    return not (h.get("nan") or h.get("posinf") or h.get("neginf"))
+    return not non_finite_counts(h)
 
 
 def non_finite_counts(h: Mapping[str, Any]) -> List[str]:
@@ -182,16 +171,12 @@ def where(traceback_lines: Sequence[str]) -> str:
     return os.path.basename(traceback_lines[-1].split(" in ", 1)[0]) if traceback_lines else ""
 
 
-def explain(
-    first_bad_op: Optional[Mapping[str, Any]],
-    bad_examples: Sequence[int],
-    reproduced: Optional[bool],
-    error: Optional[str] = None,
-    batch_size: int = 0,
-) -> str:
-    """The autopsy in one sentence, such as ``first non-finite value: fc2/Log (Log) at
-    model.py:42, input fc2/Softmax holds a 0; examples 3, 17 of the batch``."""
-    if reproduced is False:
+def explain(result: Autopsy) -> str:
+    """The autopsy of a non-finite step in one sentence, such as ``first non-finite value:
+    fc2/Log (Log) at model.py:42, input fc2/Softmax holds a 0; examples 3, 17 of the batch``."""
+    first_bad_op, bad_examples, error = result.first_bad_op, result.bad_examples, result.error
+    batch_size = result.batch_size
+    if result.reproduced is False:
         return (
             "the replay of the step from the same weights and batch is finite: the bad "
             "step does not reproduce (nondeterminism such as dropout, or a transient "
@@ -303,7 +288,7 @@ def replay(
     clock: Callable[[], float] = time.monotonic,
     step: int = -1,
     batch_size: Optional[int] = None,
-    cause: str = "non_finite",
+    cause: str = NON_FINITE,
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
     the step's weights: the first non-finite op behind `targets` (the loss and the gradient
@@ -487,28 +472,16 @@ def autopsy_bad_step(
     targets: Sequence[Any],
     *,
     step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float,
-    cause: str = "non_finite",
-    spike_over: Sequence[str] = (),
+    cause: str = NON_FINITE,
+    **options: Any,
 ) -> Autopsy:
-    """`run_autopsy` on the batch the bad step kept in `capture`; never raises (but
-    KeyboardInterrupt): a failure is the result's ``error``."""
+    """`run_autopsy` (`options` are its other keywords) on the batch the bad step kept in
+    `capture`; never raises (but KeyboardInterrupt): a failure is the result's ``error``."""
     try:
         values = _capture.read_kept_batch(session, capture)
     except Exception as err:  # pylint: disable=broad-except  (never into training)
         return _failure(step, f"reading the kept batch failed: {error_line(err)}", cause=cause)
-    return run_autopsy(
-        session,
-        capture.tensors,
-        values,
-        targets,
-        step=step,
-        dump_dir=dump_dir,
-        timeout_secs=timeout_secs,
-        cause=cause,
-        spike_over=spike_over,
-    )
+    return run_autopsy(session, capture.tensors, values, targets, step=step, cause=cause, **options)
 
 
 def run_autopsy(
@@ -518,30 +491,21 @@ def run_autopsy(
     targets: Sequence[Any],
     *,
     step: int = -1,
-    dump_dir: Optional[str] = None,
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
+    cause: str = NON_FINITE,
     clock: Callable[[], float] = time.monotonic,
-    cause: str = "non_finite",
+    dump_dir: Optional[str] = None,
+    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
     spike_over: Sequence[str] = (),
+    **options: Any,
 ) -> Autopsy:
-    """`replay` on the values the bad step kept of `batch_tensors`, dumped (with the weights
-    the step read, up to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless
-    it is None; never raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
+    """`replay` (`options` are its other keywords: ``timeout_secs``, ``max_chunk_bytes``) on
+    the values the bad step kept of `batch_tensors`, dumped (with the weights the step read, up
+    to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless it is None; never
+    raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
-        result = replay(
-            session,
-            feeds,
-            targets,
-            timeout_secs=timeout_secs,
-            max_chunk_bytes=max_chunk_bytes,
-            clock=clock,
-            step=step,
-            cause=cause,
-        )
+        result = replay(session, feeds, targets, clock=clock, step=step, cause=cause, **options)
         result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
@@ -609,13 +573,11 @@ def write_dump(
     while tf.io.gfile.exists(base + ".json"):
         suffix += 1
         base = f"{stem}-{suffix}"
-    arrays, listed = {}, {"batch": [], "weight": []}
+    arrays, listed = {}, {}
     for prefix, kept in (("batch", feeds), ("weight", weights)):
-        for i, (tensor, value) in enumerate(kept.items()):
-            arrays[f"{prefix}_{i}"] = np.asarray(value)
-            listed[prefix].append(
-                {"key": f"{prefix}_{i}", "tensor": getattr(tensor, "name", tensor)}
-            )
+        keys = [f"{prefix}_{i}" for i in range(len(kept))]
+        arrays.update(zip(keys, map(np.asarray, kept.values())))
+        listed[prefix] = [{"key": k, "tensor": getattr(t, "name", t)} for k, t in zip(keys, kept)]
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     with tf.io.gfile.GFile(base + ".npz", "wb") as f:
@@ -756,20 +718,15 @@ def standing_out(
     return cut + 1 if gaps[cut] >= math.log(ratio) - 1e-12 else 0  # the bottom's step: equal
 
 
-def explain_spike(
-    top_examples: Sequence[Tuple[int, float]],
-    batch_size: int,
-    median: Optional[float],
-    per_example_loss: Optional[str],
-    error: Optional[str] = None,
-    *,
-    over: Sequence[str] = (),
-) -> str:
+def explain_spike(result: Autopsy) -> str:
     """A spike's autopsy in one sentence (docs/guide.md quotes one): the examples
-    `standing_out` picks, hedged when `over` (what the spike was caught on) lacks ``"loss"``."""
+    `standing_out` picks, hedged when ``spike_over`` (what the spike was caught on) lacks
+    ``"loss"``."""
+    top_examples, batch_size, error = result.top_examples, result.batch_size, result.error
+    median = result.median_loss
     if error and not top_examples:
         return f"the autopsy of the spike failed: {error}"
-    if per_example_loss is None or not top_examples:
+    if result.per_example_loss is None or not top_examples:
         return (
             "the loss cannot be split per example, so no example of the batch can be named "
             "as the spike's"
@@ -778,7 +735,7 @@ def explain_spike(
     count = standing_out(top_examples, median)
     of = f" of {batch_size}" if batch_size else ""
     at_median = f"; batch median {median:{LOSS_FORMAT}}" if median is not None else ""
-    hedge = _hedge(over)
+    hedge = _hedge(result.spike_over)
     if not count:
         indices, losses = _figures(top_examples)
         ending = f"the losses name no example that may have carried the {hedge}"

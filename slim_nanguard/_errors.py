@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 from typing import TYPE_CHECKING, Optional
 
@@ -108,6 +109,33 @@ class NonFiniteCheckpointError(NanGuardError):
 
 class CheckpointNotFoundError(NanGuardError):
     """A rollback or a resume needs a good checkpoint and none can be found."""
+
+
+class DiskFullError(NanGuardError):
+    """The disk filled up (ENOSPC, chained) as `train` wrote; the run ended as a stop does.
+
+    Attributes:
+      result: The run's `TrainResult` (``stop_reason`` ``disk_full``).
+      checkpoint: The newest checkpoint whose files read (what a rerun resumes from), or None.
+      recorded: Whether the stop record fitted into the event record.
+    """
+
+    def __init__(self, result, recorded: bool, cause: str):
+        self.result, self.checkpoint, self.recorded = result, result.checkpoint, recorded
+        where = self.checkpoint and f"the newest intact checkpoint is {self.checkpoint}"
+        then = "it resumes from that checkpoint" if where else "it starts again"
+        super().__init__(
+            f"the disk is full ({cause}): training stopped at global step {result.global_step}"
+            f"{'' if recorded else ' (no room for the stop record either)'}; "
+            f"{where or 'no checkpoint was saved'}. Free space on the disk of "
+            f"{result.events_path.rsplit('/', 1)[0]}, then run the same training again: {then}."
+        )
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` (Python's `OSError`, TensorFlow's `OpError`) says the disk is full."""
+    message = str(getattr(error, "message", "") or "")
+    return getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in message
 
 
 class UnreadableCheckpointError(NanGuardError):

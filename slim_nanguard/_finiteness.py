@@ -344,12 +344,13 @@ class _OverflowTest:
 
 def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
     """``(step_fn, hook)`` for tf-slim's learning loop and a hook-mode loop."""
+    mine = " (a train_step_fn of your own calls it instead of tf_slim.learning.train_step)"
     if config.needs_checkpoint_dir:
         return (
-            "slim_nanguard.make_train_step(logdir)",
+            "slim_nanguard.make_train_step(logdir)" + mine,
             "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)",
         )
-    return "slim_nanguard.train_step", "slim_nanguard.nan_hook(train_op)"
+    return "slim_nanguard.train_step" + mine, "slim_nanguard.nan_hook(train_op)"
 
 
 def _check_message(config: _policy.GuardConfig, reason: Optional[_reasons.Reason] = None) -> str:

@@ -15,6 +15,7 @@ A run::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -248,6 +249,7 @@ def train(
         (and its ``climb`` says whether the steps before were climbing: no good state then).
       NonFiniteCheckpointError: The model holds NaN or Inf when loaded.
       CheckpointNotFoundError: Checkpoints exist but none can be read, or a rollback found none.
+      DiskFullError: The disk filled up; the run was ended as a stop is, as far as it fitted.
     """
     guard, logdir = _check_arguments(train_op, logdir, number_of_steps, log_every_n_steps)
     resume_from = (
@@ -257,7 +259,8 @@ def train(
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
     progress = _Progress(log_every_n_steps, number_of_steps, recorder)
-    loop = _Loop(guard, logdir, is_chief, number_of_steps, progress, guard.state)
+    step = resume_from and _checkpoints.checkpoint_step(resume_from) or 0
+    loop = _Loop(guard, logdir, is_chief, number_of_steps, progress, guard.state, step=step)
     try:
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
@@ -271,12 +274,16 @@ def train(
             if resume_from:
                 logging.info("slim_nanguard: resuming from %s", resume_from)
             loop.run(master, config, stop_grace_period_secs, handle_sigint)
+            return loop.finish(recorder)
     except _errors.NanLossError as err:
         _record_stop(recorder, StopReason.NAN_ERROR, message=str(err), checkpoint=err.checkpoint)
         raise
+    except (OSError, tf.errors.OpError) as err:
+        if not _errors.is_disk_full(err):
+            raise
+        raise loop.end_on_full_disk(recorder, err) from err
     finally:
         guard.remove_listener(recorder)
-    return loop.finish(recorder)
 
 
 def _check_arguments(
@@ -353,6 +360,7 @@ class _Loop:
     final_loss: float = math.nan
     stop_reason: Optional[StopReason] = None
     climb: Tuple[Optional[int], Optional[str]] = (None, None)  # A stop's `Outcome.climb`.
+    result: Optional[TrainResult] = None  # `finish`'s, set before the stop record is written
 
     def counts(self) -> _policy.GuardState:
         """What this call has seen so far: the guard's state since `start`."""
@@ -465,8 +473,13 @@ class _Loop:
                     self.step,
                     self.number_of_steps,
                 )
-            while not finished and self.stop_reason is None and not sess.should_stop():
-                self.stop_reason = self._step(sess, sigint)
+            try:
+                while not finished and self.stop_reason is None and not sess.should_stop():
+                    self.stop_reason = self._step(sess, sigint)
+            except (OSError, tf.errors.OpError):  # The step may have run, and its hooks failed.
+                with contextlib.suppress(Exception):
+                    self.step = self._read_step(sess)
+                raise
         if self.stop_reason is None:
             limit = self._at_limit(self.step)
             self.stop_reason = StopReason.STEP_LIMIT if limit else StopReason.REQUESTED
@@ -541,8 +554,21 @@ class _Loop:
                 )
         error.checkpoint = path or _checkpoints.latest_checkpoint(self.logdir)
 
-    def finish(self, recorder: _record.EventRecorder) -> TrainResult:
-        """The call's `TrainResult`, once its stop record is written and logged."""
+    def end_on_full_disk(self, recorder, error: BaseException) -> _errors.DiskFullError:
+        """Ends a run whose disk filled up as `finish` does, naming the newest checkpoint whose
+        files read (the error's file may be a half-written one), with the stop record if it fits."""
+        self.stop_reason, intact = StopReason.DISK_FULL, None
+        with contextlib.suppress(_errors.NanGuardError):  # None readable, or NaN in it.
+            intact = self.is_chief and _checkpoints.latest_good_checkpoint(self.logdir) or None
+        try:
+            self.finish(recorder, lambda unused_logdir: intact)
+        except (OSError, tf.errors.OpError):  # No room for the stop record either.
+            return _errors.DiskFullError(self.result, False, _errors.op_error_cause(error))
+        return _errors.DiskFullError(self.result, True, _errors.op_error_cause(error))
+
+    def finish(self, recorder, latest=_checkpoints.latest_checkpoint) -> TrainResult:
+        """The call's `TrainResult` (naming ``latest(logdir)``), once it is logged and its stop
+        record written."""
         counts = self.counts()
         stop_reason, last_step = self.stop_reason, self.step
         lr_scale = self.guard.state.learning_rate_scale
@@ -567,7 +593,7 @@ class _Loop:
             skips=counts.skips,
             rollbacks=counts.rollbacks,
             stop_reason=stop_reason,
-            checkpoint=_checkpoints.latest_checkpoint(self.logdir),
+            checkpoint=latest(self.logdir),
             events_path=recorder.path,
             learning_rate_scale=lr_scale,
             loss_scale_overflows=counts.loss_scale_overflows,
@@ -578,6 +604,7 @@ class _Loop:
             resume_from=self.climb[1],
         )
         loss = self.final_loss if math.isfinite(self.final_loss) else None  # JSON null: none
-        _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         logging.info("slim_nanguard: %s", result.describe().replace("\n", "; "))
+        self.result = result
+        _record_stop(recorder, stop_reason, step=last_step, final_loss=loss, **stop_fields)
         return result

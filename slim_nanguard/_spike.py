@@ -458,7 +458,7 @@ def _log_statistics(history: tf.Tensor, floor: tf.Tensor):
 # How many of the window's deviations (of the logarithms) a new level's values may spread
 # over, and its later half lie above its earlier half.
 SPREAD = 2.0
-# The most a new level's typical value may lie above the old one's (docs/guide.md's bench: a
+# The most a new level's typical value may lie above the old one's (docs/performance.md's bench: a
 # learning rate raised a thousandfold moves the loss 600 times and more).
 MAX_RISE = 100.0
 

@@ -49,6 +49,7 @@ class StopReason(_StrEnum):
     REQUESTED = "stop_requested"  # a hook asked
     CLUSTER_STOP = "cluster_stop"  # another worker of the cluster stopped (its stop policy)
     NAN_ERROR = "nan_error"  # training gave up with NanLossError (event record only)
+    DISK_FULL = "disk_full"  # the disk filled up: DiskFullError (its result, the record)
 
 
 class Cause(_StrEnum):

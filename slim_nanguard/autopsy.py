@@ -171,7 +171,7 @@ def replay_dump(
     graph = tf.Graph()
     with graph.as_default():
         saver = tf.compat.v1.train.import_meta_graph(meta, clear_devices=True)
-    step, cause = int(report.get("step", -1)), report.get("cause", "non_finite")
+    step, cause = int(report.get("step", -1)), report.get("cause", NON_FINITE)
     with tf.compat.v1.Session(graph=graph) as sess:
         try:
             if checkpoint and saver is not None:

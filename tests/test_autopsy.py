@@ -133,7 +133,9 @@ def test_the_sentence_names_the_op_the_line_the_cause_and_the_examples():
         ],
         "output": [],
     }
-    assert _autopsy.explain(op, [3, 17], reproduced=True, batch_size=32) == (
+    assert _autopsy.explain(
+        _autopsy.Autopsy(reproduced=True, first_bad_op=op, bad_examples=(3, 17), batch_size=32)
+    ) == (
         "first non-finite value: fc2/Log (Log) at model.py:42, input fc2/Softmax holds a 0; "
         "examples 3, 17 of the batch"
     )
@@ -144,11 +146,13 @@ def test_the_sentence_names_the_op_the_line_the_cause_and_the_examples():
         "inputs": [],
         "output": [{"name": "IteratorGetNext:0", "nan": 1}],
     }
-    assert _autopsy.explain(data, [4], reproduced=True) == (
+    assert _autopsy.explain(
+        _autopsy.Autopsy(reproduced=True, first_bad_op=data, bad_examples=(4,))
+    ) == (
         "first non-finite value: IteratorGetNext (IteratorGetNext), the batch itself holds "
         "1 NaN; example 4 of the batch"
     )
-    assert "does not reproduce" in _autopsy.explain(None, [], reproduced=False)
+    assert "does not reproduce" in _autopsy.explain(_autopsy.Autopsy(reproduced=False))
 
 
 def test_autopsy_options_are_validated():

@@ -186,28 +186,39 @@ def test_the_examples_that_stand_out_are_cut_at_the_largest_ratio():
     assert _autopsy.standing_out(spike, None) == 0
 
 
+def _spike_sentence(top, batch_size, median, per_example_loss, error=None):
+    """`_autopsy.explain_spike` of a spike's autopsy with these figures."""
+    result = _autopsy.Autopsy(
+        cause="spike",
+        top_examples=top,
+        batch_size=batch_size,
+        median_loss=median,
+        per_example_loss=per_example_loss,
+        error=error,
+    )
+    return _autopsy.explain_spike(result)
+
+
 def test_the_sentence_names_the_examples_that_carried_the_spike():
     spike = ((3, 812.3), (17, 95.1), (5, 0.5), (1, 0.4), (8, 0.3))
-    assert _autopsy.explain_spike(spike, 32, 0.041, "xent:0") == (
+    assert _spike_sentence(spike, 32, 0.041, "xent:0") == (
         "examples 3, 17 of 32 carried the spike (per-example loss 812.3, 95.1; next highest: "
         "examples 5, 1, 8 at 0.5, 0.4, 0.3; batch median 0.041)"
     )
-    assert _autopsy.explain_spike(spike[:1] + spike[2:], 32, 0.041, "xent:0").startswith(
+    assert _spike_sentence(spike[:1] + spike[2:], 32, 0.041, "xent:0").startswith(
         "example 3 of 32 carried the spike (per-example loss 812.3; next highest: examples 5, "
     )
     calm = ((0, 0.5), (1, 0.49))
-    assert _autopsy.explain_spike(calm, 2, 0.495, "xent:0") == (
+    assert _spike_sentence(calm, 2, 0.495, "xent:0") == (
         "no example of the batch of 2 stands out: the highest per-example losses are "
         "examples 0, 1 (0.5, 0.49; batch median 0.495), so the batch as a whole carried "
         "the spike"
     )
-    assert _autopsy.explain_spike((), 32, None, None) == (
+    assert _spike_sentence((), 32, None, None) == (
         "the loss cannot be split per example, so no example of the batch can be named as "
         "the spike's"
     )
-    assert _autopsy.explain_spike((), 32, None, None, "OOM") == (
-        "the autopsy of the spike failed: OOM"
-    )
+    assert _spike_sentence((), 32, None, None, "OOM") == ("the autopsy of the spike failed: OOM")
 
 
 def test_per_example_values_sum_the_terms_and_leave_out_a_larger_unsplit_one():

@@ -89,25 +89,32 @@ def test_the_readme_links_the_model_garden_page():
     assert "(docs/model_garden.md)" in (REPO / "README.md").read_text()
 
 
+def _learning_train(mode, policy, logdir, train_step_fn, finite_saver=True):
+    """tf_slim.learning.train over a model whose batch 3 has a NaN gradient (with a
+    FiniteSaver, or tf-slim's own Saver); the model."""
+    model = lib.build_model(
+        check_numerics=lib.MODES[mode], nan_policy=policy, faults={BAD_BATCH: "nan_gradient"}
+    )
+    with model.graph.as_default():
+        slim.learning.train(
+            model.train_op,
+            str(logdir),
+            train_step_fn=train_step_fn,
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+            saver=slim_nanguard.FiniteSaver() if finite_saver else None,
+        )
+    return model
+
+
 @pytest.mark.parametrize("mode", sorted(lib.MODES))
 def test_learning_train_with_the_pages_arguments_stops_with_a_finite_checkpoint(tmp_path, mode):
     """The page's loop in either mode, written as the README and the page say
     (``train_step_fn=slim_nanguard.train_step``): a NaN gradient at batch 3 under `stop` ends
     the run, learning.train's closing save (through FiniteSaver) holds the last good step, and
     the bad step is in the run's record."""
-    model = lib.build_model(
-        check_numerics=lib.MODES[mode], nan_policy="stop", faults={BAD_BATCH: "nan_gradient"}
-    )
-    with model.graph.as_default():
-        slim.learning.train(
-            model.train_op,
-            str(tmp_path),
-            train_step_fn=slim_nanguard.train_step,
-            saver=slim_nanguard.FiniteSaver(),
-            number_of_steps=STEPS,
-            save_summaries_secs=None,
-            save_interval_secs=None,
-        )
+    model = _learning_train(mode, "stop", tmp_path, slim_nanguard.train_step)
     guard = slim_nanguard.get_guard(model.train_op)
     assert (guard.last_event.step, guard.last_event.action) == (BAD_BATCH, "stop")
     values = lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path)))
@@ -527,3 +534,40 @@ def test_each_config_names_the_console_command_and_a_train_dir_not_named_like_th
     assert "slim-nanguard-train --flagfile=configs/" in (REPO / "README.md").read_text()
     for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
         assert "/tmp/slim_nanguard/" not in doc.read_text(), doc
+
+
+# ------------------------------------------------------ a train_step_fn of one's own
+def _guide_train_step_fn():
+    """The guide's ``my_train_step``: its ```python block, run as written."""
+    guide = (REPO / "docs" / "guide.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", guide, flags=re.S | re.M)
+    code = [block for block in blocks if "def my_train_step(" in block]
+    assert len(code) == 1, "docs/guide.md should show my_train_step once"
+    namespace = {}
+    exec(code[0], namespace)
+    return namespace["my_train_step"]
+
+
+@pytest.mark.parametrize("mode", sorted(lib.MODES))
+def test_the_guides_own_train_step_fn_applies_the_policy(tmp_path, mode):
+    """A train_step_fn of one's own that calls slim_nanguard.train_step, as the guide shows:
+    the NaN gradient at batch 3 is skipped and recorded, and the checkpoint is finite."""
+    model = _learning_train(mode, "skip", tmp_path, _guide_train_step_fn())
+    assert slim_nanguard.get_guard(model.train_op).state.skips == 1
+    lib.assert_all_finite(lib.checkpoint_values(tf.train.latest_checkpoint(str(tmp_path))))
+    recorded = [r["action"] for r in slim_nanguard.read_events(str(tmp_path))]
+    assert recorded == ["skip"]
+
+
+@pytest.mark.parametrize("mode", sorted(lib.MODES))
+def test_keeping_tf_slims_train_step_inside_ones_own_fails_with_advice_that_fits(tmp_path, mode):
+    """The same function with slim.learning.train_step inside: the first bad step ends the loop,
+    and the error says what to call instead."""
+
+    def unguarded_step(sess, train_op, global_step, train_step_kwargs):
+        return slim.learning.train_step(sess, train_op, global_step, train_step_kwargs)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        _learning_train(mode, "skip", tmp_path, unguarded_step, finite_saver=False)
+    advice = "a train_step_fn of your own calls it instead of tf_slim.learning.train_step"
+    assert advice in raised.value.message

@@ -86,13 +86,13 @@ def test_every_guard_config_field_is_a_launcher_flag_with_its_default():
 
 def test_docs_api_lists_create_train_ops_keywords_and_guard_configs_fields():
     api = (REPO / "docs" / "api.md").read_text()
-    row = re.search(r"`create_train_op\((.*?)\)` \|", api).group(1)
-    keywords = row.split("*, ", 1)[1].split(", ")
+    signature = re.search(r"^create_train_op\(\n(.*?)^\)$", api, flags=re.M | re.S).group(1)
+    keywords = [line.strip().rstrip(",") for line in signature.split("    *,\n", 1)[1].splitlines()]
     pairs = [keyword.split("=", 1) for keyword in keywords]
     assert [name for name, _ in pairs] == NAMES + ["config"]
     assert {name: ast.literal_eval(value) for name, value in pairs[:-1]} == DEFAULTS
-    config_row = next(line for line in api.splitlines() if line.startswith("| `GuardConfig` |"))
-    assert set(re.findall(r"`(\w+)`", config_row.split("The one place")[0])) >= set(NAMES)
+    fields = api.split("`GuardConfig`'s fields", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"`(\w+)`", fields)) >= set(NAMES)
 
 
 def _defaults_outside_guard_config(root: pathlib.Path = REPO):

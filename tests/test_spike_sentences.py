@@ -117,7 +117,15 @@ def stand_apart(reading: Reading) -> bool:
 
 
 def _sentence(top, median, over=("grad_norm",), batch=32) -> str:
-    return _autopsy.explain_spike(top, batch, median, "xentropy:0", over=over)
+    result = _autopsy.Autopsy(
+        cause="spike",
+        top_examples=tuple(top),
+        batch_size=batch,
+        median_loss=median,
+        per_example_loss="xentropy:0",
+        spike_over=tuple(over),
+    )
+    return _autopsy.explain_spike(result)
 
 
 # ---------------------------------------------------------------------- the autopsy's words

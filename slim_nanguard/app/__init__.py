@@ -32,6 +32,7 @@ from slim_nanguard.app.config import TrainConfig
 from slim_nanguard.app.evaluate import EvalResult
 from slim_nanguard.app.evaluate import check_eval_dataset
 from slim_nanguard.app.evaluate import run_eval
+from slim_nanguard.app.launcher import EXIT_DISK_FULL
 from slim_nanguard.app.launcher import train_and_evaluate
 from slim_nanguard.app.report import describe_training
 from slim_nanguard.app.report import error_message
@@ -39,6 +40,7 @@ from slim_nanguard.app.train import run_training
 
 __all__ = [
     "DECAY_TYPES",
+    "EXIT_DISK_FULL",
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
     "NO_SPIKE_TEST",

@@ -558,8 +558,8 @@ def _split_files(dataset_dir, split, file_pattern):
         raise DatasetError(
             f"No TFRecord files for split {split!r} (--dataset_split_name) in "
             f"{dataset_dir}: looked for {' and '.join(patterns)}; the directory "
-            f"holds {shown or 'nothing'}. Pass the split named in your files "
-            "(e.g. train, validation) or a file_pattern."
+            f"holds {shown or 'nothing'}. Pass the split your file names hold as "
+            "--dataset_split_name (e.g. train, validation), or rename the files to match."
         )
     return sorted(files), patterns
 

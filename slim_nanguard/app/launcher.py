@@ -11,6 +11,8 @@ cluster, a `cluster.Cluster`) and calls `train_and_evaluate`, which returns the 
         the chief: evaluate the final checkpoint on the evaluation split, print the result
                    (not after Ctrl-C or SIGTERM: one line with the command that does it)
         -> 0 finished; 3 stopped by a policy (or by another worker); 130 Ctrl-C; 143 SIGTERM
+    a full disk: the summary printed, then `slim_nanguard.DiskFullError` raised: the
+    launcher's one line names the newest intact checkpoint, its exit status is EXIT_DISK_FULL
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from slim_nanguard.app import report
 from slim_nanguard.app import train
 
 __all__ = [
+    "EXIT_DISK_FULL",
     "EXIT_INTERRUPTED",
     "EXIT_NAN_STOP",
     "EXIT_OK",
@@ -40,6 +43,9 @@ EXIT_OK = 0
 EXIT_NAN_STOP = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended.
+# sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): free
+# space, then run the same command again to resume.
+EXIT_DISK_FULL = 75
 
 _EXIT_STATUS = {
     StopReason.POLICY: EXIT_NAN_STOP,
@@ -84,6 +90,7 @@ def train_and_evaluate(
         written); an evaluation split that cannot be read is a LaunchError naming
         ``--eval_split_name``.
       NanLossError, NonFiniteCheckpointError, tf.errors.OpError: As `train.run_training`.
+      DiskFullError: The disk filled up; the summary of the run is printed first.
     """
     if cluster is not None and cluster.job_name == "ps":
         cluster_lib.run_ps(cluster)  # returns once every worker is done
@@ -118,7 +125,11 @@ def train_and_evaluate(
                 f"--eval_split_name={eval_split_name}: {err} "
                 "(--eval_split_name='' skips the evaluation)"
             ) from None
-    result = train.run_training(config, cluster)
+    try:
+        result = train.run_training(config, cluster)
+    except slim_nanguard.DiskFullError as err:
+        echo(report.describe_training(err.result, config))
+        raise
     echo(report.describe_training(result, config))
     if eval_config is not None and result.checkpoint and config.is_chief:
         eval_config = dataclasses.replace(eval_config, checkpoint_path=result.checkpoint)

@@ -42,18 +42,24 @@ def describe_training(
             f"--persistent_nan_policy=stop after --max_consecutive_bad_steps="
             f"{config.guard.max_consecutive_bad_steps} bad steps in a row"
         )
-    reasons = {
-        StopReason.STEP_LIMIT: "reached the step limit",
-        StopReason.POLICY: f"stopped by {stopped_by}",
-        StopReason.INTERRUPTED: "interrupted (Ctrl-C), stopped cleanly",
-        StopReason.TERMINATED: "terminated (SIGTERM), stopped cleanly",
-        StopReason.END_OF_DATA: "the input ran out",
-        StopReason.REQUESTED: "a hook asked to stop",
-        StopReason.CLUSTER_STOP: "stopped because another worker of the cluster stopped or failed",
+    # Each headline one string, "{}" for the global step (the docs' quotes are held to them).
+    headlines = {
+        StopReason.STEP_LIMIT: "Training reached the step limit at global step {}.",
+        StopReason.POLICY: f"Training stopped by {stopped_by} at global step {{}}.",
+        StopReason.INTERRUPTED: "Training interrupted (Ctrl-C), stopped cleanly at global step {}.",
+        StopReason.TERMINATED: "Training terminated (SIGTERM), stopped cleanly at global step {}.",
+        StopReason.END_OF_DATA: "Training the input ran out at global step {}.",
+        StopReason.REQUESTED: "Training a hook asked to stop at global step {}.",
+        StopReason.CLUSTER_STOP: (
+            "Training stopped because another worker of the cluster stopped or failed at "
+            "global step {}."
+        ),
+        StopReason.DISK_FULL: "Training stopped by a full disk at global step {}.",
     }
+    default = f"Training {result.stop_reason} at global step {{}}."
+    headline = headlines.get(result.stop_reason, default)
     lines = [
-        f"Training {reasons.get(result.stop_reason, result.stop_reason)} at global step "
-        f"{result.global_step}{total}.",
+        headline.format(f"{result.global_step}{total}"),
         f"  final loss    {result.final_loss:.4f}"
         if result.steps
         else "  final loss    - (no step in this run)",

@@ -51,6 +51,7 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
       LaunchError, datasets.DatasetError, models.ModelError: Bad settings or input (before
         anything is written).
       NanLossError: The policy is ``raise``, or the guard gave up.
+      DiskFullError: The disk filled up (`slim_nanguard.train`'s; train_dir is kept).
       NonFiniteCheckpointError: The checkpoint to resume or fine-tune from holds NaN or Inf.
       tf.errors.OpError: TensorFlow failed while training. A tfrecord record that fails
         (an image that does not decode) is raised as a `datasets.DatasetError` naming the file,
@@ -107,7 +108,8 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
     except BaseException as err:
         if cluster is not None:
             cluster.finish(None)  # tells the others to stop, and the ps this worker is done
-        if created and config.is_chief and not isinstance(err, slim_nanguard.NanLossError):
+        kept = (slim_nanguard.NanLossError, slim_nanguard.DiskFullError)  # they name its files
+        if created and config.is_chief and not isinstance(err, kept):
             _remove_if_unused(train_dir)
         reads_files = datasets.DATASETS[config.dataset_name].dataset_dir is not None
         if isinstance(err, tf.errors.OpError) and reads_files:
