@@ -667,6 +667,23 @@ FLAGS = {
             "help": "Seed of the data, weights and variant order.",
             "default": None,
         },
+        "startup": {
+            "type": "bool",
+            "help": "Instead of timing steps, time what a user "
+            "waits for before the first step: building "
+            "the train op and the graph, then session, "
+            "initializers and first step, guarded (both "
+            "modes) against tf-slim's, in fresh graphs. "
+            "Default --models=resnet_v1_50,inception_v1 "
+            "(the launcher's nets, any of "
+            "slim_nanguard.app.models').",
+            "default": False,
+        },
+        "startup_repeats": {
+            "type": "int",
+            "help": "Repeats per variant for --startup (medians).",
+            "default": 3,
+        },
         "variants": {
             "type": "list",
             "help": "Variants to time (default: all); the "

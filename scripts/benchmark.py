@@ -5,6 +5,7 @@
     slim-nanguard-benchmark --models=mlp,lenet,deep,wide --optimizers=sgd,adam  # more models
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
     slim-nanguard-benchmark --profile --models=deep,lenet   # where a step's time goes
+    slim-nanguard-benchmark --startup        # build and first-step times, resnet_v1_50 etc.
 
 All the variants of a model live in this one process, each in sessions of its own, and are
 timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
@@ -103,6 +104,15 @@ flags.DEFINE_bool(
     "and name scope. Defaults: --models=deep --optimizers=sgd and our two modes (raise); "
     "flags given explicitly still win.",
 )
+flags.DEFINE_bool(
+    "startup",
+    False,
+    "Instead of timing steps, time what a user waits for before the first step: building "
+    "the train op and the graph, then session, initializers and first step, guarded (both "
+    "modes) against tf-slim's, in fresh graphs. Default --models=resnet_v1_50,inception_v1 "
+    "(the launcher's nets, any of slim_nanguard.app.models').",
+)
+flags.DEFINE_integer("startup_repeats", 3, "Repeats per variant for --startup (medians).")
 flags.DEFINE_integer("profile_steps", 10, "Traced steps per variant for --profile (averaged).")
 flags.DEFINE_integer("profile_top", 8, "Largest groups shown per variant for --profile.")
 
@@ -183,9 +193,20 @@ def main(argv):
     tf.compat.v1.disable_v2_behavior()
     from slim_nanguard.app import benchmarking  # pylint: disable=import-outside-toplevel
 
-    settings = settings_from_flags()
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.
     logging.set_verbosity(logging.ERROR)
+    if FLAGS.startup:
+        report = benchmarking.run_startup(
+            FLAGS.models or benchmarking.STARTUP_MODELS,
+            repeats=FLAGS.startup_repeats,
+            log=lambda line: print(line, flush=True),
+        )
+        print(benchmarking.format_startup(report))
+        if FLAGS.out:
+            with tf.io.gfile.GFile(FLAGS.out, "w") as f:
+                json.dump(report, f, indent=1)
+        return
+    settings = settings_from_flags()
     if FLAGS.profile:
         if FLAGS.profile_steps < 1:
             raise app.UsageError(f"--profile_steps must be >= 1; got {FLAGS.profile_steps}.")

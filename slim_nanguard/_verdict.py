@@ -38,13 +38,33 @@ def kind_word(kind: str) -> str:
     return _KIND_WORDS.get(kind, kind)
 
 
-def kind_code(tensor: tf.Tensor) -> tf.Tensor:
-    """Scalar int32: 1 if `tensor` holds a NaN, plus 2 if it holds an Inf (exact)."""
-    tensor = _values(tensor)
-    with _placement.beside(tensor):
-        nan = tf.cast(tf.reduce_any(tf.math.is_nan(tensor)), tf.int32)
-        inf = tf.cast(tf.reduce_any(tf.math.is_inf(tensor)), tf.int32)
-        return nan + 2 * inf
+def kind_flags(tensors: Sequence) -> tf.Tensor:
+    """Int32 [len(tensors), 2]: whether each of `tensors` holds a NaN, and an Inf (exact); four
+    ops a tensor, beside it, and one vector from each device."""
+    axes, by_device = {}, {}
+    for i, v in enumerate(map(_values, tensors)):
+        with _placement.beside(v):
+            tests = (tf.math.is_nan, tf.math.is_inf)
+            flags = [tf.raw_ops.Any(input=test(v), axis=_all_axes(v, axes)) for test in tests]
+        by_device.setdefault(_placement.device_of(v), []).append((i, flags))
+    parts = []
+    for group in by_device.values():
+        with _placement.beside(group[0][1][0]):
+            parts.append(tf.stack([flag for _, flags in group for flag in flags]))
+    order = [i for group in by_device.values() for i, _ in group]
+    flags = tf.reshape(tf.cast(tf.concat(parts, 0), tf.int32), [-1, 2])
+    return tf.gather(flags, np.argsort(order))
+
+
+def _all_axes(tensor: tf.Tensor, axes: Dict[object, tf.Tensor]) -> tf.Tensor:
+    """Every axis of `tensor`, a constant shared by one call's tensors of its rank and device
+    (`axes`): a reduction to a scalar is one op, not two."""
+    if tensor.shape.rank is None:
+        return tf.range(tf.rank(tensor))
+    key = (_placement.device_of(tensor), tensor.shape.rank)
+    if key not in axes:
+        axes[key] = tf.constant(list(range(tensor.shape.rank)), tf.int32, name="all_axes")
+    return axes[key]
 
 
 def value_kind(value: np.ndarray) -> str:
@@ -77,10 +97,10 @@ def tensor_sums(tensors: Sequence, name: str = "sums") -> tf.Tensor:
     """One vector in `accumulation_dtype`: the sum of each of `tensors` (NaN or Inf when an
     element is)."""
     dtype = accumulation_dtype(tensors)
-    sums = []
-    for t in tensors:
-        with _placement.beside(_values(t)):
-            sums.append(tf.reduce_sum(_widened(_values(t), dtype)))
+    sums, axes = [], {}
+    for v in map(_values, tensors):
+        with _placement.beside(v):
+            sums.append(tf.raw_ops.Sum(input=_widened(v, dtype), axis=_all_axes(v, axes)))
     return tf.stack(sums, name=name)
 
 
@@ -129,7 +149,8 @@ class Verdict:
       tensors: The loss (if given), then the gradients: what `kinds` describes, in order.
       fast: ``is_finite(total)``, the loss plus half the gradients' sum of squares: True
         proves every value finite; False means "maybe not".
-      kinds: Int32 vector, the `kind_code` of each of `tensors`, only on a failed fast test.
+      kinds: Int32 vector, 1 if that of `tensors` holds a NaN, plus 2 if an Inf; only on a
+        failed fast test.
       checked: Scalar, non-finite exactly when a value of `tensors` is: `total` when the fast
         test passes, else 0.0, NaN (one is NaN) or Inf. `ok` is ``is_finite(checked)``.
     """
@@ -155,15 +176,14 @@ class Verdict:
             failed, passed = control_flow_ops.switch(self.total, self.fast)
             self._failed = tf.identity(failed, name="confirm")
             with self.when_failed():
-                self.kinds = tf.stack([kind_code(t) for t in self.tensors], name="kinds")
+                flags = kind_flags(self.tensors)
+                self.kinds = tf.reduce_sum(flags * [1, 2], 1, name="kinds")
                 with tf.control_dependencies(
                     []
                     if kinds_variable is None
                     else [kinds_variable.assign(tf.cast(self.kinds, tf.int64), read_value=False)]
                 ):
-                    nan = tf.reduce_any(tf.equal(tf.bitwise.bitwise_and(self.kinds, 1), 1))
-                    inf = tf.reduce_any(tf.greater_equal(self.kinds, 2))
-                    code = tf.cast(nan, tf.int32) + 2 * tf.cast(inf, tf.int32)
+                    code = tf.reduce_sum(tf.reduce_max(flags, 0) * [1, 2])
                     # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
                     self._confirmed = tf.gather(
                         tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code

@@ -222,3 +222,27 @@ def test_profile_counts_the_nodes_the_guard_adds(profile):
         assert "| variant | loop | nodes/step | added nodes |" in text
         assert "| variant | added nodes, by op type | nodes/step | µs/step |" in text
         assert "| ours: check_numerics mode, raise | `nanguard` |" in text
+
+
+def test_startup_times_each_mode_against_tf_slims_op(tmp_path):
+    # --startup's shape on the smallest net, one repeat: every variant of every model timed,
+    # each guarded figure with its ratio to tf-slim's, and the table printed.
+    # The tiny setting's flags _run adds are the step timings'; --startup ignores them.
+    data, stdout = _run(
+        tmp_path / "startup.json", "--startup", "--models=lenet", "--startup_repeats=1"
+    )
+    rows = data["startup"]
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        ("lenet", v) for v in benchmarking.STARTUP_VARIANTS
+    ]
+    for r in rows:
+        assert r["create_train_op_s"] > 0 and r["first_step_s"] > 0 and r["nodes"] > 0
+        guarded = r["variant"] != "tf_slim"
+        for key in ("create_train_op_s", "graph_s", "first_step_s", "first_step_cpu_s", "nodes"):
+            assert (f"{key}_ratio" in r) == guarded
+        if guarded:  # The guard adds ops; their count is the same in every repeat.
+            assert r["nodes_ratio"]["min"] == r["nodes_ratio"]["max"] > 1
+    assert "| model | variant | create_train_op s | whole graph s | first step s | nodes |" in (
+        stdout
+    )
+    assert stdout.count("| lenet |") == len(benchmarking.STARTUP_VARIANTS)

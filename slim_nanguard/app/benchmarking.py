@@ -1432,3 +1432,111 @@ def format_tables(report: Dict[str, Any]) -> str:
     if report["targets"]:
         lines += ["", format_targets(report)]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- start-up
+
+# What ``--startup`` times: the launcher's larger nets (issue 36's "quick to build and to
+# start"), at their smallest image size and a batch of 2: graph size and start-up, not math.
+STARTUP_MODELS = ("resnet_v1_50", "inception_v1")
+STARTUP_VARIANTS = ("tf_slim", "nanguard_check_numerics", "nanguard_hook")
+STARTUP_LIMIT = 1.2
+
+
+def _startup_once(model: str, variant: str, batch: int = 2) -> Dict[str, float]:
+    """Builds `model`'s train op as `variant` in a fresh graph, then makes a session, runs the
+    initializers and one step: what the user waits for, in seconds, and the graph's nodes."""
+    side = max(models.MIN_IMAGE_SIZE[model], 32)
+    clocks = [(time.perf_counter(), time.process_time())]
+    with tf.Graph().as_default() as graph:
+        tf.compat.v1.set_random_seed(0)
+        images = tf.random.uniform([batch, side, side, 3])
+        labels = tf.one_hot(tf.range(batch) % NUM_CLASSES, NUM_CLASSES)
+        logits = models.get_model(model)(images, NUM_CLASSES, True)
+        tf.compat.v1.losses.softmax_cross_entropy(labels, logits)
+        loss = tf.compat.v1.losses.get_total_loss()
+        optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+        clocks.append((time.perf_counter(), time.process_time()))
+        if variant == "tf_slim":
+            train_op = tf_slim.learning.create_train_op(loss, optimizer)
+        else:
+            check = variant == "nanguard_check_numerics"
+            train_op = slim_nanguard.create_train_op(loss, optimizer, check_numerics=check)
+        clocks.append((time.perf_counter(), time.process_time()))
+        init = tf.group(
+            tf.compat.v1.global_variables_initializer(), tf.compat.v1.local_variables_initializer()
+        )
+        clocks.append((time.perf_counter(), time.process_time()))
+        nodes = len(graph.as_graph_def().node)
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        session.run(train_op)
+    clocks.append((time.perf_counter(), time.process_time()))
+    figures = {"nodes": nodes}
+    for clock, suffix in ((0, "s"), (1, "cpu_s")):
+        figures[f"create_train_op_{suffix}"] = clocks[2][clock] - clocks[1][clock]
+        figures[f"graph_{suffix}"] = clocks[3][clock] - clocks[0][clock]
+        figures[f"first_step_{suffix}"] = clocks[4][clock] - clocks[3][clock]
+    return figures
+
+
+def run_startup(
+    models_to_time: Sequence[str] = STARTUP_MODELS,
+    repeats: int = 3,
+    log: Callable[[str], None] = print,
+) -> Dict[str, Any]:
+    """Times `_startup_once` of every variant, `repeats` times in a new order each repeat.
+
+    Returns:
+      A JSON-ready dict: ``machine``, ``startup`` (per model and variant: the median of each
+      figure over the repeats and, but for the reference, its median, min and max ratio to
+      the tf_slim op's of the same repeat) and ``seconds``.
+    """
+    start = time.perf_counter()
+    for variant in STARTUP_VARIANTS:  # Untimed: the first build of each pays for imports.
+        _startup_once("lenet", variant)
+    rows = []
+    for model in models_to_time:
+        runs: Dict[str, List[Dict[str, float]]] = {v: [] for v in STARTUP_VARIANTS}
+        for repeat in range(repeats):
+            order = list(STARTUP_VARIANTS)
+            random.Random(repeat).shuffle(order)
+            for variant in order:
+                runs[variant].append(_startup_once(model, variant))
+            log(f"start-up: {model}, repeat {repeat + 1} of {repeats}")
+        for variant, mine in runs.items():
+            row = {"model": model, "variant": variant}
+            for key in mine[0]:
+                row[key] = statistics.median(r[key] for r in mine)
+                if variant != "tf_slim":
+                    ratios = [r[key] / ref[key] for r, ref in zip(mine, runs["tf_slim"])]
+                    row[f"{key}_ratio"] = _summary(ratios)
+            rows.append(row)
+    return {"machine": machine_info(), "startup": rows, "seconds": time.perf_counter() - start}
+
+
+def format_startup(report: Dict[str, Any]) -> str:
+    """The start-up table: seconds (medians) and ratios to tf-slim's, median (min–max)."""
+    keys = ("create_train_op", "graph", "first_step")
+    lines = [
+        "| model | variant | create_train_op s | whole graph s | first step s | nodes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report["startup"]:
+        cells = [_startup_cell(row, f"{key}_s") for key in keys] + [_startup_cell(row, "nodes")]
+        lines.append(f"| {row['model']} | {row['variant']} | {' | '.join(cells)} |")
+    lines.append(
+        f"\nSeconds and nodes: medians; guarded/unguarded: wall (min–max), CPU; "
+        f"target <= {STARTUP_LIMIT}x."
+    )
+    return "\n".join(lines)
+
+
+def _startup_cell(row: Dict[str, Any], key: str) -> str:
+    """``12.3 (1.05×, 0.98–1.10; CPU 1.02×)``: the median and its ratios, if any."""
+    if f"{key}_ratio" not in row:
+        return f"{row[key]:.3g}"
+    r = row[f"{key}_ratio"]
+    cell = f"{row[key]:.3g} ({r['median']:.2f}×, {r['min']:.2f}–{r['max']:.2f}"
+    cpu = row.get(f"{key[:-2]}_cpu_s_ratio")
+    return cell + (f"; CPU {cpu['median']:.2f}×)" if cpu else ")")
