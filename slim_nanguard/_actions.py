@@ -14,13 +14,13 @@ import tensorflow as tf
 
 from slim_nanguard import _autopsy
 from slim_nanguard import _errors
-from slim_nanguard import _events
+from slim_nanguard import _exact_sums
 from slim_nanguard import _log as logging
+from slim_nanguard import _nan_event
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 from slim_nanguard import _rollback
-from slim_nanguard import _verdict
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
@@ -39,7 +39,7 @@ class Outcome:
     rollback the global `step` and the `checkpoint` restored; after a stop that ends a `climb`,
     the global step it began at and the newest checkpoint from before it (None: none)."""
 
-    event: Optional[_events.NanEvent] = None
+    event: Optional[_nan_event.NanEvent] = None
     action: Optional[Action] = None
     overflow: bool = False
     stop: bool = False
@@ -122,9 +122,9 @@ def good_step(guard: "Guard", loss: Optional[float] = None) -> None:
         guard.history.add(float(loss))
 
 
-def _notify(guard: "Guard", kind: str, event: _events.NanEvent, **extra: Any) -> None:
+def _notify(guard: "Guard", kind: str, event: _nan_event.NanEvent, **extra: Any) -> None:
     """Sends `guard`'s listeners a record of `kind` about `event` (see `Guard.add_listener`)."""
-    guard.registry.send(_events.record_of(kind, event, **extra))
+    guard.registry.send(_nan_event.record_of(kind, event, **extra))
 
 
 def mark_judged(guard: "Guard", session: tf.compat.v1.Session) -> None:
@@ -162,7 +162,7 @@ def culprits(guard: "Guard", sums: Sequence[float], kinds: Optional[Sequence[str
     `kinds`, else from `sums` (an overflow of finite values too) with no kinds."""
     names = guard.variable_names
     if kinds is not None and len(kinds) == len(names) + 1:
-        bad = [(n, k) for n, k in zip(names, kinds[1:]) if k != _verdict.FINITE]
+        bad = [(n, k) for n, k in zip(names, kinds[1:]) if k != _exact_sums.FINITE]
         return tuple(n for n, _ in bad), tuple(k for _, k in bad)
     return tuple(n for n, s in zip(names, list(sums)[1:]) if not math.isfinite(float(s))), ()
 
@@ -189,10 +189,10 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         read = getattr(guard.reason_handles.get(reason.name), "figures", None)
         figures = reason.figures(stored) if read is None else read(stored, int(step))
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
-        kinds = _verdict.kind_names(values["kinds"])
+        kinds = _exact_sums.kind_names(values["kinds"])
     sums, count = [float(s) for s in sums], len(guard.variable_names)
-    scale = None if guard.loss_scale_floor is None else _verdict.stored_loss_scale(sums, count)
-    overflow = reason is None and scale is not None and _verdict.stored_overflow(sums, count)
+    scale = None if guard.loss_scale_floor is None else _exact_sums.stored_loss_scale(sums, count)
+    overflow = reason is None and scale is not None and _exact_sums.stored_overflow(sums, count)
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
     kept = not overflow and guard.capture is not None and guard.capture.tensors
@@ -209,7 +209,7 @@ def _on_nan(guard: "Guard", autopsy):
     """``choose`` of a `BadStep`: ``on_nan`` shown its event, with the counts it makes."""
 
     def choose(counts: _policy.GuardState, read: _policy.BadStep) -> Optional[str]:
-        event = _events.event_of(
+        event = _nan_event.event_of(
             read,
             mode=guard.mode,
             action=read.chosen,
@@ -284,7 +284,7 @@ def _remove_old_dumps(guard: "Guard") -> None:
 def carry_out(
     guard: Optional["Guard"],
     session: SessionLike,
-    event: _events.NanEvent,
+    event: _nan_event.NanEvent,
     decision: _policy.Decision,
     *,
     checkpoint_dir: Optional[str],
@@ -342,7 +342,7 @@ def carry_out(
 def _take_new_level(
     guard: "Guard",
     session: tf.compat.v1.Session,
-    event: _events.NanEvent,
+    event: _nan_event.NanEvent,
     level: "LevelShift",
 ) -> None:
     """Makes `level`'s values the whole spike statistics, says so and records it."""
@@ -366,7 +366,7 @@ def _roll_back(
     guard: "Guard",
     session: tf.compat.v1.Session,
     checkpoint_dir: Optional[str],
-    event: _events.NanEvent,
+    event: _nan_event.NanEvent,
     skip_batches: Optional[int],
     record: dict,
     before_step: Optional[int] = None,
@@ -441,7 +441,7 @@ def judge(
     if read.overflow:
         # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
         observe(guard, _policy.LossScaleOverflow())
-        state, extra, action = guard.state, {}, _events.LOSS_SCALE_OVERFLOW
+        state, extra, action = guard.state, {}, _nan_event.LOSS_SCALE_OVERFLOW
         counts = dict(consecutive=state.consecutive_bad_steps, total=state.total_bad_steps)
     else:
         decision = observe(guard, read)
@@ -451,7 +451,7 @@ def judge(
         )
         extra = {"escalation": decision.escalation} if decision.escalation else {}
     fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
-    event = _events.publish(guard.registry.send, guard.history, read, extra, **fields)
+    event = _nan_event.publish(guard.registry.send, guard.history, read, extra, **fields)
     if read.overflow:
         return _counted(guard, session, Outcome(event=event, overflow=True))
     guard.cell.last_event = event
@@ -478,6 +478,7 @@ def _counted(guard: "Guard", session: SessionLike, outcome: Outcome) -> Outcome:
     """`outcome`, once the summaries' counters hold the guard's (not after a stop: no summary
     follows), written by their initializer: no batch."""
     if guard.counters is not None and not outcome.stop:
-        feed = {guard.counters.initializer.inputs[1]: _record.counts(guard.state)}
+        values = [float(getattr(guard.state, f)) for f in _recorders.SCALARS.values()]
+        feed = {guard.counters.initializer.inputs[1]: values}
         raw_call(session, lambda raw: raw.run(guard.counters.initializer, feed))
     return outcome

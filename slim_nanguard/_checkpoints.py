@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from slim_nanguard import _errors
+from slim_nanguard import _exact_sums
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
-from slim_nanguard import _verdict
 
 # The state file a `Saver` writes next to its checkpoints: the latest one, and those kept.
 STATE_FILENAME = "checkpoint"
@@ -331,14 +331,15 @@ class FinitenessTest:
             self._fast = tf.stack([_finite_squares(v) for v in self.variables])
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
-        """``(name, kind)`` of each variable that holds NaN or Inf now (`_verdict.kind_names`)."""
+        """``(name, kind)`` of each variable that holds NaN or Inf now (kinds as
+        `_exact_sums.kind_names` names them)."""
         if self._fast is None:
             return []
         flagged = [v for v, ok in zip(self.variables, sess.run(self._fast)) if not ok]
         if not flagged:
             return []
-        kinds = [(v.op.name, _verdict.value_kind(x)) for v, x in zip(flagged, sess.run(flagged))]
-        return [(name, kind) for name, kind in kinds if kind != _verdict.FINITE]
+        kinds = [(v.op.name, _exact_sums.value_kind(x)) for v, x in zip(flagged, sess.run(flagged))]
+        return [(name, kind) for name, kind in kinds if kind != _exact_sums.FINITE]
 
 
 def _finite_squares(variable: tf.Variable) -> tf.Tensor:
@@ -404,7 +405,7 @@ class _FinitenessCheck:
             "last good one.",
             save_path,
             step,
-            _verdict.describe(bad),
+            _exact_sums.describe(bad),
         )
         return None
 

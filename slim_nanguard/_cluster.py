@@ -10,9 +10,9 @@ import tensorflow as tf
 
 from slim_nanguard import _actions
 from slim_nanguard import _errors
-from slim_nanguard import _events
 from slim_nanguard import _guard
 from slim_nanguard import _log as logging
+from slim_nanguard import _nan_event
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _types
@@ -134,7 +134,7 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
             if guard.rollback_request == self._request:
                 guard.rollback_request = None
 
-    def _request(self, session, guard: _guard.Guard, event: _events.NanEvent) -> Dict[str, int]:
+    def _request(self, session, guard: _guard.Guard, event: _nan_event.NanEvent) -> Dict[str, int]:
         _run_bounded(session, self._ask, {self._step: event.step, self._loss: event.loss})
         self.requests += 1
         skipped = guard.restorer.skip_input(session, guard.config.rollback_skip_batches)
@@ -215,10 +215,10 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         """
         guard = self._guard
         step, loss = min(zip(steps, map(float, losses)), key=lambda pair: pair[0])
-        event = _events.NanEvent(
+        event = _nan_event.NanEvent(
             step=step,
             loss=loss,
-            loss_kind=_events.classify(loss),
+            loss_kind=_nan_event.classify(loss),
             culprits=(),
             consecutive=0,
             total=guard.state.total_bad_steps,

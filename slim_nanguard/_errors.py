@@ -12,7 +12,7 @@ import tensorflow as tf
 from slim_nanguard._types import Cause
 
 if TYPE_CHECKING:  # pragma: no cover
-    from slim_nanguard._events import NanEvent
+    from slim_nanguard._nan_event import NanEvent
 
 
 # How the message of the guard's check opens (check_numerics mode).

@@ -13,9 +13,9 @@ from typing import Any, Callable, Dict, List, Optional
 import tensorflow as tf
 
 from slim_nanguard import _errors
-from slim_nanguard import _events
+from slim_nanguard import _nan_event
 from slim_nanguard import _policy
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 from slim_nanguard import _rollback
 from slim_nanguard._handles import GraphHandles
 from slim_nanguard._policy import GuardState
@@ -37,7 +37,7 @@ _INNER_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
 
 # A cluster's non-chief worker: ``fn(raw_session, guard, event) -> record fields`` asks the
 # chief to roll back instead of restoring here (`Guard.rollback_request`).
-RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _events.NanEvent], Dict[str, Any]]
+RollbackRequest = Callable[[tf.compat.v1.Session, "Guard", _nan_event.NanEvent], Dict[str, Any]]
 
 
 class Cell:
@@ -46,8 +46,8 @@ class Cell:
 
     def __init__(self, losses_before: int):
         self.state = GuardState()
-        self.last_event: Optional[_events.NanEvent] = None
-        self.history = _events.LossHistory(losses_before)
+        self.last_event: Optional[_nan_event.NanEvent] = None
+        self.history = _nan_event.LossHistory(losses_before)
         self.judged_sessions: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -66,7 +66,7 @@ class Guard:
         self._config = config
         self._handles = handles
         self.cell = Cell(config.losses_before)
-        self.registry = _record.Registry(self)
+        self.registry = _recorders.Registry(self)
         self.restorer = _rollback.Rollback(handles, config)  # Checkpoints and input.
         # Where this guard's rollbacks go instead of restoring here (None: here).
         self.rollback_request: Optional[RollbackRequest] = None
@@ -84,7 +84,7 @@ class Guard:
 
     def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False, **recorder) -> None:
         """Sends autopsy dumps (and the guard's own record, with the TensorBoard scalars
-        `recorder` says: `_record.EventRecorder`'s keywords) to `path`, if first or `replace`."""
+        `recorder` says: `_recorders.EventRecorder`'s keywords) to `path`, if first or `replace`."""
         self.registry.use_directory(path, replace=replace, **recorder)
 
     def add_listener(self, listener: Listener) -> None:

@@ -29,7 +29,7 @@ class GraphHandles:
     ``report``: where a bad step leaves its cause and the ``reasons``' reports (their
     ``reason_handles``: each `Test.handles`). ``optional_variables``: the learning-rate scale
     and the spike statistics, which a checkpoint may lack (it still restores the rest).
-    ``counters``: the `_record.SCALARS` counters the summaries show (None in a loop body).
+    ``counters``: the `_recorders.SCALARS` counters the summaries show (None in a loop body).
     """
 
     mode: Mode

@@ -27,10 +27,10 @@ import numpy as np
 import tensorflow as tf
 
 from slim_nanguard import _actions
-from slim_nanguard import _events
-from slim_nanguard import _gating
+from slim_nanguard import _gated_writes
 from slim_nanguard import _guard
 from slim_nanguard import _log as logging
+from slim_nanguard import _nan_event
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard._types import Action
@@ -131,7 +131,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             self._loss_args = tf.compat.v1.train.SessionRunArgs(
                 {"ok": guard.ok, "loss": guard.train_op}
             )
-        _gating.gate_writes_after(guard)
+        _gated_writes.gate_writes_after(guard)
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
@@ -217,8 +217,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             _policy.GuardConfig(nan_policy=read.chosen), self._unguarded_state, read
         )
         counts = dict(consecutive=decision.consecutive, total=decision.total)
-        event = _events.event_of(read, mode=Mode.HOOK, action=decision.action, **counts)
-        _events.log_event(event)
+        event = _nan_event.event_of(read, mode=Mode.HOOK, action=decision.action, **counts)
+        _nan_event.log_event(event)
         _actions.carry_out(
             None,
             run_context.session,

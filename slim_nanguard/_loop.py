@@ -31,13 +31,13 @@ import tensorflow as tf
 from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
 from slim_nanguard import _errors
+from slim_nanguard import _exact_sums
 from slim_nanguard import _guard
 from slim_nanguard import _hook
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _policy
-from slim_nanguard import _record
-from slim_nanguard import _verdict
+from slim_nanguard import _recorders
 from slim_nanguard._types import Action
 from slim_nanguard._types import Mode
 from slim_nanguard._types import StopReason
@@ -115,7 +115,7 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
             raise _errors.NonFiniteCheckpointError(
                 f"the model loaded from {self._source} holds NaN or Inf in "
                 f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
-                f"({_verdict.describe(bad)}); refusing to train from it. Start from another "
+                f"({_exact_sums.describe(bad)}); refusing to train from it. Start from another "
                 "checkpoint."
             )
 
@@ -127,7 +127,7 @@ class _Progress:
 
     every: int
     last_step: Optional[int]
-    recorder: Optional[_record.EventRecorder]
+    recorder: Optional[_recorders.EventRecorder]
     clock: Callable[[], float] = time.monotonic
     mark: Optional[Tuple[float, int]] = None  # (time, step) at the start or the previous line
 
@@ -255,7 +255,7 @@ def train(
     resume_from = (
         _checkpoints.latest_good_checkpoint(logdir, repair_state=True) if is_chief else None
     )
-    recorder = _record.EventRecorder(logdir, write_summaries=is_chief, task=task)
+    recorder = _recorders.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
     progress = _Progress(log_every_n_steps, number_of_steps, recorder)
@@ -336,7 +336,7 @@ def _check_arguments(
     return guard, logdir
 
 
-def _record_stop(recorder: _record.EventRecorder, reason: str, **fields: Any) -> None:
+def _record_stop(recorder: _recorders.EventRecorder, reason: str, **fields: Any) -> None:
     """Appends the record of how the run ended (kind ``stop``)."""
     recorder.append({"kind": "stop", "reason": str(reason), "time": time.time(), **fields})
 

@@ -16,7 +16,7 @@ from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
 
 if TYPE_CHECKING:  # pragma: no cover
-    from slim_nanguard._events import NanEvent
+    from slim_nanguard._nan_event import NanEvent
 
 # The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window).
 SPIKE_WINDOW = 128

@@ -14,9 +14,9 @@ import tensorflow as tf
 import tf_slim
 
 from slim_nanguard import _actions
-from slim_nanguard import _events
 from slim_nanguard import _guard
 from slim_nanguard import _log as logging
+from slim_nanguard import _nan_event
 from slim_nanguard._types import Mode
 from slim_nanguard._types import SessionLike
 
@@ -26,7 +26,7 @@ _TOLD_NO_RECORD: "weakref.WeakSet[_guard.Guard]" = weakref.WeakSet()
 
 def handle_numerics_error(
     session: SessionLike, error: BaseException, *, checkpoint_dir: Optional[str] = None
-) -> _events.NanEvent:
+) -> _nan_event.NanEvent:
     """Applies the guard's policy to an error raised by ``session.run(train_op)``; returns the
     event, its ``action`` carried out (``stop``: a `MonitoredSession` is asked to stop, and the
     caller leaves its loop). For a hand-written check_numerics-mode loop::

@@ -26,8 +26,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from slim_nanguard import _checkpoints
-from slim_nanguard import _finiteness
-from slim_nanguard import _gating
+from slim_nanguard import _gated_writes
 from slim_nanguard import _guard
 from slim_nanguard import _handles
 from slim_nanguard import _learning_rate
@@ -36,6 +35,7 @@ from slim_nanguard import _ops
 from slim_nanguard import _parity
 from slim_nanguard import _placement
 from slim_nanguard import _policy
+from slim_nanguard import _step_test
 
 
 def create_train_op(
@@ -110,7 +110,7 @@ def create_train_op(
         variables_to_train = _parity.resolve_variables(variables_to_train)
         # Made before the gradients: the ops keep their order, so the GraphDef is unchanged.
         scales = (
-            _finiteness.dynamic_loss_scale(optimizer),
+            _step_test.dynamic_loss_scale(optimizer),
             _learning_rate.scale_variable(optimizer, config.rollback_lr_factor),
         )
         grads = _parity.compute_gradients(
@@ -170,17 +170,17 @@ def _gated(
     device = _placement.verdict_device(total_loss, [g for g, _ in grads])
     beside_grads = functools.partial(_placement.verdict_scope, device)
     with tf.name_scope("nanguard"), beside_grads():
-        test = _finiteness.StepTest(total_loss, grads, loss_scale, config.all_reasons)
-        forward = _gating.snapshot_forward_writes(graph, test.grad_sums)
+        test = _step_test.StepTest(total_loss, grads, loss_scale, config.all_reasons)
+        forward = _gated_writes.snapshot_forward_writes(graph, test.grad_sums)
         autopsy = _autopsy_possible(config, graph, forward.snapshots)
-        gate = _finiteness.build_gate(
+        gate = _step_test.build_gate(
             test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
         )
     with _learning_rate.scaled(optimizer, lr_scale):
         # What a loss scale updates (the scale and its count of good steps).
         unless_bad = list(getattr(loss_scale, "_weights", {}).values())
         gates = (gate.gate, gate.finite_gate)
-        grad_updates = _gating.apply_gradients(
+        grad_updates = _gated_writes.apply_gradients(
             optimizer, grads, global_step, gates, update_ops, forward.restored, unless_bad
         )
     writes = [grad_updates] + list(update_ops)

@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from slim_nanguard import _autopsy
 from slim_nanguard import _checkpoints
+from slim_nanguard import _exact_sums
 from slim_nanguard import _paths
-from slim_nanguard import _record
-from slim_nanguard import _verdict
+from slim_nanguard import _recorders
 from slim_nanguard._reasons import NON_FINITE
 
 
@@ -27,11 +27,13 @@ def find_bad_step(train_dir: str, step: Optional[int] = None) -> Dict[str, Any]:
     Raises:
       ValueError: No bad step recorded, or none at `step` (the message lists those there are).
     """
-    events = _record.read_events(train_dir)
+    events = _recorders.read_events(train_dir)
     records = [r for r in events if r.get("kind") == "bad_step"]
-    path = _paths.join(train_dir, _record.EVENTS_FILENAME)
+    path = _paths.join(train_dir, _recorders.EVENTS_FILENAME)
     if not records:
-        where = path if tf.io.gfile.exists(path) else f"{train_dir} (no {_record.EVENTS_FILENAME})"
+        where = (
+            path if tf.io.gfile.exists(path) else f"{train_dir} (no {_recorders.EVENTS_FILENAME})"
+        )
         raise ValueError(f"no bad step recorded in {where}: nothing to show.")
     if step is None:
         record = ([r for r in records if r.get("autopsy")] or records)[-1]
@@ -60,7 +62,7 @@ def format_report(record: Mapping[str, Any]) -> str:
         lines.append(f"  rejected    {record['why']}")
     if record.get("culprits"):
         culprits, kinds = record["culprits"], record.get("culprit_kinds") or []
-        held = f" ({_verdict.describe(list(zip(culprits, kinds)))})" if kinds else ""
+        held = f" ({_exact_sums.describe(list(zip(culprits, kinds)))})" if kinds else ""
         lines.append(f"  culprits    non-finite gradients of {', '.join(culprits)}{held}")
     if not record.get("autopsy"):
         lines.append("  autopsy     none (autopsies off, or past autopsy_max_steps)")

@@ -14,12 +14,12 @@ import tensorflow as tf
 
 import slim_nanguard
 from slim_nanguard import _actions
-from slim_nanguard import _events
 from slim_nanguard import _loop
+from slim_nanguard import _nan_event
 from slim_nanguard import _ops
 from slim_nanguard import _policy
 from slim_nanguard import _rollback
-from slim_nanguard._events import NanEvent
+from slim_nanguard._nan_event import NanEvent
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 
@@ -81,7 +81,7 @@ class _FakeGuard:
         self.records = []
         self.restorer = _FakeRestorer(self.rollbacks)
         self.rollback_request = None
-        self.history = _events.LossHistory(0)
+        self.history = _nan_event.LossHistory(0)
         self.config = _policy.GuardConfig()
         self.cell = self  # The state cell: `state`.
         self.state = _policy.GuardState()

@@ -163,11 +163,11 @@ def test_an_isolated_nan_after_steady_training_keeps_the_newest_state_good(tmp_p
 
 
 def _spike_error(cause=None) -> slim_nanguard.NanLossError:
-    from slim_nanguard import _events
+    from slim_nanguard import _nan_event
 
     # A finite loss of 1e6 at global step 9, the first bad step, in hook mode.
     spike = slim_nanguard.GuardConfig(spike_policy="raise").all_reasons[0]
-    event = _events.NanEvent(
+    event = _nan_event.NanEvent(
         9, 1e6, "finite", (), 1, 1, "hook", "raise", cause="spike", reason=spike
     )
     return slim_nanguard.NanLossError(event, "the spike_policy is 'raise'", cause=cause)

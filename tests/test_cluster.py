@@ -19,7 +19,7 @@ import pytest
 
 import slim_nanguard
 from slim_nanguard import _cluster
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 from slim_nanguard import app
 from slim_nanguard.app import cluster as app_cluster
 
@@ -426,8 +426,8 @@ def test_an_unreachable_ps_is_one_clear_line_and_exit_1(tmp_path):
 
 
 def test_read_events_returns_every_tasks_records_oldest_first(tmp_path):
-    chief = _record.EventRecorder(str(tmp_path), write_summaries=False, task=0)
-    worker1 = _record.EventRecorder(str(tmp_path), write_summaries=False, task=1)
+    chief = _recorders.EventRecorder(str(tmp_path), write_summaries=False, task=0)
+    worker1 = _recorders.EventRecorder(str(tmp_path), write_summaries=False, task=1)
     worker1({"kind": "bad_step", "step": 3, "time": 1.0})
     chief({"kind": "bad_step", "step": 4, "time": 2.0})
     worker1({"kind": "stop", "reason": "nan_policy_stop", "time": 3.0})

@@ -274,7 +274,7 @@ def _logged(event) -> str:
     import io
     import logging as pylogging
 
-    from slim_nanguard import _events
+    from slim_nanguard import _nan_event
 
     stream = io.StringIO()
     handler = pylogging.StreamHandler(stream)
@@ -282,7 +282,7 @@ def _logged(event) -> str:
     logger = pylogging.getLogger("tensorflow")
     handlers, logger.handlers = logger.handlers, [handler]
     try:
-        _events.log_event(event)
+        _nan_event.log_event(event)
     finally:
         logger.handlers = handlers
     return stream.getvalue()
@@ -293,7 +293,7 @@ _NUMBER = r"(-?(?:\d[\d.e+-]*|nan|inf))"
 
 def _bad_step_line(quote: str) -> str:
     """The guard's log line for the bad step `quote` describes (its figures, its culprits)."""
-    from slim_nanguard import _events
+    from slim_nanguard import _nan_event
 
     head = re.search(r"bad step \((\w+) mode\), action (\w+): global step (-?\d+)", quote)
     loss = re.search(rf"loss {_NUMBER} \((\w+)\)", quote)
@@ -302,7 +302,7 @@ def _bad_step_line(quote: str) -> str:
     names = tuple(culprits.group(1).split(", ")) if culprits else ()
     kinds = {"NaN": "nan", "Inf": "inf", "NaN and Inf": "nan_and_inf"}
     held = kinds.get(culprits.group(2)) if culprits and culprits.group(2) else None
-    event = _events.NanEvent(
+    event = _nan_event.NanEvent(
         step=int(head.group(3)),
         loss=float(loss.group(1)),
         loss_kind=loss.group(2),
@@ -318,7 +318,7 @@ def _bad_step_line(quote: str) -> str:
 
 def _spike_line(quote: str) -> str:
     """The guard's log line for the spike `quote` describes (which value, its figures)."""
-    from slim_nanguard import _events
+    from slim_nanguard import _nan_event
     from slim_nanguard import _spike
     from slim_nanguard._types import Fault
 
@@ -344,7 +344,7 @@ def _spike_line(quote: str) -> str:
         report["z_" + other] = float(over.group(8))
     if over.group(7) == "data loss":  # regularization taken out of the loss judged
         report["regularization_terms"] = 1
-    event = _events.NanEvent(
+    event = _nan_event.NanEvent(
         step=0,
         loss=1.0,
         loss_kind="finite",

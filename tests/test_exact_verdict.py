@@ -19,7 +19,7 @@ import tensorflow as tf
 import slim_nanguard
 from slim_nanguard import _actions
 from slim_nanguard import _checkpoints
-from slim_nanguard import _verdict
+from slim_nanguard import _exact_sums
 
 import nanguard_testlib as lib
 
@@ -361,7 +361,7 @@ def _verdict_of(arrays, loss=0.0, sparse=()):
             if i in sparse:
                 value = tf.IndexedSlices(value, tf.range(a.shape[0]), tf.constant([50, 2]))
             grads.append(value)
-        verdict = _verdict.Verdict(grads, loss=tf.constant(loss, tf.float32))
+        verdict = _exact_sums.Verdict(grads, loss=tf.constant(loss, tf.float32))
         with tf.compat.v1.Session() as sess:
             fast, ok, norm = sess.run([verdict.fast, verdict.ok, verdict.global_norm])
             kinds = sess.run(verdict.kinds) if not fast else None

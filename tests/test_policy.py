@@ -105,7 +105,7 @@ def test_a_nan_loss_error_survives_pickling():
     import pickle
 
     import slim_nanguard
-    from slim_nanguard._events import NanEvent
+    from slim_nanguard._nan_event import NanEvent
 
     event = NanEvent(
         step=7,
@@ -132,7 +132,7 @@ def test_a_nan_loss_error_carries_its_cause_and_limit_through_pickling():
     import pickle
 
     import slim_nanguard
-    from slim_nanguard._events import NanEvent
+    from slim_nanguard._nan_event import NanEvent
 
     event = NanEvent(
         step=9,

@@ -16,7 +16,7 @@ import tf_slim as slim
 
 import slim_nanguard
 from slim_nanguard import _autopsy
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 from slim_nanguard import autopsy
 from slim_nanguard.app import plot as run_plot
 
@@ -112,7 +112,7 @@ def test_a_listener_that_records_already_is_the_only_record(tmp_path):
     once: the guard leaves the record to it."""
     logdir = str(tmp_path)
     model = lib.build_model(faults={2: "nan_loss"}, nan_policy="skip", check_numerics=False)
-    recorder = _record.EventRecorder(logdir, write_summaries=False)
+    recorder = _recorders.EventRecorder(logdir, write_summaries=False)
     hook = slim_nanguard.nan_hook(model.train_op, checkpoint_dir=logdir, event_listener=recorder)
     lib.run_monitored(model.train_op, hooks=[hook], last_step=4, checkpoint_dir=logdir)
     assert [r["step"] for r in _bad_steps(logdir)] == [2]

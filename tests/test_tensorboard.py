@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 
 import nanguard_testlib as lib
 
@@ -170,10 +170,10 @@ def test_a_monitored_session_of_ones_own(tmp_path, mode):
 def test_a_bad_steps_scalars_are_its_loss_and_its_reasons_z_scores():
     record = {"kind": "bad_step", "step": 4, "loss": 9.5, "cause": "spike"}
     record["spike"] = {"z_loss": 8.0, "z_grad_norm": "inf", "loss": 9.5, "over": ["loss"]}
-    assert _record.event_scalars(record) == {
+    assert _recorders.event_scalars(record) == {
         "nanguard/rejected_loss": 9.5,
         "nanguard/rejected_z_loss": 8.0,
     }
     nan = {"kind": "bad_step", "step": 4, "loss": "nan", "cause": "non_finite"}
-    assert _record.event_scalars(nan) == {}  # no NaN in TensorBoard: the counters say it
-    assert _record.event_scalars({"kind": "rollback", "step": 4, "loss": 1.0}) == {}
+    assert _recorders.event_scalars(nan) == {}  # no NaN in TensorBoard: the counters say it
+    assert _recorders.event_scalars({"kind": "rollback", "step": 4, "loss": 1.0}) == {}

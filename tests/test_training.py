@@ -19,7 +19,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
-from slim_nanguard import _record
+from slim_nanguard import _recorders
 
 import nanguard_testlib as lib
 
@@ -558,7 +558,7 @@ class TestTheRecord:
         assert "nanguard/loss" in scalars and "nanguard/rollbacks" in scalars
 
     def test_a_line_cut_by_a_crash_leaves_the_earlier_lines_readable(self, tmp_path):
-        recorder = _record.EventRecorder(str(tmp_path), write_summaries=False)
+        recorder = _recorders.EventRecorder(str(tmp_path), write_summaries=False)
         recorder({"kind": "bad_step", "step": 1, "action": "skip"})
         recorder({"kind": "bad_step", "step": 2, "action": "skip"})
         with open(recorder.path, "a") as f:

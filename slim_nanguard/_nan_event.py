@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 # each call, so whoever patches tf_logging.error or .warning sees the guard's lines.
 from tensorflow.python.platform import tf_logging
 
-from slim_nanguard import _verdict
+from slim_nanguard import _exact_sums
 from slim_nanguard._reasons import NON_FINITE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,7 +93,9 @@ class NanEvent:
         if self.why is not None:
             return f"{head}, {self.why}, {count}"
         if self.culprits:
-            culprits = f"non-finite gradients of {_verdict.listed(self.culprits)}{self._holding()}"
+            culprits = (
+                f"non-finite gradients of {_exact_sums.listed(self.culprits)}{self._holding()}"
+            )
         else:
             culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
@@ -109,8 +111,8 @@ class NanEvent:
         if len(self.culprit_kinds) != len(self.culprits):
             return ""
         if len(set(self.culprit_kinds)) == 1:
-            return f", holding {_verdict.kind_word(self.culprit_kinds[0])}"
-        return f", {_verdict.describe(list(zip(self.culprits, self.culprit_kinds)))}"
+            return f", holding {_exact_sums.kind_word(self.culprit_kinds[0])}"
+        return f", {_exact_sums.describe(list(zip(self.culprits, self.culprit_kinds)))}"
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict; non-finite floats become the strings "nan", "inf", "-inf"."""

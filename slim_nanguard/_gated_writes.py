@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tupl
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_ops
 
+from slim_nanguard import _exact_sums
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
-from slim_nanguard import _verdict
 
 if TYPE_CHECKING:
     from slim_nanguard import _guard
@@ -31,7 +31,7 @@ def apply_gradients(
 ) -> tf.Operation:
     """``optimizer.apply_gradients``, with every write it and the `update_ops` make waiting on
     ``gate`` and, with a dynamic loss scale, all but those of `unless_bad` on ``finite_gate``
-    (`gates`: those two of a `_finiteness.Gate`). `restored`: the forward-pass writes a bad
+    (`gates`: those two of a `_step_test.Gate`). `restored`: the forward-pass writes a bad
     step puts back."""
     gate, finite_gate = gates
     graph = gate.graph
@@ -297,7 +297,7 @@ def apply_sync_replicas(
     with tf.device(global_step.device), tf.name_scope("nanguard_aggregate"):
         # A sum may overflow over finite values: the verdict confirms a non-finite one exactly.
         check = tf.debugging.check_numerics(
-            _verdict.Verdict(taken).checked, AGGREGATE_CHECK_MESSAGE
+            _exact_sums.Verdict(taken).checked, AGGREGATE_CHECK_MESSAGE
         )
     stop_at = {t.op for t in taken}  # The writes the queue runner waits on, after the take.
     writes = _ops.walk(list(runner.enqueue_ops), stop=stop_at.__contains__)

@@ -14,13 +14,13 @@ from tensorflow.python.ops import control_flow_ops
 
 from slim_nanguard import _capture
 from slim_nanguard import _errors
+from slim_nanguard import _exact_sums
 from slim_nanguard import _ops
 from slim_nanguard import _placement
 from slim_nanguard import _policy
 from slim_nanguard import _reasons
-from slim_nanguard import _record
-from slim_nanguard import _verdict
-from slim_nanguard._gating import ForwardWrites
+from slim_nanguard import _recorders
+from slim_nanguard._gated_writes import ForwardWrites
 from slim_nanguard._types import Fault
 from slim_nanguard._types import Mode
 
@@ -30,7 +30,7 @@ class StepTest:
 
     Attributes:
       grad_sums: The loss, then the sum of each gradient of `present`; run only when fetched.
-      kinds: Int64 variable (int32 has no GPU kernel), the `_verdict` kind codes a step whose
+      kinds: Int64 variable (int32 has no GPU kernel), the `_exact_sums` kind codes a step whose
         fast test failed stores.
       kept: What a bad step stores in `diagnostics`: the sums (then a loss scale's scale).
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
@@ -53,9 +53,9 @@ class StepTest:
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
         # One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is).
-        self.grad_sums = _verdict.tensor_sums([loss, *grads], name="gradient_sums")
+        self.grad_sums = _exact_sums.tensor_sums([loss, *grads], name="gradient_sums")
         self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int64)
-        self.verdict = _verdict.Verdict(grads, loss=loss, kinds_variable=self.kinds)
+        self.verdict = _exact_sums.Verdict(grads, loss=loss, kinds_variable=self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
         self._summary_read = None
@@ -63,7 +63,7 @@ class StepTest:
         if reasons:
             self._add_reasons(loss, reasons)
         with self.when_bad():  # The sums a bad step leaves, summed on that step only.
-            self.kept = _verdict.tensor_sums([loss, *grads], name="gradient_sums")
+            self.kept = _exact_sums.tensor_sums([loss, *grads], name="gradient_sums")
         self.scaler = None
         if loss_scale is not None:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)
@@ -137,15 +137,15 @@ class StepTest:
                     tf.compat.v1.summary.scalar(name, value)
 
     def counters(self) -> tf.Variable:
-        """The guard's `_record.SCALARS` counters, which `_actions` writes after a bad step, and
+        """The guard's `_recorders.SCALARS` counters, which `_actions` writes after a bad step, and
         their summaries (``nanguard/bad_steps``, ...; the optional ones where this test can
         count them), read from it: no batch."""
         with tf.name_scope("nanguard/"):
-            counters = _scratch(self.grad_sums, [len(_record.SCALARS)], "counters")
+            counters = _scratch(self.grad_sums, [len(_recorders.SCALARS)], "counters")
             shown = _ops.read_once_written(counters, 0.0)
             spikes = any(reason.name == Fault.SPIKE for reason in self.reasons)
             has = {"level_shifts": spikes, "loss_scale_overflows": self.scaler is not None}
-            for i, name in enumerate(_record.SCALARS):
+            for i, name in enumerate(_recorders.SCALARS):
                 if has.get(name, True):
                     with _placement.on_host():
                         tf.compat.v1.summary.scalar(name, shown[i])
@@ -321,10 +321,10 @@ def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.Dynam
 
 class _OverflowTest:
     """The test of a train op whose optimizer scales the loss dynamically: a finite step runs
-    every write; an overflow (`_verdict.overflow_rule`) the scale's only; any other none.
+    every write; an overflow (`_exact_sums.overflow_rule`) the scale's only; any other none.
     `unless_overflow` is what check_numerics mode checks: finite on an overflow step."""
 
-    floor = _verdict.LOSS_SCALE_FLOOR
+    floor = _exact_sums.LOSS_SCALE_FLOOR
 
     def __init__(self, grad_sums: tf.Tensor, loss_scale, test: StepTest):
         # The scale this step multiplied the loss by.
@@ -333,7 +333,7 @@ class _OverflowTest:
             [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
         )
         self.finite = test.ok
-        self.overflow = _verdict.overflow_rule(
+        self.overflow = _exact_sums.overflow_rule(
             tf.logical_not(test.verdict.ok),
             tf.math.is_finite(test.verdict.tensors[0]),
             scale,
