@@ -259,19 +259,20 @@ def _guard_problems(given: Dict[str, object]) -> list:
     ``slim_nanguard/_policy.py`` and the two modules it imports need no TensorFlow; they are
     loaded under a stand-in of the package (its ``__init__`` imports TensorFlow), which is
     then removed, so that the run imports the package whole."""
-    package = importlib.util.find_spec("slim_nanguard").submodule_search_locations[0]
-    stand_in = type(sys)("slim_nanguard")
-    stand_in.__path__ = [package]
-    saved = sys.modules.get("slim_nanguard")
-    sys.modules["slim_nanguard"] = stand_in
-    try:
+    if "slim_nanguard" in sys.modules:  # Imported already (TensorFlow too): use it.
         guard_config = importlib.import_module("slim_nanguard._policy").GuardConfig
-    finally:
-        for name in [n for n in sys.modules if n.startswith("slim_nanguard.")]:
-            del sys.modules[name]
-        sys.modules.pop("slim_nanguard")
-        if saved is not None:
-            sys.modules["slim_nanguard"] = saved
+    else:
+        package = importlib.util.find_spec("slim_nanguard").submodule_search_locations[0]
+        stand_in = type(sys)("slim_nanguard")
+        stand_in.__path__ = [package]
+        before = set(sys.modules)
+        sys.modules["slim_nanguard"] = stand_in
+        try:
+            guard_config = importlib.import_module("slim_nanguard._policy").GuardConfig
+        finally:
+            for name in set(sys.modules) - before:
+                if name.partition(".")[0] == "slim_nanguard":
+                    del sys.modules[name]
     settings = {f.name: given[f.name] for f in dataclasses.fields(guard_config) if f.name in given}
     settings.pop("reasons", None)  # module:name entries, imported by the run
     if settings.get("spike_policy") == "none":

@@ -142,7 +142,7 @@ class StepTest:
         count them), read from it: no batch."""
         with tf.name_scope("nanguard/"):
             counters = _scratch(self.grad_sums, [len(_recorders.SCALARS)], "counters")
-            shown = _ops.read_once_written(counters, 0.0)
+            shown = _ops.read_once_written(counters, 0.0, name="counters_read")
             spikes = any(reason.name == Fault.SPIKE for reason in self.reasons)
             has = {"level_shifts": spikes, "loss_scale_overflows": self.scaler is not None}
             for i, name in enumerate(_recorders.SCALARS):
