@@ -57,7 +57,7 @@ def resolve_checkpoint(path: str, flag: str = "--checkpoint_path") -> str:
         )
         return latest
     if path.endswith((".index", ".meta")) or ".data-" in path:
-        prefix = path.split(".data-")[0] if ".data-" in path else path.rsplit(".", 1)[0]
+        prefix = preflight.checkpoint_prefix(path)
         if tf.io.gfile.exists(prefix + ".index"):
             return prefix
     if tf.io.gfile.exists(path):

@@ -161,6 +161,14 @@ def train_dir_problem(train_dir: str) -> Optional[str]:
     return None
 
 
+def checkpoint_prefix(path: str) -> str:
+    """The prefix of checkpoint file `path` (``.index``, ``.meta`` or a ``.data-`` shard);
+    `path` itself when it names none of them."""
+    if ".data-" in path:
+        return path.split(".data-")[0]
+    return re.sub(r"\.(index|meta)$", "", path)
+
+
 def missing_checkpoint(path: str, flag: str) -> str:
     """The problem of checkpoint `path`, given by `flag`, when nothing is there."""
     return (
@@ -176,8 +184,7 @@ def eval_problems(values: Mapping[str, Any]) -> List[str]:
     path = values.get("checkpoint_path")
     if not path or not is_local(path):
         return []
-    prefix = path.split(".data-")[0] if ".data-" in path else re.sub(r"\.(index|meta)$", "", path)
-    if os.path.exists(path) or os.path.exists(prefix + ".index"):
+    if os.path.exists(path) or os.path.exists(checkpoint_prefix(path) + ".index"):
         return []
     return [missing_checkpoint(path, "--checkpoint_path")]
 
