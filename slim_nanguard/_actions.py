@@ -6,7 +6,6 @@ in every loop; the guard's reads of a session and the one place it acts on one (
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -147,7 +146,8 @@ def read_global_step(guard: "Guard", session: tf.compat.v1.Session) -> Optional[
 
 
 def read_bad_step(guard: "Guard", session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
-    """``(step, sums)`` the bad step just seen stored in the raw `session` (the loss first)."""
+    """``(step, sums)`` the bad step just seen stored in the raw `session`: its loss (then
+    its loss scale)."""
     fetches = {"sums": guard.diagnostics, "step": guard.global_step}
     return _stored(session.run({k: t for k, t in fetches.items() if t is not None}))
 
@@ -157,14 +157,14 @@ def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
     return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
 
 
-def culprits(guard: "Guard", sums: Sequence[float], kinds: Optional[Sequence[str]]):
-    """Names of the variables whose gradients held NaN or Inf, and what each held: exact from
-    `kinds`, else from `sums` (an overflow of finite values too) with no kinds."""
+def culprits(guard: "Guard", kinds: Optional[Sequence[str]]):
+    """Names of the variables whose gradients held NaN or Inf, and what each held, from `kinds`
+    (the loss's, then each gradient's; exact); none without them."""
     names = guard.variable_names
-    if kinds is not None and len(kinds) == len(names) + 1:
-        bad = [(n, k) for n, k in zip(names, kinds[1:]) if k != _exact_sums.FINITE]
-        return tuple(n for n, _ in bad), tuple(k for _, k in bad)
-    return tuple(n for n, s in zip(names, list(sums)[1:]) if not math.isfinite(float(s))), ()
+    if kinds is None or len(kinds) != len(names) + 1:
+        return (), ()
+    bad = [(n, k) for n, k in zip(names, kinds[1:]) if k != _exact_sums.FINITE]
+    return tuple(n for n, _ in bad), tuple(k for _, k in bad)
 
 
 def _read(guard: "Guard", session, stored, policy: Optional[str]):
@@ -190,9 +190,9 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         figures = reason.figures(stored) if read is None else read(stored, int(step))
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
         kinds = _exact_sums.kind_names(values["kinds"])
-    sums, count = [float(s) for s in sums], len(guard.variable_names)
-    scale = None if guard.loss_scale_floor is None else _exact_sums.stored_loss_scale(sums, count)
-    overflow = reason is None and scale is not None and _exact_sums.stored_overflow(sums, count)
+    sums = [float(s) for s in sums]
+    scale = None if guard.loss_scale_floor is None else _exact_sums.stored_loss_scale(sums)
+    overflow = reason is None and scale is not None and _exact_sums.stored_overflow(sums)
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
     kept = not overflow and guard.capture is not None and guard.capture.tensors
@@ -200,7 +200,7 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
-    fields = (figures, reason, sums[0], *culprits(guard, sums, kinds), scale, overflow)
+    fields = (figures, reason, sums[0], *culprits(guard, kinds), scale, overflow)
     read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsy is not None, choose)
     return read, autopsy
 
@@ -246,7 +246,7 @@ def autopsy_step(
     result = _autopsy.autopsy_bad_step(
         session,
         guard.capture,
-        [guard.grad_sums] if cause == _reasons.NON_FINITE else [guard.loss],
+        [guard.loss, *guard.gradients] if cause == _reasons.NON_FINITE else [guard.loss],
         step=step,
         dump_dir=guard.autopsy_dir,
         timeout_secs=guard.config.autopsy_timeout_secs,

@@ -320,34 +320,33 @@ def _short(err: BaseException) -> str:
 
 class FinitenessTest:
     """Which of some variables hold NaN or Inf, and which: exact. One op a variable in the
-    graph (its half sum of squares is finite only if every element is); a variable that
-    fails it, which may be an overflow, is read and tested element-wise. Build it before the
-    graph is finalized; `non_finite` tests the floating-point variables."""
+    graph (its half sum of squares, tested on the host, is finite only if every element is);
+    a variable that fails it, which may be an overflow, is read and tested element-wise.
+    Build it before the graph is finalized; `non_finite` tests the floating-point variables."""
 
     def __init__(self, variables: Sequence[tf.Variable]):
         self.variables = [v for v in variables if v.dtype.base_dtype.is_floating]
-        self._fast = None
-        if self.variables:
-            self._fast = tf.stack([_finite_squares(v) for v in self.variables])
+        self._squares = [_half_squares(v) for v in self.variables]
 
     def non_finite(self, sess: tf.compat.v1.Session) -> List[Tuple[str, str]]:
         """``(name, kind)`` of each variable that holds NaN or Inf now (kinds as
         `_exact_sums.kind_names` names them)."""
-        if self._fast is None:
+        if not self.variables:
             return []
-        flagged = [v for v, ok in zip(self.variables, sess.run(self._fast)) if not ok]
+        squares = sess.run(self._squares)
+        flagged = [v for v, s in zip(self.variables, squares) if not np.isfinite(s)]
         if not flagged:
             return []
         kinds = [(v.op.name, _exact_sums.value_kind(x)) for v, x in zip(flagged, sess.run(flagged))]
         return [(name, kind) for name, kind in kinds if kind != _exact_sums.FINITE]
 
 
-def _finite_squares(variable: tf.Variable) -> tf.Tensor:
-    """Bool scalar: whether `variable`'s half sum of squares (half precision's in float32) is
-    finite; a NaN or Inf element makes it NaN or Inf."""
+def _half_squares(variable: tf.Variable) -> tf.Tensor:
+    """`variable`'s half sum of squares (half precision's in float32): NaN or Inf if an element
+    is (or if it overflows)."""
     if variable.dtype.base_dtype in (tf.float16, tf.bfloat16):
         variable = tf.cast(variable, tf.float32)
-    return tf.math.is_finite(tf.nn.l2_loss(variable))
+    return tf.nn.l2_loss(variable)
 
 
 def finiteness_test(variables: Sequence[tf.Variable]) -> FinitenessTest:

@@ -39,21 +39,78 @@ def kind_word(kind: str) -> str:
 
 
 def kind_flags(tensors: Sequence) -> tf.Tensor:
-    """Int32 [len(tensors), 2]: whether each of `tensors` holds a NaN, and an Inf (exact); four
-    ops a tensor, beside it, and one vector from each device."""
-    axes, by_device = {}, {}
+    """Int32 [len(tensors), 2]: whether each of `tensors` holds a NaN, and an Inf (exact).
+
+    Tensors of one device and dtype are laid end to end in chunks (`_chunk_flags`: about 15
+    ops a chunk and a reshape a tensor, on a failed step only); one of unknown or more than
+    `_CHUNK_ELEMENTS` elements takes four ops of its own. One vector comes from each device."""
+    groups: Dict[object, List[Tuple[int, tf.Tensor]]] = {}
     for i, v in enumerate(map(_values, tensors)):
-        with _placement.beside(v):
-            tests = (tf.math.is_nan, tf.math.is_inf)
-            flags = [tf.raw_ops.Any(input=test(v), axis=_all_axes(v, axes)) for test in tests]
-        by_device.setdefault(_placement.device_of(v), []).append((i, flags))
-    parts = []
+        key = (_placement.device_of(v), v.dtype.base_dtype) if _chunkable(v) else i
+        groups.setdefault(key, []).append((i, v))
+    axes: Dict[object, tf.Tensor] = {}
+    by_device: Dict[str, List[Tuple[List[int], tf.Tensor]]] = {}
+    for members in groups.values():
+        for chunk in _chunks(members):
+            first = chunk[0][1]
+            with _placement.beside(first):
+                if _chunkable(first):
+                    flags = _chunk_flags([v for _, v in chunk])
+                else:  # [2]: whether it holds a NaN, an Inf.
+                    tests = (tf.math.is_nan, tf.math.is_inf)
+                    flags = tf.stack(
+                        [tf.raw_ops.Any(input=t(first), axis=_all_axes(first, axes)) for t in tests]
+                    )
+            by_device.setdefault(_placement.device_of(first), []).append(
+                ([i for i, _ in chunk], flags)
+            )
+    parts, order = [], []
     for group in by_device.values():
-        with _placement.beside(group[0][1][0]):
-            parts.append(tf.stack([flag for _, flags in group for flag in flags]))
-    order = [i for group in by_device.values() for i, _ in group]
+        with _placement.beside(group[0][1]):
+            parts.append(group[0][1] if len(group) == 1 else tf.concat([f for _, f in group], 0))
+        order += [i for indices, _ in group for i in indices]
     flags = tf.reshape(tf.cast(tf.concat(parts, 0), tf.int32), [-1, 2])
     return tf.gather(flags, np.argsort(order))
+
+
+# A chunk's elements at most: its running counts are float32, exact up to 2**24.
+_CHUNK_ELEMENTS = 1 << 24
+# A chunk's bytes at most (unless one tensor is larger): on a failed step it takes about five
+# times as many again (its copy, then two float32 counts an element).
+_CHUNK_BYTES = 1 << 24
+
+
+def _chunkable(tensor: tf.Tensor) -> bool:
+    return tensor.shape.is_fully_defined() and tensor.shape.num_elements() <= _CHUNK_ELEMENTS
+
+
+def _chunks(members: Sequence[Tuple[int, tf.Tensor]]) -> Iterator[list]:
+    """`members` in runs of at most `_CHUNK_BYTES` (a larger tensor alone); any that is not
+    `_chunkable` alone."""
+    chunk, size = [], 0
+    for i, v in members:
+        nbytes = v.shape.num_elements() * v.dtype.size if _chunkable(v) else _CHUNK_BYTES + 1
+        if chunk and size + nbytes > _CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((i, v))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _chunk_flags(chunk: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Bool [2 * len(chunk)]: whether each of `chunk` (`_chunkable`, one dtype) holds a NaN,
+    and an Inf. The running counts of NaNs and of Infs over the tensors laid end to end, read
+    at each tensor's start and end (exact: float32 counts integers up to 2**24 exactly)."""
+    line = tf.constant([-1])  # One shape for every reshape.
+    flat = [v if v.shape.rank == 1 else tf.reshape(v, line) for v in chunk]
+    flat = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+    bad = tf.cast(tf.stack([tf.math.is_nan(flat), tf.math.is_inf(flat)]), tf.float32)
+    counts = tf.concat([tf.zeros([2, 1]), tf.cumsum(bad, axis=1)], 1)  # [2, 1 + elements]
+    ends = np.cumsum([0] + [v.shape.num_elements() for v in chunk])
+    grew = tf.gather(counts, ends[1:], axis=1) > tf.gather(counts, ends[:-1], axis=1)
+    return tf.reshape(tf.transpose(grew), [-1])
 
 
 def _all_axes(tensor: tf.Tensor, axes: Dict[object, tf.Tensor]) -> tf.Tensor:
@@ -91,17 +148,6 @@ def accumulation_dtype(tensors: Sequence) -> tf.DType:
     """float64 if one of `tensors` is, else float32 (half precision's sums overflow early)."""
     wide = any(_values(t).dtype.base_dtype == tf.float64 for t in tensors)
     return tf.float64 if wide else tf.float32
-
-
-def tensor_sums(tensors: Sequence, name: str = "sums") -> tf.Tensor:
-    """One vector in `accumulation_dtype`: the sum of each of `tensors` (NaN or Inf when an
-    element is)."""
-    dtype = accumulation_dtype(tensors)
-    sums, axes = [], {}
-    for v in map(_values, tensors):
-        with _placement.beside(v):
-            sums.append(tf.raw_ops.Sum(input=_widened(v, dtype), axis=_all_axes(v, axes)))
-    return tf.stack(sums, name=name)
 
 
 def _values(tensor) -> tf.Tensor:
@@ -155,14 +201,7 @@ class Verdict:
         test passes, else 0.0, NaN (one is NaN) or Inf. `ok` is ``is_finite(checked)``.
     """
 
-    def __init__(
-        self,
-        gradients: Sequence,
-        *,
-        loss: Optional[tf.Tensor] = None,
-        kinds_variable: Optional[tf.Variable] = None,
-    ):
-        """On a failed fast test, `kinds_variable` (if given, int64) is assigned `kinds` first."""
+    def __init__(self, gradients: Sequence, *, loss: Optional[tf.Tensor] = None):
         self.tensors = ([] if loss is None else [loss]) + list(gradients)
         self._gradients = list(gradients)
         dtype = accumulation_dtype(self.tensors)
@@ -178,16 +217,9 @@ class Verdict:
             with self.when_failed():
                 flags = kind_flags(self.tensors)
                 self.kinds = tf.reduce_sum(flags * [1, 2], 1, name="kinds")
-                with tf.control_dependencies(
-                    []
-                    if kinds_variable is None
-                    else [kinds_variable.assign(tf.cast(self.kinds, tf.int64), read_value=False)]
-                ):
-                    code = tf.reduce_sum(tf.reduce_max(flags, 0) * [1, 2])
-                    # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
-                    self._confirmed = tf.gather(
-                        tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code
-                    )
+                code = tf.reduce_sum(tf.reduce_max(flags, 0) * [1, 2])
+                # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
+                self._confirmed = tf.gather(tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code)
             self.checked = control_flow_ops.merge([passed, self._confirmed], name="exact_total")[0]
             self.ok = tf.math.is_finite(self.checked, name="all_finite")
         self._halves = halves
@@ -209,6 +241,11 @@ class Verdict:
         with tf.control_dependencies([self._failed]):
             yield
 
+    def store_kinds(self, variable: tf.Variable) -> None:
+        """Makes a failed fast test assign `kinds` to `variable` (int64) before it confirms."""
+        with tf.name_scope(self._scope), self.when_failed():
+            self.confirm_after([variable.assign(tf.cast(self.kinds, tf.int64), read_value=False)])
+
     def confirm_after(self, ops: Sequence) -> None:
         """Makes the exact test wait on `ops` (built in `when_failed`)."""
         # The confirmed value's op is already built: no public API adds an input to it.
@@ -227,12 +264,12 @@ def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **na
     return both(failed, both(loss_finite, scale > LOSS_SCALE_FLOOR), **name)
 
 
-def stored_loss_scale(stored: Sequence[float], variables: int) -> Optional[float]:
-    """The loss scale that ends what a step stored (`_OverflowTest.sums_and_scale`), or None."""
-    return float(stored[-1]) if len(stored) == variables + 2 else None
+def stored_loss_scale(stored: Sequence[float]) -> Optional[float]:
+    """The loss scale after the loss a step stored (`_OverflowTest.sums_and_scale`), or None."""
+    return float(stored[-1]) if len(stored) == 2 else None
 
 
-def stored_overflow(stored: Sequence[float], variables: int) -> bool:
+def stored_overflow(stored: Sequence[float]) -> bool:
     """`overflow_rule` of a non-finite step, from what it stored (`stored_loss_scale`)."""
-    scale = stored_loss_scale(stored, variables)
+    scale = stored_loss_scale(stored)
     return scale is not None and overflow_rule(True, math.isfinite(float(stored[0])), scale)

@@ -164,12 +164,12 @@ class ForwardWrites:
         ]
 
 
-def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWrites:
-    """Makes each write `grad_sums` waits on (before the test: it cannot be gated) wait on a
+def snapshot_forward_writes(graph: tf.Graph, tested: tf.Tensor) -> ForwardWrites:
+    """Makes each write `tested` waits on (before the test: it cannot be gated) wait on a
     copy of its variable's value, which a bad step puts back; warns of those it cannot undo."""
     # By VarHandleOp (resource) or VariableV2 (ref); the first variable of an op wins.
     variables = {v.op: v for v in reversed(_variables(graph))}
-    by_variable = _forward_writes(graph, grad_sums, variables)
+    by_variable = _forward_writes(graph, tested, variables)
     if not by_variable:
         return ForwardWrites()
     snapshots, restored = [], set()
@@ -185,12 +185,12 @@ def snapshot_forward_writes(graph: tf.Graph, grad_sums: tf.Tensor) -> ForwardWri
 
 
 def _forward_writes(
-    graph: tf.Graph, grad_sums: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
+    graph: tf.Graph, tested: tf.Tensor, variables: Dict[tf.Operation, tf.Variable]
 ) -> Dict[tf.Operation, List[tf.Operation]]:
-    """The writes `grad_sums` waits on that a snapshot can undo, by variable op; an op calling
+    """The writes `tested` waits on that a snapshot can undo, by variable op; an op calling
     a control-flow-v2 body (``slim.batch_norm`` with a tensor ``is_training``) stands for it."""
     initializers = _initializers(graph)
-    ancestors = sorted(_ops.walk([grad_sums.op]), key=lambda op: op.name)
+    ancestors = sorted(_ops.walk([tested.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
     for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):

@@ -19,9 +19,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class GraphHandles:
     """What `create_train_op` built for one guarded train op; None for what it did not build.
 
-    ``grad_sums``: the loss, then each gradient's sum (in ``variable_names``' order), which a
-    bad step leaves in ``diagnostics`` (then, with a dynamic loss-scale optimizer, its loss
-    scale); ``value_kinds`` the kind of each, read as ``kinds_read``. ``ok``: what the hook
+    ``gradients``: the gradient of each of ``variable_names`` (an `IndexedSlices`' values);
+    ``value_kinds`` the kind of the loss, then of each, on a bad step, read as ``kinds_read``. A
+    bad step leaves its loss in ``diagnostics`` (then, with a dynamic loss-scale optimizer, its
+    loss scale). ``ok``: what the hook
     fetches (False on a bad step or an overflow), unless ``in_loop`` (built in a
     `tf.while_loop` or function body, whose tensors a run cannot fetch). ``judged``: hook mode's
     variable that whatever applies the policy initialises. ``pivot``: what a later write waits
@@ -36,7 +37,7 @@ class GraphHandles:
     train_op: tf.Tensor
     loss: tf.Tensor
     global_step: Optional[tf.Variable]
-    grad_sums: tf.Tensor
+    gradients: Tuple[tf.Tensor, ...]
     ok: Optional[tf.Tensor]
     diagnostics: tf.Variable
     check_op_name: Optional[str]

@@ -152,8 +152,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         if guard is None:
             return
         if guard.in_loop and guard.mode == Mode.HOOK:
-            # Zeros until a bad iteration stores its (non-finite) sums.
-            session.run(guard.diagnostics.initializer)
+            # Zeros until a bad iteration stores its loss and the kinds of its values.
+            session.run(_in_loop_stores(guard))
         # This hook applies the policy here: a bad step must not fail as unjudged.
         _actions.mark_judged(guard, session)
 
@@ -188,21 +188,23 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         stored = None
         if guard.in_loop and guard.mode == Mode.HOOK:
             stored = _actions.read_bad_step(guard, run_context.session)
-            ok = bool(np.all(np.isfinite(stored[1])))
-            if not ok:  # A bad iteration stored its sums; zero them for the next run.
-                run_context.session.run(guard.diagnostics.initializer)
+            ok = not np.any(run_context.session.run(guard.value_kinds))
         if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
             self.last_outcome = _actions.GOOD
             return
-        self.last_outcome = _actions.judge(
-            guard,
-            run_context.session,
-            checkpoint_dir=self._checkpoint_dir,
-            policy=self._effective_policy(),
-            stored=stored,
-            request_stop=run_context.request_stop,
-        )
+        try:
+            self.last_outcome = _actions.judge(
+                guard,
+                run_context.session,
+                checkpoint_dir=self._checkpoint_dir,
+                policy=self._effective_policy(),
+                stored=stored,
+                request_stop=run_context.request_stop,
+            )
+        finally:
+            if stored is not None:  # A bad iteration's stores, read: zeros for the next run.
+                run_context.session.run(_in_loop_stores(guard))
 
     def _effective_policy(self) -> Action:
         if self._nan_policy is not None:
@@ -261,3 +263,9 @@ def nan_hook(
             _policy.checkpoint_dir_message(guard.config, "nan_hook(train_op, checkpoint_dir=...)")
         )
     return NanLossHook(guard.train_op, checkpoint_dir=checkpoint_dir, event_listener=event_listener)
+
+
+def _in_loop_stores(guard) -> list:
+    """The initializers of what a bad iteration of a hook-mode train op built in a loop body
+    stores: its loss, and its values' kinds (all finite: zeros)."""
+    return [guard.diagnostics.initializer, guard.value_kinds.initializer]

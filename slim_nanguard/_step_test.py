@@ -1,6 +1,6 @@
 """The per-step test (`StepTest`), the same for both modes, and each mode's `Gate` in front of
 the writes: a check op that raises, or a ``Switch`` on ``ok`` the hook fetches. A bad step
-stores its sums (and report), puts the forward pass's writes back and keeps its batch."""
+stores its loss (and report), puts the forward pass's writes back and keeps its batch."""
 
 from __future__ import annotations
 
@@ -29,17 +29,18 @@ class StepTest:
     """The test of one train op, the same for both modes.
 
     Attributes:
-      grad_sums: The loss, then the sum of each gradient of `present`; run only when fetched.
+      gradients: The gradients of `present` (an `IndexedSlices`' values): with the loss, what
+        an autopsy replays.
       kinds: Int64 variable (int32 has no GPU kernel), the `_exact_sums` kind codes a step whose
         fast test failed stores.
-      kept: What a bad step stores in `diagnostics`: the sums (then a loss scale's scale).
+      kept: What a bad step stores in `diagnostics`: its loss (then a loss scale's scale).
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
       cause: With reasons, int32: 0 for a non-finite step, else 1 + the index of the first
         reason that rejects it.
       report: With reasons, the variable a bad step stores ``cause + 1`` and the reports in.
       judged: With reasons, the variable an accepted step stores the judged values in.
-      stores: With reasons, the report's store: what a bad step stores besides the sums.
+      stores: With reasons, the report's store: what a bad step stores besides its loss.
     """
 
     def __init__(
@@ -52,25 +53,25 @@ class StepTest:
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
-        # One vector: the loss, then the sum of each gradient (NaN/Inf iff one element is).
-        self.grad_sums = _exact_sums.tensor_sums([loss, *grads], name="gradient_sums")
-        self.kinds = _scratch(self.grad_sums, [len(grads) + 1], "value_kinds", tf.int64)
-        self.verdict = _exact_sums.Verdict(grads, loss=loss, kinds_variable=self.kinds)
+        self.gradients = tuple(g.values if isinstance(g, tf.IndexedSlices) else g for g in grads)
+        self.verdict = _exact_sums.Verdict(grads, loss=loss)
+        self.anchor = self.verdict.total  # Where the guard's scratch variables live.
+        self.kinds = _scratch(self.anchor, [len(grads) + 1], "value_kinds", tf.int64)
+        self.verdict.store_kinds(self.kinds)
         self.ok, self.checked = self.verdict.ok, self.verdict.checked
         self.report = self.judged = self.cause = self._bad = self._switch = None
         self._summary_read = None
         self.reasons, self.tests, self.stores = (), (), []
         if reasons:
             self._add_reasons(loss, reasons)
-        with self.when_bad():  # The sums a bad step leaves, summed on that step only.
-            self.kept = _exact_sums.tensor_sums([loss, *grads], name="gradient_sums")
+        with self.when_bad():  # The loss a bad step leaves (its kinds name the culprits).
+            dtype = self.anchor.dtype
+            self.kept = tf.reshape(tf.cast(loss, dtype), [1], name="bad_loss")
         self.scaler = None
         if loss_scale is not None:
             self.scaler = _OverflowTest(self.kept, loss_scale, self)
             self.kept = self.scaler.sums_and_scale
-        self.diagnostics = _scratch(
-            self.grad_sums, self.kept.shape, "gradient_sums", self.kept.dtype
-        )
+        self.diagnostics = _scratch(self.anchor, self.kept.shape, "bad_loss", self.kept.dtype)
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
         """Makes each reason one more way to fail."""
@@ -103,10 +104,10 @@ class StepTest:
         with self.when_bad():
             stored = [tf.reshape(tf.cast(self.cause + 1, tf.float64), [1])]
             report = tf.concat(stored + [test.report() for test in self.tests], 0)
-        self.report = _scratch(self.grad_sums, report.shape, "bad_step_report")
+        self.report = _scratch(self.anchor, report.shape, "bad_step_report")
         self.stores = [self.report.assign(report, read_value=False)]
         fields = sum(len(r.judged_fields) for r in self.reasons)
-        self.judged = _scratch(self.grad_sums, [fields], "last_accepted_step")
+        self.judged = _scratch(self.anchor, [fields], "last_accepted_step")
         with tf.name_scope("nanguard/"):  # Tagged nanguard/... whatever the scope.
             self._add_summaries()
 
@@ -141,14 +142,14 @@ class StepTest:
         their summaries (``nanguard/bad_steps``, ...; the optional ones where this test can
         count them), read from it: no batch."""
         with tf.name_scope("nanguard/"):
-            counters = _scratch(self.grad_sums, [len(_recorders.SCALARS)], "counters")
+            counters = _scratch(self.anchor, [len(_recorders.SCALARS)], "counters")
             shown = _ops.read_once_written(counters, 0.0, name="counters_read")
             spikes = any(reason.name == Fault.SPIKE for reason in self.reasons)
             has = {"level_shifts": spikes, "loss_scale_overflows": self.scaler is not None}
-            for i, name in enumerate(_recorders.SCALARS):
+            for name, value in zip(_recorders.SCALARS, tf.unstack(shown)):
                 if has.get(name, True):
                     with _placement.on_host():
-                        tf.compat.v1.summary.scalar(name, shown[i])
+                        tf.compat.v1.summary.scalar(name, value)
         return counters
 
     def reason_variables(self) -> Tuple[tf.Variable, ...]:
@@ -284,11 +285,11 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     # straight from the Switch): what waits on the pivot is skipped when `ok` is False.
     pivot = tf.identity(taken, name="pivot")
     # The other side runs on a bad step only, so a good step costs the hook one boolean.
-    bad_sums, _ = control_flow_ops.switch(test.kept, ok)
-    store = test.diagnostics.assign(bad_sums, read_value=False)
+    bad_loss, _ = control_flow_ops.switch(test.kept, ok)
+    store = test.diagnostics.assign(bad_loss, read_value=False)
     # Whatever applies the policy initialises `judged` (`_actions.mark_judged`); a bad step in a
     # session where it is not fails here. In no collection: no initializer or Saver sees it.
-    with _capture.guard_variable_scope(loss.graph, test.grad_sums):
+    with _capture.guard_variable_scope(loss.graph, test.anchor):
         judged = tf.compat.v1.Variable(
             True, trainable=False, collections=[], use_resource=True, name="judged"
         )
@@ -305,7 +306,7 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     stores = [store, unjudged] + test.stores + list(capture.stores) + forward.put_back(ok)
     with tf.control_dependencies(stores):
         bad_done = tf.identity(untaken)
-    # What the hook fetches: through the store on a bad step, so the sums are there to read
+    # What the hook fetches: through the store on a bad step, so the loss is there to read
     # even after a run that did not fetch the train op.
     ok, _ = control_flow_ops.merge([pivot, bad_done], name="all_finite_checked")
     return Gate(Mode.HOOK, pivot, capture, ok=ok, bad_done=bad_done, judged=judged)
@@ -326,12 +327,10 @@ class _OverflowTest:
 
     floor = _exact_sums.LOSS_SCALE_FLOOR
 
-    def __init__(self, grad_sums: tf.Tensor, loss_scale, test: StepTest):
+    def __init__(self, kept: tf.Tensor, loss_scale, test: StepTest):
         # The scale this step multiplied the loss by.
-        scale = tf.cast(loss_scale(), grad_sums.dtype)
-        self.sums_and_scale = tf.concat(
-            [grad_sums, tf.reshape(scale, [1])], 0, name="gradient_sums_and_loss_scale"
-        )
+        scale = tf.cast(loss_scale(), kept.dtype)
+        self.sums_and_scale = tf.concat([kept, tf.reshape(scale, [1])], 0, name="loss_and_scale")
         self.finite = test.ok
         self.overflow = _exact_sums.overflow_rule(
             tf.logical_not(test.verdict.ok),

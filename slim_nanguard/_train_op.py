@@ -171,7 +171,7 @@ def _gated(
     beside_grads = functools.partial(_placement.verdict_scope, device)
     with tf.name_scope("nanguard"), beside_grads():
         test = _step_test.StepTest(total_loss, grads, loss_scale, config.all_reasons)
-        forward = _gated_writes.snapshot_forward_writes(graph, test.grad_sums)
+        forward = _gated_writes.snapshot_forward_writes(graph, test.anchor)
         autopsy = _autopsy_possible(config, graph, forward.snapshots)
         gate = _step_test.build_gate(
             test, config, check_numerics=check, forward=forward, loss=total_loss, autopsy=autopsy
@@ -227,7 +227,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         train_op=train_op,
         loss=loss,
         global_step=global_step,
-        grad_sums=test.grad_sums,
+        gradients=test.gradients,
         value_kinds=test.kinds,
         kinds_read=kinds_read,
         ok=None if in_loop else gate.ok,

@@ -30,6 +30,11 @@ FEATURES = 4
 BAD_BATCH = 2
 
 
+def _targets(guard):
+    """What the guard's autopsy of a non-finite step replays: the loss and the gradients."""
+    return [guard.loss, *guard.gradients]
+
+
 def _batches(fault=None, count=8, bad_example=3):
     """`count` batches of shape [BATCH, FEATURES]; batch BAD_BATCH carries `fault`."""
     xs = np.random.RandomState(0).uniform(0.5, 1.5, (count, BATCH, FEATURES)).astype(np.float32)
@@ -392,7 +397,7 @@ def test_a_replay_without_the_batch_runs_nothing_and_says_what_is_missing():
     model = _Model("hook", fault="log_of_zero")  # the batch comes from an iterator
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        result = _autopsy.replay(sess, {}, [model.guard.grad_sums])
+        result = _autopsy.replay(sess, {}, _targets(model.guard))
         first = sess.run(model.x)  # the iterator was not touched by the replay
     assert result.reproduced is None and result.cost["runs"] == 0
     assert "IteratorGetNext (IteratorGetNext), which was not kept" in result.error
@@ -403,8 +408,8 @@ def test_the_replay_fetches_in_chunks_and_finds_the_same_op():
     model = _Model("hook", fault="log_of_zero", fed=True)
     sess, feeds = _replay_session(model)
     with sess:
-        whole = _autopsy.replay(sess, feeds, [model.guard.grad_sums])
-        chunked = _autopsy.replay(sess, feeds, [model.guard.grad_sums], max_chunk_bytes=1)
+        whole = _autopsy.replay(sess, feeds, _targets(model.guard))
+        chunked = _autopsy.replay(sess, feeds, _targets(model.guard), max_chunk_bytes=1)
     assert whole.first_bad_op["name"] == chunked.first_bad_op["name"] == "model/log_norm"
     assert chunked.cost["runs"] > whole.cost["runs"]
     assert chunked.cost["peak_bytes"] < whole.cost["peak_bytes"]
@@ -416,7 +421,7 @@ def test_a_replay_past_its_deadline_stops_and_says_where():
     ticks = iter(range(0, 10_000, 100))
     with sess:
         result = _autopsy.replay(
-            sess, feeds, [model.guard.grad_sums], timeout_secs=50, clock=lambda: next(ticks)
+            sess, feeds, _targets(model.guard), timeout_secs=50, clock=lambda: next(ticks)
         )
     assert result.reproduced is True and result.first_bad_op is None
     assert result.error.startswith("gave up after")
@@ -526,7 +531,7 @@ def test_a_nan_constant_is_not_the_culprit_the_op_that_lets_it_in_is():
         data[5, 0] = 1000.0
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            result = _autopsy.replay(sess, {x: data}, [slim_nanguard.get_guard(train_op).grad_sums])
+            result = _autopsy.replay(sess, {x: data}, _targets(slim_nanguard.get_guard(train_op)))
     assert result.first_bad_op["name"] == "picked"
     assert result.bad_examples == (5,)
     assert "input Fill holds 24 NaN" in result.describe()

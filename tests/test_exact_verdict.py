@@ -459,3 +459,35 @@ def test_a_good_step_runs_fewer_reductions_than_there_are_gradients():
     types = [graph.get_operation_by_name(n).type for n in ran if n.startswith("nanguard/")]
     reductions = [t for t in types if t in ("Sum", "L2Loss", "IsNan", "IsInf")]
     assert 0 < len(reductions) <= 5, types
+
+
+@pytest.mark.parametrize(
+    "chunk_bytes", [1 << 24, 64, 1], ids=["one_chunk", "small_chunks", "alone"]
+)
+def test_kinds_name_each_tensor_exactly_wherever_the_chunks_fall(monkeypatch, chunk_bytes):
+    """On a failed step the tensors are laid end to end in chunks and their NaNs and Infs
+    counted by running sums: a bad value at a tensor's first or last element, an empty
+    tensor beside a bad one, float16 and float32, a sparse gradient and a tensor of unknown
+    size are each named for what they alone hold."""
+    monkeypatch.setattr(_exact_sums, "_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(_exact_sums, "_CHUNK_ELEMENTS", 40)  # a 50-element tensor goes alone
+    arrays = [
+        np.array([np.nan, 1, 2], np.float32),  # NaN first
+        np.zeros([0], np.float32),  # empty, between two bad ones
+        np.array([[1, 2], [3, np.inf]], np.float32),  # Inf last
+        np.array([np.inf, np.nan], np.float16),
+        np.ones([5], np.float16),
+        np.full([50], 3.0e38, np.float32),  # finite, over the element limit
+        np.array([1.0, -np.inf], np.float32),
+        np.float32(7.0),  # a scalar
+    ]
+    expected = [1, 0, 2, 3, 0, 0, 2, 0, 1, 0]  # then the sparse NaN, the unknown-size finite
+    graph = tf.Graph()
+    with graph.as_default():
+        tensors = [tf.constant(a) for a in arrays]
+        sparse = tf.IndexedSlices(tf.constant([[0.0, np.nan]]), tf.constant([1]))
+        unknown = tf.compat.v1.placeholder_with_default(np.ones([4], np.float32), [None])
+        flags = _exact_sums.kind_flags(tensors + [sparse, unknown])
+        with tf.compat.v1.Session() as sess:
+            values = sess.run(flags)
+    assert list(values[:, 0] + 2 * values[:, 1]) == expected

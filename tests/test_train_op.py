@@ -13,6 +13,7 @@ import tf_slim as slim
 
 import slim_nanguard
 from slim_nanguard import _actions
+from slim_nanguard import _exact_sums
 
 import nanguard_testlib as lib
 
@@ -186,18 +187,20 @@ def test_slim_batch_norm_moving_statistics_stay_put(mode, fused):
 
 def test_the_event_names_the_culprit_variables():
     model = lib.build_model(check_numerics=False, nan_policy="skip")
+    guard = slim_nanguard.get_guard(model.train_op)
     with model.graph.as_default(), tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        sums = sess.run(
-            slim_nanguard.get_guard(model.train_op).grad_sums, model.feed(0, "nan_gradient")
-        )
-    guard = slim_nanguard.get_guard(model.train_op)
-    assert _actions.culprits(guard, sums, None) == (("logits/weights",), ())
+        _actions.mark_judged(guard, sess)
+        sess.run(model.train_op, model.feed(0, "nan_gradient"))
+        kinds = _exact_sums.kind_names(sess.run(guard.value_kinds))
+    assert _actions.culprits(guard, kinds) == (("logits/weights",), ("nan",))
+    assert _actions.culprits(guard, None) == ((), ())
     assert guard.variable_names == ("fc1/weights", "fc1/biases", "logits/weights", "logits/biases")
 
 
-def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_its_sums():
-    """The hook fetches one boolean per step; only a bad step stores its sums, for the event."""
+def test_in_hook_mode_a_good_step_costs_one_boolean_and_a_bad_step_keeps_what_it_held():
+    """The hook fetches one boolean per step; only a bad step stores its loss and the kinds of
+    its values, for the event."""
     model = lib.build_model(check_numerics=False, nan_policy="skip")
     guard = slim_nanguard.get_guard(model.train_op)
     hook = slim_nanguard.nan_hook(model.train_op)

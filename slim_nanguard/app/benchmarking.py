@@ -1447,6 +1447,7 @@ def _startup_once(model: str, variant: str, batch: int = 2) -> Dict[str, float]:
     """Builds `model`'s train op as `variant` in a fresh graph, then makes a session, runs the
     initializers and one step: what the user waits for, in seconds, and the graph's nodes."""
     side = max(models.MIN_IMAGE_SIZE[model], 32)
+    gc.collect()  # Each variant starts without the last one's garbage to collect.
     clocks = [(time.perf_counter(), time.process_time())]
     with tf.Graph().as_default() as graph:
         tf.compat.v1.set_random_seed(0)
