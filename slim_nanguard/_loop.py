@@ -7,7 +7,7 @@ A run::
     while not stopped and global step < number_of_steps:
         run(train_op)            # a bad step writes no variable
         bad step? -> policy      # hook mode: NanLossHook.after_run; check_numerics mode: here
-        every log_every_n_steps: a progress line and TensorBoard scalars
+        every log_every_n_steps: a progress line; on the summaries' schedule: nanguard/loss
         Ctrl-C or SIGTERM: stop after this step
     end(): closing checkpoint (FiniteSaver), final values
     giving up: first save the (good) state the bad step left, then raise
@@ -123,11 +123,13 @@ class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
 @dataclasses.dataclass
 class _Progress:
     """Logs a progress line every `every` global steps (0: none), with the time left to
-    `last_step` when given, and writes the TensorBoard scalars to `recorder`."""
+    `last_step` when given, and writes ``nanguard/loss`` to `recorder` when `loss_due` says
+    (the summaries' schedule)."""
 
     every: int
     last_step: Optional[int]
     recorder: Optional[_recorders.EventRecorder]
+    loss_due: Callable[[int], bool] = lambda step: False
     clock: Callable[[], float] = time.monotonic
     mark: Optional[Tuple[float, int]] = None  # (time, step) at the start or the previous line
 
@@ -136,6 +138,8 @@ class _Progress:
 
     def __call__(self, step: int, loss: float, counts: Callable[[], _policy.GuardState]) -> None:
         """Logs a line at every `every`-th step, with this run's ``counts()`` (called only then)."""
+        if self.recorder is not None and math.isfinite(loss) and self.loss_due(step):
+            self.recorder.write_scalars(step, loss, counters=False)
         if self.every <= 0 or step % self.every:
             return
         counts = counts()
@@ -157,8 +161,22 @@ class _Progress:
             counts.skips,
             counts.rollbacks,
         )
-        if self.recorder is not None:
-            self.recorder.write_scalars(step, loss if math.isfinite(loss) else None)
+
+
+def _summary_schedule(steps: Optional[int], secs: Optional[float]) -> Callable[[int], bool]:
+    """Whether a global step is due a scalar on the summaries' schedule: every `steps`-th, or
+    once `secs` passed (which wins, as in `SummarySaverHook`); never when both are off."""
+    if secs:
+        timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=secs)
+
+        def due(step: int) -> bool:
+            if not timer.should_trigger_for_step(step):
+                return False
+            timer.update_last_triggered_step(step)
+            return True
+
+        return due
+    return lambda step: bool(steps) and step % steps == 0
 
 
 def _duration(seconds: float) -> str:
@@ -258,7 +276,8 @@ def train(
     recorder = _recorders.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
     guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
-    progress = _Progress(log_every_n_steps, number_of_steps, recorder)
+    loss_due = _summary_schedule(save_summaries_steps, save_summaries_secs)
+    progress = _Progress(log_every_n_steps, number_of_steps, recorder, loss_due)
     step = resume_from and _checkpoints.checkpoint_step(resume_from) or 0
     loop = _Loop(guard, logdir, is_chief, number_of_steps, progress, guard.state, step=step)
     try:

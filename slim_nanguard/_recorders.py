@@ -153,15 +153,19 @@ class EventRecorder:
             os.fsync(f.fileno())
 
     def write_scalars(
-        self, step: int, loss: Optional[float] = None, more: Dict[str, float] = None
+        self,
+        step: int,
+        loss: Optional[float] = None,
+        more: Dict[str, float] = None,
+        counters: bool = True,
     ) -> None:
-        """Writes the counters of the guards it follows (the `OPTIONAL` ones once not 0), the
-        loss when given, and `more` (``{tag: value}``) as scalars at `step`."""
+        """Writes the counters of the guards it follows (if `counters`; the `OPTIONAL` ones once
+        not 0), the loss when given, and `more` (``{tag: value}``) as scalars at `step`."""
         if not self._write_summaries:
             return
         writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
         totals = [sum(column) for column in zip(*(counts(g.state) for g in self._followed))]
-        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)}
+        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)} if counters else {}
         shown |= {"nanguard/loss": loss} if loss is not None else {}
         values = [
             tf.compat.v1.Summary.Value(tag=tag, simple_value=value)

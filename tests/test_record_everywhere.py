@@ -257,7 +257,7 @@ def _diverging_run(logdir, mode):
         logdir,
         number_of_steps=25,
         save_checkpoint_steps=1000,
-        save_summaries_steps=None,
+        save_summaries_steps=5,
         log_every_n_steps=5,
     )
 

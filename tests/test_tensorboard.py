@@ -91,6 +91,29 @@ def test_train(tmp_path, mode):
     assert len(scalars["nanguard/z_loss"]) >= 4  # every other step
 
 
+@pytest.mark.parametrize("log_every_n_steps", [0, 3])
+def test_trains_loss_follows_the_summaries_schedule_not_the_progress_lines(
+    tmp_path, log_every_n_steps
+):
+    """`train` writes the step's loss as ``nanguard/loss`` at every ``save_summaries_steps``-th
+    global step, whatever ``log_every_n_steps`` is; the progress lines add no scalar."""
+    logdir = str(tmp_path)
+    slim_nanguard.train(
+        _model("hook").train_op,
+        logdir,
+        number_of_steps=STEPS,
+        save_checkpoint_steps=None,
+        save_summaries_steps=4,
+        log_every_n_steps=log_every_n_steps,
+    )
+    scalars = _scalars(logdir)
+    assert [step for step, _ in scalars["nanguard/loss"]] == [4, 8]
+    # Steps 6 and 9 are neither a bad step nor on the summaries' schedule: a progress line
+    # (every third step) writes nothing there.
+    written_at = {step for points in scalars.values() for step, _ in points}
+    assert not written_at & {6, 9}, sorted(written_at)
+
+
 @lib.each_mode
 def test_learning_train_with_train_step(tmp_path, mode):
     """tf-slim's Supervisor runs the summaries on a timer, in a thread of its own: the steps

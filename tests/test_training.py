@@ -555,7 +555,8 @@ class TestTheRecord:
                     scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
         assert (4, 2.0) in scalars["nanguard/bad_steps"]
         assert (4, 2.0) in scalars["nanguard/skips"]
-        assert "nanguard/loss" in scalars and "nanguard/rollbacks" in scalars
+        # The counters at the bad steps; the loss follows the summaries' schedule, off here.
+        assert "nanguard/rollbacks" in scalars and "nanguard/loss" not in scalars
 
     def test_a_line_cut_by_a_crash_leaves_the_earlier_lines_readable(self, tmp_path):
         recorder = _recorders.EventRecorder(str(tmp_path), write_summaries=False)
