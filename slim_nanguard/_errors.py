@@ -122,6 +122,7 @@ class DiskFullError(NanGuardError):
 
     def __init__(self, result, recorded: bool, cause: str):
         self.result, self.checkpoint, self.recorded = result, result.checkpoint, recorded
+        self._cause = cause
         where = self.checkpoint and f"the newest intact checkpoint is {self.checkpoint}"
         then = "it resumes from that checkpoint" if where else "it starts again"
         super().__init__(
@@ -130,6 +131,9 @@ class DiskFullError(NanGuardError):
             f"{where or 'no checkpoint was saved'}. Free space on the disk of "
             f"{result.events_path.rsplit('/', 1)[0]}, then run the same training again: {then}."
         )
+
+    def __reduce__(self):  # Pickled by what made it (another process gets the same error).
+        return type(self), (self.result, self.recorded, self._cause)
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -496,8 +496,11 @@ class _Loop:
                 while not finished and self.stop_reason is None and not sess.should_stop():
                     self.stop_reason = self._step(sess, sigint)
             except (OSError, tf.errors.OpError):  # The step may have run, and its hooks failed.
+                before = self.step
                 with contextlib.suppress(Exception):
                     self.step = self._read_step(sess)
+                if self.step > before and self.judge_hook is None:
+                    _actions.good_step(self.guard)  # It passed the check (a hook counted it).
                 raise
         if self.stop_reason is None:
             limit = self._at_limit(self.step)

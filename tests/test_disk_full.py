@@ -9,6 +9,7 @@ third save.
 
 import json
 import os
+import pickle
 import re
 import subprocess
 from unittest import mock
@@ -87,6 +88,8 @@ def test_a_full_disk_names_the_intact_checkpoint_and_a_rerun_resumes_from_it(sma
     step = int(named.rsplit("-", 1)[1])
     reached = int(re.search(r"at global step (\d+)/400\.", full.stdout).group(1))
     assert 200 <= step <= reached <= 400 and f"global step {reached};" in full.stderr
+    # Every step that ran is counted, the one whose checkpoint did not fit too.
+    assert f"  steps         {reached - 200} good steps in this run" in full.stdout
     stop = [e for e in slim_nanguard.read_events(str(train_dir)) if e["kind"] == "stop"][-1]
     assert (stop["reason"], stop["step"]) == ("disk_full", reached)  # the record had room
     filler.unlink()
@@ -149,6 +152,14 @@ def test_train_raises_disk_full_error_naming_the_last_checkpoint_saved(tmp_path)
     assert err.__cause__ is error
     assert err.checkpoint == str(tmp_path / "model.ckpt-5") and err.recorded
     assert (err.result.stop_reason, err.result.global_step) == ("disk_full", 10)
+    assert err.result.steps == 10  # the step whose checkpoint did not fit ran, and counts
+    copy = pickle.loads(pickle.dumps(err))  # e.g. to a parent process
+    assert (type(copy), str(copy), copy.result, copy.recorded) == (
+        slim_nanguard.DiskFullError,
+        str(err),
+        err.result,
+        True,
+    )
     assert str(err) == (
         "the disk is full (/dev/full; No space left on device): training stopped at global "
         f"step 10; the newest intact checkpoint is {tmp_path}/model.ckpt-5. Free space on the "
