@@ -68,7 +68,7 @@ def test_the_example_runs_and_skips_the_bad_batch(tmp_path, name):
 
 def test_the_readme_is_a_five_minute_read():
     size = len(README.read_bytes())
-    assert size < 15 * 1024, f"README.md is {size} bytes; move detail to docs/guide.md"
+    assert size < 15_000, f"README.md is {size} bytes; move detail to docs/guide.md"
 
 
 def test_the_quick_start_test_command_is_the_one_ci_runs():
