@@ -48,22 +48,16 @@ def kind_flags(tensors: Sequence) -> tf.Tensor:
     for i, v in enumerate(map(_values, tensors)):
         key = (_placement.device_of(v), v.dtype.base_dtype) if _chunkable(v) else i
         groups.setdefault(key, []).append((i, v))
-    axes: Dict[object, tf.Tensor] = {}
     by_device: Dict[str, List[Tuple[List[int], tf.Tensor]]] = {}
-    for members in groups.values():
-        for chunk in _chunks(members):
-            first = chunk[0][1]
-            with _placement.beside(first):
-                if _chunkable(first):
-                    flags = _chunk_flags([v for _, v in chunk])
-                else:  # [2]: whether it holds a NaN, an Inf.
-                    tests = (tf.math.is_nan, tf.math.is_inf)
-                    flags = tf.stack(
-                        [tf.raw_ops.Any(input=t(first), axis=_all_axes(first, axes)) for t in tests]
-                    )
-            by_device.setdefault(_placement.device_of(first), []).append(
-                ([i for i, _ in chunk], flags)
-            )
+    for chunk in (chunk for members in groups.values() for chunk in _chunks(members)):
+        first = chunk[0][1]
+        with _placement.beside(first):
+            if _chunkable(first):
+                flags = _chunk_flags([v for _, v in chunk])
+            else:  # Alone: whether it holds a NaN, an Inf.
+                tests = (tf.math.is_nan, tf.math.is_inf)
+                flags = tf.stack([tf.reduce_any(test(first)) for test in tests])
+        by_device.setdefault(_placement.device_of(first), []).append(([i for i, _ in chunk], flags))
     parts, order = [], []
     for group in by_device.values():
         with _placement.beside(group[0][1]):
@@ -85,11 +79,10 @@ def _chunkable(tensor: tf.Tensor) -> bool:
 
 
 def _chunks(members: Sequence[Tuple[int, tf.Tensor]]) -> Iterator[list]:
-    """`members` in runs of at most `_CHUNK_BYTES` (a larger tensor alone); any that is not
-    `_chunkable` alone."""
+    """`members` in runs of at most `_CHUNK_BYTES` (a larger tensor alone)."""
     chunk, size = [], 0
     for i, v in members:
-        nbytes = v.shape.num_elements() * v.dtype.size if _chunkable(v) else _CHUNK_BYTES + 1
+        nbytes = (v.shape.num_elements() or 0) * v.dtype.size
         if chunk and size + nbytes > _CHUNK_BYTES:
             yield chunk
             chunk, size = [], 0
@@ -111,17 +104,6 @@ def _chunk_flags(chunk: Sequence[tf.Tensor]) -> tf.Tensor:
     ends = np.cumsum([0] + [v.shape.num_elements() for v in chunk])
     grew = tf.gather(counts, ends[1:], axis=1) > tf.gather(counts, ends[:-1], axis=1)
     return tf.reshape(tf.transpose(grew), [-1])
-
-
-def _all_axes(tensor: tf.Tensor, axes: Dict[object, tf.Tensor]) -> tf.Tensor:
-    """Every axis of `tensor`, a constant shared by one call's tensors of its rank and device
-    (`axes`): a reduction to a scalar is one op, not two."""
-    if tensor.shape.rank is None:
-        return tf.range(tf.rank(tensor))
-    key = (_placement.device_of(tensor), tensor.shape.rank)
-    if key not in axes:
-        axes[key] = tf.constant(list(range(tensor.shape.rank)), tf.int32, name="all_axes")
-    return axes[key]
 
 
 def value_kind(value: np.ndarray) -> str:
