@@ -69,8 +69,8 @@ def kind_flags(tensors: Sequence) -> tf.Tensor:
 
 # A chunk's elements at most: its running counts are float32, exact up to 2**24.
 _CHUNK_ELEMENTS = 1 << 24
-# A chunk's bytes at most (unless one tensor is larger): on a failed step it takes about five
-# times as many again (its copy, then two float32 counts an element).
+# A chunk's bytes at most (unless one tensor is larger): on a failed step its copy, flags and
+# float32 counts take up to 30 bytes an element (120 MiB for a chunk of float32), briefly.
 _CHUNK_BYTES = 1 << 24
 
 
