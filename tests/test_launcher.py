@@ -145,10 +145,9 @@ def test_clean_run_logs_progress_and_a_summary(trained):
 
 def test_the_default_config_writes_a_graph_and_meta_graphs_sized_by_the_model(tmp_path):
     # The digits came into the graph as a constant: a 3.2 MB graph.pbtxt and a 967 KB .meta
-    # per checkpoint. What is left is the model, its optimizer, the pipeline (once: no one-shot
-    # iterator's copy) and the guard (325 KB and 132 KB; the same run with tf-slim's train op
-    # writes a 264 KB graph.pbtxt): the savers and the start-up check share one L2Loss a
-    # variable, and a failed step's kinds are counted in chunks.
+    # per checkpoint. What is left is the model, its optimizer and the guard (345 KB and 136
+    # KB; the same run unguarded writes a 284 KB graph.pbtxt): the savers and the start-up
+    # check share one L2Loss a variable, a failed step's kinds are counted in chunks.
     proc = _run(
         TRAIN,
         "--flagfile=configs/default.cfg",
@@ -159,9 +158,9 @@ def test_the_default_config_writes_a_graph_and_meta_graphs_sized_by_the_model(tm
     assert proc.returncode == 0, proc.stderr
     metas = sorted(tmp_path.glob("model.ckpt-*.meta"))
     assert [m.name for m in metas] == ["model.ckpt-0.meta", "model.ckpt-3.meta"]
-    assert all(m.stat().st_size < 140_000 for m in metas), [m.stat().st_size for m in metas]
+    assert all(m.stat().st_size < 150_000 for m in metas), [m.stat().st_size for m in metas]
     graph = (tmp_path / "graph.pbtxt").read_text()
-    assert len(graph) < 340_000, len(graph)
+    assert len(graph) < 360_000, len(graph)
     # No constant holds data: the longest tensor in the graph is a few shapes' worth.
     contents = [line for line in graph.splitlines() if "tensor_content" in line]
     assert max(map(len, contents)) < 1_000

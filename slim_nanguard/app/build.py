@@ -138,15 +138,6 @@ class Built:
     hooks: list = dataclasses.field(default_factory=list)
 
 
-def _next_batch(dataset: tf.data.Dataset):
-    """The next batch of `dataset`, from an iterator the session's local init op starts (as it
-    starts tables): the pipeline is in the graph once, not again in a one-shot iterator's
-    function (16 KB of the default config's ``graph.pbtxt`` and of each ``.meta``)."""
-    iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
-    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS, iterator.initializer)
-    return iterator.get_next()
-
-
 def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -> Built:
     """Builds the training graph of `config`; reads no file in train_dir and writes nothing.
 
@@ -186,11 +177,14 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
             )
             injector = None
             if config.inject_faults:
-                batch_index, (images, labels) = _next_batch(faults_lib.enumerate_batches(dataset))
+                dataset = faults_lib.enumerate_batches(dataset)
+                batch_index, (images, labels) = tf.compat.v1.data.make_one_shot_iterator(
+                    dataset
+                ).get_next()
                 injector = faults_lib.FaultInjector(config.inject_faults, batch_index)
                 images = injector.corrupt_images(images)
             else:
-                images, labels = _next_batch(dataset)
+                images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
 
         model_fn = models.get_model(config.model_name, weight_decay=config.weight_decay)
         logits = model_fn(images, info.num_classes, is_training=True)
