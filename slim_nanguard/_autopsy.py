@@ -291,8 +291,8 @@ def replay(
     cause: str = NON_FINITE,
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
-    the step's weights: the first non-finite op behind `targets` (the loss and the gradient
-    sums), or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
+    the step's weights: the first non-finite op behind `targets` (the loss and the gradients),
+    or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
     `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
@@ -305,7 +305,11 @@ def replay(
         ops = _ops_to_check(targets, feeds)
         if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
             found = _replay_spike(session, feeds, targets[0], budget, batch_size)
-        elif all(is_finite_health(health(v)) for v in budget.run(session, targets, feeds)):
+        elif all(
+            is_finite_health(health(v))
+            for run in _chunks(targets, batch_size, max_chunk_bytes)
+            for v in budget.run(session, run, feeds)
+        ):
             found = {"reproduced": False}
         else:
             found["reproduced"] = True
@@ -385,8 +389,10 @@ def _is_stateful(op) -> bool:
 
 
 def _estimate_bytes(op, batch_size: int) -> int:
+    """The bytes of `op`'s float outputs (of a tensor: its own), unknown dimensions taken as
+    `batch_size`."""
     total = 0
-    for t in filter(_is_float, op.outputs):
+    for t in filter(_is_float, getattr(op, "outputs", [op])):
         dims = t.shape.as_list() if t.shape.rank is not None else [batch_size or 1]
         size = math.prod(d if d is not None else max(batch_size, 1) for d in dims)
         total += size * t.dtype.base_dtype.size
