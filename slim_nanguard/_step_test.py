@@ -288,11 +288,8 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     bad_loss, _ = control_flow_ops.switch(test.kept, ok)
     store = test.diagnostics.assign(bad_loss, read_value=False)
     # Whatever applies the policy initialises `judged` (`_actions.mark_judged`); a bad step in a
-    # session where it is not fails here. In no collection: no initializer or Saver sees it.
-    with _capture.guard_variable_scope(loss.graph, test.anchor):
-        judged = tf.compat.v1.Variable(
-            True, trainable=False, collections=[], use_resource=True, name="judged"
-        )
+    # session where it is not fails here.
+    judged = _scratch(test.anchor, [], "judged", tf.bool)
     bad_pivot = tf.identity(untaken)
     with tf.control_dependencies([bad_pivot]):
         is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
