@@ -290,7 +290,7 @@ def _report_damaged_state(checkpoint_dir: str, found: List[str], *, repair: bool
             )
             done = "and rewrote the state file to name it"
         except (OSError, tf.errors.OpError) as err:
-            done = f"but could not rewrite the state file ({_short(err)})"
+            done = f"but could not rewrite the state file ({_errors.op_error_cause(err)})"
     logging.warning(
         "slim_nanguard: the checkpoint state file %s cannot be parsed (garbled, cut short or "
         "empty); found the checkpoints by listing the directory: using %s, %s.",
@@ -311,11 +311,6 @@ def latest_checkpoint(checkpoint_dir: Optional[str]) -> Optional[str]:
                 _report_damaged_state(checkpoint_dir, found[number:], repair=False)
             return path
     return None
-
-
-def _short(err: BaseException) -> str:
-    text = getattr(err, "message", None) or str(err)
-    return text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
 
 
 class FinitenessTest:
@@ -398,7 +393,7 @@ class _FinitenessCheck:
             try:
                 step = f"step {tf.compat.v1.train.global_step(sess, global_step)}"
             except (tf.errors.OpError, TypeError, ValueError) as err:
-                step = f"step unknown: {_short(err)}"
+                step = f"step unknown: {_errors.op_error_cause(err)}"
         logging.error(
             "slim_nanguard: not saving checkpoint %s (%s): %s. The latest checkpoint stays the "
             "last good one.",
