@@ -193,42 +193,38 @@ def _forward_writes(
     ancestors = sorted(_ops.walk([tested.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
+    lost = []  # (write, what it writes, why a snapshot cannot undo it)
+    unlisted = (
+        "the variable is in no variable collection; put it in GLOBAL_VARIABLES or LOCAL_VARIABLES"
+    )
     for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):
         variable = variables.get(_written_variable(op))
         write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        written = op.inputs[0].op.name if op.inputs else "a variable"
         if write_context is not context and any(
             c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
         ):
-            why = "it sits in a loop body of its own"
+            lost.append((op, written, "it sits in a loop body of its own"))
         elif variable is None:
-            why = (
-                "the variable is in no variable collection; put it in GLOBAL_VARIABLES or "
-                "LOCAL_VARIABLES"
-            )
+            lost.append((op, written, unlisted))
         else:
             by_variable.setdefault(variable.op, []).append(op)
-            continue
-        logging.warning(
-            "slim_nanguard: %s writes %s in the forward pass, before the "
-            "finiteness test, and cannot be undone on a bad step (%s), or "
-            "make it an update op the loss does not wait on.",
-            op.name,
-            op.inputs[0].op.name if op.inputs else "a variable",
-            why,
-        )
     for op in (op for op in ancestors if _body_graphs(op)):
         for handle in _handles_written_by(op):
             variable = variables.get(handle.op)
             if variable is None:
-                logging.warning(
-                    "slim_nanguard: %s writes %s in the forward pass, before the "
-                    "finiteness test, and cannot be undone on a bad step (the "
-                    "variable is in no variable collection).",
-                    op.name,
-                    handle.op.name,
-                )
+                lost.append((op, handle.op.name, unlisted))
             elif op not in by_variable.setdefault(variable.op, []):
                 by_variable[variable.op].append(op)
+    for op, written, why in lost:
+        logging.warning(
+            "slim_nanguard: %s writes %s in the forward pass, before the finiteness test, and "
+            "cannot be undone on a bad step (%s), or make it an update op the loss does not "
+            "wait on.",
+            op.name,
+            written,
+            why,
+        )
     return by_variable
 
 
