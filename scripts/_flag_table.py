@@ -140,9 +140,14 @@ FLAGS = {
             "help": "Faults to inject, KIND:STEP or "
             "KIND:FIRST-LAST, comma-separated; KIND is "
             "one of nan_input, inf_input, spike_input, "
-            "nan_loss, inf_loss, nan_gradient; STEP "
-            "counts batches from 0 (in a fresh run, "
-            "the global step of the bad step).",
+            "nan_loss, inf_loss, nan_gradient, "
+            "transient_nan, nan_example, "
+            "spike_example, lr_jump; STEP counts "
+            "batches from 0 (in a fresh run, the "
+            "global step of the bad step), or for "
+            "nan_example and spike_example an "
+            "example's position in the split, bad in "
+            "every epoch.",
             "default": [],
         },
         "job_name": {
