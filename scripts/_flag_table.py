@@ -570,6 +570,32 @@ FLAGS = {
             "help": "Hidden layers of the deep narrow net (default 50).",
             "default": None,
         },
+        "fault_policies": {
+            "type": "list",
+            "help": "The nan_policy values for --faults.",
+            "default": ["skip", "rollback"],
+        },
+        "fault_steps": {
+            "type": "int",
+            "help": "Training steps of each --faults run.",
+            "default": 2000,
+        },
+        "fault_workdir": {
+            "type": "string",
+            "help": "Where the --faults runs train; default: a temporary directory.",
+            "default": None,
+        },
+        "faults": {
+            "type": "bool",
+            "help": "Instead of timing, train the default "
+            "config's run with a fault of each cause (a "
+            "transient NaN, a bad example, a "
+            "learning-rate jump, and none) under each of "
+            "--fault_policies, and print the test "
+            "accuracy, the bad steps and the triage's "
+            "verdicts.",
+            "default": False,
+        },
         "inter_op_threads": {
             "type": "int",
             "help": "Session inter-op threads (0: TensorFlow's).",

@@ -15,7 +15,7 @@ A fault is a kind and a batch index, written ``KIND:STEP`` (the launcher's
     nan_example:7       one NaN pixel in example 7 of the split, in every epoch (a bad
                         example among good ones: the batch without it is finite)
     spike_example:7     example 7's image times 1,000, in every epoch
-    lr_jump:40          the learning rate of batch 40's update times a million: the step
+    lr_jump:40          the learning rate of batch 40's update times 10**12: the step
                         itself is accepted, the weights it leaves are broken (a fault of the
                         model's state: later batches go bad on them)
 
