@@ -295,8 +295,8 @@ def replay(
     cause: str = NON_FINITE,
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
-    the step's weights: the first non-finite op behind `targets` (the loss and the gradient
-    sums), or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
+    the step's weights: the first non-finite op behind `targets` (the loss and the gradients),
+    or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
     `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
@@ -305,18 +305,22 @@ def replay(
         leading = [a.shape[0] for a in feeds.values() if a.ndim >= 1]
         batch_size = max(set(leading), key=leading.count) if leading else 0
     found: Dict[str, Any] = {}
+
+    def outcome(fed):  # Of the targets, a chunk a run.
+        chunks = _chunks(targets, batch_size, max_chunk_bytes)
+        return _triage.worst(_triage.outcome(budget.run(session, c, fed)) for c in chunks)
+
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
         if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
             found = _replay_spike(session, feeds, targets[0], budget, batch_size)
-        elif _triage.outcome(same := budget.run(session, targets, feeds)) == "finite":
+        elif (same := outcome(feeds)) == "finite":
             found = {"reproduced": False}
         else:
             found["reproduced"] = True
             found.update(_first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size))
         if cause == NON_FINITE:
-            run = lambda f: budget.run(session, targets, f)  # noqa: E731
-            found["triage"] = _triage.triage(run, feeds, same, found, batch_size)
+            found["triage"] = _triage.triage(outcome, feeds, same, found, batch_size)
     except AutopsyError as err:
         found["error"] = str(err)
     return Autopsy(cost=budget.cost(), batch_size=batch_size, step=step, cause=cause, **found)
@@ -392,8 +396,10 @@ def _is_stateful(op) -> bool:
 
 
 def _estimate_bytes(op, batch_size: int) -> int:
+    """The bytes of `op`'s float outputs (of a tensor: its own), unknown dimensions taken as
+    `batch_size`."""
     total = 0
-    for t in filter(_is_float, op.outputs):
+    for t in filter(_is_float, getattr(op, "outputs", [op])):
         dims = t.shape.as_list() if t.shape.rank is not None else [batch_size or 1]
         size = math.prod(d if d is not None else max(batch_size, 1) for d in dims)
         total += size * t.dtype.base_dtype.size

@@ -42,28 +42,23 @@ def kind_flags(tensors: Sequence) -> tf.Tensor:
     """Int32 [len(tensors), 2]: whether each of `tensors` holds a NaN, and an Inf (exact).
 
     Tensors of one device and dtype are laid end to end in chunks (`_chunk_flags`: about 15
-    ops a chunk and a reshape a tensor, on a failed step only); one of unknown or more than
-    `_CHUNK_ELEMENTS` elements takes four ops of its own. One vector comes from each device."""
+    ops a chunk and a reshape a tensor, on a failed step only); a tensor alone in its chunk (of
+    unknown size, or large) takes four ops of its own. One vector comes from each device."""
     groups: Dict[object, List[Tuple[int, tf.Tensor]]] = {}
     for i, v in enumerate(map(_values, tensors)):
-        key = (_placement.device_of(v), v.dtype.base_dtype) if _chunkable(v) else i
+        static = v.shape.is_fully_defined()
+        key = (_placement.device_of(v), v.dtype.base_dtype) if static else i
         groups.setdefault(key, []).append((i, v))
-    axes: Dict[object, tf.Tensor] = {}
     by_device: Dict[str, List[Tuple[List[int], tf.Tensor]]] = {}
-    for members in groups.values():
-        for chunk in _chunks(members):
-            first = chunk[0][1]
-            with _placement.beside(first):
-                if _chunkable(first):
-                    flags = _chunk_flags([v for _, v in chunk])
-                else:  # [2]: whether it holds a NaN, an Inf.
-                    tests = (tf.math.is_nan, tf.math.is_inf)
-                    flags = tf.stack(
-                        [tf.raw_ops.Any(input=t(first), axis=_all_axes(first, axes)) for t in tests]
-                    )
-            by_device.setdefault(_placement.device_of(first), []).append(
-                ([i for i, _ in chunk], flags)
-            )
+    for chunk in (chunk for members in groups.values() for chunk in _chunks(members)):
+        first = chunk[0][1]
+        with _placement.beside(first):
+            if len(chunk) > 1:
+                flags = _chunk_flags([v for _, v in chunk])
+            else:  # Alone: whether it holds a NaN, an Inf.
+                tests = (tf.math.is_nan, tf.math.is_inf)
+                flags = tf.stack([tf.reduce_any(test(first)) for test in tests])
+        by_device.setdefault(_placement.device_of(first), []).append(([i for i, _ in chunk], flags))
     parts, order = [], []
     for group in by_device.values():
         with _placement.beside(group[0][1]):
@@ -73,55 +68,39 @@ def kind_flags(tensors: Sequence) -> tf.Tensor:
     return tf.gather(flags, np.argsort(order))
 
 
-# A chunk's elements at most: its running counts are float32, exact up to 2**24.
-_CHUNK_ELEMENTS = 1 << 24
-# A chunk's bytes at most (unless one tensor is larger): on a failed step it takes about five
-# times as many again (its copy, then two float32 counts an element).
+# A chunk's elements and bytes at most (a larger tensor is alone): on a failed step its copy,
+# flags and float32 counts (exact up to 2**24) take up to 30 bytes an element: 120 MiB.
+_CHUNK_ELEMENTS = 1 << 22
 _CHUNK_BYTES = 1 << 24
 
 
-def _chunkable(tensor: tf.Tensor) -> bool:
-    return tensor.shape.is_fully_defined() and tensor.shape.num_elements() <= _CHUNK_ELEMENTS
-
-
 def _chunks(members: Sequence[Tuple[int, tf.Tensor]]) -> Iterator[list]:
-    """`members` in runs of at most `_CHUNK_BYTES` (a larger tensor alone); any that is not
-    `_chunkable` alone."""
-    chunk, size = [], 0
+    """`members` in runs of at most `_CHUNK_ELEMENTS` and `_CHUNK_BYTES` (a larger one alone)."""
+    chunk, elements = [], 0
     for i, v in members:
-        nbytes = v.shape.num_elements() * v.dtype.size if _chunkable(v) else _CHUNK_BYTES + 1
-        if chunk and size + nbytes > _CHUNK_BYTES:
+        n = v.shape.num_elements() or 0
+        total = elements + n  # One dtype: its bytes are total * v.dtype.size.
+        if chunk and (total > _CHUNK_ELEMENTS or total * v.dtype.size > _CHUNK_BYTES):
             yield chunk
-            chunk, size = [], 0
+            chunk, elements = [], 0
         chunk.append((i, v))
-        size += nbytes
+        elements += n
     if chunk:
         yield chunk
 
 
 def _chunk_flags(chunk: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Bool [2 * len(chunk)]: whether each of `chunk` (`_chunkable`, one dtype) holds a NaN,
-    and an Inf. The running counts of NaNs and of Infs over the tensors laid end to end, read
-    at each tensor's start and end (exact: float32 counts integers up to 2**24 exactly)."""
+    """Bool [2 * len(chunk)]: whether each of `chunk` (two or more tensors of one dtype and
+    static shapes) holds a NaN, and an Inf. The running counts of NaNs and of Infs over the
+    tensors laid end to end, read at each tensor's start and end (exact: float32 counts
+    integers up to 2**24 exactly)."""
     line = tf.constant([-1])  # One shape for every reshape.
-    flat = [v if v.shape.rank == 1 else tf.reshape(v, line) for v in chunk]
-    flat = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+    flat = tf.concat([v if v.shape.rank == 1 else tf.reshape(v, line) for v in chunk], 0)
     bad = tf.cast(tf.stack([tf.math.is_nan(flat), tf.math.is_inf(flat)]), tf.float32)
     counts = tf.concat([tf.zeros([2, 1]), tf.cumsum(bad, axis=1)], 1)  # [2, 1 + elements]
     ends = np.cumsum([0] + [v.shape.num_elements() for v in chunk])
     grew = tf.gather(counts, ends[1:], axis=1) > tf.gather(counts, ends[:-1], axis=1)
     return tf.reshape(tf.transpose(grew), [-1])
-
-
-def _all_axes(tensor: tf.Tensor, axes: Dict[object, tf.Tensor]) -> tf.Tensor:
-    """Every axis of `tensor`, a constant shared by one call's tensors of its rank and device
-    (`axes`): a reduction to a scalar is one op, not two."""
-    if tensor.shape.rank is None:
-        return tf.range(tf.rank(tensor))
-    key = (_placement.device_of(tensor), tensor.shape.rank)
-    if key not in axes:
-        axes[key] = tf.constant(list(range(tensor.shape.rank)), tf.int32, name="all_axes")
-    return axes[key]
 
 
 def value_kind(value: np.ndarray) -> str:
@@ -217,7 +196,7 @@ class Verdict:
             with self.when_failed():
                 flags = kind_flags(self.tensors)
                 self.kinds = tf.reduce_sum(flags * [1, 2], 1, name="kinds")
-                code = tf.reduce_sum(tf.reduce_max(flags, 0) * [1, 2])
+                self._code = code = tf.reduce_sum(tf.reduce_max(flags, 0) * [1, 2])
                 # finite, NaN, Inf, both (NaN: what CheckNumerics names first).
                 self._confirmed = tf.gather(tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code)
             self.checked = control_flow_ops.merge([passed, self._confirmed], name="exact_total")[0]
@@ -242,9 +221,15 @@ class Verdict:
             yield
 
     def store_kinds(self, variable: tf.Variable) -> None:
-        """Makes a failed fast test assign `kinds` to `variable` (int64) before it confirms."""
+        """Makes a failed fast test that finds a NaN or Inf assign `kinds` to `variable` (int64)
+        before it confirms; one that finds every value finite (an overflow) writes nothing, so
+        that what a bad step stored stays until it is read."""
         with tf.name_scope(self._scope), self.when_failed():
-            self.confirm_after([variable.assign(tf.cast(self.kinds, tf.int64), read_value=False)])
+            kinds = tf.cast(self.kinds, tf.int64)
+            untouched, written = control_flow_ops.switch(kinds, self._code > 0)
+            with tf.control_dependencies([variable.assign(written, read_value=False)]):
+                written = tf.identity(written)
+            self.confirm_after([control_flow_ops.merge([untouched, written])[0]])
 
     def confirm_after(self, ops: Sequence) -> None:
         """Makes the exact test wait on `ops` (built in `when_failed`)."""

@@ -165,7 +165,8 @@ class _Progress:
 
 def _summary_schedule(steps: Optional[int], secs: Optional[float]) -> Callable[[int], bool]:
     """Whether a global step is due a scalar on the summaries' schedule: every `steps`-th, or
-    once `secs` passed (which wins, as in `SummarySaverHook`); never when both are off."""
+    once `secs` passed (which wins, as for `train`'s `SummarySaverHook`); never when both are
+    off."""
     if secs:
         timer = tf.compat.v1.train.SecondOrStepTimer(every_secs=secs)
 
@@ -499,8 +500,9 @@ class _Loop:
                 before = self.step
                 with contextlib.suppress(Exception):
                     self.step = self._read_step(sess)
-                if self.step > before and self.judge_hook is None:
-                    _actions.good_step(self.guard)  # It passed the check (a hook counted it).
+                hook = self.judge_hook  # The chief's hooks may have failed before it judged.
+                if self.step > before and (hook is None or hook.last_outcome is None):
+                    _actions.good_step(self.guard)  # It trained: it passed the check.
                 raise
         if self.stop_reason is None:
             limit = self._at_limit(self.step)

@@ -2,7 +2,7 @@
 and its evidence, decided by pure functions from the replays' outcomes."""
 
 import hashlib
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -17,6 +17,11 @@ def outcome(values: Sequence[Any]) -> str:
     if any(np.isnan(a).any() for a in arrays):
         return "NaN"
     return "Inf" if any(np.isinf(a).any() for a in arrays) else "finite"
+
+
+def worst(outcomes: Iterable[str]) -> str:
+    """The worst of `outcome`'s answers: NaN, then Inf, then finite."""
+    return min(outcomes, key=("NaN", "Inf", "finite").index, default="finite")
 
 
 def without_rows(
@@ -120,25 +125,26 @@ def sentence(triage: Optional[Mapping[str, Any]]) -> str:
 
 
 def triage(
-    run: Callable[[Dict[Any, np.ndarray]], Sequence[Any]],
+    run: Callable[[Dict[Any, np.ndarray]], str],
     feeds: Dict[Any, np.ndarray],
-    same: Sequence[Any],
+    same: str,
     found: Mapping[str, Any],
     batch_size: int,
 ) -> Dict[str, Any]:
-    """The `evidence` of a replay whose first run gave `same` and that `found` ``reproduced``
-    and ``bad_examples``: `run` (the replay's fetches, no new batch, no write) runs once more
-    on `feeds` without those rows when some but not all stand out."""
+    """The `evidence` of a replay whose first run's `outcome` was `same` and that `found`
+    ``reproduced`` and ``bad_examples``: `run` (the replay's fetches, no new batch, no write;
+    returns their `outcome`) runs once more on `feeds` without those rows when some but not
+    all stand out."""
     reproduced, rows = found.get("reproduced"), tuple(found.get("bad_examples") or ())
     without, filled = None, None
     if reproduced and rows and len(rows) < batch_size:
         fed, filled = without_rows(feeds, rows, batch_size)
         try:
-            without = outcome(run(fed))
+            without = run(fed)
         except (ValueError, tf.errors.OpError) as err:
             without = f"failed: {str(err).splitlines()[0][:200]}"
     prints = fingerprints(feeds, rows, batch_size) if rows else {}
-    found = evidence(reproduced, outcome(same), rows, batch_size, without, prints)
+    found = evidence(reproduced, same, rows, batch_size, without, prints)
     if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.
         found["runs"][-1]["filled_with_row"] = filled
     return found

@@ -122,7 +122,8 @@ def _disk_full_error():
     pytest.skip("/dev/full does not fail writes here")
 
 
-def test_train_raises_disk_full_error_naming_the_last_checkpoint_saved(tmp_path):
+@lib.each_mode
+def test_train_raises_disk_full_error_naming_the_last_checkpoint_saved(tmp_path, mode):
     error = _disk_full_error()
     assert isinstance(error, tf.errors.ResourceExhaustedError), error
     assert slim_nanguard._errors.is_disk_full(error)
@@ -137,7 +138,7 @@ def test_train_raises_disk_full_error_naming_the_last_checkpoint_saved(tmp_path)
             raise error
         return save(saver, sess, path, *args, **kwargs)
 
-    model = lib.build_model(nan_policy="skip", repeat=True)
+    model = lib.build_model(nan_policy="skip", repeat=True, check_numerics=lib.MODES[mode])
     with mock.patch.object(tf.compat.v1.train.Saver, "save", third_save_fails):
         with pytest.raises(slim_nanguard.DiskFullError) as caught:
             with model.graph.as_default():

@@ -467,8 +467,8 @@ def test_a_good_step_runs_fewer_reductions_than_there_are_gradients():
 def test_kinds_name_each_tensor_exactly_wherever_the_chunks_fall(monkeypatch, chunk_bytes):
     """On a failed step the tensors are laid end to end in chunks and their NaNs and Infs
     counted by running sums: a bad value at a tensor's first or last element, an empty
-    tensor beside a bad one, float16 and float32, a sparse gradient and a tensor of unknown
-    size are each named for what they alone hold."""
+    tensor beside a bad one, float16, bfloat16, float32 and float64, a sparse gradient and a
+    tensor of unknown size are each named for what they alone hold."""
     monkeypatch.setattr(_exact_sums, "_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(_exact_sums, "_CHUNK_ELEMENTS", 40)  # a 50-element tensor goes alone
     arrays = [
@@ -480,8 +480,13 @@ def test_kinds_name_each_tensor_exactly_wherever_the_chunks_fall(monkeypatch, ch
         np.full([50], 3.0e38, np.float32),  # finite, over the element limit
         np.array([1.0, -np.inf], np.float32),
         np.float32(7.0),  # a scalar
+        np.array([[0.5, np.nan], [1.0, 2.0]], np.float64),
+        np.array([1.0, 2.0], np.float64),
+        np.array([np.inf, 1.0], tf.bfloat16.as_numpy_dtype),
+        np.array([3.0, 1.0], tf.bfloat16.as_numpy_dtype),
     ]
-    expected = [1, 0, 2, 3, 0, 0, 2, 0, 1, 0]  # then the sparse NaN, the unknown-size finite
+    # Then the sparse NaN and the finite tensor of unknown size.
+    expected = [1, 0, 2, 3, 0, 0, 2, 0, 1, 0, 2, 0, 1, 0]
     graph = tf.Graph()
     with graph.as_default():
         tensors = [tf.constant(a) for a in arrays]

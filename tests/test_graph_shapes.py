@@ -307,6 +307,21 @@ def test_in_hook_mode_a_bad_iteration_is_skipped_and_reported(while_loop_kind):
         np.testing.assert_allclose(results["with_bad"][name], value, rtol=1e-6, err_msg=name)
 
 
+def test_in_hook_mode_a_finite_overflow_after_a_bad_iteration_hides_nothing(while_loop_kind):
+    """Iteration 1 is NaN; iteration 2's gradients are finite but so large that the fast sum
+    of squares overflows (its exact test finds every value finite: a good iteration). The run
+    still reports the NaN iteration, with its culprit: the good one wrote nothing over it."""
+    batches = _loop_batches(ITERATIONS, bad=[1])
+    batches[2] = 3e17
+    graph, xs, total, train_op, _ = _build_loop_model(check_numerics=False)
+    guard = slim_nanguard.get_guard(train_op)
+    hook = slim_nanguard.nan_hook(train_op)
+    with graph.as_default(), tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+        sess.run(total, {xs: batches})
+    assert guard.state.total_bad_steps == 1
+    assert guard.last_event.culprits == ("w",) and guard.last_event.action == "skip"
+
+
 # ------------------------------------------------------------------ two train ops (a GAN)
 
 

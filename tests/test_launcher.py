@@ -145,7 +145,7 @@ def test_clean_run_logs_progress_and_a_summary(trained):
 
 def test_the_default_config_writes_a_graph_and_meta_graphs_sized_by_the_model(tmp_path):
     # The digits came into the graph as a constant: a 3.2 MB graph.pbtxt and a 967 KB .meta
-    # per checkpoint. What is left is the model, its optimizer and the guard (345 KB and 136
+    # per checkpoint. What is left is the model, its optimizer and the guard (347 KB and 136
     # KB; the same run unguarded writes a 284 KB graph.pbtxt): the savers and the start-up
     # check share one L2Loss a variable, a failed step's kinds are counted in chunks.
     proc = _run(

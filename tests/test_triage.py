@@ -152,3 +152,9 @@ def test_weights_that_overflow_every_example_are_state(tmp_path, mode):
     assert record["summary"].endswith(
         "; triage: state — the replay is Inf and no example stands out"
     )
+
+
+def test_the_worst_outcome_of_the_chunks_is_the_runs():
+    assert _triage.worst(["finite", "Inf", "NaN", "finite"]) == "NaN"
+    assert _triage.worst(["finite", "Inf"]) == "Inf"
+    assert _triage.worst(["finite"]) == "finite" == _triage.worst([])
