@@ -6,7 +6,7 @@ in every loop; the guard's reads of a session and the one place it acts on one (
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -145,18 +145,6 @@ def read_global_step(guard: "Guard", session: tf.compat.v1.Session) -> Optional[
     return None if guard.global_step is None else int(session.run(guard.global_step))
 
 
-def read_bad_step(guard: "Guard", session: tf.compat.v1.Session) -> Tuple[int, List[float]]:
-    """``(step, sums)`` the bad step just seen stored in the raw `session`: its loss (then
-    its loss scale)."""
-    fetches = {"sums": guard.diagnostics, "step": guard.global_step}
-    return _stored(session.run({k: t for k, t in fetches.items() if t is not None}))
-
-
-def _stored(values: Dict[str, Any]) -> Tuple[int, List[float]]:
-    """``(step, sums)`` of what a bad step stored, as read: the step -1 without a global step."""
-    return int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
-
-
 def culprits(guard: "Guard", kinds: Optional[Sequence[str]]):
     """Names of the variables whose gradients held NaN or Inf, and what each held, from `kinds`
     (the loss's, then each gradient's; exact); none without them."""
@@ -167,16 +155,18 @@ def culprits(guard: "Guard", kinds: Optional[Sequence[str]]):
     return tuple(n for n, _ in bad), tuple(k for _, k in bad)
 
 
-def _read(guard: "Guard", session, stored, policy: Optional[str]):
-    """The bad step just seen, in one ``session.run`` of the raw `session` (`stored`: ``(step,
-    sums)`` already read, or None), and its autopsy (before any rollback): ``(BadStep, Autopsy
-    or None)``."""
-    fetches = {"report": guard.report, "kinds": guard.kinds_read}
-    if stored is None:
-        fetches.update(sums=guard.diagnostics, step=guard.global_step)
-    fetches = {name: tensor for name, tensor in fetches.items() if tensor is not None}
-    values = session.run(fetches) if fetches else {}
-    step, sums = _stored(values) if stored is None else stored
+def _read(guard: "Guard", session, policy: Optional[str]):
+    """The bad step just seen, in one ``session.run`` of the raw `session`, and its autopsy
+    (before any rollback): ``(BadStep, Autopsy or None)``. What the step stored: its loss
+    (then its loss scale), the global step (-1 without one), the kinds and the report."""
+    fetches = {
+        "report": guard.report,
+        "kinds": guard.kinds_read,
+        "sums": guard.diagnostics,
+        "step": guard.global_step,
+    }
+    values = session.run({name: tensor for name, tensor in fetches.items() if tensor is not None})
+    step, sums = int(values.get("step", -1)), [float(s) for s in np.asarray(values["sums"])]
     # The report's code: 2 + the index of the reason that rejected the step, its slice after.
     report, reasons = np.asarray(values.get("report", [0])), guard.reasons
     index = int(report[0]) - 2
@@ -190,7 +180,6 @@ def _read(guard: "Guard", session, stored, policy: Optional[str]):
         figures = reason.figures(stored) if read is None else read(stored, int(step))
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
         kinds = _exact_sums.kind_names(values["kinds"])
-    sums = [float(s) for s in sums]
     scale = None if guard.loss_scale_floor is None else _exact_sums.stored_loss_scale(sums)
     overflow = reason is None and scale is not None and _exact_sums.stored_overflow(sums)
     cause = _reasons.NON_FINITE if reason is None else reason.name
@@ -426,18 +415,17 @@ def judge(
     *,
     checkpoint_dir: Optional[str],
     policy: Optional[str] = None,
-    stored: Optional[Tuple[int, Sequence[float]]] = None,
     error: Optional[BaseException] = None,
     request_stop: Optional[RequestStop] = None,
     advice: Optional[str] = None,
 ) -> Outcome:
-    """The one way a bad step goes, in every loop: one read (unless `stored` holds ``(step,
-    sums)``), one `decide`, one record, one action (`carry_out`). `session` may be a
+    """The one way a bad step goes, in every loop: one read, one `decide`, one record, one
+    action (`carry_out`). `session` may be a
     `MonitoredSession` (its hooks are not run); `policy` is a hook's override of
     ``nan_policy``. With `advice`, the checkpoint directory is `checkpoint_dir_for`'s."""
     if advice is not None:
         checkpoint_dir = checkpoint_dir_for(guard, checkpoint_dir, session=session, advice=advice)
-    read, autopsy = raw_call(session, lambda raw: _read(guard, raw, stored, policy))
+    read, autopsy = raw_call(session, lambda raw: _read(guard, raw, policy))
     if read.overflow:
         # The loss-scale optimizer skipped the update and lowered its scale: no bad step.
         observe(guard, _policy.LossScaleOverflow())

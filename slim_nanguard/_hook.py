@@ -185,9 +185,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
             self.last_outcome = _actions.GOOD
             return
         ok, loss = results.get("ok"), results.get("loss")
-        stored = None
-        if guard.in_loop and guard.mode == Mode.HOOK:
-            stored = _actions.read_bad_step(guard, run_context.session)
+        in_loop = guard.in_loop and guard.mode == Mode.HOOK
+        if in_loop:  # No `ok` to fetch: a bad iteration stored the kinds of its values.
             ok = not np.any(run_context.session.run(guard.value_kinds))
         if ok is None or ok:  # A finite step (or a check_numerics-mode op).
             _actions.good_step(guard, loss)
@@ -199,11 +198,10 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 run_context.session,
                 checkpoint_dir=self._checkpoint_dir,
                 policy=self._effective_policy(),
-                stored=stored,
                 request_stop=run_context.request_stop,
             )
         finally:
-            if stored is not None:  # A bad iteration's stores, read: zeros for the next run.
+            if in_loop:  # A bad iteration's stores, read: zeros for the next run.
                 run_context.session.run(_in_loop_stores(guard))
 
     def _effective_policy(self) -> Action:
