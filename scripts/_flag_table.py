@@ -140,9 +140,14 @@ FLAGS = {
             "help": "Faults to inject, KIND:STEP or "
             "KIND:FIRST-LAST, comma-separated; KIND is "
             "one of nan_input, inf_input, spike_input, "
-            "nan_loss, inf_loss, nan_gradient; STEP "
-            "counts batches from 0 (in a fresh run, "
-            "the global step of the bad step).",
+            "nan_loss, inf_loss, nan_gradient, "
+            "transient_nan, nan_example, "
+            "spike_example, lr_jump; STEP counts "
+            "batches from 0 (in a fresh run, the "
+            "global step of the bad step), or for "
+            "nan_example and spike_example an "
+            "example's position in the split, bad in "
+            "every epoch.",
             "default": [],
         },
         "job_name": {
@@ -564,6 +569,32 @@ FLAGS = {
             "type": "int",
             "help": "Hidden layers of the deep narrow net (default 50).",
             "default": None,
+        },
+        "fault_policies": {
+            "type": "list",
+            "help": "The nan_policy values for --faults.",
+            "default": ["skip", "rollback"],
+        },
+        "fault_steps": {
+            "type": "int",
+            "help": "Training steps of each --faults run.",
+            "default": 2000,
+        },
+        "fault_workdir": {
+            "type": "string",
+            "help": "Where the --faults runs train; default: a temporary directory.",
+            "default": None,
+        },
+        "faults": {
+            "type": "bool",
+            "help": "Instead of timing, train the default "
+            "config's run with a fault of each cause (a "
+            "transient NaN, a bad example, a "
+            "learning-rate jump, and none) under each of "
+            "--fault_policies, and print the test "
+            "accuracy, the bad steps and the triage's "
+            "verdicts.",
+            "default": False,
         },
         "inter_op_threads": {
             "type": "int",

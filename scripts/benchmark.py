@@ -6,6 +6,7 @@
     slim-nanguard-benchmark --models=mlp --optimizers=adam --variants=nanguard_hook_raise
     slim-nanguard-benchmark --profile --models=deep,lenet   # where a step's time goes
     slim-nanguard-benchmark --startup        # build and first-step times, resnet_v1_50 etc.
+    slim-nanguard-benchmark --faults         # a fault of each cause under skip and rollback
 
 All the variants of a model live in this one process, each in sessions of its own, and are
 timed in interleaved rounds (see `slim_nanguard.app.benchmarking`). Before TensorFlow allocates
@@ -113,6 +114,18 @@ flags.DEFINE_bool(
     "(the launcher's nets, any of slim_nanguard.app.models').",
 )
 flags.DEFINE_integer("startup_repeats", 3, "Repeats per variant for --startup (medians).")
+flags.DEFINE_bool(
+    "faults",
+    False,
+    "Instead of timing, train the default config's run with a fault of each cause (a "
+    "transient NaN, a bad example, a learning-rate jump, and none) under each of "
+    "--fault_policies, and print the test accuracy, the bad steps and the triage's verdicts.",
+)
+flags.DEFINE_list("fault_policies", ["skip", "rollback"], "The nan_policy values for --faults.")
+flags.DEFINE_integer("fault_steps", 2000, "Training steps of each --faults run.")
+flags.DEFINE_string(
+    "fault_workdir", None, "Where the --faults runs train; default: a temporary directory."
+)
 flags.DEFINE_integer("profile_steps", 10, "Traced steps per variant for --profile (averaged).")
 flags.DEFINE_integer("profile_top", 8, "Largest groups shown per variant for --profile.")
 
@@ -195,6 +208,9 @@ def main(argv):
 
     # The guard logs each bad step it is shown; the benchmark shows it many on purpose.
     logging.set_verbosity(logging.ERROR)
+    if FLAGS.faults:
+        _faults()
+        return
     if FLAGS.startup:
         report = benchmarking.run_startup(
             FLAGS.models or benchmarking.STARTUP_MODELS,
@@ -228,14 +244,32 @@ def main(argv):
         f"{machine['cores']} cores, {machine['cpu']}, TensorFlow {machine['tensorflow']}, "
         f"Python {machine['python']}; {method}; {report['seconds']:.0f} s"
     )
-    print(header)
-    print(tables)
+    _show(report, header + "\n\n" + tables)
+
+
+def _show(report, text: str) -> None:
+    """Prints `text`; writes `report` to --out and `text` to --markdown when asked."""
+    print(text)
     if FLAGS.out:
         with tf.io.gfile.GFile(FLAGS.out, "w") as f:
             json.dump(report, f, indent=1)
     if FLAGS.markdown:
         with tf.io.gfile.GFile(FLAGS.markdown, "w") as f:
-            f.write(header + "\n\n" + tables + "\n")
+            f.write(text + "\n")
+
+
+def _faults() -> None:
+    """--faults: every fault under every policy, as one table."""
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    from slim_nanguard.app import fault_bench  # pylint: disable=import-outside-toplevel
+
+    workdir = FLAGS.fault_workdir or tempfile.mkdtemp(prefix="nanguard_faults_")
+    print(f"training in {workdir}", flush=True)
+    report = fault_bench.run_fault_bench(
+        workdir, policies=FLAGS.fault_policies, steps=FLAGS.fault_steps
+    )
+    _show(report, fault_bench.format_fault_bench(report))
 
 
 def run():

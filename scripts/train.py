@@ -361,7 +361,9 @@ flags.DEFINE_list(
     [],
     "Faults to inject, KIND:STEP or KIND:FIRST-LAST, comma-"
     f"separated; KIND is one of {', '.join(faults.FAULT_KINDS)}; STEP counts "
-    "batches from 0 (in a fresh run, the global step of the bad step).",
+    "batches from 0 (in a fresh run, the global step of the bad step), or for "
+    f"{' and '.join(faults.EXAMPLE_KINDS)} an example's position in the split, bad in "
+    "every epoch.",
 )
 
 flags.mark_flag_as_required("train_dir")

@@ -52,8 +52,8 @@ def _run_cluster(train_dir, flags, worker1=(), chief_last_secs=0.0):
     return exits
 
 
-def _explain(exits):
-    return "\n".join(f"--- {name} exit {e.code}\n{e.tail()}" for name, e in exits.items())
+def _explain(exits, lines=15):
+    return "\n".join(f"--- {name} exit {e.code}\n{e.tail(lines)}" for name, e in exits.items())
 
 
 def _bad_steps(train_dir):
@@ -92,7 +92,11 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
     # Each record of a bad step is worker 1's own: its NaN loss, not the chief's sums (which
     # overwrote them when the sums lived on the ps).
     bad = _bad_steps(tmp_path)
-    assert len(bad) == 4 and {r["task"] for r in bad} == {1}
+    # On failure: the records' batches and steps, and what each worker printed.
+    assert len(bad) == 4 and {r["task"] for r in bad} == {1}, (
+        [(r["task"], r["step"], r.get("consecutive"), r.get("time")) for r in bad],
+        _explain(exits, lines=60),
+    )
     assert all(
         r["loss_kind"] == "nan"
         and r["culprits"] == []

@@ -177,6 +177,72 @@ def test_train_config_normalises_lists():
     assert [str(f) for f in config.inject_faults] == ["nan_loss:3", "inf_input:4"]
 
 
+def test_a_transient_nan_goes_bad_the_first_time_only_and_its_replay_is_finite():
+    """A flaky device: batch 2's loss is NaN when it is first run; fed back (as an autopsy
+    replays a kept batch) the same batch gives a finite loss, and so does every other batch."""
+    rows = _run_injected("transient_nan:2")
+    assert [bool(np.isnan(loss)) for _, _, loss, _ in rows] == [False, False, True, False]
+    with tf.Graph().as_default():
+        index = tf.compat.v1.placeholder_with_default(tf.constant(0, tf.int64), [])
+        injector = faults.FaultInjector(["transient_nan:2"], index)
+        loss = injector.corrupt_loss(tf.constant(4.0))
+        with tf.compat.v1.Session() as session:
+            runs = [session.run(loss, {index: i}) for i in (1, 2, 2, 2)]
+    assert [bool(np.isnan(v)) for v in runs] == [False, True, False, False]
+
+
+def _epochs_of_example_faults(spec_text, epochs=3, batch_size=16):
+    """Each batch of `epochs` shuffled passes over the synthetic split with `spec_text`
+    injected: (its example indices, which rows are finite, which rows are over 100)."""
+    with tf.Graph().as_default():
+        dataset, info = datasets.get_dataset(
+            "synthetic", batch_size=batch_size, seed=3, example_index=True
+        )
+        images, _, examples = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+        batch = tf.constant(0, tf.int64)
+        images = faults.FaultInjector([spec_text], batch, examples).corrupt_images(images)
+        rows = tf.reshape(images, [batch_size, -1])
+        fetch = [examples, tf.reduce_all(tf.math.is_finite(rows), 1), tf.reduce_max(rows, 1)]
+        with tf.compat.v1.Session() as session:
+            steps = epochs * info.split_size // batch_size
+            return [session.run(fetch) for _ in range(steps)]
+
+
+def test_an_example_fault_follows_its_example_through_every_epochs_shuffle():
+    """nan_example:7 is example 7 of the split: one NaN in its image in each of 3 shuffled
+    epochs, wherever the shuffle puts it, and no other row; spike_example scales it."""
+    batches = _epochs_of_example_faults("nan_example:7")
+    seen = np.concatenate([examples for examples, _, _ in batches])
+    assert sorted(seen.tolist()) == sorted(list(range(1024)) * 3)  # every example, each epoch
+    hits = [(b, examples[~finite].tolist()) for b, (examples, finite, _) in enumerate(batches)]
+    hits = [(b, bad) for b, bad in hits if bad]
+    assert [bad for _, bad in hits] == [[7], [7], [7]], hits
+    assert len({b for b, _ in hits}) == 3  # three different batches
+    for examples, finite, _ in batches:
+        assert finite[examples != 7].all()
+    batches = _epochs_of_example_faults("spike_example:7", epochs=1)
+    for examples, finite, top in batches:
+        assert finite.all()
+        assert ((top > 100) == (examples == 7)).all()  # images are in [0, 1]; x1000 is over
+
+
+def test_lr_jump_scales_the_learning_rate_of_the_chosen_batch_only():
+    with tf.Graph().as_default():
+        index = tf.compat.v1.placeholder(tf.int64, [])
+        injector = faults.FaultInjector(["lr_jump:5"], index)
+        rate = injector.corrupt_learning_rate(tf.constant(0.01))
+        with tf.compat.v1.Session() as session:
+            rates = [session.run(rate, {index: i}) for i in (4, 5, 6)]
+    assert rates == pytest.approx([0.01, 1e10, 0.01])
+
+
+def test_example_faults_need_the_example_indices():
+    with tf.Graph().as_default(), pytest.raises(ValueError, match="example indices"):
+        faults.FaultInjector(["nan_example:3"], tf.constant(0, tf.int64))
+    assert faults.needs_example_index(["nan_loss:3", "spike_example:2"])
+    assert not faults.needs_example_index(["nan_loss:3", "lr_jump:2"])
+
+
 # ---------------------------------------------------------------------------------------------
 # run_training
 
@@ -223,6 +289,62 @@ def test_spike_skip_steps_over_a_planted_spike_and_counts_it(tmp_path, mode):
     assert config.guard.spike_policy is None
     result = app.run_training(config)
     assert (result.global_step, result.bad_steps, result.spikes) == (30, 0, 0)
+
+
+def _bad_steps(result):
+    return [e for e in slim_nanguard.read_events(result.events_path) if e["kind"] == "bad_step"]
+
+
+@lib.each_mode
+def test_a_transient_nan_is_one_bad_step_whose_replay_does_not_reproduce_it(tmp_path, mode):
+    """The flaky device of the triage stories: batch 10's loss is NaN once. The step is skipped
+    and the autopsy, replaying the kept batch on the same weights, finds it finite."""
+    settings = dict(check_numerics=lib.MODES[mode], inject_faults="transient_nan:10")
+    result = app.run_training(_config(tmp_path / "run", nan_policy="skip", **settings))
+    assert (result.global_step, result.bad_steps, result.skips) == (30, 1, 1)
+    (bad,) = _bad_steps(result)
+    assert (bad["step"], bad["loss_kind"], bad["autopsy"]["reproduced"]) == (10, "nan", False)
+
+
+def test_a_bad_example_comes_back_every_epoch_and_the_autopsy_names_its_row(tmp_path):
+    """nan_example:7 under skip: the one bad example costs a batch in each of 3 epochs of the
+    synthetic split (1,024 examples, 64 batches of 16); each autopsy names one example of the
+    batch, the row holding example 7."""
+    config = _config(
+        tmp_path / "run", nan_policy="skip", inject_faults="nan_example:7", max_number_of_steps=190
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.stop_reason) == (190, "step_limit")
+    bad = _bad_steps(result)
+    # 190 trained batches and the skipped ones: 3,040 examples and more, so 3 epochs begun.
+    assert len(bad) == result.skips == 3, [(e["step"], e["action"]) for e in bad]
+    # Non-finite: the loss, or (where a fused kernel drops the NaN pixel) the gradients.
+    assert all(e["cause"] == "non_finite" and e["action"] == "skip" for e in bad)
+    for record in bad:
+        if record.get("autopsy"):
+            assert len(record["autopsy"]["bad_examples"]) == 1, record["autopsy"]
+
+
+def test_an_lr_jump_breaks_the_state_and_rollback_brings_the_run_back(tmp_path):
+    """lr_jump:25: batch 25's update is 10**12 times too large. It is accepted (its loss and
+    gradients were finite), the weights it leaves send later losses to NaN or Inf, and the rollback
+    returns to a checkpoint from before it; the run ends at its limit with finite weights."""
+    config = _config(
+        tmp_path / "run",
+        nan_policy="rollback",
+        inject_faults="lr_jump:25",
+        save_interval_steps=10,
+        max_number_of_steps=40,
+        learning_rate=0.1,
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.stop_reason) == (40, "step_limit")
+    assert result.rollbacks >= 1 and result.bad_steps >= 1
+    assert not slim_nanguard.non_finite_variables(result.checkpoint)
+    rollbacks = [
+        e for e in slim_nanguard.read_events(result.events_path) if e["kind"] == "rollback"
+    ]
+    assert rollbacks and all(int(e["checkpoint"].rsplit("-", 1)[1]) <= 25 for e in rollbacks)
 
 
 def test_the_plot_marks_a_spike_apart_from_a_nan_step(tmp_path):

@@ -174,14 +174,15 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
                 image_size=image_size,
                 channels=input_channels(config.model_name, config.dataset_name),
                 purpose="training data",
+                example_index=faults_lib.needs_example_index(config.inject_faults),
             )
             injector = None
             if config.inject_faults:
                 dataset = faults_lib.enumerate_batches(dataset)
-                batch_index, (images, labels) = tf.compat.v1.data.make_one_shot_iterator(
+                batch_index, (images, labels, *examples) = tf.compat.v1.data.make_one_shot_iterator(
                     dataset
                 ).get_next()
-                injector = faults_lib.FaultInjector(config.inject_faults, batch_index)
+                injector = faults_lib.FaultInjector(config.inject_faults, batch_index, *examples)
                 images = injector.corrupt_images(images)
             else:
                 images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
@@ -197,6 +198,8 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
 
         global_step = tf.compat.v1.train.get_or_create_global_step()
         learning_rate = configure_learning_rate(config, global_step, info.split_size)
+        if injector is not None:
+            learning_rate = injector.corrupt_learning_rate(learning_rate)
         optimizer = configure_optimizer(config, learning_rate)
         if cluster is not None:
             optimizer = cluster.wrap_optimizer(optimizer, config)  # SyncReplicasOptimizer, if asked

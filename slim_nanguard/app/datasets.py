@@ -163,6 +163,7 @@ def get_dataset(
     file_pattern: str | None = None,
     shuffle_buffer_size: int | None = None,
     purpose: str = "input",
+    example_index: bool = False,
 ) -> tuple[tf.data.Dataset, DatasetInfo]:
     """Builds the input pipeline of a dataset split.
 
@@ -194,10 +195,14 @@ def get_dataset(
       shuffle_buffer_size: Examples in the shuffle buffer; defaults to the whole split
         for digits and synthetic, 1024 for tfrecord.
       purpose: What the pipeline is for, said first in its log line (``"training data"``).
+      example_index: Each batch also carries its examples' int64 positions in the split as
+        read before shuffling (digits and synthetic: the same example has the same index in
+        every epoch; tfrecord: in the order the files are read).
 
     Returns:
       ``(dataset, info)``: the dataset yields ``(images, labels)``, float32
-      ``[batch, H, W, C]`` in ``[0, 1]`` and int64 ``[batch]``; ``info`` describes it.
+      ``[batch, H, W, C]`` in ``[0, 1]`` and int64 ``[batch]`` (then the int64 ``[batch]``
+      example indices, with `example_index`); ``info`` describes it.
 
     Raises:
       DatasetError: (a ``ValueError``) for an unknown name or split, bad arguments, or
@@ -250,6 +255,8 @@ def get_dataset(
             "drop_remainder=False."
         )
 
+    if example_index:
+        dataset, map_fn = dataset.enumerate(), _keeping_index(map_fn)
     if shuffle:
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
     if repeat:
@@ -268,6 +275,16 @@ def get_dataset(
         batch_size,
     )
     return dataset, info
+
+
+def _keeping_index(map_fn):
+    """`map_fn` over ``(index, element)``: its outputs, then the index."""
+
+    def mapped(index, element):
+        outputs = map_fn(*element) if isinstance(element, tuple) else map_fn(element)
+        return (*outputs, index)
+
+    return mapped
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,12 +10,23 @@ A fault is a kind and a batch index, written ``KIND:STEP`` (the launcher's
     nan_gradient:40     the loss of batch 40 is finite, but every gradient is NaN
     spike_input:40      the images of batch 40 scaled by 1,000: finite, a loss spike
     nan_loss:40-49      ten bad batches in a row (watch max_consecutive_bad_steps)
+    transient_nan:40    the loss of batch 40 is NaN the first time it is run only: a replay
+                        of the same batch on the same weights is finite (a flaky device)
+    nan_example:7       one NaN pixel in example 7 of the split, in every epoch (a bad
+                        example among good ones: the batch without it is finite)
+    spike_example:7     example 7's image times 1,000, in every epoch
+    lr_jump:40          the learning rate of batch 40's update times 10**12: the step
+                        itself is accepted, the weights it leaves are broken (a fault of the
+                        model's state: later batches go bad on them)
 
 The index counts the batches the input pipeline hands out, from 0, carried with the data
 (`enumerate_batches`), not the global step. So a bad batch is bad once: the ``skip`` policy
 steps over it and the next batch is clean, a ``rollback`` goes back to an earlier global step
 without meeting the fault again, and in a fresh run with no earlier bad step batch ``STEP``
-is the one trained at global step ``STEP``. Rollback's skipped batches count too.
+is the one trained at global step ``STEP``. Rollback's skipped batches count too. The
+example kinds count examples instead: their position in the split before shuffling
+(`slim_nanguard.app.datasets.get_dataset` with ``example_index=True`` carries it), so the
+same example is bad in every epoch, wherever the shuffle puts it.
 
 How it is wired (what `slim_nanguard.app.build` does)::
 
@@ -27,29 +38,38 @@ How it is wired (what `slim_nanguard.app.build` does)::
     ...model, loss...
     total_loss = injector.corrupt_loss(total_loss)
 
-Everything is in the graph (``tf.where`` on ``batch_index == STEP``): no feed, no Python in
-the step, so the train op and the guard see exactly what a real fault would give them.
+Everything is in the graph (``tf.where`` on ``batch_index == STEP``): no feed, so the train op
+and the guard see exactly what a real fault would give them. Only ``transient_nan`` runs Python
+in the step (a `tf.numpy_function` that remembers which batches it has failed once).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
+from slim_nanguard.app.preflight import EXAMPLE_KINDS
 from slim_nanguard.app.preflight import FAULT_KINDS
 from slim_nanguard.app.preflight import INF_INPUT
 from slim_nanguard.app.preflight import INF_LOSS
 from slim_nanguard.app.preflight import INPUT_KINDS
 from slim_nanguard.app.preflight import LOSS_KINDS
+from slim_nanguard.app.preflight import LR_JUMP
+from slim_nanguard.app.preflight import LR_JUMP_SCALE
 from slim_nanguard.app.preflight import NAN_GRADIENT
 from slim_nanguard.app.preflight import NAN_INPUT
 from slim_nanguard.app.preflight import NAN_LOSS
+from slim_nanguard.app.preflight import SPIKE_EXAMPLE
 from slim_nanguard.app.preflight import SPIKE_INPUT
 from slim_nanguard.app.preflight import SPIKE_SCALE
+from slim_nanguard.app.preflight import TRANSIENT_NAN
 from slim_nanguard.app.preflight import FaultSpec
 
 __all__ = [
+    "EXAMPLE_KINDS",
     "FAULT_KINDS",
     "INPUT_KINDS",
     "LOSS_KINDS",
@@ -62,6 +82,30 @@ __all__ = [
 def enumerate_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """The batches of `dataset`, each with its int64 index: ``(index, batch)``."""
     return dataset.enumerate()
+
+
+def needs_example_index(faults: Iterable) -> bool:
+    """Whether any of `faults` hits examples (then the batches must carry their indices)."""
+    return any(_spec(f).kind in EXAMPLE_KINDS for f in faults)
+
+
+def _spec(fault) -> FaultSpec:
+    return fault if isinstance(fault, FaultSpec) else FaultSpec.parse(fault)
+
+
+def _first_time(hit: tf.Tensor, batch_index: tf.Tensor) -> tf.Tensor:
+    """`hit`, but only the first time each batch index is run in this process: a replay of
+    the batch (an autopsy feeds it back) gets False."""
+    seen = set()
+
+    def first(hit_now, index):
+        new = bool(hit_now) and int(index) not in seen
+        if new:
+            seen.add(int(index))
+        return np.bool_(new)
+
+    flag = tf.numpy_function(first, [hit, batch_index], tf.bool, stateful=True)
+    return tf.reshape(flag, [])
 
 
 def _nan_gradient_on(loss: tf.Tensor, hit: tf.Tensor) -> tf.Tensor:
@@ -82,7 +126,7 @@ def _nan_gradient_on(loss: tf.Tensor, hit: tf.Tensor) -> tf.Tensor:
 
 
 def _hits(fault: FaultSpec, batch_index: tf.Tensor) -> tf.Tensor:
-    """A boolean scalar tensor: does `fault` hit the batch `batch_index`?"""
+    """A boolean tensor shaped like `batch_index`: does `fault` hit each index?"""
     index = tf.cast(batch_index, tf.int64)
     if fault.first == fault.last:
         return tf.equal(index, fault.first)
@@ -103,11 +147,16 @@ class FaultInjector:
     Args:
       faults: The faults to inject (`FaultSpec`s, or strings `FaultSpec.parse` accepts).
       batch_index: The int64 scalar index of the current batch (from `enumerate_batches`).
+      example_index: The int64 ``[batch]`` indices of its examples in the split; needed by
+        the `EXAMPLE_KINDS` (`needs_example_index`).
     """
 
-    def __init__(self, faults: Iterable, batch_index: tf.Tensor):
-        self.faults = tuple(f if isinstance(f, FaultSpec) else FaultSpec.parse(f) for f in faults)
+    def __init__(self, faults: Iterable, batch_index: tf.Tensor, example_index: tf.Tensor = None):
+        self.faults = tuple(_spec(f) for f in faults)
         self.batch_index = batch_index
+        self.example_index = example_index
+        if example_index is None and self._has(EXAMPLE_KINDS):
+            raise ValueError("example faults need the example indices (example_index=...).")
 
     def _hit(self, kinds: Sequence[str]) -> tf.Tensor:
         return _any([_hits(f, self.batch_index) for f in self.faults if f.kind in kinds])
@@ -118,6 +167,7 @@ class FaultInjector:
     def corrupt_images(self, images: tf.Tensor) -> tf.Tensor:
         """`images` with its first value NaN (``nan_input``) or +Inf (``inf_input``), or all its
         values times `SPIKE_SCALE` (``spike_input``, finite), on a hit."""
+        images = self._corrupt_examples(images)
         if not self._has(INPUT_KINDS):
             return images
         with tf.name_scope("inject_fault/input"):
@@ -133,6 +183,34 @@ class FaultInjector:
                     value = tf.where(self._hit([kind]), tf.constant(bad, images.dtype), value)
             index = tf.zeros([1, images.shape.rank], tf.int32)
             return tf.tensor_scatter_nd_update(images, index, tf.reshape(value, [1]))
+
+    def _corrupt_examples(self, images: tf.Tensor) -> tf.Tensor:
+        """`images` with the hit examples' first value NaN (``nan_example``) or their values
+        times `SPIKE_SCALE` (``spike_example``)."""
+        if not self._has(EXAMPLE_KINDS):
+            return images
+        with tf.name_scope("inject_fault/examples"):
+            rows = tf.reshape(images, [tf.shape(images)[0], -1])
+            for kind in EXAMPLE_KINDS:
+                if not self._has([kind]):
+                    continue
+                hits = [_hits(f, self.example_index) for f in self.faults if f.kind == kind]
+                hit = tf.reshape(functools.reduce(tf.logical_or, hits), [-1, 1])
+                if kind == SPIKE_EXAMPLE:
+                    rows = tf.where(hit, rows * SPIKE_SCALE, rows)
+                else:
+                    first = tf.one_hot(0, tf.shape(rows)[1], on_value=True, off_value=False)
+                    nan = tf.constant(float("nan"), rows.dtype)
+                    rows = tf.where(tf.logical_and(hit, first[tf.newaxis]), nan, rows)
+            return tf.reshape(rows, tf.shape(images))
+
+    def corrupt_learning_rate(self, learning_rate: tf.Tensor) -> tf.Tensor:
+        """`learning_rate` times `LR_JUMP_SCALE` for a hit batch's update (``lr_jump``)."""
+        if not self._has([LR_JUMP]):
+            return learning_rate
+        with tf.name_scope("inject_fault/learning_rate"):
+            scale = tf.where(self._hit([LR_JUMP]), LR_JUMP_SCALE, 1.0)
+            return learning_rate * tf.cast(scale, learning_rate.dtype)
 
     def corrupt_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """`loss` made NaN or +Inf (gradients finite), or with NaN gradients (loss finite).
@@ -150,6 +228,10 @@ class FaultInjector:
                     loss = loss + tf.where(
                         self._hit([kind]), tf.constant(bad, dtype), tf.constant(0.0, dtype)
                     )
+            if self._has([TRANSIENT_NAN]):
+                hit = _first_time(self._hit([TRANSIENT_NAN]), self.batch_index)
+                nan = tf.constant(float("nan"), dtype)
+                loss = loss + tf.where(hit, nan, tf.constant(0.0, dtype))
             if self._has([NAN_GRADIENT]):
                 loss = _nan_gradient_on(loss, self._hit([NAN_GRADIENT]))
             return loss

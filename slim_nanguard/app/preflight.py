@@ -26,22 +26,33 @@ INF_LOSS = "inf_loss"
 NAN_GRADIENT = "nan_gradient"
 SPIKE_INPUT = "spike_input"
 SPIKE_SCALE = 1000.0
+TRANSIENT_NAN = "transient_nan"
+NAN_EXAMPLE = "nan_example"
+SPIKE_EXAMPLE = "spike_example"
+LR_JUMP = "lr_jump"
+LR_JUMP_SCALE = 1e12
 
 INPUT_KINDS = (NAN_INPUT, INF_INPUT, SPIKE_INPUT)
-LOSS_KINDS = (NAN_LOSS, INF_LOSS, NAN_GRADIENT)
-FAULT_KINDS = INPUT_KINDS + LOSS_KINDS
+LOSS_KINDS = (NAN_LOSS, INF_LOSS, NAN_GRADIENT, TRANSIENT_NAN)
+# Their index is an example's position in the split (the same example in every epoch).
+EXAMPLE_KINDS = (NAN_EXAMPLE, SPIKE_EXAMPLE)
+STATE_KINDS = (LR_JUMP,)
+FAULT_KINDS = INPUT_KINDS + LOSS_KINDS + EXAMPLE_KINDS + STATE_KINDS
 
 _SPEC = re.compile(r"^\s*([a-z_]+)\s*:\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """One injected fault: a kind and the batches it hits.
+    """One injected fault: a kind and the batches (or, for `EXAMPLE_KINDS`, the examples) it
+    hits.
 
     Attributes:
       kind: One of `FAULT_KINDS`.
-      first: Index of the first bad batch (0 is the first batch of the run).
-      last: Index of the last bad batch (inclusive); equal to `first` for a single batch.
+      first: Index of the first bad batch (0 is the first batch of the run); for
+        `EXAMPLE_KINDS`, of the first bad example (its position in the split, read in every
+        epoch).
+      last: Index of the last one (inclusive); equal to `first` for a single one.
     """
 
     kind: str
