@@ -190,7 +190,9 @@ def _read(guard: "Guard", session, policy: Optional[str]):
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
     fields = (figures, reason, sums[0], *culprits(guard, kinds), scale, overflow)
-    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsy is not None, choose)
+    verdict = (autopsy.triage or {}).get("verdict") if autopsy is not None else None
+    autopsied = autopsy is not None
+    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsied, choose, verdict)
     return read, autopsy
 
 
