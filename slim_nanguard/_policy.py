@@ -340,10 +340,12 @@ class Decision:
     total: int = 0
 
 
-def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
+def wants_autopsy(config: GuardConfig, state: GuardState, policy: Optional[str] = None) -> bool:
     """Whether the next bad step gets an autopsy: the first ``autopsy_max_steps`` do, and
-    under ``nan_policy="auto"`` every one (its triage chooses), unless that is 0."""
-    auto = config.nan_policy == AUTO and config.autopsy_max_steps > 0
+    under ``auto`` (`policy`, a hook's override, or ``nan_policy``) every one (its triage
+    chooses), unless that is 0."""
+    policy = config.nan_policy if policy is None else policy
+    auto = policy == AUTO and config.autopsy_max_steps > 0
     return auto or state.autopsies < config.autopsy_max_steps
 
 

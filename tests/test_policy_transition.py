@@ -244,6 +244,8 @@ def test_auto_autopsies_every_bad_step_unless_autopsies_are_off():
     assert _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=3), state)
     assert not _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state)
     assert not _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=0), state)
+    # A hook's override of nan_policy counts as the policy.
+    assert _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state, "auto")
 
 
 def test_auto_is_a_nan_policy_only_and_needs_the_checkpoint_directory():
