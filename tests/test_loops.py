@@ -323,7 +323,7 @@ def test_an_on_nan_callback_returning_nonsense_is_an_error():
     with pytest.raises(
         ValueError,
         match="the on_nan callback must return one of raise, stop, "
-        "skip, rollback or None; got 'ignore'",
+        "skip, rollback, auto or None; got 'ignore'",
     ):
         _seed_flow(model, mode="hook")
 
