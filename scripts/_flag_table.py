@@ -243,13 +243,15 @@ FLAGS = {
         },
         "nan_policy": {
             "type": "enum",
-            "help": "<raise|stop|skip|rollback>: What a bad step "
-            "(NaN/Inf loss or gradient) does: raise "
+            "help": "<raise|stop|skip|rollback|auto>: What a bad "
+            "step (NaN/Inf loss or gradient) does: raise "
             "(exit 1), stop (clean stop, exit 3), skip "
             "(next batch), rollback (latest good "
-            "checkpoint).",
+            "checkpoint), auto (the autopsy's triage "
+            "decides: skip a transient or a bad example, "
+            "roll back a broken state).",
             "default": "skip",
-            "choices": ["raise", "stop", "skip", "rollback"],
+            "choices": ["raise", "stop", "skip", "rollback", "auto"],
         },
         "num_epochs_per_decay": {
             "type": "float",

@@ -257,7 +257,8 @@ flags.DEFINE_enum(
     GUARD.nan_policy,
     POLICIES,
     "What a bad step (NaN/Inf loss or gradient) does: raise (exit 1), stop "
-    "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint).",
+    "(clean stop, exit 3), skip (next batch), rollback (latest good checkpoint), auto (the "
+    "autopsy's triage decides: skip a transient or a bad example, roll back a broken state).",
 )
 flags.DEFINE_integer(
     "max_consecutive_bad_steps",
@@ -322,7 +323,7 @@ flags.DEFINE_integer(
 flags.DEFINE_enum(
     "spike_policy",
     GUARD.spike_policy or nanguard_app.NO_SPIKE_TEST,
-    [nanguard_app.NO_SPIKE_TEST] + POLICIES,
+    [nanguard_app.NO_SPIKE_TEST, *nanguard_app.SPIKE_POLICIES],
     "What a spike does: a step whose values are all finite but whose loss or global gradient "
     "norm is more than --spike_sigma deviations above those of the accepted steps (it then "
     "changes nothing, and counts as a bad step in a row): raise, stop, skip or rollback, as "

@@ -185,12 +185,14 @@ def _read(guard: "Guard", session, policy: Optional[str]):
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
     kept = not overflow and guard.capture is not None and guard.capture.tensors
-    if kept and _policy.wants_autopsy(guard.config, guard.state):
+    if kept and _policy.wants_autopsy(guard.config, guard.state, policy):
         autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
     fields = (figures, reason, sums[0], *culprits(guard, kinds), scale, overflow)
-    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsy is not None, choose)
+    verdict = (autopsy.triage or {}).get("verdict") if autopsy is not None else None
+    autopsied = autopsy is not None
+    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsied, choose, verdict)
     return read, autopsy
 
 

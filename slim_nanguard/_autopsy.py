@@ -25,6 +25,7 @@ from slim_nanguard import _capture
 from slim_nanguard import _log as logging
 from slim_nanguard import _ops
 from slim_nanguard import _paths
+from slim_nanguard import _triage
 from slim_nanguard._reasons import NON_FINITE
 
 DUMP_DIRNAME = "nanguard_autopsy"
@@ -82,6 +83,7 @@ class Autopsy:
     per_example_loss: Optional[str] = None
     median_loss: Optional[float] = None
     spike_over: Tuple[str, ...] = ()
+    triage: Optional[Dict[str, Any]] = None  # `_triage.evidence`: chance, data or state.
 
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict (no NaN or Inf floats)."""
@@ -109,7 +111,9 @@ class Autopsy:
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        return explain(self) if self.cause == NON_FINITE else explain_spike(self)
+        if self.cause != NON_FINITE:
+            return explain_spike(self)
+        return "; ".join(filter(None, [explain(self), _triage.sentence(self.triage)]))
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -301,19 +305,22 @@ def replay(
         leading = [a.shape[0] for a in feeds.values() if a.ndim >= 1]
         batch_size = max(set(leading), key=leading.count) if leading else 0
     found: Dict[str, Any] = {}
+
+    def outcome(fed):  # Of the targets, a chunk a run.
+        chunks = _chunks(targets, batch_size, max_chunk_bytes)
+        return _triage.worst(_triage.outcome(budget.run(session, c, fed)) for c in chunks)
+
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
         if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
             found = _replay_spike(session, feeds, targets[0], budget, batch_size)
-        elif all(
-            is_finite_health(health(v))
-            for run in _chunks(targets, batch_size, max_chunk_bytes)
-            for v in budget.run(session, run, feeds)
-        ):
+        elif (same := outcome(feeds)) == "finite":
             found = {"reproduced": False}
         else:
             found["reproduced"] = True
             found.update(_first_bad_op(session, ops, feeds, budget, max_chunk_bytes, batch_size))
+        if cause == NON_FINITE:
+            found["triage"] = _triage.triage(outcome, feeds, same, found, batch_size)
     except AutopsyError as err:
         found["error"] = str(err)
     return Autopsy(cost=budget.cost(), batch_size=batch_size, step=step, cause=cause, **found)

@@ -76,7 +76,8 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
                 f"nan_policy must be one of {', '.join(_policy.POLICIES)} or None; "
                 f"got {nan_policy!r}."
             )
-        if nan_policy in (Action.SKIP, Action.ROLLBACK) and _guard.get_guard(loss_tensor) is None:
+        gated = (Action.SKIP, Action.ROLLBACK, Action.AUTO)  # Only a guarded op's steps.
+        if nan_policy in gated and _guard.get_guard(loss_tensor) is None:
             raise ValueError(
                 f"NanLossHook got nan_policy={nan_policy!r} for "
                 f"{getattr(loss_tensor, 'name', loss_tensor)!r}, which comes from "

@@ -30,9 +30,14 @@ RAISE = Action.RAISE
 STOP = Action.STOP
 SKIP = Action.SKIP
 ROLLBACK = Action.ROLLBACK
+AUTO = Action.AUTO
 POLICIES = tuple(Action)
-# What `GuardConfig.persistent_nan_policy` may be: every policy but skip.
-PERSISTENT_POLICIES = tuple(a for a in Action if a is not Action.SKIP)
+# What a reason (the spike test, a `Reason`) may apply: not auto, whose triage judges NaN/Inf.
+REASON_POLICIES = tuple(a for a in Action if a is not AUTO)
+# What `GuardConfig.persistent_nan_policy` may be: every policy but skip and auto.
+PERSISTENT_POLICIES = tuple(a for a in REASON_POLICIES if a is not SKIP)
+# What ``nan_policy="auto"`` does on each verdict of the triage (`_triage`); skip without one.
+AUTO_ACTIONS = {"chance": SKIP, "data": SKIP, "state": ROLLBACK}
 
 
 # A user callback that sees each bad step before the policy acts: it returns None to keep the
@@ -77,8 +82,8 @@ _CHECKS = (
     ("losses_before", *_integer(0)),
     (
         "spike_policy",
-        lambda p: p is None or p in POLICIES,
-        f"one of {', '.join(POLICIES)} or None (no spike test)",
+        lambda p: p is None or p in REASON_POLICIES,
+        f"one of {', '.join(REASON_POLICIES)} or None (no spike test)",
     ),
     ("spike_sigma", *_number(lambda s: s > 0, "a number of deviations > 0 (6 is usual)")),
     ("spike_warmup_steps", *_integer(2)),
@@ -96,7 +101,9 @@ class GuardConfig:
     """How a guarded train op reacts to a bad step; every setting is checked on construction.
 
     Attributes:
-      nan_policy: The policy for non-finite steps: ``raise``, ``stop``, ``skip`` or ``rollback``.
+      nan_policy: The policy for non-finite steps: ``raise``, ``stop``, ``skip``, ``rollback``
+        or ``auto``: each bad step is autopsied and its triage's verdict (`AUTO_ACTIONS`)
+        skips it (``chance``, ``data``, or no verdict) or rolls back (``state``).
       max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
         to ``persistent_nan_policy`` (not ``skip``; a rollback starts the count over).
       on_nan: Optional `OnNanCallback`, called with every bad step.
@@ -139,7 +146,7 @@ class GuardConfig:
             if not accepts(getattr(self, name)):
                 raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
         object.__setattr__(self, "reasons", tuple(self.reasons))
-        _reasons.check(self.reasons, POLICIES)
+        _reasons.check(self.reasons, REASON_POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):
             raise ValueError(
                 f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
@@ -176,9 +183,9 @@ def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, .
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
     escalated = " with persistent_nan_policy='rollback'"
     return tuple(
-        f"{name}={str(value)!r}{'' if value == ROLLBACK else escalated}"
+        f"{name}={str(value)!r}{'' if value in (ROLLBACK, AUTO) else escalated}"
         for name, value in policies
-        if value == ROLLBACK or (value == SKIP and config.persistent_nan_policy == ROLLBACK)
+        if value in (ROLLBACK, AUTO) or (value == SKIP and config.persistent_nan_policy == ROLLBACK)
     )
 
 
@@ -264,7 +271,8 @@ class BadStep:
     """A step whose loss or gradients were not finite (`cause` ``"non_finite"``), or that the
     reason `cause` names rejected, storing `figures`: what `_actions` read of it in one
     ``session.run``. `chosen` is the action the policy (or a hook's override) chose, unless
-    `choose` (``on_nan``) returns another, shown the counts this step makes. Not `guarded`: a
+    `choose` (``on_nan``) returns another, shown the counts this step makes; under ``auto``
+    the triage's `verdict` (None: none) picks the action. Not `guarded`: a
     loss no guarded train op made (its update happened, so only ``raise``, which says so, and
     ``stop`` mean anything). The rest as read: `reason` (None: non-finite), the `loss`, the
     `culprits` and what each held (`culprit_kinds`, when known), the `loss_scale`, whether it
@@ -285,6 +293,7 @@ class BadStep:
     choose: Optional[Callable[["GuardState", "BadStep"], Optional[str]]] = dataclasses.field(
         default=None, compare=False
     )
+    verdict: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,9 +340,13 @@ class Decision:
     total: int = 0
 
 
-def wants_autopsy(config: GuardConfig, state: GuardState) -> bool:
-    """Whether the next bad step gets an autopsy: the first ``autopsy_max_steps`` do."""
-    return state.autopsies < config.autopsy_max_steps
+def wants_autopsy(config: GuardConfig, state: GuardState, policy: Optional[str] = None) -> bool:
+    """Whether the next bad step gets an autopsy: the first ``autopsy_max_steps`` do, and
+    under ``auto`` (`policy`, a hook's override, or ``nan_policy``) every one (its triage
+    chooses), unless that is 0."""
+    policy = config.nan_policy if policy is None else policy
+    auto = policy == AUTO and config.autopsy_max_steps > 0
+    return auto or state.autopsies < config.autopsy_max_steps
 
 
 def counted(state: GuardState, step: int) -> GuardState:
@@ -424,6 +437,8 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
     if not observation.guarded:
         return Decision(Action(observation.chosen))
     action, escalation, reason = Action(observation.chosen), "", ""
+    if action == AUTO:
+        action = AUTO_ACTIONS.get(observation.verdict, SKIP)
     cause, limit = Cause.POLICY, None
     consecutive = state.consecutive_bad_steps
     if action in (SKIP, ROLLBACK) and consecutive >= config.max_consecutive_bad_steps:

@@ -29,6 +29,7 @@ class Action(_StrEnum):
     STOP = "stop"
     SKIP = "skip"
     ROLLBACK = "rollback"
+    AUTO = "auto"  # nan_policy only: the triage's verdict chooses skip or rollback
 
 
 class Mode(_StrEnum):

@@ -109,6 +109,23 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
     assert sorted((r["task"], r["reason"]) for r in stops) == [(0, "step_limit"), (1, "step_limit")]
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_auto_on_worker_1_records_its_triage_with_its_task_and_skips_a_bad_example(tmp_path, mode):
+    """nan_policy="auto" on a cluster: worker 1's bad example is triaged on its own batch and
+    weights (the ps's), recorded with its task, and skipped; the cluster ends at its limit."""
+    # 200 steps: each worker trains about 100 batches of 32, over two epochs of the 1,497
+    # digits, so example 5 comes to worker 1 at least once wherever its shuffle puts it.
+    flags = [MODES[mode], "--max_number_of_steps=200", "--nan_policy=auto"]
+    exits = _run_cluster(tmp_path, flags, worker1=["--inject_fault=nan_example:5"])
+
+    assert [e.code for e in exits.values()] == [0, 0, 0], _explain(exits)
+    bad = _bad_steps(tmp_path)
+    assert bad, _explain(exits)
+    told = [(r["task"], r["autopsy"]["triage"]["verdict"], r["action"]) for r in bad]
+    assert told == [(1, "data", "skip")] * len(bad), told
+    assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 2
+
+
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_replicas"])
 def test_a_spike_on_worker_1_is_skipped_against_the_statistics_all_workers_share(tmp_path, sync):
     """The spike statistics live on the ps: both workers' accepted steps feed them, worker 1's

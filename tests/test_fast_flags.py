@@ -48,7 +48,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
         (
             "train",
             ["--nan_policy=rolback"],
-            "flag --nan_policy=rolback: value should be one of <raise|stop|skip|rollback>",
+            "flag --nan_policy=rolback: value should be one of <raise|stop|skip|rollback|auto>",
         ),
         ("train", ["--train_dir=/tmp/x", "--batch_size=x"], "flag --batch_size=x: invalid"),
         ("train", ["--flagfile=configs/default.cfg", "--spike_policy=skpi"], "--spike_policy"),
@@ -77,7 +77,7 @@ def test_the_console_command_checks_its_flags_before_tensorflow_too():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert "EXIT 1 False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    assert "value should be one of <raise|stop|skip|rollback>" in proc.stderr
+    assert "value should be one of <raise|stop|skip|rollback|auto>" in proc.stderr
 
 
 def test_every_shipped_config_passes_the_early_check():
@@ -138,7 +138,8 @@ def test_help_is_answered_before_tensorflow_is_imported(script, help_flag):
 def test_the_help_names_no_choice_the_run_refuses_and_carries_no_markup():
     proc = _run_without_tensorflow("train", "--help")
     assert "--persistent_nan_policy: <raise|stop|rollback>:" in proc.stdout, proc.stdout
-    assert "--nan_policy: <raise|stop|skip|rollback>:" in proc.stdout
+    assert "--nan_policy: <raise|stop|skip|rollback|auto>:" in proc.stdout
+    assert "--spike_policy: <none|raise|stop|skip|rollback>:" in proc.stdout
     assert "slim-nanguard-train --flagfile=configs/default.cfg" in proc.stdout
     assert "``" not in proc.stdout and "::\n" not in proc.stdout
 

@@ -558,3 +558,36 @@ def test_giving_up_on_a_spike_names_the_spike_flag(tmp_path):
     advice = app.error_message(info.value).splitlines()[-1]
     assert "--spike_policy=skip or --spike_policy=rollback" in advice
     assert "--nan_policy" not in advice
+
+
+@lib.each_mode
+@pytest.mark.parametrize(
+    "fault, verdict, action",
+    [
+        ("transient_nan:10", "chance", "skip"),
+        ("nan_example:7", "data", "skip"),
+        ("lr_jump:15", "state", "rollback"),
+    ],
+    ids=["transient", "bad_example", "lr_jump"],
+)
+def test_auto_acts_on_the_triages_verdict_for_a_fault_of_each_cause(
+    tmp_path, mode, fault, verdict, action
+):
+    """nan_policy="auto" on the injected faults: each bad step's triage names the fault's
+    cause and the action follows it; the run ends at its step limit with finite weights."""
+    config = _config(
+        tmp_path / "run",
+        check_numerics=lib.MODES[mode],
+        nan_policy="auto",
+        inject_faults=fault,
+        max_number_of_steps=70,
+        save_interval_steps=10,
+        learning_rate=0.1,
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.stop_reason) == (70, "step_limit")
+    assert not slim_nanguard.non_finite_variables(result.checkpoint)
+    bad = _bad_steps(result)
+    assert bad, "the fault made no bad step"
+    told = [(r["autopsy"]["triage"]["verdict"], r["action"]) for r in bad]
+    assert told == [(verdict, action)] * len(bad), told

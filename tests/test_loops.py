@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_slim as slim
 
 import slim_nanguard
+from slim_nanguard import _policy
 
 import nanguard_testlib as lib
 
@@ -322,7 +323,7 @@ def test_an_on_nan_callback_returning_nonsense_is_an_error():
     with pytest.raises(
         ValueError,
         match="the on_nan callback must return one of raise, stop, "
-        "skip, rollback or None; got 'ignore'",
+        "skip, rollback, auto or None; got 'ignore'",
     ):
         _seed_flow(model, mode="hook")
 
@@ -481,3 +482,50 @@ def test_tf_slim_learning_train_with_train_step(tmp_path, policy):
         values = lib.checkpoint_values(checkpoint)
         assert int(values["global_step"]) == (STEPS if policy == "skip" else BAD_BATCH)
         lib.assert_all_finite(values)
+
+
+def _auto_records(events):
+    """(verdict, action) of each bad step's event under nan_policy="auto"."""
+    return [((e.autopsy.triage or {}).get("verdict"), e.action) for e in events]
+
+
+@pytest.mark.parametrize("fault", ["nan_loss", "nan_input"])
+@lib.each_mode
+def test_auto_in_the_seed_flow_acts_on_each_verdict(tmp_path, mode, fault):
+    """MonitoredTrainingSession with the hook (hook mode) or handle_numerics_error
+    (check_numerics mode): each bad step is triaged and the action is the verdict's."""
+    model = lib.build_model(
+        check_numerics=lib.MODES[mode], nan_policy="auto", faults={BAD_BATCH: fault}
+    )
+    run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
+    told = _auto_records(run.events)
+    assert len(told) == 1 and told[0][0] in ("chance", "data", "state"), told
+    assert told[0][1] == _policy.AUTO_ACTIONS[told[0][0]]
+    # A skipped bad step changed nothing (a rollback rightly writes).
+    assert run.error is None and run.bad_step_changes == ([[]] if told[0][1] == "skip" else [])
+    lib.assert_all_finite(run.final)
+
+
+def test_auto_in_tf_slims_learning_train_with_make_train_step(tmp_path):
+    model = lib.build_model(
+        check_numerics=True, nan_policy="auto", faults={BAD_BATCH: "nan_gradient"}
+    )
+    guard = slim_nanguard.get_guard(model.train_op)
+    with model.graph.as_default():
+        saver = slim_nanguard.FiniteSaver()
+        with tf.compat.v1.Session() as sess:  # a checkpoint to roll back to: step 0
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(tmp_path / "model.ckpt"), global_step=0)
+        loss = slim.learning.train(
+            model.train_op,
+            str(tmp_path),
+            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+            saver=saver,
+        )
+    assert np.isfinite(loss)
+    event = guard.last_event
+    verdict = event.autopsy.triage["verdict"]
+    assert (event.step, event.action) == (BAD_BATCH, _policy.AUTO_ACTIONS[verdict])

@@ -199,7 +199,8 @@ def test_actions_modes_and_causes_are_strings_to_users_and_records():
     assert str(Mode.CHECK_NUMERICS) == "check_numerics"
     assert StopReason.POLICY == "nan_policy_stop" and Cause.MAX_ROLLBACKS == "max_rollbacks"
     assert json.dumps({"action": Action.STOP}) == '{"action": "stop"}'
-    assert _policy.POLICIES == ("raise", "stop", "skip", "rollback")
+    assert _policy.POLICIES == ("raise", "stop", "skip", "rollback", "auto")
+    assert _policy.REASON_POLICIES == ("raise", "stop", "skip", "rollback")
     assert _policy.PERSISTENT_POLICIES == ("raise", "stop", "rollback")
 
 

@@ -220,3 +220,38 @@ def test_the_first_bad_steps_get_an_autopsy_and_later_ones_do_not():
         _, state = _tell(config, BadStep(step, "skip", autopsied=wanted[-1]), state=state)
     assert wanted == [True, True, False, False] and state.autopsies == 2
     assert not _policy.wants_autopsy(GuardConfig(autopsy_max_steps=0), GuardState())
+
+
+def test_auto_skips_a_transient_and_a_bad_example_and_rolls_back_a_broken_state():
+    """nan_policy="auto": the triage's verdict chooses; without one (no autopsy, or a replay
+    that failed) the step is skipped, and a run of them escalates as skips do."""
+    config = GuardConfig(nan_policy="auto", max_consecutive_bad_steps=3)
+    steps = [BadStep(10, "auto", verdict="chance"), BadStep(20, "auto", verdict="data")]
+    steps += [BadStep(30, "auto", verdict="state"), BadStep(40, "auto")]
+    decisions, state = _tell(config, *steps)
+    assert [d.action for d in decisions] == ["skip", "skip", "rollback", "skip"]
+    assert (state.skips, state.total_bad_steps) == (3, 4)
+    decisions, _ = _tell(config, *[BadStep(50, "auto", verdict="data")] * 3)
+    assert [d.action for d in decisions] == ["skip", "skip", "raise"]
+    assert decisions[-1].give_up == "max_consecutive_bad_steps"
+    config = GuardConfig(nan_policy="auto", max_rollbacks=1)
+    decisions, _ = _tell(config, BadStep(7, "auto", verdict="state"), state=GuardState(rollbacks=1))
+    assert decisions[0].action == "raise" and decisions[0].give_up == "max_rollbacks"
+
+
+def test_auto_autopsies_every_bad_step_unless_autopsies_are_off():
+    state = GuardState(autopsies=50)
+    assert _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=3), state)
+    assert not _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state)
+    assert not _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=0), state)
+    # A hook's override of nan_policy counts as the policy.
+    assert _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state, "auto")
+
+
+def test_auto_is_a_nan_policy_only_and_needs_the_checkpoint_directory():
+    assert _policy.rolls_back(GuardConfig(nan_policy="auto"))
+    message = _policy.checkpoint_dir_message(GuardConfig(nan_policy="auto"), "pass logdir")
+    assert message.startswith("nan_policy='auto' rolls back")
+    for field in ("spike_policy", "persistent_nan_policy"):
+        with pytest.raises(ValueError, match=field):
+            GuardConfig(**{field: "auto"})

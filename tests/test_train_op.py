@@ -434,7 +434,7 @@ class TestBadInput:
         [
             (
                 {"nan_policy": "ignore"},
-                "nan_policy must be one of raise, stop, skip, rollback; got 'ignore'",
+                "nan_policy must be one of raise, stop, skip, rollback, auto; got 'ignore'",
             ),
             (
                 {"max_consecutive_bad_steps": 0},

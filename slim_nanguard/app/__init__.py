@@ -26,6 +26,7 @@ from slim_nanguard.app.config import NO_SPIKE_TEST
 from slim_nanguard.app.config import OPTIMIZERS
 from slim_nanguard.app.config import PERSISTENT_POLICIES
 from slim_nanguard.app.config import REASONS_FLAG
+from slim_nanguard.app.config import SPIKE_POLICIES
 from slim_nanguard.app.config import EvalConfig
 from slim_nanguard.app.config import LaunchError
 from slim_nanguard.app.config import TrainConfig
@@ -47,6 +48,7 @@ __all__ = [
     "REASONS_FLAG",
     "OPTIMIZERS",
     "PERSISTENT_POLICIES",
+    "SPIKE_POLICIES",
     "EvalConfig",
     "EvalResult",
     "LaunchError",

@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_GUARD",
     "GUARD_FLAGS",
     "PERSISTENT_POLICIES",
+    "SPIKE_POLICIES",
     "NO_SPIKE_TEST",
     "OPTIMIZERS",
     "EvalConfig",
@@ -84,6 +85,8 @@ def _accepted(field: str, value) -> bool:
 PERSISTENT_POLICIES = tuple(
     a.value for a in slim_nanguard.Action if _accepted("persistent_nan_policy", a.value)
 )
+# The policies of --spike_policy (not auto, whose triage judges NaN and Inf).
+SPIKE_POLICIES = tuple(a.value for a in slim_nanguard.Action if _accepted("spike_policy", a.value))
 
 
 class LaunchError(slim_nanguard.NanGuardError, ValueError):

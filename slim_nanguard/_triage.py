@@ -1,0 +1,150 @@
+"""Triage of a bad step by replay (issue 35): the verdict ``chance``, ``data`` or ``state``
+and its evidence, decided by pure functions from the replays' outcomes."""
+
+import hashlib
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+CHANCE, DATA, STATE = "chance", "data", "state"
+
+
+def outcome(values: Sequence[Any]) -> str:
+    """``finite``, ``NaN`` or ``Inf``: a run's fetched `values` (NaN wins over Inf)."""
+    arrays = [np.asarray(v) for v in values]
+    arrays = [a for a in arrays if np.issubdtype(a.dtype, np.inexact)]
+    if any(np.isnan(a).any() for a in arrays):
+        return "NaN"
+    return "Inf" if any(np.isinf(a).any() for a in arrays) else "finite"
+
+
+def worst(outcomes: Iterable[str]) -> str:
+    """The worst of `outcome`'s answers: NaN, then Inf, then finite."""
+    return min(outcomes, key=("NaN", "Inf", "finite").index, default="finite")
+
+
+def without_rows(
+    feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int
+) -> Tuple[Dict[Any, np.ndarray], Optional[int]]:
+    """`feeds` with `rows` removed from each array whose leading dimension is `batch_size`
+    (the others are fed as they are), and None; where a fed tensor's batch dimension is fixed
+    in the graph, `rows` are instead filled with a copy of the first other row, returned."""
+    keep = [i for i in range(batch_size) if i not in set(rows)]
+    fixed = any(_static_rows(t) == batch_size for t in feeds)
+    index = [i if i in keep else keep[0] for i in range(batch_size)] if fixed else keep
+    fed = {
+        t: (a[index] if a.ndim >= 1 and a.shape[0] == batch_size else a) for t, a in feeds.items()
+    }
+    return fed, (keep[0] if fixed else None)
+
+
+def _static_rows(tensor: Any) -> Optional[int]:
+    shape = getattr(tensor, "shape", None)
+    return shape[0] if shape is not None and shape.rank else None
+
+
+def fingerprints(
+    feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int
+) -> Dict[int, str]:
+    """A short sha1 of each of `rows`' bytes across the batch arrays of `feeds` (in the order
+    of their names), so that the same example is named the same in another batch."""
+    batch = [a for _, a in sorted(feeds.items(), key=lambda kv: str(getattr(kv[0], "name", kv[0])))]
+    batch = [np.ascontiguousarray(a) for a in batch if a.ndim >= 1 and a.shape[0] == batch_size]
+    out = {}
+    for i in rows:
+        h = hashlib.sha1()
+        for a in batch:
+            h.update(a[i].tobytes())
+        out[int(i)] = h.hexdigest()[:12]
+    return out
+
+
+def verdict(
+    reproduced: Optional[bool],
+    bad_examples: Sequence[int],
+    batch_size: int,
+    without_outcome: Optional[str],
+) -> Optional[str]:
+    """The verdict from the replay of the same batch (`reproduced`; None when it failed) and
+    the run without `bad_examples` (`without_outcome`, None when not run, else its `outcome` or
+    why it failed): ``chance`` when the replay is finite, ``data`` when the batch without those
+    rows is, ``state`` when it is not or no row stands out (none, or all of `batch_size`);
+    None when the replay or that run failed."""
+    if reproduced is None:
+        return None
+    if not reproduced:
+        return CHANCE
+    if not bad_examples or len(bad_examples) >= batch_size:
+        return STATE
+    if without_outcome not in ("finite", "NaN", "Inf"):
+        return None  # The run without the rows failed: nothing to decide from.
+    return DATA if without_outcome == "finite" else STATE
+
+
+def evidence(
+    reproduced: Optional[bool],
+    same_outcome: Optional[str],
+    bad_examples: Sequence[int],
+    batch_size: int,
+    without_outcome: Optional[str],
+    prints: Mapping[int, str],
+) -> Dict[str, Any]:
+    """The JSON-safe ``triage`` record: ``verdict``, the ``runs`` (what was fed, the outcome)
+    and the ``examples`` with their ``fingerprints``."""
+    runs = [{"fed": "same batch", "outcome": same_outcome}]
+    if without_outcome is not None:
+        runs.append({"fed": "without rows", "rows": list(bad_examples), "outcome": without_outcome})
+    return {
+        "verdict": verdict(reproduced, bad_examples, batch_size, without_outcome),
+        "runs": runs,
+        "examples": [int(i) for i in bad_examples],
+        "fingerprints": {str(i): p for i, p in prints.items()},
+    }
+
+
+def sentence(triage: Optional[Mapping[str, Any]]) -> str:
+    """One sentence for a log line: the verdict and the numbers behind it ("" for none)."""
+    if not triage or not triage.get("verdict"):
+        return ""
+    v, runs = triage["verdict"], triage.get("runs") or []
+    if v == CHANCE:
+        return "triage: chance — the replay of the same batch on the same weights is finite"
+    rows = ", ".join(str(i) for i in triage.get("examples") or ())
+    noun = "example" if len(triage.get("examples") or ()) == 1 else "examples"
+    if runs and "filled_with_row" in runs[-1]:  # The batch dimension is fixed in the graph.
+        rows += f" (filled with copies of example {runs[-1]['filled_with_row']})"
+    if v == DATA:
+        prints = ", ".join(
+            (triage.get("fingerprints") or {}).get(str(i), "?") for i in triage["examples"]
+        )
+        return f"triage: data — the batch without {noun} {rows} is finite (fingerprints {prints})"
+    if len(runs) > 1:
+        return f"triage: state — the batch without {noun} {rows} is still {runs[-1]['outcome']}"
+    return f"triage: state — the replay is {runs[0]['outcome']} and no example stands out"
+
+
+def triage(
+    run: Callable[[Dict[Any, np.ndarray]], str],
+    feeds: Dict[Any, np.ndarray],
+    same: str,
+    found: Mapping[str, Any],
+    batch_size: int,
+) -> Dict[str, Any]:
+    """The `evidence` of a replay whose first run's `outcome` was `same` and that `found`
+    ``reproduced`` and ``bad_examples``: `run` (the replay's fetches, no new batch, no write;
+    returns their `outcome`) runs once more on `feeds` without those rows when some but not
+    all stand out."""
+    reproduced, rows = found.get("reproduced"), tuple(found.get("bad_examples") or ())
+    without, filled = None, None
+    if reproduced and rows and len(rows) < batch_size:
+        fed, filled = without_rows(feeds, rows, batch_size)
+        try:
+            without = run(fed)
+        except (ValueError, tf.errors.OpError) as err:
+            without = f"failed: {str(err).splitlines()[0][:200]}"
+    prints = fingerprints(feeds, rows, batch_size) if rows else {}
+    found = evidence(reproduced, same, rows, batch_size, without, prints)
+    if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.
+        found["runs"][-1]["filled_with_row"] = filled
+    return found
