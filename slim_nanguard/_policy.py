@@ -145,6 +145,11 @@ class GuardConfig:
         for name, accepts, what in _CHECKS:
             if not accepts(getattr(self, name)):
                 raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
+        if self.nan_policy == AUTO and self.autopsy_max_steps == 0:
+            raise ValueError(
+                "nan_policy='auto' decides from each bad step's autopsy, and "
+                "autopsy_max_steps=0 turns them off: pass autopsy_max_steps >= 1 or another policy."
+            )
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, REASON_POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):

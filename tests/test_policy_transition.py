@@ -243,7 +243,8 @@ def test_auto_autopsies_every_bad_step_unless_autopsies_are_off():
     state = GuardState(autopsies=50)
     assert _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=3), state)
     assert not _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state)
-    assert not _policy.wants_autopsy(GuardConfig(nan_policy="auto", autopsy_max_steps=0), state)
+    with pytest.raises(ValueError, match="nan_policy='auto' decides from each bad step's autopsy"):
+        GuardConfig(nan_policy="auto", autopsy_max_steps=0)
     # A hook's override of nan_policy counts as the policy.
     assert _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state, "auto")
 

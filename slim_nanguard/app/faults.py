@@ -40,7 +40,9 @@ How it is wired (what `slim_nanguard.app.build` does)::
 
 Everything is in the graph (``tf.where`` on ``batch_index == STEP``): no feed, so the train op
 and the guard see exactly what a real fault would give them. Only ``transient_nan`` runs Python
-in the step (a `tf.numpy_function` that remembers which batches it has failed once).
+in the step (a `tf.numpy_function` that remembers which batches it has failed once): its memory
+is the process's, and a graph holding it does not load in another process (an autopsy dump's
+replay elsewhere).
 """
 
 from __future__ import annotations
