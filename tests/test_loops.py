@@ -220,6 +220,25 @@ def test_escalated_rollbacks_are_bounded_by_max_rollbacks(tmp_path, mode):
     lib.assert_all_finite(run.final)
 
 
+def _learning_train_from_step_0(model, logdir):
+    """tf_slim.learning.train of `model` for `STEPS` steps with `make_train_step(logdir)` and
+    a `FiniteSaver`, from a checkpoint of step 0 to roll back to; its final loss."""
+    with model.graph.as_default():
+        saver = slim_nanguard.FiniteSaver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, str(logdir / "model.ckpt"), global_step=0)
+        return slim.learning.train(
+            model.train_op,
+            str(logdir),
+            train_step_fn=slim_nanguard.make_train_step(str(logdir)),
+            number_of_steps=STEPS,
+            save_summaries_secs=None,
+            save_interval_secs=None,
+            saver=saver,
+        )
+
+
 def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
     """check_numerics mode in tf-slim's own loop: skip, then the escalated rollback."""
     model = lib.build_model(
@@ -230,20 +249,7 @@ def test_tf_slim_learning_train_escalates_with_make_train_step(tmp_path):
         faults={BAD_BATCH: "nan_gradient", BAD_BATCH + 1: "nan_gradient"},
     )
     guard = slim_nanguard.get_guard(model.train_op)
-    with model.graph.as_default():
-        saver = slim_nanguard.FiniteSaver()
-        with tf.compat.v1.Session() as sess:  # the checkpoint to roll back to: step 0
-            sess.run(tf.compat.v1.global_variables_initializer())
-            saver.save(sess, str(tmp_path / "model.ckpt"), global_step=0)
-        loss = slim.learning.train(
-            model.train_op,
-            str(tmp_path),
-            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
-            number_of_steps=STEPS,
-            save_summaries_secs=None,
-            save_interval_secs=None,
-            saver=saver,
-        )
+    loss = _learning_train_from_step_0(model, tmp_path)
     assert np.isfinite(loss)
     assert (guard.last_event.step, guard.last_event.action) == (BAD_BATCH, "rollback")
     assert (guard.state.total_bad_steps, guard.state.skips, guard.state.rollbacks) == (2, 1, 1)
@@ -511,20 +517,7 @@ def test_auto_in_tf_slims_learning_train_with_make_train_step(tmp_path):
         check_numerics=True, nan_policy="auto", faults={BAD_BATCH: "nan_gradient"}
     )
     guard = slim_nanguard.get_guard(model.train_op)
-    with model.graph.as_default():
-        saver = slim_nanguard.FiniteSaver()
-        with tf.compat.v1.Session() as sess:  # a checkpoint to roll back to: step 0
-            sess.run(tf.compat.v1.global_variables_initializer())
-            saver.save(sess, str(tmp_path / "model.ckpt"), global_step=0)
-        loss = slim.learning.train(
-            model.train_op,
-            str(tmp_path),
-            train_step_fn=slim_nanguard.make_train_step(str(tmp_path)),
-            number_of_steps=STEPS,
-            save_summaries_secs=None,
-            save_interval_secs=None,
-            saver=saver,
-        )
+    loss = _learning_train_from_step_0(model, tmp_path)
     assert np.isfinite(loss)
     event = guard.last_event
     verdict = event.autopsy.triage["verdict"]

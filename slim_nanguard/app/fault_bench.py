@@ -93,11 +93,11 @@ def run_one(
     )
     gave_up = False
     try:
-        result = train.run_training(config)
-        bad_steps, events = result.bad_steps, result.events_path
+        train.run_training(config)
     except slim_nanguard.NanLossError:
-        gave_up, events = True, config.train_dir
-    records = slim_nanguard.read_events(events)
+        gave_up = True
+    records = slim_nanguard.read_events(config.train_dir)  # A fresh directory: this run's.
+    bad_steps = sum(r.get("kind") == "bad_step" for r in records)
     right, judged = score(records, FAULTS.get(fault))
     evaluated = evaluate.run_eval(
         config_lib.EvalConfig(
@@ -107,8 +107,6 @@ def run_one(
             dataset_split_name="test",
         )
     )
-    if gave_up:
-        bad_steps = sum(r.get("kind") == "bad_step" for r in records)
     return Cell(evaluated.accuracy, bad_steps, right, judged, gave_up)
 
 

@@ -225,15 +225,13 @@ class FaultInjector:
             return loss
         with tf.name_scope("inject_fault/loss"):
             dtype = loss.dtype
-            for kind, bad in ((NAN_LOSS, float("nan")), (INF_LOSS, float("inf"))):
+            nan, inf = float("nan"), float("inf")
+            for kind, bad in ((NAN_LOSS, nan), (INF_LOSS, inf), (TRANSIENT_NAN, nan)):
                 if self._has([kind]):
-                    loss = loss + tf.where(
-                        self._hit([kind]), tf.constant(bad, dtype), tf.constant(0.0, dtype)
-                    )
-            if self._has([TRANSIENT_NAN]):
-                hit = _first_time(self._hit([TRANSIENT_NAN]), self.batch_index)
-                nan = tf.constant(float("nan"), dtype)
-                loss = loss + tf.where(hit, nan, tf.constant(0.0, dtype))
+                    hit = self._hit([kind])
+                    if kind == TRANSIENT_NAN:  # Its first run only: the replay is finite.
+                        hit = _first_time(hit, self.batch_index)
+                    loss = loss + tf.where(hit, tf.constant(bad, dtype), tf.constant(0.0, dtype))
             if self._has([NAN_GRADIENT]):
                 loss = _nan_gradient_on(loss, self._hit([NAN_GRADIENT]))
             return loss
