@@ -4,8 +4,9 @@ Replace ``slim.learning.create_train_op(...)`` with ``slim_nanguard.create_train
 step whose loss or any gradient is NaN or Inf then changes no variable, and the policy you
 chose (raise, stop, skip, rollback) decides what happens next.
 
-`__all__` is the public API (docs/api.md says what each name is for), with four public
-modules, each described by its docstring: `autopsy`, `cluster`, `compat` and `storage`.
+`__all__` is the public API (docs/api.md says what each name is for), with five public
+modules, each described by its docstring: `autopsy`, `cluster`, `compat`, `quarantine` and
+`storage`.
 Modules whose names begin with an underscore are private.
 """
 
@@ -13,6 +14,7 @@ from slim_nanguard import _spike  # noqa: F401  (the spike test GuardConfig.all_
 from slim_nanguard import autopsy
 from slim_nanguard import cluster
 from slim_nanguard import compat
+from slim_nanguard import quarantine
 from slim_nanguard import storage
 from slim_nanguard._checkpoints import FiniteSaver
 from slim_nanguard._checkpoints import latest_good_checkpoint
@@ -91,5 +93,6 @@ __all__ = [
     "autopsy",
     "cluster",
     "compat",
+    "quarantine",
     "storage",
 ]

@@ -20,6 +20,7 @@ from slim_nanguard import _policy
 from slim_nanguard import _reasons
 from slim_nanguard import _recorders
 from slim_nanguard import _rollback
+from slim_nanguard import quarantine
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
@@ -461,7 +462,48 @@ def judge(
         request_stop=request_stop,
         error=error,
     )
+    if read.chosen is Action.AUTO and outcome.action is Action.SKIP and read.verdict == "data":
+        _quarantine(guard, event, autopsy.triage)
     return _counted(guard, session, outcome)
+
+
+def _quarantine(guard: "Guard", event: _nan_event.NanEvent, triage: dict) -> None:
+    """Under ``auto``, the examples a ``data`` verdict names go to the quarantine in the
+    guard's directory, and a record says so; an example back again is named with what to do."""
+    directory, rows = guard.autopsy_dir, triage.get("examples") or ()
+    if directory is None:
+        return  # A loop without a directory has no dumps, no autopsy, so no verdict.
+    what = f"example{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} of the batch"
+    try:
+        added = quarantine.add(directory, guard.registry.task, event.step, triage)
+    except (OSError, tf.errors.OpError) as err:
+        logging.warning(
+            "slim_nanguard: global step %d: could not quarantine %s in %s (%s); the input may "
+            "bring them again, and each time the step is skipped.",
+            event.step,
+            what,
+            directory,
+            err,
+        )
+        return
+    if added:
+        logging.warning(
+            "slim_nanguard: global step %d: quarantined %s (fingerprint %s) in %s; an input "
+            "filtered with slim_nanguard.quarantine.filter_dataset leaves them out from now on.",
+            event.step,
+            what,
+            ", ".join(added),
+            quarantine.path(directory, guard.registry.task),
+        )
+        _notify(guard, "quarantine", event, fingerprints=added)
+    else:
+        logging.warning(
+            "slim_nanguard: global step %d: %s came again though quarantined: this input is "
+            "not filtered; filter it with slim_nanguard.quarantine.filter_dataset(dataset, %r).",
+            event.step,
+            what,
+            directory,
+        )
 
 
 def _counted(guard: "Guard", session: SessionLike, outcome: Outcome) -> Outcome:

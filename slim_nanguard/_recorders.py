@@ -80,6 +80,12 @@ class Registry:
             self._own = EventRecorder(path, **recorder)
             self._own.follow(self._guard)
 
+    @property
+    def task(self) -> Optional[int]:
+        """The task id its record names (a cluster's task), or None."""
+        recorders = [x for x in self.listeners if isinstance(x, EventRecorder)] + [self._own]
+        return next((r.task for r in recorders if r is not None), None)
+
     def send(self, record: Dict[str, Any]) -> None:
         """Sends one record to every listener, and to the guard's own record unless a listener
         keeps one (one record each)."""
@@ -116,7 +122,6 @@ class EventRecorder:
     ):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
-        self._remote = _paths.is_url(self.path)
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
@@ -140,17 +145,7 @@ class EventRecorder:
         line an earlier run left is closed first, so that it stays one unreadable line."""
         if self.task is not None:
             record = {"task": self.task, **record}
-        line = json.dumps(record, sort_keys=True, allow_nan=False, default=str) + "\n"
-        if _ends_mid_line(self.path):
-            line = "\n" + line
-        if self._remote:  # Remote storage: written when the file is closed.
-            with tf.io.gfile.GFile(self.path, "a") as f:
-                f.write(line)
-            return
-        with open(self.path, "a", encoding="utf-8") as f:  # Local: synced (gfile cannot fsync).
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_lines(self.path, json.dumps(record, sort_keys=True, allow_nan=False, default=str))
 
     def write_scalars(
         self,
@@ -174,6 +169,22 @@ class EventRecorder:
         ]
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
         writer.flush()
+
+
+def append_lines(path: str, *lines: str) -> None:
+    """Appends `lines` to the file `path` in one write, flushed (and, on a local disk, synced);
+    a partial line an earlier run left is closed first, so that it stays one unreadable line."""
+    text = "".join(line + "\n" for line in lines)
+    if _ends_mid_line(path):
+        text = "\n" + text
+    if _paths.is_url(path):  # Remote storage: written when the file is closed.
+        with tf.io.gfile.GFile(path, "a") as f:
+            f.write(text)
+        return
+    with open(path, "a", encoding="utf-8") as f:  # Local: synced (gfile cannot fsync).
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _ends_mid_line(path: str) -> bool:

@@ -1,11 +1,12 @@
 """Triage of a bad step by replay (issue 35): the verdict ``chance``, ``data`` or ``state``
 and its evidence, decided by pure functions from the replays' outcomes."""
 
-import hashlib
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+
+from slim_nanguard import quarantine
 
 CHANCE, DATA, STATE = "chance", "data", "state"
 
@@ -44,20 +45,50 @@ def _static_rows(tensor: Any) -> Optional[int]:
     return shape[0] if shape is not None and shape.rank else None
 
 
+def _batch_arrays(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Tuple[str, np.ndarray]]:
+    """The batch-major arrays of `feeds` with their tensors' names, in the iterator's order
+    (by op, then output index), as the quarantine hashes them."""
+
+    def order(name: str) -> Tuple[str, int]:
+        op, _, index = name.rpartition(":")
+        return (op, int(index)) if op and index.isdigit() else (name, 0)
+
+    named = [(str(getattr(t, "name", t)), np.asarray(a)) for t, a in feeds.items()]
+    named = [(n, a) for n, a in named if a.ndim >= 1 and a.shape[0] == batch_size]
+    return sorted(named, key=lambda na: order(na[0]))
+
+
 def fingerprints(
     feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int
 ) -> Dict[int, str]:
-    """A short sha1 of each of `rows`' bytes across the batch arrays of `feeds` (in the order
-    of their names), so that the same example is named the same in another batch."""
-    batch = [a for _, a in sorted(feeds.items(), key=lambda kv: str(getattr(kv[0], "name", kv[0])))]
-    batch = [np.ascontiguousarray(a) for a in batch if a.ndim >= 1 and a.shape[0] == batch_size]
-    out = {}
+    """`quarantine.fingerprint` of each of `rows` across the batch arrays of `feeds` (in the
+    iterator's order), so that the same example is named the same in another batch."""
+    batch = [a for _, a in _batch_arrays(feeds, batch_size)]
+    return {int(i): quarantine.fingerprint([a[i] for a in batch]) for i in rows}
+
+
+def components(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Dict[str, Any]]:
+    """What `fingerprints` hashes: each batch array's ``tensor``, ``dtype`` and example
+    ``shape``, in order."""
+    found = []
+    for name, a in _batch_arrays(feeds, batch_size):
+        dtype, shape = quarantine.spec_of(a[0])
+        found.append({"tensor": name, "dtype": dtype, "shape": list(shape)})
+    return found
+
+
+def ids(feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int) -> Dict[str, Any]:
+    """Each of `rows`' scalar integer and string components (an id, an index), by tensor."""
+    found = {}
     for i in rows:
-        h = hashlib.sha1()
-        for a in batch:
-            h.update(a[i].tobytes())
-        out[int(i)] = h.hexdigest()[:12]
-    return out
+        scalars = {
+            name: (a[i].decode(errors="replace") if isinstance(a[i], bytes) else a[i].item())
+            for name, a in _batch_arrays(feeds, batch_size)
+            if a.ndim == 1 and (a.dtype.kind in "iu" or isinstance(a[i], bytes))
+        }
+        if scalars:
+            found[str(int(i))] = scalars
+    return found
 
 
 def verdict(
@@ -145,6 +176,8 @@ def triage(
             without = f"failed: {str(err).splitlines()[0][:200]}"
     prints = fingerprints(feeds, rows, batch_size) if rows else {}
     found = evidence(reproduced, same, rows, batch_size, without, prints)
+    if rows:  # What the quarantine needs to know an example again.
+        found.update(components=components(feeds, batch_size), ids=ids(feeds, rows, batch_size))
     if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.
         found["runs"][-1]["filled_with_row"] = filled
     return found

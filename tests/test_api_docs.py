@@ -18,7 +18,7 @@ import slim_nanguard
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 API = REPO / "docs" / "api.md"
-MODULES = ("autopsy", "cluster", "compat", "storage")
+MODULES = ("autopsy", "cluster", "compat", "quarantine", "storage")
 WIDTH = 96
 
 

@@ -17,7 +17,7 @@ import slim_nanguard
 from slim_nanguard import app
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PUBLIC_MODULES = ("autopsy", "cluster", "compat", "storage")
+PUBLIC_MODULES = ("autopsy", "cluster", "compat", "quarantine", "storage")
 
 
 def _sources():

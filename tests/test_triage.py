@@ -129,6 +129,9 @@ def test_one_bad_example_is_data_named_with_its_fingerprint(tmp_path, mode):
         ],
         "examples": [3],
         "fingerprints": {"3": fingerprint},
+        # What the quarantine hashed (the one batch tensor), and no id: the batch has none.
+        "components": [{"tensor": "IteratorGetNext:0", "dtype": "float32", "shape": [4]}],
+        "ids": {},
     }
     assert record["summary"].endswith(
         "; triage: data — the batch without example 3 (filled with copies of example 0) is "

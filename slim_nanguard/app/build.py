@@ -138,13 +138,17 @@ class Built:
     hooks: list = dataclasses.field(default_factory=list)
 
 
-def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -> Built:
+def build_training(
+    config: config_lib.TrainConfig, resume: bool, cluster=None, quarantine: bool = False
+) -> Built:
     """Builds the training graph of `config`; reads no file in train_dir and writes nothing.
 
     Args:
       config: A `TrainConfig`.
       resume: Whether train_dir holds a checkpoint to resume from (then no fine-tuning).
       cluster: For a worker of a ps/worker cluster, its `cluster.Cluster`.
+      quarantine: Whether the input leaves out the examples quarantined in train_dir (read
+        when the input first runs).
 
     Returns:
       The `Built` graph.
@@ -175,6 +179,7 @@ def build_training(config: config_lib.TrainConfig, resume: bool, cluster=None) -
                 channels=input_channels(config.model_name, config.dataset_name),
                 purpose="training data",
                 example_index=faults_lib.needs_example_index(config.inject_faults),
+                quarantine_dir=config.train_dir if quarantine else None,
             )
             injector = None
             if config.inject_faults:

@@ -42,6 +42,7 @@ import tensorflow as tf
 from absl import logging as absl_logging
 
 from slim_nanguard import NanGuardError
+from slim_nanguard import quarantine
 from slim_nanguard import storage
 from slim_nanguard.app import preflight
 
@@ -164,6 +165,7 @@ def get_dataset(
     shuffle_buffer_size: int | None = None,
     purpose: str = "input",
     example_index: bool = False,
+    quarantine_dir: str | None = None,
 ) -> tuple[tf.data.Dataset, DatasetInfo]:
     """Builds the input pipeline of a dataset split.
 
@@ -198,6 +200,9 @@ def get_dataset(
       example_index: Each batch also carries its examples' int64 positions in the split as
         read before shuffling (digits and synthetic: the same example has the same index in
         every epoch; tfrecord: in the order the files are read).
+      quarantine_dir: Leave out the examples quarantined in this training directory
+        (`slim_nanguard.quarantine`), read when the pipeline first runs, and those the guard
+        of this process quarantines later.
 
     Returns:
       ``(dataset, info)``: the dataset yields ``(images, labels)``, float32
@@ -262,6 +267,8 @@ def get_dataset(
     if repeat:
         dataset = dataset.repeat()
     dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE)
+    if quarantine_dir is not None:  # The examples as the model is fed them: after the map.
+        dataset = quarantine.filter_dataset(dataset, quarantine_dir)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
     logging.info(

@@ -3,7 +3,7 @@
 What a run does::
 
     check the config and the fine-tuning checkpoint         # nothing written yet
-    build the graph (`build.build_training`)
+    build the graph (`build.build_training`); the input leaves out quarantined examples
     check that a checkpoint already in train_dir fits this graph
     slim_nanguard.train(train_op, train_dir, ...)            # creates train_dir
     on an error before any step was saved: remove the train_dir this run created
@@ -77,7 +77,11 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
             train_dir,
             existing,
         )
-    built = build.build_training(config, resume=existing is not None, cluster=cluster)
+    # Under auto the guard may quarantine examples; a quarantine from before stays in force.
+    quarantine = config.guard.nan_policy == "auto" or bool(slim_nanguard.quarantine.read(train_dir))
+    built = build.build_training(
+        config, resume=existing is not None, cluster=cluster, quarantine=quarantine
+    )
     if existing:
         checkpoints.check_resume(config, built.graph, existing, built.train_op)
 

@@ -1,0 +1,237 @@
+"""Examples a run will not train on again: the quarantine of ``nan_policy="auto"``.
+
+When the triage of a bad step says ``data`` (the batch without some examples is finite),
+``auto`` skips the batch and quarantines those examples: one JSON line each in
+``<train_dir>/nanguard_quarantine.jsonl`` (task N > 0 of a cluster:
+``nanguard_quarantine.taskN.jsonl``), written through `tf.io.gfile` (``gs://`` works). A line
+names the example by its **fingerprint**, a short sha1 of its bytes as the model was fed them
+(each batch component the loss reads, in the iterator's order), and says which components were
+hashed, the global step, the row in its batch and any scalar integer or string component (an
+id, an index) of that row.
+
+An input pipeline leaves the quarantined examples out with `filter_dataset` (tf.data: apply it
+to the unbatched examples, after any map and before ``batch``) or `keep` (a predicate: for
+``tf.data.Dataset.filter``, or as ``keep_input`` of ``tf.compat.v1.train.maybe_batch`` in a
+queue pipeline such as tf-slim's ``DatasetDataProvider``). A pipeline reads the file when it
+first runs, and in the same process learns at once what the guard quarantines later, so the
+next epoch already goes without it; a resumed run reads it back.
+
+The fingerprint is of the bytes as fed: an example that a random augmentation changes on every
+read has no stable fingerprint, so filter such a pipeline before the augmentation with an id of
+your own, or fix the example. To read the list: `read`; to edit it, remove lines from the file;
+to clear it: `clear`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from slim_nanguard import _log as logging
+from slim_nanguard import _paths
+from slim_nanguard import _recorders
+
+FILENAME = "nanguard_quarantine.jsonl"
+
+# A component as the fingerprint sees it: (dtype name, the shape of one example).
+Spec = Tuple[str, Tuple[int, ...]]
+
+__all__ = ["FILENAME", "read", "keep", "filter_dataset", "clear", "fingerprint", "path"]
+
+
+def _dtype_name(array: np.ndarray) -> str:
+    return "string" if array.dtype.kind in "OSU" else array.dtype.name
+
+
+def _example_bytes(array: np.ndarray) -> bytes:
+    """One example's bytes: a numeric array's as laid out in C order; strings length-prefixed."""
+    if array.dtype.kind not in "OSU":
+        return np.ascontiguousarray(array).tobytes()
+    items = [x if isinstance(x, bytes) else str(x).encode() for x in array.ravel().tolist()]
+    return b"".join(len(x).to_bytes(8, "little") + x for x in items)
+
+
+def fingerprint(components: Sequence[Any]) -> str:
+    """The fingerprint of one example given as its `components` (arrays or scalars, in order):
+    12 hex digits of the sha1 of their bytes."""
+    h = hashlib.sha1()
+    for component in components:
+        h.update(_example_bytes(np.asarray(component)))
+    return h.hexdigest()[:12]
+
+
+def spec_of(array: np.ndarray) -> Spec:
+    """What the fingerprint sees of a component of one example: its dtype and its shape."""
+    array = np.asarray(array)
+    return _dtype_name(array), tuple(int(d) for d in array.shape)
+
+
+def path(directory: str, task: Optional[int] = None) -> str:
+    """The quarantine file `task` (None or 0: the only task, or the chief) writes in `directory`."""
+    return _paths.join(directory, f"nanguard_quarantine.task{task}.jsonl" if task else FILENAME)
+
+
+def _files(directory: str) -> List[str]:
+    tasks = tf.io.gfile.glob(_paths.join(directory, "nanguard_quarantine.task*.jsonl"))
+    return [p for p in [path(directory, None), *sorted(tasks)] if tf.io.gfile.exists(p)]
+
+
+def read(directory: str) -> List[Dict[str, Any]]:
+    """The quarantined examples of the run in `directory` (every task's file), oldest first:
+    each line's record (``fingerprint``, ``components``, ``step``, ...). Empty if none; an
+    unreadable line (an edit gone wrong, a crash mid-write) is skipped with a warning."""
+    records = []
+    for path in _files(directory):
+        with tf.io.gfile.GFile(path, "r") as f:
+            lines = f.read().split("\n")
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                record = None
+            if line.strip() and not (isinstance(record, dict) and "fingerprint" in record):
+                logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
+            elif record is not None:
+                records.append(record)
+    return sorted(records, key=lambda r: r.get("time", 0))
+
+
+def clear(directory: str) -> int:
+    """Removes every quarantine file of `directory`; returns how many examples they held.
+    Pipelines already running in this process forget them too."""
+    held = len(read(directory))
+    for path in _files(directory):
+        tf.io.gfile.remove(path)
+    with _LOCK:
+        _LIVE.pop(_key(directory), None)
+    return held
+
+
+class _Live:
+    """The quarantine of one directory as this process's pipelines see it: loaded from the
+    files when first asked, then told of each example the guard adds."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.loaded = False
+        self.prints: Dict[Tuple[Spec, ...], set] = {}  # Hashed components' specs: prints.
+        self._positions: Dict[Tuple[Tuple[Spec, ...], Tuple[Spec, ...]], Optional[tuple]] = {}
+
+    def load(self) -> None:
+        if not self.loaded:
+            self.loaded = True
+            records = read(self.directory)
+            for record in records:
+                self.note(record)
+            if records:
+                logging.info(
+                    "slim_nanguard: %d quarantined example(s) in %s are left out of the input.",
+                    len(records),
+                    self.directory,
+                )
+
+    def note(self, record: Mapping[str, Any]) -> None:
+        specs = tuple(
+            (str(c["dtype"]), tuple(int(d) for d in c["shape"]))
+            for c in record.get("components", ())
+        )
+        self.prints.setdefault(specs, set()).add(str(record["fingerprint"]))
+
+    def holds(self, arrays: Sequence[np.ndarray]) -> bool:
+        if not self.prints:
+            return False
+        specs = tuple(spec_of(a) for a in arrays)
+        for hashed, prints in list(self.prints.items()):
+            key = (hashed, specs)
+            if key not in self._positions:
+                self._positions[key] = _subsequence(hashed, specs)
+            positions = self._positions[key]
+            if positions is not None and fingerprint([arrays[i] for i in positions]) in prints:
+                return True
+        return False
+
+
+def _subsequence(wanted: Sequence[Spec], specs: Sequence[Spec]) -> Optional[tuple]:
+    """The first positions in `specs` that hold `wanted`, in order, or None."""
+    positions, start = [], 0
+    for spec in wanted:
+        found = next((i for i in range(start, len(specs)) if specs[i] == spec), None)
+        if found is None:
+            return None
+        positions.append(found)
+        start = found + 1
+    return tuple(positions)
+
+
+_LOCK = threading.Lock()
+_LIVE: Dict[str, _Live] = {}
+
+
+def _key(directory: str) -> str:
+    return _paths.absolute(directory).rstrip("/")
+
+
+def _live(directory: str) -> _Live:
+    with _LOCK:
+        live = _LIVE.setdefault(_key(directory), _Live(directory))
+        live.load()
+        return live
+
+
+def keep(directory: str) -> Callable[..., tf.Tensor]:
+    """A predicate over one example (its components as `tf.data.Dataset.filter` passes them,
+    or as a list of tensors): a scalar bool tensor, False for an example quarantined in
+    `directory`. It reads the files when it first runs, not when built, and sees what the guard
+    of this process quarantines afterwards. It runs in Python, once per example: about the cost
+    of a `tf.numpy_function` call."""
+
+    def predicate(*example: Any) -> tf.Tensor:
+        flat = tf.nest.flatten(example)
+
+        def not_held(*arrays: np.ndarray) -> np.bool_:
+            return np.bool_(not _live(directory).holds(arrays))
+
+        kept = tf.numpy_function(not_held, flat, tf.bool, stateful=True, name="not_quarantined")
+        kept.set_shape([])
+        return kept
+
+    return predicate
+
+
+def filter_dataset(dataset: tf.data.Dataset, directory: str) -> tf.data.Dataset:
+    """`dataset` (of single examples: apply before ``batch``, after any ``map`` that makes what
+    the model is fed) without the examples quarantined in `directory`."""
+    return dataset.filter(keep(directory))
+
+
+def add(directory: str, task: Optional[int], step: int, triage: Mapping[str, Any]) -> List[str]:
+    """Quarantines the examples of a ``data`` `triage` (`_triage.triage`'s record: its
+    ``fingerprints``, ``components`` and ``ids``) found at global `step` by `task` (None: no
+    cluster); returns the fingerprints it added, not those already held. Raises what gfile
+    raises."""
+    live = _live(directory)
+    components = list(triage.get("components") or ())
+    specs = tuple((str(c["dtype"]), tuple(c["shape"])) for c in components)
+    held, ids = set(live.prints.get(specs, ())), triage.get("ids") or {}
+    added, lines = [], []
+    for row, print_ in sorted((int(r), p) for r, p in (triage.get("fingerprints") or {}).items()):
+        if print_ in held:
+            continue
+        held.add(print_)
+        record = {"fingerprint": print_, "step": int(step), "row": row, "time": time.time()}
+        record |= {"components": components, "ids": ids.get(str(row), {})}
+        if task is not None:
+            record["task"] = task
+        lines.append(json.dumps(record, sort_keys=True, default=str))
+        added.append(print_)
+    if lines:
+        _recorders.append_lines(path(directory, task), *lines)
+        for line in lines:
+            live.note(json.loads(line))
+    return added
