@@ -112,7 +112,8 @@ def test_a_nan_on_worker_1_reaches_no_ps_variable_and_both_workers_finish(tmp_pa
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_auto_on_worker_1_records_its_triage_with_its_task_and_skips_a_bad_example(tmp_path, mode):
     """nan_policy="auto" on a cluster: worker 1's bad example is triaged on its own batch and
-    weights (the ps's), recorded with its task, and skipped; the cluster ends at its limit."""
+    weights (the ps's), recorded with its task, skipped and quarantined in worker 1's own file;
+    the cluster ends at its limit."""
     # 200 steps: each worker trains about 100 batches of 32, over two epochs of the 1,497
     # digits, so example 5 comes to worker 1 at least once wherever its shuffle puts it.
     flags = [MODES[mode], "--max_number_of_steps=200", "--nan_policy=auto"]
@@ -122,7 +123,10 @@ def test_auto_on_worker_1_records_its_triage_with_its_task_and_skips_a_bad_examp
     bad = _bad_steps(tmp_path)
     assert bad, _explain(exits)
     told = [(r["task"], r["autopsy"]["triage"]["verdict"], r["action"]) for r in bad]
-    assert told == [(1, "data", "skip")] * len(bad), told
+    assert told == [(1, "data", "skip")], told  # Quarantined: worker 1 meets it once only.
+    (held,) = slim_nanguard.quarantine.read(str(tmp_path))
+    assert (held["task"], held["step"]) == (1, bad[0]["step"])
+    assert os.path.exists(slim_nanguard.quarantine.path(str(tmp_path), 1))
     assert cluster_lib.assert_checkpoints_finite(tmp_path) >= 2
 
 

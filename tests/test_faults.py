@@ -591,3 +591,21 @@ def test_auto_acts_on_the_triages_verdict_for_a_fault_of_each_cause(
     assert bad, "the fault made no bad step"
     told = [(r["autopsy"]["triage"]["verdict"], r["action"]) for r in bad]
     assert told == [(verdict, action)] * len(bad), told
+
+
+@lib.each_mode
+def test_under_auto_a_bad_example_costs_one_batch_in_three_epochs_and_none_after_a_resume(
+    tmp_path, mode
+):
+    """nan_example:7 comes back in every epoch of the synthetic split (64 batches of 16). auto
+    quarantines it at its first batch: 190 steps (3 epochs) hold one bad step, not three,
+    and a resumed run to 320 steps, under skip, reads the quarantine back and meets it no more."""
+    run = tmp_path / "run"
+    common = dict(check_numerics=lib.MODES[mode], inject_faults="nan_example:7")
+    first = app.run_training(_config(run, nan_policy="auto", max_number_of_steps=190, **common))
+    assert (first.global_step, first.bad_steps) == (190, 1)
+    (held,) = slim_nanguard.quarantine.read(str(run))
+    assert held["ids"]["IteratorGetNext:3"] == 7  # The example index the batch carries.
+    resumed = app.run_training(_config(run, nan_policy="skip", max_number_of_steps=320, **common))
+    assert (resumed.global_step, resumed.bad_steps) == (320, 0)
+    assert len(_bad_steps(resumed)) == 1
