@@ -572,6 +572,11 @@ FLAGS = {
             "help": "Hidden layers of the deep narrow net (default 50).",
             "default": None,
         },
+        "fault_modes": {
+            "type": "list",
+            "help": "The modes for --faults: check_numerics, hook.",
+            "default": ["check_numerics"],
+        },
         "fault_policies": {
             "type": "list",
             "help": "The nan_policy values for --faults.",

@@ -122,6 +122,9 @@ flags.DEFINE_bool(
     "--fault_policies, and print the test accuracy, the bad steps and the triage's verdicts.",
 )
 flags.DEFINE_list("fault_policies", ["skip", "rollback"], "The nan_policy values for --faults.")
+flags.DEFINE_list(
+    "fault_modes", ["check_numerics"], "The modes for --faults: check_numerics, hook."
+)
 flags.DEFINE_integer("fault_steps", 2000, "Training steps of each --faults run.")
 flags.DEFINE_string(
     "fault_workdir", None, "Where the --faults runs train; default: a temporary directory."
@@ -267,7 +270,7 @@ def _faults() -> None:
     workdir = FLAGS.fault_workdir or tempfile.mkdtemp(prefix="nanguard_faults_")
     print(f"training in {workdir}", flush=True)
     report = fault_bench.run_fault_bench(
-        workdir, policies=FLAGS.fault_policies, steps=FLAGS.fault_steps
+        workdir, policies=FLAGS.fault_policies, steps=FLAGS.fault_steps, modes=FLAGS.fault_modes
     )
     _show(report, fault_bench.format_fault_bench(report))
 

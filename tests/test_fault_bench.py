@@ -49,8 +49,14 @@ def test_one_fault_under_one_policy_trains_evaluates_and_counts_its_bad_step(tmp
         policies=["skip"],
         steps=12,
         dataset_name="synthetic",
+        modes=["check_numerics", "hook"],
     )
-    cell = report["cells"]["transient_nan:5"]["skip"]
-    assert (cell["bad_steps"], cell["gave_up"]) == (1, False)
-    assert 0.0 <= cell["accuracy"] <= 1.0
-    assert (tmp_path / "transient_nan_5-skip" / "checkpoint").exists()
+    assert report["policies"] == ["skip", "skip (hook)"]
+    for column, directory in [
+        ("skip", "transient_nan_5-skip"),
+        ("skip (hook)", "transient_nan_5-skip-hook"),
+    ]:
+        cell = report["cells"]["transient_nan:5"][column]
+        assert (cell["bad_steps"], cell["gave_up"]) == (1, False)
+        assert 0.0 <= cell["accuracy"] <= 1.0
+        assert (tmp_path / directory / "checkpoint").exists()

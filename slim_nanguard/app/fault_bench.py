@@ -4,11 +4,12 @@
 
 Each row plants one fault (`slim_nanguard.app.faults`) in the default config's run (the MLP
 on the digits, momentum 0.05, 2,000 steps, a checkpoint every 100 steps); the first row plants
-none and is the reference. Each column trains it under one ``nan_policy``. A cell gives the
-test accuracy at the end, the bad steps, and how many of the triage's verdicts (in the bad
-steps' autopsies: the first `GuardConfig.autopsy_max_steps` bad steps) name the cause the
-fault stands for: ``chance`` for a transient, ``data`` for a bad example, ``state`` for a
-learning-rate jump. A run whose policy gave up is evaluated at the checkpoint it left.
+none and is the reference. Each column trains it under one ``nan_policy`` in one mode
+(check_numerics mode; ``(hook)``: hook mode). A cell gives the test accuracy at the end, the
+bad steps, and how many of the triage's verdicts (in the bad steps' autopsies: the first
+`GuardConfig.autopsy_max_steps` bad steps) name the cause the fault stands for: ``chance`` for
+a transient, ``data`` for a bad example, ``state`` for a learning-rate jump. A run whose
+policy gave up is evaluated at the checkpoint it left.
 
 `score` and `format_fault_bench` are pure; `run_fault_bench` trains.
 """
@@ -80,15 +81,19 @@ def run_one(
     *,
     steps: int = 2000,
     dataset_name: str = "digits",
+    mode: str = "check_numerics",
 ) -> Cell:
-    """Trains the default config's run with `fault` (``""``: none) under `policy` in a
-    directory of `workdir`, and evaluates what it left on the test split."""
-    name = f"{fault.replace(':', '_') or 'no_fault'}-{policy}"
+    """Trains the default config's run with `fault` (``""``: none) under `policy` in `mode`
+    (``check_numerics`` or ``hook``) in a directory of `workdir`, and evaluates what it left
+    on the test split."""
+    name = f"{fault.replace(':', '_') or 'no_fault'}-{column(policy, mode).replace(' (', '-')}"
+    name = name.rstrip(")")
     run = dict(_RUN, dataset_name=dataset_name, max_number_of_steps=steps)
     config = config_lib.TrainConfig.from_flags(
         train_dir=os.path.join(workdir, name),
         nan_policy=policy,
         inject_faults=fault,
+        check_numerics=mode == "check_numerics",
         **run,
     )
     gave_up = False
@@ -110,6 +115,11 @@ def run_one(
     return Cell(evaluated.accuracy, bad_steps, right, judged, gave_up)
 
 
+def column(policy: str, mode: str) -> str:
+    """A column's name: the policy, and `` (hook)`` in hook mode."""
+    return policy if mode == "check_numerics" else f"{policy} (hook)"
+
+
 def run_fault_bench(
     workdir: str,
     *,
@@ -117,18 +127,22 @@ def run_fault_bench(
     policies: Sequence[str] = POLICIES,
     steps: int = 2000,
     dataset_name: str = "digits",
+    modes: Sequence[str] = ("check_numerics",),
 ) -> Dict[str, Any]:
-    """Every fault under every policy (`run_one`); the report `format_fault_bench` prints."""
+    """Every fault under every policy in every mode (`run_one`); the report
+    `format_fault_bench` prints, a column a policy and mode."""
+    columns = [(p, m) for m in modes for p in policies]
     cells = {
         fault: {
-            policy: dataclasses.asdict(
-                run_one(workdir, fault, policy, steps=steps, dataset_name=dataset_name)
+            column(policy, mode): dataclasses.asdict(
+                run_one(workdir, fault, policy, steps=steps, dataset_name=dataset_name, mode=mode)
             )
-            for policy in policies
+            for policy, mode in columns
         }
         for fault in faults
     }
-    return {"steps": steps, "dataset": dataset_name, "policies": list(policies), "cells": cells}
+    names = [column(p, m) for p, m in columns]
+    return {"steps": steps, "dataset": dataset_name, "policies": names, "cells": cells}
 
 
 def _cell(cell: Mapping[str, Any], cause: Optional[str]) -> str:
