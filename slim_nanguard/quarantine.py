@@ -42,7 +42,7 @@ FILENAME = "nanguard_quarantine.jsonl"
 # A component as the fingerprint sees it: (dtype name, the shape of one example).
 Spec = Tuple[str, Tuple[int, ...]]
 
-__all__ = ["FILENAME", "read", "keep", "filter_dataset", "clear", "fingerprint", "path"]
+__all__ = ["read", "keep", "filter_dataset", "clear", "fingerprint", "path"]
 
 
 def _dtype_name(array: np.ndarray) -> str:

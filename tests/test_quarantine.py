@@ -203,3 +203,27 @@ def _dataset_function_ops(graph):
     for function in graph.as_graph_def().library.function:
         for node in function.node_def:
             yield node.op
+
+
+def test_a_queue_pipeline_leaves_a_quarantined_example_out_with_keep_input(tmp_path):
+    """tf-slim's queue pipelines batch with tf.compat.v1.train.batch; maybe_batch with the
+    predicate as keep_input leaves the quarantined example out of every batch."""
+    directory = str(tmp_path)
+    x, ids = _examples()
+    quarantine.add(directory, None, 5, _triage_of(quarantine.fingerprint([x[30]])))
+    with tf.Graph().as_default():
+        one_x, one_id = tf.compat.v1.train.slice_input_producer(
+            [x, ids], num_epochs=1, shuffle=False
+        )
+        keep = quarantine.keep(directory)
+        _, batch_ids = tf.compat.v1.train.maybe_batch(
+            [one_x, one_id],
+            keep_input=keep(one_x, one_id),
+            batch_size=BATCH,
+            allow_smaller_final_batch=True,
+        )
+        seen = []
+        with tf.compat.v1.train.MonitoredSession() as session:
+            while not session.should_stop():
+                seen += [i.decode() for i in session.run(batch_ids)]
+    assert sorted(seen) == sorted(f"ex-{i}" for i in range(N) if i != 30)
