@@ -12,8 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 from slim_nanguard import _autopsy
+from slim_nanguard import _capture
 from slim_nanguard import _errors
 from slim_nanguard import _exact_sums
+from slim_nanguard import _guard
 from slim_nanguard import _log as logging
 from slim_nanguard import _nan_event
 from slim_nanguard import _policy
@@ -24,6 +26,7 @@ from slim_nanguard import quarantine
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 from slim_nanguard._types import Fault
+from slim_nanguard._types import Mode
 from slim_nanguard._types import RequestStop
 from slim_nanguard._types import SessionLike
 
@@ -36,7 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class Outcome:
     """What one judged run came to: the `event` of a bad step (or of an `overflow` of a dynamic
     loss-scale optimizer, no bad step), the `action` carried out on a bad step, and after a
-    rollback the global `step` and the `checkpoint` restored; after a stop that ends a `climb`,
+    rollback the global `step` and the `checkpoint` restored (after a skip whose retry trained,
+    the global `step` it reached); after a stop that ends a `climb`,
     the global step it began at and the newest checkpoint from before it (None: none)."""
 
     event: Optional[_nan_event.NanEvent] = None
@@ -309,6 +313,9 @@ def carry_out(
     if action is Action.SKIP:
         if decision.level_shift is not None:
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
+        if decision.retry:
+            step = raw_call(session, lambda raw: _retry(guard, raw, event))
+            return Outcome(event=event, action=action, step=step)
         return Outcome(event=event, action=action)
     if action is Action.STOP:
         if climb is not None:
@@ -329,6 +336,42 @@ def carry_out(
     )
     step = raw_call(session, lambda raw: read_global_step(guard, raw))
     return Outcome(event=event, action=action, step=step, checkpoint=path)
+
+
+def _retry(
+    guard: "Guard", session: tf.compat.v1.Session, event: _nan_event.NanEvent
+) -> Optional[int]:
+    """Runs the train op again on the bad step's kept batch (no new batch; the triage found
+    its replay finite): returns the global step after it if it trained, else None (bad again,
+    or it cannot run without a new batch), and the step is skipped. Says so and records it."""
+    capture, ok = guard.capture, False
+    feeds = dict(zip(capture.tensors, _capture.read_kept_batch(session, capture)))
+    why_not = _autopsy.takes_a_batch([guard.train_op], feeds)
+    if guard.mode is Mode.HOOK and guard.ok is None:
+        why_not = "its train op was built in a loop body, whose verdict a run cannot fetch"
+    if not why_not:
+        try:
+            if guard.mode is Mode.HOOK:
+                ok = bool(session.run([guard.train_op, guard.ok], feeds)[1])
+            else:
+                session.run(guard.train_op, feeds)
+                ok = True
+        except tf.errors.InvalidArgumentError as err:
+            if not _guard.owns_error(guard, err):
+                raise
+    step = read_global_step(guard, session) if ok else None
+    observe(guard, _policy.Retried(-1 if step is None else step, ok))
+    _notify(guard, "retry", event, trained=ok, **({"why_not": why_not} if why_not else {}))
+    logging.warning(
+        "slim_nanguard: global step %d: %s",
+        event.step,
+        f"run again on its batch (triage: chance), it trained; global step now {step}"
+        if ok
+        else f"not run again ({why_not}); skipped"
+        if why_not
+        else "run again on its batch (triage: chance), it was bad again; skipped",
+    )
+    return step
 
 
 def _take_new_level(

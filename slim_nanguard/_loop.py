@@ -60,6 +60,8 @@ class TrainResult:
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (not bad steps).
       rollback_requests: A non-chief worker's bad steps whose rollback it asked the chief for.
       spikes: The bad steps that were spikes (``spike_policy``).
+      retries: Under ``nan_policy="auto"``, the bad steps (triage: chance) run again on their
+        batch that then trained (not among `skips`, nor `steps`).
       rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
       climb, resume_from: After a stop whose accepted steps climbed to the bad step (then
         `checkpoint` holds no good state): the global step the climb began at, and the newest
@@ -79,6 +81,7 @@ class TrainResult:
     loss_scale_overflows: int = 0
     rollback_requests: int = 0
     spikes: int = 0
+    retries: int = 0
     rejected: Dict[str, int] = dataclasses.field(default_factory=dict)
     climb: Optional[int] = None
     resume_from: Optional[str] = None
@@ -89,6 +92,7 @@ class TrainResult:
         overflows = f", {n} loss-scale overflows" if n else ""
         requests = f", {self.rollback_requests} sent to the chief" if self.rollback_requests else ""
         spikes = "".join(f"{n} of them {name}s, " for name, n in self.rejected.items() if n)
+        spikes += f"{self.retries} run again and trained, " if self.retries else ""
         loss = (
             f"{self.final_loss:.6g}" if math.isfinite(self.final_loss) else "none (no step trained)"
         )
@@ -522,7 +526,7 @@ class _Loop:
         if outcome.stop:
             self.climb = outcome.climb or self.climb
             return StopReason.POLICY
-        if outcome.action == Action.ROLLBACK:
+        if outcome.action == Action.ROLLBACK or outcome.step is not None:  # (or a retry)
             self.step = outcome.step if outcome.step is not None else self._read_step(sess)
         if outcome.good:  # Not a bad step nor an overflow: global_step moved on.
             self.step += 1
@@ -623,6 +627,7 @@ class _Loop:
             loss_scale_overflows=counts.loss_scale_overflows,
             rollback_requests=counts.rollback_requests,
             spikes=counts.spikes,
+            retries=counts.retries,
             rejected=dict(counts.rejected),
             climb=self.climb[0],
             resume_from=self.climb[1],

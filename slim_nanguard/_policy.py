@@ -37,6 +37,7 @@ REASON_POLICIES = tuple(a for a in Action if a is not AUTO)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip and auto.
 PERSISTENT_POLICIES = tuple(a for a in REASON_POLICIES if a is not SKIP)
 # What ``nan_policy="auto"`` does on each verdict of the triage (`_triage`); skip without one.
+# A ``chance`` step is run once more before it is skipped (`Decision.retry`).
 AUTO_ACTIONS = {"chance": SKIP, "data": SKIP, "state": ROLLBACK}
 
 
@@ -103,7 +104,8 @@ class GuardConfig:
     Attributes:
       nan_policy: The policy for non-finite steps: ``raise``, ``stop``, ``skip``, ``rollback``
         or ``auto``: each bad step is autopsied and its triage's verdict (`AUTO_ACTIONS`)
-        skips it (``chance``, ``data``, or no verdict) or rolls back (``state``).
+        runs it again on its batch (``chance``; skipped if bad again), skips it and quarantines
+        the examples (``data``), rolls back (``state``), or skips it (no verdict).
       max_consecutive_bad_steps: Bad steps in a row under ``skip`` or ``rollback`` that escalate
         to ``persistent_nan_policy`` (not ``skip``; a rollback starts the count over).
       on_nan: Optional `OnNanCallback`, called with every bad step.
@@ -237,6 +239,7 @@ class GuardState:
     steps: int = 0
     rollback_requests: int = 0
     autopsies: int = 0
+    retries: int = 0
     rejected: Tuple[Tuple[str, int], ...] = ()
     level_shifts: int = 0
     run_start: Optional[int] = None
@@ -309,6 +312,16 @@ class RolledBack:
 
 
 @dataclasses.dataclass(frozen=True)
+class Retried:
+    """Under ``auto``, a ``chance`` bad step was run again on its kept batch: it `trained` (the
+    global step is now `step`, and a bad step there continues the run of bad steps), or it was
+    bad again and is skipped."""
+
+    step: int
+    trained: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class RollbackAsked:
     """A cluster's non-chief worker asked its chief to roll back (it restores nothing)."""
 
@@ -321,7 +334,7 @@ class RollbackRequested:
 
 
 Observation = Union[
-    GoodStep, LossScaleOverflow, BadStep, RolledBack, RollbackAsked, RollbackRequested
+    GoodStep, LossScaleOverflow, BadStep, RolledBack, Retried, RollbackAsked, RollbackRequested
 ]
 
 
@@ -332,7 +345,8 @@ class Decision:
     training gives up (`give_up`, and the bound it names, `limit`); ``level_shift`` is the new
     level a spike completes; a rollback goes below global step ``before_step``, if set (a new
     level failed its probation). `consecutive` and `total` count the bad steps (this one
-    included) in a row and in all."""
+    included) in a row and in all. A skip with `retry` (``auto`` on ``chance``) first runs the
+    step again on its kept batch, and skips it only if it is bad again."""
 
     action: Action
     escalation: str = ""
@@ -343,6 +357,7 @@ class Decision:
     before_step: Optional[int] = None
     consecutive: int = 0
     total: int = 0
+    retry: bool = False
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState, policy: Optional[str] = None) -> bool:
@@ -385,6 +400,10 @@ def decide(
     if isinstance(observation, RolledBack):
         scale = observation.learning_rate_scale
         return None, replace(state, rollbacks=state.rollbacks + 1, learning_rate_scale=scale)
+    if isinstance(observation, Retried):
+        if not observation.trained:
+            return None, replace(state, skips=state.skips + 1)
+        return None, replace(state, retries=state.retries + 1, last_bad_step=observation.step)
     if isinstance(observation, RollbackAsked):
         return None, replace(state, rollback_requests=state.rollback_requests + 1)
     if isinstance(observation, RollbackRequested):
@@ -415,7 +434,7 @@ def _decide_bad(
         state = replace(state, reason_run=())
     if decision is None:
         decision = _decide_policy(config, state, observation)
-    if decision.action == SKIP:
+    if decision.action == SKIP and not decision.retry:  # A retry's count is `Retried`'s.
         state = replace(state, skips=state.skips + 1)
     elif decision.action == STOP:
         state = replace(state, stops=state.stops + 1)
@@ -442,6 +461,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
     if not observation.guarded:
         return Decision(Action(observation.chosen))
     action, escalation, reason = Action(observation.chosen), "", ""
+    retry = action == AUTO and observation.verdict == "chance"
     if action == AUTO:
         action = AUTO_ACTIONS.get(observation.verdict, SKIP)
     cause, limit = Cause.POLICY, None
@@ -460,7 +480,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
-        return Decision(action, escalation)
+        return Decision(action, escalation, retry=retry and not escalation)
     policy = "nan_policy" if observation.cause == NON_FINITE else f"{observation.cause}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 

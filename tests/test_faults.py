@@ -609,3 +609,43 @@ def test_under_auto_a_bad_example_costs_one_batch_in_three_epochs_and_none_after
     resumed = app.run_training(_config(run, nan_policy="skip", max_number_of_steps=320, **common))
     assert (resumed.global_step, resumed.bad_steps) == (320, 0)
     assert len(_bad_steps(resumed)) == 1
+
+
+@lib.each_mode
+def test_under_auto_a_transient_costs_one_extra_run_not_its_batch(tmp_path, mode):
+    """transient_nan:10: batch 10's loss is NaN once. auto's triage finds the replay finite
+    (chance) and runs the step again on the kept batch, which trains: no batch is skipped, so
+    70 steps take 70 batches, as in a run without the fault."""
+    config = _config(
+        tmp_path / "run",
+        check_numerics=lib.MODES[mode],
+        nan_policy="auto",
+        inject_faults="transient_nan:10",
+        max_number_of_steps=70,
+        seed=0,
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.bad_steps, result.skips, result.retries) == (70, 1, 0, 1)
+    records = slim_nanguard.read_events(result.events_path)
+    (retry,) = [r for r in records if r["kind"] == "retry"]
+    assert (retry["step"], retry["trained"]) == (10, True)
+    assert "1 run again and trained, 0 skipped" in result.describe()
+    # Every batch trained once: the run ends with the weights of the same seeded run whose
+    # fault never fires (batch 100,000; the same graph). A batch skipped, or one taken by the
+    # retry, would leave other weights.
+    clean = app.run_training(
+        _config(
+            tmp_path / "clean",
+            check_numerics=lib.MODES[mode],
+            nan_policy="auto",
+            inject_faults="transient_nan:100000",
+            max_number_of_steps=70,
+            seed=0,
+        )
+    )
+    assert clean.bad_steps == 0
+    ours, theirs = lib.checkpoint_values(result.checkpoint), lib.checkpoint_values(clean.checkpoint)
+    weights = [n for n in theirs if n.startswith("MLP/")]
+    assert weights, sorted(theirs)
+    for name in weights:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)

@@ -16,6 +16,7 @@ from slim_nanguard._policy import GoodStep
 from slim_nanguard._policy import GuardConfig
 from slim_nanguard._policy import GuardState
 from slim_nanguard._policy import LossScaleOverflow
+from slim_nanguard._policy import Retried
 from slim_nanguard._policy import RollbackAsked
 from slim_nanguard._policy import RollbackRequested
 from slim_nanguard._policy import RolledBack
@@ -222,15 +223,20 @@ def test_the_first_bad_steps_get_an_autopsy_and_later_ones_do_not():
     assert not _policy.wants_autopsy(GuardConfig(autopsy_max_steps=0), GuardState())
 
 
-def test_auto_skips_a_transient_and_a_bad_example_and_rolls_back_a_broken_state():
-    """nan_policy="auto": the triage's verdict chooses; without one (no autopsy, or a replay
-    that failed) the step is skipped, and a run of them escalates as skips do."""
+def test_auto_retries_a_transient_skips_a_bad_example_and_rolls_back_a_broken_state():
+    """nan_policy="auto": the triage's verdict chooses; a chance step is run again before it
+    is skipped (it counts as a skip only if that fails); without a verdict (no autopsy, or a
+    replay that failed) the step is skipped, and a run of them escalates as skips do."""
     config = GuardConfig(nan_policy="auto", max_consecutive_bad_steps=3)
     steps = [BadStep(10, "auto", verdict="chance"), BadStep(20, "auto", verdict="data")]
     steps += [BadStep(30, "auto", verdict="state"), BadStep(40, "auto")]
     decisions, state = _tell(config, *steps)
     assert [d.action for d in decisions] == ["skip", "skip", "rollback", "skip"]
-    assert (state.skips, state.total_bad_steps) == (3, 4)
+    assert [d.retry for d in decisions] == [True, False, False, False]
+    assert (state.skips, state.retries, state.total_bad_steps) == (2, 0, 4)
+    _, trained = _tell(config, Retried(11, True), state=state)
+    _, failed = _tell(config, Retried(-1, False), state=state)
+    assert (trained.skips, trained.retries) == (2, 1) and (failed.skips, failed.retries) == (3, 0)
     decisions, _ = _tell(config, *[BadStep(50, "auto", verdict="data")] * 3)
     assert [d.action for d in decisions] == ["skip", "skip", "raise"]
     assert decisions[-1].give_up == "max_consecutive_bad_steps"
@@ -256,3 +262,22 @@ def test_auto_is_a_nan_policy_only_and_needs_the_checkpoint_directory():
     for field in ("spike_policy", "persistent_nan_policy"):
         with pytest.raises(ValueError, match=field):
             GuardConfig(**{field: "auto"})
+
+
+def test_a_transient_that_keeps_coming_back_escalates_though_each_retry_trains():
+    """Each retry trains, but the next step is bad again: the retried steps count as bad steps
+    in a row, so the run escalates at max_consecutive_bad_steps; a plain good step between
+    two of them starts the count over."""
+    config = GuardConfig(nan_policy="auto", max_consecutive_bad_steps=3)
+    chance = lambda step: BadStep(step, "auto", verdict="chance")  # noqa: E731
+    decisions, state = _tell(
+        config, chance(5), Retried(6, True), chance(6), Retried(7, True), chance(7)
+    )
+    actions = [(d.action, d.retry) for d in decisions if d is not None]
+    assert actions == [("skip", True), ("skip", True), ("raise", False)]
+    assert decisions[-1].give_up == "max_consecutive_bad_steps" and state.retries == 2
+    decisions, state = _tell(
+        config, chance(5), Retried(6, True), GoodStep(), chance(7), Retried(8, True), chance(8)
+    )
+    assert [d.action for d in decisions if d is not None] == ["skip", "skip", "skip"]
+    assert state.consecutive_bad_steps == 2
