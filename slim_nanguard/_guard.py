@@ -90,7 +90,7 @@ class Guard:
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
-        ``level_shift`` or ``autopsy_dump_removed``, and the `NanEvent`'s fields but in the
+        ``level_shift``, ``autopsy_dump_removed``, ``retry`` or ``quarantine``, and the `NanEvent`'s fields but in the
         last); an `EventRecorder` writes this guard's counters too."""
         self.registry.add(listener)
 

@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import tensorflow as tf
+import test_autopsy as ta
 import tf_slim as slim
 
 import slim_nanguard
@@ -522,3 +523,42 @@ def test_auto_in_tf_slims_learning_train_with_make_train_step(tmp_path):
     event = guard.last_event
     verdict = event.autopsy.triage["verdict"]
     assert (event.step, event.action) == (BAD_BATCH, _policy.AUTO_ACTIONS[verdict])
+
+
+def _flaky_model(mode, flaky=True):
+    """test_autopsy's model (8 fixed batches) whose loss is NaN on its first run only."""
+    extra = ta._nan_on_first_call_only() if flaky else (lambda x: tf.constant(0.0))
+    return ta._Model(mode, extra_loss=extra, nan_policy="auto")
+
+
+@pytest.mark.parametrize("loop", ["seed_flow", "learning_train"])
+@lib.each_mode
+def test_auto_runs_a_transient_again_and_the_batch_trains_in_every_loop(tmp_path, mode, loop):
+    """The first step's NaN does not repeat (chance): auto runs it again on the kept batch and
+    it trains, so the run ends with the weights of a run without the fault (no batch skipped,
+    none taken by the retry)."""
+    def train(model, logdir):
+        if loop == "seed_flow":
+            return _seed_flow(model, mode=mode, checkpoint_dir=str(logdir)).final["model/w"]
+        with model.graph.as_default():
+            slim.learning.train(
+                model.train_op,
+                str(logdir),
+                train_step_fn=slim_nanguard.make_train_step(str(logdir)),
+                number_of_steps=STEPS,
+                save_summaries_secs=None,
+                save_interval_secs=None,
+            )
+        return lib.checkpoint_values(tf.train.latest_checkpoint(str(logdir)))["model/w"]
+
+    flaky, clean = _flaky_model(mode), _flaky_model(mode, flaky=False)
+    ours, theirs = train(flaky, tmp_path / "flaky"), train(clean, tmp_path / "clean")
+    event = flaky.guard.last_event
+    assert (event.step, event.autopsy.triage["verdict"], event.action) == (0, "chance", "skip")
+    assert (flaky.guard.state.retries, flaky.guard.state.skips) == (1, 0)
+    retries = [
+        r for r in slim_nanguard.read_events(str(tmp_path / "flaky")) if r["kind"] == "retry"
+    ]
+    assert [(r["step"], r["trained"]) for r in retries] == [(0, True)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert not np.array_equal(theirs, np.ones_like(theirs))  # It trained.
