@@ -90,8 +90,9 @@ class Guard:
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,
-        ``level_shift``, ``autopsy_dump_removed``, ``retry`` or ``quarantine``, and the `NanEvent`'s fields but in the
-        last); an `EventRecorder` writes this guard's counters too."""
+        ``level_shift``, ``autopsy_dump_removed``, ``retry`` or ``quarantine``, and the
+        `NanEvent`'s fields but in the last); an `EventRecorder` writes this guard's counters
+        too."""
         self.registry.add(listener)
 
     def remove_listener(self, listener: Listener) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
+from slim_nanguard import _appending
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _policy
@@ -145,7 +145,9 @@ class EventRecorder:
         line an earlier run left is closed first, so that it stays one unreadable line."""
         if self.task is not None:
             record = {"task": self.task, **record}
-        append_lines(self.path, json.dumps(record, sort_keys=True, allow_nan=False, default=str))
+        _appending.append_lines(
+            self.path, json.dumps(record, sort_keys=True, allow_nan=False, default=str)
+        )
 
     def write_scalars(
         self,
@@ -169,30 +171,6 @@ class EventRecorder:
         ]
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
         writer.flush()
-
-
-def append_lines(path: str, *lines: str) -> None:
-    """Appends `lines` to the file `path` in one write, flushed (and, on a local disk, synced);
-    a partial line an earlier run left is closed first, so that it stays one unreadable line."""
-    text = "".join(line + "\n" for line in lines)
-    if _ends_mid_line(path):
-        text = "\n" + text
-    if _paths.is_url(path):  # Remote storage: written when the file is closed.
-        with tf.io.gfile.GFile(path, "a") as f:
-            f.write(text)
-        return
-    with open(path, "a", encoding="utf-8") as f:  # Local: synced (gfile cannot fsync).
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _ends_mid_line(path: str) -> bool:
-    if not tf.io.gfile.exists(path) or not (size := tf.io.gfile.stat(path).length):
-        return False
-    with tf.io.gfile.GFile(path, "rb") as f:
-        f.seek(size - 1)
-        return f.read(1) != b"\n"
 
 
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:

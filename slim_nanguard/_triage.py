@@ -96,16 +96,20 @@ def verdict(
     bad_examples: Sequence[int],
     batch_size: int,
     without_outcome: Optional[str],
+    in_batch: bool = False,
 ) -> Optional[str]:
     """The verdict from the replay of the same batch (`reproduced`; None when it failed) and
     the run without `bad_examples` (`without_outcome`, None when not run, else its `outcome` or
     why it failed): ``chance`` when the replay is finite, ``data`` when the batch without those
-    rows is, ``state`` when it is not or no row stands out (none, or all of `batch_size`);
-    None when the replay or that run failed."""
+    rows is, or when the batch itself holds the first non-finite value (`in_batch`) in every
+    row; ``state`` when it is not or no row stands out (none, or all of `batch_size`); None
+    when the replay or that run failed."""
     if reproduced is None:
         return None
     if not reproduced:
         return CHANCE
+    if in_batch and bad_examples and len(bad_examples) >= batch_size:
+        return DATA  # Every example of the batch itself holds NaN or Inf: no weights needed.
     if not bad_examples or len(bad_examples) >= batch_size:
         return STATE
     if without_outcome not in ("finite", "NaN", "Inf"):
@@ -120,17 +124,20 @@ def evidence(
     batch_size: int,
     without_outcome: Optional[str],
     prints: Mapping[int, str],
+    in_batch: bool = False,
 ) -> Dict[str, Any]:
-    """The JSON-safe ``triage`` record: ``verdict``, the ``runs`` (what was fed, the outcome)
-    and the ``examples`` with their ``fingerprints``."""
+    """The JSON-safe ``triage`` record: ``verdict``, the ``runs`` (what was fed, the outcome),
+    the ``examples`` with their ``fingerprints``, and ``in_batch`` when the batch itself held
+    the first non-finite value."""
     runs = [{"fed": "same batch", "outcome": same_outcome}]
     if without_outcome is not None:
         runs.append({"fed": "without rows", "rows": list(bad_examples), "outcome": without_outcome})
     return {
-        "verdict": verdict(reproduced, bad_examples, batch_size, without_outcome),
+        "verdict": verdict(reproduced, bad_examples, batch_size, without_outcome, in_batch),
         "runs": runs,
         "examples": [int(i) for i in bad_examples],
         "fingerprints": {str(i): p for i, p in prints.items()},
+        **({"in_batch": True} if in_batch else {}),
     }
 
 
@@ -146,9 +153,14 @@ def sentence(triage: Optional[Mapping[str, Any]]) -> str:
     if runs and "filled_with_row" in runs[-1]:  # The batch dimension is fixed in the graph.
         rows += f" (filled with copies of example {runs[-1]['filled_with_row']})"
     if v == DATA:
-        prints = ", ".join(
-            (triage.get("fingerprints") or {}).get(str(i), "?") for i in triage["examples"]
-        )
+        prints = [(triage.get("fingerprints") or {}).get(str(i), "?") for i in triage["examples"]]
+        if len(runs) == 1:  # Every example of the batch itself holds NaN or Inf.
+            more = f" and {len(prints) - 3} more" if len(prints) > 3 else ""
+            return (
+                f"triage: data — the batch itself holds NaN or Inf in all {len(prints)} "
+                f"examples (fingerprints {', '.join(prints[:3])}{more})"
+            )
+        prints = ", ".join(prints)
         return f"triage: data — the batch without {noun} {rows} is finite (fingerprints {prints})"
     if len(runs) > 1:
         return f"triage: state — the batch without {noun} {rows} is still {runs[-1]['outcome']}"
@@ -167,6 +179,10 @@ def triage(
     returns their `outcome`) runs once more on `feeds` without those rows when some but not
     all stand out."""
     reproduced, rows = found.get("reproduced"), tuple(found.get("bad_examples") or ())
+    first = (found.get("first_bad_op") or {}).get("name")
+    in_batch = first is not None and any(
+        getattr(t, "op", None) is not None and t.op.name == first for t in feeds
+    )
     without, filled = None, None
     if reproduced and rows and len(rows) < batch_size:
         fed, filled = without_rows(feeds, rows, batch_size)
@@ -175,7 +191,7 @@ def triage(
         except (ValueError, tf.errors.OpError) as err:
             without = f"failed: {str(err).splitlines()[0][:200]}"
     prints = fingerprints(feeds, rows, batch_size) if rows else {}
-    found = evidence(reproduced, same, rows, batch_size, without, prints)
+    found = evidence(reproduced, same, rows, batch_size, without, prints, in_batch)
     if rows:  # What the quarantine needs to know an example again.
         found.update(components=components(feeds, batch_size), ids=ids(feeds, rows, batch_size))
     if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.

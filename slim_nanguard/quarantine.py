@@ -33,9 +33,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from slim_nanguard import _appending
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
-from slim_nanguard import _recorders
 
 FILENAME = "nanguard_quarantine.jsonl"
 
@@ -231,7 +231,7 @@ def add(directory: str, task: Optional[int], step: int, triage: Mapping[str, Any
         lines.append(json.dumps(record, sort_keys=True, default=str))
         added.append(print_)
     if lines:
-        _recorders.append_lines(path(directory, task), *lines)
+        _appending.append_lines(path(directory, task), *lines)
         for line in lines:
             live.note(json.loads(line))
     return added

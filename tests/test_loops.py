@@ -537,6 +537,7 @@ def test_auto_runs_a_transient_again_and_the_batch_trains_in_every_loop(tmp_path
     """The first step's NaN does not repeat (chance): auto runs it again on the kept batch and
     it trains, so the run ends with the weights of a run without the fault (no batch skipped,
     none taken by the retry)."""
+
     def train(model, logdir):
         if loop == "seed_flow":
             return _seed_flow(model, mode=mode, checkpoint_dir=str(logdir)).final["model/w"]

@@ -9,6 +9,7 @@ import test_autopsy as ta
 
 from slim_nanguard import _autopsy
 from slim_nanguard import _triage
+from slim_nanguard import quarantine
 
 import nanguard_testlib as lib
 
@@ -155,6 +156,28 @@ def test_weights_that_overflow_every_example_are_state(tmp_path, mode):
     assert record["summary"].endswith(
         "; triage: state — the replay is Inf and no example stands out"
     )
+
+
+@lib.each_mode
+def test_a_batch_whose_every_example_holds_nan_is_data_and_auto_quarantines_them(tmp_path, mode):
+    """Every example of batch 2 holds a NaN itself: no example stands out, yet the data is to
+    blame, not the weights (the batch held the first non-finite value). auto skips the batch
+    and quarantines its six examples."""
+    data = ta._batches()
+    data[ta.BAD_BATCH, :, 1] = np.nan
+    model = ta._Model(mode, data=data, nan_policy="auto")
+    record, autopsy = _verdict_of_the_first_bad_step(tmp_path, model)
+    assert autopsy.bad_examples == tuple(range(ta.BATCH))
+    triage = autopsy.triage
+    action = ta._bad_steps(tmp_path)[0]["action"]
+    assert (triage["verdict"], triage["in_batch"], action) == ("data", True, "skip")
+    prints = [quarantine.fingerprint([row]) for row in data[ta.BAD_BATCH]]
+    assert [triage["fingerprints"][str(i)] for i in range(ta.BATCH)] == prints
+    assert record["summary"].endswith(
+        f"; triage: data — the batch itself holds NaN or Inf in all 6 examples (fingerprints "
+        f"{prints[0]}, {prints[1]}, {prints[2]} and 3 more)"
+    )
+    assert sorted(r["fingerprint"] for r in quarantine.read(str(tmp_path))) == sorted(prints)
 
 
 def test_the_worst_outcome_of_the_chunks_is_the_runs():
