@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import tensorflow as tf
 
-from slim_nanguard import _appending
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
 from slim_nanguard import _policy
@@ -122,6 +122,7 @@ class EventRecorder:
     ):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
+        self._remote = _paths.is_url(self.path)
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
@@ -145,9 +146,8 @@ class EventRecorder:
         line an earlier run left is closed first, so that it stays one unreadable line."""
         if self.task is not None:
             record = {"task": self.task, **record}
-        _appending.append_lines(
-            self.path, json.dumps(record, sort_keys=True, allow_nan=False, default=str)
-        )
+        line = json.dumps(record, sort_keys=True, allow_nan=False, default=str)
+        append_lines(self.path, line, remote=self._remote)
 
     def write_scalars(
         self,
@@ -171,6 +171,33 @@ class EventRecorder:
         ]
         writer.add_summary(tf.compat.v1.Summary(value=values), step)
         writer.flush()
+
+
+def append_lines(path: str, *lines: str, remote: Optional[bool] = None) -> None:
+    """Appends `lines` to the file `path` in one write, flushed (and, on a local disk, synced);
+    a partial line an earlier run left is closed first, so that it stays one unreadable line.
+    `remote`: whether `path` is a URL (None: `_paths.is_url` says)."""
+    text = "".join(line + "\n" for line in lines)
+    if _ends_mid_line(path):
+        text = "\n" + text
+    if (
+        _paths.is_url(path) if remote is None else remote
+    ):  # Remote storage: written when the file is closed.
+        with tf.io.gfile.GFile(path, "a") as f:
+            f.write(text)
+        return
+    with open(path, "a", encoding="utf-8") as f:  # Local: synced (gfile cannot fsync).
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _ends_mid_line(path: str) -> bool:
+    if not tf.io.gfile.exists(path) or not (size := tf.io.gfile.stat(path).length):
+        return False
+    with tf.io.gfile.GFile(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) != b"\n"
 
 
 def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:

@@ -1,14 +1,43 @@
 """Triage of a bad step by replay (issue 35): the verdict ``chance``, ``data`` or ``state``
 and its evidence, decided by pure functions from the replays' outcomes."""
 
+import hashlib
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from slim_nanguard import quarantine
-
 CHANCE, DATA, STATE = "chance", "data", "state"
+
+# A component as the fingerprint sees it: (dtype name, the shape of one example).
+Spec = Tuple[str, Tuple[int, ...]]
+
+
+def _dtype_name(array: np.ndarray) -> str:
+    return "string" if array.dtype.kind in "OSU" else array.dtype.name
+
+
+def _example_bytes(array: np.ndarray) -> bytes:
+    """One example's bytes: a numeric array's as laid out in C order; strings length-prefixed."""
+    if array.dtype.kind not in "OSU":
+        return np.ascontiguousarray(array).tobytes()
+    items = [x if isinstance(x, bytes) else str(x).encode() for x in array.ravel().tolist()]
+    return b"".join(len(x).to_bytes(8, "little") + x for x in items)
+
+
+def fingerprint(components: Sequence[Any]) -> str:
+    """The fingerprint of one example given as its `components` (arrays or scalars, in order):
+    12 hex digits of the sha1 of their bytes."""
+    h = hashlib.sha1()
+    for component in components:
+        h.update(_example_bytes(np.asarray(component)))
+    return h.hexdigest()[:12]
+
+
+def spec_of(array: np.ndarray) -> Spec:
+    """What the fingerprint sees of a component of one example: its dtype and its shape."""
+    array = np.asarray(array)
+    return _dtype_name(array), tuple(int(d) for d in array.shape)
 
 
 def outcome(values: Sequence[Any]) -> str:
@@ -61,10 +90,10 @@ def _batch_arrays(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Tupl
 def fingerprints(
     feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int
 ) -> Dict[int, str]:
-    """`quarantine.fingerprint` of each of `rows` across the batch arrays of `feeds` (in the
+    """`fingerprint` of each of `rows` across the batch arrays of `feeds` (in the
     iterator's order), so that the same example is named the same in another batch."""
     batch = [a for _, a in _batch_arrays(feeds, batch_size)]
-    return {int(i): quarantine.fingerprint([a[i] for a in batch]) for i in rows}
+    return {int(i): fingerprint([a[i] for a in batch]) for i in rows}
 
 
 def components(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Dict[str, Any]]:
@@ -72,7 +101,7 @@ def components(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Dict[st
     ``shape``, in order."""
     found = []
     for name, a in _batch_arrays(feeds, batch_size):
-        dtype, shape = quarantine.spec_of(a[0])
+        dtype, shape = spec_of(a[0])
         found.append({"tensor": name, "dtype": dtype, "shape": list(shape)})
     return found
 

@@ -24,7 +24,6 @@ to clear it: `clear`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -33,43 +32,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from slim_nanguard import _appending
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
+from slim_nanguard import _recorders
+from slim_nanguard._triage import Spec
+from slim_nanguard._triage import fingerprint
+from slim_nanguard._triage import spec_of
 
 FILENAME = "nanguard_quarantine.jsonl"
 
-# A component as the fingerprint sees it: (dtype name, the shape of one example).
-Spec = Tuple[str, Tuple[int, ...]]
-
 __all__ = ["read", "keep", "filter_dataset", "clear", "fingerprint", "path"]
-
-
-def _dtype_name(array: np.ndarray) -> str:
-    return "string" if array.dtype.kind in "OSU" else array.dtype.name
-
-
-def _example_bytes(array: np.ndarray) -> bytes:
-    """One example's bytes: a numeric array's as laid out in C order; strings length-prefixed."""
-    if array.dtype.kind not in "OSU":
-        return np.ascontiguousarray(array).tobytes()
-    items = [x if isinstance(x, bytes) else str(x).encode() for x in array.ravel().tolist()]
-    return b"".join(len(x).to_bytes(8, "little") + x for x in items)
-
-
-def fingerprint(components: Sequence[Any]) -> str:
-    """The fingerprint of one example given as its `components` (arrays or scalars, in order):
-    12 hex digits of the sha1 of their bytes."""
-    h = hashlib.sha1()
-    for component in components:
-        h.update(_example_bytes(np.asarray(component)))
-    return h.hexdigest()[:12]
-
-
-def spec_of(array: np.ndarray) -> Spec:
-    """What the fingerprint sees of a component of one example: its dtype and its shape."""
-    array = np.asarray(array)
-    return _dtype_name(array), tuple(int(d) for d in array.shape)
 
 
 def path(directory: str, task: Optional[int] = None) -> str:
@@ -231,7 +203,7 @@ def add(directory: str, task: Optional[int], step: int, triage: Mapping[str, Any
         lines.append(json.dumps(record, sort_keys=True, default=str))
         added.append(print_)
     if lines:
-        _appending.append_lines(path(directory, task), *lines)
+        _recorders.append_lines(path(directory, task), *lines)
         for line in lines:
             live.note(json.loads(line))
     return added
