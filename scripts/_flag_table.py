@@ -380,17 +380,18 @@ FLAGS = {
         },
         "spike_policy": {
             "type": "enum",
-            "help": "<none|raise|stop|skip|rollback>: What a "
-            "spike does: a step whose values are all "
-            "finite but whose loss or global gradient "
-            "norm is more than --spike_sigma "
+            "help": "<none|raise|stop|skip|rollback|auto>: "
+            "What a spike does: a step whose values "
+            "are all finite but whose loss or global "
+            "gradient norm is more than --spike_sigma "
             "deviations above those of the accepted "
             "steps (it then changes nothing, and "
             "counts as a bad step in a row): raise, "
-            "stop, skip or rollback, as --nan_policy; "
-            "none (the default): no spike test.",
+            "stop, skip, rollback or auto, as "
+            "--nan_policy; none (the default): no "
+            "spike test.",
             "default": "none",
-            "choices": ["none", "raise", "stop", "skip", "rollback"],
+            "choices": ["none", "raise", "stop", "skip", "rollback", "auto"],
         },
         "spike_sigma": {
             "type": "float",

@@ -326,8 +326,8 @@ flags.DEFINE_enum(
     [nanguard_app.NO_SPIKE_TEST, *nanguard_app.SPIKE_POLICIES],
     "What a spike does: a step whose values are all finite but whose loss or global gradient "
     "norm is more than --spike_sigma deviations above those of the accepted steps (it then "
-    "changes nothing, and counts as a bad step in a row): raise, stop, skip or rollback, as "
-    "--nan_policy; none (the default): no spike test.",
+    "changes nothing, and counts as a bad step in a row): raise, stop, skip, rollback or auto, "
+    "as --nan_policy; none (the default): no spike test.",
 )
 flags.DEFINE_float(
     "spike_sigma",

@@ -6,7 +6,7 @@ in every loop; the guard's reads of a session and the one place it acts on one (
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -22,6 +22,7 @@ from slim_nanguard import _policy
 from slim_nanguard import _reasons
 from slim_nanguard import _recorders
 from slim_nanguard import _rollback
+from slim_nanguard import _triage
 from slim_nanguard import quarantine
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
@@ -190,9 +191,10 @@ def _read(guard: "Guard", session, policy: Optional[str]):
     cause = _reasons.NON_FINITE if reason is None else reason.name
     autopsy = None
     kept = not overflow and guard.capture is not None and guard.capture.tensors
-    if kept and _policy.wants_autopsy(guard.config, guard.state, policy):
-        autopsy = autopsy_step(guard, session, int(step), cause, (figures or {}).get("over", ()))
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
+    if kept and _policy.wants_autopsy(guard.config, guard.state, chosen):
+        over = (figures or {}).get("over", ())
+        autopsy = autopsy_step(guard, session, int(step), cause, over, figures)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
     fields = (figures, reason, sums[0], *culprits(guard, kinds), scale, overflow)
     verdict = (autopsy.triage or {}).get("verdict") if autopsy is not None else None
@@ -230,10 +232,11 @@ def autopsy_step(
     step: int,
     cause: str = _reasons.NON_FINITE,
     over: Sequence[str] = (),
+    figures: Optional[Mapping[str, Any]] = None,
 ):
     """The `Autopsy` (never failing: its ``error`` says why) of the bad step just seen, before
     any rollback, or None (no batch kept). `cause` rejected the step (ValueError if no such
-    reason), on the values `over`."""
+    reason), on the values `over`; a spike's `figures` give its triage's threshold."""
     causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in guard.reasons)]
     if cause not in causes:
         raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
@@ -248,6 +251,7 @@ def autopsy_step(
         timeout_secs=guard.config.autopsy_timeout_secs,
         cause=cause,
         spike_over=over,
+        spike_threshold=_triage.spike_threshold(figures) if cause == Fault.SPIKE else None,
     )
     if result.dump:
         _remove_old_dumps(guard)

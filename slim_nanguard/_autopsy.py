@@ -111,9 +111,8 @@ class Autopsy:
 
     def describe(self) -> str:
         """One sentence for a log line or an error message."""
-        if self.cause != NON_FINITE:
-            return explain_spike(self)
-        return "; ".join(filter(None, [explain(self), _triage.sentence(self.triage)]))
+        told = explain_spike(self) if self.cause != NON_FINITE else explain(self)
+        return "; ".join(filter(None, [told, _triage.sentence(self.triage)]))
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -293,11 +292,13 @@ def replay(
     step: int = -1,
     batch_size: Optional[int] = None,
     cause: str = NON_FINITE,
+    spike_threshold: Optional[float] = None,
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
     the step's weights: the first non-finite op behind `targets` (the loss and the gradients),
-    or a spike's examples (of the total loss), within `timeout_secs` of `clock`, about
-    `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
+    or a spike's examples (of the total loss, triaged against `spike_threshold` when given),
+    within `timeout_secs` of `clock`, about `max_chunk_bytes` a run (else ``error``). Raises
+    only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
@@ -313,7 +314,7 @@ def replay(
     try:  # Before any run: a run that reaches an unkept input op would take a new batch.
         ops = _ops_to_check(targets, feeds)
         if cause != NON_FINITE:  # A reason's: finite, so the examples that carried it.
-            found = _replay_spike(session, feeds, targets[0], budget, batch_size)
+            found = _replay_spike(session, feeds, targets[0], budget, batch_size, spike_threshold)
         elif (same := outcome(feeds)) == "finite":
             found = {"reproduced": False}
         else:
@@ -791,8 +792,11 @@ def _hedge(over: Sequence[str]) -> str:
     return f"{words} spike (only the {words.replace('-', ' ')} {verb} over spike_sigma)"
 
 
-def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int) -> Dict[str, Any]:
-    """The spike part of `replay`: the `Autopsy` fields of the examples that carried it."""
+def _replay_spike(
+    session, feeds, loss, budget: _Budget, batch_size: int, threshold: Optional[float] = None
+) -> Dict[str, Any]:
+    """The spike part of `replay`: the `Autopsy` fields of the examples that carried it, and
+    with `threshold` its ``triage`` (`_triage.spike_triage`)."""
     found = find_per_example_loss(loss)
     if found is None:
         return {}
@@ -806,11 +810,16 @@ def _replay_spike(session, feeds, loss, budget: _Budget, batch_size: int) -> Dic
     )
     if per_example is None:
         return {}
-    return {
-        "top_examples": tuple(rank_examples(per_example)),
+    top, median = tuple(rank_examples(per_example)), median_loss(per_example)
+    result = {
+        "top_examples": top,
         "per_example_loss": " + ".join(term.tensor.name for term in found.terms),
-        "median_loss": median_loss(per_example),
+        "median_loss": median,
     }
+    if threshold is not None:
+        standing = [i for i, _ in top[: standing_out(top, median)]]
+        result["triage"] = _triage.spike_triage(per_example, standing, threshold, feeds, batch_size)
+    return result
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ SKIP = Action.SKIP
 ROLLBACK = Action.ROLLBACK
 AUTO = Action.AUTO
 POLICIES = tuple(Action)
-# What a reason (the spike test, a `Reason`) may apply: not auto, whose triage judges NaN/Inf.
+# What a reason of yours (a `Reason`) may apply: not auto, whose triage knows NaN, Inf and
+# spikes only. The spike test takes every policy (`POLICIES`).
 REASON_POLICIES = tuple(a for a in Action if a is not AUTO)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip and auto.
 PERSISTENT_POLICIES = tuple(a for a in REASON_POLICIES if a is not SKIP)
@@ -83,8 +84,8 @@ _CHECKS = (
     ("losses_before", *_integer(0)),
     (
         "spike_policy",
-        lambda p: p is None or p in REASON_POLICIES,
-        f"one of {', '.join(REASON_POLICIES)} or None (no spike test)",
+        lambda p: p is None or p in POLICIES,
+        f"one of {', '.join(POLICIES)} or None (no spike test)",
     ),
     ("spike_sigma", *_number(lambda s: s > 0, "a number of deviations > 0 (6 is usual)")),
     ("spike_warmup_steps", *_integer(2)),
@@ -119,6 +120,7 @@ class GuardConfig:
         than ``spike_sigma`` deviations above the last `SPIKE_WINDOW` accepted steps', after
         ``spike_warmup_steps``), or None: no spike test. Under ``skip``, a run of
         ``spike_level_shift_steps`` spikes that hold together is a new level (0: never).
+        Under ``auto``, the spike's triage chooses, as for ``nan_policy``.
       reasons: More `Reason`s to reject a step, judged after the spike test.
 
     Raises:
@@ -147,11 +149,12 @@ class GuardConfig:
         for name, accepts, what in _CHECKS:
             if not accepts(getattr(self, name)):
                 raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
-        if self.nan_policy == AUTO and self.autopsy_max_steps == 0:
-            raise ValueError(
-                "nan_policy='auto' decides from each bad step's autopsy, and "
-                "autopsy_max_steps=0 turns them off: pass autopsy_max_steps >= 1 or another policy."
-            )
+        for name in ("nan_policy", "spike_policy"):
+            if getattr(self, name) == AUTO and self.autopsy_max_steps == 0:
+                raise ValueError(
+                    f"{name}='auto' decides from each bad step's autopsy, and autopsy_max_steps=0"
+                    " turns them off: pass autopsy_max_steps >= 1 or another policy."
+                )
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, REASON_POLICIES)
         if self.on_nan is not None and not callable(self.on_nan):

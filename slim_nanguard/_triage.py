@@ -2,6 +2,7 @@
 and its evidence, decided by pure functions from the replays' outcomes."""
 
 import hashlib
+import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -170,11 +171,79 @@ def evidence(
     }
 
 
+def spike_threshold(figures: Optional[Mapping[str, Any]]) -> Optional[float]:
+    """The highest data loss the spike test that rejected a step with `figures` lets through:
+    its z-score rule solved for the loss (the deviation it used is ``(log(loss) - log_mean) /
+    z``); None when the spike was not caught on the loss."""
+    if not figures:
+        return None
+    loss, mean = figures.get("loss"), figures.get("log_mean_loss")
+    z, sigma = figures.get("z_loss"), figures.get("sigma")
+    if None in (loss, mean, z, sigma) or not (loss > 0 and z > sigma):
+        return None
+    return math.exp(mean + sigma * (math.log(loss) - mean) / z)
+
+
+def spike_triage(
+    per_example: np.ndarray,
+    standing: Sequence[int],
+    threshold: float,
+    feeds: Mapping[Any, np.ndarray],
+    batch_size: int,
+) -> Dict[str, Any]:
+    """The triage of a spike from the replay's `per_example` losses (their mean is the data
+    loss the spike test judged) and the rows `standing` out: ``chance`` when the replay's loss
+    is within `threshold` (`spike_threshold`), ``data`` when the batch without those rows is,
+    ``state`` when it is not or no row stands out. The loss without the rows is the mean of
+    the others' (no extra run)."""
+    a = np.asarray(per_example, dtype=np.float64)
+    loss, rows = float(np.mean(a)), [int(i) for i in standing]
+    runs: List[Dict[str, Any]] = [{"fed": "same batch", "loss": loss, "threshold": threshold}]
+    if loss <= threshold:
+        verdict_ = CHANCE
+    elif rows and len(rows) < batch_size:
+        without = float(np.mean(np.delete(a, rows)))
+        runs.append({"fed": "without rows", "rows": rows, "loss": without})
+        verdict_ = DATA if without <= threshold else STATE
+    else:
+        verdict_ = STATE
+    found = {"verdict": verdict_, "runs": runs, "examples": rows if verdict_ != CHANCE else []}
+    if found["examples"]:
+        found["fingerprints"] = {
+            str(i): p for i, p in fingerprints(feeds, rows, batch_size).items()
+        }
+        found.update(components=components(feeds, batch_size), ids=ids(feeds, rows, batch_size))
+    return found
+
+
+def _spike_sentence(triage: Mapping[str, Any]) -> str:
+    """`sentence` of a spike's triage, its losses against the spike test's threshold."""
+    v, runs = triage["verdict"], triage["runs"]
+    same, threshold = runs[0]["loss"], runs[0]["threshold"]
+    limit = f"the spike threshold {threshold:.4g}"
+    if v == CHANCE:
+        return f"triage: chance — the replay's loss {same:.4g} is within {limit}"
+    if len(runs) == 1:  # No example stands out: the batch as a whole.
+        return f"triage: state — the replay's loss {same:.4g} is over {limit}; no example stood out"
+    rows = ", ".join(str(i) for i in triage["examples"])
+    noun = "example" if len(triage["examples"]) == 1 else "examples"
+    without = runs[-1]["loss"]
+    if v == DATA:
+        prints = ", ".join(triage["fingerprints"][str(i)] for i in triage["examples"])
+        return (
+            f"triage: data — without {noun} {rows} the batch's loss is {without:.4g}, within "
+            f"{limit} (fingerprints {prints})"
+        )
+    return f"triage: state — without {noun} {rows} the batch's loss is {without:.4g}, over {limit}"
+
+
 def sentence(triage: Optional[Mapping[str, Any]]) -> str:
     """One sentence for a log line: the verdict and the numbers behind it ("" for none)."""
     if not triage or not triage.get("verdict"):
         return ""
     v, runs = triage["verdict"], triage.get("runs") or []
+    if runs and "threshold" in runs[0]:
+        return _spike_sentence(triage)
     if v == CHANCE:
         return "triage: chance — the replay of the same batch on the same weights is finite"
     rows = ", ".join(str(i) for i in triage.get("examples") or ())

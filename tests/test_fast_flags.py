@@ -139,7 +139,7 @@ def test_the_help_names_no_choice_the_run_refuses_and_carries_no_markup():
     proc = _run_without_tensorflow("train", "--help")
     assert "--persistent_nan_policy: <raise|stop|rollback>:" in proc.stdout, proc.stdout
     assert "--nan_policy: <raise|stop|skip|rollback|auto>:" in proc.stdout
-    assert "--spike_policy: <none|raise|stop|skip|rollback>:" in proc.stdout
+    assert "--spike_policy: <none|raise|stop|skip|rollback|auto>:" in proc.stdout
     assert "slim-nanguard-train --flagfile=configs/default.cfg" in proc.stdout
     assert "``" not in proc.stdout and "::\n" not in proc.stdout
 

@@ -226,6 +226,15 @@ def test_an_example_fault_follows_its_example_through_every_epochs_shuffle():
         assert ((top > 100) == (examples == 7)).all()  # images are in [0, 1]; x1000 is over
 
 
+def test_spike_example_gives_its_example_the_next_class_and_no_other():
+    with tf.Graph().as_default():
+        examples = tf.constant([3, 7, 9, 7], tf.int64)
+        injector = faults.FaultInjector(["spike_example:7"], tf.constant(0, tf.int64), examples)
+        labels = injector.corrupt_labels(tf.constant([1, 2, 9, 9], tf.int64), 10)
+        with tf.compat.v1.Session() as session:
+            assert session.run(labels).tolist() == [1, 3, 9, 0]
+
+
 def test_lr_jump_scales_the_learning_rate_of_the_chosen_batch_only():
     with tf.Graph().as_default():
         index = tf.compat.v1.placeholder(tf.int64, [])
@@ -649,3 +658,26 @@ def test_under_auto_a_transient_costs_one_extra_run_not_its_batch(tmp_path, mode
     assert weights, sorted(theirs)
     for name in weights:
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@lib.each_mode
+def test_spike_auto_quarantines_a_mislabelled_example_and_meets_it_once(tmp_path, mode):
+    """spike_example:7 (image x1000, label the next class) under --spike_policy=auto: the first
+    batch holding it is a spike whose triage blames example 7 (the batch without it is under
+    the spike threshold); it is skipped and quarantined, so 3 epochs hold one spike, not 3."""
+    config = _config(
+        tmp_path / "run",
+        check_numerics=lib.MODES[mode],
+        spike_policy="auto",
+        inject_faults="spike_example:7",
+        max_number_of_steps=190,
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.bad_steps, result.spikes) == (190, 1, 1)
+    (bad,) = _bad_steps(result)
+    triage = bad["autopsy"]["triage"]
+    assert (bad["cause"], triage["verdict"], bad["action"]) == ("spike", "data", "skip")
+    without, threshold = triage["runs"][-1]["loss"], triage["runs"][0]["threshold"]
+    assert without <= threshold < triage["runs"][0]["loss"]
+    (held,) = slim_nanguard.quarantine.read(str(tmp_path / "run"))
+    assert held["ids"]["IteratorGetNext:3"] == 7

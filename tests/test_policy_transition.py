@@ -255,13 +255,15 @@ def test_auto_autopsies_every_bad_step_unless_autopsies_are_off():
     assert _policy.wants_autopsy(GuardConfig(nan_policy="skip", autopsy_max_steps=3), state, "auto")
 
 
-def test_auto_is_a_nan_policy_only_and_needs_the_checkpoint_directory():
+def test_auto_is_for_nan_and_spikes_and_needs_the_checkpoint_directory():
     assert _policy.rolls_back(GuardConfig(nan_policy="auto"))
     message = _policy.checkpoint_dir_message(GuardConfig(nan_policy="auto"), "pass logdir")
     assert message.startswith("nan_policy='auto' rolls back")
-    for field in ("spike_policy", "persistent_nan_policy"):
-        with pytest.raises(ValueError, match=field):
-            GuardConfig(**{field: "auto"})
+    assert GuardConfig(spike_policy="auto").spike_policy == "auto"
+    with pytest.raises(ValueError, match="persistent_nan_policy"):
+        GuardConfig(persistent_nan_policy="auto")
+    with pytest.raises(ValueError, match="spike_policy='auto' decides from each bad step's"):
+        GuardConfig(spike_policy="auto", autopsy_max_steps=0)
 
 
 def test_a_transient_that_keeps_coming_back_escalates_though_each_retry_trains():

@@ -1,6 +1,7 @@
 """Issue 35, first slice: the triage verdict's pure parts (no graph)."""
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -184,3 +185,40 @@ def test_the_worst_outcome_of_the_chunks_is_the_runs():
     assert _triage.worst(["finite", "Inf", "NaN", "finite"]) == "NaN"
     assert _triage.worst(["finite", "Inf"]) == "Inf"
     assert _triage.worst(["finite"]) == "finite" == _triage.worst([])
+
+
+def test_the_spike_threshold_is_the_z_rule_solved_for_the_loss():
+    """z = (log(loss) - log_mean) / deviation: a loss at the threshold has z = sigma."""
+    figures = {"loss": 50.0, "log_mean_loss": math.log(0.2), "z_loss": 11.0, "sigma": 6.0}
+    deviation = (math.log(50.0) - math.log(0.2)) / 11.0
+    threshold = _triage.spike_threshold(figures)
+    assert (math.log(threshold) - math.log(0.2)) / deviation == pytest.approx(6.0)
+    assert _triage.spike_threshold({**figures, "z_loss": 4.0}) is None  # Caught on the norm.
+    assert _triage.spike_threshold(None) is None
+
+
+def test_a_spikes_verdict_from_its_per_example_losses():
+    feeds = {"x": np.arange(8.0).reshape(4, 2)}
+    losses = np.array([0.1, 40.0, 0.2, 0.3])  # Mean 10.15; without example 1: 0.2.
+    data = _triage.spike_triage(losses, [1], 2.0, feeds, 4)
+    assert (data["verdict"], data["examples"]) == ("data", [1])
+    assert data["runs"][-1] == {"fed": "without rows", "rows": [1], "loss": pytest.approx(0.2)}
+    prints = _triage.fingerprints(feeds, [1], 4)
+    assert _triage.sentence(data) == (
+        f"triage: data — without example 1 the batch's loss is 0.2, within the spike threshold "
+        f"2 (fingerprints {prints[1]})"
+    )
+    state = _triage.spike_triage(np.array([9.0, 40.0, 8.0, 7.0]), [1], 2.0, feeds, 4)
+    assert state["verdict"] == "state"
+    assert _triage.sentence(state) == (
+        "triage: state — without example 1 the batch's loss is 8, over the spike threshold 2"
+    )
+    whole = _triage.spike_triage(np.array([9.0, 8.0, 8.0, 7.0]), [], 2.0, feeds, 4)
+    assert _triage.sentence(whole) == (
+        "triage: state — the replay's loss 8 is over the spike threshold 2; no example stood out"
+    )
+    chance = _triage.spike_triage(np.array([0.1, 0.2, 0.1, 0.2]), [], 2.0, feeds, 4)
+    assert (chance["verdict"], chance["examples"]) == ("chance", [])
+    assert _triage.sentence(chance) == (
+        "triage: chance — the replay's loss 0.15 is within the spike threshold 2"
+    )

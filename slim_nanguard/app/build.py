@@ -189,6 +189,7 @@ def build_training(
                 ).get_next()
                 injector = faults_lib.FaultInjector(config.inject_faults, batch_index, *examples)
                 images = injector.corrupt_images(images)
+                labels = injector.corrupt_labels(labels, info.num_classes)
             else:
                 images, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
 

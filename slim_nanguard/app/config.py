@@ -85,7 +85,7 @@ def _accepted(field: str, value) -> bool:
 PERSISTENT_POLICIES = tuple(
     a.value for a in slim_nanguard.Action if _accepted("persistent_nan_policy", a.value)
 )
-# The policies of --spike_policy (not auto, whose triage judges NaN and Inf).
+# The policies of --spike_policy.
 SPIKE_POLICIES = tuple(a.value for a in slim_nanguard.Action if _accepted("spike_policy", a.value))
 
 

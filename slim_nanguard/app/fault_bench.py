@@ -8,7 +8,8 @@ none and is the reference. Each column trains it under one ``nan_policy`` in one
 (check_numerics mode; ``(hook)``: hook mode). A cell gives the test accuracy at the end, the
 bad steps, and how many of the triage's verdicts (in the bad steps' autopsies: the first
 `GuardConfig.autopsy_max_steps` bad steps) name the cause the fault stands for: ``chance`` for
-a transient, ``data`` for a bad example, ``state`` for a learning-rate jump. A run whose
+a transient, ``data`` for a bad example (NaN, or a mislabelled x1000 one, a spike: its column's
+policy is then ``spike_policy``), ``state`` for a learning-rate jump. A run whose
 policy gave up is evaluated at the checkpoint it left.
 
 `score` and `format_fault_bench` are pure; `run_fault_bench` trains.
@@ -30,6 +31,7 @@ FAULTS: Dict[str, Optional[str]] = {
     "": None,
     "transient_nan:300": "chance",
     "nan_example:7": "data",
+    "spike_example:7": "data",
     "lr_jump:300": "state",
 }
 POLICIES = ("skip", "rollback")
@@ -92,6 +94,8 @@ def run_one(
     config = config_lib.TrainConfig.from_flags(
         train_dir=os.path.join(workdir, name),
         nan_policy=policy,
+        # A spike fault is judged by the spike test, under the column's policy.
+        spike_policy=policy if fault.startswith("spike_") else None,
         inject_faults=fault,
         check_numerics=mode == "check_numerics",
         **run,

@@ -14,7 +14,9 @@ A fault is a kind and a batch index, written ``KIND:STEP`` (the launcher's
                         of the same batch on the same weights is finite (a flaky device)
     nan_example:7       one NaN pixel in example 7 of the split, in every epoch (a bad
                         example among good ones: the batch without it is finite)
-    spike_example:7     example 7's image times 1,000, in every epoch
+    spike_example:7     example 7's image times 1,000 and its label the next class, in
+                        every epoch (a corrupt record: its loss is a spike, not NaN; scaled
+                        alone, a well-classified example only grows more confident)
     lr_jump:40          the learning rate of batch 40's update times 10**12: the step
                         itself is accepted, the weights it leaves are broken (a fault of the
                         model's state: later batches go bad on them)
@@ -205,6 +207,16 @@ class FaultInjector:
                     nan = tf.constant(float("nan"), rows.dtype)
                     rows = tf.where(tf.logical_and(hit, first[tf.newaxis]), nan, rows)
             return tf.reshape(rows, tf.shape(images))
+
+    def corrupt_labels(self, labels: tf.Tensor, num_classes: int) -> tf.Tensor:
+        """`labels` with the ``spike_example`` examples' label the next class (mod
+        `num_classes`)."""
+        if not self._has([SPIKE_EXAMPLE]):
+            return labels
+        with tf.name_scope("inject_fault/labels"):
+            hits = [_hits(f, self.example_index) for f in self.faults if f.kind == SPIKE_EXAMPLE]
+            hit = tf.reshape(functools.reduce(tf.logical_or, hits), [-1])
+            return tf.where(hit, (labels + 1) % num_classes, labels)
 
     def corrupt_learning_rate(self, learning_rate: tf.Tensor) -> tf.Tensor:
         """`learning_rate` times `LR_JUMP_SCALE` for a hit batch's update (``lr_jump``)."""

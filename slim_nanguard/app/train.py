@@ -78,7 +78,8 @@ def run_training(config: config_lib.TrainConfig, cluster=None) -> slim_nanguard.
             existing,
         )
     # Under auto the guard may quarantine examples; a quarantine from before stays in force.
-    quarantine = config.guard.nan_policy == "auto" or bool(slim_nanguard.quarantine.read(train_dir))
+    auto = "auto" in (config.guard.nan_policy, config.guard.spike_policy)
+    quarantine = auto or bool(slim_nanguard.quarantine.read(train_dir))
     built = build.build_training(
         config, resume=existing is not None, cluster=cluster, quarantine=quarantine
     )
