@@ -131,15 +131,16 @@ def verdict(
     """The verdict from the replay of the same batch (`reproduced`; None when it failed) and
     the run without `bad_examples` (`without_outcome`, None when not run, else its `outcome` or
     why it failed): ``chance`` when the replay is finite, ``data`` when the batch without those
-    rows is, or when the batch itself holds the first non-finite value (`in_batch`) in every
-    row; ``state`` when it is not or no row stands out (none, or all of `batch_size`); None
-    when the replay or that run failed."""
+    rows is, or when the batch itself holds the first non-finite value (`in_batch`) and no
+    row stands out (every row holds it, or a part of the batch that is no row's does);
+    ``state`` when it is not or no row stands out (none, or all of `batch_size`); None when
+    the replay or that run failed."""
     if reproduced is None:
         return None
     if not reproduced:
         return CHANCE
-    if in_batch and bad_examples and len(bad_examples) >= batch_size:
-        return DATA  # Every example of the batch itself holds NaN or Inf: no weights needed.
+    if in_batch and (not bad_examples or len(bad_examples) >= batch_size):
+        return DATA  # The batch itself holds NaN or Inf, in every row or in no row's part.
     if not bad_examples or len(bad_examples) >= batch_size:
         return STATE
     if without_outcome not in ("finite", "NaN", "Inf"):
@@ -252,6 +253,8 @@ def sentence(triage: Optional[Mapping[str, Any]]) -> str:
         rows += f" (filled with copies of example {runs[-1]['filled_with_row']})"
     if v == DATA:
         prints = [(triage.get("fingerprints") or {}).get(str(i), "?") for i in triage["examples"]]
+        if len(runs) == 1 and not prints:  # In a part of the batch that is no row's.
+            return "triage: data — the batch itself holds NaN or Inf, in no one example's row"
         if len(runs) == 1:  # Every example of the batch itself holds NaN or Inf.
             more = f" and {len(prints) - 3} more" if len(prints) > 3 else ""
             return (

@@ -500,14 +500,21 @@ def _auto_records(events):
 @lib.each_mode
 def test_auto_in_the_seed_flow_acts_on_each_verdict(tmp_path, mode, fault):
     """MonitoredTrainingSession with the hook (hook mode) or handle_numerics_error
-    (check_numerics mode): each bad step is triaged and the action is the verdict's."""
+    (check_numerics mode): each bad step is triaged (the batch holds the NaN: data) and the
+    action is the verdict's."""
     model = lib.build_model(
         check_numerics=lib.MODES[mode], nan_policy="auto", faults={BAD_BATCH: fault}
     )
     run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
     told = _auto_records(run.events)
-    assert len(told) == 1 and told[0][0] in ("chance", "data", "state"), told
-    assert told[0][1] == _policy.AUTO_ACTIONS[told[0][0]]
+    # Both faults are in the batch itself (a NaN offset of the batch's loss, a NaN input).
+    assert told == [("data", "skip")], told
+    if fault == "nan_loss":  # The offset is the batch's, no example's: nothing to quarantine.
+        told = run.events[0].autopsy.describe()
+        assert told.endswith(
+            "triage: data — the batch itself holds NaN or Inf, in no one example's row"
+        )
+        assert slim_nanguard.quarantine.read(str(tmp_path)) == []
     # A skipped bad step changed nothing (a rollback rightly writes).
     assert run.error is None and run.bad_step_changes == ([[]] if told[0][1] == "skip" else [])
     lib.assert_all_finite(run.final)
@@ -563,3 +570,39 @@ def test_auto_runs_a_transient_again_and_the_batch_trains_in_every_loop(tmp_path
     assert [(r["step"], r["trained"]) for r in retries] == [(0, True)]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
     assert not np.array_equal(theirs, np.ones_like(theirs))  # It trained.
+
+
+def _first_bad_step(logdir):
+    return next(r for r in slim_nanguard.read_events(str(logdir)) if r["kind"] == "bad_step")
+
+
+@pytest.mark.parametrize("loop", ["seed_flow", "learning_train"])
+@pytest.mark.parametrize("cause", ["data", "state"])
+@lib.each_mode
+def test_auto_names_the_cause_and_acts_on_it_in_every_loop(tmp_path, mode, cause, loop):
+    """One example's NaN is data (skipped, quarantined); weights of 1e30 that overflow every
+    example are state (rolled back, until max_rollbacks gives up): in the seed flow and in
+    tf_slim.learning.train with make_train_step, both modes."""
+    if cause == "data":
+        model = ta._Model(mode, fault="nan_input", nan_policy="auto")
+    else:
+        model = ta._Model(mode, extra_loss=_weights_of_1e30, nan_policy="auto")
+    if loop == "seed_flow":
+        run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
+        assert (run.error is None) == (cause == "data")
+    elif cause == "data":
+        _learning_train_from_step_0(model, tmp_path)
+    else:
+        with pytest.raises(slim_nanguard.NanLossError, match="max_rollbacks"):
+            _learning_train_from_step_0(model, tmp_path)
+    bad = _first_bad_step(tmp_path)
+    told = (bad["autopsy"]["triage"]["verdict"], bad["action"])
+    assert told == ((cause, "skip") if cause == "data" else (cause, "rollback")), told
+    held = slim_nanguard.quarantine.read(str(tmp_path))
+    assert len(held) == (1 if cause == "data" else 0)
+
+
+def _weights_of_1e30(x):
+    """A term whose weights (finite) overflow every example's square: a broken state."""
+    v = tf.compat.v1.get_variable("v", [ta.FEATURES], initializer=tf.constant_initializer(1e30))
+    return tf.reduce_mean(tf.reduce_sum(tf.square(x * v), axis=1))
