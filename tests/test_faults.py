@@ -621,7 +621,7 @@ def test_under_auto_a_bad_example_costs_one_batch_in_three_epochs_and_none_after
 
 
 @lib.each_mode
-def test_under_auto_a_transient_costs_one_extra_run_not_its_batch(tmp_path, mode):
+def test_under_auto_a_transient_costs_one_extra_run_not_its_batch(tmp_path, mode, caplog):
     """transient_nan:10: batch 10's loss is NaN once. auto's triage finds the replay finite
     (chance) and runs the step again on the kept batch, which trains: no batch is skipped, so
     70 steps take 70 batches, as in a run without the fault."""
@@ -639,6 +639,11 @@ def test_under_auto_a_transient_costs_one_extra_run_not_its_batch(tmp_path, mode
     (retry,) = [r for r in records if r["kind"] == "retry"]
     assert (retry["step"], retry["trained"]) == (10, True)
     assert "1 run again and trained, 0 skipped" in result.describe()
+    said = [r.getMessage() for r in caplog.records if "run again on its batch" in r.getMessage()]
+    assert said == [
+        "slim_nanguard: global step 10: run again on its batch (triage: chance), it trained; "
+        "global step now 11"
+    ]
     # Every batch trained once: the run ends with the weights of the same seeded run whose
     # fault never fires (batch 100,000; the same graph). A batch skipped, or one taken by the
     # retry, would leave other weights.

@@ -606,3 +606,30 @@ def _weights_of_1e30(x):
     """A term whose weights (finite) overflow every example's square: a broken state."""
     v = tf.compat.v1.get_variable("v", [ta.FEATURES], initializer=tf.constant_initializer(1e30))
     return tf.reduce_mean(tf.reduce_sum(tf.square(x * v), axis=1))
+
+
+def _nan_on_calls(*bad_calls):
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        return np.float32(np.nan if len(calls) in bad_calls else 0.0)
+
+    return lambda x: tf.compat.v1.py_func(flaky, [x], tf.float32, stateful=True)
+
+
+@lib.each_mode
+def test_a_retry_that_is_bad_again_is_skipped_and_says_so(tmp_path, mode, caplog):
+    """The loss is NaN on the step's run and on the retry, finite on the triage's replay
+    between them (call 2): the retry fails, the step is skipped and counted as a skip."""
+    model = ta._Model(mode, extra_loss=_nan_on_calls(1, 3), nan_policy="auto")
+    run = _seed_flow(model, mode=mode, checkpoint_dir=str(tmp_path))
+    assert run.error is None
+    assert (model.guard.state.retries, model.guard.state.skips) == (0, 1)
+    (retry,) = [r for r in slim_nanguard.read_events(str(tmp_path)) if r["kind"] == "retry"]
+    assert (retry["step"], retry["trained"]) == (0, False)
+    said = [r.getMessage() for r in caplog.records if "run again on its batch" in r.getMessage()]
+    assert said == [
+        "slim_nanguard: global step 0: run again on its batch (triage: chance), it was bad "
+        "again; skipped"
+    ]

@@ -67,7 +67,9 @@ def _ids_of_one_epoch(train_dir):
 
 
 @lib.each_mode
-def test_a_bad_example_is_met_once_in_eight_epochs_and_never_again_after_a_resume(tmp_path, mode):
+def test_a_bad_example_is_met_once_in_eight_epochs_and_never_again_after_a_resume(
+    tmp_path, mode, caplog
+):
     """Example 21 is NaN in every epoch. auto skips its first batch and quarantines it; the
     same run's pipeline leaves it out of the next seven epochs (one bad step, not eight), a
     resumed run (even under skip) reads the file back, and a new pipeline never yields it."""
@@ -84,6 +86,13 @@ def test_a_bad_example_is_met_once_in_eight_epochs_and_never_again_after_a_resum
     assert [c["dtype"] for c in held["components"]] == ["float32", "string"]
     assert held["ids"] == {"IteratorGetNext:1": f"ex-{BAD_ID}"}
     assert held["step"] == bad[0]["step"]
+    row = bad[0]["autopsy"]["triage"]["examples"][0]
+    said = [r.getMessage() for r in caplog.records if "quarantined example" in r.getMessage()]
+    assert said == [
+        f"slim_nanguard: global step {held['step']}: quarantined example {row} of the batch "
+        f"(fingerprint {held['fingerprint']}) in {train_dir}/nanguard_quarantine.jsonl; an input "
+        "filtered with slim_nanguard.quarantine.filter_dataset leaves them out from now on."
+    ]
     kinds = [r["kind"] for r in slim_nanguard.read_events(str(train_dir))]
     assert kinds.count("quarantine") == 1
 
