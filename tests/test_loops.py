@@ -510,8 +510,8 @@ def test_auto_in_the_seed_flow_acts_on_each_verdict(tmp_path, mode, fault):
     # Both faults are in the batch itself (a NaN offset of the batch's loss, a NaN input).
     assert told == [("data", "skip")], told
     if fault == "nan_loss":  # The offset is the batch's, no example's: nothing to quarantine.
-        told = run.events[0].autopsy.describe()
-        assert told.endswith(
+        sentence = run.events[0].autopsy.describe()
+        assert sentence.endswith(
             "triage: data — the batch itself holds NaN or Inf, in no one example's row"
         )
         assert slim_nanguard.quarantine.read(str(tmp_path)) == []
