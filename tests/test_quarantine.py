@@ -95,6 +95,10 @@ def test_a_bad_example_is_met_once_in_eight_epochs_and_never_again_after_a_resum
     ]
     kinds = [r["kind"] for r in slim_nanguard.read_events(str(train_dir))]
     assert kinds.count("quarantine") == 1
+    # slim-nanguard-autopsy's report states the verdict and its evidence.
+    report = slim_nanguard.autopsy.format_report(bad[0])
+    assert f"triage: data — the batch without example {row} " in report
+    assert f"is finite (fingerprints {held['fingerprint']})" in report
 
     quarantine._LIVE.clear()  # As a new process: what it knows comes from the file.
     resumed = _train(train_dir, mode, steps=48 + 6 * 4, nan_policy="skip")
