@@ -528,6 +528,8 @@ class _Loop:
             return StopReason.POLICY
         if outcome.action == Action.ROLLBACK or outcome.step is not None:  # (or a retry)
             self.step = outcome.step if outcome.step is not None else self._read_step(sess)
+            if outcome.action != Action.ROLLBACK and self._at_limit(self.step):
+                return StopReason.STEP_LIMIT  # A retry trained the last step: no hook saw it.
         if outcome.good:  # Not a bad step nor an overflow: global_step moved on.
             self.step += 1
             self.final_loss = float(np.asarray(loss))

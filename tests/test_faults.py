@@ -686,3 +686,19 @@ def test_spike_auto_quarantines_a_mislabelled_example_and_meets_it_once(tmp_path
     assert without <= threshold < triage["runs"][0]["loss"]
     (held,) = slim_nanguard.quarantine.read(str(tmp_path / "run"))
     assert held["ids"]["IteratorGetNext:3"] == 7
+
+
+@lib.each_mode
+def test_a_retry_that_trains_the_last_step_ends_the_run_there(tmp_path, mode):
+    """transient_nan:29 in a 30-step run: the retry trains global step 29 to 30 outside the
+    session's hooks, and the run stops at 30, not one step later."""
+    config = _config(
+        tmp_path / "run",
+        check_numerics=lib.MODES[mode],
+        nan_policy="auto",
+        inject_faults="transient_nan:29",
+        max_number_of_steps=30,
+    )
+    result = app.run_training(config)
+    assert (result.global_step, result.retries, result.stop_reason) == (30, 1, "step_limit")
+    assert slim_nanguard.storage.checkpoint_step(result.checkpoint) == 30
