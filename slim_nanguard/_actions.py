@@ -347,30 +347,38 @@ def _retry(
 ) -> Optional[int]:
     """Runs the train op again on the bad step's kept batch (no new batch; the triage found
     its replay finite): returns the global step after it if it trained, else None (bad again,
-    or it cannot run without a new batch), and the step is skipped. Says so and records it."""
-    capture, ok = guard.capture, False
-    feeds = dict(zip(capture.tensors, _capture.read_kept_batch(session, capture)))
-    why_not = _autopsy.takes_a_batch([guard.train_op], feeds)
-    if guard.mode is Mode.HOOK and guard.ok is None:
-        why_not = "its train op was built in a loop body, whose verdict a run cannot fetch"
-    if not why_not:
-        try:
-            if guard.mode is Mode.HOOK:
-                ok = bool(session.run([guard.train_op, guard.ok], feeds)[1])
-            else:
-                session.run(guard.train_op, feeds)
-                ok = True
-        except tf.errors.InvalidArgumentError as err:
-            if not _guard.owns_error(guard, err):
-                raise
-    step = read_global_step(guard, session) if ok else None
-    observe(guard, _policy.Retried(-1 if step is None else step, ok))
-    _notify(guard, "retry", event, trained=ok, **({"why_not": why_not} if why_not else {}))
+    it failed, or it cannot run without a new batch), and the step is skipped. Never raises
+    but KeyboardInterrupt; says so and records it."""
+    trained, step, why_not = False, None, ""
+    try:
+        capture = guard.capture
+        feeds = dict(zip(capture.tensors, _capture.read_kept_batch(session, capture)))
+        why_not = _autopsy.takes_a_batch([guard.train_op], feeds)
+        if guard.mode is Mode.HOOK and guard.ok is None:
+            why_not = "its train op was built in a loop body, whose verdict a run cannot fetch"
+        if not why_not:
+            # The verdict as the step gives it: `ok` where built (hook mode, and a loss-scale
+            # optimizer's overflow in check_numerics mode), else the check's error.
+            fetches = [guard.train_op] + ([guard.ok] if guard.ok is not None else [])
+            try:
+                values = session.run(fetches, feeds)
+                ok = bool(values[-1]) if guard.ok is not None else True
+            except tf.errors.InvalidArgumentError as err:
+                if not _guard.owns_error(guard, err):
+                    raise
+                ok = False
+            step = read_global_step(guard, session) if ok else None
+            trained = ok and (step is None or step > event.step)
+    except Exception as err:  # pylint: disable=broad-except  (the step is skipped instead)
+        why_not = f"the run again failed: {_errors.op_error_cause(err) or err}"
+    step = step if trained else None
+    observe(guard, _policy.Retried(-1 if step is None else step, trained))
+    _notify(guard, "retry", event, trained=trained, **({"why_not": why_not} if why_not else {}))
     logging.warning(
         "slim_nanguard: global step %d: %s",
         event.step,
         f"run again on its batch (triage: chance), it trained; global step now {step}"
-        if ok
+        if trained
         else f"not run again ({why_not}); skipped"
         if why_not
         else "run again on its batch (triage: chance), it was bad again; skipped",
@@ -509,46 +517,62 @@ def judge(
         request_stop=request_stop,
         error=error,
     )
-    if read.chosen is Action.AUTO and outcome.action is Action.SKIP and read.verdict == "data":
+    if decision.quarantine and outcome.action is Action.SKIP:
         _quarantine(guard, event, autopsy.triage)
     return _counted(guard, session, outcome)
 
 
 def _quarantine(guard: "Guard", event: _nan_event.NanEvent, triage: dict) -> None:
     """Under ``auto``, the examples a ``data`` verdict names go to the quarantine in the
-    guard's directory, and a record says so; an example back again is named with what to do."""
-    directory, rows = guard.autopsy_dir, triage.get("examples") or ()
+    guard's directory, and a record says so; an example back again is named with what to do.
+    Never raises but KeyboardInterrupt: training goes on without the quarantine."""
+    rows, prints = triage.get("examples") or (), triage.get("fingerprints") or {}
+    if not rows:
+        return  # The batch itself holds the NaN, in no example's row: nothing to name.
+    directory = guard.autopsy_dir
     if directory is None:
-        return  # A loop without a directory has no dumps, no autopsy, so no verdict.
-    what = f"example{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))} of the batch"
+        logging.warning(
+            "slim_nanguard: global step %d: example(s) %s of the batch are not quarantined: "
+            "the guard knows no directory (pass the loop's logdir or checkpoint_dir).",
+            event.step,
+            ", ".join(map(str, rows)),
+        )
+        return
     try:
         added = quarantine.add(directory, guard.registry.task, event.step, triage)
-    except (OSError, tf.errors.OpError) as err:
+    except Exception as err:  # pylint: disable=broad-except  (never into training)
         logging.warning(
-            "slim_nanguard: global step %d: could not quarantine %s in %s (%s); the input may "
-            "bring them again, and each time the step is skipped.",
+            "slim_nanguard: global step %d: could not quarantine example(s) %s in %s (%s); the "
+            "input may bring them again, and each time the step is skipped.",
             event.step,
-            what,
+            ", ".join(map(str, rows)),
             directory,
             err,
         )
         return
-    if added:
+    new = [i for i in rows if prints.get(str(i)) in added]
+    again = [i for i in rows if i not in new]
+    if new:
+        named = ", ".join(f"{i} (fingerprint {prints[str(i)]})" for i in new)
         logging.warning(
-            "slim_nanguard: global step %d: quarantined %s (fingerprint %s) in %s; an input "
-            "filtered with slim_nanguard.quarantine.filter_dataset leaves them out from now on.",
+            "slim_nanguard: global step %d: quarantined example%s %s of the batch in %s; an "
+            "input filtered with slim_nanguard.quarantine.filter_dataset leaves %s out from "
+            "now on.",
             event.step,
-            what,
-            ", ".join(added),
+            "s" if len(new) > 1 else "",
+            named,
             quarantine.path(directory, guard.registry.task),
+            "them" if len(new) > 1 else "it",
         )
         _notify(guard, "quarantine", event, fingerprints=added)
-    else:
+    if again:
         logging.warning(
-            "slim_nanguard: global step %d: %s came again though quarantined: this input is "
-            "not filtered; filter it with slim_nanguard.quarantine.filter_dataset(dataset, %r).",
+            "slim_nanguard: global step %d: example%s %s of the batch came again though "
+            "quarantined: this input is not filtered; filter it with "
+            "slim_nanguard.quarantine.filter_dataset(dataset, %r).",
             event.step,
-            what,
+            "s" if len(again) > 1 else "",
+            ", ".join(map(str, again)),
             directory,
         )
 

@@ -60,8 +60,9 @@ class TrainResult:
       loss_scale_overflows: Overflow steps of a dynamic loss-scale optimizer (not bad steps).
       rollback_requests: A non-chief worker's bad steps whose rollback it asked the chief for.
       spikes: The bad steps that were spikes (``spike_policy``).
-      retries: Under ``nan_policy="auto"``, the bad steps (triage: chance) run again on their
-        batch that then trained (not among `skips`, nor `steps`).
+      retries: Under ``nan_policy="auto"`` or ``spike_policy="auto"``, the bad steps
+        (triage: chance) run again on their batch that then trained (not among `skips`, nor
+        `steps`).
       rejected: The finite bad steps each reason rejected, by its name (``{"spike": 2}``).
       climb, resume_from: After a stop whose accepted steps climbed to the bad step (then
         `checkpoint` holds no good state): the global step the climb began at, and the newest

@@ -349,7 +349,8 @@ class Decision:
     level a spike completes; a rollback goes below global step ``before_step``, if set (a new
     level failed its probation). `consecutive` and `total` count the bad steps (this one
     included) in a row and in all. A skip with `retry` (``auto`` on ``chance``) first runs the
-    step again on its kept batch, and skips it only if it is bad again."""
+    step again on its kept batch, and skips it only if it is bad again; a skip with
+    `quarantine` (``auto`` on ``data``) quarantines the examples the triage named."""
 
     action: Action
     escalation: str = ""
@@ -361,6 +362,7 @@ class Decision:
     consecutive: int = 0
     total: int = 0
     retry: bool = False
+    quarantine: bool = False
 
 
 def wants_autopsy(config: GuardConfig, state: GuardState, policy: Optional[str] = None) -> bool:
@@ -465,6 +467,7 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         return Decision(Action(observation.chosen))
     action, escalation, reason = Action(observation.chosen), "", ""
     retry = action == AUTO and observation.verdict == "chance"
+    quarantine = action == AUTO and observation.verdict == "data"
     if action == AUTO:
         action = AUTO_ACTIONS.get(observation.verdict, SKIP)
     cause, limit = Cause.POLICY, None
@@ -483,7 +486,8 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         action = RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
     if action != RAISE:
-        return Decision(action, escalation, retry=retry and not escalation)
+        kept = action == SKIP and not escalation
+        return Decision(action, escalation, retry=retry and kept, quarantine=quarantine and kept)
     policy = "nan_policy" if observation.cause == NON_FINITE else f"{observation.cause}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
 

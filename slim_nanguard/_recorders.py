@@ -84,7 +84,7 @@ class Registry:
     def task(self) -> Optional[int]:
         """The task id its record names (a cluster's task), or None."""
         recorders = [x for x in self.listeners if isinstance(x, EventRecorder)] + [self._own]
-        return next((r.task for r in recorders if r is not None), None)
+        return next((r.task for r in recorders if r is not None and r.task is not None), None)
 
     def send(self, record: Dict[str, Any]) -> None:
         """Sends one record to every listener, and to the guard's own record unless a listener

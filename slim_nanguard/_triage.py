@@ -31,7 +31,11 @@ def fingerprint(components: Sequence[Any]) -> str:
     12 hex digits of the sha1 of their bytes."""
     h = hashlib.sha1()
     for component in components:
-        h.update(_example_bytes(np.asarray(component)))
+        # A bytes scalar as an object array: numpy's fixed-width bytes drop trailing NULs.
+        text = isinstance(component, (bytes, str))
+        h.update(
+            _example_bytes(np.array(component, dtype=object) if text else np.asarray(component))
+        )
     return h.hexdigest()[:12]
 
 
@@ -224,8 +228,9 @@ def _spike_sentence(triage: Mapping[str, Any]) -> str:
     limit = f"the spike threshold {threshold:.4g}"
     if v == CHANCE:
         return f"triage: chance — the replay's loss {same:.4g} is within {limit}"
-    if len(runs) == 1:  # No example stands out: the batch as a whole.
-        return f"triage: state — the replay's loss {same:.4g} is over {limit}; no example stood out"
+    if len(runs) == 1:  # No example stands out (or every one does): the batch as a whole.
+        which = "every example" if triage.get("examples") else "no example"
+        return f"triage: state — the replay's loss {same:.4g} is over {limit}; {which} stood out"
     rows = ", ".join(str(i) for i in triage["examples"])
     noun = "example" if len(triage["examples"]) == 1 else "examples"
     without = runs[-1]["loss"]

@@ -67,21 +67,36 @@ def read(directory: str) -> List[Dict[str, Any]]:
                 record = json.loads(line) if line.strip() else None
             except json.JSONDecodeError:
                 record = None
-            if line.strip() and not (isinstance(record, dict) and "fingerprint" in record):
+            if line.strip() and not _well_formed(record):
                 logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
             elif record is not None:
                 records.append(record)
     return sorted(records, key=lambda r: r.get("time", 0))
 
 
+def _well_formed(record: Any) -> bool:
+    """Whether `record` is a quarantine line the filter can use (a hand edit may break one)."""
+    try:
+        assert isinstance(record, dict) and isinstance(record["fingerprint"], str)
+        assert isinstance(record.get("time", 0), (int, float))
+        for component in record.get("components", ()):
+            assert isinstance(component["dtype"], str)
+            assert all(isinstance(d, int) for d in component["shape"])
+        return True
+    except (AssertionError, KeyError, TypeError):
+        return False
+
+
 def clear(directory: str) -> int:
     """Removes every quarantine file of `directory`; returns how many examples they held.
     Pipelines already running in this process forget them too."""
     held = len(read(directory))
-    for path in _files(directory):
-        tf.io.gfile.remove(path)
+    for file in _files(directory):
+        tf.io.gfile.remove(file)
     with _LOCK:
-        _LIVE.pop(_key(directory), None)
+        live = _LIVE.get(_key(directory))
+        if live is not None:  # Running filters hold it: empty it where they look.
+            live.prints.clear()
     return held
 
 
@@ -97,8 +112,8 @@ class _Live:
 
     def load(self) -> None:
         if not self.loaded:
-            self.loaded = True
             records = read(self.directory)
+            self.loaded = True
             for record in records:
                 self.note(record)
             if records:
@@ -149,9 +164,9 @@ def _key(directory: str) -> str:
     return _paths.absolute(directory).rstrip("/")
 
 
-def _live(directory: str) -> _Live:
+def _live(directory: str, key: Optional[str] = None) -> _Live:
     with _LOCK:
-        live = _LIVE.setdefault(_key(directory), _Live(directory))
+        live = _LIVE.setdefault(key or _key(directory), _Live(directory))
         live.load()
         return live
 
@@ -160,14 +175,17 @@ def keep(directory: str) -> Callable[..., tf.Tensor]:
     """A predicate over one example (its components as `tf.data.Dataset.filter` passes them,
     or as a list of tensors): a scalar bool tensor, False for an example quarantined in
     `directory`. It reads the files when it first runs, not when built, and sees what the guard
-    of this process quarantines afterwards. It runs in Python, once per example: about the cost
-    of a `tf.numpy_function` call."""
+    of this process quarantines afterwards. It runs in Python, once per example: a
+    `tf.numpy_function` call and, once anything is quarantined, a sha1 of the example's bytes."""
+    key, found = _key(directory), []  # The directory as given now, whatever the cwd later.
 
     def predicate(*example: Any) -> tf.Tensor:
         flat = tf.nest.flatten(example)
 
         def not_held(*arrays: np.ndarray) -> np.bool_:
-            return np.bool_(not _live(directory).holds(arrays))
+            if not found:
+                found.append(_live(directory, key))
+            return np.bool_(not found[0].holds(arrays))
 
         kept = tf.numpy_function(not_held, flat, tf.bool, stateful=True, name="not_quarantined")
         kept.set_shape([])

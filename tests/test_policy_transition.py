@@ -283,3 +283,19 @@ def test_a_transient_that_keeps_coming_back_escalates_though_each_retry_trains()
     )
     assert [d.action for d in decisions if d is not None] == ["skip", "skip", "skip"]
     assert state.consecutive_bad_steps == 2
+
+
+def test_auto_quarantines_only_what_it_skips_as_data_after_on_nan_has_spoken():
+    """The quarantine follows the decision: auto on data, not turned into another policy by
+    on_nan, nor escalated; on_nan choosing auto on a data verdict quarantines too."""
+    config = GuardConfig(nan_policy="auto", max_consecutive_bad_steps=2)
+    data = BadStep(10, "auto", verdict="data")
+    (decision,), _ = _tell(config, data)
+    assert (decision.action, decision.quarantine, decision.retry) == ("skip", True, False)
+    (overridden,), _ = _tell(config, dataclasses.replace(data, choose=lambda s, r: "skip"))
+    assert (overridden.action, overridden.quarantine) == ("skip", False)
+    chose_auto = BadStep(10, "skip", verdict="data", choose=lambda s, r: "auto")
+    (chosen,), _ = _tell(GuardConfig(nan_policy="skip"), chose_auto)
+    assert chosen.quarantine
+    decisions, _ = _tell(config, data, data)
+    assert [(d.action, d.quarantine) for d in decisions] == [("skip", True), ("raise", False)]

@@ -89,9 +89,9 @@ def test_a_bad_example_is_met_once_in_eight_epochs_and_never_again_after_a_resum
     row = bad[0]["autopsy"]["triage"]["examples"][0]
     said = [r.getMessage() for r in caplog.records if "quarantined example" in r.getMessage()]
     assert said == [
-        f"slim_nanguard: global step {held['step']}: quarantined example {row} of the batch "
-        f"(fingerprint {held['fingerprint']}) in {train_dir}/nanguard_quarantine.jsonl; an input "
-        "filtered with slim_nanguard.quarantine.filter_dataset leaves them out from now on."
+        f"slim_nanguard: global step {held['step']}: quarantined example {row} (fingerprint "
+        f"{held['fingerprint']}) of the batch in {train_dir}/nanguard_quarantine.jsonl; an input "
+        "filtered with slim_nanguard.quarantine.filter_dataset leaves it out from now on."
     ]
     kinds = [r["kind"] for r in slim_nanguard.read_events(str(train_dir))]
     assert kinds.count("quarantine") == 1
@@ -126,6 +126,13 @@ def test_a_row_of_a_batch_and_the_example_alone_have_one_fingerprint():
         {"tensor": "labels:0", "dtype": "string", "shape": []},
     ]
     assert _triage.ids(feeds, [3], 4) == {"3": {"labels:0": "ccc"}}
+    # A string that ends in NUL bytes keeps them on both sides (numpy's bytes arrays drop them).
+    nul = np.array([b"a\x00", b"a"], dtype=object)
+    assert _triage.fingerprints({labels: nul}, [0, 1], 2) == {
+        0: quarantine.fingerprint([np.array(b"a\x00", dtype=object)]),
+        1: quarantine.fingerprint([b"a"]),
+    }
+    assert quarantine.fingerprint([b"a\x00"]) != quarantine.fingerprint([b"a"])
     # Strings are length-prefixed: moving a byte between components changes the fingerprint.
     assert quarantine.fingerprint([b"ab", b"c"]) != quarantine.fingerprint([b"a", b"bc"])
 
@@ -160,10 +167,11 @@ def test_the_list_is_a_file_of_lines_to_read_edit_and_clear_on_any_file_system(c
 
     with tf.io.gfile.GFile(quarantine.path(directory), "a") as f:
         f.write('{"fingerprint": oops\n')
+        f.write('{"fingerprint": "ab", "components": [{"dtype": "float32"}]}\n')  # no shape
+        f.write('{"fingerprint": "cd", "time": "noon"}\n')
     assert len(quarantine.read(directory)) == 2
-    assert "skipping unreadable line 2 of ram://quarantine_story/nanguard_quarantine.jsonl" in (
-        caplog.text
-    )
+    for line in (2, 3, 4):
+        assert f"skipping unreadable line {line} of {quarantine.path(directory)}" in caplog.text
     assert quarantine.clear(directory) == 2
     assert quarantine.read(directory) == [] and not tf.io.gfile.glob(f"{directory}/*")
 

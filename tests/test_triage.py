@@ -217,6 +217,10 @@ def test_a_spikes_verdict_from_its_per_example_losses():
     assert _triage.sentence(whole) == (
         "triage: state — the replay's loss 8 is over the spike threshold 2; no example stood out"
     )
+    every = _triage.spike_triage(np.array([9.0, 8.0, 8.0, 7.0]), [0, 1, 2, 3], 2.0, feeds, 4)
+    assert _triage.sentence(every) == (
+        "triage: state — the replay's loss 8 is over the spike threshold 2; every example stood out"
+    )
     chance = _triage.spike_triage(np.array([0.1, 0.2, 0.1, 0.2]), [], 2.0, feeds, 4)
     assert (chance["verdict"], chance["examples"]) == ("chance", [])
     assert _triage.sentence(chance) == (
