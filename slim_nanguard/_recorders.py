@@ -213,15 +213,24 @@ def read_events(logdir_or_path: str) -> List[Dict[str, Any]]:
         if tasks:
             merged = [r for p in [path, *tasks] for r in read_events(p)]
             return sorted(merged, key=lambda r: r.get("time", 0))  # stable: file order ties
-    if not tf.io.gfile.exists(path):
-        return []
+    return read_json_lines(path) if tf.io.gfile.exists(path) else []
+
+
+def read_json_lines(path: str, accept: Callable[[Any], bool] = lambda record: True) -> List[Any]:
+    """The records of the JSON-lines file `path`, in order; a line that does not parse, or
+    whose record `accept` refuses, is skipped with a warning (blank lines silently)."""
     records = []
     with tf.io.gfile.GFile(path, "r") as f:
         lines = f.read().split("\n")
     for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
         try:
-            if line.strip():
-                records.append(json.loads(line))
+            record, parsed = json.loads(line), True
         except json.JSONDecodeError:
+            record, parsed = None, False
+        if not (parsed and accept(record)):
             logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
+        else:
+            records.append(record)
     return records

@@ -58,19 +58,7 @@ def read(directory: str) -> List[Dict[str, Any]]:
     """The quarantined examples of the run in `directory` (every task's file), oldest first:
     each line's record (``fingerprint``, ``components``, ``step``, ...). Empty if none; an
     unreadable line (an edit gone wrong, a crash mid-write) is skipped with a warning."""
-    records = []
-    for path in _files(directory):
-        with tf.io.gfile.GFile(path, "r") as f:
-            lines = f.read().split("\n")
-        for number, line in enumerate(lines, start=1):
-            try:
-                record = json.loads(line) if line.strip() else None
-            except json.JSONDecodeError:
-                record = None
-            if line.strip() and not _well_formed(record):
-                logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
-            elif record is not None:
-                records.append(record)
+    records = [r for p in _files(directory) for r in _recorders.read_json_lines(p, _well_formed)]
     return sorted(records, key=lambda r: r.get("time", 0))
 
 
