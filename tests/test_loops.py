@@ -548,15 +548,7 @@ def test_auto_runs_a_transient_again_and_the_batch_trains_in_every_loop(tmp_path
     def train(model, logdir):
         if loop == "seed_flow":
             return _seed_flow(model, mode=mode, checkpoint_dir=str(logdir)).final["model/w"]
-        with model.graph.as_default():
-            slim.learning.train(
-                model.train_op,
-                str(logdir),
-                train_step_fn=slim_nanguard.make_train_step(str(logdir)),
-                number_of_steps=STEPS,
-                save_summaries_secs=None,
-                save_interval_secs=None,
-            )
+        _learning_train_from_step_0(model, logdir)
         return lib.checkpoint_values(tf.train.latest_checkpoint(str(logdir)))["model/w"]
 
     flaky, clean = _flaky_model(mode), _flaky_model(mode, flaky=False)
