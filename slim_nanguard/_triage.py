@@ -14,10 +14,6 @@ CHANCE, DATA, STATE = "chance", "data", "state"
 Spec = Tuple[str, Tuple[int, ...]]
 
 
-def _dtype_name(array: np.ndarray) -> str:
-    return "string" if array.dtype.kind in "OSU" else array.dtype.name
-
-
 def _example_bytes(array: np.ndarray) -> bytes:
     """One example's bytes: a numeric array's as laid out in C order; strings length-prefixed."""
     if array.dtype.kind not in "OSU":
@@ -42,7 +38,8 @@ def fingerprint(components: Sequence[Any]) -> str:
 def spec_of(array: np.ndarray) -> Spec:
     """What the fingerprint sees of a component of one example: its dtype and its shape."""
     array = np.asarray(array)
-    return _dtype_name(array), tuple(int(d) for d in array.shape)
+    dtype = "string" if array.dtype.kind in "OSU" else array.dtype.name
+    return dtype, tuple(int(d) for d in array.shape)
 
 
 def outcome(values: Sequence[Any]) -> str:
@@ -66,7 +63,8 @@ def without_rows(
     (the others are fed as they are), and None; where a fed tensor's batch dimension is fixed
     in the graph, `rows` are instead filled with a copy of the first other row, returned."""
     keep = [i for i in range(batch_size) if i not in set(rows)]
-    fixed = any(_static_rows(t) == batch_size for t in feeds)
+    shapes = [t.shape for t in feeds if hasattr(t, "shape")]  # Of tensors, not of names.
+    fixed = any(s.rank and s[0] == batch_size for s in shapes)
     index = [i if i in keep else keep[0] for i in range(batch_size)] if fixed else keep
     fed = {
         t: (a[index] if a.ndim >= 1 and a.shape[0] == batch_size else a) for t, a in feeds.items()
@@ -74,55 +72,35 @@ def without_rows(
     return fed, (keep[0] if fixed else None)
 
 
-def _static_rows(tensor: Any) -> Optional[int]:
-    shape = getattr(tensor, "shape", None)
-    return shape[0] if shape is not None and shape.rank else None
-
-
-def _batch_arrays(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Tuple[str, np.ndarray]]:
-    """The batch-major arrays of `feeds` with their tensors' names, in the iterator's order
-    (by op, then output index), as the quarantine hashes them."""
+def identify(feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int) -> Dict:
+    """What the quarantine needs to know `rows` of the batch again: their ``fingerprints``
+    (`fingerprint` across the batch-major arrays of `feeds`, in the iterator's order: by op,
+    then output index, so that the same example is named the same in another batch), the
+    ``components`` hashed (each array's ``tensor``, ``dtype`` and example ``shape``, in order),
+    and the ``ids`` of each row: its scalar integer and string components (an id, an index)."""
 
     def order(name: str) -> Tuple[str, int]:
         op, _, index = name.rpartition(":")
         return (op, int(index)) if op and index.isdigit() else (name, 0)
 
     named = [(str(getattr(t, "name", t)), np.asarray(a)) for t, a in feeds.items()]
-    named = [(n, a) for n, a in named if a.ndim >= 1 and a.shape[0] == batch_size]
-    return sorted(named, key=lambda na: order(na[0]))
-
-
-def fingerprints(
-    feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int
-) -> Dict[int, str]:
-    """`fingerprint` of each of `rows` across the batch arrays of `feeds` (in the
-    iterator's order), so that the same example is named the same in another batch."""
-    batch = [a for _, a in _batch_arrays(feeds, batch_size)]
-    return {int(i): fingerprint([a[i] for a in batch]) for i in rows}
-
-
-def components(feeds: Mapping[Any, np.ndarray], batch_size: int) -> List[Dict[str, Any]]:
-    """What `fingerprints` hashes: each batch array's ``tensor``, ``dtype`` and example
-    ``shape``, in order."""
-    found = []
-    for name, a in _batch_arrays(feeds, batch_size):
-        dtype, shape = spec_of(a[0])
-        found.append({"tensor": name, "dtype": dtype, "shape": list(shape)})
-    return found
-
-
-def ids(feeds: Mapping[Any, np.ndarray], rows: Sequence[int], batch_size: int) -> Dict[str, Any]:
-    """Each of `rows`' scalar integer and string components (an id, an index), by tensor."""
-    found = {}
+    batch = [(n, a) for n, a in named if a.ndim >= 1 and a.shape[0] == batch_size]
+    batch.sort(key=lambda na: order(na[0]))
+    ids = {}
     for i in rows:
         scalars = {
             name: (a[i].decode(errors="replace") if isinstance(a[i], bytes) else a[i].item())
-            for name, a in _batch_arrays(feeds, batch_size)
+            for name, a in batch
             if a.ndim == 1 and (a.dtype.kind in "iu" or isinstance(a[i], bytes))
         }
         if scalars:
-            found[str(int(i))] = scalars
-    return found
+            ids[str(int(i))] = scalars
+    specs = [(name, *spec_of(a[0])) for name, a in batch]
+    return {
+        "fingerprints": {str(int(i)): fingerprint([a[i] for _, a in batch]) for i in rows},
+        "components": [{"tensor": n, "dtype": d, "shape": list(s)} for n, d, s in specs],
+        "ids": ids,
+    }
 
 
 def verdict(
@@ -213,12 +191,7 @@ def spike_triage(
     else:
         verdict_ = STATE
     found = {"verdict": verdict_, "runs": runs, "examples": rows if verdict_ != CHANCE else []}
-    if found["examples"]:
-        found["fingerprints"] = {
-            str(i): p for i, p in fingerprints(feeds, rows, batch_size).items()
-        }
-        found.update(components=components(feeds, batch_size), ids=ids(feeds, rows, batch_size))
-    return found
+    return found | (identify(feeds, rows, batch_size) if found["examples"] else {})
 
 
 def _spike_sentence(triage: Mapping[str, Any]) -> str:
@@ -296,10 +269,9 @@ def triage(
             without = run(fed)
         except (ValueError, tf.errors.OpError) as err:
             without = f"failed: {str(err).splitlines()[0][:200]}"
-    prints = fingerprints(feeds, rows, batch_size) if rows else {}
-    found = evidence(reproduced, same, rows, batch_size, without, prints, in_batch)
+    found = evidence(reproduced, same, rows, batch_size, without, {}, in_batch)
     if rows:  # What the quarantine needs to know an example again.
-        found.update(components=components(feeds, batch_size), ids=ids(feeds, rows, batch_size))
+        found.update(identify(feeds, rows, batch_size))
     if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.
         found["runs"][-1]["filled_with_row"] = filled
     return found

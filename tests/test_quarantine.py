@@ -116,21 +116,22 @@ def test_a_row_of_a_batch_and_the_example_alone_have_one_fingerprint():
     x = np.arange(24, dtype=np.float32).reshape(4, 3, 2)
     names = np.array([b"a", b"bb", b"", b"ccc"], dtype=object)
     feeds = {labels: names, images: x}
-    prints = _triage.fingerprints(feeds, [1, 3], 4)
-    assert prints == {
-        1: quarantine.fingerprint([x[1], b"bb"]),
-        3: quarantine.fingerprint([x[3], b"ccc"]),
+    found = _triage.identify(feeds, [1, 3], 4)
+    assert found["fingerprints"] == {
+        "1": quarantine.fingerprint([x[1], b"bb"]),
+        "3": quarantine.fingerprint([x[3], b"ccc"]),
     }
-    assert _triage.components(feeds, 4) == [
+    assert found["components"] == [
         {"tensor": "IteratorGetNext:0", "dtype": "float32", "shape": [3, 2]},
         {"tensor": "labels:0", "dtype": "string", "shape": []},
     ]
-    assert _triage.ids(feeds, [3], 4) == {"3": {"labels:0": "ccc"}}
+    assert found["ids"] == {"1": {"labels:0": "bb"}, "3": {"labels:0": "ccc"}}
+    assert _triage.identify(feeds, [3], 4)["ids"] == {"3": {"labels:0": "ccc"}}
     # A string that ends in NUL bytes keeps them on both sides (numpy's bytes arrays drop them).
     nul = np.array([b"a\x00", b"a"], dtype=object)
-    assert _triage.fingerprints({labels: nul}, [0, 1], 2) == {
-        0: quarantine.fingerprint([np.array(b"a\x00", dtype=object)]),
-        1: quarantine.fingerprint([b"a"]),
+    assert _triage.identify({labels: nul}, [0, 1], 2)["fingerprints"] == {
+        "0": quarantine.fingerprint([np.array(b"a\x00", dtype=object)]),
+        "1": quarantine.fingerprint([b"a"]),
     }
     assert quarantine.fingerprint([b"a\x00"]) != quarantine.fingerprint([b"a"])
     # Strings are length-prefixed: moving a byte between components changes the fingerprint.

@@ -61,13 +61,13 @@ def test_a_batch_dimension_fixed_in_the_graph_gets_the_rows_refilled():
 
 def test_fingerprints_are_the_example_bytes_across_batch_tensors():
     x, y = np.arange(12.0).reshape(4, 3), np.arange(4)
-    prints = _triage.fingerprints({"y": y, "x": x}, [2], 4)
+    prints = _triage.identify({"y": y, "x": x}, [2], 4)["fingerprints"]
     expected = hashlib.sha1(x[2].tobytes() + y[2].tobytes()).hexdigest()[:12]
-    assert prints == {2: expected}
+    assert prints == {"2": expected}
     # The same example elsewhere in another batch has the same fingerprint.
-    moved = _triage.fingerprints({"x": x[[2, 0]], "y": y[[2, 0]]}, [0], 2)
-    assert moved == {0: expected}
-    assert _triage.fingerprints({"x": x, "y": y}, [1], 4)[1] != expected
+    moved = _triage.identify({"x": x[[2, 0]], "y": y[[2, 0]]}, [0], 2)["fingerprints"]
+    assert moved == {"0": expected}
+    assert _triage.identify({"x": x, "y": y}, [1], 4)["fingerprints"]["1"] != expected
 
 
 def test_sentences_state_their_numbers():
@@ -203,10 +203,10 @@ def test_a_spikes_verdict_from_its_per_example_losses():
     data = _triage.spike_triage(losses, [1], 2.0, feeds, 4)
     assert (data["verdict"], data["examples"]) == ("data", [1])
     assert data["runs"][-1] == {"fed": "without rows", "rows": [1], "loss": pytest.approx(0.2)}
-    prints = _triage.fingerprints(feeds, [1], 4)
+    prints = _triage.identify(feeds, [1], 4)["fingerprints"]
     assert _triage.sentence(data) == (
         f"triage: data — without example 1 the batch's loss is 0.2, within the spike threshold "
-        f"2 (fingerprints {prints[1]})"
+        f"2 (fingerprints {prints['1']})"
     )
     state = _triage.spike_triage(np.array([9.0, 40.0, 8.0, 7.0]), [1], 2.0, feeds, 4)
     assert state["verdict"] == "state"
