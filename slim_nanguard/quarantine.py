@@ -24,6 +24,7 @@ to clear it: `clear`.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -65,13 +66,16 @@ def read(directory: str) -> List[Dict[str, Any]]:
 def _well_formed(record: Any) -> bool:
     """Whether `record` is a quarantine line the filter can use (a hand edit may break one)."""
     try:
-        assert isinstance(record, dict) and isinstance(record["fingerprint"], str)
-        assert isinstance(record.get("time", 0), (int, float))
-        for component in record.get("components", ()):
-            assert isinstance(component["dtype"], str)
-            assert all(isinstance(d, int) for d in component["shape"])
-        return True
-    except (AssertionError, KeyError, TypeError):
+        return (
+            isinstance(record["fingerprint"], str)
+            and isinstance(record.get("time", 0), (int, float))
+            and all(
+                isinstance(component["dtype"], str)
+                and all(isinstance(d, int) for d in component["shape"])
+                for component in record.get("components", ())
+            )
+        )
+    except (KeyError, TypeError):  # Not a dict, or one without those keys.
         return False
 
 
@@ -81,35 +85,26 @@ def clear(directory: str) -> int:
     held = len(read(directory))
     for file in _files(directory):
         tf.io.gfile.remove(file)
-    with _LOCK:
-        live = _LIVE.get(_key(directory))
-        if live is not None:  # Running filters hold it: empty it where they look.
-            live.prints.clear()
+    with _LOCK:  # Running filters read the files again, now gone.
+        _LIVE.pop(_key(directory), None)
     return held
 
 
 class _Live:
-    """The quarantine of one directory as this process's pipelines see it: loaded from the
-    files when first asked, then told of each example the guard adds."""
+    """The quarantine of one directory as this process's pipelines see it: read from the
+    files when first asked for, then told of each example the guard adds."""
 
     def __init__(self, directory: str):
-        self.directory = directory
-        self.loaded = False
         self.prints: Dict[Tuple[Spec, ...], set] = {}  # Hashed components' specs: prints.
-        self._positions: Dict[Tuple[Tuple[Spec, ...], Tuple[Spec, ...]], Optional[tuple]] = {}
-
-    def load(self) -> None:
-        if not self.loaded:
-            records = read(self.directory)
-            self.loaded = True
-            for record in records:
-                self.note(record)
-            if records:
-                logging.info(
-                    "slim_nanguard: %d quarantined example(s) in %s are left out of the input.",
-                    len(records),
-                    self.directory,
-                )
+        records = read(directory)
+        for record in records:
+            self.note(record)
+        if records:
+            logging.info(
+                "slim_nanguard: %d quarantined example(s) in %s are left out of the input.",
+                len(records),
+                directory,
+            )
 
     def note(self, record: Mapping[str, Any]) -> None:
         specs = tuple(
@@ -123,24 +118,21 @@ class _Live:
             return False
         specs = tuple(spec_of(a) for a in arrays)
         for hashed, prints in list(self.prints.items()):
-            key = (hashed, specs)
-            if key not in self._positions:
-                self._positions[key] = _subsequence(hashed, specs)
-            positions = self._positions[key]
+            positions = _subsequence(hashed, specs)
             if positions is not None and fingerprint([arrays[i] for i in positions]) in prints:
                 return True
         return False
 
 
-def _subsequence(wanted: Sequence[Spec], specs: Sequence[Spec]) -> Optional[tuple]:
+@functools.cache
+def _subsequence(wanted: Tuple[Spec, ...], specs: Tuple[Spec, ...]) -> Optional[tuple]:
     """The first positions in `specs` that hold `wanted`, in order, or None."""
-    positions, start = [], 0
+    positions, rest = [], iter(enumerate(specs))  # Each search goes on where the last ended.
     for spec in wanted:
-        found = next((i for i in range(start, len(specs)) if specs[i] == spec), None)
+        found = next((i for i, s in rest if s == spec), None)
         if found is None:
             return None
         positions.append(found)
-        start = found + 1
     return tuple(positions)
 
 
@@ -153,10 +145,11 @@ def _key(directory: str) -> str:
 
 
 def _live(directory: str, key: Optional[str] = None) -> _Live:
+    key = key or _key(directory)
     with _LOCK:
-        live = _LIVE.setdefault(key or _key(directory), _Live(directory))
-        live.load()
-        return live
+        if key not in _LIVE:
+            _LIVE[key] = _Live(directory)
+        return _LIVE[key]
 
 
 def keep(directory: str) -> Callable[..., tf.Tensor]:
@@ -165,16 +158,13 @@ def keep(directory: str) -> Callable[..., tf.Tensor]:
     `directory`. It reads the files when it first runs, not when built, and sees what the guard
     of this process quarantines afterwards. It runs in Python, once per example: a
     `tf.numpy_function` call and, once anything is quarantined, a sha1 of the example's bytes."""
-    key, found = _key(directory), []  # The directory as given now, whatever the cwd later.
+    key = _key(directory)  # The directory as given now, whatever the cwd later.
+
+    def not_held(*arrays: np.ndarray) -> np.bool_:
+        return np.bool_(not _live(directory, key).holds(arrays))
 
     def predicate(*example: Any) -> tf.Tensor:
         flat = tf.nest.flatten(example)
-
-        def not_held(*arrays: np.ndarray) -> np.bool_:
-            if not found:
-                found.append(_live(directory, key))
-            return np.bool_(not found[0].holds(arrays))
-
         kept = tf.numpy_function(not_held, flat, tf.bool, stateful=True, name="not_quarantined")
         kept.set_shape([])
         return kept
@@ -197,19 +187,17 @@ def add(directory: str, task: Optional[int], step: int, triage: Mapping[str, Any
     components = list(triage.get("components") or ())
     specs = tuple((str(c["dtype"]), tuple(c["shape"])) for c in components)
     held, ids = set(live.prints.get(specs, ())), triage.get("ids") or {}
-    added, lines = [], []
+    added = []
     for row, print_ in sorted((int(r), p) for r, p in (triage.get("fingerprints") or {}).items()):
         if print_ in held:
             continue
         held.add(print_)
         record = {"fingerprint": print_, "step": int(step), "row": row, "time": time.time()}
         record |= {"components": components, "ids": ids.get(str(row), {})}
-        if task is not None:
-            record["task"] = task
-        lines.append(json.dumps(record, sort_keys=True, default=str))
-        added.append(print_)
-    if lines:
+        added.append(record | ({"task": task} if task is not None else {}))
+    if added:
+        lines = [json.dumps(record, sort_keys=True, default=str) for record in added]
         _recorders.append_lines(path(directory, task), *lines)
-        for line in lines:
-            live.note(json.loads(line))
-    return added
+        for record in added:
+            live.note(record)
+    return [record["fingerprint"] for record in added]
