@@ -32,7 +32,7 @@ DUMP_DIRNAME = "nanguard_autopsy"
 DEFAULT_TIMEOUT_SECS = 60.0
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 # The weights the step read go into the dump (so that --replay needs nothing else) up to this.
-DEFAULT_MAX_DUMP_WEIGHT_BYTES = 64 << 20
+MAX_DUMP_WEIGHT_BYTES = 64 << 20
 
 _VARIABLE_READ_TYPES = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
 _SHAPE_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -293,12 +293,13 @@ def replay(
     batch_size: Optional[int] = None,
     cause: str = NON_FINITE,
     spike_threshold: Optional[float] = None,
+    spike_over: Sequence[str] = (),
 ) -> Autopsy:
     """Replays a step on `feeds` (tensor or name -> array) in `session`, whose variables hold
     the step's weights: the first non-finite op behind `targets` (the loss and the gradients),
-    or a spike's examples (of the total loss, triaged against `spike_threshold` when given),
-    within `timeout_secs` of `clock`, about `max_chunk_bytes` a run (else ``error``). Raises
-    only what `session.run` raises."""
+    or a spike's examples (of the total loss, triaged against `spike_threshold` when given;
+    `spike_over` is what the spike was caught on), within `timeout_secs` of `clock`, about
+    `max_chunk_bytes` a run (else ``error``). Raises only what `session.run` raises."""
     budget = _Budget(clock=clock, timeout_secs=timeout_secs, start=clock())
     feeds = {_tensor(session.graph, t): np.asarray(v) for t, v in feeds.items()}
     targets = [_tensor(session.graph, t) for t in targets]
@@ -324,7 +325,8 @@ def replay(
             found["triage"] = _triage.triage(outcome, feeds, same, found, batch_size)
     except AutopsyError as err:
         found["error"] = str(err)
-    return Autopsy(cost=budget.cost(), batch_size=batch_size, step=step, cause=cause, **found)
+    found.update(cost=budget.cost(), batch_size=batch_size, spike_over=tuple(spike_over))
+    return Autopsy(step=step, cause=cause, **found)
 
 
 def _tensor(graph, t):
@@ -508,22 +510,19 @@ def run_autopsy(
     cause: str = NON_FINITE,
     clock: Callable[[], float] = time.monotonic,
     dump_dir: Optional[str] = None,
-    max_dump_weight_bytes: int = DEFAULT_MAX_DUMP_WEIGHT_BYTES,
-    spike_over: Sequence[str] = (),
     **options: Any,
 ) -> Autopsy:
-    """`replay` (`options` are its other keywords: ``timeout_secs``, ``max_chunk_bytes``) on
-    the values the bad step kept of `batch_tensors`, dumped (with the weights the step read, up
-    to `max_dump_weight_bytes`) to `dump_dir`'s ``nanguard_autopsy/`` unless it is None; never
-    raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
+    """`replay` (`options` are its other keywords: ``timeout_secs``, ``spike_over``...) on the
+    values the bad step kept of `batch_tensors`, dumped (with the weights the step read, up to
+    `MAX_DUMP_WEIGHT_BYTES`) to `dump_dir`'s ``nanguard_autopsy/`` unless it is None;
+    never raises (but KeyboardInterrupt): a failure is logged and is ``error``."""
     start = clock()
     try:
         feeds = dict(zip(batch_tensors, batch_values))
         result = replay(session, feeds, targets, clock=clock, step=step, cause=cause, **options)
-        result = dataclasses.replace(result, spike_over=tuple(spike_over))
         if dump_dir:
             reads = variable_reads([_tensor(session.graph, t) for t in targets], feeds)
-            small = sum(_estimate_bytes(t.op, 0) for t in reads) <= max_dump_weight_bytes
+            small = sum(_estimate_bytes(t.op, 0) for t in reads) <= MAX_DUMP_WEIGHT_BYTES
             # Fed the batch too: a read made under a control dependency on it would take one.
             readable = small and not takes_a_batch(reads, feeds)
             weights = dict(zip(reads, session.run(reads, feeds))) if readable else {}

@@ -121,10 +121,8 @@ def verdict(
         return None
     if not reproduced:
         return CHANCE
-    if in_batch and (not bad_examples or len(bad_examples) >= batch_size):
-        return DATA  # The batch itself holds NaN or Inf, in every row or in no row's part.
-    if not bad_examples or len(bad_examples) >= batch_size:
-        return STATE
+    if not bad_examples or len(bad_examples) >= batch_size:  # No row stands out.
+        return DATA if in_batch else STATE  # data: the batch itself holds NaN or Inf.
     if without_outcome not in ("finite", "NaN", "Inf"):
         return None  # The run without the rows failed: nothing to decide from.
     return DATA if without_outcome == "finite" else STATE
@@ -259,9 +257,7 @@ def triage(
     all stand out."""
     reproduced, rows = found.get("reproduced"), tuple(found.get("bad_examples") or ())
     first = (found.get("first_bad_op") or {}).get("name")
-    in_batch = first is not None and any(
-        getattr(t, "op", None) is not None and t.op.name == first for t in feeds
-    )
+    in_batch = any(t.op.name == first for t in feeds)  # `feeds` by tensor, as `replay`'s.
     without, filled = None, None
     if reproduced and rows and len(rows) < batch_size:
         fed, filled = without_rows(feeds, rows, batch_size)

@@ -186,12 +186,12 @@ def replay_dump(
                 step=step,
                 batch_size=int(report.get("batch_size") or 0) or None,
                 cause=cause,
+                spike_over=report.get("spike_over") or (),
             )
         except (KeyError, ValueError, tf.errors.OpError) as err:
             return _autopsy.Autopsy(step=step, cause=cause, error=_autopsy.error_line(err))
     # What the dump knows: what the spike was caught on, the first bad op's traceback (an
     # imported graph has none), and whether the replay read the checkpoint's weights.
-    result = dataclasses.replace(result, spike_over=tuple(report.get("spike_over") or ()))
     op, recorded = result.first_bad_op, report.get("first_bad_op") or {}
     if op is not None and not op.get("traceback") and recorded.get("name") == op["name"]:
         op = dict(op, traceback=recorded.get("traceback", []), where=recorded.get("where", ""))
