@@ -86,8 +86,10 @@ class Autopsy:
     triage: Optional[Dict[str, Any]] = None  # `_triage.evidence`: chance, data or state.
 
     def to_json(self) -> Dict[str, Any]:
-        """A JSON-ready dict (no NaN or Inf floats)."""
-        return _json_safe(dict(dataclasses.asdict(self), summary=self.describe()))
+        """A JSON-ready dict: no NaN or Inf floats (each is its string, ``"inf"``)."""
+        d = dict(dataclasses.asdict(self), summary=self.describe())
+        text = json.dumps(d, default=lambda value: value.item())  # A numpy scalar's.
+        return json.loads(text, parse_constant=lambda word: str(float(word)))
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Autopsy":
@@ -238,18 +240,6 @@ def _is_library(filename: str) -> bool:
     return any(part in filename for part in _LIBRARY_PARTS) or (
         filename.startswith(_STDLIB) and "site-packages" not in filename
     )
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, np.generic):
-        return _json_safe(value.item())
-    return value
 
 
 # ---------------------------------------------------------------------- the replay
@@ -735,35 +725,31 @@ def explain_spike(result: Autopsy) -> str:
     """A spike's autopsy in one sentence (docs/guide.md quotes one): the examples
     `standing_out` picks, hedged when ``spike_over`` (what the spike was caught on) lacks
     ``"loss"``."""
-    top_examples, batch_size, error = result.top_examples, result.batch_size, result.error
-    median = result.median_loss
-    if error and not top_examples:
+    top, median, error = result.top_examples, result.median_loss, result.error
+    if error and not top:
         return f"the autopsy of the spike failed: {error}"
-    if result.per_example_loss is None or not top_examples:
+    if result.per_example_loss is None or not top:
         return (
             "the loss cannot be split per example, so no example of the batch can be named "
             "as the spike's"
         )
-    note = f" ({error})" if error else ""
-    count = standing_out(top_examples, median)
-    of = f" of {batch_size}" if batch_size else ""
+    count, hedge = standing_out(top, median), _hedge(result.spike_over)
+    (indices, losses), (others, figures) = _figures(top[:count]), _figures(top[count:])
+    of = f" of {result.batch_size}" if result.batch_size else ""
     at_median = f"; batch median {median:{LOSS_FORMAT}}" if median is not None else ""
-    hedge = _hedge(result.spike_over)
+    note = f" ({error})" if error else ""
     if not count:
-        indices, losses = _figures(top_examples)
         ending = f"the losses name no example that may have carried the {hedge}"
         return (
             f"no example of the batch{of} stands out: the highest per-example losses are examples "
-            f"{indices} ({losses}{at_median}), so "
+            f"{others} ({figures}{at_median}), so "
             + (ending if hedge else "the batch as a whole carried the spike")
             + note
         )
-    indices, losses = _figures(top_examples[:count])
     # All shown stand out, but the batch has more: the figures cannot tell where the carriers end.
-    if count == len(top_examples) and batch_size > count:
+    if not others and result.batch_size > count:
         of += " and perhaps others with lower losses"
-    others, figures = _figures(top_examples[count:])
-    plural = "s" if len(top_examples) - count > 1 else ""
+    plural = "s" if len(top) - count > 1 else ""
     rest = f"; next highest: example{plural} {others} at {figures}" if others else ""
     figures = f"(per-example loss {losses}{rest}{at_median})"
     one = count == 1

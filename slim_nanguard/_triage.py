@@ -14,24 +14,21 @@ CHANCE, DATA, STATE = "chance", "data", "state"
 Spec = Tuple[str, Tuple[int, ...]]
 
 
-def _example_bytes(array: np.ndarray) -> bytes:
-    """One example's bytes: a numeric array's as laid out in C order; strings length-prefixed."""
-    if array.dtype.kind not in "OSU":
-        return np.ascontiguousarray(array).tobytes()
-    items = [x if isinstance(x, bytes) else str(x).encode() for x in array.ravel().tolist()]
-    return b"".join(len(x).to_bytes(8, "little") + x for x in items)
-
-
 def fingerprint(components: Sequence[Any]) -> str:
     """The fingerprint of one example given as its `components` (arrays or scalars, in order):
-    12 hex digits of the sha1 of their bytes."""
+    12 hex digits of the sha1 of their bytes, a numeric array's as laid out in C order, strings
+    length-prefixed."""
     h = hashlib.sha1()
     for component in components:
         # A bytes scalar as an object array: numpy's fixed-width bytes drop trailing NULs.
         text = isinstance(component, (bytes, str))
-        h.update(
-            _example_bytes(np.array(component, dtype=object) if text else np.asarray(component))
-        )
+        array = np.array(component, dtype=object) if text else np.asarray(component)
+        if array.dtype.kind not in "OSU":
+            h.update(np.ascontiguousarray(array).tobytes())
+            continue
+        for item in array.ravel().tolist():
+            item = item if isinstance(item, bytes) else str(item).encode()
+            h.update(len(item).to_bytes(8, "little") + item)
     return h.hexdigest()[:12]
 
 
