@@ -785,12 +785,13 @@ def _replay_spike(
     found = find_per_example_loss(loss)
     if found is None:
         return {}
+    terms, others = found
     budget.check("before fetching the per-example losses")
-    fetches = list(dict.fromkeys(t for term in found.terms + found.others for t in term.fetches()))
+    fetches = list(dict.fromkeys(t for term in terms + others for t in term.fetches()))
     values = dict(zip(fetches, budget.run(session, fetches, feeds)))
     per_example = per_example_values(
-        [term.contribution(values) for term in found.terms],
-        [float(np.sum(term.contribution(values))) for term in found.others],
+        [term.contribution(values) for term in terms],
+        [float(np.sum(term.contribution(values))) for term in others],
         batch_size,
     )
     if per_example is None:
@@ -798,7 +799,7 @@ def _replay_spike(
     top, median = tuple(rank_examples(per_example)), median_loss(per_example)
     result = {
         "top_examples": top,
-        "per_example_loss": " + ".join(term.tensor.name for term in found.terms),
+        "per_example_loss": " + ".join(term.tensor.name for term in terms),
         "median_loss": median,
     }
     if threshold is not None:
@@ -846,17 +847,10 @@ class _Term:
         return part
 
 
-@dataclasses.dataclass(frozen=True)
-class PerExampleLoss:
-    """`find_per_example_loss`'s batch-major ``terms``, and ``others`` that cannot be split."""
-
-    terms: Tuple[_Term, ...]
-    others: Tuple[_Term, ...] = ()
-
-
-def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
+def find_per_example_loss(loss: Any) -> Optional[Tuple[List[_Term], List[_Term]]]:
     """The per-example losses behind a total loss: back through linear ops (docs/guide.md) to
-    the first batch-major float tensors; None if no term is, or over `_MAX_LOSS_TERMS` terms."""
+    the first batch-major float tensors, as ``(terms, others)``: those terms, and those that
+    cannot be split. None if no term is, or over `_MAX_LOSS_TERMS` terms."""
     batch_ops = set(_ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False))
     seen = list(_ops.walk([loss.op], control=False, stop=batch_ops.__contains__))
     depends = _reaching(seen, batch_ops.__contains__, valueless=_LOSS_VALUELESS_TYPES)
@@ -877,7 +871,7 @@ def find_per_example_loss(loss: Any) -> Optional[PerExampleLoss]:
             others.append(term)
     if stack:
         return None
-    return PerExampleLoss(tuple(terms), tuple(others)) if terms else None
+    return (terms, others) if terms else None
 
 
 def _batch_major(tensor, batch_dim: Optional[int]) -> bool:

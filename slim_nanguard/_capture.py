@@ -40,12 +40,10 @@ def batch_tensors(loss: tf.Tensor) -> List[tf.Tensor]:
     step), in graph order; not those in a control-flow context, nor resource or variant ones."""
     found = _ops.sources([loss.op], _ops.BATCH_OP_TYPES, control_inputs=False)
     order = {op: i for i, op in enumerate(loss.graph.get_operations())}
-    tensors = []
-    for op in sorted(found, key=order.get):
-        if op._control_flow_context is not None:  # pylint: disable=protected-access
-            continue
-        tensors += [t for t in op.outputs if t.dtype.base_dtype not in _UNKEPT_DTYPES]
-    return tensors
+    # pylint: disable-next=protected-access
+    ops = [op for op in found if op._control_flow_context is None]
+    kept = [t for op in sorted(ops, key=order.get) for t in op.outputs]
+    return [t for t in kept if t.dtype.base_dtype not in _UNKEPT_DTYPES]
 
 
 def producer(tensor: tf.Tensor) -> tf.Tensor:

@@ -70,14 +70,13 @@ def format_report(record: Mapping[str, Any]) -> str:
     result = with_spike_over(_autopsy.Autopsy.from_json(record["autopsy"]), record)
     lines.append(f"  autopsy     {result.describe()}")
     lines += _spike_example_lines(result) + _first_bad_op_lines(result)
-    removed = record.get("dump_removed")
-    if result.dump and removed:
-        lines.append(
-            f"  dump        {result.dump}, removed later: a directory keeps the first "
-            f"{removed.get('keep_first')} and the latest {removed.get('keep_last')} dumps"
+    if result.dump:
+        removed = record.get("dump_removed") or {}
+        later = (
+            f", removed later: a directory keeps the first {removed.get('keep_first')} and the "
+            f"latest {removed.get('keep_last')} dumps"
         )
-    elif result.dump:
-        lines.append(f"  dump        {result.dump}")
+        lines.append(f"  dump        {result.dump}{later if removed else ''}")
     if cost := result.cost:
         lines.append(
             f"  cost        {cost.get('seconds', 0):.3g} s, {cost.get('runs', '?')} "

@@ -302,10 +302,10 @@ def test_a_loss_on_the_batch_mean_cannot_be_split_and_the_autopsy_says_so():
 
 def test_regularization_alone_is_no_per_example_loss_and_a_batch_term_is_found_beside_it():
     story = _Story(_v1_losses)
-    found = _autopsy.find_per_example_loss(story.loss)
-    names = [term.tensor.name for term in found.terms]
+    terms, others = _autopsy.find_per_example_loss(story.loss)
+    names = [term.tensor.name for term in terms]
     assert names == ["sparse_softmax_cross_entropy_loss/xentropy/xentropy:0"]
-    assert found.others == ()  # the L2 terms read no batch: left out
+    assert others == []  # the L2 terms read no batch: left out
     story.sess.close()
 
 
