@@ -177,14 +177,11 @@ def spike_triage(
     a = np.asarray(per_example, dtype=np.float64)
     loss, rows = float(np.mean(a)), [int(i) for i in standing]
     runs: List[Dict[str, Any]] = [{"fed": "same batch", "loss": loss, "threshold": threshold}]
-    if loss <= threshold:
-        verdict_ = CHANCE
-    elif rows and len(rows) < batch_size:
+    verdict_ = CHANCE if loss <= threshold else STATE
+    if verdict_ == STATE and rows and len(rows) < batch_size:
         without = float(np.mean(np.delete(a, rows)))
         runs.append({"fed": "without rows", "rows": rows, "loss": without})
         verdict_ = DATA if without <= threshold else STATE
-    else:
-        verdict_ = STATE
     found = {"verdict": verdict_, "runs": runs, "examples": rows if verdict_ != CHANCE else []}
     return found | (identify(feeds, rows, batch_size) if found["examples"] else {})
 
