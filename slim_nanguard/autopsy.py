@@ -111,8 +111,7 @@ def _first_bad_op_lines(result: _autopsy.Autopsy) -> List[str]:
         lines += [f"  input       {describe_health(h)}" for h in op.get("inputs") or []]
         lines += [f"  output      {describe_health(h)}" for h in op.get("output") or []]
     if examples := result.bad_examples:
-        more = f" and {len(examples) - 20} more" if len(examples) > 20 else ""
-        shown = ", ".join(map(str, examples[:20])) + more
+        shown = _exact_sums.listed([str(i) for i in examples], 20)
         if len(examples) == result.batch_size:
             shown = f"all {len(examples)}"
         at = f", from {op['examples_at']} on" if op and op.get("examples_at") else ""
