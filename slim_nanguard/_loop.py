@@ -332,11 +332,7 @@ def _check_arguments(
             "it (made with global_step=None): number_of_steps would never be reached. Make it "
             "with create_train_op's default global_step."
         )
-    if number_of_steps is not None and (
-        isinstance(number_of_steps, bool)
-        or not isinstance(number_of_steps, int)
-        or number_of_steps < 0
-    ):
+    if number_of_steps is not None and (type(number_of_steps) is not int or number_of_steps < 0):
         raise ValueError(
             f"number_of_steps must be a non-negative integer or None; got {number_of_steps!r}."
         )
@@ -527,8 +523,8 @@ class _Loop:
         if outcome.stop:
             self.climb = outcome.climb or self.climb
             return StopReason.POLICY
-        if outcome.action == Action.ROLLBACK or outcome.step is not None:  # (or a retry)
-            self.step = outcome.step if outcome.step is not None else self._read_step(sess)
+        if outcome.step is not None:  # A rollback, or a retry that trained.
+            self.step = outcome.step
             if outcome.action != Action.ROLLBACK and self._at_limit(self.step):
                 return StopReason.STEP_LIMIT  # A retry trained the last step: no hook saw it.
         if outcome.good:  # Not a bad step nor an overflow: global_step moved on.
