@@ -105,26 +105,6 @@ class TrainResult:
         )
 
 
-class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
-    """Refuses to train a model that holds NaN or Inf once the session is created."""
-
-    def __init__(self, source: str):
-        self._source = source
-        self._test: Optional[_checkpoints.FinitenessTest] = None
-
-    def begin(self):
-        self._test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
-
-    def after_create_session(self, session, coord):
-        if bad := self._test.non_finite(session):
-            raise _errors.NonFiniteCheckpointError(
-                f"the model loaded from {self._source} holds NaN or Inf in "
-                f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
-                f"({_exact_sums.describe(bad)}); refusing to train from it. Start from another "
-                "checkpoint."
-            )
-
-
 @dataclasses.dataclass
 class _Progress:
     """Logs a progress line every `every` global steps (0: none), with the time left to
@@ -289,7 +269,7 @@ def train(
     try:
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
-            loop.add_hooks(hooks, chief_only_hooks, resume_from)
+            loop.add_hooks(hooks, chief_only_hooks)
             loop.add_saving_hooks(
                 save_checkpoint_secs,
                 save_checkpoint_steps,
@@ -392,8 +372,9 @@ class _Loop:
 
     def make_scaffold(self, given, resume_from: Optional[str], max_to_keep: int) -> None:
         """Sets `scaffold`: `given` with a saver that never writes NaN or Inf and, on the chief,
-        an init_fn that runs for every session created (a recovered one too) and restores
-        `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none."""
+        an init_fn that runs for every session created (a recovered one too), restores
+        `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none, and
+        refuses (`NonFiniteCheckpointError`) a model that then holds NaN or Inf."""
         given = given if given is not None else tf.compat.v1.train.Scaffold()
         if given.saver is None:
             # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
@@ -411,18 +392,28 @@ class _Loop:
                 kept = [v for v in tf.compat.v1.global_variables() if v not in missing]
                 restorer = tf.compat.v1.train.Saver(kept, sharded=True)
 
+            test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
+
             def init_fn(unused_scaffold, session: tf.compat.v1.Session) -> None:
                 latest = _checkpoints.latest_good_checkpoint(self.logdir, repair_state=True)
                 if latest is not None:
                     (restorer if latest == resume_from else saver).restore(session, latest)
                 elif given.init_fn is not None:
                     given.init_fn(session)
+                if bad := test.non_finite(session):
+                    more = " and more" if len(bad) > 5 else ""
+                    raise _errors.NonFiniteCheckpointError(
+                        f"the model loaded from {latest or 'initialisation'} holds NaN or Inf in "
+                        f"{', '.join(name for name, _ in bad[:5])}{more} "
+                        f"({_exact_sums.describe(bad)}); refusing to train from it. Start from "
+                        "another checkpoint."
+                    )
 
         self.scaffold = tf.compat.v1.train.Scaffold(
             saver=saver, init_fn=init_fn, copy_from_scaffold=given
         )
 
-    def add_hooks(self, hooks, chief_only_hooks, resume_from: Optional[str]) -> None:
+    def add_hooks(self, hooks, chief_only_hooks) -> None:
         """The caller's hooks, the judging hook, the step limit and the final values."""
         guard = self.guard
         self.hooks = list(hooks or [])
@@ -441,8 +432,7 @@ class _Loop:
             final_values["learning_rate_scale"] = guard.lr_scale
         self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
         self.hooks.append(self.final_hook)
-        finite_model = _FiniteModelHook(resume_from or "initialisation")
-        self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
+        self.chief_hooks = list(chief_only_hooks or [])
 
     def add_saving_hooks(self, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
         """The chief's step counter, checkpoint and summary hooks."""
