@@ -110,11 +110,10 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
     From `begin` to `end`, every rollback of the graph's guards puts (task, global step, loss)
     on the rollback queue for `ChiefRollbackHook`; the guard records ``rollback_requested``,
     this worker skips ``rollback_skip_batches`` batches and carries on. It counts no rollback
-    (``requests`` counts the requests); the chief counts them against ``max_rollbacks``.
+    (the guard's state counts the requests); the chief counts them against ``max_rollbacks``.
     """
 
     def __init__(self, task: int):
-        self.requests = 0
         self._task = task
         self._ask = self._step = self._loss = None
         self._guards: List[_guard.Guard] = []
@@ -136,7 +135,6 @@ class RollbackRequestHook(tf.compat.v1.train.SessionRunHook):
 
     def _request(self, session, guard: _guard.Guard, event: _nan_event.NanEvent) -> Dict[str, int]:
         _run_bounded(session, self._ask, {self._step: event.step, self._loss: event.loss})
-        self.requests += 1
         skipped = guard.restorer.skip_input(session, guard.config.rollback_skip_batches)
         logging.warning(
             "slim_nanguard: worker %d asked the chief to roll back the model (bad step at "
@@ -154,7 +152,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
     After a training step with requests waiting, it answers them all with one rollback of the
     chief's guard (as the chief's own, but skipping no input); the ``rollback`` record names the
     tasks in ``requested_by`` and counts ``requests``. Every rollback counts against
-    ``max_rollbacks``; a request past it raises `NanLossError` (see `answer`).
+    ``max_rollbacks``; a request past it raises `NanLossError`.
 
     `checkpoint_dir` is where the chief saves checkpoints. `after_restore` (or None) runs after
     every restore of the chief's guard (requested, or its own, at its next step); with
@@ -201,31 +199,16 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         waiting = int(run_values.results or 0)
-        if not waiting or self._guard is None:
+        guard, session = self._guard, run_context.session
+        if not waiting or guard is None:
             return
-        session = run_context.session
         tasks, steps, losses = session.run(self._take, {self._count: waiting})
-        self.answer(session, [int(t) for t in tasks], [int(s) for s in steps], list(losses))
-
-    def answer(self, session, tasks: List[int], steps: List[int], losses: List[float]) -> str:
-        """Carries out one rollback for the requests `tasks` made at `steps`; returns its path.
-
-        Raises:
-          NanLossError: The chief already carried out ``max_rollbacks`` rollbacks.
-        """
-        guard = self._guard
-        step, loss = min(zip(steps, map(float, losses)), key=lambda pair: pair[0])
-        event = _nan_event.NanEvent(
-            step=step,
-            loss=loss,
-            loss_kind=_nan_event.classify(loss),
-            culprits=(),
-            consecutive=0,
-            total=guard.state.total_bad_steps,
-            mode=guard.mode,
-            action=_types.Action.ROLLBACK,
-        )
-        workers = tuple(sorted(set(tasks)))
+        # One rollback answers them all, recorded at the earliest bad step asked about.
+        step, loss = min(zip(map(int, steps), map(float, losses)), key=lambda pair: pair[0])
+        read = _policy.BadStep(step, _types.Action.ROLLBACK, loss=loss)
+        counts = dict(consecutive=0, total=guard.state.total_bad_steps)
+        event = _nan_event.event_of(read, mode=guard.mode, action=read.chosen, **counts)
+        workers = tuple(sorted(set(map(int, tasks))))
         decision = _actions.observe(guard, _policy.RollbackRequested(workers))
         if decision.action == _types.Action.RAISE:
             logging.error("slim_nanguard: %s; giving up", decision.reason)
@@ -236,7 +219,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
                 len(tasks),
                 "s" if len(tasks) > 1 else "",
             )
-        outcome = _actions.carry_out(
+        _actions.carry_out(
             guard,
             session,
             event,
@@ -247,7 +230,6 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
             requests=len(tasks),
         )
         self._restored(session)
-        return outcome.checkpoint
 
 
 def session_config(job: str, task: int, timeout_secs: float) -> tf.compat.v1.ConfigProto:

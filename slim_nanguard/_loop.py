@@ -105,26 +105,6 @@ class TrainResult:
         )
 
 
-class _FiniteModelHook(tf.compat.v1.train.SessionRunHook):
-    """Refuses to train a model that holds NaN or Inf once the session is created."""
-
-    def __init__(self, source: str):
-        self._source = source
-        self._test: Optional[_checkpoints.FinitenessTest] = None
-
-    def begin(self):
-        self._test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
-
-    def after_create_session(self, session, coord):
-        if bad := self._test.non_finite(session):
-            raise _errors.NonFiniteCheckpointError(
-                f"the model loaded from {self._source} holds NaN or Inf in "
-                f"{', '.join(name for name, _ in bad[:5])}{' and more' if len(bad) > 5 else ''} "
-                f"({_exact_sums.describe(bad)}); refusing to train from it. Start from another "
-                "checkpoint."
-            )
-
-
 @dataclasses.dataclass
 class _Progress:
     """Logs a progress line every `every` global steps (0: none), with the time left to
@@ -289,7 +269,7 @@ def train(
     try:
         with train_op.graph.as_default():
             loop.make_scaffold(scaffold, resume_from, max_checkpoints_to_keep)
-            loop.add_hooks(hooks, chief_only_hooks, resume_from)
+            loop.add_hooks(hooks, chief_only_hooks)
             loop.add_saving_hooks(
                 save_checkpoint_secs,
                 save_checkpoint_steps,
@@ -332,11 +312,7 @@ def _check_arguments(
             "it (made with global_step=None): number_of_steps would never be reached. Make it "
             "with create_train_op's default global_step."
         )
-    if number_of_steps is not None and (
-        isinstance(number_of_steps, bool)
-        or not isinstance(number_of_steps, int)
-        or number_of_steps < 0
-    ):
+    if number_of_steps is not None and (type(number_of_steps) is not int or number_of_steps < 0):
         raise ValueError(
             f"number_of_steps must be a non-negative integer or None; got {number_of_steps!r}."
         )
@@ -396,8 +372,9 @@ class _Loop:
 
     def make_scaffold(self, given, resume_from: Optional[str], max_to_keep: int) -> None:
         """Sets `scaffold`: `given` with a saver that never writes NaN or Inf and, on the chief,
-        an init_fn that runs for every session created (a recovered one too) and restores
-        `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none."""
+        an init_fn that runs for every session created (a recovered one too), restores
+        `logdir`'s newest good checkpoint as it is then, or runs `given`'s init_fn if none, and
+        refuses (`NonFiniteCheckpointError`) a model that then holds NaN or Inf."""
         given = given if given is not None else tf.compat.v1.train.Scaffold()
         if given.saver is None:
             # Relative paths in the 'checkpoint' file: the directory can be moved or copied.
@@ -415,18 +392,28 @@ class _Loop:
                 kept = [v for v in tf.compat.v1.global_variables() if v not in missing]
                 restorer = tf.compat.v1.train.Saver(kept, sharded=True)
 
+            test = _checkpoints.finiteness_test(tf.compat.v1.global_variables())
+
             def init_fn(unused_scaffold, session: tf.compat.v1.Session) -> None:
                 latest = _checkpoints.latest_good_checkpoint(self.logdir, repair_state=True)
                 if latest is not None:
                     (restorer if latest == resume_from else saver).restore(session, latest)
                 elif given.init_fn is not None:
                     given.init_fn(session)
+                if bad := test.non_finite(session):
+                    more = " and more" if len(bad) > 5 else ""
+                    raise _errors.NonFiniteCheckpointError(
+                        f"the model loaded from {latest or 'initialisation'} holds NaN or Inf in "
+                        f"{', '.join(name for name, _ in bad[:5])}{more} "
+                        f"({_exact_sums.describe(bad)}); refusing to train from it. Start from "
+                        "another checkpoint."
+                    )
 
         self.scaffold = tf.compat.v1.train.Scaffold(
             saver=saver, init_fn=init_fn, copy_from_scaffold=given
         )
 
-    def add_hooks(self, hooks, chief_only_hooks, resume_from: Optional[str]) -> None:
+    def add_hooks(self, hooks, chief_only_hooks) -> None:
         """The caller's hooks, the judging hook, the step limit and the final values."""
         guard = self.guard
         self.hooks = list(hooks or [])
@@ -445,8 +432,7 @@ class _Loop:
             final_values["learning_rate_scale"] = guard.lr_scale
         self.final_hook = tf.compat.v1.train.FinalOpsHook(final_values)
         self.hooks.append(self.final_hook)
-        finite_model = _FiniteModelHook(resume_from or "initialisation")
-        self.chief_hooks = [finite_model, *(chief_only_hooks or [])]
+        self.chief_hooks = list(chief_only_hooks or [])
 
     def add_saving_hooks(self, checkpoint_secs, checkpoint_steps, summary_steps, summary_secs):
         """The chief's step counter, checkpoint and summary hooks."""
@@ -527,8 +513,8 @@ class _Loop:
         if outcome.stop:
             self.climb = outcome.climb or self.climb
             return StopReason.POLICY
-        if outcome.action == Action.ROLLBACK or outcome.step is not None:  # (or a retry)
-            self.step = outcome.step if outcome.step is not None else self._read_step(sess)
+        if outcome.step is not None:  # A rollback, or a retry that trained.
+            self.step = outcome.step
             if outcome.action != Action.ROLLBACK and self._at_limit(self.step):
                 return StopReason.STEP_LIMIT  # A retry trained the last step: no hook saw it.
         if outcome.good:  # Not a bad step nor an overflow: global_step moved on.
