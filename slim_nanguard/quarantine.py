@@ -85,8 +85,10 @@ def clear(directory: str) -> int:
     held = len(read(directory))
     for file in _files(directory):
         tf.io.gfile.remove(file)
-    with _LOCK:  # Running filters read the files again, now gone.
-        _LIVE.pop(_key(directory), None)
+    with _LOCK:
+        live = _LIVE.get(_key(directory))
+        if live is not None:  # Running filters hold it: empty it where they look.
+            live.prints.clear()
     return held
 
 
@@ -158,10 +160,12 @@ def keep(directory: str) -> Callable[..., tf.Tensor]:
     `directory`. It reads the files when it first runs, not when built, and sees what the guard
     of this process quarantines afterwards. It runs in Python, once per example: a
     `tf.numpy_function` call and, once anything is quarantined, a sha1 of the example's bytes."""
-    key = _key(directory)  # The directory as given now, whatever the cwd later.
+    key, found = _key(directory), []  # The directory as given now, whatever the cwd later.
 
     def not_held(*arrays: np.ndarray) -> np.bool_:
-        return np.bool_(not _live(directory, key).holds(arrays))
+        if not found:  # Once: no lock per example.
+            found.append(_live(directory, key))
+        return np.bool_(not found[0].holds(arrays))
 
     def predicate(*example: Any) -> tf.Tensor:
         flat = tf.nest.flatten(example)
