@@ -201,9 +201,7 @@ def _forward_writes(
         variable = variables.get(_written_variable(op))
         write_context = op._get_control_flow_context()  # pylint: disable=protected-access
         written = op.inputs[0].op.name if op.inputs else "a variable"
-        if write_context is not context and any(
-            c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
-        ):
+        if write_context is not context and _ops.in_while(write_context):
             lost.append((op, written, "it sits in a loop body of its own"))
         elif variable is None:
             lost.append((op, written, unlisted))

@@ -53,7 +53,7 @@ class StepTest:
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
-        self.gradients = tuple(g.values if isinstance(g, tf.IndexedSlices) else g for g in grads)
+        self.gradients = tuple(map(_placement.values_of, grads))
         self.verdict = _exact_sums.Verdict(grads, loss=loss)
         self.anchor = self.verdict.total  # Where the guard's scratch variables live.
         self.kinds = _scratch(self.anchor, [len(grads) + 1], "value_kinds", tf.int64)

@@ -280,4 +280,4 @@ def _in_loop(graph: tf.Graph) -> bool:
     if getattr(graph, "building_function", False):
         return True
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
-    return any(c.IsWhileContext() for c in _ops.control_flow_contexts(context))
+    return _ops.in_while(context)
