@@ -248,7 +248,7 @@ def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **na
 
 
 def stored_loss_scale(stored: Sequence[float]) -> Optional[float]:
-    """The loss scale after the loss a step stored (`_OverflowTest.sums_and_scale`), or None."""
+    """The loss scale after the loss a step stored (`StepTest.kept`), or None."""
     return float(stored[-1]) if len(stored) == 2 else None
 
 
