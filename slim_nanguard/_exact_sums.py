@@ -183,9 +183,9 @@ class Verdict:
         wide = any(_placement.values_of(t).dtype.base_dtype == tf.float64 for t in self.tensors)
         dtype = tf.float64 if wide else tf.float32
         with tf.name_scope("verdict") as self._scope:
-            halves = half_squares(gradients, dtype)
+            self._halves = half_squares(gradients, dtype)
             head = [] if loss is None else [_widened(loss, dtype)]
-            self.total = tf.math.add_n(head + halves, name="total")
+            self.total = tf.math.add_n(head + self._halves, name="total")
             self.fast = tf.math.is_finite(self.total, name="fast_all_finite")
             # A control edge from the Identity of a dead Switch output carries deadness: what
             # waits on `_failed` runs only when the fast test failed.
@@ -199,7 +199,6 @@ class Verdict:
                 self._confirmed = tf.gather(tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code)
             self.checked = control_flow_ops.merge([passed, self._confirmed], name="exact_total")[0]
             self.ok = tf.math.is_finite(self.checked, name="all_finite")
-        self._halves = halves
 
     @functools.cached_property
     def global_norm(self) -> tf.Tensor:
