@@ -202,6 +202,8 @@ def loss_terms(loss: tf.Tensor) -> Tuple[Tuple[tf.Tensor, ...], Tuple[tf.Tensor,
     no term of it: it stays in the data. ``((loss,), ())`` when `loss` adds none."""
     collected = loss.graph.get_collection(tf.compat.v1.GraphKeys.REGULARIZATION_LOSSES)
     wanted = {t.name for t in collected if isinstance(t, tf.Tensor)}
+    if not wanted:
+        return (loss,), ()
     data, regularization, stack = [], [], [loss]
     while stack:
         tensor = stack.pop()
