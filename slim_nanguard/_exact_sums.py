@@ -45,27 +45,27 @@ def kind_flags(tensors: Sequence) -> tf.Tensor:
     ops a chunk and a reshape a tensor, on a failed step only); a tensor alone in its chunk (of
     unknown size, or large) takes four ops of its own. One vector comes from each device."""
     groups: Dict[object, List[Tuple[int, tf.Tensor]]] = {}
-    for i, v in enumerate(map(_values, tensors)):
+    for i, v in enumerate(map(_placement.values_of, tensors)):
         static = v.shape.is_fully_defined()
         key = (_placement.device_of(v), v.dtype.base_dtype) if static else i
         groups.setdefault(key, []).append((i, v))
-    by_device: Dict[str, List[Tuple[List[int], tf.Tensor]]] = {}
-    for chunk in (chunk for members in groups.values() for chunk in _chunks(members)):
-        first = chunk[0][1]
-        with _placement.beside(first):
-            if len(chunk) > 1:
-                flags = _chunk_flags([v for _, v in chunk])
-            else:  # Alone: whether it holds a NaN, an Inf.
-                tests = (tf.math.is_nan, tf.math.is_inf)
-                flags = tf.stack([tf.reduce_any(test(first)) for test in tests])
-        by_device.setdefault(_placement.device_of(first), []).append(([i for i, _ in chunk], flags))
-    parts, order = [], []
-    for group in by_device.values():
-        with _placement.beside(group[0][1]):
-            parts.append(group[0][1] if len(group) == 1 else tf.concat([f for _, f in group], 0))
-        order += [i for indices, _ in group for i in indices]
+    by_device: Dict[str, List[tf.Tensor]] = {}
+    order: Dict[str, List[int]] = {}  # The indices of each device's flags, in order.
+    for members in groups.values():
+        for chunk in _chunks(members, _CHUNK_BYTES, _CHUNK_ELEMENTS):
+            first = chunk[0][1]
+            with _placement.beside(first):
+                if len(chunk) > 1:
+                    flags = _chunk_flags([v for _, v in chunk])
+                else:  # Alone: whether it holds a NaN, an Inf.
+                    tests = (tf.math.is_nan, tf.math.is_inf)
+                    flags = tf.stack([tf.reduce_any(test(first)) for test in tests])
+            device = _placement.device_of(first)
+            by_device.setdefault(device, []).append(flags)
+            order.setdefault(device, []).extend(i for i, _ in chunk)
+    parts = _one_a_device(by_device, lambda flags: tf.concat(flags, 0))
     flags = tf.reshape(tf.cast(tf.concat(parts, 0), tf.int32), [-1, 2])
-    return tf.gather(flags, np.argsort(order))
+    return tf.gather(flags, np.argsort([i for indices in order.values() for i in indices]))
 
 
 # A chunk's elements and bytes at most (a larger tensor is alone): on a failed step its copy,
@@ -74,19 +74,31 @@ _CHUNK_ELEMENTS = 1 << 22
 _CHUNK_BYTES = 1 << 24
 
 
-def _chunks(members: Sequence[Tuple[int, tf.Tensor]]) -> Iterator[list]:
-    """`members` in runs of at most `_CHUNK_ELEMENTS` and `_CHUNK_BYTES` (a larger one alone)."""
+def _chunks(
+    members: Sequence[Tuple[int, tf.Tensor]], max_bytes: int, max_elements: float = math.inf
+) -> Iterator[list]:
+    """`members` (of one dtype) in runs of at most `max_elements` and `max_bytes` (a larger
+    one alone)."""
     chunk, elements = [], 0
     for i, v in members:
         n = v.shape.num_elements() or 0
         total = elements + n  # One dtype: its bytes are total * v.dtype.size.
-        if chunk and (total > _CHUNK_ELEMENTS or total * v.dtype.size > _CHUNK_BYTES):
+        if chunk and (total > max_elements or total * v.dtype.size > max_bytes):
             yield chunk
             chunk, elements = [], 0
         chunk.append((i, v))
         elements += n
     if chunk:
         yield chunk
+
+
+def _one_a_device(parts: Dict[str, List[tf.Tensor]], combine) -> List[tf.Tensor]:
+    """One tensor a device: its `parts` combined (`combine` of a list) beside the first."""
+    combined = []
+    for group in parts.values():
+        with _placement.beside(group[0]):
+            combined.append(group[0] if len(group) == 1 else combine(group))
+    return combined
 
 
 def _chunk_flags(chunk: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -123,16 +135,6 @@ def describe(bad: Sequence[Tuple[str, str]]) -> str:
     return "; ".join(f"{kind_word(k)} in {listed(names)}" for k, names in kinds if names)
 
 
-def accumulation_dtype(tensors: Sequence) -> tf.DType:
-    """float64 if one of `tensors` is, else float32 (half precision's sums overflow early)."""
-    wide = any(_values(t).dtype.base_dtype == tf.float64 for t in tensors)
-    return tf.float64 if wide else tf.float32
-
-
-def _values(tensor) -> tf.Tensor:
-    return tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
-
-
 def _widened(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tensor if tensor.dtype.base_dtype == dtype else tf.cast(tensor, dtype)
 
@@ -146,25 +148,19 @@ def half_squares(tensors: Sequence, dtype: tf.DType) -> List[tf.Tensor]:
     """Scalars in `dtype` adding up to half the sum of squares of `tensors`, one a device: one
     `l2_loss` per stack of same device, dtype and static shape (up to `_STACK_BYTES`), or per
     other tensor, each beside its tensors."""
-    by_shape: Dict[object, List[tf.Tensor]] = {}
-    for i, t in enumerate(tensors):
-        v = _values(t)
+    by_shape: Dict[object, List[Tuple[int, tf.Tensor]]] = {}
+    for i, v in enumerate(map(_placement.values_of, tensors)):
         shape = (v.dtype.base_dtype, tuple(v.shape.as_list())) if v.shape.is_fully_defined() else i
-        by_shape.setdefault((_placement.device_of(v), shape), []).append(v)
+        by_shape.setdefault((_placement.device_of(v), shape), []).append((i, v))
     by_device: Dict[str, List[tf.Tensor]] = {}
     for (device, _), group in by_shape.items():
-        size = group[0].shape.num_elements() or 0
-        per_stack = max(1, _STACK_BYTES // max(1, size * group[0].dtype.size))
-        for start in range(0, len(group), per_stack):
-            chunk = group[start : start + per_stack]
-            with _placement.beside(chunk[0]):
-                stacked = chunk[0] if len(chunk) == 1 else tf.stack(chunk, name="same_shape")
+        for chunk in _chunks(group, _STACK_BYTES):
+            stack = [v for _, v in chunk]
+            with _placement.beside(stack[0]):
+                stacked = stack[0] if len(stack) == 1 else tf.stack(stack, name="same_shape")
                 by_device.setdefault(device, []).append(tf.nn.l2_loss(_widened(stacked, dtype)))
-    halves = []  # One scalar a device: what a good step sends between devices.
-    for group in by_device.values():
-        with _placement.beside(group[0]):
-            halves.append(group[0] if len(group) == 1 else tf.math.add_n(group))
-    return halves
+    # One scalar a device: what a good step sends between devices.
+    return _one_a_device(by_device, tf.math.add_n)
 
 
 class Verdict:
@@ -183,11 +179,13 @@ class Verdict:
     def __init__(self, gradients: Sequence, *, loss: Optional[tf.Tensor] = None):
         self.tensors = ([] if loss is None else [loss]) + list(gradients)
         self._gradients = list(gradients)
-        dtype = accumulation_dtype(self.tensors)
+        # float64 if a value is, else float32 (half precision's sums overflow early).
+        wide = any(_placement.values_of(t).dtype.base_dtype == tf.float64 for t in self.tensors)
+        dtype = tf.float64 if wide else tf.float32
         with tf.name_scope("verdict") as self._scope:
-            halves = half_squares(gradients, dtype)
+            self._halves = half_squares(gradients, dtype)
             head = [] if loss is None else [_widened(loss, dtype)]
-            self.total = tf.math.add_n(head + halves, name="total")
+            self.total = tf.math.add_n(head + self._halves, name="total")
             self.fast = tf.math.is_finite(self.total, name="fast_all_finite")
             # A control edge from the Identity of a dead Switch output carries deadness: what
             # waits on `_failed` runs only when the fast test failed.
@@ -201,7 +199,6 @@ class Verdict:
                 self._confirmed = tf.gather(tf.constant([0.0, np.nan, np.inf, np.nan], dtype), code)
             self.checked = control_flow_ops.merge([passed, self._confirmed], name="exact_total")[0]
             self.ok = tf.math.is_finite(self.checked, name="all_finite")
-        self._halves = halves
 
     @functools.cached_property
     def global_norm(self) -> tf.Tensor:
@@ -250,7 +247,7 @@ def overflow_rule(failed, loss_finite, scale, *, both=lambda a, b: a and b, **na
 
 
 def stored_loss_scale(stored: Sequence[float]) -> Optional[float]:
-    """The loss scale after the loss a step stored (`_OverflowTest.sums_and_scale`), or None."""
+    """The loss scale after the loss a step stored (`StepTest.kept`), or None."""
     return float(stored[-1]) if len(stored) == 2 else None
 
 

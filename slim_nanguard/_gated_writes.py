@@ -193,30 +193,11 @@ def _forward_writes(
     ancestors = sorted(_ops.walk([tested.op]), key=lambda op: op.name)
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
     by_variable: Dict[tf.Operation, List[tf.Operation]] = {}  # variable op -> its writes
-    lost = []  # (write, what it writes, why a snapshot cannot undo it)
     unlisted = (
         "the variable is in no variable collection; put it in GLOBAL_VARIABLES or LOCAL_VARIABLES"
     )
-    for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):
-        variable = variables.get(_written_variable(op))
-        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
-        written = op.inputs[0].op.name if op.inputs else "a variable"
-        if write_context is not context and any(
-            c.IsWhileContext() for c in _ops.control_flow_contexts(write_context)
-        ):
-            lost.append((op, written, "it sits in a loop body of its own"))
-        elif variable is None:
-            lost.append((op, written, unlisted))
-        else:
-            by_variable.setdefault(variable.op, []).append(op)
-    for op in (op for op in ancestors if _body_graphs(op)):
-        for handle in _handles_written_by(op):
-            variable = variables.get(handle.op)
-            if variable is None:
-                lost.append((op, handle.op.name, unlisted))
-            elif op not in by_variable.setdefault(variable.op, []):
-                by_variable[variable.op].append(op)
-    for op, written, why in lost:
+
+    def lost(op: tf.Operation, written: str, why: str) -> None:  # A snapshot cannot undo it.
         logging.warning(
             "slim_nanguard: %s writes %s in the forward pass, before the finiteness test, and "
             "cannot be undone on a bad step (%s), or make it an update op the loss does not "
@@ -225,6 +206,24 @@ def _forward_writes(
             written,
             why,
         )
+
+    for op in (op for op in ancestors if _ops.is_write(op) and op not in initializers):
+        variable = variables.get(_written_variable(op))
+        write_context = op._get_control_flow_context()  # pylint: disable=protected-access
+        written = op.inputs[0].op.name if op.inputs else "a variable"
+        if write_context is not context and _ops.in_while(write_context):
+            lost(op, written, "it sits in a loop body of its own")
+        elif variable is None:
+            lost(op, written, unlisted)
+        else:
+            by_variable.setdefault(variable.op, []).append(op)
+    for op in (op for op in ancestors if _body_graphs(op)):
+        for handle in _handles_written_by(op):
+            variable = variables.get(handle.op)
+            if variable is None:
+                lost(op, handle.op.name, unlisted)
+            elif op not in by_variable.setdefault(variable.op, []):
+                by_variable[variable.op].append(op)
     return by_variable
 
 

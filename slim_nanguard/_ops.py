@@ -120,11 +120,11 @@ def _shape(variable: tf.Variable):
     return variable.shape.as_list() if variable.shape.is_fully_defined() else tf.shape(variable)
 
 
-def control_flow_contexts(context) -> Iterator:
-    """`context` (a TF1 control-flow context, or None) and each one it sits in."""
-    while context is not None:
-        yield context
+def in_while(context) -> bool:
+    """Whether `context` (a TF1 control-flow context, or None) is or sits in a while loop."""
+    while context is not None and not context.IsWhileContext():
         context = context.outer_context
+    return context is not None
 
 
 class RunsOp:

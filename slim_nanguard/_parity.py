@@ -192,7 +192,7 @@ def add_gradients_summaries(grads_and_vars: GradsAndVars) -> List[tf.Tensor]:
         if grad is None:
             logging.info("Var %s has no gradient", var.op.name)
             continue
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        values = _placement.values_of(grad)
         finite = tf.boolean_mask(values, tf.math.is_finite(values))
         norm = tf.linalg.global_norm([values])
         with _placement.on_host():  # Summaries have no GPU kernel.

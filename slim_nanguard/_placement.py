@@ -24,10 +24,15 @@ def on_host():
     return tf.device(HOST)
 
 
+def values_of(tensor) -> tf.Tensor:
+    """`tensor`, or an `IndexedSlices`' values."""
+    return tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+
+
 def beside(tensor: tf.Tensor):
     """A block whose ops are colocated with `tensor` (an `IndexedSlices`' values); for a
     scalar (the loss), a block in the device scope in force: the scalar crosses anyway."""
-    values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+    values = values_of(tensor)
     if values.shape.rank == 0:
         return contextlib.nullcontext()
     return tf.compat.v1.colocate_with(values.op)
@@ -53,8 +58,7 @@ def verdict_device(loss: tf.Tensor, grads: Sequence) -> Optional[str]:
     puts the verdict beside the worker's gradients, and a device naming the worker would also
     pull the reasons' state, which lives on the parameter servers with the model, onto the
     worker."""
-    present = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
-    devices = {device_of(g) for g in present}
+    devices = {device_of(values_of(g)) for g in grads if g is not None}
     if len(devices) != 1:
         return None
     (device,) = devices

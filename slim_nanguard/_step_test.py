@@ -34,6 +34,10 @@ class StepTest:
       kinds: Int64 variable (int32 has no GPU kernel), the `_exact_sums` kind codes a step whose
         fast test failed stores.
       kept: What a bad step stores in `diagnostics`: its loss (then a loss scale's scale).
+      overflow: With a dynamic loss scale, True on an overflow (`_exact_sums.overflow_rule`): a
+        finite step runs every write, an overflow the scale's only, any other none; else None.
+      unless_overflow: With `overflow`, what check_numerics mode checks: `checked`, but finite
+        on an overflow step.
       ok: Scalar bool, True on a step that may write: `verdict.ok`, and no reason rejects.
       checked: What check_numerics mode checks: `verdict.checked`, NaN on a rejected step.
       cause: With reasons, int32: 0 for a non-finite step, else 1 + the index of the first
@@ -53,7 +57,7 @@ class StepTest:
         """Builds the test in the current name scope (`loss_scale`: a `DynamicLossScale`)."""
         self.present = [(g, v) for g, v in grads_and_vars if g is not None]
         grads = [g for g, _ in self.present]
-        self.gradients = tuple(g.values if isinstance(g, tf.IndexedSlices) else g for g in grads)
+        self.gradients = tuple(map(_placement.values_of, grads))
         self.verdict = _exact_sums.Verdict(grads, loss=loss)
         self.anchor = self.verdict.total  # Where the guard's scratch variables live.
         self.kinds = _scratch(self.anchor, [len(grads) + 1], "value_kinds", tf.int64)
@@ -67,10 +71,21 @@ class StepTest:
         with self.when_bad():  # The loss a bad step leaves (its kinds name the culprits).
             dtype = self.anchor.dtype
             self.kept = tf.reshape(tf.cast(loss, dtype), [1], name="bad_loss")
-        self.scaler = None
+        self.overflow = self.unless_overflow = None
         if loss_scale is not None:
-            self.scaler = _OverflowTest(self.kept, loss_scale, self)
-            self.kept = self.scaler.sums_and_scale
+            # The scale this step multiplied the loss by.
+            scale = tf.cast(loss_scale(), dtype)
+            self.kept = tf.concat([self.kept, tf.reshape(scale, [1])], 0, name="loss_and_scale")
+            self.overflow = _exact_sums.overflow_rule(
+                tf.logical_not(self.verdict.ok),
+                tf.math.is_finite(self.verdict.tensors[0]),
+                scale,
+                both=tf.logical_and,
+                name="loss_scale_overflow",
+            )
+            self.unless_overflow = tf.where(
+                self.overflow, tf.zeros_like(self.checked), self.checked
+            )
         self.diagnostics = _scratch(self.anchor, self.kept.shape, "bad_loss", self.kept.dtype)
 
     def _add_reasons(self, loss: tf.Tensor, reasons: Sequence[_reasons.Reason]) -> None:
@@ -145,7 +160,7 @@ class StepTest:
             counters = _scratch(self.anchor, [len(_recorders.SCALARS)], "counters")
             shown = _ops.read_once_written(counters, 0.0, name="counters_read")
             spikes = any(reason.name == Fault.SPIKE for reason in self.reasons)
-            has = {"level_shifts": spikes, "loss_scale_overflows": self.scaler is not None}
+            has = {"level_shifts": spikes, "loss_scale_overflows": self.overflow is not None}
             for name, value in zip(_recorders.SCALARS, tf.unstack(shown)):
                 if has.get(name, True):
                     with _placement.on_host():
@@ -234,7 +249,7 @@ def build_gate(
     `autopsy`, keeps `loss`'s batch. `config` names the policy in the errors."""
     build = _check_numerics_gate if check_numerics else _hook_gate
     gate = build(test, config, forward, loss, autopsy)
-    return gate if test.scaler is None else test.scaler.gated(gate)
+    return gate if test.overflow is None else _loss_scaled(test, gate)
 
 
 def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
@@ -251,7 +266,7 @@ def _check_numerics_gate(test, config, forward, loss, autopsy) -> Gate:
         ready.append(_after(forward.put_back(test.ok), untaken, taken))
     # The batch, kept on a bad step only (for the autopsy).
     capture = _capture.keep_batch(loss, test.ok, enabled=autopsy)
-    checked = test.checked if test.scaler is None else test.scaler.unless_overflow
+    checked = test.checked if test.overflow is None else test.unless_overflow
     with tf.control_dependencies(ready + capture.control_inputs):
         if not test.reasons:
             check = tf.debugging.check_numerics(checked, _check_message(config))
@@ -294,8 +309,8 @@ def _hook_gate(test, config, forward, loss, autopsy) -> Gate:
     with tf.control_dependencies([bad_pivot]):
         is_judged = tf.raw_ops.VarIsInitializedOp(resource=judged.handle)
     passes = tf.logical_or(is_judged, bad_pivot)
-    if test.scaler is not None:  # An overflow is the loss scale's business: it passes.
-        passes = tf.logical_or(passes, test.scaler.overflow)
+    if test.overflow is not None:  # An overflow is the loss scale's business: it passes.
+        passes = tf.logical_or(passes, test.overflow)
     with _placement.on_host():
         unjudged = tf.debugging.Assert(passes, [_unjudged_message(config)], name="unjudged")
     # The batch too, for the autopsy, on the same bad branch.
@@ -317,42 +332,21 @@ def dynamic_loss_scale(optimizer) -> Optional[tf.compat.v1.mixed_precision.Dynam
     return loss_scale if dynamic and hasattr(optimizer, "_optimizer") else None
 
 
-class _OverflowTest:
-    """The test of a train op whose optimizer scales the loss dynamically: a finite step runs
-    every write; an overflow (`_exact_sums.overflow_rule`) the scale's only; any other none.
-    `unless_overflow` is what check_numerics mode checks: finite on an overflow step."""
-
-    floor = _exact_sums.LOSS_SCALE_FLOOR
-
-    def __init__(self, kept: tf.Tensor, loss_scale, test: StepTest):
-        # The scale this step multiplied the loss by.
-        scale = tf.cast(loss_scale(), kept.dtype)
-        self.sums_and_scale = tf.concat([kept, tf.reshape(scale, [1])], 0, name="loss_and_scale")
-        self.finite = test.ok
-        self.overflow = _exact_sums.overflow_rule(
-            tf.logical_not(test.verdict.ok),
-            tf.math.is_finite(test.verdict.tensors[0]),
-            scale,
-            both=tf.logical_and,
-            name="loss_scale_overflow",
+def _loss_scaled(test: StepTest, gate: Gate) -> Gate:
+    """The mode's `gate` for a loss-scaled train op (its ``ok`` False on an overflow)."""
+    if gate.ok is None:  # check_numerics mode
+        untaken, taken = control_flow_ops.switch(test.ok, test.ok)
+        finite_gate = tf.identity(taken, name="finite_pivot")
+        ok, _ = control_flow_ops.merge(
+            [finite_gate, tf.identity(untaken)], name="all_finite_checked"
         )
-        self.unless_overflow = tf.where(self.overflow, tf.zeros_like(test.checked), test.checked)
-
-    def gated(self, gate: Gate) -> Gate:
-        """The mode's `gate` for a loss-scaled train op (its ``ok`` False on an overflow)."""
-        if gate.ok is None:  # check_numerics mode
-            untaken, taken = control_flow_ops.switch(self.finite, self.finite)
-            finite_gate = tf.identity(taken, name="finite_pivot")
-            ok, _ = control_flow_ops.merge(
-                [finite_gate, tf.identity(untaken)], name="all_finite_checked"
-            )
-            # The check's output, live past the check on a step that is not finite.
-            done, _ = control_flow_ops.switch(gate.gate, self.finite, name="overflow_done")
-            return dataclasses.replace(gate, finite_gate=finite_gate, ok=ok, bad_done=done)
-        writable = tf.logical_or(self.finite, self.overflow)
-        _, taken = control_flow_ops.switch(writable, writable)
-        pivot = tf.identity(taken, name="pivot_unless_bad")
-        return dataclasses.replace(gate, gate=pivot, finite_gate=gate.gate)
+        # The check's output, live past the check on a step that is not finite.
+        done, _ = control_flow_ops.switch(gate.gate, test.ok, name="overflow_done")
+        return dataclasses.replace(gate, finite_gate=finite_gate, ok=ok, bad_done=done)
+    writable = tf.logical_or(test.ok, test.overflow)
+    _, taken = control_flow_ops.switch(writable, writable)
+    pivot = tf.identity(taken, name="pivot_unless_bad")
+    return dataclasses.replace(gate, gate=pivot, finite_gate=gate.gate)
 
 
 def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 import tensorflow as tf
 
 from slim_nanguard import _checkpoints
+from slim_nanguard import _exact_sums
 from slim_nanguard import _gated_writes
 from slim_nanguard import _guard
 from slim_nanguard import _handles
@@ -237,7 +238,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         lr_scale=lr_scale,
         lr_scale_value=lr_scale_value,
         lr_scale_assign=lr_scale_assign,
-        loss_scale_floor=None if test.scaler is None else test.scaler.floor,
+        loss_scale_floor=None if test.overflow is None else _exact_sums.LOSS_SCALE_FLOOR,
         in_loop=in_loop,
         judged=gate.judged,
         pivot=gate.pivot,
@@ -280,4 +281,4 @@ def _in_loop(graph: tf.Graph) -> bool:
     if getattr(graph, "building_function", False):
         return True
     context = graph._get_control_flow_context()  # pylint: disable=protected-access
-    return any(c.IsWhileContext() for c in _ops.control_flow_contexts(context))
+    return _ops.in_while(context)

@@ -69,7 +69,10 @@ class _Restore:
 
     def is_broken(self, module: types.ModuleType) -> bool:
         """Whether the names are missing from `module` on the running TensorFlow."""
-        return not all(hasattr(module, name) for name in self.names)
+        try:
+            return not all(hasattr(module, name) for name in self.names)
+        except ImportError:  # A lazy module's import failed (the legacy batch normalization).
+            return True
 
     def load(self) -> Optional[Dict[str, Any]]:
         """Returns ``{name: replacement}``, or None if no replacement exists (a subclass's)."""
@@ -82,13 +85,6 @@ class _Restore:
 class _BatchNormalization(_Restore):
     """TensorFlow's lazy ``normalization`` module asks for tf_keras.legacy_tf_layers, which
     tf-keras 2.21 ships only under tf_keras.src; slim.batch_norm fails."""
-
-    def is_broken(self, module: types.ModuleType) -> bool:
-        try:
-            module.BatchNormalization  # noqa: B018  (the attribute access is the probe)
-        except (ImportError, AttributeError):  # ImportError: the lazy import failed.
-            return True
-        return False
 
     def load(self) -> Optional[Dict[str, Any]]:
         # The path TensorFlow's lazy loader asks for, then where tf-keras 2.21 keeps it.
