@@ -29,8 +29,8 @@ LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 
 def classify(value: float) -> str:
-    """``"nan"``, ``"inf"`` or ``"finite"``: a loss value's `_exact_sums.value_kind`."""
-    return _exact_sums.value_kind(value)
+    """`NAN`, `INF` or `FINITE` (as `_exact_sums` names them) for a loss value."""
+    return NAN if math.isnan(value) else INF if math.isinf(value) else FINITE
 
 
 @dataclasses.dataclass(frozen=True)

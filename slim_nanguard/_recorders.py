@@ -116,6 +116,7 @@ class EventRecorder:
     ):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
+        self._remote = _paths.is_url(self.path)  # Once, not per record (test_bad_step_trace).
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
@@ -138,7 +139,8 @@ class EventRecorder:
         """Appends one record as one line (`append_lines`)."""
         if self.task is not None:
             record = {"task": self.task, **record}
-        append_lines(self.path, json.dumps(record, sort_keys=True, allow_nan=False, default=str))
+        line = json.dumps(record, sort_keys=True, allow_nan=False, default=str)
+        append_lines(self.path, line, remote=self._remote)
 
     def write_scalars(
         self,
@@ -164,13 +166,14 @@ class EventRecorder:
         writer.flush()
 
 
-def append_lines(path: str, *lines: str) -> None:
+def append_lines(path: str, *lines: str, remote: Optional[bool] = None) -> None:
     """Appends `lines` to the file `path` in one write, flushed (and, on a local disk, synced);
-    a partial line an earlier run left is closed first, so that it stays one unreadable line."""
+    a partial line an earlier run left is closed first, so that it stays one unreadable line.
+    `remote`: whether `path` is a URL (None: `_paths.is_url` says)."""
     text = "".join(line + "\n" for line in lines)
     if _ends_mid_line(path):
         text = "\n" + text
-    if _paths.is_url(path):  # Remote storage: written when the file is closed.
+    if _paths.is_url(path) if remote is None else remote:  # Remote: written when closed.
         with tf.io.gfile.GFile(path, "a") as f:
             f.write(text)
         return
