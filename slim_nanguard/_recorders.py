@@ -154,8 +154,9 @@ class EventRecorder:
         if not self._write_summaries:
             return
         writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
-        totals = [sum(float(getattr(g.state, f)) for g in self._followed) for f in SCALARS.values()]
-        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)} if counters else {}
+        states = [guard.state for guard in self._followed] if counters else []
+        totals = [sum(float(getattr(s, field)) for s in states) for field in SCALARS.values()]
+        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)} if states else {}
         shown |= {"nanguard/loss": loss} if loss is not None else {}
         values = [
             tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
