@@ -216,9 +216,9 @@ def latest_good_checkpoint(
             continue
         if verdict:
             raise _errors.NonFiniteCheckpointError(
-                f"checkpoint {path} holds NaN or Inf in {', '.join(verdict[:5])}"
-                f"{' and more' if len(verdict) > 5 else ''}; refusing to train from it. Delete "
-                "it (and its entry in the 'checkpoint' file) to resume from an older one."
+                f"checkpoint {path} holds NaN or Inf in {_exact_sums.listed(verdict)}; refusing "
+                "to train from it. Delete it (and its entry in the 'checkpoint' file) to resume "
+                "from an older one."
             )
         if failures and not reported:
             logging.warning(
@@ -375,10 +375,6 @@ class _FinitenessCheck:
         self._test = finiteness_test(variables)
         self.refused_saves = 0
 
-    def non_finite(self, sess: tf.compat.v1.Session) -> List[str]:
-        """Names of the saved variables that hold NaN or Inf now."""
-        return [name for name, _ in self._test.non_finite(sess)]
-
     def save(
         self, sess: tf.compat.v1.Session, save_path: str, global_step: _Step = None, *args, **kwargs
     ) -> Optional[str]:
@@ -473,31 +469,23 @@ class ResumingSaver(tf.compat.v1.train.Saver):
         )
 
     def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
-        """As `tf.compat.v1.train.Saver.restore`; the optional variables may be missing."""
+        """As `tf.compat.v1.train.Saver.restore`; the optional variables may be missing (logged)."""
         self._built_for(sess.graph)
-        if not self._restore_lacking(sess, save_path):
-            super().restore(sess, save_path)
-
-    def _restore_lacking(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> bool:
-        """True after restoring `save_path` when it lacks an optional variable (logged); False,
-        doing nothing, when it lacks none or cannot be read."""
-        if not getattr(self, "_optional", None) or save_path is None:
-            return False
-        try:
-            reader = checkpoint_reader(save_path)
-        except Exception:  # pylint: disable=broad-except
-            return False
-        missing = [name for _, name, _, _ in self._optional if not reader.has_tensor(name)]
+        missing = []
+        if getattr(self, "_optional", None) and save_path is not None:
+            with contextlib.suppress(Exception):  # Unreadable: TensorFlow's restore says so.
+                reader = checkpoint_reader(save_path)
+                missing = [name for _, name, _, _ in self._optional if not reader.has_tensor(name)]
         if not missing:
-            return False
+            super().restore(sess, save_path)
+            return
         say_restored_without(save_path, missing)
         self._rest.restore(sess, save_path)
         for variable, name, value, assign in self._optional:
-            if reader.has_tensor(name):
-                sess.run(assign, {value: reader.get_tensor(name)})
-            else:
+            if name in missing:
                 sess.run(variable.initializer)
-        return True
+            else:
+                sess.run(assign, {value: reader.get_tensor(name)})
 
 
 class FiniteSaver(_FinitenessCheck, ResumingSaver):

@@ -15,23 +15,22 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 from tensorflow.python.platform import tf_logging
 
 from slim_nanguard import _exact_sums
+from slim_nanguard._exact_sums import FINITE
+from slim_nanguard._exact_sums import INF
+from slim_nanguard._exact_sums import NAN
 from slim_nanguard._reasons import NON_FINITE
 
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._autopsy import Autopsy
     from slim_nanguard._reasons import Reason
 
-LOSS_NAN = "nan"
-LOSS_INF = "inf"
-LOSS_FINITE = "finite"
-
 # Not a bad step: the loss-scale optimizer skipped the update and lowered its scale.
 LOSS_SCALE_OVERFLOW = "loss_scale_overflow"
 
 
 def classify(value: float) -> str:
-    """Returns `LOSS_NAN`, `LOSS_INF` or `LOSS_FINITE` for a loss value."""
-    return LOSS_NAN if math.isnan(value) else LOSS_INF if math.isinf(value) else LOSS_FINITE
+    """`NAN`, `INF` or `FINITE` (as `_exact_sums` names them) for a loss value."""
+    return NAN if math.isnan(value) else INF if math.isinf(value) else FINITE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +85,8 @@ class NanEvent:
 
     def describe(self) -> str:
         """One line for a log or an error message."""
-        loss = "NaN" if self.loss_kind == LOSS_NAN else f"{self.loss:+}".replace("inf", "Inf")
-        loss = f"{self.loss!r} (finite)" if self.loss_kind == LOSS_FINITE else loss
+        loss = "NaN" if self.loss_kind == NAN else f"{self.loss:+}".replace("inf", "Inf")
+        loss = f"{self.loss!r} (finite)" if self.loss_kind == FINITE else loss
         head = f"global step {self.step}, loss {loss}"
         count = f"bad step {self.consecutive} in a row ({self.total} in all)"
         if self.why is not None:
@@ -97,7 +96,7 @@ class NanEvent:
                 f"non-finite gradients of {_exact_sums.listed(self.culprits)}{self._holding()}"
             )
         else:
-            culprits = "gradients finite" if self.loss_kind != LOSS_FINITE else "no culprit known"
+            culprits = "gradients finite" if self.loss_kind != FINITE else "no culprit known"
         if self.action == LOSS_SCALE_OVERFLOW:
             return (
                 f"{head}, {culprits} at loss scale {self.loss_scale:g}: the optimizer skipped "
@@ -212,9 +211,9 @@ def _json_float(value: float) -> Any:
 def diverged(event: NanEvent) -> str:
     """The opening sentence of `event`'s log line; for a NaN loss, `NanTensorHook`'s (which
     logs are grepped for)."""
-    if event.loss_kind == LOSS_NAN:
+    if event.loss_kind == NAN:
         return "Model diverged with loss = NaN."
-    if event.loss_kind == LOSS_INF:
+    if event.loss_kind == INF:
         return f"Model diverged with loss = {'-' if event.loss < 0 else ''}Inf."
     if event.reason is not None:
         return f"Model diverging: {event.reason.what}; all values finite."

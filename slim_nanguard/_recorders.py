@@ -17,7 +17,6 @@ import tensorflow as tf
 
 from slim_nanguard import _log as logging
 from slim_nanguard import _paths
-from slim_nanguard import _policy
 
 EVENTS_FILENAME = "nanguard_events.jsonl"
 
@@ -32,11 +31,6 @@ SCALARS = {
     "loss_scale_overflows": "loss_scale_overflows",
 }
 OPTIONAL = ("level_shifts", "loss_scale_overflows")
-
-
-def counts(state: _policy.GuardState) -> List[float]:
-    """`state`'s counters, in `SCALARS`' order."""
-    return [float(getattr(state, field)) for field in SCALARS.values()]
 
 
 def event_scalars(record: Dict[str, Any]) -> Dict[str, float]:
@@ -122,7 +116,7 @@ class EventRecorder:
     ):
         name = f"nanguard_events.task{task}.jsonl" if task else EVENTS_FILENAME
         self.path = _paths.join(logdir, name)
-        self._remote = _paths.is_url(self.path)
+        self._remote = _paths.is_url(self.path)  # Once, not per record (test_bad_step_trace).
         self.task = task
         self._logdir = logdir
         self._write_summaries = write_summaries
@@ -142,8 +136,7 @@ class EventRecorder:
             self.write_scalars(int(record["step"]), more=event_scalars(record))
 
     def append(self, record: Dict[str, Any]) -> None:
-        """Appends one record as one line, flushed (and, on a local disk, synced); a partial
-        line an earlier run left is closed first, so that it stays one unreadable line."""
+        """Appends one record as one line (`append_lines`)."""
         if self.task is not None:
             record = {"task": self.task, **record}
         line = json.dumps(record, sort_keys=True, allow_nan=False, default=str)
@@ -161,8 +154,9 @@ class EventRecorder:
         if not self._write_summaries:
             return
         writer = self._writer or tf.compat.v1.summary.FileWriterCache.get(self._logdir)
-        totals = [sum(column) for column in zip(*(counts(g.state) for g in self._followed))]
-        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)} if counters else {}
+        states = [guard.state for guard in self._followed] if counters else []
+        totals = [sum(float(getattr(s, field)) for s in states) for field in SCALARS.values()]
+        shown = {f"nanguard/{name}": n for name, n in zip(SCALARS, totals)} if states else {}
         shown |= {"nanguard/loss": loss} if loss is not None else {}
         values = [
             tf.compat.v1.Summary.Value(tag=tag, simple_value=value)
@@ -180,9 +174,7 @@ def append_lines(path: str, *lines: str, remote: Optional[bool] = None) -> None:
     text = "".join(line + "\n" for line in lines)
     if _ends_mid_line(path):
         text = "\n" + text
-    if (
-        _paths.is_url(path) if remote is None else remote
-    ):  # Remote storage: written when the file is closed.
+    if _paths.is_url(path) if remote is None else remote:  # Remote: written when closed.
         with tf.io.gfile.GFile(path, "a") as f:
             f.write(text)
         return
@@ -226,11 +218,10 @@ def read_json_lines(path: str, accept: Callable[[Any], bool] = lambda record: Tr
         if not line.strip():
             continue
         try:
-            record, parsed = json.loads(line), True
+            if accept(record := json.loads(line)):
+                records.append(record)
+                continue
         except json.JSONDecodeError:
-            record, parsed = None, False
-        if not (parsed and accept(record)):
-            logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
-        else:
-            records.append(record)
+            pass
+        logging.warning("slim_nanguard: skipping unreadable line %d of %s", number, path)
     return records
