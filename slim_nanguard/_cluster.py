@@ -165,13 +165,8 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._after_restore = after_restore
         self._guard: Optional[_guard.Guard] = None
         self._size = self._take = self._count = None
-        self._restores_seen = self._rollbacks_before = 0
+        self._restores_seen = 0
         self._runs_training: Optional[_ops.RunsOp] = None
-
-    @property
-    def rollbacks(self) -> int:
-        """Rollbacks the chief's guard carried out since `begin` (read from its state)."""
-        return 0 if self._guard is None else self._guard.state.rollbacks - self._rollbacks_before
 
     def begin(self):
         queue = _rollback_queue()
@@ -183,7 +178,7 @@ class ChiefRollbackHook(tf.compat.v1.train.SessionRunHook):
         self._runs_training = _ops.RunsOp(*(g.train_op.op for g in guards))
         if self._guard is not None:
             self._guard.restorer.ensure_saver()  # Now: after begin() the graph is finalized.
-            self._restores_seen = self._rollbacks_before = self._guard.state.rollbacks
+            self._restores_seen = self._guard.state.rollbacks
 
     def before_run(self, run_context):
         if not self._runs_training(run_context.original_args.fetches):

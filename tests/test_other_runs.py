@@ -231,6 +231,7 @@ def test_the_chiefs_cluster_hooks_answer_at_training_steps_not_at_reads(servers,
     replica = cluster_lib.build(cluster=spec, task=0, nan_policy="skip")
     stop_hook = _cluster.ClusterStopHook(task=0, num_workers=1)
     rollback_hook = _cluster.ChiefRollbackHook(str(tmp_path))
+    guard = slim_nanguard.get_guard(replica.train_op)
     with replica.graph.as_default():
         weights = tf.compat.v1.trainable_variables()
         ask_rollback = _cluster._rollback_queue().enqueue(
@@ -248,9 +249,9 @@ def test_the_chiefs_cluster_hooks_answer_at_training_steps_not_at_reads(servers,
             sess.run(replica.train_op)
         _raw(sess, ask_rollback)
         trained = sess.run(weights)
-        assert rollback_hook.rollbacks == 0 and _raw(sess, replica.global_step) == 2
+        assert guard.state.rollbacks == 0 and _raw(sess, replica.global_step) == 2
         sess.run(replica.train_op)  # the hook answers after this step: back to step 0
-        assert rollback_hook.rollbacks == 1 and _raw(sess, replica.global_step) == 0
+        assert guard.state.rollbacks == 1 and _raw(sess, replica.global_step) == 0
         assert not all(np.array_equal(a, b) for a, b in zip(trained, _raw(sess, weights)))
 
         _raw(sess, ask_stop)
