@@ -312,7 +312,8 @@ def _check_arguments(
             "it (made with global_step=None): number_of_steps would never be reached. Make it "
             "with create_train_op's default global_step."
         )
-    if number_of_steps is not None and (type(number_of_steps) is not int or number_of_steps < 0):
+    steps_ok = isinstance(number_of_steps, int) and not isinstance(number_of_steps, bool)
+    if number_of_steps is not None and (not steps_ok or number_of_steps < 0):
         raise ValueError(
             f"number_of_steps must be a non-negative integer or None; got {number_of_steps!r}."
         )

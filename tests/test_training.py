@@ -671,7 +671,7 @@ class TestBadInput:
         result, _ = _train(tmp_path / "new" / "run", steps=2)
         assert result.checkpoint.startswith(str(tmp_path / "new" / "run"))
 
-    @pytest.mark.parametrize("steps", [-1, 2.5])
+    @pytest.mark.parametrize("steps", [-1, 2.5, True])
     def test_a_bad_step_count_writes_nothing(self, tmp_path, steps):
         model = lib.build_model()
         with pytest.raises(ValueError, match="number_of_steps must be a non-negative integer"):
