@@ -402,10 +402,9 @@ class _Loop:
                 elif given.init_fn is not None:
                     given.init_fn(session)
                 if bad := test.non_finite(session):
-                    more = " and more" if len(bad) > 5 else ""
                     raise _errors.NonFiniteCheckpointError(
                         f"the model loaded from {latest or 'initialisation'} holds NaN or Inf in "
-                        f"{', '.join(name for name, _ in bad[:5])}{more} "
+                        f"{_exact_sums.listed([name for name, _ in bad])} "
                         f"({_exact_sums.describe(bad)}); refusing to train from it. Start from "
                         "another checkpoint."
                     )
