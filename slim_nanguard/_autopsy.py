@@ -88,7 +88,8 @@ class Autopsy:
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready dict: no NaN or Inf floats (each is its string, ``"inf"``)."""
         d = dict(dataclasses.asdict(self), summary=self.describe())
-        text = json.dumps(d, default=lambda value: value.item())  # A numpy scalar's.
+        # A numpy scalar as its Python value; anything else JSON lacks as its text.
+        text = json.dumps(d, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
         return json.loads(text, parse_constant=lambda word: str(float(word)))
 
     @classmethod

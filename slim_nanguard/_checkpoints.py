@@ -471,11 +471,12 @@ class ResumingSaver(tf.compat.v1.train.Saver):
     def restore(self, sess: tf.compat.v1.Session, save_path: Optional[str]) -> None:
         """As `tf.compat.v1.train.Saver.restore`; the optional variables may be missing (logged)."""
         self._built_for(sess.graph)
-        missing = []
+        reader = None
         if getattr(self, "_optional", None) and save_path is not None:
             with contextlib.suppress(Exception):  # Unreadable: TensorFlow's restore says so.
                 reader = checkpoint_reader(save_path)
-                missing = [name for _, name, _, _ in self._optional if not reader.has_tensor(name)]
+        optional = self._optional if reader is not None else ()
+        missing = [name for _, name, _, _ in optional if not reader.has_tensor(name)]
         if not missing:
             super().restore(sess, save_path)
             return

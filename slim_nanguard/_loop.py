@@ -401,7 +401,11 @@ class _Loop:
                     (restorer if latest == resume_from else saver).restore(session, latest)
                 elif given.init_fn is not None:
                     given.init_fn(session)
-                if bad := test.non_finite(session):
+                try:
+                    bad = test.non_finite(session)
+                except tf.errors.FailedPreconditionError:
+                    return  # A variable left uninitialised: TensorFlow's ready check says so.
+                if bad:
                     raise _errors.NonFiniteCheckpointError(
                         f"the model loaded from {latest or 'initialisation'} holds NaN or Inf in "
                         f"{_exact_sums.listed([name for name, _ in bad])} "

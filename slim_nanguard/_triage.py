@@ -251,7 +251,7 @@ def triage(
     all stand out."""
     reproduced, rows = found.get("reproduced"), tuple(found.get("bad_examples") or ())
     first = (found.get("first_bad_op") or {}).get("name")
-    in_batch = any(t.op.name == first for t in feeds)  # `feeds` by tensor, as `replay`'s.
+    in_batch = any(getattr(t, "op", None) is not None and t.op.name == first for t in feeds)
     without, filled = None, None
     if reproduced and rows and len(rows) < batch_size:
         fed, filled = without_rows(feeds, rows, batch_size)

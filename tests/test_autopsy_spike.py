@@ -12,6 +12,8 @@ Until the train op tells a spike from a good step, the guard's own path is reach
 NaN step (which keeps its batch just as a spike step will): `_actions.autopsy_step(..., "spike")`.
 """
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -255,6 +257,19 @@ def test_a_spike_autopsy_round_trips_through_json_and_never_says_did_not_reprodu
     assert "reproduce" not in result.describe()
     old = _autopsy.Autopsy.from_json({"reproduced": True, "step": 3})  # a record from before
     assert old.cause == "non_finite" and old.top_examples == ()
+
+
+def test_a_record_holds_numpy_values_as_json_and_non_finite_floats_as_strings():
+    """What a replay leaves in the record may be numpy's (a row index, a loss) or a value JSON
+    has no word for: the record is strict JSON all the same, and never NaN or Inf."""
+    runs = [{"fed": "same batch", "loss": np.float64(np.nan), "rows": [np.int64(3)]}]
+    result = _autopsy.Autopsy(
+        median_loss=np.float32(np.inf), triage={"verdict": None, "runs": runs, "note": b"x"}
+    )
+    data = result.to_json()
+    json.dumps(data, allow_nan=False)  # strict JSON: raises on a NaN or an Inf
+    assert data["median_loss"] == "inf" and data["triage"]["runs"][0]["loss"] == "nan"
+    assert data["triage"]["runs"][0]["rows"] == [3] and data["triage"]["note"] == "b'x'"
 
 
 # ---------------------------------------------------------------------- the stories

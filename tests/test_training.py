@@ -320,6 +320,15 @@ class TestRefusingANonFiniteModel:
             slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=3, scaffold=scaffold)
         assert not lib.all_checkpoints(str(tmp_path))
 
+    def test_an_init_op_that_leaves_the_model_uninitialised_is_told_by_tensorflow(self, tmp_path):
+        """The check reads the model after its init_fn: a variable the scaffold's init_op left
+        uninitialised is TensorFlow's ready check to report, not a failed read of ours."""
+        model = lib.build_model()
+        with model.graph.as_default():
+            scaffold = tf.compat.v1.train.Scaffold(init_op=tf.no_op())
+        with pytest.raises(RuntimeError, match="Init operations did not make model ready"):
+            slim_nanguard.train(model.train_op, str(tmp_path), number_of_steps=3, scaffold=scaffold)
+
 
 class TestRollback:
     def test_rollback_restores_skips_ahead_and_lowers_the_learning_rate(self, tmp_path):
