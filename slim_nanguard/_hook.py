@@ -256,7 +256,7 @@ def nan_hook(
             "slim_nanguard.create_train_op; build it with that, or use "
             "NanLossHook(loss) for a loss-only check."
         )
-    if guard.config.needs_checkpoint_dir and not checkpoint_dir:
+    if _policy.rolls_back(guard.config) and not checkpoint_dir:
         # Refused now, not at the first bad step: the information is all here.
         raise ValueError(
             _policy.checkpoint_dir_message(guard.config, "nan_hook(train_op, checkpoint_dir=...)")

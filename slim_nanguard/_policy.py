@@ -170,16 +170,6 @@ class GuardConfig:
         spike = SPIKE_REASON(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
         return (spike,) + self.reasons
 
-    @property
-    def may_roll_back(self) -> bool:
-        """`may_roll_back` of this config: whether a Saver is needed."""
-        return may_roll_back(self)
-
-    @property
-    def needs_checkpoint_dir(self) -> bool:
-        """`rolls_back` of this config: whether a loop must know the checkpoint directory."""
-        return rolls_back(self)
-
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
     """Whether a bad step can roll back with no callback choosing it (then a loop needs the

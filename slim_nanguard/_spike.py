@@ -201,18 +201,14 @@ class SpikeTest:
         still holds a new level's re-seeded values (`note_reseed`, not before its step),
         ``level_entries`` (how many), ``level_values`` and ``level_repeats``."""
         figures = self.reason.figures(report)
-        if self._seeded is None:
-            return figures
-        at, rows, values, repeats = self._seeded
-        since = figures["accepted_steps"] - rows
-        entries = figures["window_steps"] - since
-        if step < at or since < 0 or entries <= 0:
-            return figures
-        return figures | {
-            "level_entries": entries,
-            "level_values": values,
-            "level_repeats": repeats,
-        }
+        if self._seeded is not None:
+            at, rows, values, repeats = self._seeded
+            since = figures["accepted_steps"] - rows
+            entries = figures["window_steps"] - since
+            if step >= at and since >= 0 and entries > 0:
+                figures |= {"level_entries": entries, "level_values": values}
+                figures["level_repeats"] = repeats
+        return figures
 
     def report_vector(self) -> tf.Tensor:
         """New ops (for the bad branch): float64 vector of `REPORT_FIELDS` (`Spike.figures`)."""
