@@ -491,10 +491,8 @@ def judge(
         counts = dict(consecutive=state.consecutive_bad_steps, total=state.total_bad_steps)
     else:
         decision = observe(guard, read)
-        action, counts = (
-            decision.action,
-            dict(consecutive=decision.consecutive, total=decision.total),
-        )
+        action = decision.action
+        counts = dict(consecutive=decision.consecutive, total=decision.total)
         extra = {"escalation": decision.escalation} if decision.escalation else {}
     fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
     event = _nan_event.publish(guard.registry.send, guard.history, read, extra, **fields)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -111,14 +110,10 @@ class SpikeTest:
             self.reseed_floor = tf.compat.v1.placeholder(tf.float64, [len(COLUMNS)], name="floor")
             self.reseed = self._reseed_op(self.reseed_values, self.reseed_floor)
 
-    @functools.cached_property
-    def z(self) -> tf.Tensor:
-        """Float64 ``[2]``: the step's z-scores (0 in a column's warm-up and for a NaN or a value
-        not positive; +Inf for +Inf)."""
-        return self.z_scores()
-
     def z_scores(self) -> tf.Tensor:
-        """New ops for `z`, in the current control context (a bad branch, a summary)."""
+        """New ops, in the current control context (a bad branch, a summary): float64 ``[2]``,
+        the step's z-scores (0 in a column's warm-up and for a NaN or a value not positive;
+        +Inf for +Inf)."""
         with tf.name_scope(self._scope), tf.name_scope("z"):
             return _z_scores(self.values, self.mean, self.std, self._live)
 

@@ -28,7 +28,7 @@ def _run(config, bad_steps_in_a_row, *, rollbacks=0):
             config, config.nan_policy, consecutive_bad_steps=consecutive, rollbacks=rollbacks
         )
         decisions.append(decision)
-        if decision.action == _policy.ROLLBACK:
+        if decision.action == "rollback":
             rollbacks += 1
     return decisions
 

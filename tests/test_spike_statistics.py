@@ -29,6 +29,7 @@ class _Steps:
                 self.loss, self.norm, sigma=sigma, warmup_steps=warmup_steps, window=window
             )
             self.update = self.test.update(self.accepted)
+            self.z = self.test.z_scores()
             self.saver = tf.compat.v1.train.Saver()
             self.sess = tf.compat.v1.Session(graph=self.graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
@@ -37,7 +38,7 @@ class _Steps:
     def step(self, loss, norm, accept=None):
         """Runs one step; `accept` None accepts it unless it is a spike. Returns (z, spike)."""
         feed = {self.loss: loss, self.norm: norm}
-        z, spike = self.sess.run([self.test.z, self.test.spike], feed)
+        z, spike = self.sess.run([self.z, self.test.spike], feed)
         accepted = (not spike) if accept is None else accept
         self.sess.run(self.update, {**feed, self.accepted: accepted})
         if accepted:
@@ -301,11 +302,11 @@ def test_a_restore_then_a_step_judges_as_before(tmp_path):
     path = steps.saver.save(steps.sess, str(tmp_path / "model.ckpt"))
     kept = list(steps.kept)
     feed = {steps.loss: 0.9, steps.norm: 1.2}
-    before = steps.sess.run(steps.test.z, feed)
+    before = steps.sess.run(steps.z, feed)
     for loss in [5.0, 0.5, 0.6, 0.5]:
         steps.step(loss, 1.0, accept=True)
     steps.saver.restore(steps.sess, path)
-    np.testing.assert_array_equal(steps.sess.run(steps.test.z, feed), before)
+    np.testing.assert_array_equal(steps.sess.run(steps.z, feed), before)
     expected = lib.reference_z_scores(kept, (float(np.float32(0.9)), 1.2), window=16, warmup=8)
     np.testing.assert_allclose(before, expected, rtol=1e-9)
 
@@ -320,7 +321,7 @@ def test_a_reseed_trims_its_values_as_the_writes_would():
     rows[2][0] *= 1000.0
     test = steps.test
     steps.sess.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: [0.05, 0.05]})
-    z = steps.sess.run(test.z, {steps.loss: 6.0, steps.norm: 2.1})
+    z = steps.sess.run(steps.z, {steps.loss: 6.0, steps.norm: 2.1})
     expected = lib.reference_z_scores(rows, (6.0, 2.1), window=16, warmup=8)
     np.testing.assert_allclose(z, expected, rtol=1e-9)
     assert steps.variables()[0][2, 0] < 0
