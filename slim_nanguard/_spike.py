@@ -584,12 +584,10 @@ def _divergence(config, state, observation) -> Optional[_policy.Decision]:
     if action == Action.ROLLBACK and state.rollbacks >= config.max_rollbacks:
         reason += f", and {_policy.rollbacks_done(config, state)}"
         action = Action.RAISE
-    if action == Action.ROLLBACK:
-        return _policy.Decision(action, escalation=reason, before_step=state.level_start)
-    cause = Cause.DIVERGENCE if action == Action.RAISE else None
-    return _policy.Decision(
-        action, escalation=reason, reason=reason if cause else "", give_up=cause
-    )
+    if action == Action.RAISE:
+        return _policy.Decision(action, reason, reason, give_up=Cause.DIVERGENCE)
+    before = state.level_start if action == Action.ROLLBACK else None
+    return _policy.Decision(action, escalation=reason, before_step=before)
 
 
 # The guard's config makes the spike test through the reason interface only (`_policy` needs
