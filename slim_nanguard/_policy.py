@@ -18,7 +18,7 @@ from slim_nanguard._types import Fault
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._nan_event import NanEvent
 
-# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window).
+# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window, OLMo-core's).
 SPIKE_WINDOW = 128
 
 # The spike test's `Reason` (`_spike.Spike`), known here through that interface only: `_spike`,

@@ -21,8 +21,6 @@ from slim_nanguard import _reasons
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 
-# How many accepted steps the spike statistics cover (OLMo-core's window).
-SPIKE_WINDOW = _policy.SPIKE_WINDOW
 # The statistics' variable scope (checkpoints: ``nanguard_spike/history``, ``/count``, ``/floor``).
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
@@ -71,7 +69,7 @@ class SpikeTest:
         *,
         sigma: float,
         warmup_steps: int,
-        window: int = SPIKE_WINDOW,
+        window: int = _policy.SPIKE_WINDOW,
         variable_scope: Callable[[], ContextManager] = contextlib.nullcontext,
         total_loss: Optional[tf.Tensor] = None,
         regularization: Sequence[tf.Tensor] = (),
