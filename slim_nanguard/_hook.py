@@ -136,7 +136,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
-        guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
+        guard.registry.use_directory(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
         if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
             advice = "NanLossHook(train_op, checkpoint_dir=...)"
