@@ -121,28 +121,23 @@ class SpikeTest:
             live = tf.cast(self._live, tf.float64)
             return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
 
-    def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
-        """The write of an accepted step's values into the statistics: whenever it runs (built
-        behind the gate), or given scalar bool `accepted`, only where True."""
+    def update(self) -> tf.Operation:
+        """The write of an accepted step's values into the statistics, whenever it runs (built
+        behind the gate)."""
         # After this step's statistics are read (the count a rejected step reports too): the
         # write must not race the reads.
         with (
             tf.name_scope("nanguard/spike/update"),
             tf.control_dependencies([self.spike, self.std, self._count_now]),
         ):
-            step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
             # The row comes from the increment's own result: two workers sharing the
             # statistics write two rows, not one.
-            count = self.count.assign_add(step)
+            count = self.count.assign_add(tf.constant(1, tf.int64))
             row = tf.math.floormod(count - 1, self.window)
             new = _entries(self.values)
-            if accepted is not None:
-                new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
             # Only a write to a warm-up row still in the window can change the outliers.
             warm = (row < self.warmup_steps) & (count <= self.window + self.warmup_steps)
-            if accepted is not None:
-                warm = tf.logical_and(warm, accepted)
             with tf.control_dependencies([written]):
                 trimmed = cond_v2.cond_v2(
                     warm,

@@ -1,9 +1,9 @@
 """The spike test's running statistics, step by step, against the same arithmetic in NumPy
 (z-scores of the logarithms of the loss and the gradient norm, over the accepted steps).
 
-A small graph is fed a loss and a gradient norm per step and told whether the step was
-accepted; the statistics must follow the accepted steps only, wake up after the warm-up,
-forget what left the window, and change no value on a step that was not accepted.
+A small graph is fed a loss and a gradient norm per step, its update run on an accepted step
+only (as the train op's gate runs it); the statistics must follow the accepted steps only, wake
+up after the warm-up, and forget what left the window.
 """
 
 import numpy as np
@@ -17,18 +17,18 @@ import nanguard_testlib as lib
 
 
 class _Steps:
-    """A session over one `SpikeTest` fed ``(loss, norm)`` and ``accepted`` per step."""
+    """A session over one `SpikeTest` fed ``(loss, norm)`` per step, its update run (as behind
+    the train op's gate) only on an accepted step."""
 
     def __init__(self, sigma=6.0, warmup_steps=5, window=8):
         self.graph = tf.Graph()
         with self.graph.as_default():
             self.loss = tf.compat.v1.placeholder(tf.float32, [])
             self.norm = tf.compat.v1.placeholder(tf.float64, [])
-            self.accepted = tf.compat.v1.placeholder(tf.bool, [])
             self.test = _spike.SpikeTest(
                 self.loss, self.norm, sigma=sigma, warmup_steps=warmup_steps, window=window
             )
-            self.update = self.test.update(self.accepted)
+            self.update = self.test.update()
             self.z = self.test.z_scores()
             self.saver = tf.compat.v1.train.Saver()
             self.sess = tf.compat.v1.Session(graph=self.graph)
@@ -40,8 +40,8 @@ class _Steps:
         feed = {self.loss: loss, self.norm: norm}
         z, spike = self.sess.run([self.z, self.test.spike], feed)
         accepted = (not spike) if accept is None else accept
-        self.sess.run(self.update, {**feed, self.accepted: accepted})
         if accepted:
+            self.sess.run(self.update, feed)
             self.kept.append((loss, norm))
         return z, bool(spike)
 
@@ -284,7 +284,7 @@ def _op_types_run(steps, fetches):
     """The op types a traced run of an accepted clean step executes."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     metadata = tf.compat.v1.RunMetadata()
-    feed = {steps.loss: 0.5, steps.norm: 1.0, steps.accepted: True}
+    feed = {steps.loss: 0.5, steps.norm: 1.0}
     steps.sess.run(fetches, feed, options=options, run_metadata=metadata)
     steps.kept.append((0.5, 1.0))
     return {
