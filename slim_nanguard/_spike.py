@@ -480,11 +480,9 @@ class LevelShift:
         )
         first, last = self.steps[0], self.steps[-1]
         where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
-        why = (
-            "the same values each time: the model's own state made them, not a batch; "
-            if len(set(self.values)) == 1
-            else ""
-        )
+        why = ""
+        if len(set(self.values)) == 1:
+            why = "the same values each time: the model's own state made them, not a batch; "
         taken = f" (each taken {repeats} times, to fill the warm-up)" if repeats > 1 else ""
         within = "steps " if probation_steps is None else f"{probation_steps} global steps "
         return (
