@@ -315,10 +315,8 @@ def carry_out(
     if action is Action.SKIP:
         if decision.level_shift is not None:
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
-        if decision.retry:
-            step = raw_call(session, lambda raw: _retry(guard, raw, event))
-            return Outcome(event=event, action=action, step=step)
-        return Outcome(event=event, action=action)
+        step = raw_call(session, lambda raw: _retry(guard, raw, event)) if decision.retry else None
+        return Outcome(event=event, action=action, step=step)
     if action is Action.STOP:
         if climb is not None:
             policy = _errors.policy_name(event, bool(decision.escalation))
