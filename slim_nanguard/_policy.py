@@ -89,6 +89,7 @@ _CHECKS = (
         f"at most {SPIKE_WINDOW} (the steps the spike statistics cover)",
     ),
     ("spike_level_shift_steps", *_integer(0)),
+    ("on_nan", lambda f: f is None or callable(f), "callable (event -> policy name or None)"),
 )
 
 
@@ -151,10 +152,6 @@ class GuardConfig:
                 )
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, REASON_POLICIES)
-        if self.on_nan is not None and not callable(self.on_nan):
-            raise ValueError(
-                f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
-            )
 
     @property
     def all_reasons(self) -> Tuple[Reason, ...]:
