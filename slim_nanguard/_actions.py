@@ -183,7 +183,7 @@ def _read(guard: "Guard", session, policy: Optional[str]):
         stored = report[start : start + len(reason.report_fields)]
         # The reason's graph handles may know more than the graph (`Test.handles`).
         read = getattr(guard.reason_handles.get(reason.name), "figures", None)
-        figures = reason.figures(stored) if read is None else read(stored, int(step))
+        figures = reason.figures(stored) if read is None else read(stored, step)
     elif "kinds" in values and np.min(values["kinds"], initial=0) >= 0:
         kinds = _exact_sums.kind_names(values["kinds"])
     scale = None if guard.loss_scale_floor is None else _exact_sums.stored_loss_scale(sums)
@@ -193,13 +193,12 @@ def _read(guard: "Guard", session, policy: Optional[str]):
     kept = not overflow and guard.capture is not None and guard.capture.tensors
     chosen = Action(policy or guard.config.nan_policy if reason is None else reason.policy)
     if kept and _policy.wants_autopsy(guard.config, guard.state, chosen):
-        over = (figures or {}).get("over", ())
-        autopsy = autopsy_step(guard, session, int(step), cause, over, figures)
+        autopsy = autopsy_step(guard, session, step, cause, figures)
     choose = None if guard.config.on_nan is None else _on_nan(guard, autopsy)
     fields = (figures, reason, sums[0], *culprits(guard, kinds), scale, overflow)
     verdict = (autopsy.triage or {}).get("verdict") if autopsy is not None else None
     autopsied = autopsy is not None
-    read = _policy.BadStep(int(step), chosen, True, cause, *fields, autopsied, choose, verdict)
+    read = _policy.BadStep(step, chosen, True, cause, *fields, autopsied, choose, verdict)
     return read, autopsy
 
 
@@ -231,12 +230,11 @@ def autopsy_step(
     session: tf.compat.v1.Session,
     step: int,
     cause: str = _reasons.NON_FINITE,
-    over: Sequence[str] = (),
     figures: Optional[Mapping[str, Any]] = None,
 ):
     """The `Autopsy` (never failing: its ``error`` says why) of the bad step just seen, before
     any rollback, or None (no batch kept). `cause` rejected the step (ValueError if no such
-    reason), on the values `over`; a spike's `figures` give its triage's threshold."""
+    reason); a spike's `figures` give the values it was ``over`` and its triage's threshold."""
     causes = [_reasons.NON_FINITE, Fault.SPIKE, *(r.name for r in guard.reasons)]
     if cause not in causes:
         raise ValueError(f"cause is {cause!r}; it must be one of {', '.join(causes)}.")
@@ -250,7 +248,7 @@ def autopsy_step(
         dump_dir=guard.autopsy_dir,
         timeout_secs=guard.config.autopsy_timeout_secs,
         cause=cause,
-        spike_over=over,
+        spike_over=(figures or {}).get("over", ()),
         spike_threshold=_triage.spike_threshold(figures) if cause == Fault.SPIKE else None,
     )
     if result.dump:
@@ -317,10 +315,8 @@ def carry_out(
     if action is Action.SKIP:
         if decision.level_shift is not None:
             raw_call(session, lambda raw: _take_new_level(guard, raw, event, decision.level_shift))
-        if decision.retry:
-            step = raw_call(session, lambda raw: _retry(guard, raw, event))
-            return Outcome(event=event, action=action, step=step)
-        return Outcome(event=event, action=action)
+        step = raw_call(session, lambda raw: _retry(guard, raw, event)) if decision.retry else None
+        return Outcome(event=event, action=action, step=step)
     if action is Action.STOP:
         if climb is not None:
             policy = _errors.policy_name(event, bool(decision.escalation))
@@ -491,10 +487,8 @@ def judge(
         counts = dict(consecutive=state.consecutive_bad_steps, total=state.total_bad_steps)
     else:
         decision = observe(guard, read)
-        action, counts = (
-            decision.action,
-            dict(consecutive=decision.consecutive, total=decision.total),
-        )
+        action = decision.action
+        counts = dict(consecutive=decision.consecutive, total=decision.total)
         extra = {"escalation": decision.escalation} if decision.escalation else {}
     fields = dict(mode=guard.mode, action=action, autopsy=autopsy, **counts)
     event = _nan_event.publish(guard.registry.send, guard.history, read, extra, **fields)

@@ -82,11 +82,6 @@ class Guard:
     autopsy_dir = property(operator.attrgetter("registry.directory"))
     saver = property(operator.attrgetter("restorer.saver"))
 
-    def use_autopsy_dir(self, path: Optional[str], *, replace: bool = False, **recorder) -> None:
-        """Sends autopsy dumps (and the guard's own record, with the TensorBoard scalars
-        `recorder` says: `_recorders.EventRecorder`'s keywords) to `path`, if first or `replace`."""
-        self.registry.use_directory(path, replace=replace, **recorder)
-
     def add_listener(self, listener: Listener) -> None:
         """Calls ``listener(record)`` with every JSON-ready record the guard sends (its ``kind``:
         ``bad_step``, ``rollback``, ``rollback_requested``, ``loss_scale_overflow``,

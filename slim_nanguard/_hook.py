@@ -136,7 +136,7 @@ class NanLossHook(tf.compat.v1.train.NanTensorHook):
         self._runs_train_op = _ops.RunsOp(guard.train_op.op)
         if self._event_listener is not None:
             guard.add_listener(self._event_listener)
-        guard.use_autopsy_dir(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
+        guard.registry.use_directory(self._checkpoint_dir)  # Autopsy dumps go next to checkpoints.
         policy = self._effective_policy()
         if _policy.rolls_back(guard.config, policy) and not self._checkpoint_dir:
             advice = "NanLossHook(train_op, checkpoint_dir=...)"
@@ -256,7 +256,7 @@ def nan_hook(
             "slim_nanguard.create_train_op; build it with that, or use "
             "NanLossHook(loss) for a loss-only check."
         )
-    if guard.config.needs_checkpoint_dir and not checkpoint_dir:
+    if _policy.rolls_back(guard.config) and not checkpoint_dir:
         # Refused now, not at the first bad step: the information is all here.
         raise ValueError(
             _policy.checkpoint_dir_message(guard.config, "nan_hook(train_op, checkpoint_dir=...)")

@@ -261,7 +261,7 @@ def train(
     )
     recorder = _recorders.EventRecorder(logdir, write_summaries=is_chief, task=task)
     guard.add_listener(recorder)
-    guard.use_autopsy_dir(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
+    guard.registry.use_directory(logdir, replace=True)  # Autopsy dumps go next to the checkpoints.
     loss_due = _summary_schedule(save_summaries_steps, save_summaries_secs)
     progress = _Progress(log_every_n_steps, number_of_steps, recorder, loss_due)
     step = resume_from and _checkpoints.checkpoint_step(resume_from) or 0

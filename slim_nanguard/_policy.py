@@ -18,28 +18,22 @@ from slim_nanguard._types import Fault
 if TYPE_CHECKING:  # pragma: no cover
     from slim_nanguard._nan_event import NanEvent
 
-# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window).
+# The most accepted steps the spike statistics keep (`_spike.SpikeTest`'s window, OLMo-core's).
 SPIKE_WINDOW = 128
 
 # The spike test's `Reason` (`_spike.Spike`), known here through that interface only: `_spike`,
 # which needs TensorFlow, sets it when imported (as `import slim_nanguard` does).
 SPIKE_REASON: Optional[Callable[[str, float, int], Reason]] = None
 
-# The policies as module constants (each equals its name: ``STOP == "stop"``).
-RAISE = Action.RAISE
-STOP = Action.STOP
-SKIP = Action.SKIP
-ROLLBACK = Action.ROLLBACK
-AUTO = Action.AUTO
 POLICIES = tuple(Action)
 # What a reason of yours (a `Reason`) may apply: not auto, whose triage knows NaN, Inf and
 # spikes only. The spike test takes every policy (`POLICIES`).
-REASON_POLICIES = tuple(a for a in Action if a is not AUTO)
+REASON_POLICIES = tuple(a for a in Action if a is not Action.AUTO)
 # What `GuardConfig.persistent_nan_policy` may be: every policy but skip and auto.
-PERSISTENT_POLICIES = tuple(a for a in REASON_POLICIES if a is not SKIP)
+PERSISTENT_POLICIES = tuple(a for a in REASON_POLICIES if a is not Action.SKIP)
 # What ``nan_policy="auto"`` does on each verdict of the triage (`_triage`); skip without one.
 # A ``chance`` step is run once more before it is skipped (`Decision.retry`).
-AUTO_ACTIONS = {"chance": SKIP, "data": SKIP, "state": ROLLBACK}
+AUTO_ACTIONS = {"chance": Action.SKIP, "data": Action.SKIP, "state": Action.ROLLBACK}
 
 
 # A user callback that sees each bad step before the policy acts: it returns None to keep the
@@ -95,6 +89,7 @@ _CHECKS = (
         f"at most {SPIKE_WINDOW} (the steps the spike statistics cover)",
     ),
     ("spike_level_shift_steps", *_integer(0)),
+    ("on_nan", lambda f: f is None or callable(f), "callable (event -> policy name or None)"),
 )
 
 
@@ -150,17 +145,13 @@ class GuardConfig:
             if not accepts(getattr(self, name)):
                 raise ValueError(f"{name} must be {what}; got {getattr(self, name)!r}.")
         for name in ("nan_policy", "spike_policy"):
-            if getattr(self, name) == AUTO and self.autopsy_max_steps == 0:
+            if getattr(self, name) == Action.AUTO and self.autopsy_max_steps == 0:
                 raise ValueError(
                     f"{name}='auto' decides from each bad step's autopsy, and autopsy_max_steps=0"
                     " turns them off: pass autopsy_max_steps >= 1 or another policy."
                 )
         object.__setattr__(self, "reasons", tuple(self.reasons))
         _reasons.check(self.reasons, REASON_POLICIES)
-        if self.on_nan is not None and not callable(self.on_nan):
-            raise ValueError(
-                f"on_nan must be callable (event -> policy name or None); got {self.on_nan!r}."
-            )
 
     @property
     def all_reasons(self) -> Tuple[Reason, ...]:
@@ -169,16 +160,6 @@ class GuardConfig:
             return self.reasons
         spike = SPIKE_REASON(self.spike_policy, self.spike_sigma, self.spike_warmup_steps)
         return (spike,) + self.reasons
-
-    @property
-    def may_roll_back(self) -> bool:
-        """`may_roll_back` of this config: whether a Saver is needed."""
-        return may_roll_back(self)
-
-    @property
-    def needs_checkpoint_dir(self) -> bool:
-        """`rolls_back` of this config: whether a loop must know the checkpoint directory."""
-        return rolls_back(self)
 
 
 def rolls_back(config: GuardConfig, policy: Optional[str] = None) -> bool:
@@ -193,9 +174,10 @@ def _what_rolls_back(config: GuardConfig, policy: Optional[str]) -> Tuple[str, .
     policies += [(reason.policy_name, reason.policy) for reason in config.all_reasons]
     escalated = " with persistent_nan_policy='rollback'"
     return tuple(
-        f"{name}={str(value)!r}{'' if value in (ROLLBACK, AUTO) else escalated}"
+        f"{name}={str(value)!r}{'' if value in (Action.ROLLBACK, Action.AUTO) else escalated}"
         for name, value in policies
-        if value in (ROLLBACK, AUTO) or (value == SKIP and config.persistent_nan_policy == ROLLBACK)
+        if value in (Action.ROLLBACK, Action.AUTO)
+        or (value == Action.SKIP and config.persistent_nan_policy == Action.ROLLBACK)
     )
 
 
@@ -370,7 +352,7 @@ def wants_autopsy(config: GuardConfig, state: GuardState, policy: Optional[str] 
     under ``auto`` (`policy`, a hook's override, or ``nan_policy``) every one (its triage
     chooses), unless that is 0."""
     policy = config.nan_policy if policy is None else policy
-    auto = policy == AUTO and config.autopsy_max_steps > 0
+    auto = policy == Action.AUTO and config.autopsy_max_steps > 0
     return auto or state.autopsies < config.autopsy_max_steps
 
 
@@ -439,11 +421,11 @@ def _decide_bad(
         state = replace(state, reason_run=())
     if decision is None:
         decision = _decide_policy(config, state, observation)
-    if decision.action == SKIP and not decision.retry:  # A retry's count is `Retried`'s.
+    if decision.action == Action.SKIP and not decision.retry:  # A retry's count is `Retried`'s.
         state = replace(state, skips=state.skips + 1)
-    elif decision.action == STOP:
+    elif decision.action == Action.STOP:
         state = replace(state, stops=state.stops + 1)
-    elif decision.action == ROLLBACK and decision.escalation:
+    elif decision.action == Action.ROLLBACK and decision.escalation:
         state = replace(state, consecutive_bad_steps=0)
     return replace(decision, **counts), state
 
@@ -456,23 +438,23 @@ def rollbacks_done(config: GuardConfig, state: GuardState) -> str:
 def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep) -> Decision:
     """The chosen policy, or its escalation; a loss no guarded train op made had nothing gated,
     so it can only raise (saying so) or stop."""
-    if not observation.guarded and observation.chosen == RAISE:
+    if not observation.guarded:
+        if observation.chosen != Action.RAISE:
+            return Decision(Action(observation.chosen))
         return Decision(
-            RAISE,
+            Action.RAISE,
             reason="the loss comes from no guarded train op, so the update of this step may "
             "already have happened",
             give_up=Cause.UNGUARDED_LOSS,
         )
-    if not observation.guarded:
-        return Decision(Action(observation.chosen))
     action, escalation, reason = Action(observation.chosen), "", ""
-    retry = action == AUTO and observation.verdict == "chance"
-    quarantine = action == AUTO and observation.verdict == "data"
-    if action == AUTO:
-        action = AUTO_ACTIONS.get(observation.verdict, SKIP)
+    retry = action == Action.AUTO and observation.verdict == "chance"
+    quarantine = action == Action.AUTO and observation.verdict == "data"
+    if action == Action.AUTO:
+        action = AUTO_ACTIONS.get(observation.verdict, Action.SKIP)
     cause, limit = Cause.POLICY, None
     consecutive = state.consecutive_bad_steps
-    if action in (SKIP, ROLLBACK) and consecutive >= config.max_consecutive_bad_steps:
+    if action in (Action.SKIP, Action.ROLLBACK) and consecutive >= config.max_consecutive_bad_steps:
         # The state is bad, not the batch: escalate (raise by default).
         reason = escalation = (
             f"{consecutive} bad steps in a row reached "
@@ -480,13 +462,13 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
         )
         action = Action(config.persistent_nan_policy)
         cause, limit = Cause.MAX_CONSECUTIVE_BAD_STEPS, config.max_consecutive_bad_steps
-    if action == ROLLBACK and state.rollbacks >= config.max_rollbacks:
+    if action == Action.ROLLBACK and state.rollbacks >= config.max_rollbacks:
         bound = rollbacks_done(config, state)
         reason = f"{reason}, and {bound}" if reason else bound
-        action = RAISE
+        action = Action.RAISE
         cause, limit = Cause.MAX_ROLLBACKS, config.max_rollbacks
-    if action != RAISE:
-        kept = action == SKIP and not escalation
+    if action != Action.RAISE:
+        kept = action == Action.SKIP and not escalation
         return Decision(action, escalation, retry=retry and kept, quarantine=quarantine and kept)
     policy = "nan_policy" if observation.cause == NON_FINITE else f"{observation.cause}_policy"
     return Decision(action, escalation, reason or f"the {policy} is 'raise'", cause, limit)
@@ -495,9 +477,9 @@ def _decide_policy(config: GuardConfig, state: GuardState, observation: BadStep)
 def _decide_request(config: GuardConfig, state: GuardState, workers: Tuple[int, ...]) -> Decision:
     """A cluster chief's answer to rollback requests: one rollback, within ``max_rollbacks``."""
     if state.rollbacks < config.max_rollbacks:
-        return Decision(ROLLBACK)
+        return Decision(Action.ROLLBACK)
     return Decision(
-        RAISE,
+        Action.RAISE,
         reason=f"worker {', '.join(map(str, workers))} asked for a rollback, and "
         f"{rollbacks_done(config, state)}",
         give_up=Cause.MAX_ROLLBACKS,

@@ -80,8 +80,6 @@ class Reason(abc.ABC):
     Class attributes:
       name: The cause it gives a rejected step (the record's ``cause``, the log line).
       what: What a rejected step had, for a sentence (``"a loss above its cap"``).
-      finite: True when the values it rejects are finite (the autopsy then looks for the
-        examples that carried them, not for an op that made a NaN).
       report_fields: The floats a rejected step stores (`Test.report`).
       judged_fields: The floats an accepted step stores for the summaries (`Test.judged`).
 
@@ -92,7 +90,6 @@ class Reason(abc.ABC):
 
     name: ClassVar[str]
     what: ClassVar[str]
-    finite: ClassVar[bool] = True
     report_fields: ClassVar[Tuple[str, ...]] = ()
     judged_fields: ClassVar[Tuple[str, ...]] = ()
     policy: str

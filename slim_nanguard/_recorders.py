@@ -67,8 +67,9 @@ class Registry:
             listener.follow(self._guard)  # Its TensorBoard counters are read from the state.
 
     def use_directory(self, path: Optional[str], *, replace: bool = False, **recorder) -> None:
-        """Keeps the guard's own record in `path`, if first or `replace`, with the TensorBoard
-        scalars `recorder` (`EventRecorder`'s keywords) says."""
+        """Keeps the guard's own record and its autopsy dumps (`Guard.autopsy_dir`) in `path`, if
+        first or `replace`, with the TensorBoard scalars `recorder` (`EventRecorder`'s keywords)
+        says."""
         if path and (replace or self.directory is None):
             self.directory = path
             self._own = EventRecorder(path, **recorder)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, ClassVar, ContextManager, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -22,8 +21,6 @@ from slim_nanguard import _reasons
 from slim_nanguard._types import Action
 from slim_nanguard._types import Cause
 
-# How many accepted steps the spike statistics cover (OLMo-core's window).
-SPIKE_WINDOW = _policy.SPIKE_WINDOW
 # The statistics' variable scope (checkpoints: ``nanguard_spike/history``, ``/count``, ``/floor``).
 SPIKE_SCOPE = "nanguard_spike"
 # The least deviation of the logarithms (a factor of about 1.05).
@@ -72,7 +69,7 @@ class SpikeTest:
         *,
         sigma: float,
         warmup_steps: int,
-        window: int = SPIKE_WINDOW,
+        window: int = _policy.SPIKE_WINDOW,
         variable_scope: Callable[[], ContextManager] = contextlib.nullcontext,
         total_loss: Optional[tf.Tensor] = None,
         regularization: Sequence[tf.Tensor] = (),
@@ -111,14 +108,10 @@ class SpikeTest:
             self.reseed_floor = tf.compat.v1.placeholder(tf.float64, [len(COLUMNS)], name="floor")
             self.reseed = self._reseed_op(self.reseed_values, self.reseed_floor)
 
-    @functools.cached_property
-    def z(self) -> tf.Tensor:
-        """Float64 ``[2]``: the step's z-scores (0 in a column's warm-up and for a NaN or a value
-        not positive; +Inf for +Inf)."""
-        return self.z_scores()
-
     def z_scores(self) -> tf.Tensor:
-        """New ops for `z`, in the current control context (a bad branch, a summary)."""
+        """New ops, in the current control context (a bad branch, a summary): float64 ``[2]``,
+        the step's z-scores (0 in a column's warm-up and for a NaN or a value not positive;
+        +Inf for +Inf)."""
         with tf.name_scope(self._scope), tf.name_scope("z"):
             return _z_scores(self.values, self.mean, self.std, self._live)
 
@@ -128,28 +121,23 @@ class SpikeTest:
             live = tf.cast(self._live, tf.float64)
             return tf.concat([self.values, self.mean, self.std, live], 0, name="judged")
 
-    def update(self, accepted: Optional[tf.Tensor] = None) -> tf.Operation:
-        """The write of an accepted step's values into the statistics: whenever it runs (built
-        behind the gate), or given scalar bool `accepted`, only where True."""
+    def update(self) -> tf.Operation:
+        """The write of an accepted step's values into the statistics, whenever it runs (built
+        behind the gate)."""
         # After this step's statistics are read (the count a rejected step reports too): the
         # write must not race the reads.
         with (
             tf.name_scope("nanguard/spike/update"),
             tf.control_dependencies([self.spike, self.std, self._count_now]),
         ):
-            step = tf.constant(1, tf.int64) if accepted is None else tf.cast(accepted, tf.int64)
             # The row comes from the increment's own result: two workers sharing the
             # statistics write two rows, not one.
-            count = self.count.assign_add(step)
+            count = self.count.assign_add(tf.constant(1, tf.int64))
             row = tf.math.floormod(count - 1, self.window)
             new = _entries(self.values)
-            if accepted is not None:
-                new = tf.where(accepted, new, tf.gather(self.history.read_value(), row))
             written = tf.compat.v1.scatter_update(self.history, [row], new[None, :])
             # Only a write to a warm-up row still in the window can change the outliers.
             warm = (row < self.warmup_steps) & (count <= self.window + self.warmup_steps)
-            if accepted is not None:
-                warm = tf.logical_and(warm, accepted)
             with tf.control_dependencies([written]):
                 trimmed = cond_v2.cond_v2(
                     warm,
@@ -201,18 +189,14 @@ class SpikeTest:
         still holds a new level's re-seeded values (`note_reseed`, not before its step),
         ``level_entries`` (how many), ``level_values`` and ``level_repeats``."""
         figures = self.reason.figures(report)
-        if self._seeded is None:
-            return figures
-        at, rows, values, repeats = self._seeded
-        since = figures["accepted_steps"] - rows
-        entries = figures["window_steps"] - since
-        if step < at or since < 0 or entries <= 0:
-            return figures
-        return figures | {
-            "level_entries": entries,
-            "level_values": values,
-            "level_repeats": repeats,
-        }
+        if self._seeded is not None:
+            at, rows, values, repeats = self._seeded
+            since = figures["accepted_steps"] - rows
+            entries = figures["window_steps"] - since
+            if step >= at and since >= 0 and entries > 0:
+                figures |= {"level_entries": entries, "level_values": values}
+                figures["level_repeats"] = repeats
+        return figures
 
     def report_vector(self) -> tf.Tensor:
         """New ops (for the bad branch): float64 vector of `REPORT_FIELDS` (`Spike.figures`)."""
@@ -496,11 +480,9 @@ class LevelShift:
         )
         first, last = self.steps[0], self.steps[-1]
         where = f"at global step {first}" if first == last else f"global steps {first}-{last}"
-        why = (
-            "the same values each time: the model's own state made them, not a batch; "
-            if len(set(self.values)) == 1
-            else ""
-        )
+        why = ""
+        if len(set(self.values)) == 1:
+            why = "the same values each time: the model's own state made them, not a batch; "
         taken = f" (each taken {repeats} times, to fill the warm-up)" if repeats > 1 else ""
         within = "steps " if probation_steps is None else f"{probation_steps} global steps "
         return (
@@ -593,12 +575,10 @@ def _divergence(config, state, observation) -> Optional[_policy.Decision]:
     if action == Action.ROLLBACK and state.rollbacks >= config.max_rollbacks:
         reason += f", and {_policy.rollbacks_done(config, state)}"
         action = Action.RAISE
-    if action == Action.ROLLBACK:
-        return _policy.Decision(action, escalation=reason, before_step=state.level_start)
-    cause = Cause.DIVERGENCE if action == Action.RAISE else None
-    return _policy.Decision(
-        action, escalation=reason, reason=reason if cause else "", give_up=cause
-    )
+    if action == Action.RAISE:
+        return _policy.Decision(action, reason, reason, give_up=Cause.DIVERGENCE)
+    before = state.level_start if action == Action.ROLLBACK else None
+    return _policy.Decision(action, escalation=reason, before_step=before)
 
 
 # The guard's config makes the spike test through the reason interface only (`_policy` needs

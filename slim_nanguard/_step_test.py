@@ -352,7 +352,7 @@ def _loss_scaled(test: StepTest, gate: Gate) -> Gate:
 def _loops(config: _policy.GuardConfig) -> Tuple[str, str]:
     """``(step_fn, hook)`` for tf-slim's learning loop and a hook-mode loop."""
     mine = " (a train_step_fn of your own calls it instead of tf_slim.learning.train_step)"
-    if config.needs_checkpoint_dir:
+    if _policy.rolls_back(config):
         return (
             "slim_nanguard.make_train_step(logdir)" + mine,
             "slim_nanguard.nan_hook(train_op, checkpoint_dir=logdir)",

@@ -117,7 +117,7 @@ def train_step(
         # The record's scalars go through the loop's writer (a second writer of the directory
         # could open its file's name in the same second); none without one.
         directory = checkpoint_dir or logdir
-        guard.use_autopsy_dir(directory, writer=writer, write_summaries=writer is not None)
+        guard.registry.use_directory(directory, writer=writer, write_summaries=writer is not None)
     checkpoint_dir = _actions.checkpoint_dir_for(
         guard,
         checkpoint_dir,

@@ -251,7 +251,7 @@ def _register(config, test, gate, train_op, loss, global_step, lr_scale) -> None
         counters=None if in_loop else test.counters(),
     )
     guard = _guard.Guard(config=config, handles=handles)
-    if config.may_roll_back:
+    if _policy.may_roll_back(config):
         guard.restorer.ensure_saver()
     _guard.register(guard)
     _checkpoints.add_optional_variables(graph, handles.optional_variables)

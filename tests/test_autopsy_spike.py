@@ -353,7 +353,7 @@ def test_the_guard_autopsies_a_kept_batch_as_a_spike_writes_and_reads_its_dump(t
             nan_policy="skip",
         )
         guard = slim_nanguard.get_guard(train_op)
-        guard.use_autopsy_dir(str(tmp_path))
+        guard.registry.use_directory(str(tmp_path))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             _actions.mark_judged(guard, sess)

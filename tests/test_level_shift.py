@@ -299,7 +299,7 @@ def test_a_monitored_session_lives_with_a_new_level(mode, tmp_path):
         hooks = [slim_nanguard.nan_hook(train_op, checkpoint_dir=str(tmp_path))]
     with graph.as_default():
         guard = slim_nanguard.get_guard(train_op)
-        guard.use_autopsy_dir(str(tmp_path))
+        guard.registry.use_directory(str(tmp_path))
         global_step = tf.compat.v1.train.get_global_step()
         with tf.compat.v1.train.MonitoredTrainingSession(
             hooks=hooks, log_step_count_steps=None, save_summaries_steps=None

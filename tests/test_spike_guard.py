@@ -207,9 +207,9 @@ def test_bad_spike_settings_are_refused_by_name(kwargs, name):
 
 def test_a_spike_policy_that_rolls_back_needs_the_checkpoint_directory():
     config = _policy.GuardConfig(nan_policy="skip", spike_policy="rollback")
-    assert config.needs_checkpoint_dir and config.may_roll_back
+    assert _policy.rolls_back(config) and _policy.may_roll_back(config)
     quiet = _policy.GuardConfig(nan_policy="skip", spike_policy="skip")
-    assert not quiet.needs_checkpoint_dir
+    assert not _policy.rolls_back(quiet)
 
 
 def test_the_summaries_carry_the_data_loss_the_gradient_norm_and_both_z_scores():

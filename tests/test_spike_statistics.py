@@ -1,9 +1,9 @@
 """The spike test's running statistics, step by step, against the same arithmetic in NumPy
 (z-scores of the logarithms of the loss and the gradient norm, over the accepted steps).
 
-A small graph is fed a loss and a gradient norm per step and told whether the step was
-accepted; the statistics must follow the accepted steps only, wake up after the warm-up,
-forget what left the window, and change no value on a step that was not accepted.
+A small graph is fed a loss and a gradient norm per step, its update run on an accepted step
+only (as the train op's gate runs it); the statistics must follow the accepted steps only, wake
+up after the warm-up, and forget what left the window.
 """
 
 import numpy as np
@@ -17,18 +17,19 @@ import nanguard_testlib as lib
 
 
 class _Steps:
-    """A session over one `SpikeTest` fed ``(loss, norm)`` and ``accepted`` per step."""
+    """A session over one `SpikeTest` fed ``(loss, norm)`` per step, its update run (as behind
+    the train op's gate) only on an accepted step."""
 
     def __init__(self, sigma=6.0, warmup_steps=5, window=8):
         self.graph = tf.Graph()
         with self.graph.as_default():
             self.loss = tf.compat.v1.placeholder(tf.float32, [])
             self.norm = tf.compat.v1.placeholder(tf.float64, [])
-            self.accepted = tf.compat.v1.placeholder(tf.bool, [])
             self.test = _spike.SpikeTest(
                 self.loss, self.norm, sigma=sigma, warmup_steps=warmup_steps, window=window
             )
-            self.update = self.test.update(self.accepted)
+            self.update = self.test.update()
+            self.z = self.test.z_scores()
             self.saver = tf.compat.v1.train.Saver()
             self.sess = tf.compat.v1.Session(graph=self.graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
@@ -37,10 +38,10 @@ class _Steps:
     def step(self, loss, norm, accept=None):
         """Runs one step; `accept` None accepts it unless it is a spike. Returns (z, spike)."""
         feed = {self.loss: loss, self.norm: norm}
-        z, spike = self.sess.run([self.test.z, self.test.spike], feed)
+        z, spike = self.sess.run([self.z, self.test.spike], feed)
         accepted = (not spike) if accept is None else accept
-        self.sess.run(self.update, {**feed, self.accepted: accepted})
         if accepted:
+            self.sess.run(self.update, feed)
             self.kept.append((loss, norm))
         return z, bool(spike)
 
@@ -283,7 +284,7 @@ def _op_types_run(steps, fetches):
     """The op types a traced run of an accepted clean step executes."""
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     metadata = tf.compat.v1.RunMetadata()
-    feed = {steps.loss: 0.5, steps.norm: 1.0, steps.accepted: True}
+    feed = {steps.loss: 0.5, steps.norm: 1.0}
     steps.sess.run(fetches, feed, options=options, run_metadata=metadata)
     steps.kept.append((0.5, 1.0))
     return {
@@ -301,11 +302,11 @@ def test_a_restore_then_a_step_judges_as_before(tmp_path):
     path = steps.saver.save(steps.sess, str(tmp_path / "model.ckpt"))
     kept = list(steps.kept)
     feed = {steps.loss: 0.9, steps.norm: 1.2}
-    before = steps.sess.run(steps.test.z, feed)
+    before = steps.sess.run(steps.z, feed)
     for loss in [5.0, 0.5, 0.6, 0.5]:
         steps.step(loss, 1.0, accept=True)
     steps.saver.restore(steps.sess, path)
-    np.testing.assert_array_equal(steps.sess.run(steps.test.z, feed), before)
+    np.testing.assert_array_equal(steps.sess.run(steps.z, feed), before)
     expected = lib.reference_z_scores(kept, (float(np.float32(0.9)), 1.2), window=16, warmup=8)
     np.testing.assert_allclose(before, expected, rtol=1e-9)
 
@@ -320,7 +321,7 @@ def test_a_reseed_trims_its_values_as_the_writes_would():
     rows[2][0] *= 1000.0
     test = steps.test
     steps.sess.run(test.reseed, {test.reseed_values: rows, test.reseed_floor: [0.05, 0.05]})
-    z = steps.sess.run(test.z, {steps.loss: 6.0, steps.norm: 2.1})
+    z = steps.sess.run(steps.z, {steps.loss: 6.0, steps.norm: 2.1})
     expected = lib.reference_z_scores(rows, (6.0, 2.1), window=16, warmup=8)
     np.testing.assert_allclose(z, expected, rtol=1e-9)
     assert steps.variables()[0][2, 0] < 0
