@@ -64,7 +64,9 @@ def test_the_z_scores_are_numpys_over_the_accepted_steps_of_the_window():
     assert steps.variables()[1] == len(steps.kept)
 
 
-def test_a_jump_after_the_warm_up_is_a_spike_and_does_not_enter_the_statistics():
+def test_a_jump_after_the_warm_up_is_a_spike_and_judging_it_writes_nothing():
+    """The test reads the statistics and writes none of them: the train op's gate keeps a
+    rejected step's update from running (test_spike_guard's statistics count accepted steps)."""
     steps = _Steps(window=8, warmup_steps=5)
     for loss in [2.0, 2.1, 1.9, 2.0]:
         z, spike = steps.step(loss, 1.0)
@@ -77,7 +79,7 @@ def test_a_jump_after_the_warm_up_is_a_spike_and_does_not_enter_the_statistics()
     z, spike = steps.step(50.0, 1.0)
     assert spike and z[0] > 6 and z[1] == 0.0
     after = steps.variables()
-    np.testing.assert_array_equal(before[0], after[0])  # nothing written
+    np.testing.assert_array_equal(before[0], after[0])  # the judgement wrote nothing
     assert before[1] == after[1] == 5
     z, spike = steps.step(2.02, 40.0)  # a gradient-norm spike alone
     assert spike and z[1] > 6
