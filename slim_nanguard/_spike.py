@@ -194,8 +194,8 @@ class SpikeTest:
             since = figures["accepted_steps"] - rows
             entries = figures["window_steps"] - since
             if step >= at and since >= 0 and entries > 0:
-                figures |= {"level_entries": entries, "level_values": values}
-                figures["level_repeats"] = repeats
+                level = {"level_entries": entries, "level_values": values, "level_repeats": repeats}
+                figures |= level
         return figures
 
     def report_vector(self) -> tf.Tensor:

@@ -259,9 +259,10 @@ def triage(
             without = run(fed)
         except (ValueError, tf.errors.OpError) as err:
             without = f"failed: {str(err).splitlines()[0][:200]}"
-    found = evidence(reproduced, same, rows, batch_size, without, {}, in_batch)
-    if rows:  # What the quarantine needs to know an example again.
-        found.update(identify(feeds, rows, batch_size))
+    # What the quarantine needs to know an example again: its fingerprint, components and ids.
+    known = identify(feeds, rows, batch_size) if rows else {}
+    prints = known.pop("fingerprints", {})
+    found = evidence(reproduced, same, rows, batch_size, without, prints, in_batch) | known
     if filled is not None:  # The batch dimension is fixed in the graph: rows refilled.
         found["runs"][-1]["filled_with_row"] = filled
     return found
